@@ -61,8 +61,8 @@ class PrecomputeConfig:
     samples_per_shard: int = 4
     encode_batch: int = 4
     storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    epochs: int = 1  # passes over the raw data; with a rolling window each pass is re-encoded
     max_consecutive_failures: int = 100
+    workers: int = 1  # decode worker processes (0: decode in the encoding process)
     device: str = "auto"
 
 
@@ -78,7 +78,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 0
     max_grad_norm: float = 1.0
-    epochs: int = 1
+    epochs: int = 1  # rolling window: the producer streams the data this many times; "keep": re-read
     max_steps: int = 0  # 0: until the data ends
     seed: int = 0
     sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
@@ -87,6 +87,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # optimizer steps; 0: only at the end
     validate_every: int = 0  # optimizer steps; 0: only at the end (if prompts are set)
     validation_prompts: list[str] = field(default_factory=list)
+    validation_images: list[str] = field(default_factory=list)  # i2v: one conditioning image per prompt
     validation_steps: int = 4
     resume: bool = True  # continue from the newest checkpoint in the run folder
     device: str = "auto"

@@ -1,0 +1,59 @@
+# vt: make demo (both stages on the tiny model + real clips), make test (the whole suite, CPU only).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/demo.toml
+SET ?=
+FAMILY ?= ltx-video
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup demo test bench precompute train pipeline assets clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+runs/data/clips/.done: $(VENV)/.installed scripts/fetch_sample_clips.py
+	$(PY) scripts/fetch_sample_clips.py runs/data/clips --cache .cache
+	touch $@
+
+runs/data/raw/.done: runs/data/clips/.done scripts/make_sample_shards.py
+	$(PY) scripts/make_sample_shards.py --clips runs/data/clips --out runs/data/raw
+	touch $@
+
+runs/models/%-tiny/.done: $(VENV)/.installed scripts/make_tiny_model.py
+	$(PY) scripts/make_tiny_model.py --family $* runs/models/$*-tiny
+	touch $@
+
+assets: runs/data/raw/.done runs/models/$(FAMILY)-tiny/.done
+
+demo: assets
+	rm -rf runs/demo
+	$(VENV)/bin/vt-precompute --help >/dev/null
+	scripts/pipeline.sh $(CONFIG) $(SET)
+	@echo "demo finished: see runs/demo (loss.png, lora/, validation/, metrics.jsonl)"
+
+pipeline: assets
+	scripts/pipeline.sh $(CONFIG) $(SET)
+
+precompute: assets
+	$(VENV)/bin/vt-precompute run $(CONFIG) $(SET)
+
+train: assets
+	$(VENV)/bin/vt-train run $(CONFIG) $(SET)
+
+test: setup
+	$(VENV)/bin/pytest -q tests
+
+bench: assets
+	$(PY) scripts/bench.py
+
+clean:
+	rm -rf runs .cache

@@ -1,0 +1,30 @@
+"""What both CLIs share: loading the run config with `--set` overrides and turning errors into advice."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from vt.shared.config import Config, ConfigError, load_config
+
+SET_HELP = "Override a config key, e.g. --set window.size=8 (repeatable; value read as TOML)."
+
+
+def load_or_exit(config: Path, overrides: list[str]) -> Config:
+    try:
+        return load_config(config, overrides)
+    except ConfigError as err:
+        typer.echo(f"config error: {err}", err=True)
+        raise typer.Exit(2) from err
+
+
+def dist_env() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) when launched directly."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code)
