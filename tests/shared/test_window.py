@@ -1,0 +1,274 @@
+"""The shard window contract, on a local folder and on a real moto S3 server.
+
+Crash safety is shown with a real producer process killed by SIGKILL between its data write and its
+commit; timing independence with producer threads committing in scrambled orders; backpressure with
+a producer thread that polls until the reader publishes its position.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+from conftest import wait_for
+from vt.shared.shards import decode_shard, encode_shard
+from vt.shared.storage import Storage
+from vt.shared.window import (ShardCorruptError, Window, WindowTimeout, commit_path, data_path)
+
+FAST = {"poll_seconds": 0.01, "timeout_seconds": 30.0}
+
+
+@pytest.fixture(params=["local", "s3"])
+def uri(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "window")
+    return request.getfixturevalue("s3_bucket") + "/window"
+
+
+def shard(rank: int, seq: int) -> bytes:
+    keys = [f"p{rank}-s{seq}-a", f"p{rank}-s{seq}-b"]
+    latents = torch.full((2, 4, 2, 2), float(rank * 100 + seq)).to(torch.bfloat16)
+    return encode_shard({"latents": latents}, keys, {"bucket": "9x64x64"})
+
+
+def commit(w: Window, rank: int, seq: int):
+    w.wait_for_room(rank)
+    return w.commit(rank, seq, epoch=0, data=shard(rank, seq), bucket="9x64x64",
+                    keys=[f"p{rank}-s{seq}-a", f"p{rank}-s{seq}-b"], fingerprint="fp")
+
+
+def produce(w: Window, rank: int, world: int, count: int):
+    w.register_producer(rank, world)
+    for seq in range(count):
+        commit(w, rank, seq)
+    w.finish_producer(rank, count)
+
+
+def slots(w: Window, start: int = 0):
+    return [(pos, r.producer, r.seq) for pos, r in w.order(start)]
+
+
+CHILD = r"""
+import sys
+from vt.shared.storage import Storage
+from vt.shared.window import Window
+
+uri, shard0, shard1 = sys.argv[1:]
+create = Storage.create_exclusive
+
+def stall_before_second_record(self, rel, data):
+    if rel.endswith("00000001.json"):  # shard 1's data is fully written; its record is next
+        print("DATA-WRITTEN", flush=True)
+        sys.stdin.readline()  # the parent SIGKILLs us here
+    return create(self, rel, data)
+
+Storage.create_exclusive = stall_before_second_record
+w = Window(uri)
+w.register_producer(0, 1)
+for seq, path in enumerate([shard0, shard1]):
+    w.commit(0, seq, 0, open(path, "rb").read(), "9x64x64", ["a", "b"], "fp")
+"""
+
+
+def test_sigkill_before_commit(uri, tmp_path):
+    files = []
+    for seq in range(2):
+        files.append(tmp_path / f"shard{seq}.safetensors")
+        files[-1].write_bytes(shard(0, seq))
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, *map(str, files)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    line = proc.stdout.readline()
+    assert line == b"DATA-WRITTEN\n", proc.stderr.read().decode()
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    proc.stdin.close(), proc.stdout.close(), proc.stderr.close()
+
+    storage = Storage(uri)
+    assert storage.exists(data_path(0, 1)) and not storage.exists(commit_path(0, 1))
+    impatient = Window(uri, poll_seconds=0.01, timeout_seconds=0.3)
+    order = impatient.order()
+    assert next(order)[1].seq == 0
+    with pytest.raises(WindowTimeout, match="producer 0 shard 1"):
+        next(order)  # the orphan is invisible: the reader still waits for shard 1's record
+
+    restarted = Window(uri, **FAST)
+    assert restarted.next_seq(0) == 1
+    assert restarted.clean_orphans(0) == [data_path(0, 1)]
+    assert not storage.exists(data_path(0, 1))
+    commit(restarted, 0, 1)
+    restarted.finish_producer(0, 2)
+    records = [r for _, r in Window(uri, **FAST).order()]
+    assert [r.seq for r in records] == [0, 1]
+    tensors, keys, _ = decode_shard(restarted.read_shard(records[1]))
+    assert keys == ["p0-s1-a", "p0-s1-b"] and tensors["latents"][0, 0, 0, 0].item() == 1.0
+
+
+def _run_schedule(uri: str, counts: dict[int, int], schedule: list[tuple[int, int]]):
+    """Producers commit exactly in `schedule` order (threads + events) while a reader follows."""
+    turns = {step: threading.Event() for step in schedule}
+    following = dict(zip(schedule, schedule[1:]))
+    errors = []
+
+    def producer(rank):
+        try:
+            w = Window(uri, size="keep", **FAST)
+            w.register_producer(rank, len(counts))
+            for seq in range(counts[rank]):
+                assert turns[(rank, seq)].wait(30)
+                w.commit(rank, seq, 0, shard(rank, seq), "9x64x64", ["a", "b"], "fp")
+                if (rank, seq) in following:
+                    turns[following[(rank, seq)]].set()
+            w.finish_producer(rank, counts[rank])
+        except BaseException as err:  # surfaced in the main thread
+            errors.append(err)
+
+    seen = []
+    reader = threading.Thread(target=lambda: seen.extend(slots(Window(uri, **FAST))))
+    threads = [reader] + [threading.Thread(target=producer, args=(r,)) for r in counts]
+    for t in threads:
+        t.start()
+    turns[schedule[0]].set()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    return seen
+
+
+def test_fixed_order_scrambled(uri):
+    counts = {0: 3, 1: 5}
+    expected = [(0, 0, 0), (1, 1, 0), (2, 0, 1), (3, 1, 1), (4, 0, 2), (5, 1, 2), (6, 1, 3), (7, 1, 4)]
+    p1_first = [(1, 0), (1, 1), (1, 2), (1, 3), (0, 0), (1, 4), (0, 1), (0, 2)]
+    p0_first = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert _run_schedule(uri + "/a", counts, p1_first) == expected
+    assert _run_schedule(uri + "/b", counts, p0_first) == expected
+    assert slots(Window(uri + "/a", **FAST), start=5) == expected[5:]  # a restarted reader
+
+
+def test_order_ends_when_done(uri):
+    w = Window(uri, **FAST)
+    produce(w, 0, 3, 2)
+    produce(w, 1, 3, 0)  # a producer with nothing to write
+    produce(w, 2, 3, 1)
+    assert slots(w) == [(0, 0, 0), (1, 2, 0), (2, 0, 1)]
+    state = w.state()
+    assert state["committed"] == 3 and state["world_size"] == 3
+    assert all(p["done"] for p in state["producers"].values())
+
+
+class CountingWindow(Window):
+    """A real Window that counts its backpressure polls (each poll of wait_for_room evicts)."""
+
+    polls = 0
+
+    def evict(self, rank=None):
+        self.polls += 1
+        return super().evict(rank)
+
+
+def test_backpressure(uri):
+    w = Window(uri, size=4, **FAST)
+    for rank in (0, 1):
+        w.register_producer(rank, 2)
+        for seq in range(2):  # share = 4 // 2 = 2 each
+            commit(w, rank, seq)
+    assert w.state()["unread"] == 4
+    impatient = Window(uri, size=4, poll_seconds=0.01, timeout_seconds=0.2)
+    with pytest.raises(WindowTimeout, match="2 committed shards .* are unread"):
+        impatient.wait_for_room(0)
+
+    blocked = CountingWindow(uri, size=4, **FAST)
+    room = threading.Event()
+    thread = threading.Thread(target=lambda: (blocked.wait_for_room(0), room.set()))
+    thread.start()
+    wait_for(lambda: blocked.polls >= 2, what="the producer to poll while the window is full")
+    assert not room.is_set()
+    Window(uri, size=4).publish_read(1)  # position 0 = producer 0 shard 0
+    thread.join(30)
+    assert room.is_set()
+    with pytest.raises(WindowTimeout):
+        impatient.wait_for_room(1)  # producer 1 has nothing read yet: still full
+    commit(w, 0, 2)
+    assert w.state()["unread"] == 4
+
+
+def test_watermark_eviction(uri):
+    w = Window(uri, size=8, **FAST)
+    for rank in (0, 1):
+        produce(w, rank, 2, 3)
+    # order: (0,0) (1,0) (0,1) (1,1) (0,2) (1,2)
+    w.publish_read(6)
+    assert w.evict() == []  # nothing below a watermark yet
+    w.publish_watermark(3)  # positions 0..2: producer 0 seqs 0-1, producer 1 seq 0
+    evicted = w.evict()
+    gone = [(0, 0), (0, 1), (1, 0)]
+    kept = [(0, 2), (1, 1), (1, 2)]
+    assert sorted(evicted) == sorted([commit_path(*s) for s in gone] + [data_path(*s) for s in gone])
+    assert evicted.index(commit_path(0, 0)) < evicted.index(data_path(0, 0))  # record first
+    storage = Storage(uri)
+    for s in kept:
+        assert storage.exists(commit_path(*s)) and storage.exists(data_path(*s))
+
+    fresh = Window(uri, size=8, **FAST)  # a restart recomputes everything from storage
+    assert fresh.next_seq(0) == 3 and fresh.next_seq(1) == 3
+    records = list(fresh.order(start=3))
+    assert [(p, r.producer, r.seq) for p, r in records] == [(3, 1, 1), (4, 0, 2), (5, 1, 2)]
+    assert all(decode_shard(fresh.read_shard(r))[1][0].startswith(f"p{r.producer}") for _, r in records)
+    with pytest.raises(RuntimeError, match="evicted"):
+        next(fresh.order(start=0))
+    fresh.publish_watermark(1)  # never moves back
+    state = fresh.state()
+    assert state["watermark"] == 3 and state["evicted"] == 3 and state["present"] == 3
+    assert state["bytes"] == sum(r.nbytes for _, r in records)
+
+
+def test_keep_never_evicts(uri):
+    w = Window(uri, size="keep", poll_seconds=0.01, timeout_seconds=0.2)
+    produce(w, 0, 1, 5)  # wait_for_room never blocks although nothing is read
+    assert slots(w) == [(i, 0, i) for i in range(5)]
+    w.publish_read(5)
+    w.publish_watermark(5)
+    assert w.evict() == []
+    assert Storage(uri).list("data") == [data_path(0, i) for i in range(5)]
+    assert slots(w) == [(i, 0, i) for i in range(5)]  # a second epoch reads it all again
+
+
+def test_corrupt_data_fails_read(uri):
+    w = Window(uri, **FAST)
+    w.register_producer(0, 1)
+    record = commit(w, 0, 0)
+    storage = Storage(uri)
+    good = storage.read(record.data)
+    storage.put_atomic(record.data, good[:-1] + bytes([good[-1] ^ 1]))
+    with pytest.raises(ShardCorruptError, match="sha256"):
+        w.read_shard(record)
+    storage.put_atomic(record.data, good[:-4])
+    with pytest.raises(ShardCorruptError, match=f"{len(good) - 4} bytes but its commit record says"):
+        w.read_shard(record)
+    storage.put_atomic(record.data, good)
+    assert w.read_shard(record) == good
+
+
+def test_misuse_gets_clear_errors(uri):
+    w = Window(uri, **FAST)
+    w.register_producer(0, 2)
+    with pytest.raises(ValueError, match="world size 2"):
+        w.register_producer(1, 3)
+    with pytest.raises(ValueError, match="must commit seq 0 next, got 1"):
+        w.commit(0, 1, 0, shard(0, 1), "9x64x64", ["a", "b"], "fp")
+    commit(w, 0, 0)
+    other = Window(uri, **FAST)  # a second process that wrongly also runs as rank 0
+    commit(other, 0, 1)
+    with pytest.raises(RuntimeError, match="two producers are writing as rank 0"):
+        commit(w, 0, 1)  # w still expects seq 1: the exclusive record create catches the race
+    with pytest.raises(ValueError, match="finish with num_shards=2"):
+        w.finish_producer(0, 3)
+    with pytest.raises(ValueError, match="past the shards committed"):
+        w.publish_read(3)
+    with pytest.raises(ValueError, match="positive integer"):
+        Window(uri, size=0)
+
