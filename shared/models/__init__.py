@@ -1,0 +1,35 @@
+"""Model Spec registry: one spec class per family, looked up by the name in `model.family`.
+
+Registering is one line in `_REGISTRY`; family modules are imported only when asked for, so
+reading a config does not pay for importing diffusers.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from vt.shared.config import ModelConfig
+
+if TYPE_CHECKING:
+    from vt.shared.models.spec import ModelSpec
+
+# family name -> "module:class"
+_REGISTRY: dict[str, str] = {
+    "ltx-video": "vt.shared.models.ltx_video:LTXVideoSpec",
+    "wan": "vt.shared.models.wan:WanSpec",
+}
+FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def get_spec_class(family: str) -> type["ModelSpec"]:
+    """The spec class registered as `family`; unknown names raise ValueError listing the known ones."""
+    if family not in _REGISTRY:
+        raise ValueError(f"model.family = {family!r} is not a registered model family; choose one of {list(FAMILIES)}")
+    module, name = _REGISTRY[family].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def build_spec(config: ModelConfig) -> "ModelSpec":
+    """The spec for `config.family`, configured by `config`."""
+    return get_spec_class(config.family)(config)

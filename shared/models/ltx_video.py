@@ -1,0 +1,195 @@
+"""LTX-Video (Lightricks): T5 text encoder, causal video VAE (x8 time, x32 space), packed-token DiT.
+
+What is particular to LTX:
+- latents are normalised with the VAE's `latents_mean` / `latents_std` buffers and scaling factor
+  (`LTXPipeline._normalize_latents`), and the transformer takes them packed into tokens
+  (`_pack_latents`, (B, F*H*W, C)) plus the latent grid size and a RoPE scale that depends on the
+  frame rate; we reuse the pipeline's own static helpers so training matches inference exactly;
+- the timestep may be given per token. Image-to-video uses that: the first latent frame is the
+  encoded conditioning image, kept clean (or lightly noised, `model.first_frame_noise`) with its own
+  lower timestep, and is left out of the loss. `LTXImageToVideoPipeline` does the same at inference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_match_noisy
+from vt.shared.models.tiny import build_t5_tokenizer, seeded
+
+FRAME_RATE = 25  # the pipeline's default; RoPE's temporal scale depends on it, so train and sample alike
+
+
+class LTXVideoSpec(ModelSpec):
+    family: ClassVar[str] = "ltx-video"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
+    blocks_attr: ClassVar[str] = "transformer_blocks"
+    example_hub_id: ClassVar[str] = "Lightricks/LTX-Video"
+
+    @staticmethod
+    def component_classes() -> dict[str, type]:
+        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
+        from transformers import T5EncoderModel
+
+        return {"text_encoder": T5EncoderModel, "vae": AutoencoderKLLTXVideo, "transformer": LTXVideoTransformer3DModel}
+
+    def pipeline_class(self) -> type:
+        from diffusers import LTXImageToVideoPipeline, LTXPipeline
+
+        return LTXImageToVideoPipeline if self.config.task == "i2v" else LTXPipeline
+
+    def _geometry_from_config(self) -> VaeGeometry:
+        from accelerate import init_empty_weights
+
+        vae_config = self._load_config("vae")
+        with init_empty_weights():  # the class computes its own ratios; no weights are allocated
+            vae = self.component_classes()["vae"].from_config(vae_config)
+        transformer = self._load_config("transformer")
+        if transformer.get("patch_size_t", 1) != 1:
+            raise ValueError("LTX transformers with patch_size_t > 1 are not supported")
+        return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
+                           channels=vae_config["latent_channels"], patch=transformer.get("patch_size", 1))
+
+    # ----------------------------------------------------------------------------- stage 1
+    @torch.no_grad()
+    def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]:
+        """{"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)} float32, L = max_text_tokens."""
+        pipeline = self._text_pipeline(tokenizer, text_encoder)
+        embeds, mask, _, _ = pipeline.encode_prompt(
+            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.config.max_text_tokens,
+            device=text_encoder.device,
+        )
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+
+    @torch.no_grad()
+    def encode_latents(self, vae, video: Tensor) -> dict[str, Tensor]:
+        """Normalised latents (posterior mode: stage 1 is deterministic); i2v adds the first frame's."""
+        self._check_video(video)
+        out = {"latents": self._encode(vae, video)}
+        if self.config.task == "i2v":
+            # The i2v pipeline encodes the conditioning image alone, as a one-frame video.
+            out["first_frame_latents"] = self._encode(vae, video[:, :, :1])
+        return out
+
+    @staticmethod
+    def _encode(vae, video: Tensor) -> Tensor:
+        from diffusers import LTXPipeline
+
+        latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+        latents = LTXPipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        return latents.float()
+
+    # ----------------------------------------------------------------------------- stage 2
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """Flow matching on (B, C, F, H, W) latents; the prediction is unpacked back to that layout."""
+        from diffusers import LTXPipeline
+
+        x0 = batch["latents"].float()
+        noise = noise.to(x0)
+        sigmas = sigmas.to(x0).flatten()
+        frames, height, width = x0.shape[2:]
+        g = self.geometry
+        grid = (frames, height // g.patch, width // g.patch)
+        if self.config.task == "i2v":
+            # Per latent frame sigmas: frame 0 gets its own, fed to the transformer per token.
+            x0, frame_sigmas, weight = self._condition_first_frame(batch, x0, sigmas, generator)
+            noisy = flow_match_noisy(x0, noise, frame_sigmas[:, None, :, None, None])
+            timestep = frame_sigmas[:, :, None].expand(-1, -1, grid[1] * grid[2]).flatten(1)  # frame-major tokens
+        else:
+            noisy, timestep, weight = flow_match_noisy(x0, noise, sigmas), sigmas, None
+        dtype = transformer.dtype
+        tokens = LTXPipeline._pack_latents(noisy, g.patch, 1).to(dtype)
+        out = transformer(
+            hidden_states=tokens,
+            encoder_hidden_states=batch["prompt_embeds"].to(tokens.device, dtype),
+            timestep=(timestep * NUM_TRAIN_TIMESTEPS).to(tokens.device),  # float32, as the pipeline passes it
+            encoder_attention_mask=batch["prompt_attention_mask"].to(tokens.device),
+            num_frames=grid[0], height=grid[1], width=grid[2],
+            rope_interpolation_scale=(g.temporal / FRAME_RATE, g.spatial, g.spatial),
+            return_dict=False,
+        )[0]
+        prediction = LTXPipeline._unpack_latents(out, *grid, g.patch, 1)
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
+
+    def _condition_first_frame(self, batch, x0, sigmas, generator):
+        """Frame 0 becomes the conditioning latent, with its own sigma and zero loss weight.
+
+        Its sigma is drawn from [0, first_frame_noise] and never exceeds the sample's own sigma:
+        the conditioning frame is never noisier than the frames it conditions.
+        """
+        if "first_frame_latents" not in batch:
+            raise KeyError("task i2v needs batch['first_frame_latents']; precompute the shards with model.task = \"i2v\"")
+        x0 = torch.cat([batch["first_frame_latents"].to(x0), x0[:, :, 1:]], dim=2)
+        batch_size, frames = x0.shape[0], x0.shape[2]
+        first_sigma = torch.zeros_like(sigmas)
+        if self.config.first_frame_noise > 0:
+            device = generator.device if generator is not None else "cpu"
+            draw = torch.rand(batch_size, generator=generator, device=device)
+            first_sigma = torch.minimum(draw.to(sigmas) * self.config.first_frame_noise, sigmas)
+        frame_sigmas = sigmas[:, None].repeat(1, frames)
+        frame_sigmas[:, 0] = first_sigma
+        weight = torch.ones(batch_size, 1, frames, 1, 1, device=x0.device, dtype=x0.dtype)
+        weight[:, :, 0] = 0.0
+        return x0, frame_sigmas, weight
+
+    # ----------------------------------------------------------------------------- validation
+    def _generate_kwargs(self, image) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {"frame_rate": FRAME_RATE}
+        if self.config.task == "i2v":
+            if image is None:
+                raise ValueError("ltx-video i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame")
+            kwargs["image"] = _to_pil(image)
+        elif image is not None:
+            raise ValueError("ltx-video t2v takes no image; set model.task = \"i2v\" for first-frame conditioning")
+        return kwargs
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+        """2-layer transformer, 4-level VAE (x8 time, x32 space), 2-layer T5; LTXPipeline layout."""
+        from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
+                               LTXVideoTransformer3DModel)
+        from transformers import T5Config, T5EncoderModel
+
+        with seeded(seed):
+            vae = AutoencoderKLLTXVideo(
+                latent_channels=16, block_out_channels=(16, 16, 32, 32), decoder_block_out_channels=(16, 16, 32, 32),
+                layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+                spatio_temporal_scaling=(True, True, True, False),
+                decoder_spatio_temporal_scaling=(True, True, True, False), patch_size=4, patch_size_t=1,
+            )
+            # Non-trivial normalisation statistics, so a wrong normalisation cannot go unnoticed.
+            vae.latents_mean.copy_(torch.randn(16) * 0.1)
+            vae.latents_std.copy_(torch.rand(16) + 0.5)
+            transformer = LTXVideoTransformer3DModel(
+                in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=16,
+                cross_attention_dim=64, num_layers=2, caption_channels=64,
+            )
+            text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                   num_heads=4))
+        scheduler = FlowMatchEulerDiscreteScheduler(  # LTX-Video 0.9.x schedule
+            use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+            max_image_seq_len=4096, shift_terminal=0.1,
+        )
+        pipeline = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                               tokenizer=build_t5_tokenizer(), transformer=transformer)
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out
+
+
+def _to_pil(image):
+    import numpy as np
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise ValueError(f"image must be a PIL image or an (H, W, 3) uint8 array, got {array.dtype} {array.shape}")
+    return Image.fromarray(array)

@@ -1,0 +1,318 @@
+"""The Model Spec API: everything both stages need to know about one model family.
+
+A family file (ltx_video.py, wan.py) subclasses `ModelSpec` and fills in what really differs:
+component classes, latent normalisation, how the transformer is called, the tiny preset. The rest
+lives here once: finding and loading components (each overridable), bucket checks, LoRA, the
+validation pipeline, export. Stage 1 calls `encode_conditions` / `encode_latents`; stage 2 calls
+`forward`, which returns prediction, target and a loss weight, so first-frame conditioning or other
+target changes stay inside the family and the trainer's loss stays generic.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+COMPONENTS = ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+NUM_TRAIN_TIMESTEPS = 1000  # flow-matching schedulers of both families: timestep = sigma * 1000
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class Prediction:
+    """What the loss needs: loss = mean(weight * (prediction - target) ** 2)."""
+
+    prediction: Tensor  # model output, same shape as target
+    target: Tensor
+    weight: Tensor | None  # broadcastable to target; 0 leaves an element out; None = all ones
+
+
+@dataclass(frozen=True)
+class VaeGeometry:
+    temporal: int  # frames per latent frame (after the first)
+    spatial: int  # pixels per latent pixel
+    channels: int  # latent channels
+    patch: int  # transformer spatial patch: latent height/width must divide by it
+
+
+def flow_match_noisy(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:
+    """Rectified-flow interpolation (1 - s) * x0 + s * noise.
+
+    `sigmas` is (B,) (one per sample) or already broadcastable to x0 (e.g. one per latent frame).
+    """
+    s = sigmas.to(x0.dtype)
+    if s.ndim == 1:
+        s = s.view(-1, *([1] * (x0.ndim - 1)))
+    return (1 - s) * x0 + s * noise
+
+
+class ModelSpec(ABC):
+    family: ClassVar[str]
+    default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
+    tasks: ClassVar[tuple[str, ...]] = ("t2v",)
+    blocks_attr: ClassVar[str]  # attribute of the transformer holding its ModuleList of blocks
+
+    def __init__(self, config: ModelConfig):
+        if config.task not in self.tasks:
+            raise ValueError(
+                f"model.task = {config.task!r} is not supported for family {self.family!r} yet; "
+                f"supported: {list(self.tasks)}. Set model.task = \"t2v\" or use family \"ltx-video\" for i2v."
+            )
+        unknown = sorted(set(config.components) - set(COMPONENTS))
+        if unknown:
+            raise ValueError(f"model.components.{unknown[0]} is not a component; allowed: {', '.join(COMPONENTS)}")
+        if config.max_text_tokens < 1:
+            raise ValueError(f"model.max_text_tokens must be >= 1, got {config.max_text_tokens}")
+        if not 0.0 <= config.first_frame_noise <= 1.0:
+            raise ValueError(f"model.first_frame_noise must be in [0, 1], got {config.first_frame_noise}")
+        self.config = config
+        self.frozen_dtype = DTYPES[config.dtype]
+        self._lora_metadata: dict[str, Any] | None = None
+
+    # ----------------------------------------------------------------------------- components
+    @staticmethod
+    @abstractmethod
+    def component_classes() -> dict[str, type]:
+        """name -> class with `from_pretrained` for text_encoder, vae, transformer."""
+
+    @abstractmethod
+    def pipeline_class(self) -> type:
+        """The diffusers pipeline for this config's task (validation, LoRA format)."""
+
+    def source(self, name: str) -> tuple[str, str | None]:
+        """(path or hub id, subfolder) of a component; errors name the config key to set."""
+        override = self.config.components.get(name)
+        if override:
+            if not Path(override).exists() and not _HUB_ID.match(override):
+                raise FileNotFoundError(
+                    f"model.components.{name} = {override!r} is neither a folder nor a hub id (org/name). "
+                    f"Point it at a folder holding only the {name}, e.g. a transformer saved by save_full."
+                )
+            return override, None
+        root = self.config.path
+        if Path(root).exists():
+            if not (Path(root) / name).is_dir():
+                raise FileNotFoundError(
+                    f"model.path = {root!r} has no {name!r} folder. Use a diffusers-layout folder "
+                    f"(model_index.json + subfolders) or set model.components.{name} = <folder or hub id>."
+                )
+            return root, name
+        if _HUB_ID.match(root):
+            return root, name
+        raise FileNotFoundError(
+            f"model.path = {root!r} does not exist. Build a tiny preset with "
+            f"`python scripts/make_tiny_model.py --family {self.family} {root}`, or set model.path to a "
+            f"diffusers-layout folder or hub id (e.g. {self.example_hub_id})."
+        )
+
+    example_hub_id: ClassVar[str] = ""
+
+    def _from_pretrained(self, cls: Any, name: str, **kwargs) -> Any:
+        path, subfolder = self.source(name)
+        if subfolder is not None:
+            kwargs["subfolder"] = subfolder
+        try:
+            return cls.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as err:
+            key = f"model.components.{name}" if name in self.config.components else "model.path"
+            raise OSError(
+                f"could not load the {name} of {self.family!r} from {path!r}"
+                f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Check {key}; a hub id needs "
+                "network access (HF_HUB_OFFLINE unset) or a filled local cache."
+            ) from err
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return self._from_pretrained(AutoTokenizer, "tokenizer")
+
+    def load_text_encoder(self, device="cpu"):
+        return _frozen(self._from_pretrained(self.component_classes()["text_encoder"], "text_encoder",
+                                             dtype=self.frozen_dtype), device)
+
+    def load_vae(self, device="cpu"):
+        return _frozen(self._from_pretrained(self.component_classes()["vae"], "vae",
+                                             torch_dtype=self.frozen_dtype), device)
+
+    def load_transformer(self, device="cpu", dtype=None):
+        """The trainable model, float32 unless `dtype` is given."""
+        model = self._from_pretrained(self.component_classes()["transformer"], "transformer",
+                                      torch_dtype=dtype or torch.float32)
+        return model.to(device)
+
+    def load_scheduler(self):
+        """The scheduler class named in its own config (a real checkpoint may use another one)."""
+        import diffusers
+
+        config = self._load_config("scheduler")
+        cls = getattr(diffusers, config.get("_class_name", ""), None)
+        if cls is None:
+            raise ValueError(f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
+                             f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler")
+        return cls.from_config(config)
+
+    # ----------------------------------------------------------------------------- buckets
+    @abstractmethod
+    def _geometry_from_config(self) -> VaeGeometry:
+        """Compression ratios and channels, read from the VAE/transformer configs (no weights)."""
+
+    @cached_property
+    def geometry(self) -> VaeGeometry:
+        return self._geometry_from_config()
+
+    def _load_config(self, name: str) -> dict:
+        """A component's config (config.json / scheduler_config.json) as a dict, without weights."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        reader = FlowMatchEulerDiscreteScheduler if name == "scheduler" else self.component_classes()[name]
+        path, subfolder = self.source(name)
+        kwargs = {"subfolder": subfolder} if subfolder else {}
+        try:
+            return dict(reader.load_config(path, **kwargs))
+        except (OSError, ValueError) as err:
+            raise OSError(f"could not read the {name} config of {self.family!r} from {path!r}: {err}") from err
+
+    def check_bucket(self, bucket: Bucket) -> None:
+        g = self.geometry
+        pixels = g.spatial * g.patch
+        if bucket.frames % g.temporal != 1 % g.temporal:
+            raise ValueError(
+                f"bucket {bucket.name}: {self.family} frames must be {g.temporal}k+1 (e.g. "
+                f"{g.temporal + 1} or {2 * g.temporal + 1}); change buckets.sizes"
+            )
+        for side, value in (("height", bucket.height), ("width", bucket.width)):
+            if value % pixels:
+                raise ValueError(
+                    f"bucket {bucket.name}: {self.family} {side} must be a multiple of {pixels}; "
+                    f"change buckets.sizes (e.g. {max(pixels, value // pixels * pixels)})"
+                )
+
+    def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        self.check_bucket(bucket)
+        g = self.geometry
+        return (g.channels, (bucket.frames - 1) // g.temporal + 1, bucket.height // g.spatial, bucket.width // g.spatial)
+
+    # ----------------------------------------------------------------------------- stage 1
+    @abstractmethod
+    def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]: ...
+
+    @abstractmethod
+    def encode_latents(self, vae, video: Tensor) -> dict[str, Tensor]: ...
+
+    def _check_video(self, video: Tensor) -> None:
+        if video.ndim != 5 or video.shape[1] != 3:
+            raise ValueError(f"video must be (B, 3, F, H, W) in [-1, 1], got shape {tuple(video.shape)}")
+        self.check_bucket(Bucket(*video.shape[2:]))
+
+    def _text_pipeline(self, tokenizer, text_encoder):
+        """The family pipeline holding only the text parts: its own encode_prompt does the encoding,
+        so training conditions match what the pipeline feeds the transformer at inference."""
+        cls = self.pipeline_class()
+        return cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None)
+
+    # ----------------------------------------------------------------------------- stage 2
+    @abstractmethod
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction: ...
+
+    def blocks(self, transformer) -> list[nn.Module]:
+        return list(getattr(transformer, self.blocks_attr))
+
+    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | None) -> None:
+        """Freeze the transformer and inject peft LoRA layers (only they train)."""
+        from peft import LoraConfig
+
+        if rank < 1:
+            raise ValueError(f"train.lora_rank must be >= 1, got {rank}")
+        targets = list(targets or self.default_lora_targets)
+        transformer.requires_grad_(False)
+        transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, init_lora_weights=True))
+        found = [n for n, _ in transformer.named_parameters() if "lora_" in n]
+        if not found:
+            raise ValueError(f"train.lora_targets {targets} matched no layer of the {self.family} transformer")
+        self._lora_metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
+
+    # ----------------------------------------------------------------------------- validation
+    def build_pipeline(self, transformer, device="cpu", **loaded):
+        """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them."""
+        parts = {
+            "tokenizer": loaded.get("tokenizer") or self.load_tokenizer(),
+            "text_encoder": loaded.get("text_encoder") or self.load_text_encoder(device),
+            "vae": loaded.get("vae") or self.load_vae(device),
+            "scheduler": loaded.get("scheduler") or self.load_scheduler(),
+        }
+        pipeline = self.pipeline_class()(transformer=transformer, **parts)
+        pipeline.set_progress_bar_config(disable=True)
+        return pipeline
+
+    def generate(self, pipeline, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
+                 **pipeline_kwargs) -> np.ndarray:
+        """(F, H, W, 3) uint8 frames of one sample from `pipeline` (extra kwargs go to the pipeline)."""
+        kwargs = {**self.pipeline_inputs(prompt, bucket, steps, seed, image), **pipeline_kwargs, "output_type": "np"}
+        frames = pipeline(**kwargs).frames[0]
+        return (np.clip(np.asarray(frames, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+
+    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None) -> dict[str, Any]:
+        """The pipeline call arguments `generate` uses: the same text length and frame rate as training."""
+        self.check_bucket(bucket)
+        kwargs = dict(prompt=prompt, height=bucket.height, width=bucket.width, num_frames=bucket.frames,
+                      num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
+                      max_sequence_length=self.config.max_text_tokens)
+        kwargs.update(self._generate_kwargs(image))
+        return kwargs
+
+    def _generate_kwargs(self, image) -> dict[str, Any]:
+        if image is not None:
+            raise ValueError(f"{self.family} with task {self.config.task!r} takes no image; use model.task = \"i2v\"")
+        return {}
+
+    # ----------------------------------------------------------------------------- export
+    def save_lora(self, lora_state_dict: dict[str, Tensor], out_dir, lora_config: dict | None = None) -> Path:
+        """out_dir/pytorch_lora_weights.safetensors, readable by the pipeline's load_lora_weights.
+
+        The rank/alpha/targets go into the file's metadata so the loader rebuilds the same scaling;
+        they come from this spec's `add_lora` unless `lora_config` ({r, lora_alpha, target_modules}) is given.
+        """
+        metadata = lora_config or self._lora_metadata
+        if metadata is None:
+            raise ValueError("save_lora needs the LoRA rank and alpha: call add_lora on this spec first "
+                             "or pass lora_config={'r': ..., 'lora_alpha': ..., 'target_modules': [...]}")
+        if not lora_state_dict or not all(".lora_" in k for k in lora_state_dict):
+            raise ValueError("lora_state_dict must be peft's get_peft_model_state_dict(transformer): "
+                             "keys like 'blocks.0.attn1.to_q.lora_A.weight'")
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict.items()}
+        self.pipeline_class().save_lora_weights(out, transformer_lora_layers=tensors, safe_serialization=True,
+                                                transformer_lora_adapter_metadata=dict(metadata))
+        return out / "pytorch_lora_weights.safetensors"
+
+    def save_full(self, transformer, out_dir) -> Path:
+        """save_pretrained into out_dir; usable as model.components.transformer."""
+        out = Path(out_dir)
+        transformer.save_pretrained(out, safe_serialization=True)
+        return out
+
+    @classmethod
+    @abstractmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path: ...
+
+
+def _frozen(model: nn.Module, device) -> nn.Module:
+    model.requires_grad_(False)
+    return model.eval().to(device)
