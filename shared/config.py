@@ -100,6 +100,7 @@ class LogConfig:
     wandb: bool = False
     tensorboard: bool = False
     progress: bool = True
+    samples: bool = False  # write every step's sample keys to <run.dir>/samples.jsonl (data audits)
 
 
 @dataclass

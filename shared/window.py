@@ -282,6 +282,13 @@ class Window:
                     "window.size='keep' to read a window more than once") from None
             yield position, record
 
+    def record(self, rank: int, seq: int) -> CommitRecord | None:
+        """The commit record of (rank, seq), or None if it is not committed (or was evicted)."""
+        try:
+            return CommitRecord.from_json(self.storage.read(commit_path(rank, seq)))
+        except FileNotFoundError:
+            return None
+
     def read_shard(self, record: CommitRecord) -> bytes:
         """The data bytes of a committed shard, checked against the record's size and sha256."""
         try:

@@ -103,3 +103,13 @@ def s3_bucket(s3_server, request) -> str:
 
     fsspec.filesystem("s3").invalidate_cache()
     return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def raw_shards(clips_dir, tmp_path_factory) -> Path:
+    """Raw webdataset shards cut from the real clips (1.5 s samples, at most 256 px)."""
+    from make_sample_shards import make_sample_shards
+
+    out = tmp_path_factory.mktemp("raw")
+    make_sample_shards(sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, per_shard=4, max_side=256)
+    return out

@@ -1,0 +1,3 @@
+from vt.precompute.cli import app
+
+app()

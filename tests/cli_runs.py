@@ -1,0 +1,54 @@
+"""Helpers for tests that run the real CLIs as processes: run configs, start/finish, raw keys."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BIN = Path(sys.executable).parent
+
+
+def raw_keys(raw: Path) -> set[str]:
+    from vt.precompute.sources import iter_raw_samples, list_raw_shards
+
+    return {s.key for shard in list_raw_shards(str(raw)) for s in iter_raw_samples(shard)}
+
+
+def write_config(path: Path, model: Path, raw: Path | str, run_dir: Path, window_uri: str, **sections) -> Path:
+    """A run config for the tiny model; `sections` = {"train": {"lr": 1e-3}, ...} merged over the base."""
+    base = {
+        "run": {"dir": str(run_dir)},
+        "model": {"family": "ltx-video", "path": str(model)},
+        "data": {"raw": str(raw)},
+        "buckets": {"sizes": ["9x64x96", "9x64x64", "9x64x128"], "fps": 8.0},
+        "window": {"uri": window_uri, "size": 2, "poll_seconds": 0.05, "timeout_seconds": 120.0},
+        "precompute": {"samples_per_shard": 2, "encode_batch": 2, "workers": 1},
+        "train": {"batch_size": 2, "lr": 1e-3, "epochs": 1},
+        "log": {"progress": False},
+    }
+    for name, values in sections.items():
+        base.setdefault(name, {}).update(values)
+    from vt.shared.config import Config, build, to_toml
+
+    path.write_text(to_toml(build(Config, base, "")))
+    return path
+
+
+def start(stage: str, config: Path, *overrides: str, log: Path | None = None,
+          env: dict | None = None) -> subprocess.Popen:
+    """Start `vt-<stage> run CONFIG` as its own process (stdout+stderr to `log`)."""
+    args = [str(BIN / f"vt-{stage}"), "run", str(config)]
+    for text in overrides:
+        args += ["--set", text]
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def finish(proc: subprocess.Popen, log: Path | None = None, timeout: float = 300) -> None:
+    code = proc.wait(timeout=timeout)
+    if code != 0:
+        text = log.read_text()[-4000:] if log and log.exists() else ""
+        raise AssertionError(f"{proc.args[0]} exited with {code}:\n{text}")

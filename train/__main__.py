@@ -1,0 +1,3 @@
+from vt.train.cli import app
+
+app()

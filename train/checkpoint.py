@@ -1,0 +1,75 @@
+"""DCP checkpoints: trainable weights + optimizer (sharded, resharding-safe), plus a small JSON state.
+
+A checkpoint folder `step-NNNNNN/` is complete once `state.json` exists: it is written after DCP has
+finished, so a crash mid-save leaves a folder that `latest()` ignores. A LoRA run stores only the
+trainable (adapter) parameters and their optimizer state, never the frozen base weights.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+STATE_FILE = "state.json"
+warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Checkpointer:
+    def __init__(self, folder: Path, keep: int = 2):
+        self.folder = Path(folder)
+        self.keep = keep
+
+    def complete(self) -> list[Path]:
+        if not self.folder.is_dir():
+            return []
+        return sorted(p for p in self.folder.glob("step-*") if (p / STATE_FILE).is_file())
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1] if done else None
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             scheduler, trainer_state: dict) -> Path:
+        path = self.folder / f"step-{step:06d}"
+        if _is_main() and path.exists():
+            shutil.rmtree(path)  # an incomplete save of this step from a crashed run
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        _barrier()
+        if _is_main():
+            state = {"step": step, "scheduler": scheduler.state_dict(), **trainer_state}
+            tmp = path / (STATE_FILE + ".tmp")
+            tmp.write_text(json.dumps(state, indent=1))
+            tmp.replace(path / STATE_FILE)
+            for old in self.complete()[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        return path
+
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
+        state_dict = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state_dict, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
+                       optim_state_dict=state_dict["optim"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        state = json.loads((Path(path) / STATE_FILE).read_text())
+        scheduler.load_state_dict(state.pop("scheduler"))
+        return state

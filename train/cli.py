@@ -1,0 +1,36 @@
+"""`vt-train`: stage 2 from the command line (also `python -m vt.train` under torchrun)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from vt.shared.cli import SET_HELP, fail, load_or_exit
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Stage 2: train on the latent shards of a window.")
+
+
+@app.callback()
+def main() -> None:
+    """vt trainer."""
+
+
+@app.command()
+def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
+        set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+    """Train (LoRA or full) on the window named by the config; resumes from the newest checkpoint."""
+    cfg = load_or_exit(config, set)
+    from vt.train.data import StaleShardError
+    from vt.train.trainer import Trainer
+
+    try:
+        summary = Trainer(cfg).run()
+    except (StaleShardError, FileNotFoundError, ValueError) as err:
+        raise fail(str(err)) from err
+    typer.echo(f"trained {summary['steps']} steps, last loss {summary['last_loss']:.4f}, weights in {summary['export']}")
+
+
+if __name__ == "__main__":
+    app()
