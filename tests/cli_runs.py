@@ -16,11 +16,11 @@ def raw_keys(raw: Path) -> set[str]:
     return {s.key for shard in list_raw_shards(str(raw)) for s in iter_raw_samples(shard)}
 
 
-def write_config(path: Path, model: Path, raw: Path | str, run_dir: Path, window_uri: str, **sections) -> Path:
+def write_config(path: Path, model_path: Path, raw: Path | str, run_dir: Path, window_uri: str, **sections) -> Path:
     """A run config for the tiny model; `sections` = {"train": {"lr": 1e-3}, ...} merged over the base."""
     base = {
         "run": {"dir": str(run_dir)},
-        "model": {"family": "ltx-video", "path": str(model)},
+        "model": {"family": "ltx-video", "path": str(model_path)},
         "data": {"raw": str(raw)},
         "buckets": {"sizes": ["9x64x96", "9x64x64", "9x64x128"], "fps": 8.0},
         "window": {"uri": window_uri, "size": 2, "poll_seconds": 0.05, "timeout_seconds": 120.0},

@@ -1,0 +1,48 @@
+"""The CLIs stop at start-up on bad input with a message that says what to do."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from cli_runs import write_config
+
+BIN = Path(sys.executable).parent
+DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("stage", ["vt-precompute", "vt-train"])
+def test_unknown_key_exits_2_naming_the_key(stage):
+    result = run(stage, "run", str(DEMO), "--set", "train.lrr=1")
+    assert result.returncode == 2
+    assert "unknown key 'train.lrr'" in result.stderr and "allowed:" in result.stderr
+
+
+def test_bad_value_names_the_choices():
+    result = run("vt-train", "run", str(DEMO), "--set", "train.mode=qlora")
+    assert result.returncode == 2 and "choose one of ['lora', 'full']" in result.stderr
+
+
+def test_missing_config_file():
+    result = run("vt-train", "run", "no/such.toml")
+    assert result.returncode == 2 and "does not exist" in result.stderr
+
+
+@pytest.mark.parametrize("stage", ["vt-precompute", "vt-train"])
+def test_missing_model_path_says_which_key_to_set(tmp_path, raw_shards, stage):
+    config = write_config(tmp_path / "run.toml", tmp_path / "no-model", raw_shards, tmp_path / "run",
+                          str(tmp_path / "window"))
+    result = run(stage, "run", str(config))
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "model.path" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_lists_the_run_command():
+    result = run("vt-train", "--help")
+    assert result.returncode == 0 and "run" in result.stdout
