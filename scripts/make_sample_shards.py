@@ -1,0 +1,152 @@
+"""Cut real clips into short captioned samples and write them as raw webdataset shards.
+
+This is the demo's and the tests' stand-in for a crawled data set: each clip is split into
+consecutive pieces of `seconds`, re-encoded as h264 (aspect kept, longest side <= max_side, one
+keyframe a second so decoders can seek), and written as `<key>.mp4` plus `<key>.txt` (or
+`<key>.json` {"caption": ...}) into out/raw-000000.tar, raw-000001.tar, ...
+
+    python scripts/make_sample_shards.py --clips DIR --out DIR [--seconds 1.5] [--per-shard 8] [--max-side 480]
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import tarfile
+from fractions import Fraction
+from pathlib import Path
+
+import av
+
+CAPTIONS = {
+    "bigbuckbunny": "a big cartoon rabbit walks out of his burrow into a sunny green meadow",
+    "bikes": "cyclists ride bicycles past the camera along a city street",
+    "carphone_pristine": "a man talks on a phone in the passenger seat of a moving car",
+    "carphone_distorted": "a blurry, blocky low quality video of a man on a phone in a car",
+}
+
+
+def _even(value: float) -> int:
+    return max(2, int(round(value / 2)) * 2)
+
+
+def _output_size(height: int, width: int, max_side: int) -> tuple[int, int]:
+    """Keep the aspect, fit the longest side in max_side; even sizes, as yuv420p needs."""
+    scale = min(1.0, max_side / max(height, width))
+    return _even(height * scale), _even(width * scale)
+
+
+class _PieceWriter:
+    """Encodes one piece of a clip into mp4 bytes in memory."""
+
+    def __init__(self, rate: Fraction, height: int, width: int):
+        self.buffer = io.BytesIO()
+        self.container = av.open(self.buffer, mode="w", format="mp4")
+        self.stream = self.container.add_stream("libx264", rate=rate)
+        self.stream.height, self.stream.width, self.stream.pix_fmt = height, width, "yuv420p"
+        self.stream.codec_context.gop_size = max(1, round(rate))  # a keyframe each second
+        self.stream.codec_context.options = {"crf": "23", "preset": "veryfast"}
+        self.time_base = 1 / Fraction(rate)
+        self.count = 0
+
+    def add(self, frame: av.VideoFrame) -> None:
+        frame.pts, frame.time_base = self.count, self.time_base
+        self.count += 1
+        self.container.mux(self.stream.encode(frame))
+
+    def close(self) -> bytes:
+        self.container.mux(self.stream.encode(None))
+        self.container.close()
+        return self.buffer.getvalue()
+
+
+def cut_clip(clip: Path, seconds: float, max_side: int) -> list[bytes]:
+    """The clip as consecutive pieces of `seconds` (a shorter tail is dropped), as mp4 bytes."""
+    pieces: list[bytes] = []
+    with av.open(str(clip)) as source:
+        stream = source.streams.video[0]
+        duration = float(stream.duration * stream.time_base) if stream.duration else float(source.duration) / av.time_base
+        total = int(duration // seconds)
+        rate = stream.average_rate or stream.guessed_rate or Fraction(25)
+        height, width = _output_size(stream.codec_context.height, stream.codec_context.width, max_side)
+        origin = stream.start_time or 0
+        writer, index = None, -1
+        for frame in source.decode(stream):
+            at = float((frame.pts - origin) * stream.time_base)
+            piece = int(at // seconds)
+            if piece >= total:
+                break
+            if piece != index:
+                if writer is not None:
+                    pieces.append(writer.close())
+                writer, index = _PieceWriter(rate, height, width), piece
+            writer.add(frame.reformat(width=width, height=height, format="yuv420p", interpolation="AREA"))
+        if writer is not None:
+            pieces.append(writer.close())
+    return pieces
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode = len(data), 0, 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
+def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_shard: int = 8,
+                       max_side: int = 480, captions: dict[str, str] | None = None,
+                       caption_format: str = "txt") -> list[Path]:
+    """Write raw shards out/raw-000000.tar ... and return their paths.
+
+    `captions` maps a clip's file stem to its caption (defaults cover the four sample clips);
+    `caption_format` "txt" writes <key>.txt, "json" writes <key>.json {"caption": ...}.
+    """
+    if caption_format not in ("txt", "json"):
+        raise ValueError(f"caption_format must be 'txt' or 'json', got {caption_format!r}")
+    if seconds <= 0 or per_shard < 1 or max_side < 2:
+        raise ValueError("need seconds > 0, per_shard >= 1 and max_side >= 2")
+    known = {**CAPTIONS, **(captions or {})}
+    samples: list[tuple[str, bytes, str]] = []
+    for clip in sorted(Path(c) for c in clips):
+        caption = known.get(clip.stem)
+        if caption is None:
+            raise ValueError(f"no caption for clip {clip.name}; pass captions={{'{clip.stem}': '...'}}")
+        for number, video in enumerate(cut_clip(clip, seconds, max_side)):
+            samples.append((f"{clip.stem}-{number:03d}", video, caption))
+    if not samples:
+        raise ValueError(f"no clip is at least {seconds}s long: {[str(c) for c in clips]}")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shards = []
+    for first in range(0, len(samples), per_shard):
+        path = out / f"raw-{first // per_shard:06d}.tar"
+        partial = path.with_name(path.name + ".part")
+        with tarfile.open(partial, "w", format=tarfile.USTAR_FORMAT) as tar:
+            for key, video, caption in samples[first:first + per_shard]:
+                _add(tar, f"{key}.mp4", video)
+                text = caption if caption_format == "txt" else json.dumps({"caption": caption})
+                _add(tar, f"{key}.{caption_format}", text.encode("utf-8"))
+        partial.replace(path)
+        shards.append(path)
+    return shards
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clips", type=Path, required=True, help="folder of .mp4 clips")
+    parser.add_argument("--out", type=Path, required=True, help="folder for raw-*.tar")
+    parser.add_argument("--seconds", type=float, default=1.5)
+    parser.add_argument("--per-shard", type=int, default=8)
+    parser.add_argument("--max-side", type=int, default=480)
+    parser.add_argument("--json", action="store_true", help="captions as <key>.json instead of <key>.txt")
+    args = parser.parse_args(argv)
+    clips = sorted(args.clips.glob("*.mp4"))
+    if not clips:
+        raise SystemExit(f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}")
+    for path in make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
+                                   caption_format="json" if args.json else "txt"):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
