@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 runs/data/clips/.done: $(VENV)/.installed scripts/fetch_sample_clips.py
-	$(PY) scripts/fetch_sample_clips.py runs/data/clips --cache .cache
+	$(PY) scripts/fetch_sample_clips.py runs/data/clips
 	touch $@
 
 runs/data/raw/.done: runs/data/clips/.done scripts/make_sample_shards.py

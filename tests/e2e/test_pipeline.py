@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 from collections import Counter
 
@@ -16,6 +17,12 @@ from vt.train.trackers import read_metrics
 pytestmark = pytest.mark.slow
 
 
+def slot(path: str) -> tuple[int, int]:
+    """'commits/p0/00000003.json' or 'data/p0/00000003[-suffix].safetensors' -> (0, 3)"""
+    rank, name = path.split("/")[-2:]
+    return int(rank[1:]), int(re.match(r"\d+", name).group())
+
+
 class WindowWatcher(threading.Thread):
     """Samples the window's storage until stopped: the most committed-unread and uncommitted shards seen."""
 
@@ -26,21 +33,27 @@ class WindowWatcher(threading.Thread):
         self.max_unread = 0
         self.max_uncommitted = 0
         self.observations = 0
+        self.error: Exception | None = None
 
     def run(self) -> None:
+        try:
+            self._watch()
+        except Exception as err:  # surfaced by the test, not lost in a thread
+            self.error = err
+
+    def _watch(self) -> None:
         while not self.stop.is_set():
             commits = self.storage.list("commits")
             data = self.storage.list("data")
             consumer = json.loads(self.storage.read("consumer.json")) if self.storage.exists("consumer.json") else {}
             read = {int(k): v for k, v in consumer.get("read", {}).items()}
-            unread = 0
-            for path in commits:
-                rank = int(path.split("/")[-2].lstrip("p"))
-                seq = int(path.rsplit("/", 1)[-1].split(".")[0])
-                unread += seq >= read.get(rank, 0)
-            committed_data = {p.replace("commits/", "data/").replace(".json", ".safetensors") for p in commits}
+            watermark = {int(k): v for k, v in consumer.get("watermark", {}).items()}
+            unread = sum(seq >= read.get(rank, 0) for rank, seq in map(slot, commits))
+            committed = set(map(slot, commits))
+            # data without a record, above the watermark: being written (below it: being evicted)
+            writing = [s for s in map(slot, data) if s not in committed and s[1] >= watermark.get(s[0], 0)]
             self.max_unread = max(self.max_unread, unread)
-            self.max_uncommitted = max(self.max_uncommitted, len(set(data) - committed_data))
+            self.max_uncommitted = max(self.max_uncommitted, len(writing))
             self.observations += 1
             self.stop.wait(0.01)
 
@@ -75,7 +88,7 @@ def test_both_stages_at_once_through_a_two_shard_window(tmp_path, tiny_model_fac
         assert {k for (e, k) in seen if e == epoch} == expected, f"epoch {epoch} missed or added samples"
     assert set(seen.values()) == {1}, "a sample was trained on more than once in an epoch"
 
-    assert watcher.observations > 10
+    assert watcher.error is None and watcher.observations > 10
     assert watcher.max_unread <= 2, f"window held {watcher.max_unread} committed unread shards"
     assert watcher.max_uncommitted <= 1
 

@@ -7,6 +7,7 @@ a producer thread that polls until the reader publishes its position.
 
 from __future__ import annotations
 
+import hashlib
 import signal
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import threading
 import pytest
 import torch
 
-from conftest import wait_for
+from polling import wait_for
 from vt.shared.shards import decode_shard, encode_shard
 from vt.shared.storage import Storage
 from vt.shared.window import (ShardCorruptError, Window, WindowTimeout, commit_path, data_path)
@@ -34,6 +35,11 @@ def shard(rank: int, seq: int) -> bytes:
     keys = [f"p{rank}-s{seq}-a", f"p{rank}-s{seq}-b"]
     latents = torch.full((2, 4, 2, 2), float(rank * 100 + seq)).to(torch.bfloat16)
     return encode_shard({"latents": latents}, keys, {"bucket": "9x64x64"})
+
+
+def data_of(w: Window, rank: int, seq: int) -> str:
+    """Where shard (rank, seq) landed: data files are named by seq and content, as its record says."""
+    return w.record(rank, seq).data
 
 
 def commit(w: Window, rank: int, seq: int):
@@ -79,7 +85,7 @@ def test_sigkill_before_commit(uri, tmp_path):
     files = []
     for seq in range(2):
         files.append(tmp_path / f"shard{seq}.safetensors")
-        files[-1].write_bytes(shard(0, seq))
+        files[-1].write_bytes(shard(0, seq if seq == 0 else 11))  # the killed run's shard 1 differs
     proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, *map(str, files)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     line = proc.stdout.readline()
@@ -89,7 +95,8 @@ def test_sigkill_before_commit(uri, tmp_path):
     proc.stdin.close(), proc.stdout.close(), proc.stderr.close()
 
     storage = Storage(uri)
-    assert storage.exists(data_path(0, 1)) and not storage.exists(commit_path(0, 1))
+    orphan = data_path(0, 1, hashlib.sha256(files[1].read_bytes()).hexdigest())
+    assert storage.exists(orphan) and not storage.exists(commit_path(0, 1))
     impatient = Window(uri, poll_seconds=0.01, timeout_seconds=0.3)
     order = impatient.order()
     assert next(order)[1].seq == 0
@@ -98,12 +105,13 @@ def test_sigkill_before_commit(uri, tmp_path):
 
     restarted = Window(uri, **FAST)
     assert restarted.next_seq(0) == 1
-    assert restarted.clean_orphans(0) == [data_path(0, 1)]
-    assert not storage.exists(data_path(0, 1))
+    assert restarted.clean_orphans(0) == []  # seq 1 is not committed yet: kept until it is
     commit(restarted, 0, 1)
+    assert not storage.exists(orphan)  # committing seq 1 deleted the killed run's bytes for it
     restarted.finish_producer(0, 2)
     records = [r for _, r in Window(uri, **FAST).order()]
     assert [r.seq for r in records] == [0, 1]
+    assert storage.list("data") == [r.data for r in records]
     tensors, keys, _ = decode_shard(restarted.read_shard(records[1]))
     assert keys == ["p0-s1-a", "p0-s1-b"] and tensors["latents"][0, 0, 0, 0].item() == 1.0
 
@@ -204,14 +212,15 @@ def test_watermark_eviction(uri):
     w.publish_read(6)
     assert w.evict() == []  # nothing below a watermark yet
     w.publish_watermark(3)  # positions 0..2: producer 0 seqs 0-1, producer 1 seq 0
+    names = {(r.producer, r.seq): r.data for _, r in w.order()}
     evicted = w.evict()
     gone = [(0, 0), (0, 1), (1, 0)]
     kept = [(0, 2), (1, 1), (1, 2)]
-    assert sorted(evicted) == sorted([commit_path(*s) for s in gone] + [data_path(*s) for s in gone])
-    assert evicted.index(commit_path(0, 0)) < evicted.index(data_path(0, 0))  # record first
+    assert sorted(evicted) == sorted([commit_path(*s) for s in gone] + [names[s] for s in gone])
+    assert evicted.index(commit_path(0, 0)) < evicted.index(names[0, 0])  # record first
     storage = Storage(uri)
     for s in kept:
-        assert storage.exists(commit_path(*s)) and storage.exists(data_path(*s))
+        assert storage.exists(commit_path(*s)) and storage.exists(names[s])
 
     fresh = Window(uri, size=8, **FAST)  # a restart recomputes everything from storage
     assert fresh.next_seq(0) == 3 and fresh.next_seq(1) == 3
@@ -233,7 +242,7 @@ def test_keep_never_evicts(uri):
     w.publish_read(5)
     w.publish_watermark(5)
     assert w.evict() == []
-    assert Storage(uri).list("data") == [data_path(0, i) for i in range(5)]
+    assert Storage(uri).list("data") == [data_of(w, 0, i) for i in range(5)]
     assert slots(w) == [(i, 0, i) for i in range(5)]  # a second epoch reads it all again
 
 
@@ -255,6 +264,7 @@ def test_corrupt_data_fails_read(uri):
 
 def test_misuse_gets_clear_errors(uri):
     w = Window(uri, **FAST)
+    w.acquire(0)
     w.register_producer(0, 2)
     with pytest.raises(ValueError, match="world size 2"):
         w.register_producer(1, 3)
@@ -262,9 +272,10 @@ def test_misuse_gets_clear_errors(uri):
         w.commit(0, 1, 0, shard(0, 1), "9x64x64", ["a", "b"], "fp")
     commit(w, 0, 0)
     other = Window(uri, **FAST)  # a second process that wrongly also runs as rank 0
+    other.acquire(0)  # its lease is newer: w is fenced at its next commit
     commit(other, 0, 1)
     with pytest.raises(RuntimeError, match="two producers are writing as rank 0"):
-        commit(w, 0, 1)  # w still expects seq 1: the exclusive record create catches the race
+        commit(w, 0, 1)  # w still expects seq 1, but a newer producer holds rank 0 now
     with pytest.raises(ValueError, match="finish with num_shards=2"):
         w.finish_producer(0, 3)
     with pytest.raises(ValueError, match="past the shards committed"):
