@@ -19,7 +19,8 @@ DPI = 100  # -> an 800x450 PNG
 def plot_loss(metrics_path: Path, out_png: Path, smooth: int = 0) -> Path:
     """Plot loss vs step (raw and a moving average), lr on a twin axis if logged; returns out_png.
 
-    `smooth` is the moving-average window in logged points; 0 picks about 1/20 of the points.
+    `smooth` is the moving-average window in logged points; 0 picks 1/20 of the points (at least 5,
+    at most a quarter), so even a short run shows its trend through the noise of random sigmas.
     A resumed run may have logged some steps twice: the later record of a step wins.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -34,7 +35,7 @@ def plot_loss(metrics_path: Path, out_png: Path, smooth: int = 0) -> Path:
     records = [by_step[step] for step in sorted(by_step)]
     steps = np.array([rec["step"] for rec in records], dtype=float)
     loss = np.array([rec["loss"] for rec in records], dtype=float)
-    window = smooth or max(1, len(loss) // 20)
+    window = smooth or max(1, min(len(loss) // 4, max(5, len(loss) // 20)))
 
     fig = Figure(figsize=FIGSIZE, dpi=DPI)
     FigureCanvasAgg(fig)
@@ -54,6 +55,7 @@ def plot_loss(metrics_path: Path, out_png: Path, smooth: int = 0) -> Path:
         lr_steps, lr_values = zip(*lr)
         ax_lr.plot(lr_steps, lr_values, color="tab:orange", linewidth=1, linestyle="--", label="lr")
         ax_lr.set_ylabel("lr")
+        ax_lr.set_ylim(0, max(lr_values) * 1.15)
         ax_lr.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
         more_handles, more_labels = ax_lr.get_legend_handles_labels()
         handles, labels = handles + more_handles, labels + more_labels
