@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_match_noisy
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
+                                   TensorParallelPlan, VaeGeometry, flow_match_noisy)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
 FRAME_RATE = 25  # the pipeline's default; RoPE's temporal scale depends on it, so train and sample alike
@@ -147,6 +148,34 @@ class LTXVideoSpec(ModelSpec):
         elif image is not None:
             raise ValueError("ltx-video t2v takes no image; set model.task = \"i2v\" for first-frame conditioning")
         return kwargs
+
+    # ----------------------------------------------------------------------------- parallel plans
+    def tp_plan(self) -> TensorParallelPlan:
+        """q/k/v and the FFN's first layer column-wise, attention outputs and the FFN's second row-wise.
+
+        LTX applies its rotary tables to the flat (B, S, heads * head_dim) queries, so each rank
+        keeps the rope channels of its heads (`channel_rope`).
+        """
+        return TensorParallelPlan(
+            colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), "ff.net.0.proj"),
+            rowwise=("attn1.to_out.0", "attn2.to_out.0", "ff.net.2"),
+            attention=("attn1", "attn2"),
+            head_norms=tuple(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
+            channel_rope="rope",
+        )
+
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the packed tokens and per-token timesteps (i2v) at the input, gather after proj_out.
+
+        The rotary tables are computed from the grid size, for the full sequence, which is what
+        the self-attention sees once Ulysses has moved it to "all tokens, my heads".
+        """
+        return ContextParallelPlan(
+            split_inputs={"": {"hidden_states": 1, "timestep": 1}},
+            gather_output="proj_out",
+            self_attention=("attn1",),
+            channel_rope="rope",
+        )
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod

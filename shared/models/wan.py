@@ -18,7 +18,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_match_noisy
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
+                                   TensorParallelPlan, VaeGeometry, flow_match_noisy)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
 
@@ -83,6 +84,28 @@ class WanSpec(ModelSpec):
             return_dict=False,
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+
+    # ----------------------------------------------------------------------------- parallel plans
+    def tp_plan(self) -> TensorParallelPlan:
+        """q/k/v and the FFN's first layer column-wise, attention outputs and the FFN's second row-wise.
+
+        Wan's rotary tables span one head and are broadcast over heads, so they need no change.
+        """
+        return TensorParallelPlan(
+            colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), "ffn.net.0.proj"),
+            rowwise=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"),
+            attention=("attn1", "attn2"),
+            head_norms=tuple(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
+        )
+
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the tokens where the first block receives them (Wan patchifies inside its forward)
+        and per-token timesteps (Wan 2.2 style) at the input; gather after proj_out."""
+        return ContextParallelPlan(
+            split_inputs={"": {"timestep": 1}, "blocks.0": {"hidden_states": 1}},
+            gather_output="proj_out",
+            self_attention=("attn1",),
+        )
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod

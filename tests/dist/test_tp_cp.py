@@ -1,0 +1,243 @@
+"""Tensor parallel and context parallel (Ulysses) match one process, for both families, with LoRA.
+
+Real processes over gloo (mp.spawn, FileStore), the real tiny transformers of the presets, fixed
+random inputs through the spec's own `forward`: the loss and the LoRA gradients of the first step,
+the losses of 3 AdamW steps and the LoRA weights after them must match a single-process run
+within relative 1e-4. Layouts: TP 2 and CP 2 (world 2); CP 2 x TP 2, FSDP2 (dp_shard 2) x TP 2 and
+FSDP2 x CP 2 (world 4, FSDP2 over dp_shard x cp as the trainer shards). LoRA also sits on the FFN,
+so both split directions carry adapters; LTX runs image-to-video, so its per-token timesteps must
+be split by context parallel too. The LoRA factors start random (not lora_B = 0), so every
+gradient is non-trivial. One world per family and size runs all its layouts: start-up dominates.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+WORLD_TIMEOUT_S = 240
+STEPS = 3
+LAYOUTS = {  # name -> mesh dims (sizes in the trainer's order)
+    "tp2": {"tp": 2},
+    "cp2": {"cp": 2},
+    "cp2_tp2": {"cp": 2, "tp": 2},
+    "fsdp2_tp2": {"dp_shard": 2, "tp": 2},
+    "fsdp2_cp2": {"dp_shard": 2, "cp": 2},
+}
+FFN = {"ltx-video": "ff", "wan": "ffn"}
+
+
+def _spec(family: str, model_dir):
+    from vt.shared.config import ModelConfig
+    from vt.shared.models import build_spec
+
+    return build_spec(ModelConfig(family=family, path=str(model_dir), task="i2v" if family == "ltx-video" else "t2v"))
+
+
+def _batch(family: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Two samples: latents, text (with padding), sigmas, noise; LTX i2v adds the first-frame latents."""
+    g = torch.Generator().manual_seed(7)
+    grid = (3, 4, 4) if family == "ltx-video" else (2, 8, 8)  # 48 and 32 tokens: divide by cp x tp = 4
+    latents = torch.randn(2, 16, *grid, generator=g)
+    embeds = torch.randn(2, 8, 64, generator=g)
+    mask = torch.ones(2, 8)
+    mask[1, 5:] = 0
+    batch = {"latents": latents, "prompt_embeds": embeds * mask[..., None]}
+    if family == "ltx-video":
+        batch["prompt_attention_mask"] = mask
+        batch["first_frame_latents"] = torch.randn(2, 16, 1, *grid[1:], generator=g)
+    sigmas = torch.tensor([0.3, 0.8])
+    return batch, sigmas, torch.randn(latents.shape, generator=g)
+
+
+def _lora_model(spec, family: str):
+    """The tiny transformer with LoRA on attention and FFN, its factors drawn from a fixed seed."""
+    model = spec.load_transformer()
+    targets = ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
+    spec.add_lora(model, rank=4, alpha=4.0, targets=targets)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, param in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
+            param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    return model
+
+
+def _train(spec, model, batch, sigmas, noise, sync=None) -> dict:
+    """STEPS AdamW steps; losses, the first step's LoRA gradients and the final LoRA weights (full tensors)."""
+    from vt.train.objectives import flow_matching_loss
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-3, weight_decay=0.01)
+    losses, grads = [], {}
+    for step in range(STEPS):
+        loss = flow_matching_loss(spec.forward(model, batch, sigmas, noise))
+        loss.backward()
+        if sync is not None:
+            sync()
+        if step == 0:
+            grads = {n: _full(p.grad) for n, p in params}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "params": {n: _full(p.detach()) for n, p in params}}
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
+
+
+def _worker(rank: int, world: int, store: str, family: str, model_dir: str, layouts: list[str], out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
+    try:
+        for layout in layouts:  # one world runs several layouts: process start-up dominates the cost
+            result = _misuse(family, model_dir) if layout == "misuse" else _run_layout(family, model_dir, layout)
+            torch.save(result, os.path.join(out_dir, f"{layout}-rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_layout(family: str, model_dir: str, layout: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vt.train.parallel.cp import apply_cp, average_gradients
+    from vt.train.parallel.tp import apply_tp
+
+    dims = LAYOUTS[layout]
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+    spec = _spec(family, model_dir)
+    batch, sigmas, noise = _batch(family)
+    model = _lora_model(spec, family)
+    if "tp" in dims:
+        apply_tp(model, spec, mesh["tp"])
+    if "cp" in dims:
+        apply_cp(model, spec, mesh["cp"])
+    sync = None
+    if "dp_shard" in dims:  # FSDP2 shards over dp_shard (x cp) and averages gradients there, as the trainer does
+        from torch.distributed.fsdp import fully_shard
+
+        fsdp_mesh = mesh["dp_shard", "cp"]._flatten("dp_shard_cp") if "cp" in dims else mesh["dp_shard"]
+        for block in spec.blocks(model):
+            fully_shard(block, mesh=fsdp_mesh)
+        fully_shard(model, mesh=fsdp_mesh)
+        row = slice(mesh["dp_shard"].get_local_rank(), None, dims["dp_shard"])  # disjoint samples per dp rank
+        batch, sigmas, noise = {k: v[row] for k, v in batch.items()}, sigmas[row], noise[row]
+    elif "cp" in dims:
+        sync = lambda: average_gradients(model, mesh["cp"])  # noqa: E731
+    result = _train(spec, model, batch, sigmas, noise, sync)
+    if "dp_shard" in dims:  # each dp rank saw half the batch: the step's loss is the mean over dp ranks
+        losses = torch.tensor(result["losses"])
+        dist.all_reduce(losses, group=mesh["dp_shard"].get_group())
+        result["losses"] = (losses / dims["dp_shard"]).tolist()
+    return result
+
+
+def _misuse(family: str, model_dir: str) -> dict:
+    """The error messages of a token count cp does not divide and of TP applied after CP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vt.train.parallel.cp import apply_cp
+    from vt.train.parallel.tp import apply_tp
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    spec = _spec(family, model_dir)
+    model = _lora_model(spec, family)
+    apply_cp(model, spec, mesh)
+    batch, sigmas, _ = _batch(family)
+    # 3 tokens: one latent frame of 1 x 3 (LTX, patch 1) or 2 x 6 (Wan, patch 2 x 2) latent pixels.
+    size = (1, 1, 3) if family == "ltx-video" else (1, 2, 6)
+    odd_batch = {k: v[:, :, :size[0], :size[1], :size[2]] if v.ndim == 5 else v for k, v in batch.items()}
+    noise = torch.zeros_like(odd_batch["latents"])
+    errors = {}
+    try:
+        spec.forward(model, odd_batch, sigmas, noise)
+    except ValueError as err:
+        errors["odd_tokens"] = str(err)
+    try:
+        apply_tp(model, spec, mesh)
+    except RuntimeError as err:
+        errors["order"] = str(err)
+    return errors
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_factory):
+    """family -> (model folder, single-process result), computed once per family."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            model_dir = tiny_model_factory(family)
+            spec = _spec(family, model_dir)
+            cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family)))
+        return cache[family]
+
+    return get
+
+
+def _spawn(world: int, args: tuple, tmp_path) -> None:
+    import torch.multiprocessing as mp
+
+    context = mp.start_processes(_worker, args=(world, str(tmp_path / "store"), *args), nprocs=world,
+                                 join=False, start_method="spawn")
+    deadline = time.monotonic() + WORLD_TIMEOUT_S
+    while not context.join(timeout=1.0):  # raises ProcessRaisedException with the worker's traceback
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise AssertionError(f"world of {world} processes did not finish in {WORLD_TIMEOUT_S}s")
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _assert_matches(result: dict, expected: dict, where: str) -> None:
+    assert result["losses"] == pytest.approx(expected["losses"], rel=1e-4), f"{where}: losses"
+    assert result["grads"].keys() == expected["grads"].keys(), f"{where}: LoRA parameters differ"
+    for kind in ("grads", "params"):
+        for name, value in expected[kind].items():
+            assert expected[kind][name].abs().max() > 0, f"reference {kind} of {name} is all zero: nothing tested"
+            error = _relative(result[kind][name], value)
+            assert error <= 1e-4, f"{where}: {kind} of {name} differ by relative {error:.2e}"
+
+
+@pytest.mark.parametrize("world, layouts", [(2, ["tp2", "cp2", "misuse"]), (4, ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"])],
+                         ids=["world2", "world4"])
+@pytest.mark.parametrize("family", ["ltx-video", "wan"])
+def test_parallel_layouts_match_single_process(family, world, layouts, reference, tmp_path, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model_dir, expected = reference(family)
+    _spawn(world, (family, str(model_dir), layouts, str(tmp_path)), tmp_path)
+    for layout in (name for name in layouts if name != "misuse"):
+        for rank in range(world):
+            result = torch.load(tmp_path / f"{layout}-rank{rank}.pt")
+            _assert_matches(result, expected, f"{family} {layout} rank {rank}")
+    if "misuse" in layouts:
+        errors = torch.load(tmp_path / "misuse-rank0.pt")
+        assert "sequence of 3 tokens over cp=2" in errors.get("odd_tokens", ""), errors
+        assert "parallel.cp" in errors["odd_tokens"], errors
+        assert "apply_tp must come first" in errors.get("order", ""), errors
+
+
+def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
+    from vt.shared.models.spec import ModelSpec
+
+    spec = _spec("wan", tiny_model_factory("wan"))
+    with pytest.raises(NotImplementedError, match="family 'wan' has no TP plan; set parallel.tp = 1"):
+        ModelSpec.tp_plan(spec)  # the base class default, which a family without a plan inherits
+    with pytest.raises(NotImplementedError, match="family 'wan' has no CP plan; set parallel.cp = 1"):
+        ModelSpec.cp_plan(spec)
+    # The real plans name layers that exist in the family's transformer blocks.
+    for family in ("ltx-video", "wan"):
+        spec = _spec(family, tiny_model_factory(family))
+        block = spec.blocks(spec.load_transformer())[0]
+        plan = spec.tp_plan()
+        for name in (*plan.colwise, *plan.rowwise, *plan.attention, *plan.head_norms):
+            block.get_submodule(name)

@@ -1,0 +1,151 @@
+"""Tensor parallel for a video transformer, driven by its Model Spec's `tp_plan()`.
+
+Megatron-style, with DTensor: in each block the q/k/v projections and the FFN's first layer are
+split column-wise (each rank computes whole heads / a slice of the hidden FFN units), the attention
+output projection and the FFN's second layer row-wise (each rank multiplies its slice and the
+results are summed over the tp group). Everything else stays replicated. Each rank then runs
+attention on its local heads, so the attention modules get the local head count; query/key RMSNorms
+that span all heads become `ShardedRMSNorm` (sum of squares all-reduced over tp); rotary tables laid
+out over all heads' channels (LTX-Video) are cut to this rank's channels.
+
+LoRA: add the adapters BEFORE `apply_tp` (the trainer's order is load -> LoRA -> TP -> CP -> AC ->
+compile -> FSDP/DDP). A peft LoRA layer is split consistently with its base layer:
+- column-wise base: lora_A stays replicated (it reads the replicated input), lora_B is split
+  column-wise, so the LoRA update lands on the same output channels as the base;
+- row-wise base: lora_A is split row-wise (it reads the sharded input; its small rank-r output is
+  summed over tp), lora_B stays replicated.
+Adding LoRA after TP is not supported: peft would size the adapter from the full layer.
+
+Gradients: tp ranks compute the same loss. Split parameters (DTensor) get their own shard of the
+true gradient; replicated ones get the full gradient on every tp rank (DTensor's input conversion
+all-reduces the input gradient of each column-wise layer), so no gradient sync over tp is needed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
+
+from vt.shared.models.spec import ModelSpec, TensorParallelPlan
+from vt.train.parallel.dist_norm import ShardedRMSNorm
+
+log = logging.getLogger(__name__)
+
+APPLIED_ATTR = "_vt_parallel"  # list of strategies applied to a transformer, in order (checked by apply_cp)
+
+
+def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> None:
+    """Split `transformer` in place over the 1-D `tp_mesh`, following `spec.tp_plan()`."""
+    if tp_mesh.ndim != 1:
+        raise ValueError(f"apply_tp needs the 1-D tp mesh (world_mesh['tp']), got a {tp_mesh.ndim}-D mesh")
+    applied = getattr(transformer, APPLIED_ATTR, [])
+    if applied:
+        raise RuntimeError(f"apply_tp must come first (order: TP -> CP -> AC -> compile -> FSDP/DDP); "
+                           f"{applied} was already applied to this transformer")
+    if tp_mesh.size() == 1:
+        return
+    plan = spec.tp_plan()
+    for index, block in enumerate(spec.blocks(transformer)):
+        _check_block(block, plan, tp_mesh.size(), f"{spec.blocks_attr}.{index}")
+        styles: dict[str, ParallelStyle] = {}
+        for name in plan.colwise:
+            styles.update(_linear_styles(block, name, column=True))
+        for name in plan.rowwise:
+            styles.update(_linear_styles(block, name, column=False))
+        parallelize_module(block, tp_mesh, styles)
+        for name in plan.attention:
+            block.get_submodule(name).heads //= tp_mesh.size()
+        for name in plan.head_norms:
+            block.set_submodule(name, ShardedRMSNorm.from_rmsnorm(block.get_submodule(name), tp_mesh))
+    if plan.channel_rope:
+        slice_rope_channels(transformer.get_submodule(plan.channel_rope), tp_mesh)
+    broadcast_replicated_trainables(transformer, tp_mesh)
+    setattr(transformer, APPLIED_ATTR, ["tp"])
+    log.info("tensor parallel over %d ranks: %d blocks split", tp_mesh.size(), len(spec.blocks(transformer)))
+
+
+def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: str) -> None:
+    for name in plan.attention:
+        attn = block.get_submodule(name)
+        if attn.heads % size:
+            raise ValueError(f"{where}.{name} has {attn.heads} attention heads, which do not divide over "
+                             f"parallel.tp = {size}; choose a tp size that divides {attn.heads}")
+        if getattr(attn, "fused_projections", False):
+            raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
+        if getattr(attn, "add_k_proj", None) is not None:
+            raise ValueError(f"{where}.{name} has image key/value projections (image-conditioned Wan), "
+                             f"which the TP plan does not cover; use parallel.tp = 1")
+
+
+def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, ParallelStyle]:
+    """ParallelStyles for one planned layer: the Linear itself, or a peft LoRA layer's parts."""
+    module = block.get_submodule(name)
+    split = ColwiseParallel if column else RowwiseParallel
+    if isinstance(module, nn.Linear):
+        return {name: _local_split(split())}
+    if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
+        if getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values()):
+            raise ValueError(f"{name}: LoRA variants such as DoRA are not supported with tensor parallel; "
+                             f"use plain LoRA or parallel.tp = 1")
+        if not isinstance(module.base_layer, nn.Linear):
+            raise TypeError(f"{name}: the LoRA layer wraps {type(module.base_layer).__name__}, not a Linear")
+        styles: dict[str, ParallelStyle] = {f"{name}.base_layer": _local_split(split())}
+        for adapter in module.lora_A:
+            # The LoRA factor that touches the split side is split the same way; the other stays whole.
+            if column:
+                styles[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+            else:
+                styles[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+        return styles
+    raise TypeError(f"the TP plan names {name!r}, a {type(module).__name__}; expected a Linear or a peft LoRA "
+                    f"layer around one. Fix the family's tp_plan()")
+
+
+def _local_split(style: ParallelStyle) -> ParallelStyle:
+    """Base weights come from the same file on every rank: each rank cuts its shard, no broadcast."""
+    style.src_data_rank = None
+    return style
+
+
+def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh) -> None:
+    """Keep this rank's chunk of the last dim of every tensor `rope` returns (rank order, as the heads)."""
+    size, rank = mesh.size(), mesh.get_local_rank()
+
+    def keep_local_channels(module, args, output):
+        def cut(t):
+            if t.shape[-1] % size:
+                raise ValueError(f"rotary tables of {t.shape[-1]} channels do not split over {size} ranks")
+            width = t.shape[-1] // size
+            return t.narrow(-1, rank * width, width)
+
+        return tuple(cut(t) for t in output) if isinstance(output, (tuple, list)) else cut(output)
+
+    rope.register_forward_hook(keep_local_channels)
+
+
+def broadcast_replicated_trainables(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Make trainable parameters agree over `mesh` by copying rank 0's.
+
+    Ranks of one tp or cp group must hold the same trainable values, but peft draws LoRA's initial
+    lora_A from each process's own random state. Split DTensor parameters were already scattered
+    from rank 0 by their ParallelStyle; this covers the rest (and the local shards of DTensors on
+    another mesh, for cp).
+    """
+    group = mesh.get_group()
+    with torch.no_grad():
+        for param in module.parameters():
+            if not param.requires_grad:
+                continue
+            if isinstance(param, DTensor):
+                if param.device_mesh == mesh:
+                    continue  # laid out on this very mesh: already consistent
+                local = param.to_local()
+            else:
+                local = param.data
+            dist.broadcast(local, group=group, group_src=0)

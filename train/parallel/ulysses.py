@@ -1,0 +1,115 @@
+"""Differentiable collectives that move a token sequence between layouts, Ulysses style.
+
+Context parallel keeps each rank on a contiguous chunk of the token sequence. Attention needs every
+token, so around the attention core the layout switches: an all-to-all turns "my tokens, all heads'
+channels" (B, S/P, C) into "all tokens, my heads' channels" (B, S, C/P) and back afterwards. Heads
+are independent in attention, so the core then runs unchanged on full sequences for its local heads.
+
+All collectives here are torch's functional collectives (`_functional_collectives`), which work
+eagerly over gloo and NCCL and also trace under torch.compile (torch.distributed.nn.functional
+refuses to run under compile). Their gradients:
+- `sequence_to_heads` / `heads_to_sequence`: the reverse all-to-all;
+- `gather_sequence`: each rank keeps its own slice of the output gradient, times the group size
+  (see its docstring for why);
+- `all_reduce_sum`: the gradient is all-reduced too (each rank's input reaches every rank's output).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+from torch import Tensor
+
+
+def _wait(tensor: Tensor) -> Tensor:
+    """Eager functional collectives return a lazy tensor; make it a plain, finished one."""
+    if isinstance(tensor, funcol.AsyncCollectiveTensor):
+        return tensor.wait()
+    return tensor
+
+
+def sequence_to_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(B, S/P, C) holding this rank's tokens -> (B, S, C/P) holding this rank's channel chunk.
+
+    Channel chunk r (heads r*H/P ... (r+1)*H/P - 1 when C = H * head_dim) goes to rank r; the
+    sequence is rebuilt in rank order, so rank r's input tokens land at [r*S/P, (r+1)*S/P).
+    """
+    size = dist.get_world_size(group)
+    batch, local_seq, channels = x.shape
+    if channels % size:
+        raise ValueError(f"Ulysses attention splits {channels} channels over {size} ranks; they must divide")
+    # (P, B, S/P, C/P): chunk j of dim 0 is sent to rank j.
+    send = x.reshape(batch, local_seq, size, channels // size).permute(2, 0, 1, 3).contiguous()
+    received = _wait(funcol.all_to_all_single_autograd(send, None, None, group))
+    # received[r] = rank r's tokens, my channels.
+    return received.permute(1, 0, 2, 3).reshape(batch, size * local_seq, channels // size)
+
+
+def heads_to_sequence(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(B, S, C/P) holding this rank's channels -> (B, S/P, C/P * P) holding this rank's tokens."""
+    size = dist.get_world_size(group)
+    batch, seq, local_channels = x.shape
+    if seq % size:
+        raise ValueError(f"Ulysses attention splits {seq} tokens over {size} ranks; they must divide")
+    # (P, B, S/P, C/P): token chunk j goes back to rank j.
+    send = x.reshape(batch, size, seq // size, local_channels).permute(1, 0, 2, 3).contiguous()
+    received = _wait(funcol.all_to_all_single_autograd(send, None, None, group))
+    # received[r] = my tokens, rank r's channels: channels go back in rank order.
+    return received.permute(1, 2, 0, 3).reshape(batch, seq // size, size * local_channels)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+        ctx.dim, ctx.rank, ctx.size, ctx.length = dim, dist.get_rank(group), dist.get_world_size(group), x.shape[dim]
+        moved = x.movedim(dim, 0).contiguous()
+        gathered = _wait(funcol.all_gather_single(moved, 0, group))
+        return gathered.movedim(0, dim)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        local = grad.narrow(ctx.dim, ctx.rank * ctx.length, ctx.length) * ctx.size
+        return local, None, None
+
+
+def gather_sequence(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """Concatenate every rank's chunk along `dim` (rank order); every rank gets the full tensor.
+
+    Every rank of a context-parallel group computes the same loss from this full output, so the
+    output gradient is the same on each. Backward keeps this rank's slice of it and multiplies by
+    the group size P: after backward each rank holds P x the gradient flowing through its own
+    tokens, and *averaging* gradients over the cp group (what FSDP2 / DDP do over a mesh that
+    includes cp) gives exactly the single-process gradient. No communication in backward.
+    """
+    return _GatherSequence.apply(x, dim, group)
+
+
+def split_sequence(x: Tensor, dim: int, group: dist.ProcessGroup) -> Tensor:
+    """This rank's contiguous chunk of `x` along `dim` (a plain slice: its gradient is zero elsewhere)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    length = x.shape[dim]
+    if length % size:
+        raise ValueError(
+            f"context parallel splits a sequence of {length} tokens over cp={size} ranks, which does not divide. "
+            f"Use buckets whose token count (latent frames x latent height x latent width / patch^2) divides by "
+            f"{size}, or lower parallel.cp."
+        )
+    return x.narrow(dim, rank * (length // size), length // size)
+
+
+class _AllReduceSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _wait(funcol.all_reduce(x.contiguous(), "sum", group))
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _wait(funcol.all_reduce(grad.contiguous(), "sum", ctx.group)), None
+
+
+def all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """Sum of `x` over the group, on every rank. The gradient is summed too: each rank's output
+    depends on every rank's input, and each rank's downstream gradient is its own share."""
+    return _AllReduceSum.apply(x, group)
