@@ -1,7 +1,8 @@
-"""`vt-precompute`: stage 1 as a command-line service."""
+"""`vt-precompute`: stage 1 as a command-line service, and `inspect` to look into a window."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
@@ -20,16 +21,59 @@ def main() -> None:
 @app.command()
 def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
-    """Encode raw webdataset shards (local or s3://) into latent shards in the window."""
+    """Encode raw webdataset shards (local or s3://) into latent shards in the window.
+
+    Under `torchrun --nproc-per-node P` every rank takes its share of the raw shards. Killed and
+    started again, a producer carries on where it stopped.
+    """
     cfg = load_or_exit(config, set)
+    from vt.precompute.resume import ResumeError
     from vt.precompute.service import Precompute, TooManyFailures
+    from vt.shared.storage import StorageUnavailable
+    from vt.shared.window import ProducerConflict, ProducerFenced, WindowTimeout
 
     rank, world_size = dist_env()
     try:
         report = Precompute(cfg, rank, world_size).run()
-    except (TooManyFailures, FileNotFoundError, ValueError) as err:
+    except (TooManyFailures, FileNotFoundError, ValueError, ResumeError, ProducerFenced, ProducerConflict,
+            StorageUnavailable, WindowTimeout) as err:
         raise fail(str(err)) from err
     typer.echo(report.summary_line())
+
+
+@app.command()
+def inspect(window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
+            as_json: bool = typer.Option(False, "--json", help="print the state as JSON")) -> None:
+    """Print a window's state: producers, committed, consumed watermark, evicted, bytes, buckets, fingerprint."""
+    from vt.shared.storage import Storage
+    from vt.shared.window import Window
+
+    try:
+        if not Storage(window).list(""):
+            raise fail(f"{window} holds no window (nothing there); give the window.uri of a run")
+        state = Window(window).state()
+    except (ValueError, OSError) as err:
+        raise fail(f"cannot read the window {window}: {err}") from err
+    typer.echo(json.dumps(state, indent=1) if as_json else format_state(state))
+
+
+def format_state(state: dict) -> str:
+    """The window state as a short human-readable table."""
+    lines = [f"window {state['uri']}  size={state['size']}  producers={state['world_size']}",
+             f"committed {state['committed']} shards, present {state['present']}, unread {state['unread']}, "
+             f"evicted {state['evicted']}; {state['bytes'] / 1e6:.2f} MB",
+             f"consumer: read position {state['read']}, watermark position {state['watermark']}",
+             "producer  gen  done  committed  read  watermark  fingerprint"]
+    for rank, p in state["producers"].items():
+        lines.append(f"p{rank:<8} {p['generation'] or '-':>3}  {'yes' if p['done'] else 'no':>4}  "
+                     f"{p['committed']:>9}  {p['read']:>4}  {p['watermark']:>9}  {p['fingerprint'] or '-'}")
+    lines.append("bucket      shards  samples")
+    for bucket, counts in state["buckets"].items():
+        lines.append(f"{bucket:<11} {counts['shards']:>6}  {counts['samples']:>7}")
+    lines.append(f"shard fingerprints: {', '.join(state['fingerprints']) or '-'}")
+    if state["orphans"]:
+        lines.append(f"orphan data files (uncommitted or left by a crash): {len(state['orphans'])}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,19 @@ never piles up in memory. Samples of one bucket are buffered until a shard is fu
 batches (captions through a per-run cache) and committed into the window, which blocks while the
 trainer is behind. A bad sample is skipped and counted by reason; too many failures in a row stop the
 run, since that means the input or the settings are wrong rather than a few clips.
+
+Many producers: each rank (torchrun's RANK / WORLD_SIZE) takes every world_size-th raw shard and
+writes its own sequence into the one window; they coordinate through the window alone.
+Crash-safe: a start takes the rank's lease (a second producer of the rank stops), removes orphans,
+and resumes from its progress record (precompute/resume.py): raw shards already handled are skipped,
+the partial ones re-read without their committed samples. So a producer killed at any point and
+started again commits every accepted sample exactly once.
 """
 
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -17,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
-from vt.precompute.processors import PreparedSample, prepare_sample
+from vt.precompute.processors import PreparedSample, prepare_sample, worker_init
 from vt.precompute.processors.errors import SampleError
-from vt.precompute.report import Report
+from vt.precompute.report import ProgressBar, Report
+from vt.precompute.resume import Tracker, resume_state, shards_digest
 from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, split_for_rank
 from vt.precompute.text_cache import TextCache
 from vt.shared.buckets import Bucket, parse_buckets
@@ -48,6 +57,13 @@ class Outcome:
     seconds: float
 
 
+@dataclass(frozen=True)
+class ShardEnd:
+    """Follows the last sample of raw shard `index` through the pipeline: that shard is read to the end."""
+
+    index: int
+
+
 def prepare_timed(raw: RawSample, buckets: list[Bucket], fps: float) -> Outcome:
     """Runs in a decode worker: a sample in, a prepared sample or the reason it was rejected out."""
     start = time.perf_counter()
@@ -74,13 +90,25 @@ def bounded_map(fn: Callable, items: Iterable, pool, inflight: int) -> Iterator:
 
 
 class _Prepare:
-    """Picklable `prepare_timed` bound to the bucket table (sent to workers once per task)."""
+    """Picklable `prepare_timed` bound to the bucket table; (raw index, sample) -> (raw index, Outcome)."""
 
     def __init__(self, buckets: list[Bucket], fps: float):
         self.buckets, self.fps = buckets, fps
 
-    def __call__(self, raw: RawSample) -> Outcome:
-        return prepare_timed(raw, self.buckets, self.fps)
+    def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
+        if isinstance(item, ShardEnd):
+            return item
+        index, raw = item
+        return index, prepare_timed(raw, self.buckets, self.fps)
+
+
+def pick_device(setting: str) -> torch.device:
+    """"auto": this process's GPU (LOCAL_RANK under torchrun) if there is one, else the CPU."""
+    if setting != "auto":
+        return torch.device(setting)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return torch.device("cpu")
 
 
 class Precompute:
@@ -93,14 +121,15 @@ class Precompute:
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
         self.raw_shards = split_for_rank(list_raw_shards(config.data.raw), rank, world_size)
-        self.device = torch.device("cuda" if pre.device == "auto" and torch.cuda.is_available()
-                                   else ("cpu" if pre.device == "auto" else pre.device))
+        self.shards_id = shards_digest(self.raw_shards)
+        self.device = pick_device(pre.device)
         self.storage_dtype = STORAGE_DTYPES[pre.storage_dtype]
         self.provenance = provenance(config)
         self.fingerprint = fingerprint(self.provenance)
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
         self.report = Report(rank=rank)
+        self.progress: ProgressBar | None = None
         self.seq = 0
 
     def _load_encoders(self) -> None:
@@ -110,58 +139,77 @@ class Precompute:
         self.text_cache = TextCache(lambda captions: self.spec.encode_conditions(self.tokenizer, self.text_encoder, captions))
 
     def run(self) -> Report:
+        """Produce this rank's share of every epoch into the window, resuming where an earlier run stopped."""
+        try:
+            self._run()
+            if self.report.status == "running":
+                self.report.status = "done"
+        except BaseException as err:
+            self.report.status = f"failed: {type(err).__name__}: {err}"
+            raise
+        finally:
+            self._write_report()
+        return self.report
+
+    def _run(self) -> None:
         pre = self.config.precompute
-        self.window.register_producer(self.rank, self.world_size)
-        orphans = self.window.clean_orphans(self.rank)
-        if orphans:
-            log.info("removed %d uncommitted shard files left by an earlier run", len(orphans))
-        done = self._committed_keys()
-        self.seq = self.window.next_seq(self.rank)
+        self.report.generation = self.window.acquire(self.rank)
+        if not self.window.register_producer(self.rank, self.world_size, self.fingerprint):
+            self.report.status = "already done"
+            return
+        self.window.clean_orphans(self.rank)
+        state, self.seq = resume_state(self.window, self.rank, self.shards_id)
+        self.report.resumed_at = self.seq
+        if self.seq:
+            log.info("producer %d resumes at shard %d (epoch %d, %d raw shards done)", self.rank, self.seq,
+                     state.epoch, len(state.complete))
+        tracker = Tracker(state)
+        passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
         context = multiprocessing.get_context("spawn")
-        pool = context.Pool(pre.workers) if pre.workers > 0 else None
+        pool = (context.Pool(pre.workers, initializer=worker_init)
+                if pre.workers > 0 and state.epoch < passes else None)
+        self.progress = ProgressBar(self.report, enabled=self.config.log.progress)
         try:
             self._load_encoders()  # while the workers start
             with torch.inference_mode():
-                passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
-                for epoch in range(passes):
-                    self._run_epoch(epoch, pool, done)
+                for epoch in range(state.epoch, passes):
+                    tracker.start_epoch(epoch)
+                    self._run_epoch(epoch, pool, tracker)
         finally:
+            self.progress.close()
             if pool is not None:
                 pool.terminate()
         self.window.finish_producer(self.rank, self.seq)
-        self._write_report()
-        return self.report
 
-    def _committed_keys(self) -> set[tuple[int, str]]:
-        """(epoch, key) of every sample this producer already committed (a restart skips them)."""
-        done = set()
-        for seq in range(self.window.next_seq(self.rank)):
-            record = self.window.record(self.rank, seq)
-            if record is not None:  # evicted ones are below the watermark: the trainer has them
-                done.update((record.epoch, key) for key in record.keys)
-        return done
-
-    def _raw_samples(self, epoch: int, done: set) -> Iterator[RawSample]:
-        for shard in self.raw_shards:
+    def _raw_items(self, tracker: Tracker) -> Iterator[tuple[int, RawSample] | ShardEnd]:
+        """(raw index, sample) of this rank's raw shards, minus what is committed; ShardEnd after each."""
+        for index, shard in enumerate(self.raw_shards):
+            if index in tracker.state.complete:
+                self.report.skipped_shards += 1
+                continue
             started = time.perf_counter()
             for raw in iter_raw_samples(shard):
                 self.report.seconds["read"] += time.perf_counter() - started
-                if (epoch, raw.key) in done:
+                if tracker.state.committed(index, raw.key):
                     self.report.skipped_committed += 1
                 else:
-                    yield raw
+                    yield index, raw
                 started = time.perf_counter()
+            yield ShardEnd(index)
 
-    def _run_epoch(self, epoch: int, pool, done: set) -> None:
+    def _run_epoch(self, epoch: int, pool, tracker: Tracker) -> None:
         pre = self.config.precompute
-        pending: dict[Bucket, list[PreparedSample]] = {}
+        pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
         prepare = _Prepare(self.buckets, self.config.buckets.fps)
-        inflight = max(2, 2 * pre.workers)
-        from vt.train.progress import Progress
-
-        progress = Progress(None, f"precompute[{self.rank}]", enabled=self.config.log.progress, unit="clip")
-        for outcome in bounded_map(prepare, self._raw_samples(epoch, done), pool, inflight):
+        # Enough queued that the workers keep decoding while a full shard is encoded (at most about
+        # one shard more in memory than the bucket buffers hold).
+        inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
+        for item in bounded_map(prepare, self._raw_items(tracker), pool, inflight):
+            if isinstance(item, ShardEnd):
+                tracker.end_of_shard(item.index)
+                continue
+            index, outcome = item
             self.report.seen += 1
             self.report.seconds["decode"] += outcome.seconds
             if outcome.sample is None:
@@ -169,23 +217,24 @@ class Precompute:
                 log.debug("skipped %s: %s %s", outcome.raw_key, outcome.reason, outcome.detail)
                 failures_in_a_row += 1
                 if failures_in_a_row >= pre.max_consecutive_failures:
-                    self._write_report()
                     raise TooManyFailures(
                         f"{failures_in_a_row} samples in a row failed (last: {outcome.raw_key}: {outcome.reason} "
                         f"{outcome.detail}). Check data.raw and the bucket table; counts are in the report.")
+                self.progress.update()
                 continue
             failures_in_a_row = 0
+            tracker.accepted(index)
             bucket_samples = pending.setdefault(outcome.sample.bucket, [])
-            bucket_samples.append(outcome.sample)
+            bucket_samples.append((index, outcome.sample))
             if len(bucket_samples) >= pre.samples_per_shard:
-                self._write_shard(pending.pop(outcome.sample.bucket), epoch)
-            progress.update(1, shards=self.report.shards)
+                self._write_shard(pending.pop(outcome.sample.bucket), epoch, tracker)
+            self.progress.update()
         for bucket in sorted(pending):  # the epoch's remainders: smaller shards, every sample kept
-            self._write_shard(pending[bucket], epoch)
-        progress.close()
+            self._write_shard(pending[bucket], epoch, tracker)
 
-    def _write_shard(self, samples: list[PreparedSample], epoch: int) -> CommitRecord:
+    def _write_shard(self, items: list[tuple[int, PreparedSample]], epoch: int, tracker: Tracker) -> CommitRecord:
         pre = self.config.precompute
+        samples = [sample for _, sample in items]
         bucket = samples[0].bucket
         started = time.perf_counter()
         conditions = self.text_cache.encode([s.caption for s in samples])
@@ -202,15 +251,22 @@ class Precompute:
         keys = [s.key for s in samples]
         data = encode_shard(tensors, keys, {"provenance": self.provenance, "bucket": bucket.name, "epoch": epoch})
         started = time.perf_counter()
-        self.window.wait_for_room(self.rank)
+        unread, share = self.window.wait_for_room(self.rank)
         self.report.seconds["wait"] += time.perf_counter() - started
         started = time.perf_counter()
-        record = self.window.commit(self.rank, self.seq, epoch, data, bucket.name, keys, self.fingerprint)
+        record = self.window.prepare(self.rank, self.seq, epoch, data, bucket.name, keys, self.fingerprint)
+        committed = [(index, sample.key) for index, sample in items]
+        # Write-ahead: the progress record must name this shard before it can be read and evicted.
+        self.window.write_progress(self.rank, tracker.intent(self.seq, committed, self.shards_id,
+                                                             self.report.generation))
+        record = self.window.publish(record, data)
+        tracker.committed(committed)
         self.report.seconds["write"] += time.perf_counter() - started
         self.seq += 1
         self.report.shards += 1
         self.report.committed += len(samples)
         self.report.bytes += len(data)
+        self.progress.window(unread + 1, share)
         return record
 
     def _write_report(self) -> None:

@@ -2,30 +2,58 @@
 
 The producer stores the provenance in every shard and its fingerprint in every commit record; the
 trainer computes the same from its own config and refuses shards whose fingerprint differs, naming
-the settings that differ, so a cache never goes stale silently.
+the settings that differ (`describe_difference`), so a cache never goes stale silently.
+
+What goes in: the model family and task, the encoders' weights (a digest of the tokenizer, text
+encoder and VAE files), the processor chain and its settings (frame rate, bucket table, how a clip
+is fitted to its bucket, the text length), encoder and storage dtypes, and the shard format version.
+Not in: anything only the trainer uses (transformer, LoRA, learning rate ...).
+
+The weights digest reads files, never loads a model. Files up to FULL_HASH_BYTES are hashed whole.
+Bigger ones (a 10 GB text encoder would take seconds to hash at every start of both stages) are
+hashed by their size, their first HEAD_BYTES (for safetensors: the whole header, which names every
+tensor with its dtype, shape and offsets) and SAMPLE_COUNT blocks of SAMPLE_BYTES spread evenly over
+the rest. The trade-off: a change confined to bytes between the sampled blocks, with the same size
+and header, goes unnoticed. Fine-tuning or re-saving a model changes nearly every block, so real
+changes are caught; a single hand-edited value in a big file is not. Bump PROCESSING_VERSION when
+a processor's behaviour changes so old caches are refused.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import struct
+from pathlib import Path
 
 from vt.shared.config import Config
 from vt.shared.shards import FORMAT_VERSION
 
+PROCESSING_VERSION = 1  # bump when decode / frame sampling / fitting changes what a shard holds
+FIT_MODE = "resize-to-cover, bilinear antialias, center crop"  # precompute/processors/fit_bucket.py
+FRAME_SAMPLING = "from the start, at buckets.fps"  # precompute/processors/sample_frames.py
+ENCODER_COMPONENTS = ("tokenizer", "text_encoder", "vae")  # what stage 1 runs
+
+FULL_HASH_BYTES = 64 * 2**20
+HEAD_BYTES = 2**20
+SAMPLE_COUNT = 64
+SAMPLE_BYTES = 64 * 2**10
+
 
 def provenance(config: Config, weights: dict[str, str] | None = None) -> dict:
-    """The settings that decide a shard's content. `weights`: component name -> weights digest."""
+    """The settings that decide a shard's content. `weights` (component -> digest) defaults to
+    `weights_digests(config)`."""
     return {
         "format_version": FORMAT_VERSION,
         "family": config.model.family,
         "task": config.model.task,
         "max_text_tokens": config.model.max_text_tokens,
         "encoder_dtype": config.model.dtype,
-        "buckets": sorted(config.buckets.sizes),
-        "fps": config.buckets.fps,
         "storage_dtype": config.precompute.storage_dtype,
-        "weights": dict(sorted((weights or {}).items())),
+        "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
+                       "buckets": sorted(config.buckets.sizes), "fit": FIT_MODE,
+                       "frame_sampling": FRAME_SAMPLING},
+        "weights": dict(sorted((weights if weights is not None else weights_digests(config)).items())),
     }
 
 
@@ -33,8 +61,69 @@ def fingerprint(prov: dict) -> str:
     return hashlib.sha256(json.dumps(prov, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def weights_digests(config: Config) -> dict[str, str]:
+    """component -> digest of its files, for the components stage 1 runs (no weights are loaded)."""
+    from vt.shared.models import build_spec
+
+    spec = build_spec(config.model)
+    return {name: folder_digest(_local_folder(*spec.source(name))) for name in ENCODER_COMPONENTS}
+
+
+def _local_folder(path: str, subfolder: str | None) -> Path:
+    """The folder holding a component's files: local as given, or the hub snapshot (downloaded if needed)."""
+    local = Path(path)
+    if local.exists():
+        return local / subfolder if subfolder else local
+    from huggingface_hub import snapshot_download
+
+    folder = Path(snapshot_download(path, allow_patterns=[f"{subfolder}/*"] if subfolder else None))
+    return folder / subfolder if subfolder else folder
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over every file under `folder` (relative name, size, content or sampled content)."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder of model files; check model.path / model.components")
+    digest = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        digest.update(f"{path.relative_to(folder).as_posix()}\0{path.stat().st_size}\0".encode())
+        digest.update(file_digest(path).encode())
+    return digest.hexdigest()[:16]
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a whole small file, or of size + head + evenly spaced blocks of a big one."""
+    size = path.stat().st_size
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for block in iter(lambda: f.read(2**20), b""):
+                digest.update(block)
+            return digest.hexdigest()
+        head = HEAD_BYTES
+        if path.suffix == ".safetensors":  # the whole header: every tensor's name, dtype, shape, offsets
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            head = max(head, 8 + header_len)
+            f.seek(0)
+        digest.update(f"sampled {size}\0".encode())
+        digest.update(f.read(head))
+        stride = (size - head) // SAMPLE_COUNT
+        for i in range(SAMPLE_COUNT):
+            f.seek(head + i * stride)
+            digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()
+
+
 def describe_difference(expected: dict, found: dict) -> str:
-    keys = sorted(set(expected) | set(found))
-    diffs = [f"{k}: shard has {found.get(k)!r}, config wants {expected.get(k)!r}"
-             for k in keys if expected.get(k) != found.get(k)]
+    """"key.path: shard has X, config wants Y; ..." for every setting that differs (nested keys dotted)."""
+    diffs = [f"{key}: shard has {theirs!r}, config wants {ours!r}"
+             for key, ours, theirs in _diff(expected, found, "")]
     return "; ".join(diffs) or "fingerprints differ but the recorded settings match (format change?)"
+
+
+def _diff(expected, found, prefix: str):
+    if isinstance(expected, dict) and isinstance(found, dict):
+        for key in sorted(set(expected) | set(found)):
+            yield from _diff(expected.get(key), found.get(key), f"{prefix}{key}.")
+    elif expected != found:
+        yield prefix.rstrip("."), expected, found

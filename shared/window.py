@@ -1,48 +1,60 @@
 """The rolling shard window: the one contract between vt-precompute (producers) and vt-train.
 
-Layout under the window URI (local folder or s3://bucket/prefix):
+Layout under the window URI (local folder or s3://bucket/prefix), explained in docs/architecture.md:
 
-    data/p<rank>/<seq:08d>.safetensors   shard data, written first (atomically)
+    data/p<rank>/<seq:08d>-g<gen>-<sha16>.safetensors  shard data, written first (atomically)
     commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
-    producers/p<rank>.json               {"rank", "world_size", "done", "num_shards"}
+    producers/p<rank>.json               {"rank", "world_size", "done", "num_shards", "fingerprint"}
+    leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
+    progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
     consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
 
 Why it is safe at every crash point:
-- A reader trusts only commit records. Data without a record (a producer killed between the two
-  writes) is invisible; `clean_orphans` deletes it when that producer restarts at `next_seq`.
-- Eviction deletes the record first, then the data, so a crash mid-eviction leaves at worst an
-  orphan data file, never a visible record whose data is gone. Evicted seqs are below the
-  watermark, and everything below the watermark is known to have been committed, so the
-  bookkeeping (`next_seq`, the order) needs no record for them.
+- A reader trusts only commit records; data without one is invisible. Records are created
+  exclusively and name their data file, whose name carries the writer's lease generation and
+  sha256, so two writers of one seq never overwrite or delete each other's bytes, and any other
+  data file of a committed seq is an orphan that may be deleted at any time.
+- A re-run commit that finds its record already there with the same samples counts as done.
+- Eviction deletes the records first, then the data: a crash in between leaves orphan data below
+  the watermark, never a record without data. Everything below the watermark is known to be
+  committed, so the bookkeeping (`next_seq`, the order) needs no record for it.
 
 The fixed order: position i -> (rank, seq), round-robin over ranks by seq, rank-major within a
-round: (p0,0),(p1,0),(p0,1),(p1,1)... A slot (rank, seq) is skipped once that producer is done
-with fewer than seq+1 shards; otherwise the reader waits for its record. So the order depends only
-on what was committed, never on timing, and each rank's share of any prefix of the order is
-known. That is why consumer positions are stored per producer (the next unread / unevicted seq):
-backpressure and eviction are then per-producer comparisons of seqs, and a restart of either side
-recomputes everything from storage alone.
+round: (p0,0),(p1,0),(p0,1),(p1,1)... A slot is skipped once its producer is done with fewer
+shards; otherwise the reader waits for its record. So the order depends only on what was
+committed, never on timing, and each rank's share of any prefix is known: consumer positions are
+stored per producer (next unread / unevicted seq), backpressure and eviction compare seqs per
+producer, and a restart of either side recomputes everything from storage alone.
 
 Backpressure: producer `rank` waits while its committed-unread shards reach its share
-max(1, size // world_size), so storage holds at most `size` unread shards (world_size if that is
-larger) plus one being written per producer. `size="keep"` never evicts and never waits.
-One trainer process (rank 0) writes consumer.json; producers only read it.
-"""
+max(1, size // world_size). `size="keep"` never evicts and never waits. One trainer process
+(rank 0) writes consumer.json; producers only read it.
 
+Fault points (vt.shared.faults): window.commit.after_data, window.commit.after_record,
+window.evict.mid (records deleted, data not yet), window.publish_read, window.publish_watermark.
+"""
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import re
 import time
 from typing import Iterator
 
+from . import lease
+from .faults import fault_point
+from .lease import ProducerFenced
 from .shards import CommitRecord, read_shard_metadata
 from .storage import Storage
+
+__all__ = ["CONSUMER", "ProducerConflict", "ProducerFenced", "ShardCorruptError", "Window", "WindowTimeout",
+           "commit_path", "data_path", "producer_path", "seq_of"]
 
 log = logging.getLogger("vt.window")
 
 CONSUMER = "consumer.json"
+_SEQ = re.compile(r"(\d+)")
 
 
 class WindowTimeout(TimeoutError):
@@ -53,8 +65,14 @@ class ShardCorruptError(ValueError):
     """A committed shard's data does not match its commit record (size or sha256)."""
 
 
-def data_path(rank: int, seq: int) -> str:
-    return f"data/p{rank}/{seq:08d}.safetensors"
+class ProducerConflict(RuntimeError):
+    """A commit record for this seq already exists with other content: two producers of one rank."""
+
+
+def data_path(rank: int, seq: int, sha256: str, generation: int = 0) -> str:
+    """Named by seq, writer generation and content: two writers never share a name, so neither can
+    overwrite or delete the other's bytes."""
+    return f"data/p{rank}/{seq:08d}-g{generation}-{sha256[:16]}.safetensors"
 
 
 def commit_path(rank: int, seq: int) -> str:
@@ -65,8 +83,22 @@ def producer_path(rank: int) -> str:
     return f"producers/p{rank}.json"
 
 
+def seq_of(rel: str) -> int:
+    """The seq in a data or record path ("data/p0/00000003-ab...safetensors" -> 3)."""
+    return int(_SEQ.match(rel.rsplit("/", 1)[-1]).group(1))
+
+
 def _seqs(paths: list[str]) -> set[int]:
-    return {int(p.rsplit("/", 1)[-1].split(".", 1)[0]) for p in paths}
+    return {seq_of(p) for p in paths}
+
+
+def _identity(record: CommitRecord) -> tuple:
+    """What makes two commits of one seq the same shard: its samples, bucket, epoch and settings.
+
+    Not the bytes: safetensors writes its metadata in hash-map order, so re-encoding the same
+    tensors can give another sha256.
+    """
+    return record.producer, record.seq, record.epoch, record.bucket, tuple(record.keys), record.fingerprint
 
 
 class _NotYet(Exception):
@@ -77,18 +109,20 @@ class Window:
     """Producer and consumer side of one shard window; cheap to construct, holds no lock."""
 
     def __init__(self, uri: str, size: int | str = 8, poll_seconds: float = 0.2,
-                 timeout_seconds: float = 1800.0):
+                 timeout_seconds: float = 1800.0, storage: Storage | None = None):
         if size != "keep" and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
             raise ValueError(f"window.size must be a positive integer or \"keep\", got {size!r}")
         if poll_seconds <= 0 or timeout_seconds <= 0:
             raise ValueError("window.poll_seconds and window.timeout_seconds must be positive")
-        self.storage = Storage(uri)
+        self.storage = storage or Storage(uri)
         self.uri = uri
         self.size = size
         self.keep = size == "keep"
         self.poll_seconds = poll_seconds
         self.timeout_seconds = timeout_seconds
         self._expected: dict[int, int] = {}  # rank -> seq this process commits next
+        self._generation: dict[int, int] = {}  # rank -> lease generation this process holds
+        self._leftovers: dict[int, dict[int, list[str]]] = {}  # rank -> seq -> uncommitted data found at start
 
     def __repr__(self) -> str:
         return f"Window({self.uri!r}, size={self.size!r})"
@@ -138,8 +172,21 @@ class Window:
         return seq
 
     # -- producer side ---------------------------------------------------------------------------
-    def register_producer(self, rank: int, world_size: int) -> None:
-        """Announce producer `rank` of `world_size`; the reader's order needs the world size."""
+    def acquire(self, rank: int) -> int:
+        """Take over producer `rank` (a new lease generation); an older producer of it stops at its next commit."""
+        self._generation[rank] = lease.acquire(self.storage, rank)
+        self._expected.pop(rank, None)
+        return self._generation[rank]
+
+    def _check_lease(self, rank: int) -> None:
+        if rank in self._generation:
+            lease.check(self.storage, rank, self._generation[rank])
+
+    def register_producer(self, rank: int, world_size: int, fingerprint: str | None = None) -> bool:
+        """Announce producer `rank` of `world_size`; the reader's order needs the world size.
+
+        Returns False if this rank already finished (its done marker is there): nothing left to do.
+        """
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
             raise ValueError(f"producer rank {rank} / world size {world_size}: need 0 <= rank < world_size")
         known = self.world_size()
@@ -149,17 +196,21 @@ class Window:
         current = self._producer(rank)
         if current is not None and current.get("done"):
             log.info("producer %d of %s is already done with %d shards", rank, self.uri, current["num_shards"])
-            return
-        info = {"rank": rank, "world_size": world_size, "done": False, "num_shards": None}
+            return False
+        self._check_lease(rank)
+        info = {"rank": rank, "world_size": world_size, "done": False, "num_shards": None,
+                "fingerprint": fingerprint, "generation": self._generation.get(rank)}
         self.storage.put_atomic(producer_path(rank), json.dumps(info).encode())
+        return True
 
-    def wait_for_room(self, rank: int) -> None:
+    def wait_for_room(self, rank: int) -> tuple[int, int]:
         """Block while this producer's committed-unread shards fill its share of the window.
 
         Evicts this rank's shards below the watermark while waiting (the trainer may be gone).
+        Returns (unread, share) at the moment there was room: the producer's window fill.
         """
         if self.keep:
-            return
+            return 0, 0
         info = self._producer(rank)
         if info is None:
             raise RuntimeError(f"producer {rank} is not registered in {self.uri}; call register_producer first")
@@ -169,7 +220,7 @@ class Window:
             consumer = self._consumer()
             unread = self.next_seq(rank, consumer) - consumer["read"].get(rank, 0)
             if unread < share:
-                return
+                return unread, share
             self.evict(rank)
             if time.monotonic() > deadline:
                 raise WindowTimeout(
@@ -178,9 +229,10 @@ class Window:
                     "running and reading this window? Raise window.timeout_seconds or use size='keep'")
             time.sleep(self.poll_seconds)
 
-    def commit(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
-               fingerprint: str) -> CommitRecord:
-        """Write the shard data fully, then create its commit record exclusively (visible from then)."""
+    def prepare(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
+                fingerprint: str) -> CommitRecord:
+        """The commit record `data` will get as shard `seq` of `rank`; checks lease, order and format."""
+        self._check_lease(rank)
         expected = self._expected.get(rank)
         if expected is None:
             info = self._producer(rank)
@@ -193,15 +245,59 @@ class Window:
                              "contiguous so the reader never waits on a gap; a restarted producer "
                              "resumes at Window.next_seq(rank)")
         read_shard_metadata(data)  # refuse bytes that are not a shard before they become visible
-        record = CommitRecord(producer=rank, seq=seq, epoch=epoch, bucket=bucket, keys=list(keys),
-                              data=data_path(rank, seq), nbytes=len(data),
-                              sha256=hashlib.sha256(data).hexdigest(), fingerprint=fingerprint)
+        sha256 = hashlib.sha256(data).hexdigest()
+        return CommitRecord(producer=rank, seq=seq, epoch=epoch, bucket=bucket, keys=list(keys),
+                            data=data_path(rank, seq, sha256, self._generation.get(rank, 0)),
+                            nbytes=len(data), sha256=sha256,
+                            fingerprint=fingerprint)
+
+    def publish(self, record: CommitRecord, data: bytes) -> CommitRecord:
+        """Write the shard data fully, then create its commit record exclusively (visible from then)."""
+        rank, seq = record.producer, record.seq
         self.storage.put_atomic(record.data, data)
+        fault_point("window.commit.after_data")
+        try:
+            self._check_lease(rank)
+        except ProducerFenced:
+            existing = self.record(rank, seq)
+            if existing is None or existing.data != record.data:
+                self.storage.delete(record.data)  # nobody will ever name these bytes
+            raise
         if not self.storage.create_exclusive(commit_path(rank, seq), record.to_json()):
-            raise RuntimeError(f"commit record {commit_path(rank, seq)} already exists in {self.uri}: "
-                               f"two producers are writing as rank {rank}; give each a distinct rank")
+            existing = self.record(rank, seq)
+            if existing is None or _identity(existing) != _identity(record):
+                if existing is None or existing.data != record.data:
+                    self.storage.delete(record.data)  # ours is the orphan: the record names other bytes
+                raise ProducerConflict(
+                    f"commit record {commit_path(rank, seq)} already exists in {self.uri} with other "
+                    f"content: two producers are writing as rank {rank}. Run exactly one producer per "
+                    "rank (torchrun gives each its own RANK), then restart this one: it resumes after "
+                    "the shards already committed")
+            if existing.data != record.data:
+                self.storage.delete(record.data)  # same samples, other bytes (safetensors header order)
+            log.info("shard %d of producer %d was already committed with the same samples", seq, rank)
+            record = existing
+        fault_point("window.commit.after_record")
         self._expected[rank] = seq + 1
+        for rel in self._leftovers.get(rank, {}).pop(seq, []):
+            if rel != record.data:
+                self.storage.delete(rel)  # an earlier run's uncommitted bytes for this seq
         return record
+
+    def commit(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
+               fingerprint: str) -> CommitRecord:
+        """prepare + publish: the shard is visible when this returns."""
+        return self.publish(self.prepare(rank, seq, epoch, data, bucket, keys, fingerprint), data)
+
+    def write_progress(self, rank: int, payload: dict) -> None:
+        """Store this producer's resume state (under its lease generation); see precompute/resume.py."""
+        if rank not in self._generation:
+            raise RuntimeError(f"producer {rank} holds no lease in {self.uri}; call acquire({rank}) first")
+        lease.write_progress(self.storage, rank, self._generation[rank], payload)
+
+    def read_progress(self, rank: int) -> list[tuple[int, dict]]:
+        """(generation, payload) of every stored resume state of `rank`, newest generation first."""
+        return lease.read_progress(self.storage, rank)
 
     def finish_producer(self, rank: int, num_shards: int) -> None:
         """Done marker: this rank's shards are seqs 0..num_shards-1; the reader stops waiting on it."""
@@ -212,18 +308,42 @@ class Window:
         if committed != num_shards:
             raise ValueError(f"producer {rank} says it wrote {num_shards} shards but {self.uri} has "
                              f"seqs 0..{committed - 1} committed; finish with num_shards={committed}")
+        self._check_lease(rank)
+        self.clean_orphans(rank, beyond=num_shards)
         info.update(done=True, num_shards=num_shards)
         self.storage.put_atomic(producer_path(rank), json.dumps(info).encode())
 
-    def clean_orphans(self, rank: int) -> list[str]:
-        """Delete data files of `rank` that have no commit record. Only while that rank is not writing."""
+    def clean_orphans(self, rank: int, beyond: int | None = None) -> list[str]:
+        """Delete `rank`'s data that no record can ever name; run by that rank's producer.
+
+        Safe even beside a live writer: other data files of a committed seq than the one its record
+        names, data below the watermark whose record is gone (a killed eviction), temp files of dead
+        writers and stale multipart uploads. Data of a seq not committed yet may be a live writer's
+        next shard: it is kept, and deleted when that seq is committed (or, with `beyond`, when no
+        seq from there on will be). Reads a record only for a seq with more than one data file.
+        """
+        removed = self.storage.clean_incomplete(f"data/p{rank}") + self.storage.clean_incomplete(f"commits/p{rank}")
+        floor = self._consumer()["watermark"].get(rank, 0)
         committed = _seqs(self.storage.list(f"commits/p{rank}"))
-        orphans = [rel for rel in self.storage.list(f"data/p{rank}") if _seqs([rel]).pop() not in committed]
-        for rel in orphans:
-            self.storage.delete(rel)
-        if orphans:
-            log.info("removed %d orphan data files of producer %d from %s", len(orphans), rank, self.uri)
-        return orphans
+        files: dict[int, list[str]] = {}
+        for rel in self.storage.list(f"data/p{rank}"):
+            files.setdefault(seq_of(rel), []).append(rel)
+        leftovers: dict[int, list[str]] = {}
+        for seq, rels in sorted(files.items()):
+            if seq in committed:
+                record = self.record(rank, seq) if len(rels) > 1 else None
+                doomed = [rel for rel in rels if record is not None and rel != record.data]
+            elif seq < floor or (beyond is not None and seq >= beyond):
+                doomed = rels
+            else:
+                leftovers[seq], doomed = rels, []
+            for rel in doomed:
+                self.storage.delete(rel)
+                removed.append(rel)
+        self._leftovers[rank] = leftovers
+        if removed:
+            log.info("removed %d orphan files of producer %d from %s", len(removed), rank, self.uri)
+        return removed
 
     # -- consumer side ---------------------------------------------------------------------------
     def _slots(self, block: bool) -> Iterator[tuple[int, int, int]]:
@@ -332,6 +452,7 @@ class Window:
         consumer = self._consumer()
         consumer.update(read=self._seqs_at(position), read_position=position)
         self._write_consumer(consumer)
+        fault_point("window.publish_read")
 
     def publish_watermark(self, position: int) -> None:
         """After a checkpoint: positions < `position` may be evicted. Never moves back."""
@@ -340,21 +461,24 @@ class Window:
             return
         consumer.update(watermark=self._seqs_at(position), watermark_position=position)
         self._write_consumer(consumer)
+        fault_point("window.publish_watermark")
 
     def evict(self, rank: int | None = None) -> list[str]:
-        """Delete shards below the watermark (all ranks, or one): record first, then data."""
+        """Delete shards below the watermark (all ranks, or one): records first, then data."""
         if self.keep:
             return []
         watermark = self._consumer()["watermark"]
         deleted = []
         for k in sorted(watermark if rank is None else [rank]):
             floor = watermark.get(k, 0)
-            records = [r for r in self.storage.list(f"commits/p{k}") if _seqs([r]).pop() < floor]
+            records = [r for r in self.storage.list(f"commits/p{k}") if seq_of(r) < floor]
             for rel in records:
                 self.storage.delete(rel)
                 deleted.append(rel)
-            data = [r for r in self.storage.list(f"data/p{k}") if _seqs([r]).pop() < floor]
-            for rel in data:  # after all records: a crash in between leaves orphans, not dangling records
+            if records:
+                fault_point("window.evict.mid")  # records gone, data still there: orphans, never dangling records
+            data = [r for r in self.storage.list(f"data/p{k}") if seq_of(r) < floor]
+            for rel in data:
                 self.storage.delete(rel)
                 deleted.append(rel)
         if deleted:
@@ -362,24 +486,8 @@ class Window:
         return deleted
 
     def state(self) -> dict:
-        """Producers, committed, read, watermark, evicted count and bytes, for reports and inspect."""
-        consumer = self._consumer()
-        records = self.storage.list("commits")
-        producers = {}
-        for rank, info in sorted(self._producers().items()):
-            committed = self.next_seq(rank, consumer)
-            read = consumer["read"].get(rank, 0)
-            producers[rank] = {"world_size": info["world_size"], "done": bool(info.get("done")),
-                               "num_shards": info.get("num_shards"), "committed": committed,
-                               "read": read, "unread": max(0, committed - read),
-                               "watermark": consumer["watermark"].get(rank, 0)}
-        present_below = sum(1 for rel in records
-                            if _seqs([rel]).pop() < consumer["watermark"].get(int(rel.split("/")[1][1:]), 0))
-        return {"uri": self.uri, "size": self.size, "world_size": self.world_size(),
-                "producers": producers,
-                "committed": sum(p["committed"] for p in producers.values()),
-                "unread": sum(p["unread"] for p in producers.values()),
-                "present": len(records),
-                "read": consumer["read_position"], "watermark": consumer["watermark_position"],
-                "evicted": sum(consumer["watermark"].values()) - present_below,
-                "bytes": sum(self.storage.sizes("data").values())}
+        """Producers, committed, read, watermark, evicted, bytes, buckets, fingerprints, orphans
+        (see window_state.py; reads every present record)."""
+        from .window_state import window_state
+
+        return window_state(self)

@@ -1,0 +1,187 @@
+"""A TCP gate between S3 clients and the moto server, and a moto server that restarts with its state.
+
+Real stores fail in ways a healthy moto never does: connections refused or cut, 503 SlowDown, a
+reply lost after the request was applied, the server restarting. The gate passes bytes through
+untouched and, on demand, produces exactly those failures at the socket level, so the code under
+test sees what a client of a real store sees.
+
+A restart is made fair (a real S3 outage loses no objects) with moto's request recorder: every
+request the server handles is appended to a journal; a fresh server process replays the journal's
+writes before the gate lets clients through again. The gate is down during the restart, so no
+client ever sees the half-restored server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+from polling import wait_for
+
+_BUSY_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+BUSY_REPLY = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+
+
+class Gate:
+    """127.0.0.1:<port> -> moto. Modes: open (pass), down (accept and close at once: the service is gone).
+
+    `busy = n`: the next n connections get a 503 SlowDown and are closed. `lose_replies = n`: the next
+    n connections reach the server, but its reply is dropped and the connection cut.
+    """
+
+    def __init__(self, upstream: int):
+        self.upstream = upstream
+        self.mode = "open"
+        self.busy = 0
+        self.lose_replies = 0
+        self.refused = self.answered_busy = self.replies_lost = 0
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(client,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with self._lock:
+            mode = self.mode
+            busy = self.busy > 0 and mode == "open"
+            lose = not busy and self.lose_replies > 0 and mode == "open"
+            self.busy -= busy
+            self.lose_replies -= lose
+            self.refused += mode == "down"
+        if mode == "down":
+            client.close()
+            return
+        if busy:
+            head = _read_head(client)
+            client.sendall(BUSY_REPLY if not head.startswith(b"HEAD ") else BUSY_REPLY.split(b"\r\n\r\n")[0] + b"\r\n\r\n")
+            client.close()
+            with self._lock:
+                self.answered_busy += 1
+            return
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.upstream))
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self._sockets.update((client, upstream))
+        threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+        self._pipe(upstream, client, lose)
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, lose: bool) -> None:
+        try:
+            while chunk := source.recv(65536):
+                if lose:  # the server answered: the request was applied; its reply never arrives
+                    with self._lock:
+                        self.replies_lost += 1
+                    break
+                sink.sendall(chunk)
+        except OSError:
+            pass
+        for sock in (source, sink):
+            _close(sock)
+            with self._lock:
+                self._sockets.discard(sock)
+
+    def down(self) -> None:
+        """Refuse new connections and cut the open ones (requests in flight may or may not have landed)."""
+        with self._lock:
+            self.mode = "down"
+            sockets = list(self._sockets)
+        for sock in sockets:
+            _close(sock)
+
+    def open(self, upstream: int | None = None) -> None:
+        with self._lock:
+            self.upstream = upstream or self.upstream
+            self.mode = "open"
+
+    def close(self) -> None:
+        self.down()
+        self._listener.close()
+
+
+def _read_head(sock: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class RecordedMoto:
+    """A moto_server process that journals every request, so a new process can take over its state."""
+
+    def __init__(self, journal: Path):
+        self.journal = journal
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self.start()
+
+    def start(self) -> None:
+        self.port = _free_port()
+        env = {**os.environ, "MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": str(self.journal)}
+        moto = Path(sys.executable).with_name("moto_server")
+        self.proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(self.port)], env=env,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+        def listening():
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+        wait_for(listening, timeout=30, what="moto_server to listen")
+
+    def requests(self) -> int:
+        """Requests the server has handled so far (journal lines)."""
+        return len(self.journal.read_text().splitlines()) if self.journal.exists() else 0
+
+    def crash_and_restart(self) -> None:
+        """SIGKILL the server, start a new one and replay the journal's writes into it."""
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        writes = [line for line in self.journal.read_text().splitlines()
+                  if line.strip() and json.loads(line)["method"] in ("PUT", "POST", "DELETE")]
+        self.journal.write_text("".join(line + "\n" for line in writes))
+        self.start()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/moto-api/recorder/replay-recording",
+                                         method="POST")
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert reply.status == 200
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)

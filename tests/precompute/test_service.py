@@ -1,0 +1,193 @@
+"""The precompute service on the real clips and the tiny LTX model: resume after eviction, one writer
+per rank, idempotent commits, the report, the progress bar and `vt-precompute inspect`.
+
+A crash is simulated in-process by a Window that raises at a chosen commit (before its data is
+written, or right after its record is created); the trainer's part (read, checkpoint, evict) is done
+by hand between runs, so every record a restarted producer could have learned from is gone.
+Crashes of real processes by SIGKILL are in tests/faults/.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cli_runs import raw_keys, write_config
+from polling import wait_for
+from typer.testing import CliRunner
+
+from vt.precompute.cli import app
+from vt.precompute.service import Precompute
+from vt.shared.config import load_config
+from vt.shared.shards import encode_shard
+from vt.shared.window import ProducerConflict, ProducerFenced, Window
+
+
+class Crash(Exception):
+    """Stands in for a process dying at a commit."""
+
+
+class CrashingWindow(Window):
+    """A real Window that dies at its `at`-th publish, before writing the data or after the record."""
+
+    def __init__(self, *args, at: int, when: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.at, self.when, self.publishes = at, when, 0
+
+    def publish(self, record, data):
+        self.publishes += 1
+        if self.publishes == self.at and self.when == "before_data":
+            raise Crash(f"before the data of shard {record.seq}")
+        out = super().publish(record, data)
+        if self.publishes == self.at and self.when == "after_record":
+            raise Crash(f"after the record of shard {record.seq}")
+        return out
+
+
+@pytest.fixture(scope="module")
+def raw_with_bad(raw_shards, media, tmp_path_factory) -> Path:
+    """The real raw tars plus one tar of two bad samples (no caption, empty caption), sorted first."""
+    folder = tmp_path_factory.mktemp("raw-with-bad")
+    for tar in sorted(raw_shards.glob("*.tar"))[:2]:  # 8 real samples: enough shards, half the time
+        shutil.copy(tar, folder / tar.name)
+    clip = media.encode_clip(media.gray_frames(24))
+    media.write_tar(folder / "bad-000000.tar", [("nocap.mp4", clip), ("blank.mp4", clip), ("blank.txt", b"  ")])
+    return folder
+
+
+def config_for(tmp_path: Path, model: Path, raw: Path, uri: str, **sections):
+    sections = {"precompute": {"workers": 0}, "log": {"progress": False}, **sections}
+    return load_config(write_config(tmp_path / "run.toml", model, raw, tmp_path / "run", uri, **sections))
+
+
+def consume_everything(uri: str, harvested: Counter, seen: set) -> None:
+    """The trainer's part: read every committed shard, checkpoint past it, evict it (records gone)."""
+    window = Window(uri, size=64)
+    end = window.next_seq(0)
+    for seq in range(end):
+        record = window.record(0, seq)
+        if record is not None and seq not in seen:
+            seen.add(seq)
+            harvested.update((record.epoch, key) for key in record.keys)
+    if end:
+        window.publish_read(end)
+        window.publish_watermark(end)
+        window.evict()
+
+
+def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_factory, raw_with_bad):
+    uri = str(tmp_path / "window")
+    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_with_bad, uri,
+                        window={"size": 64}, train={"epochs": 2})
+    harvested, seen = Counter(), set()
+    reports = []
+    for at, when in ((3, "after_record"), (4, "before_data"), (None, None)):
+        producer = Precompute(config)
+        if at is not None:
+            producer.window = CrashingWindow(uri, 64, 0.01, 30.0, at=at, when=when)
+            with pytest.raises(Crash):
+                producer.run()
+        else:
+            producer.run()
+        reports.append(json.loads((tmp_path / "run" / "precompute_report.json").read_text()))
+        consume_everything(uri, harvested, seen)
+        assert Window(uri).storage.list("commits") == []  # nothing left to learn from: all evicted
+
+    expected = raw_keys(raw_with_bad) - {"nocap", "blank"}
+    assert harvested == Counter({(epoch, key): 1 for epoch in (0, 1) for key in expected})
+    assert [r["status"].split(":")[0] for r in reports] == ["failed", "failed", "done"]
+    assert [r["resumed_at"] for r in reports] == [0, 3, 3 + 3]  # the crash before data lost shard 6 only
+    assert reports[1]["skipped_shards"] == reports[2]["skipped_shards"] == 2  # raw tars not read again
+    state = Window(uri).state()
+    assert state["producers"][0]["done"] and state["orphans"] == [] and state["evicted"] == len(seen)
+
+
+def test_second_producer_of_a_rank_fences_the_first(tmp_path, tiny_model_factory, raw_shards):
+    uri = str(tmp_path / "window")
+    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_shards, uri, window={"size": "keep"})
+    reached, release = threading.Event(), threading.Event()
+
+    class PausingWindow(Window):
+        def publish(self, record, data):
+            if record.seq == 1:
+                reached.set()
+                release.wait(60)
+            return super().publish(record, data)
+
+    first = Precompute(config)
+    first.window = PausingWindow(uri, "keep", 0.01, 30.0)
+    errors = []
+    thread = threading.Thread(target=lambda: _run_catching(first, errors))
+    thread.start()
+    wait_for(reached.is_set, what="the first producer to reach its second commit")
+    second = Precompute(config).run()  # started while the first is mid-commit: takes the rank over
+    release.set()
+    thread.join(60)
+
+    assert len(errors) == 1 and isinstance(errors[0], ProducerFenced)
+    assert "two producers are writing as rank 0" in str(errors[0])
+    keys = Counter(key for _, record in Window(uri).order() for key in record.keys)
+    assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}
+    assert second.generation == 2 and second.resumed_at == 1
+    assert Window(uri).state()["orphans"] == []  # the fenced writer removed its own bytes
+
+
+def _run_catching(producer, errors):
+    try:
+        producer.run()
+    except Exception as err:
+        errors.append(err)
+
+
+def test_a_rerun_commit_with_the_same_samples_counts_as_done(tmp_path):
+    uri = str(tmp_path / "window")
+    import torch
+
+    def data(value: float) -> bytes:
+        return encode_shard({"latents": torch.full((2, 4), value)}, ["a", "b"], {"bucket": "9x64x64"})
+
+    first, rerun, other = Window(uri), Window(uri), Window(uri)
+    first.register_producer(0, 1)
+    same = rerun.prepare(0, 0, 0, data(1.0), "9x64x64", ["a", "b"], "fp")  # all three start at seq 0
+    different = other.prepare(0, 0, 0, data(2.0), "9x64x64", ["c", "d"], "fp")
+    committed = first.commit(0, 0, 0, data(1.0), "9x64x64", ["a", "b"], "fp")
+    assert rerun.publish(same, data(1.0)) == committed  # same samples (not the same bytes): done
+    with pytest.raises(ProducerConflict, match="already exists .* with other content"):
+        other.publish(different, data(2.0))
+    assert Window(uri).storage.list("data") == [committed.data]  # the losers' bytes are gone
+
+
+def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_bad, capsys):
+    uri = str(tmp_path / "window")
+    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_with_bad, uri,
+                        window={"size": "keep"}, log={"progress": True})
+    Precompute(config).run()
+    bar = capsys.readouterr().err
+    assert "precompute[0]" in bar and "clip/s" in bar and "MB=" in bar and "window=keep" in bar
+
+    report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
+    expected = raw_keys(raw_with_bad) - {"nocap", "blank"}
+    assert report["seen"] == len(expected) + 2 and report["committed"] == len(expected)
+    assert report["rejected"] == {"empty_caption": 1, "missing_caption": 1}
+    assert set(report["seconds"]) == {"read", "decode", "text_encode", "vae_encode", "write", "wait"}
+    assert report["seconds"]["vae_encode"] > 0 and report["seconds"]["decode"] > 0
+    assert report["bytes"] == Window(uri).state()["bytes"] > 0
+
+    result = CliRunner().invoke(app, ["inspect", uri])
+    assert result.exit_code == 0, result.output
+    state = Window(uri).state()
+    assert f"committed {state['committed']} shards" in result.output
+    for bucket, counts in state["buckets"].items():
+        assert f"{bucket:<11} {counts['shards']:>6}  {counts['samples']:>7}" in result.output
+    assert sum(c["samples"] for c in state["buckets"].values()) == len(expected)
+    assert state["fingerprints"] == [state["producers"][0]["fingerprint"]]
+    assert state["fingerprints"][0] in result.output
+    as_json = json.loads(CliRunner().invoke(app, ["inspect", uri, "--json"]).output)
+    assert as_json["committed"] == state["committed"] and as_json["buckets"] == state["buckets"]
+
+    missing = CliRunner().invoke(app, ["inspect", str(tmp_path / "nothing-here")])
+    assert missing.exit_code == 1 and "holds no window" in missing.output
