@@ -1,21 +1,30 @@
-"""Probe a clip and decode only the frames shown at given times (PyAV).
+"""Probe a clip and decode only the frames shown at given times (PyAV), in one pass over the file.
 
-Decode is what limits precompute throughput, so decode_at never decodes a whole file: it seeks to
-the keyframe before the first wanted time, decodes forward, and stops at the first frame past the
-last wanted time. Frames are chosen by timestamp (the frame on screen at time t is the last one
-whose presentation time is <= t), which works for 25, 29.97 and variable frame rate alike.
+Decode is what limits precompute throughput, so a clip is opened once (`Clip`): the probe decodes
+its first frame, and decoding the wanted frames continues from there when they start at the
+beginning, or seeks to the keyframe before the first wanted time otherwise. It stops at the first
+frame past the last wanted time, so a long video is never decoded whole. Frames are chosen by
+timestamp (the frame on screen at time t is the last one whose presentation time is <= t), which
+works for 25, 29.97 and variable frame rate alike.
 
-Sizes in VideoInfo are as displayed: a phone clip stored 1920x1080 with a 90 degree display
-rotation reports height 1920, width 1080, and decode_at returns its frames upright.
+Sizes in VideoInfo are after rotation: a phone clip stored 1920x1080 with a 90 degree display
+rotation reports height 1920, width 1080, and frames come back upright. Pixels are taken as square
+(a sample aspect ratio, e.g. carphone's 128/117, is not applied). Frames are scaled by FFmpeg (swscale) while being converted to RGB, straight to the size the caller asks for,
+so a 720p clip bound for a 64x96 bucket never exists as full-size RGB or float in memory.
+
+Decoding is single-threaded per clip: throughput comes from several decode worker processes
+(precompute.workers), and FFmpeg's own threads would only compete with them and the encoder.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 from dataclasses import dataclass
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from .errors import SampleError
 
@@ -25,8 +34,9 @@ class VideoInfo:
     """What bucket choice and frame sampling need to know about a clip.
 
     `duration` runs to the end of the last frame (frames / fps for a constant rate), `height` and
-    `width` are after rotation, and `rotation` is the display rotation in degrees counter-clockwise
-    (0, 90, 180 or 270), the convention of FFmpeg's display matrix and PyAV's VideoFrame.rotation.
+    `width` are after rotation, and `rotation` is the
+    display rotation in degrees counter-clockwise (0, 90, 180 or 270), the convention of FFmpeg's
+    display matrix and PyAV's VideoFrame.rotation.
     """
 
     fps: float
@@ -78,56 +88,99 @@ def _scan_packets(video: bytes) -> tuple[int, float]:
     return count, end or 0.0
 
 
-def probe(video: bytes) -> VideoInfo:
-    """Frame rate, frame count, duration, displayed size and rotation of a clip.
+class Clip:
+    """One clip opened for probing and decoding: `info`, then `frames_at(times, size)`.
 
-    Decodes the first frame too, so a file that opens but cannot be decoded fails here, before any
-    work is spent on it. Raises SampleError("corrupt_video" | "no_video_stream" | "empty_video").
+    A context manager; the container is closed on exit. Raises SampleError("corrupt_video" |
+    "no_video_stream" | "empty_video") on opening, since the probe decodes the first frame: a file
+    that opens but cannot be decoded fails before any more work is spent on it.
     """
-    with _open(video) as container:
-        stream = _video_stream(container)
+
+    def __init__(self, video: bytes):
+        self._video = video
+        self._container = _open(video)
+        self.stats = {"packets": 0, "frames": 0, "seeks": 0}
+        self._reformatter = VideoReformatter()  # keeps its scaler between frames: 3x cheaper than anew
         try:
-            first = next(iter(container.decode(stream)), None)
-        except av.FFmpegError as err:
-            raise SampleError("corrupt_video", f"cannot decode the first frame: {err}") from None
-        if first is None:
-            raise SampleError("empty_video", "the video stream has no decodable frames")
+            self._stream = _video_stream(self._container)
+            self._stream.codec_context.thread_count = 1  # see the module docstring
+            self._frames = self._decode_forward()
+            try:
+                first = next(self._frames, None)
+            except av.FFmpegError as err:
+                raise SampleError("corrupt_video", f"cannot decode the first frame: {err}") from None
+            if first is None:
+                raise SampleError("empty_video", "the video stream has no decodable frames")
+            self._first = first
+            self._pending = [first]  # decoded, not yet looked at by frames_at
+            self._at_start = True
+            self.info = self._probe(first)
+        except BaseException:
+            self._container.close()
+            raise
+
+    def __enter__(self) -> "Clip":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._container.close()
+
+    def _decode_forward(self):
+        for packet in self._container.demux(self._stream):
+            self.stats["packets"] += 1
+            for frame in packet.decode():
+                self.stats["frames"] += 1
+                yield frame
+
+    def _probe(self, first) -> VideoInfo:
+        stream = self._stream
         frames = stream.frames or 0
         duration = float(stream.duration * stream.time_base) if stream.duration else 0.0
+        if frames <= 0 or duration <= 0:
+            frames, duration = _scan_packets(self._video)
+        if frames <= 0 or duration <= 0:
+            raise SampleError("empty_video", f"the video stream has {frames} frames over {duration:.3f}s")
         rate = stream.average_rate or stream.guessed_rate
-    if frames <= 0 or duration <= 0:
-        frames, duration = _scan_packets(video)
-    if frames <= 0 or duration <= 0:
-        raise SampleError("empty_video", f"the video stream has {frames} frames over {duration:.3f}s")
-    fps = float(rate) if rate else frames / duration
-    rotation = _normalize_rotation(first.rotation)
-    height, width = first.height, first.width
-    if rotation in (90, 270):
-        height, width = width, height
-    return VideoInfo(fps=fps, frames=frames, duration=duration, height=height, width=width, rotation=rotation)
+        fps = float(rate) if rate else frames / duration
+        rotation = _normalize_rotation(first.rotation)
+        height, width = first.height, first.width
+        if rotation in (90, 270):
+            height, width = width, height
+        return VideoInfo(fps=fps, frames=frames, duration=duration, height=height, width=width, rotation=rotation)
 
+    def _restart(self, seconds: float, count: bool) -> None:
+        """Seek to the keyframe at or before `seconds` from the start; decoding resumes there."""
+        stream = self._stream
+        self._container.seek((stream.start_time or 0) + int(seconds / stream.time_base), stream=stream,
+                             backward=True)
+        self._frames, self._pending, self._at_start = self._decode_forward(), [], False
+        if count:
+            self.stats["seeks"] += 1
 
-def _pick_frames(container, stream, wanted: list[float], fps: float, stats: dict,
-                 allow_seek: bool) -> list | None:
-    """The frame shown at each of the sorted `wanted` times; None if a seek landed past the first.
+    def _pick(self, wanted: list[float], allow_seek: bool) -> list | None:
+        """The frame shown at each of the sorted `wanted` times; None if a seek landed past the first.
 
-    A frame is kept until the next decoded frame starts after a wanted time, so decoding stops
-    one frame past the last wanted time (plus the decoder's reorder delay).
-    """
-    base, origin = stream.time_base, stream.start_time or 0
-    # Slack for stored timestamps, which are rounded to the nearest tick (a millisecond in mkv):
-    # half a tick, never more than a quarter frame, plus float noise.
-    tol = min(0.5 * float(base), 0.25 / fps if fps > 0 else 1.0) + 1e-6
-    seek = allow_seek and wanted[0] - tol > 0
-    if seek:
-        container.seek(origin + int((wanted[0] - tol) / base), stream=stream, backward=True)
-        stats["seeks"] += 1
-    picked: list = []
-    shown = None  # the frame on screen at the current decode position
-    for packet in container.demux(stream):
-        stats["packets"] += 1
-        for frame in packet.decode():
-            stats["frames"] += 1
+        A frame is kept until the next decoded frame starts after a wanted time, so decoding stops
+        one frame past the last wanted time (plus the decoder's reorder delay).
+        """
+        stream, fps = self._stream, self.info.fps
+        base, origin = stream.time_base, stream.start_time or 0
+        # Slack for stored timestamps, which are rounded to the nearest tick (a millisecond in mkv):
+        # half a tick, never more than a quarter frame, plus float noise.
+        tol = min(0.5 * float(base), 0.25 / fps if fps > 0 else 1.0) + 1e-6
+        seek = allow_seek and wanted[0] - tol > 0
+        if seek:
+            self._restart(wanted[0] - tol, count=True)
+        elif not self._at_start:
+            self._restart(0.0, count=False)
+        self._at_start = False
+        frames, self._pending = itertools.chain(self._pending, self._frames), []
+        picked: list = []
+        shown = None  # the frame on screen at the current decode position
+        for frame in frames:
             pts = _frame_pts(frame)
             if pts is None:
                 continue
@@ -139,47 +192,80 @@ def _pick_frames(container, stream, wanted: list[float], fps: float, stats: dict
             if len(picked) == len(wanted):
                 return picked
             shown = frame
-    if shown is None:
-        raise SampleError("empty_video", "no frame could be decoded at the wanted times")
-    return picked + [shown] * (len(wanted) - len(picked))  # times in the last frame
+        if shown is None:
+            raise SampleError("empty_video", "no frame could be decoded at the wanted times")
+        return picked + [shown] * (len(wanted) - len(picked))  # times in the last frame
 
+    def _to_rgb(self, frame, height: int, width: int) -> np.ndarray:
+        """One frame as upright (height, width, 3) uint8 RGB, scaled by swscale if needed."""
+        rotation = self.info.rotation
+        stored_h, stored_w = (width, height) if rotation in (90, 270) else (height, width)
+        shrink = stored_h <= frame.height and stored_w <= frame.width
+        # One scaler thread: swscale's default (one per core) costs more to start than a small
+        # frame takes to scale, and the worker processes already use the cores. The frame's own
+        # colour range (full-range phone video) and matrix (BT.709 for HD) give the right RGB.
+        rgb = self._reformatter.reformat(frame, format="rgb24", width=stored_w, height=stored_h,
+                                         interpolation="AREA" if shrink else "BICUBIC", threads=1,
+                                         src_color_range=frame.color_range).to_ndarray()
+        return np.rot90(rgb, k=rotation // 90) if rotation else rgb
 
-def _to_rgb(frame, rotation: int) -> np.ndarray:
-    rgb = frame.to_ndarray(format="rgb24")
-    return np.rot90(rgb, k=rotation // 90) if rotation else rgb
+    def frames_at(self, times: list[float], size: tuple[int, int] | None = None) -> np.ndarray:
+        """(F, H, W, 3) uint8 RGB: the frame shown at each time (seconds from the clip's start).
 
-
-def decode_at(video: bytes, times: list[float], info: VideoInfo, stats: dict | None = None) -> np.ndarray:
-    """(F, H, W, 3) uint8 RGB: the frame shown at each time (seconds from the clip's start).
-
-    Seeks to the first needed time and decodes forward only as far as the last one. `stats`, if
-    given, receives counts {"packets", "frames", "seeks"} of this call, for tests and benchmarks.
-    Raises SampleError("corrupt_video" | "no_video_stream" | "empty_video").
-    """
-    if not times:
-        raise ValueError("decode_at needs at least one time")
-    order = sorted(range(len(times)), key=times.__getitem__)
-    wanted = [float(times[i]) for i in order]
-    counts = {"packets": 0, "frames": 0, "seeks": 0}
-    with _open(video) as container:
-        stream = _video_stream(container)
+        `size` is the (height, width) to scale the displayed frame to (aspect is the caller's
+        business: fit_bucket asks for the size that covers a bucket); default: as displayed.
+        Raises SampleError("corrupt_video" | "empty_video" | "frame_size_changes").
+        """
+        if not times:
+            raise ValueError("frames_at needs at least one time")
+        height, width = size or (self.info.height, self.info.width)
+        if height < 1 or width < 1:
+            raise ValueError(f"size must be positive (height, width), got {size}")
+        order = sorted(range(len(times)), key=times.__getitem__)
+        wanted = [float(times[i]) for i in order]
         try:
-            picked = _pick_frames(container, stream, wanted, info.fps, counts, allow_seek=True)
+            picked = self._pick(wanted, allow_seek=True)
             if picked is None:  # the seek overshot: decode from the start instead
-                container.seek(0, stream=stream, backward=True)
-                picked = _pick_frames(container, stream, wanted, info.fps, counts, allow_seek=False)
-            out = None
-            previous = None
+                picked = self._pick(wanted, allow_seek=False)
+            out = np.empty((len(times), height, width, 3), dtype=np.uint8)
+            coded = (self._first.height, self._first.width)
+            previous = rgb = None
             for position, frame in enumerate(picked):
                 if frame is not previous:  # a frame shown at several times is converted once
-                    rgb, previous = _to_rgb(frame, info.rotation), frame
-                if out is None:
-                    out = np.empty((len(times), *rgb.shape), dtype=np.uint8)
-                if rgb.shape != out.shape[1:]:
-                    raise SampleError("frame_size_changes", f"frames of {rgb.shape} and {out.shape[1:]} in one clip")
+                    if (frame.height, frame.width) != coded:
+                        raise SampleError("frame_size_changes",
+                                          f"frames of {coded} and {(frame.height, frame.width)} in one clip")
+                    rgb, previous = self._to_rgb(frame, height, width), frame
                 out[order[position]] = rgb
         except av.FFmpegError as err:
             raise SampleError("corrupt_video", f"decoding failed: {err}") from None
-    if stats is not None:
-        stats.update(counts)
+        return out
+
+
+def probe(video: bytes) -> VideoInfo:
+    """Frame rate, frame count, duration, displayed size and rotation of a clip.
+
+    Decodes the first frame too, so a file that opens but cannot be decoded fails here.
+    Raises SampleError("corrupt_video" | "no_video_stream" | "empty_video").
+    """
+    with Clip(video) as clip:
+        return clip.info
+
+
+def decode_at(video: bytes, times: list[float], info: VideoInfo | None = None, stats: dict | None = None,
+              size: tuple[int, int] | None = None) -> np.ndarray:
+    """(F, H, W, 3) uint8 RGB: the frame shown at each time (seconds from the clip's start).
+
+    Opens the clip itself (`info`, from an earlier probe, is accepted for callers that have it and
+    must describe the same clip). Seeks to the first needed time and decodes forward only as far
+    as the last one. `size` (height, width) scales the frames while converting them. `stats`, if
+    given, receives counts {"packets", "frames", "seeks"} of the whole call, for tests and benchmarks.
+    """
+    with Clip(video) as clip:
+        if info is not None and (info.height, info.width, info.rotation) != (
+                clip.info.height, clip.info.width, clip.info.rotation):
+            raise ValueError(f"info describes another clip: {info} vs {clip.info}")
+        out = clip.frames_at(times, size)
+        if stats is not None:
+            stats.update(clip.stats)
     return out
