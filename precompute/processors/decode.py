@@ -9,8 +9,9 @@ works for 25, 29.97 and variable frame rate alike.
 
 Sizes in VideoInfo are after rotation: a phone clip stored 1920x1080 with a 90 degree display
 rotation reports height 1920, width 1080, and frames come back upright. Pixels are taken as square
-(a sample aspect ratio, e.g. carphone's 128/117, is not applied). Frames are scaled by FFmpeg (swscale) while being converted to RGB, straight to the size the caller asks for,
-so a 720p clip bound for a 64x96 bucket never exists as full-size RGB or float in memory.
+(a sample aspect ratio, e.g. carphone's 128/117, is not applied). Frames are scaled by FFmpeg
+(swscale) while being converted to RGB, straight to the size the caller asks for, so a 720p clip
+bound for a 64x96 bucket never exists as full-size RGB or float in memory.
 
 Decoding is single-threaded per clip: throughput comes from several decode worker processes
 (precompute.workers), and FFmpeg's own threads would only compete with them and the encoder.
