@@ -109,6 +109,8 @@ class ParallelConfig:
     dp_shard: int = -1  # -1: whatever is left of the world size
     cp: int = 1
     tp: int = 1
+    activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory
+    compile: bool = False  # torch.compile each transformer block
 
 
 @dataclass

@@ -3,6 +3,14 @@
 A checkpoint folder `step-NNNNNN/` is complete once `state.json` exists: it is written after DCP has
 finished, so a crash mid-save leaves a folder that `latest()` ignores. A LoRA run stores only the
 trainable (adapter) parameters and their optimizer state, never the frozen base weights.
+
+DCP writes each rank's shards plus a global index, so a checkpoint saved by N ranks loads into any
+other layout (FSDP2 at another world size, DDP, one process): names are the model's own, without
+wrapper segments (DDP, activation checkpointing). The folder must be on storage every rank sees.
+The small JSON state (step, scheduler, data cursor) is global and written by rank 0 alone.
+
+`gather_full_state_dict` is the export path: one call on every rank leaves the unsharded weights
+on rank 0's CPU (tensors gathered one after another, no barrier per parameter).
 """
 
 from __future__ import annotations
@@ -15,7 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 STATE_FILE = "state.json"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
@@ -73,3 +82,16 @@ class Checkpointer:
         state = json.loads((Path(path) / STATE_FILE).read_text())
         scheduler.load_state_dict(state.pop("scheduler"))
         return state
+
+
+def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
+    """Unsharded weights (only trainable ones if asked) on rank 0's CPU; {} on other ranks.
+
+    Every rank must call it (the shards are all-gathered). Single-process: a CPU copy of the state.
+    """
+    if not dist.is_initialized():
+        state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
+        return {k: v.detach().cpu() for k, v in state.items()}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)
+    return state if _is_main() else {}

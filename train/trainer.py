@@ -1,14 +1,18 @@
 """The training loop: window batches -> Model Spec forward -> flow matching loss -> AdamW.
 
-One bucket per step, no padding. Noise and sigmas come from (seed, step, micro-step, rank), the data
-cursor and optimizer live in the DCP checkpoint, so a resumed run repeats the uninterrupted run's
-losses exactly.
+One bucket per step, no padding. The same loop runs as one process or under torchrun: every rank
+reads the same global batches and trains on its data-parallel slice (parallel/batching.py); the
+model is wrapped by `parallelize` (TP, CP, activation checkpointing, compile, FSDP2/HSDP or DDP).
+Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
+DCP checkpoint, so a resumed run, at any world size with the same global batch, repeats the
+uninterrupted run's losses. Rank 0 alone writes metrics, window consumer state, exports and plots.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import resource
 import time
 from dataclasses import dataclass, field
 from itertools import islice
@@ -24,21 +28,20 @@ from vt.shared.models import build_spec
 from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
-from vt.train.checkpoint import Checkpointer
+from vt.train.checkpoint import Checkpointer, gather_full_state_dict
 from vt.train.data import Batch, BatchReader, StaleShardError
-from vt.train.objectives import flow_matching_loss, sample_noise, sample_sigmas, step_generator
+from vt.train.objectives import flow_matching_loss, step_generator
+from vt.train.parallel import parallelize
+from vt.train.parallel.batching import Slice, draw_inputs, take_slice
+from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
+from vt.train.parallel.world import pick_device, setup_world, shutdown_world
 from vt.train.plots import plot_loss
 from vt.train.progress import Progress
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator
 
+__all__ = ["Trainer", "pick_device", "autocast_dtype"]
 log = get_logger("vt.train")
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
@@ -50,6 +53,13 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     if setting == "bf16" or supported:
         return torch.bfloat16
     return None
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """This process's peak memory: allocated GPU memory on CUDA, peak resident set on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
 @dataclass
@@ -64,10 +74,13 @@ class Trainer:
     def __init__(self, config: Config):
         self.config = config
         train = config.train
+        self.world = setup_world(config.parallel, train.device)
+        self.device = self.world.device
+        self.is_main = self.world.is_main
         self.run_dir = config.run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / "config.toml").write_text(to_toml(config))
-        self.device = pick_device(train.device)
+        if self.is_main:
+            (self.run_dir / "config.toml").write_text(to_toml(config))
         self.amp_dtype = autocast_dtype(train.mixed_precision, self.device)
         self.spec = build_spec(config.model)
         self.buckets = parse_buckets(config.buckets.sizes)
@@ -80,25 +93,27 @@ class Trainer:
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
         warmup = max(train.warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # counts optimizer steps, not micro-steps
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
 
         keep = config.window.size == "keep"
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
         self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
-                                  check_record=self._check_record)
+                                  check_record=self._check_record,
+                                  on_read=None if self.is_main else (lambda position: None))
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
-                               wandb=config.log.wandb, tensorboard=config.log.tensorboard)
+                               wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
         self.validator = Validator(self.spec, config, self.buckets[0], str(self.device))
+        self._export_model: torch.nn.Module | None = None  # rank 0's unsharded copy (distributed runs)
         self.step = 0
+        self._checkpointed = -1
 
     # -- set-up --------------------------------------------------------------------------------------
-    def _build_model(self) -> torch.nn.Module:
+    def _load_transformer(self, device: str) -> torch.nn.Module:
         train = self.config.train
-        torch.manual_seed(train.seed)  # LoRA initialisation: the same adapters in every run and on every rank
-        transformer = self.spec.load_transformer(device=str(self.device))
+        transformer = self.spec.load_transformer(device=device)
         if train.mode == "lora":
             transformer.requires_grad_(False)
             self.spec.add_lora(transformer, train.lora_rank, train.lora_alpha, train.lora_targets or None)
@@ -107,11 +122,21 @@ class Trainer:
         for p in transformer.parameters():  # fp32 master weights for whatever trains
             if p.requires_grad:
                 p.data = p.data.float()
+        return transformer
+
+    def _build_model(self) -> torch.nn.Module:
+        train, parallel, dims = self.config.train, self.config.parallel, self.world.dims
+        torch.manual_seed(train.seed)  # LoRA initialisation: the same adapters in every run and on every rank
+        # FSDP2 moves each shard to the device itself: loading on the CPU keeps whole copies off the GPU.
+        transformer = self._load_transformer("cpu" if dims.fsdp_enabled else str(self.device))
         transformer.train()
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
         log.info("%s %s: %.2fM trainable of %.2fM parameters on %s", self.spec.family, train.mode,
                  trainable / 1e6, total / 1e6, self.device)
+        if dims.distributed or parallel.activation_checkpointing or parallel.compile:
+            parallelize(transformer, self.spec, self.world, activation_checkpointing=parallel.activation_checkpointing,
+                        compile=parallel.compile, param_dtype=self.amp_dtype if dims.fsdp_enabled else None)
         return transformer
 
     def _check_record(self, record: CommitRecord, data: bytes) -> None:
@@ -129,87 +154,157 @@ class Trainer:
         if path is None:
             return False
         state = self.checkpointer.load(path, self.transformer, self.optimizer, self.scheduler)
-        self.step = state["step"]
+        self.step = self._checkpointed = state["step"]
         self.reader.load_state_dict(state["data"])
-        log.info("resumed from %s at step %d", path, self.step)
+        log.info("resumed from %s at step %d (%s)", path, self.step, self.world.dims.describe())
         return True
 
     # -- the loop ------------------------------------------------------------------------------------
     def run(self) -> dict:
+        try:
+            return self._run()
+        finally:
+            shutdown_world()
+
+    def _run(self) -> dict:
         self.resume()
         train = self.config.train
-        total = train.max_steps or None
-        progress = Progress(total, "train", enabled=self.config.log.progress)
+        progress = Progress(train.max_steps or None, "train", enabled=self.config.log.progress and self.is_main)
         progress.update(self.step)
         batches = iter(self.reader)
         stats = StepStats()
         last_loss = math.nan
         while not train.max_steps or self.step < train.max_steps:
             waited = time.perf_counter()
-            micro = list(islice(batches, train.grad_accum))
+            micro = list(islice(batches, train.grad_accum))  # every rank reads the same global batches
             stats.data_wait += time.perf_counter() - waited
             if not micro:
                 break
             metrics = self.train_step(micro)
-            self._log_samples(micro)
             self.step += 1
             last_loss = metrics["loss"]
             stats.samples += sum(len(b) for b in micro)
-            stats.tokens += sum(len(b) * b.tensors["latents"][0, 0].numel() for b in micro)
+            stats.tokens += sum(len(b) * b.tensors["latents"][0, 0].numel() for b in micro)  # whole job
+            memory = self.world.gather_floats(peak_memory_gb(self.device))  # a collective: every step, every rank
             if self.tracker.due(self.step):
                 elapsed = max(time.perf_counter() - stats.started, 1e-9)
                 metrics.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed,
                                data_wait_s=stats.data_wait)
+                metrics.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
                 self.tracker.log(self.step, metrics)
                 stats = StepStats()
             progress.update(1, loss=last_loss)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             if train.validate_every and self.step % train.validate_every == 0:
-                self.validator.run(self.transformer, self.step)
+                self.validate()
         progress.close()
         return self.finish(last_loss)
 
     def train_step(self, micro: list[Batch]) -> dict:
-        train = self.config.train
-        total = sum(len(b) for b in micro)
-        loss_sum = 0.0
+        """One optimizer step over `micro` (global micro-batches); returns global metrics."""
+        train, world = self.config.train, self.world
+        total = sum(len(b) for b in micro)  # samples in this optimizer step, all ranks
+        scale = world.dims.dp / total  # see parallel/batching.py: N ranks x B/N == 1 rank x B
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        offset, parts = 0, []
         for index, batch in enumerate(micro):
-            tensors = {k: v.to(self.device) for k, v in batch.tensors.items()}
-            generator = step_generator(train.seed, self.step, index)
-            sigmas = sample_sigmas(len(batch), train.sigma_sampling, train.shift, generator).to(self.device)
-            noise = sample_noise(tensors["latents"], generator)
+            part = take_slice(batch, world.dp_rank, world.dims.dp, offset)
+            offset += len(batch)
+            parts.append(part)
+            set_gradient_sync(self.transformer, index == len(micro) - 1)  # sync once, on the last micro-step
+            tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
+            sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift)
+            # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
+            generator = step_generator(train.seed, self.step, index, world.dp_rank)
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                 enabled=self.amp_dtype is not None):
-                out = self.spec.forward(self.transformer, tensors, sigmas, noise, generator=generator)
-            loss = flow_matching_loss(out) * (len(batch) / total)
-            loss.backward()
-            loss_sum += loss.item()
-        if not math.isfinite(loss_sum):
-            raise FloatingPointError(f"loss is {loss_sum} at step {self.step}; lower train.lr or check the data")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, train.max_grad_norm or float("inf"))
+                out = self.spec.forward(self.transformer, tensors, sigmas.to(self.device), noise.to(self.device),
+                                        generator=generator)
+            sample_losses = flow_matching_loss(out) * part.count  # sum of this slice's per-sample losses
+            (sample_losses * scale).backward()
+            loss_sum += sample_losses.detach().double().cpu()
+        loss = float(world.sum(loss_sum.to(world.comm_device)).item()) / total
+        if not math.isfinite(loss):  # the same global value on every rank: all stop together
+            raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr or check the data")
+        grad_norm = clip_grad_norm(self.params, train.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"loss": loss_sum, "lr": self.scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
+        self._log_samples(micro, parts)
+        return {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                 "epoch": micro[-1].epoch, "batch": total}
 
-    def _log_samples(self, micro: list[Batch]) -> None:
+    def _log_samples(self, micro: list[Batch], parts: list[Slice]) -> None:
+        """log.samples: the step's global keys (rank 0) and, when distributed, each rank's own slice."""
         if not self.config.log.samples:
             return
-        with open(self.run_dir / "samples.jsonl", "a") as f:
-            for batch in micro:
-                f.write(json.dumps({"step": self.step, "epoch": batch.epoch, "bucket": batch.bucket,
-                                    "keys": batch.keys}) + "\n")
+        if self.is_main:
+            with open(self.run_dir / "samples.jsonl", "a") as f:
+                for batch in micro:
+                    f.write(json.dumps({"step": self.step, "epoch": batch.epoch, "bucket": batch.bucket,
+                                        "keys": batch.keys}) + "\n")
+        if self.world.dims.distributed:
+            folder = self.run_dir / "samples"
+            folder.mkdir(exist_ok=True)
+            coordinate = self.world.dims.coordinate(self.world.rank)
+            with open(folder / f"rank{self.world.rank}.jsonl", "a") as f:
+                for index, part in enumerate(parts):
+                    f.write(json.dumps({"step": self.step, "micro": index, "epoch": part.epoch, "bucket": part.bucket,
+                                        "keys": part.keys, "dp_rank": self.world.dp_rank, **coordinate}) + "\n")
 
     def checkpoint(self) -> Path:
+        if self._checkpointed == self.step:  # the periodic checkpoint already holds this step
+            return self.checkpointer.latest()
+        self._checkpointed = self.step
         path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler,
                                       {"data": self.reader.state_dict()})
-        self.window.publish_watermark(self.reader.watermark())
-        evicted = self.window.evict()
-        log.info("checkpoint %s (evicted %d shards)", path, len(evicted))
+        if self.is_main:  # the single writer of the window's consumer state
+            self.window.publish_watermark(self.reader.watermark())
+            evicted = self.window.evict()
+            log.info("checkpoint %s (evicted %d shards)", path, len(evicted))
         fault_point("train.after_checkpoint")
         return path
+
+    # -- the whole model on rank 0: validation and export --------------------------------------------
+    def unsharded_model(self) -> torch.nn.Module | None:
+        """The trained transformer as one plain module on rank 0 (None on other ranks).
+
+        Single process: the model itself. Distributed: every rank must call this; the trainable
+        weights (all weights for full fine-tuning) are gathered to rank 0's CPU and loaded into a
+        plain copy built once from the same files, so pipelines and save_pretrained see an
+        ordinary module.
+        """
+        if not self.world.dims.distributed:
+            return self.transformer
+        lora = self.config.train.mode == "lora"
+        state = gather_full_state_dict(self.transformer, trainable_only=lora)
+        if not self.is_main:
+            return None
+        if self._export_model is None:
+            with torch.random.fork_rng(devices=[]):  # LoRA's init draws must not shift rank 0's RNG
+                self._export_model = self._load_transformer("cpu").eval()
+        result = self._export_model.load_state_dict(state, strict=False)
+        trainable = {n for n, p in self._export_model.named_parameters() if p.requires_grad}
+        missing = [k for k in result.missing_keys if k in trainable]
+        if result.unexpected_keys or missing:
+            raise RuntimeError(f"gathered weights do not fit the {self.spec.family} transformer: unexpected "
+                               f"{result.unexpected_keys[:3]}, missing {missing[:3]}")
+        return self._export_model
+
+    def validate(self, model: torch.nn.Module | None = None, gathered: bool = False) -> list[Path]:
+        """Validation videos from rank 0 (the others wait); pass `gathered=True` with a model already gathered."""
+        if not self.validator.enabled:
+            return []
+        if not gathered:
+            model = self.unsharded_model()
+        videos = []
+        if model is not None:
+            home = next(model.parameters()).device
+            videos = self.validator.run(model.to(self.device), self.step)
+            model.to(home)
+        self.world.barrier()
+        return videos
 
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, last_loss: float) -> dict:
@@ -217,18 +312,27 @@ class Trainer:
             raise RuntimeError("the window had no data to train on: did vt-precompute commit any shards? "
                                "See its precompute_report.json")
         self.checkpoint()
-        export = self.export()
-        videos = self.validator.run(self.transformer, self.step)
-        self.tracker.close()
-        plot = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
-        summary = {"steps": self.step, "last_loss": last_loss, "export": str(export),
-                   "videos": len(videos), "loss_plot": str(plot)}
-        log.info("done: %d steps, last loss %.4f; weights in %s; loss plot %s", self.step, last_loss, export, plot)
+        model = self.unsharded_model()
+        export = self.export(model) if model is not None else self.export_path()  # rank 0 writes it
+        videos = self.validate(model, gathered=True)
+        summary = {"steps": self.step, "last_loss": last_loss, "export": str(export), "videos": len(videos)}
+        if self.is_main:
+            self.tracker.close()
+            plot = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
+            summary["loss_plot"] = str(plot)
+            log.info("done: %d steps, last loss %.4f; weights in %s; loss plot %s", self.step, last_loss, export, plot)
+        self.world.barrier()
         return summary
 
-    def export(self) -> Path:
+    def export(self, model: torch.nn.Module) -> Path:
         if self.config.train.mode == "lora":
             from peft.utils import get_peft_model_state_dict
 
-            return self.spec.save_lora(get_peft_model_state_dict(self.transformer), self.run_dir / "lora")
-        return self.spec.save_full(self.transformer, self.run_dir / "model")
+            return self.spec.save_lora(get_peft_model_state_dict(model), self.run_dir / "lora")
+        return self.spec.save_full(model, self.run_dir / "model")
+
+    def export_path(self) -> Path:
+        """Where `export` writes (LoRA file or model folder), known on every rank."""
+        if self.config.train.mode == "lora":
+            return self.run_dir / "lora" / "pytorch_lora_weights.safetensors"
+        return self.run_dir / "model"

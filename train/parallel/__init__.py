@@ -1,0 +1,63 @@
+"""Parallel training: one small function per strategy, composed in one fixed order.
+
+    parallelize(model, spec, world, ...):
+        TP (tp.py) -> CP (cp.py) -> activation checkpointing per block (ac.py)
+        -> torch.compile per block (compile.py) -> FSDP2/HSDP per block then root (fsdp.py) | DDP (ddp.py)
+
+The order matters: TP and CP rewrite the blocks' layers and attention, checkpointing wraps the
+rewritten blocks, compile sees the wrapped blocks, and FSDP shards whatever parameters result.
+`ParallelDims` (dims.py) decides which strategies are on; `World` (world.py) holds the mesh.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from vt.shared.log import get_logger
+from vt.train.parallel.ac import apply_ac
+from vt.train.parallel.compile import apply_compile
+from vt.train.parallel.ddp import apply_ddp
+from vt.train.parallel.dims import ParallelConfigError, ParallelDims
+from vt.train.parallel.fsdp import apply_fsdp
+
+__all__ = ["ParallelDims", "ParallelConfigError", "parallelize", "apply_ac", "apply_compile", "apply_ddp",
+           "apply_fsdp"]
+
+log = get_logger("vt.train.parallel")
+
+
+def _strategy(module: str, function: str, key: str):
+    """apply_tp / apply_cp from their own files; a clear error while a strategy is not available."""
+    try:
+        return getattr(importlib.import_module(f"vt.train.parallel.{module}"), function)
+    except (ModuleNotFoundError, AttributeError) as err:
+        if isinstance(err, ModuleNotFoundError) and err.name != f"vt.train.parallel.{module}":
+            raise
+        raise NotImplementedError(
+            f"parallel.{key} > 1 needs train/parallel/{module}.py ({function}), which this version does not "
+            f"have. Set parallel.{key}=1 and use data parallelism (parallel.dp_shard / dp_replicate).") from None
+
+
+def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool = False,
+                compile: bool = False, param_dtype: torch.dtype | None = None) -> nn.Module:
+    """Apply every enabled strategy to `model` in place, in the fixed order; returns `model`."""
+    dims: ParallelDims = world.dims
+    mesh = world.mesh
+    if dims.tp > 1:
+        _strategy("tp", "apply_tp", "tp")(model, spec, mesh["tp"])
+    if dims.cp > 1:
+        _strategy("cp", "apply_cp", "cp")(model, spec, mesh["cp"])
+    if activation_checkpointing:
+        apply_ac(model, spec)
+    if compile:
+        apply_compile(model, spec)
+    if dims.fsdp_enabled:
+        apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype)
+    elif dims.ddp_enabled:
+        apply_ddp(model, mesh["dp_replicate"])
+    log.info("parallel layout: %s%s%s", dims.describe(), ", activation checkpointing" if activation_checkpointing else "",
+             ", compiled blocks" if compile else "")
+    return model

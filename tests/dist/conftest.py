@@ -1,0 +1,76 @@
+"""Fixtures of the multi-process tests: one precomputed 'keep' window per model family, and one
+single-process reference run per family, both built once per session.
+
+Parity needs every layout to see the same samples in the same global batches, so the window holds
+a single bucket: global batches never mix buckets, and k micro-batches of B are exactly the samples
+of one batch of k x B. The 13 sample clips at batch 4 make steps of 4, 4, 4 and 1 samples: the last
+one does not divide over 2 or 4 data-parallel ranks, so every parity run also covers uneven slices
+and stand-in samples.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from dist_runs import finish, single
+
+BUCKET = "9x64x64"
+# LTX-Video trains fully, Wan with LoRA; a low clip threshold makes clipping act on every Wan step,
+# so parity also covers the global gradient norm.
+FAMILY_TRAIN = {"ltx-video": {"mode": "full"}, "wan": {"mode": "lora", "max_grad_norm": 0.05}}
+
+
+@pytest.fixture(scope="session")
+def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
+    """kept_window(family) -> (window folder, model folder), precomputed once per session."""
+    from cli_runs import write_config
+
+    from vt.precompute.service import Precompute
+    from vt.shared.config import load_config
+
+    built = {}
+
+    def build(family: str):
+        if family not in built:
+            root = tmp_path_factory.mktemp(f"window-{family}")
+            model = tiny_model_factory(family)
+            config = write_config(root / "pre.toml", model, raw_shards, root / "pre", str(root / "window"),
+                                  model={"family": family}, buckets={"sizes": [BUCKET]},
+                                  window={"size": "keep"}, precompute={"workers": 0})
+            Precompute(load_config(config)).run()
+            built[family] = (root / "window", model)
+        return built[family]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def run_config(kept_window, raw_shards):
+    """run_config(folder, family, name, **train) -> config path of a 4-sample-batch, one-epoch run."""
+    from cli_runs import write_config
+
+    def make(folder: Path, family: str, name: str, **train) -> Path:
+        window, model = kept_window(family)
+        settings = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2, **FAMILY_TRAIN[family], **train}
+        return write_config(folder / f"{name}.toml", model, raw_shards, folder / name, str(window),
+                            model={"family": family}, buckets={"sizes": [BUCKET]}, window={"size": "keep"},
+                            train=settings, log={"progress": False, "samples": True})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def reference(run_config, tmp_path_factory):
+    """reference(family) -> run folder of the single-process run (global batch 4), trained once."""
+    runs = {}
+
+    def run(family: str) -> Path:
+        if family not in runs:
+            folder = tmp_path_factory.mktemp(f"reference-{family}")
+            log = folder / "reference.log"
+            finish(single(run_config(folder, family, "reference"), log=log), log)
+            runs[family] = folder / "reference"
+        return runs[family]
+
+    return run

@@ -1,0 +1,78 @@
+"""A global batch -> this rank's slice, and noise that does not depend on how the batch was sliced.
+
+Every rank reads the same global batches (one bucket each), so all ranks use the same bucket at a
+micro-step. Data-parallel rank d of D takes a contiguous slice; ranks of one cp or tp group have the
+same d and so the same samples. Slices differ by at most one sample, so a final batch that does
+not divide by D still trains every sample exactly once. A rank whose slice is empty (a batch
+smaller than D) runs one stand-in sample with weight 0: it keeps the collectives in step and adds
+nothing to the loss or the gradients.
+
+Loss normalisation: each rank's loss is the sum of its per-sample losses divided by the number of
+samples in the whole optimizer step (all ranks, all micro-steps), times the data-parallel degree D.
+DDP / FSDP average gradients over the D ranks, which yields exactly the gradient of the mean
+per-sample loss of one process seeing the whole step: N ranks x B/N samples = 1 rank x B samples,
+and grad accumulation over k micro-batches = one batch k times as large. (Context parallel keeps
+this: its gathered output scales each cp rank's gradient by cp, which the averaging over the cp
+ranks that FSDP also spans divides out again; tensor-parallel ranks are not averaged.)
+
+Noise and sigmas are drawn per sample from a generator keyed by (seed, step, index of the sample in
+the optimizer step): reproducible on resume, different on every data-parallel rank (they hold
+different samples), and identical for any world size, slicing or accumulation of the same step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from vt.train.data import Batch
+from vt.train.objectives import sample_noise, sample_sigmas
+
+
+@dataclass
+class Slice:
+    """This rank's part of one global micro-batch."""
+
+    bucket: str
+    epoch: int
+    keys: list[str]  # the samples this rank trains on (empty for a stand-in)
+    tensors: dict[str, torch.Tensor]  # at least one row (the stand-in when `count` is 0)
+    first_index: int  # index of the first row in the optimizer step (noise key)
+    count: int  # real samples: the slice's weight in the loss
+
+
+def slice_bounds(n: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
+    """[start, stop) of data-parallel rank `dp_rank` in a batch of `n`: sizes differ by at most one."""
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+    base, extra = divmod(n, dp_size)
+    start = dp_rank * base + min(dp_rank, extra)
+    return start, start + base + (dp_rank < extra)
+
+
+def take_slice(batch: Batch, dp_rank: int, dp_size: int, offset: int = 0) -> Slice:
+    """This rank's rows of `batch`; `offset` = samples of the step's earlier micro-batches."""
+    start, stop = slice_bounds(len(batch), dp_rank, dp_size)
+    count = stop - start
+    rows = slice(start, stop) if count else slice(0, 1)  # stand-in: any real row, weight 0
+    tensors = {name: t[rows] for name, t in batch.tensors.items()}
+    return Slice(batch.bucket, batch.epoch, batch.keys[start:stop], tensors, offset + rows.start, count)
+
+
+def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
+    """The generator of sample `index` of optimizer step `step` (same on every rank and world size)."""
+    digest = hashlib.blake2b(f"{seed}:{step}:sample:{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmas (n,), noise like latents) for the rows of `part`, one generator per sample."""
+    latents = part.tensors["latents"]
+    sigmas, noise = [], []
+    for row in range(latents.shape[0]):
+        generator = sample_generator(seed, step, part.first_index + row)
+        sigmas.append(sample_sigmas(1, scheme, shift, generator))
+        noise.append(sample_noise(latents[row:row + 1], generator))
+    return torch.cat(sigmas), torch.cat(noise)

@@ -1,0 +1,37 @@
+"""FSDP2 (and HSDP): parameters, gradients and optimizer state sharded over the data-parallel ranks.
+
+`fully_shard` is applied per transformer block (the spec's block list), then to the root, so each
+block's parameters are all-gathered just before it runs and freed after; the root group holds the
+rest (embeddings, norms, projections). A 1-D mesh shards over all its ranks (FSDP); a 2-D mesh
+(dp_replicate, dp_shard_cp) shards within a row and replicates across rows (HSDP).
+
+Mixed precision: with `param_dtype=bfloat16` the all-gathered copies the blocks compute with are
+bf16 while the sharded parameters the optimizer updates stay fp32 (the master weights), and
+gradients are reduced in `reduce_dtype` (fp32). The root does not cast its forward inputs: the
+spec passes the flow-matching timestep in fp32, as the diffusers pipelines do, and autocast covers
+the root's own layers.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = None,
+               reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+    """Shard each block, then the root, over `mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"FSDP needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.mesh_dim_names}")
+    if param_dtype is None:
+        reduce_dtype = None  # fp32 parameters already reduce in fp32
+    block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    blocks = spec.blocks(model)
+    for index, block in enumerate(blocks):
+        # The last block's parameters are needed first in backward: keep them gathered after forward.
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=index < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+    return model
