@@ -1,0 +1,105 @@
+"""The bench's measuring parts on real pieces: the bare baseline must do the trainer's exact work,
+the storage count must cover every window file, and a row over its goal must show as a failure."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from bench_common import ROOT, Row, format_table
+from bench_precompute import precompute_overrides
+from bench_storage import bench_storage, window_bytes
+from bench_train import bench_steps
+
+from vt.shared.config import load_config
+from vt.shared.shards import decode_shard
+
+DEMO = ROOT / "configs" / "demo.toml"
+
+
+@pytest.fixture(scope="module")
+def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
+    """A window precomputed once from the real clips with the demo config's settings (kept: re-readable)."""
+    from vt.precompute.service import Precompute
+
+    root = tmp_path_factory.mktemp("bench")
+    overrides = precompute_overrides(tiny_model_factory("ltx-video"), raw_shards, root / "pre", root / "window")
+    report = Precompute(load_config(DEMO, overrides + ["precompute.workers=0"])).run()
+    return root / "window", report.committed
+
+
+def test_bare_loop_and_trainer_report_identical_losses_on_the_same_batches(tmp_path, tiny_model_factory,
+                                                                            kept_window):
+    model = tiny_model_factory("ltx-video")
+    window, _ = kept_window
+    result = bench_steps(DEMO, model, model / "transformer", window, tmp_path, rounds=2, steps=4)
+
+    # From equal weights, with the trainer's own draws replayed, the bare loop reports the same losses.
+    losses = result["parity_losses"]
+    assert len(losses["vt"]) == len(losses["bare"]) == 4
+    assert result["parity"] <= 1e-6, losses
+    assert len(set(losses["vt"])) > 1  # the losses move: the steps really trained
+    assert [len(result["round_times_s"][side]) for side in ("vt", "bare")] == [2, 2]
+    step_row, parity_row = result["rows"]
+    assert step_row.baseline == pytest.approx(result["bare_ms"]) and step_row.ratio > 0
+    assert parity_row.ok is True
+
+
+def test_storage_counts_every_window_file_against_one_fp32_file_per_sample(tmp_path, kept_window):
+    window, samples = kept_window
+    result = bench_storage(window, tmp_path, samples)
+
+    files = sorted((tmp_path / "fp32-per-sample").glob("*.pt"))
+    assert len(files) == samples
+    assert result["fp32_total_bytes"] == sum(f.stat().st_size for f in files)
+    on_disk = sum(p.stat().st_size for p in window.rglob("*") if p.is_file())
+    assert sum(window_bytes(window).values()) == on_disk
+    stored, data_only = result["rows"]
+    assert stored.vt == pytest.approx(on_disk / samples)
+    assert data_only.vt < stored.vt
+
+    # A baseline file holds exactly one sample's tensors (not the shard's whole stacked storage), in fp32.
+    shard = next((window / "data").rglob("*.safetensors"))
+    tensors, keys, _ = decode_shard(shard.read_bytes())
+    saved = torch.load(tmp_path / "fp32-per-sample" / f"{keys[0]}.pt")
+    assert set(saved) == set(tensors)
+    for name, tensor in tensors.items():
+        assert saved[name].dtype == torch.float32 and saved[name].shape == tensor.shape[1:]
+        torch.testing.assert_close(saved[name], tensor[0].float())
+
+
+def test_a_row_over_its_goal_is_marked_fail_in_the_table():
+    fast = Row("step", 10.2, "ms", baseline=10.0, max_ratio=1.03)
+    slow = Row("step slow", 10.5, "ms", baseline=10.0, max_ratio=1.03)
+    info = Row("stage", 0.5, "s")
+    assert (fast.ok, slow.ok, info.ok) == (True, False, None)
+    table = format_table([fast, slow, info]).splitlines()
+    assert table[2].split()[-1] == "ok" and table[3].split()[-1] == "FAIL" and table[4].split()[-1] == "-"
+    assert "1.050x" in table[3]
+
+
+def test_bench_refuses_missing_assets_and_says_how_to_build_them(tmp_path, capsys):
+    from bench import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--model", str(tmp_path / "nope"), "--raw", str(tmp_path)])
+    assert "make assets" in capsys.readouterr().err
+
+
+def test_bare_launch_script_trains_on_the_window_shard_files(tiny_model_factory, kept_window, capsys):
+    import json
+
+    from bench_bare import main, window_batches
+
+    window, samples = kept_window
+    batches = window_batches(window, batch_size=2)
+    first_pass = []
+    while sum(len(b["latents"]) for b in first_pass) < samples:
+        first_pass.append(next(batches))
+    assert sum(len(b["latents"]) for b in first_pass) == samples  # every sample once per pass, none twice
+    assert all(b["latents"].dtype == torch.float32 and 1 <= len(b["latents"]) <= 2 for b in first_pass)
+
+    main(["--transformer", str(tiny_model_factory("ltx-video") / "transformer"), "--window", str(window),
+          "--steps", "3"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(result["step_done"]) == 3 and result["step_done"] == sorted(result["step_done"])
+    assert all(0 < loss < 100 for loss in result["losses"])
