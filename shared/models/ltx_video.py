@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction, input_dtype,
                                    TensorParallelPlan, VaeGeometry, flow_match_noisy)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
@@ -103,7 +103,7 @@ class LTXVideoSpec(ModelSpec):
             timestep = frame_sigmas[:, :, None].expand(-1, -1, grid[1] * grid[2]).flatten(1)  # frame-major tokens
         else:
             noisy, timestep, weight = flow_match_noisy(x0, noise, sigmas), sigmas, None
-        dtype = transformer.dtype
+        dtype = input_dtype(transformer)
         tokens = LTXPipeline._pack_latents(noisy, g.patch, 1).to(dtype)
         out = transformer(
             hidden_states=tokens,

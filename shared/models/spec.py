@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import re
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
+
 import torch
 from torch import Tensor, nn
 
@@ -361,6 +363,18 @@ class ModelSpec(ABC):
     @classmethod
     @abstractmethod
     def make_tiny(cls, out_dir, seed: int = 0) -> Path: ...
+
+
+_INPUT_DTYPES: "weakref.WeakKeyDictionary[nn.Module, torch.dtype]" = weakref.WeakKeyDictionary()
+
+
+def input_dtype(transformer: nn.Module) -> torch.dtype:
+    """The dtype to feed the transformer (diffusers' `.dtype`), looked up once per model: `.dtype`
+    walks every submodule, which costs milliseconds per step on a large model."""
+    dtype = _INPUT_DTYPES.get(transformer)
+    if dtype is None:
+        dtype = _INPUT_DTYPES[transformer] = transformer.dtype
+    return dtype
 
 
 def _frozen(model: nn.Module, device) -> nn.Module:

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction, input_dtype,
                                    TensorParallelPlan, VaeGeometry, flow_match_noisy)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
@@ -75,7 +75,7 @@ class WanSpec(ModelSpec):
         x0 = batch["latents"].float()
         noise = noise.to(x0)
         sigmas = sigmas.to(x0).flatten()
-        dtype = transformer.dtype
+        dtype = input_dtype(transformer)
         noisy = flow_match_noisy(x0, noise, sigmas)
         prediction = transformer(
             hidden_states=noisy.to(dtype),
