@@ -1,4 +1,5 @@
 import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -52,8 +53,21 @@ def test_resolved_config_round_trips_through_toml():
     assert build(Config, tomllib.loads(to_toml(config)), "") == config
 
 
-def test_demo_config_is_valid():
-    from pathlib import Path
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
 
-    config = load_config(Path(__file__).resolve().parents[2] / "configs" / "demo.toml")
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_configs_are_valid_and_their_buckets_fit_the_family(path):
+    from vt.shared.buckets import parse_buckets
+    from vt.shared.models import get_spec_class
+
+    config = load_config(path)
+    assert get_spec_class(config.model.family).family == config.model.family
+    rule = {"ltx-video": (8, 32), "wan": (4, 16)}[config.model.family]
+    for bucket in parse_buckets(config.buckets.sizes):
+        assert (bucket.frames - 1) % rule[0] == 0 and bucket.height % rule[1] == 0 and bucket.width % rule[1] == 0
+
+
+def test_demo_config_is_valid():
+    config = load_config(CONFIGS[0].with_name("demo.toml"))
     assert config.window.size == 2 and config.model.family == "ltx-video"
