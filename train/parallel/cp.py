@@ -106,8 +106,12 @@ def _make_ulysses(attn: nn.Module, to_heads: tuple[str, ...], to_sequence: str, 
     attn.heads //= size
     for name in to_heads:
         attn.get_submodule(name).register_forward_hook(lambda module, args, output: sequence_to_heads(output, group))
+    # prepend: the all-to-all must see this rank's plain local tensor. When the output projection is
+    # itself a row-wise TP Linear (full fine-tuning; with LoRA the style sits on its base_layer), its
+    # own input pre-hook, registered earlier by apply_tp, wraps the input as a DTensor (Shard(-1) on
+    # the tp mesh); run the sequence switch before that, as it would run with tp = 1.
     attn.get_submodule(to_sequence).register_forward_pre_hook(
-        lambda module, args: (heads_to_sequence(args[0], group), *args[1:]))
+        lambda module, args: (heads_to_sequence(args[0], group), *args[1:]), prepend=True)
 
 
 def average_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
