@@ -1,5 +1,6 @@
-"""Data parallelism trains the same model as one process: DDP (2), FSDP2 (2), HSDP (2x2), and
-gradient accumulation against a batch twice as large, for both model families, over gloo.
+"""Every parallel layout trains the same model as one process: DDP (2), FSDP2 (2), HSDP (2x2), TP (2),
+CP (2), FSDP2 x TP (2x2), FSDP2 x CP (2x2), dp_shard x cp x tp (2x2x2), and gradient accumulation
+against a batch twice as large, for both model families, over gloo.
 
 Every run here is real torchrun processes on the CPU; the reference is one plain `vt-train` process
 with the same global batch (4). Compared per step: the logged global loss and gradient norm (both
@@ -10,27 +11,43 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cli_runs import raw_keys
 from dist_runs import assert_same_training, finish, torchrun, trained_weights
+from test_data_slices import check_slices
+
+from vt.train.parallel.dims import ParallelDims
 
 LAYOUTS = {
     "ddp-2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
     "fsdp-2": (2, []),
     # HSDP also checkpoints activations: the wrapped blocks must train and export like plain ones.
     "hsdp-2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.activation_checkpointing=true"]),
+    "tp-2": (2, ["parallel.dp_shard=1", "parallel.tp=2"]),
+    "cp-2": (2, ["parallel.dp_shard=1", "parallel.cp=2"]),
+    "fsdp-tp-2x2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
+    "fsdp-cp-2x2": (4, ["parallel.dp_shard=2", "parallel.cp=2"]),
+    "fsdp-cp-tp-2x2x2": (8, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2"]),
 }
+EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), activation checkpointing",
+                "tp-2": "cp 1 x tp 2 (no data parallelism)", "cp-2": "dp_shard 1 x cp 2 x tp 1",
+                "fsdp-tp-2x2": "dp_shard 2 x cp 1 x tp 2 (FSDP2)", "fsdp-cp-2x2": "dp_shard 2 x cp 2 x tp 1 (FSDP2)",
+                "fsdp-cp-tp-2x2x2": "dp_shard 2 x cp 2 x tp 2 (FSDP2)"}
 
 
 @pytest.mark.parametrize("family", ["ltx-video", "wan"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_data_parallel_matches_one_process(tmp_path, run_config, reference, family, layout):
+def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards, family, layout):
     nproc, overrides = LAYOUTS[layout]
     config = run_config(tmp_path, family, layout)
     finish(torchrun(config, nproc, *overrides, log=tmp_path / "run.log"), tmp_path / "run.log")
 
     assert_same_training(tmp_path / layout, reference(family))
+    degrees = dict(o.removeprefix("parallel.").split("=") for o in overrides if "activation" not in o)
+    dims = ParallelDims(**{k: int(v) for k, v in degrees.items()}, world_size=nproc)
+    trained = check_slices(tmp_path / layout, dims)  # disjoint dp slices, identical cp/tp groups, one bucket
+    assert set(trained) == raw_keys(raw_shards) and set(trained.values()) == {1}, "every sample once in the epoch"
     log = (tmp_path / "run.log").read_text()
-    expected = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), activation checkpointing"}[layout]
-    assert expected in log, f"the run did not use {expected}"
+    assert EXPECTED_LOG[layout] in log, f"the run did not use {EXPECTED_LOG[layout]}"
 
 
 # Accumulation 2 x batch 2 against the reference's batch 4, on a different layout per family.
