@@ -1,8 +1,10 @@
 """Flow matching: reproducible noise and sigmas, timestep shift, the weighted loss.
 
-Noise and sigmas come from a generator seeded by (seed, step, micro-step, data-parallel rank), so a
-resumed run draws exactly what the uninterrupted one drew, with no RNG state to carry, and each
-data-parallel rank draws differently.
+Randomness is keyed, never carried: the trainer draws each sample's sigma and noise from a generator
+seeded by (seed, step, index of the sample in the step) (`parallel/batching.py`), so a resumed run,
+any parallel layout and any accumulation setting draw exactly what one uninterrupted process draws.
+`step_generator` (seed, step, micro-step, data-parallel rank) feeds only the spec's own draws (the LTX
+first-frame noise).
 """
 
 from __future__ import annotations
