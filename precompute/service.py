@@ -16,11 +16,9 @@ started again commits every accepted sample exactly once.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +29,7 @@ from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
 from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, split_for_rank
 from vt.precompute.text_cache import TextCache
+from vt.precompute.workers import DecodePool
 from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.config import Config
 from vt.shared.log import get_logger
@@ -75,20 +74,6 @@ def prepare_timed(raw: RawSample, buckets: list[Bucket], fps: float) -> Outcome:
         return Outcome(raw.key, None, "decode_error", repr(err), time.perf_counter() - start)
 
 
-def bounded_map(fn: Callable, items: Iterable, pool, inflight: int) -> Iterator:
-    """Ordered map over a process pool with at most `inflight` items submitted (no eager read-ahead)."""
-    if pool is None:
-        yield from map(fn, items)
-        return
-    queue: deque = deque()
-    for item in items:
-        queue.append(pool.apply_async(fn, (item,)))
-        if len(queue) >= inflight:
-            yield queue.popleft().get()
-    while queue:
-        yield queue.popleft().get()
-
-
 class _Prepare:
     """Picklable `prepare_timed` bound to the bucket table; (raw index, sample) -> (raw index, Outcome)."""
 
@@ -100,6 +85,14 @@ class _Prepare:
             return item
         index, raw = item
         return index, prepare_timed(raw, self.buckets, self.fps)
+
+    @staticmethod
+    def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
+        """The outcome of a sample whose decode killed its worker process."""
+        if isinstance(item, ShardEnd):
+            return item
+        index, raw = item
+        return index, Outcome(raw.key, None, "decoder_crashed", "the decode worker process died on this clip", 0.0)
 
 
 def pick_device(setting: str) -> torch.device:
@@ -165,9 +158,7 @@ class Precompute:
                      state.epoch, len(state.complete))
         tracker = Tracker(state)
         passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
-        context = multiprocessing.get_context("spawn")
-        pool = (context.Pool(pre.workers, initializer=worker_init)
-                if pre.workers > 0 and state.epoch < passes else None)
+        pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 and state.epoch < passes else None
         self.progress = ProgressBar(self.report, enabled=self.config.log.progress)
         try:
             self._load_encoders()  # while the workers start
@@ -178,7 +169,7 @@ class Precompute:
         finally:
             self.progress.close()
             if pool is not None:
-                pool.terminate()
+                pool.close()
         self.window.finish_producer(self.rank, self.seq)
 
     def _raw_items(self, tracker: Tracker) -> Iterator[tuple[int, RawSample] | ShardEnd]:
@@ -205,7 +196,9 @@ class Precompute:
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
-        for item in bounded_map(prepare, self._raw_items(tracker), pool, inflight):
+        items = self._raw_items(tracker)
+        stream = map(prepare, items) if pool is None else pool.map(prepare, items, inflight, prepare.crashed)
+        for item in stream:
             if isinstance(item, ShardEnd):
                 tracker.end_of_shard(item.index)
                 continue
