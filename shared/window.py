@@ -123,6 +123,9 @@ class Window:
         self._expected: dict[int, int] = {}  # rank -> seq this process commits next
         self._generation: dict[int, int] = {}  # rank -> lease generation this process holds
         self._leftovers: dict[int, dict[int, list[str]]] = {}  # rank -> seq -> uncommitted data found at start
+        # (rank, seq) of every position resolved so far: a resolved slot never changes, so walks of the
+        # order (publish_read per shard, order(start) on resume) replay it instead of starting over
+        self._resolved: list[tuple[int, int]] = []
 
     def __repr__(self) -> str:
         return f"Window({self.uri!r}, size={self.size!r})"
@@ -348,6 +351,11 @@ class Window:
     # -- consumer side ---------------------------------------------------------------------------
     def _slots(self, block: bool) -> Iterator[tuple[int, int, int]]:
         """(position, rank, seq) of the fixed order. block=False raises _NotYet instead of waiting."""
+        position = 0
+        while position < len(self._resolved):
+            rank, seq = self._resolved[position]
+            yield position, rank, seq
+            position += 1
         world = self._wait(self.world_size, block, "a producer registration")
         committed = {k: 0 for k in range(world)}  # all seqs below are committed (monotonic)
         done: dict[int, int] = {}  # rank -> num_shards once its done marker is seen
@@ -365,11 +373,15 @@ class Window:
                 return False
             return True if seq < committed[rank] else None
 
-        position, seq = 0, 0
+        # Resolve on from the slot after the last known one.
+        first_seq, first_rank = (self._resolved[-1][1], self._resolved[-1][0] + 1) if self._resolved else (0, 0)
+        seq = first_seq
         while not (len(done) == world and seq >= max(done.values())):
-            for rank in range(world):
+            for rank in range(first_rank if seq == first_seq else 0, world):
                 what = f"producer {rank} shard {seq} ({commit_path(rank, seq)}) or its done marker"
                 if self._wait(lambda: resolve(rank, seq), block, what):
+                    if position == len(self._resolved):
+                        self._resolved.append((rank, seq))
                     yield position, rank, seq
                     position += 1
             seq += 1

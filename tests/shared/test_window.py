@@ -283,3 +283,20 @@ def test_misuse_gets_clear_errors(uri):
     with pytest.raises(ValueError, match="positive integer"):
         Window(uri, size=0)
 
+
+
+def test_walking_the_order_again_asks_storage_nothing(tmp_path):
+    """publish_read runs for every shard read: a long run must not re-walk the order from position 0."""
+    uri = str(tmp_path / "window")
+    for rank in range(2):
+        produce(Window(uri, "keep", **FAST), rank, 2, 5 - rank)
+    reader = Window(uri, "keep", **FAST)
+    expected = slots(reader)
+    assert len(expected) == 9
+
+    listings = []
+    reader.storage.list = lambda prefix="", _list=reader.storage.list: listings.append(prefix) or _list(prefix)
+    reader.publish_read(9)
+    reader.publish_watermark(8)
+    assert listings == [], f"the known order was walked through storage again: {listings}"
+    assert slots(reader, start=7) == expected[7:]
