@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from vt.shared.cli import SET_HELP, dist_env, fail, load_or_exit
+from vt.shared.cli import SET_HELP, fail, load_or_exit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 1: stream raw video shards into a rolling window of latent shards.")
@@ -29,14 +29,16 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     cfg = load_or_exit(config, set)
     from vt.precompute.resume import ResumeError
     from vt.precompute.service import Precompute, TooManyFailures
+    from vt.shared.models.spec import ModelLoadError
     from vt.shared.storage import StorageUnavailable
     from vt.shared.window import ProducerConflict, ProducerFenced, WindowTimeout
 
-    rank, world_size = dist_env()
+    from vt.shared.runtime import rank, world_size
+
     try:
-        report = Precompute(cfg, rank, world_size).run()
-    except (TooManyFailures, FileNotFoundError, ValueError, ResumeError, ProducerFenced, ProducerConflict,
-            StorageUnavailable, WindowTimeout) as err:
+        report = Precompute(cfg, rank(), world_size()).run()
+    except (TooManyFailures, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
+            ProducerConflict, StorageUnavailable, WindowTimeout) as err:
         raise fail(str(err)) from err
     typer.echo(report.summary_line())
 

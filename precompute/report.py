@@ -1,6 +1,7 @@
 """What a producer did, live and at the end.
 
-`Report`: samples seen, committed and rejected (by reason), bytes written and seconds per stage
+`Report`: samples seen, committed and rejected (by reason; each rejected sample is listed in
+`rejects_file`, see rejects.py), bytes written and seconds per stage
 (read, decode, text_encode, vae_encode, write, and wait: time blocked on a full window). Written as
 JSON at the end of a run, also when it fails (with the error), so a crashed or stopped run still
 says how far it got. Counts cover this process's run; after a restart, `skipped_committed` and
@@ -14,14 +15,12 @@ interleave into garbage; every rank logs its summary line at the end.
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
+from vt.shared.progress import Progress
 
 STAGES = ("read", "decode", "text_encode", "vae_encode", "write", "wait")
 
@@ -38,6 +37,7 @@ class Report:
     generation: int | None = None  # this run's lease generation (1 for a first start)
     resumed_at: int = 0  # the seq this run started committing at
     status: str = "running"
+    rejects_file: str | None = None  # where the rejected samples are listed (rejects.jsonl)
     rejected: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=lambda: Counter({stage: 0.0 for stage in STAGES}))
     started: float = field(default_factory=time.perf_counter)
@@ -51,17 +51,18 @@ class Report:
                 "rejected": dict(sorted(self.rejected.items())), "rejected_total": sum(self.rejected.values()),
                 "skipped_committed": self.skipped_committed, "skipped_shards": self.skipped_shards,
                 "shards": self.shards, "bytes": self.bytes, "generation": self.generation,
-                "resumed_at": self.resumed_at,
+                "resumed_at": self.resumed_at, "rejects_file": self.rejects_file,
                 "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())},
                 "elapsed_s": round(elapsed, 3), "samples_per_s": round(self.committed / max(elapsed, 1e-9), 3)}
 
     def summary_line(self) -> str:
         d = self.to_dict()
         reasons = ", ".join(f"{k} {v}" for k, v in d["rejected"].items()) or "none"
+        listed = f", listed in {self.rejects_file}" if self.rejects_file else ""
         resumed = f"; resumed at shard {self.resumed_at}" if self.resumed_at else ""
         return (f"precompute rank {self.rank}: {d['committed']}/{d['seen']} samples committed in {d['shards']} shards "
                 f"({d['bytes'] / 1e6:.2f} MB) in {d['elapsed_s']:.1f}s, {d['samples_per_s']:.2f} samples/s; "
-                f"rejected {d['rejected_total']} ({reasons}){resumed}")
+                f"rejected {d['rejected_total']} ({reasons}){listed}{resumed}")
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -77,20 +78,15 @@ class ProgressBar:
     def __init__(self, report: Report, enabled: bool = True):
         self.report = report
         self.fill = "-"
-        tty = hasattr(sys.stderr, "isatty") and sys.stderr.isatty()
-        rank = int(os.environ.get("RANK", report.rank))
-        self._bar = tqdm(desc=f"precompute[{report.rank}]", unit="clip", file=sys.stderr, dynamic_ncols=True,
-                         disable=not enabled or rank != 0, mininterval=0.1 if tty else 30.0)
+        self._bar = Progress(None, f"precompute[{report.rank}]", enabled=enabled, unit="clip")
 
     def window(self, unread: int, share: int) -> None:
         """This producer's window fill after its latest commit wait ("keep" windows have no share)."""
         self.fill = f"{unread}/{share}" if share else "keep"
 
     def update(self) -> None:
-        self._bar.set_postfix({"MB": f"{self.report.bytes / 1e6:.1f}", "shards": self.report.shards,
-                               "window": self.fill, "rejected": sum(self.report.rejected.values())},
-                              refresh=False)
-        self._bar.update(1)
+        self._bar.update(1, MB=f"{self.report.bytes / 1e6:.1f}", shards=self.report.shards, window=self.fill,
+                         rejected=sum(self.report.rejected.values()))
 
     def close(self) -> None:
         self._bar.close()

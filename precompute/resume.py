@@ -11,7 +11,10 @@ samples would be produced twice.
 
 A state names this rank's raw shards by index in its own shard list (its digest is stored, so a
 changed data.raw is refused): `complete` raw shards (every sample committed or rejected) are
-skipped without being read; `partial` ones are re-read and only their committed keys are skipped.
+skipped without being read; `partial` ones are re-read and only their committed samples are skipped.
+Samples are named by their key in the shards (`RawSample.sample_id`: raw shard name and key), and a
+key is committed at most once per raw shard (a repeat inside a tar is rejected as duplicate_key and
+never counts as committed), so a key in `partial` names exactly one sample.
 A raw shard is complete once it is read to the end and none of its accepted samples still waits in
 a bucket buffer. Buffered samples are never committed by a dead process, so they are simply
 decoded again. The state stays small: `complete` is stored as index ranges and only raw shards
@@ -71,6 +74,10 @@ class StreamState:
 
     def committed(self, shard: int, key: str) -> bool:
         return shard in self.complete or key in self.partial.get(shard, ())
+
+    def is_empty(self) -> bool:
+        """True for a stream nothing was done in yet (first epoch, no raw shard handled)."""
+        return self.epoch == 0 and not self.complete and not self.partial
 
 
 class Tracker:

@@ -12,11 +12,14 @@ Crash-safe: a start takes the rank's lease (a second producer of the rank stops)
 and resumes from its progress record (precompute/resume.py): raw shards already handled are skipped,
 the partial ones re-read without their committed samples. So a producer killed at any point and
 started again commits every accepted sample exactly once.
+
+Samples are keyed by raw shard and key (`RawSample.sample_id`, see sources.py), named from the
+whole raw shard list before the per-rank split. Every rejected sample is listed with its reason in
+the run folder's rejects.jsonl (precompute/rejects.py), each once across restarts.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,22 +28,22 @@ import torch
 
 from vt.precompute.processors import PreparedSample, prepare_sample, worker_init
 from vt.precompute.processors.errors import SampleError
+from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
-from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, split_for_rank
+from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, shard_names, split_for_rank
 from vt.precompute.text_cache import TextCache
 from vt.precompute.workers import DecodePool
 from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.config import Config
 from vt.shared.log import get_logger
-from vt.shared.models import build_spec
+from vt.shared.models import spec_for
 from vt.shared.provenance import fingerprint, provenance
+from vt.shared.runtime import DTYPES, pick_device
 from vt.shared.shards import CommitRecord, encode_shard
 from vt.shared.window import Window
 
 log = get_logger("vt.precompute")
-
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class TooManyFailures(RuntimeError):
@@ -49,11 +52,20 @@ class TooManyFailures(RuntimeError):
 
 @dataclass
 class Outcome:
-    raw_key: str
+    """What became of one raw sample: `sample` when accepted, else `reason` and `detail`."""
+
+    key: str  # the sample's key in shards and logs (RawSample.sample_id)
+    shard: str  # the raw shard it came from
+    position: int  # its ordinal in that shard
     sample: PreparedSample | None
     reason: str | None
     detail: str
     seconds: float
+
+    @classmethod
+    def of(cls, raw: RawSample, sample: PreparedSample | None, reason: str | None = None, detail: str = "",
+           seconds: float = 0.0) -> "Outcome":
+        return cls(raw.sample_id, raw.shard, raw.position, sample, reason, detail, seconds)
 
 
 @dataclass(frozen=True)
@@ -67,11 +79,11 @@ def prepare_timed(raw: RawSample, buckets: list[Bucket], fps: float) -> Outcome:
     """Runs in a decode worker: a sample in, a prepared sample or the reason it was rejected out."""
     start = time.perf_counter()
     try:
-        return Outcome(raw.key, prepare_sample(raw, buckets, fps), None, "", time.perf_counter() - start)
+        return Outcome.of(raw, prepare_sample(raw, buckets, fps), seconds=time.perf_counter() - start)
     except SampleError as err:
-        return Outcome(raw.key, None, err.reason, err.detail, time.perf_counter() - start)
+        return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
     except Exception as err:  # an unforeseen decoder failure is still one bad clip, not a dead run
-        return Outcome(raw.key, None, "decode_error", repr(err), time.perf_counter() - start)
+        return Outcome.of(raw, None, "decode_error", repr(err), time.perf_counter() - start)
 
 
 class _Prepare:
@@ -92,16 +104,7 @@ class _Prepare:
         if isinstance(item, ShardEnd):
             return item
         index, raw = item
-        return index, Outcome(raw.key, None, "decoder_crashed", "the decode worker process died on this clip", 0.0)
-
-
-def pick_device(setting: str) -> torch.device:
-    """"auto": this process's GPU (LOCAL_RANK under torchrun) if there is one, else the CPU."""
-    if setting != "auto":
-        return torch.device(setting)
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    return torch.device("cpu")
+        return index, Outcome.of(raw, None, "decoder_crashed", "the decode worker process died on this clip")
 
 
 class Precompute:
@@ -110,19 +113,22 @@ class Precompute:
         self.rank, self.world_size = rank, world_size
         pre = config.precompute
         self.buckets = parse_buckets(config.buckets.sizes)
-        self.spec = build_spec(config.model)
+        self.spec = spec_for(config)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
-        self.raw_shards = split_for_rank(list_raw_shards(config.data.raw), rank, world_size)
+        every_shard = list_raw_shards(config.data.raw)
+        self.shard_names = shard_names(every_shard)  # from the whole list: every rank names shards alike
+        self.raw_shards = split_for_rank(every_shard, rank, world_size)
         self.shards_id = shards_digest(self.raw_shards)
         self.device = pick_device(pre.device)
-        self.storage_dtype = STORAGE_DTYPES[pre.storage_dtype]
+        self.storage_dtype = DTYPES[pre.storage_dtype]
         self.provenance = provenance(config)
         self.fingerprint = fingerprint(self.provenance)
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
         self.report = Report(rank=rank)
         self.progress: ProgressBar | None = None
+        self.rejects: RejectLog | None = None
         self.seq = 0
 
     def _load_encoders(self) -> None:
@@ -153,6 +159,10 @@ class Precompute:
         self.window.clean_orphans(self.rank)
         state, self.seq = resume_state(self.window, self.rank, self.shards_id)
         self.report.resumed_at = self.seq
+        # An earlier run's list stays (its raw shards may not be read again) unless nothing it did is kept.
+        rejects_path = self.config.run_dir / rejects_name(self.rank, self.world_size)
+        self.rejects = RejectLog(rejects_path, keep=self.seq > 0 or not state.is_empty())
+        self.report.rejects_file = str(rejects_path)
         if self.seq:
             log.info("producer %d resumes at shard %d (epoch %d, %d raw shards done)", self.rank, self.seq,
                      state.epoch, len(state.complete))
@@ -168,6 +178,7 @@ class Precompute:
                     self._run_epoch(epoch, pool, tracker)
         finally:
             self.progress.close()
+            self.rejects.close()
             if pool is not None:
                 pool.close()
         self.window.finish_producer(self.rank, self.seq)
@@ -179,9 +190,10 @@ class Precompute:
                 self.report.skipped_shards += 1
                 continue
             started = time.perf_counter()
-            for raw in iter_raw_samples(shard):
+            for raw in iter_raw_samples(shard, self.shard_names[shard]):
                 self.report.seconds["read"] += time.perf_counter() - started
-                if tracker.state.committed(index, raw.key):
+                # A sample with an error is never committed (a duplicate_key shares its key with one that may be).
+                if raw.error is None and tracker.state.committed(index, raw.sample_id):
                     self.report.skipped_committed += 1
                 else:
                     yield index, raw
@@ -207,11 +219,12 @@ class Precompute:
             self.report.seconds["decode"] += outcome.seconds
             if outcome.sample is None:
                 self.report.reject(outcome.reason)
-                log.debug("skipped %s: %s %s", outcome.raw_key, outcome.reason, outcome.detail)
+                self.rejects.add(epoch, outcome.shard, outcome.position, outcome.key, outcome.reason, outcome.detail)
+                log.debug("skipped %s: %s %s", outcome.key, outcome.reason, outcome.detail)
                 failures_in_a_row += 1
                 if failures_in_a_row >= pre.max_consecutive_failures:
                     raise TooManyFailures(
-                        f"{failures_in_a_row} samples in a row failed (last: {outcome.raw_key}: {outcome.reason} "
+                        f"{failures_in_a_row} samples in a row failed (last: {outcome.key}: {outcome.reason} "
                         f"{outcome.detail}). Check data.raw and the bucket table; counts are in the report.")
                 self.progress.update()
                 continue

@@ -1,11 +1,23 @@
 """Raw webdataset shards in, one RawSample per key out; local folders, globs or s3:// prefixes.
 
-A raw shard is a tar whose consecutive members share a key: `<key>.mp4` plus `<key>.txt` or
-`<key>.json` (webdataset's convention: the key is the member path up to the first dot of its file
-name). Stage 1 must survive whatever a crawl produced, so iter_raw_samples never raises for bad
-data: a sample with a problem carries a short reason in `RawSample.error` (the service counts
-reasons in its report), and a damaged tar yields its good samples and then one `truncated_tar`.
-Storage failures (a shard that cannot be opened at all) do raise: those are not data problems.
+A raw shard is a tar whose consecutive members share a key: `<key>.mp4` (or any extension in
+VIDEO_EXTS) plus `<key>.txt` or `<key>.json` (webdataset's convention: the key is the member path up
+to the first dot of its file name). Stage 1 must survive whatever a crawl produced, so
+iter_raw_samples never raises for bad data: a sample with a problem carries a short reason in
+`RawSample.error` (the service counts reasons in its report and lists them in rejects.jsonl), and a
+damaged tar yields its good samples and then one `truncated_tar`. Storage failures (a shard that
+cannot be opened at all) do raise: those are not data problems.
+
+A sample's identity is its raw shard plus its key, since hand-made sets number keys per shard
+(every tar holds `000000`, `000001`, ...). `RawSample.sample_id` is what latent shards, commit
+records and trainer logs call the sample's key: `<shard name>/<key>`, where the shard name is the
+tar's path below the common folder of *all* listed raw shards without `.tar` / `.tar.gz` / `.tgz`
+(`shard_names`; e.g. raw/a/000.tar and raw/b/000.tar -> `a/000/<key>`, `b/000/<key>`). It is
+computed from the whole list, before the per-rank split, so every rank names a shard alike. A key
+that repeats inside one tar is bad input: the first sample is kept, a later one is rejected as
+`duplicate_key`. A member whose extension the current sample already has (`a.mp4` twice, as
+`tar --append` leaves it) starts a new sample with the same key, which is then a duplicate_key
+rather than silently overwriting the first video.
 
 Tars are read as a stream (tarfile mode "r|*"), so an S3 shard is never downloaded whole first
 and .tar.gz shards work too.
@@ -16,26 +28,50 @@ from __future__ import annotations
 import json
 import tarfile
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import Iterator
 
 import fsspec
 from braceexpand import braceexpand
 
-VIDEO_EXTS = ("mp4", "webm", "mkv", "mov", "m4v", "avi", "video")
+# Extensions of the video files FFmpeg (so PyAV) demuxes with their timing, in the order one is
+# picked when a sample holds several. Images (jpg, png, gif, webp) are not videos here. Raw H.264 /
+# HEVC elementary streams (.h264, .264, .hevc) are left out: they carry no timestamps to sample by.
+VIDEO_EXTS = (
+    "mp4", "m4v", "mov", "qt", "mkv", "mk3d", "webm", "avi", "divx",  # MPEG-4 / QuickTime, Matroska, AVI
+    "ts", "m2ts", "mts", "m2t", "tsv",  # MPEG transport stream (broadcast, AVCHD cameras)
+    "mpg", "mpeg", "mpe", "m1v", "m2v", "mpv", "vob", "evo", "mod", "tod",  # MPEG program / elementary, DVD
+    "wmv", "asf", "flv", "f4v", "3gp", "3g2", "ogv", "ogm",  # Windows Media, Flash, mobile, Ogg
+    "mxf", "dv", "dif", "y4m", "nut", "ivf", "rm", "rmvb", "wtv", "dvr-ms", "amv", "nsv",  # broadcast, raw, others
+    "video",  # webdataset's generic name
+)
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _GLOB_CHARS = "*?["
 
 
 @dataclass
 class RawSample:
-    """One sample of a raw shard; `error` is a reason (e.g. "missing_caption") when it is unusable."""
+    """One sample of a raw shard; `error` is a reason (e.g. "missing_caption") when it is unusable.
+
+    `key` is the key inside the tar (webdataset's `__key__`), `name` the shard's name in sample
+    keys (see the module docstring) and `position` the sample's ordinal in its tar (0, 1, ...),
+    which tells two samples of one repeated key apart.
+    """
 
     key: str
     shard: str
     video: bytes | None
     caption: str | None
     error: str | None = None
+    detail: str = ""  # what was wrong, when `error` alone does not say it
+    name: str = ""
+    position: int = 0
+
+    @property
+    def sample_id(self) -> str:
+        """The sample's key in latent shards, commit records and logs: `<shard name>/<key>`."""
+        return f"{self.name}/{self.key}" if self.name else self.key
 
 
 def _is_shard(path: str) -> bool:
@@ -74,6 +110,31 @@ def list_raw_shards(uri: str) -> list[str]:
             f"make sample shards with: python scripts/make_sample_shards.py --clips DIR --out DIR"
         )
     return sorted(urls)
+
+
+def _strip_suffix(name: str) -> str:
+    lower = name.lower()
+    suffix = next((s for s in SHARD_SUFFIXES if lower.endswith(s)), "")
+    return name[:len(name) - len(suffix)] if suffix else name
+
+
+def shard_names(shards: list[str]) -> dict[str, str]:
+    """Each shard URL -> its name in sample keys: its path below the common folder of all `shards`,
+    without .tar / .tar.gz / .tgz ("raw/a/x.tar", "raw/b/x.tar" -> "a/x", "b/x"; one shard -> "x").
+
+    Give it the full list (before split_for_rank) so every rank names every shard alike. Two tars
+    that differ only in their suffix (x.tar, x.tgz) keep their suffixes, so names stay unique.
+    """
+    parts = {url: url.split("/") for url in shards}
+    common = 0
+    for column in zip(*(p[:-1] for p in parts.values())):
+        if len(set(column)) != 1:
+            break
+        common += 1
+    names = {url: "/".join(p[common:]) for url, p in parts.items()}
+    stripped = {url: _strip_suffix(name) for url, name in names.items()}
+    uses = Counter(stripped.values())
+    return {url: stripped[url] if uses[stripped[url]] == 1 else names[url] for url in shards}
 
 
 def split_for_rank(shards: list[str], rank: int, world_size: int) -> list[str]:
@@ -126,12 +187,36 @@ def _caption(files: dict[str, bytes]) -> tuple[str | None, str | None]:
     return text, None
 
 
-def _to_sample(key: str, shard: str, files: dict[str, bytes]) -> RawSample:
-    video = next((files[ext] for ext in VIDEO_EXTS if ext in files), None)
-    caption, error = _caption(files)
-    if video is None:
-        error = "missing_video"  # no video outranks any caption problem: nothing to train on
-    return RawSample(key=key, shard=shard, video=video, caption=caption, error=error)
+class _Samples:
+    """Turns the member groups of one tar into RawSamples: positions, and the first-key-wins rule."""
+
+    def __init__(self, shard: str, name: str):
+        self.shard, self.name = shard, name
+        self.seen: set[str] = set()
+        self.position = 0
+
+    def make(self, key: str, files: dict[str, bytes]) -> RawSample:
+        video = next((files[ext] for ext in VIDEO_EXTS if ext in files), None)
+        caption, error = _caption(files)
+        detail = ""
+        if video is None:
+            error = "missing_video"  # no video outranks any caption problem: nothing to train on
+        if key in self.seen:  # a repeat outranks everything: the first sample of the key is the one
+            error, caption, video = "duplicate_key", None, None  # nothing of it is used
+            detail = f"key {key!r} came earlier in {self.shard}; the first sample with it is kept"
+        self.seen.add(key)
+        return self._next(RawSample(key=key, shard=self.shard, video=video, caption=caption, error=error,
+                                    detail=detail))
+
+    def damaged(self, key: str) -> RawSample:
+        """The marker that ends a damaged tar; `key` is the sample that was being read."""
+        return self._next(RawSample(key=key, shard=self.shard, video=None, caption=None, error="truncated_tar",
+                                    detail=f"the tar ends or is damaged after {self.position} samples"))
+
+    def _next(self, sample: RawSample) -> RawSample:
+        sample.name, sample.position = self.name, self.position
+        self.position += 1
+        return sample
 
 
 class _EndTrackingTarInfo(tarfile.TarInfo):
@@ -156,13 +241,15 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     return handle.read() if handle is not None else b""
 
 
-def iter_raw_samples(shard_url: str) -> Iterator[RawSample]:
+def iter_raw_samples(shard_url: str, name: str | None = None) -> Iterator[RawSample]:
     """The samples of one tar (local path or any fsspec URL such as s3://), in tar order.
 
-    On damage (cut short, garbage header, broken gzip) the sample being read is still yielded if
-    it has a whole video and a caption (only an extra member can be lost), else dropped; then one
-    RawSample with error "truncated_tar" ends the shard.
+    `name` is the shard's name in sample ids (from shard_names over all shards; default: the file
+    name without its suffix). On damage (cut short, garbage header, broken gzip) the sample being
+    read is still yielded if it has a whole video and a caption (only an extra member can be lost),
+    else dropped; then one RawSample with error "truncated_tar" ends the shard.
     """
+    samples = _Samples(shard_url, shard_names([shard_url])[shard_url] if name is None else name)
     with fsspec.open(shard_url, "rb") as stream:
         key, files = None, {}
         try:
@@ -171,17 +258,18 @@ def iter_raw_samples(shard_url: str) -> Iterator[RawSample]:
                     if not member.isfile():
                         continue
                     member_key, ext = _split_name(member.name)
-                    if member_key != key:
+                    # A new key, or an extension this sample already has, starts the next sample.
+                    if member_key != key or (ext and ext in files):
                         if key is not None:
-                            yield _to_sample(key, shard_url, files)
+                            yield samples.make(key, files)
                         key, files = member_key, {}
                     if ext:
                         files[ext] = _read(tar, member)  # raises if the tar ends inside it
                 damaged = not isinstance(getattr(tar, "vt_end_error", None), tarfile.EOFHeaderError)
         except (tarfile.TarError, EOFError, zlib.error):  # cut inside a member, bad gzip ...
             damaged = True
-        last = _to_sample(key, shard_url, files) if key is not None else None
+        last = samples.make(key, files) if key is not None else None
         if last is not None and not (damaged and last.error):
             yield last
         if damaged:
-            yield RawSample(key=key or "", shard=shard_url, video=None, caption=None, error="truncated_tar")
+            yield samples.damaged(key or "")

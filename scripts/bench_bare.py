@@ -26,7 +26,6 @@ from pathlib import Path
 import torch
 
 NUM_TRAIN_TIMESTEPS = 1000
-LTX_FRAME_RATE = 25  # the LTX pipeline's default frame rate, which sets RoPE's temporal scale
 
 
 @dataclass
@@ -40,7 +39,7 @@ class BareSettings:
     lr: float = 1e-3
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
-    rope_scale: tuple[float, float, float] = (8 / LTX_FRAME_RATE, 32.0, 32.0)  # (VAE time / fps, space, space)
+    rope_scale: tuple[float, float, float] = (8 / 8.0, 32.0, 32.0)  # (VAE time / buckets.fps, space, space)
     device: str = "cpu"
     amp_dtype: torch.dtype | None = None  # autocast dtype (bf16 on a GPU), None for plain fp32
 

@@ -90,7 +90,7 @@ def worker(rank: int, world: int, store: str, settings: dict, queue) -> None:
         dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
         meshes = dims.build_mesh("cpu")
     try:
-        spec = build_spec(ModelConfig(family="wan"))
+        spec = build_spec(ModelConfig(family="wan"), frame_rate=16.0)
         model = build_wan(settings["layers"], settings["heads"], settings["head_dim"], settings["ffn"], settings["text_dim"])
         parallelize(model, spec, World(dims, rank, 0, torch.device("cpu"), meshes))
         params = [p for p in model.parameters() if p.requires_grad]

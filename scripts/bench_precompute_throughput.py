@@ -82,14 +82,14 @@ def _run_naive(config) -> int:
     from safetensors.torch import save_file
 
     from vt.precompute.processors import SampleError, prepare_sample
-    from vt.precompute.service import STORAGE_DTYPES
     from vt.precompute.sources import iter_raw_samples, list_raw_shards
     from vt.shared.buckets import parse_buckets
-    from vt.shared.models import build_spec
+    from vt.shared.models import spec_for
+    from vt.shared.runtime import DTYPES
 
-    spec = build_spec(config.model)
+    spec = spec_for(config)
     buckets = parse_buckets(config.buckets.sizes)
-    dtype = STORAGE_DTYPES[config.precompute.storage_dtype]
+    dtype = DTYPES[config.precompute.storage_dtype]
     device = config.precompute.device
     if device == "auto":  # the service's choice, so both sides run on the same device
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -141,7 +141,7 @@ class _Decoded:
         found = self.prepared[_clip_id(raw)]
         if isinstance(found, Exception):
             raise found
-        return dataclasses.replace(found, key=raw.key, caption=raw.caption)
+        return dataclasses.replace(found, key=raw.sample_id, caption=raw.caption)
 
 
 def _run_encode_only(config, decoded: _Decoded) -> int:

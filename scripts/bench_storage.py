@@ -34,7 +34,7 @@ def fp32_per_sample_bytes(window: Path, out: Path) -> tuple[int, int]:
     for shard in sorted((Path(window) / "data").rglob("*.safetensors")):
         tensors, keys, _ = decode_shard(shard.read_bytes())
         for row, key in enumerate(keys):
-            path = out / f"{key}.pt"
+            path = out / f"{key.replace('/', '__')}.pt"  # keys are "<raw shard>/<key>"
             torch.save({name: t[row].float().clone() for name, t in tensors.items()}, path)
             total += path.stat().st_size
             samples += 1

@@ -61,8 +61,6 @@ def train_overrides(model: Path, transformer: Path, window: Path, run_dir: Path)
 
 def bare_settings(trainer) -> BareSettings:
     """The bare loop's settings, taken from the trainer so both sides agree by construction."""
-    from vt.shared.models.ltx_video import FRAME_RATE
-
     train, model = trainer.config.train, trainer.config.model
     unsupported = {"model.family": model.family != "ltx-video", "model.task": model.task != "t2v",
                    "train.mode": train.mode != "lora", "train.grad_accum": train.grad_accum != 1,
@@ -76,7 +74,7 @@ def bare_settings(trainer) -> BareSettings:
     return BareSettings(seed=train.seed, lora_rank=train.lora_rank, lora_alpha=train.lora_alpha,
                         lora_targets=list(train.lora_targets or trainer.spec.default_lora_targets), lr=train.lr,
                         weight_decay=train.weight_decay, max_grad_norm=train.max_grad_norm or float("inf"),
-                        rope_scale=(g.temporal / FRAME_RATE, float(g.spatial), float(g.spatial)),
+                        rope_scale=(g.temporal / trainer.spec.frame_rate, float(g.spatial), float(g.spatial)),
                         device=str(trainer.device), amp_dtype=trainer.amp_dtype)
 
 

@@ -57,7 +57,9 @@ def init_group(device_type: str) -> tuple[int, int]:
     """(rank, world) from torchrun's environment, or a one-process group (FSDP2 needs a mesh)."""
     import torch.distributed as dist
 
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    from vt.shared import runtime
+
+    rank, world = runtime.rank(), runtime.world_size()
     backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
     if "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend)
@@ -105,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry and not torch.cuda.is_available():
         print("no CUDA device here: run with --dry for the CPU dry run", file=sys.stderr)
         return 2
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu") if args.dry else torch.device("cuda", local_rank)
+    from vt.shared.runtime import pick_device
+
+    device = torch.device("cpu") if args.dry else pick_device("cuda")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     rank, world = init_group(device.type)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         meshes = ParallelDims(dp_shard=world, world_size=world).build_mesh(device.type)
-        spec = build_spec(ModelConfig(family="wan"))
+        spec = build_spec(ModelConfig(family="wan"), frame_rate=16.0)
         started = time.perf_counter()
         with torch.device(device):  # random init straight on the device: seconds, not minutes
             model = build_wan(args.layers, args.heads, args.head_dim, args.ffn, args.text_dim)

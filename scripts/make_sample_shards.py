@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import itertools
 import json
 import tarfile
 from fractions import Fraction
@@ -95,24 +96,30 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_shard: int = 8,
                        max_side: int = 480, captions: dict[str, str] | None = None,
-                       caption_format: str = "txt") -> list[Path]:
+                       caption_format: str = "txt", interleave: bool = False) -> list[Path]:
     """Write raw shards out/raw-000000.tar ... and return their paths.
 
     `captions` maps a clip's file stem to its caption (defaults cover the four sample clips);
-    `caption_format` "txt" writes <key>.txt, "json" writes <key>.json {"caption": ...}.
+    `caption_format` "txt" writes <key>.txt, "json" writes <key>.json {"caption": ...};
+    `interleave` takes the clips' pieces round-robin (as a crawl mixes sources) instead of clip by clip.
     """
     if caption_format not in ("txt", "json"):
         raise ValueError(f"caption_format must be 'txt' or 'json', got {caption_format!r}")
     if seconds <= 0 or per_shard < 1 or max_side < 2:
         raise ValueError("need seconds > 0, per_shard >= 1 and max_side >= 2")
     known = {**CAPTIONS, **(captions or {})}
-    samples: list[tuple[str, bytes, str]] = []
+    per_clip: list[list[tuple[str, bytes, str]]] = []
     for clip in sorted(Path(c) for c in clips):
         caption = known.get(clip.stem)
         if caption is None:
             raise ValueError(f"no caption for clip {clip.name}; pass captions={{'{clip.stem}': '...'}}")
-        for number, video in enumerate(cut_clip(clip, seconds, max_side)):
-            samples.append((f"{clip.stem}-{number:03d}", video, caption))
+        per_clip.append([(f"{clip.stem}-{number:03d}", video, caption)
+                         for number, video in enumerate(cut_clip(clip, seconds, max_side))])
+    if interleave:
+        rounds = itertools.zip_longest(*per_clip)
+        samples = [sample for one_round in rounds for sample in one_round if sample is not None]
+    else:
+        samples = [sample for pieces in per_clip for sample in pieces]
     if not samples:
         raise ValueError(f"no clip is at least {seconds}s long: {[str(c) for c in clips]}")
     out = Path(out)

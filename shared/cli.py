@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import typer
@@ -18,11 +17,6 @@ def load_or_exit(config: Path, overrides: list[str]) -> Config:
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)
         raise typer.Exit(2) from err
-
-
-def dist_env() -> tuple[int, int]:
-    """(rank, world size) from torchrun's environment; (0, 1) when launched directly."""
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

@@ -1,129 +1,164 @@
-"""Run configuration: one TOML file for both stages, `--set key=value` overrides, typed validation.
+"""Run configuration: one TOML file for both stages, `--set key=value` overrides, checked at load.
 
-Every section is a dataclass. `load_config` merges the file with overrides, then checks every key
-and value against the dataclasses, so a typo or a bad value stops the run at start-up with the key
-path and what is allowed, instead of silently doing nothing.
+Every section is a strict pydantic model: each key has a type and an allowed range, and an unknown
+key is refused. `load_config` merges the file with the overrides and validates everything at once,
+so a typo or a bad value stops the run at start-up, before any model is loaded, with one line per
+problem: `<key> = <value>: <what is allowed>`. `to_toml` writes the resolved config back.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import re
 import tomllib
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args
+
+import tomli_w
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vt.shared.buckets import parse_buckets
 
 
 class ConfigError(ValueError):
     """A config problem the user must fix; the message names the key and what is allowed."""
 
 
-@dataclass
-class RunSection:
+class _Section(BaseModel):
+    # strict: no bool for an int, no string for a number (a float key still takes an int); no inf/nan
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+_URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
+
+
+class RunSection(_Section):
     dir: str = "runs/demo"  # run folder: config.toml, metrics.jsonl, checkpoints, lora, validation
 
+    @field_validator("dir")
+    @classmethod
+    def _local(cls, value: str) -> str:
+        if value.lower().startswith("file://"):
+            return value[len("file://"):]
+        if _URL.match(value):
+            raise ValueError("the run folder (checkpoints, metrics, exports, videos) must be a local or mounted "
+                             "path; object storage is supported for data.raw and window.uri. "
+                             'Use e.g. run.dir = "runs/my-run"')
+        return value
 
-@dataclass
-class ModelConfig:
+
+class ModelConfig(_Section):
     family: str = "ltx-video"  # a registered Model Spec name (see vt.shared.models)
     path: str = "runs/models/ltx-video-tiny"  # diffusers-layout folder or hub id
     # Per-component overrides: {tokenizer, text_encoder, vae, transformer, scheduler} -> folder/hub id.
-    components: dict[str, str] = field(default_factory=dict)
+    components: dict[str, str] = Field(default_factory=dict)
     task: Literal["t2v", "i2v"] = "t2v"  # i2v: first-frame conditioning (families that support it)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights' dtype
-    max_text_tokens: int = 64
-    first_frame_noise: float = 0.0  # i2v: max sigma of the conditioning frame (0 keeps it clean)
+    max_text_tokens: int | None = Field(None, ge=1)  # None: the family's default
+    first_frame_noise: float = Field(0.0, ge=0, le=1)  # i2v: max sigma of the conditioning frame (0: clean)
 
 
-@dataclass
-class DataConfig:
+class DataConfig(_Section):
     raw: str = "runs/data/raw"  # folder, tar file, glob or s3:// prefix of raw webdataset shards
 
 
-@dataclass
-class BucketsConfig:
-    sizes: list[str] = field(default_factory=lambda: ["9x64x96", "9x64x64", "9x96x64"])  # FxHxW
-    fps: float = 8.0  # frames are sampled at this rate before bucketing
+def _bucket_size(text: str) -> str:
+    try:
+        parse_buckets([text])
+    except ValueError:
+        raise ValueError('must look like FRAMESxHEIGHTxWIDTH with positive integers, e.g. "9x64x96"') from None
+    return text
 
 
-@dataclass
-class WindowConfig:
+class BucketsConfig(_Section):
+    sizes: list[Annotated[str, AfterValidator(_bucket_size)]] = Field(
+        default_factory=lambda: ["9x64x96", "9x64x64", "9x96x64"], min_length=1)  # FxHxW
+    fps: float = Field(8.0, gt=0)  # frames are sampled at this rate before bucketing
+
+
+class WindowConfig(_Section):
     uri: str = "runs/demo/window"  # local folder or s3://bucket/prefix
     size: Union[int, Literal["keep"]] = 8  # max committed-unconsumed shards; "keep" never evicts
-    poll_seconds: float = 0.2
-    timeout_seconds: float = 1800.0  # how long a reader or writer waits before giving up
+    poll_seconds: float = Field(0.2, gt=0)
+    timeout_seconds: float = Field(1800.0, gt=0)  # how long a reader or writer waits before giving up
+
+    @field_validator("size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        if value == "keep" or (type(value) is int and value >= 1):
+            return value
+        raise ValueError('must be an integer >= 1 or "keep"')
 
 
-@dataclass
-class PrecomputeConfig:
-    samples_per_shard: int = 4
-    encode_batch: int = 4
+class PrecomputeConfig(_Section):
+    samples_per_shard: int = Field(4, ge=1)
+    encode_batch: int = Field(4, ge=1)
     storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    max_consecutive_failures: int = 100
-    workers: int = 1  # decode worker processes (0: decode in the encoding process)
+    max_consecutive_failures: int = Field(100, ge=1)
+    workers: int = Field(1, ge=0)  # decode worker processes (0: decode in the encoding process)
     device: str = "auto"
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     mode: Literal["lora", "full"] = "lora"
-    lora_rank: int = 16
-    lora_alpha: float = 16.0
-    lora_targets: list[str] = field(default_factory=list)  # empty: the family's default targets
-    batch_size: int = 2  # global samples per optimizer micro-step (all data-parallel ranks)
-    grad_accum: int = 1
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    epochs: int = 1  # rolling window: the producer streams the data this many times; "keep": re-read
-    max_steps: int = 0  # 0: until the data ends
-    seed: int = 0
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(16.0, gt=0)
+    lora_targets: list[str] = Field(default_factory=list)  # empty: the family's default targets
+    batch_size: int = Field(2, ge=1)  # global samples per optimizer micro-step (all data-parallel ranks)
+    grad_accum: int = Field(1, ge=1)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    max_grad_norm: float = Field(1.0, ge=0)  # 0: no clipping
+    epochs: int = Field(1, ge=1)  # rolling window: the producer streams the data this many times; "keep": re-read
+    max_steps: int = Field(0, ge=0)  # 0: until the data ends
+    seed: int = Field(0, ge=0)
     sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
-    shift: float = 1.0
+    shift: float = Field(1.0, gt=0)
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
-    checkpoint_every: int = 0  # optimizer steps; 0: only at the end
-    validate_every: int = 0  # optimizer steps; 0: only at the end (if prompts are set)
-    validation_prompts: list[str] = field(default_factory=list)
-    validation_images: list[str] = field(default_factory=list)  # i2v: one conditioning image per prompt
-    validation_steps: int = 4
+    checkpoint_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end
+    validate_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end (if prompts are set)
+    validation_prompts: list[str] = Field(default_factory=list)
+    validation_images: list[str] = Field(default_factory=list)  # i2v: one conditioning image per prompt
+    validation_steps: int = Field(4, ge=1)
     resume: bool = True  # continue from the newest checkpoint in the run folder
     device: str = "auto"
 
 
-@dataclass
-class LogConfig:
-    every_steps: int = 1
-    every_seconds: float = 0.0  # 0: by steps only
+class LogConfig(_Section):
+    every_steps: int = Field(1, ge=1)
+    every_seconds: float = Field(0.0, ge=0)  # 0: by steps only
     wandb: bool = False
     tensorboard: bool = False
     progress: bool = True
     samples: bool = False  # write every step's sample keys to <run.dir>/samples.jsonl (data audits)
 
 
-@dataclass
-class ParallelConfig:
-    dp_replicate: int = 1
+class ParallelConfig(_Section):
+    dp_replicate: int = Field(1, ge=1)
     dp_shard: int = -1  # -1: whatever is left of the world size
-    cp: int = 1
-    tp: int = 1
+    cp: int = Field(1, ge=1)
+    tp: int = Field(1, ge=1)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory
     compile: bool = False  # torch.compile each transformer block
 
+    @field_validator("dp_shard")
+    @classmethod
+    def _rest_or_positive(cls, value: int) -> int:
+        if value != -1 and value < 1:
+            raise ValueError("must be -1 (the rest of the world size) or >= 1")
+        return value
 
-@dataclass
-class Config:
-    run: RunSection = field(default_factory=RunSection)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    buckets: BucketsConfig = field(default_factory=BucketsConfig)
-    window: WindowConfig = field(default_factory=WindowConfig)
-    precompute: PrecomputeConfig = field(default_factory=PrecomputeConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+class Config(_Section):
+    run: RunSection = Field(default_factory=RunSection)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    buckets: BucketsConfig = Field(default_factory=BucketsConfig)
+    window: WindowConfig = Field(default_factory=WindowConfig)
+    precompute: PrecomputeConfig = Field(default_factory=PrecomputeConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    log: LogConfig = Field(default_factory=LogConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -167,78 +202,77 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return build(Config, tree, "")
 
 
-def build(cls: type, tree: dict, prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(tree) - names)
-    if unknown:
-        where = prefix.rstrip(".") or "the top level"
-        raise ConfigError(f"unknown key '{prefix}{unknown[0]}' in {where}; allowed: {', '.join(sorted(names))}")
-    values = {}
-    for name in names & set(tree):
-        values[name] = _coerce(hints[name], tree[name], prefix + name)
-    return cls(**values)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    origin = get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} is a section; set its keys, e.g. {key}.<name>=...")
-        return build(hint, value, key + ".")
-    if origin is Literal:
-        if value not in get_args(hint):
-            raise ConfigError(f"{key} = {value!r} is not allowed; choose one of {list(get_args(hint))}")
-        return value
-    if origin in (Union, types.UnionType):
-        errors = []
-        for option in get_args(hint):
-            try:
-                return _coerce(option, value, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        raise ConfigError(" or ".join(errors))
-    if origin is list:
-        (item,) = get_args(hint)
-        if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list, got {value!r}")
-        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key} must be a table of name = value, got {value!r}")
-        _, item = get_args(hint)
-        return {k: _coerce(item, v, f"{key}.{k}") for k, v in value.items()}
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is bool and not isinstance(value, bool):
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
-    if hint is int and (isinstance(value, bool) or not isinstance(value, int)):
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
-    if not isinstance(value, hint):
-        raise ConfigError(f"{key} must be {hint.__name__}, got {value!r}")
-    return value
+def build(cls: type[BaseModel], tree: dict, prefix: str = "") -> Any:
+    """Validate `tree` into `cls`; every problem becomes one line of a `ConfigError`, keys shown under `prefix`."""
+    try:
+        return cls.model_validate(tree)
+    except ValidationError as err:
+        lines = [_describe(cls, prefix, problem) for problem in err.errors(include_url=False)]
+        raise ConfigError("\n".join(lines)) from None
 
 
 def to_toml(config: Config) -> str:
-    """Serialise a resolved config back to TOML (written into the run folder)."""
-    lines: list[str] = []
-    for section in dataclasses.fields(config):
-        lines.append(f"[{section.name}]")
-        for key, value in dataclasses.asdict(getattr(config, section.name)).items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
+    """Serialise a resolved config back to TOML (written into the run folder); unset keys are left out."""
+    return tomli_w.dumps(config.model_dump(exclude_none=True))
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f'"{k}" = {_toml_value(v)}' for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
+# -- turning pydantic's errors into `<key> = <value>: <what is allowed>` --------------------------------
+
+_TYPES = {
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "finite_number": "must be a finite number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string (in quotes)",
+    "list_type": "must be a list, e.g. [\"a\", \"b\"]",
+    "dict_type": "must be a table of name = value",
+    "too_short": "must not be empty",
+}
+_BOUNDS = (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+
+
+def _describe(cls: type[BaseModel], prefix: str, problem: dict) -> str:
+    loc, kind, ctx = problem["loc"], problem["type"], problem.get("ctx", {})
+    key = prefix + _path(loc)
+    if kind == "extra_forbidden":
+        _, section = _lookup(cls, loc[:-1])
+        where = (prefix + _path(loc[:-1])) or "the top level"
+        return f"unknown key '{key}' in {where}; allowed: {', '.join(sorted(section.model_fields))}"
+    info = _lookup(cls, loc)[0]
+    if kind in ("model_type", "model_attributes_type"):
+        allowed = f"must be a section (a table); set its keys, e.g. {key}.<name>=..."
+    elif kind == "literal_error" and info is not None:
+        allowed = f"choose one of {list(get_args(info.annotation))}"
+    elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        # the field's whole range, not just the bound that failed: "must be >= 0 and <= 1"
+        holders = info.metadata if info is not None else [ctx]
+        allowed = "must be " + " and ".join(f"{sign} {_bound(h, name)}" for h in holders
+                                            for name, sign in _BOUNDS if _bound(h, name) is not None)
+    elif kind == "value_error":
+        allowed = str(ctx["error"])
+    else:
+        allowed = _TYPES.get(kind, problem["msg"])
+    return f"{key} = {problem['input']!r}: {allowed}"
+
+
+def _bound(holder: Any, name: str) -> Any:
+    """A bound (ge, gt, le, lt) from a field's constraint object or an error's ctx dict; None if absent."""
+    return holder.get(name) if isinstance(holder, dict) else getattr(holder, name, None)
+
+
+def _path(loc: tuple) -> str:
+    """("buckets", "sizes", 1) -> "buckets.sizes[1]"."""
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".")
+
+
+def _lookup(cls: type[BaseModel], loc: tuple) -> tuple[Any, Any]:
+    """(the field at `loc` below `cls`, the type it holds), or (None, None) if `loc` is not a field."""
+    info, held = None, cls
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        if not (isinstance(held, type) and issubclass(held, BaseModel)) or part not in held.model_fields:
+            return None, None
+        info = held.model_fields[part]
+        held = info.annotation
+    return info, held

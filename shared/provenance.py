@@ -29,7 +29,9 @@ from pathlib import Path
 from vt.shared.config import Config
 from vt.shared.shards import FORMAT_VERSION
 
-PROCESSING_VERSION = 1  # bump when decode / frame sampling / fitting changes what a shard holds
+# Bump when decode / frame sampling / fitting changes what a shard holds (2: display aspect, sample ids
+# "<raw shard>/<key>").
+PROCESSING_VERSION = 2
 FIT_MODE = "resize-to-cover, bilinear antialias, center crop"  # precompute/processors/fit_bucket.py
 FRAME_SAMPLING = "from the start, at buckets.fps"  # precompute/processors/sample_frames.py
 ENCODER_COMPONENTS = ("tokenizer", "text_encoder", "vae")  # what stage 1 runs
@@ -43,17 +45,20 @@ SAMPLE_BYTES = 64 * 2**10
 def provenance(config: Config, weights: dict[str, str] | None = None) -> dict:
     """The settings that decide a shard's content. `weights` (component -> digest) defaults to
     `weights_digests(config)`."""
+    from vt.shared.models import spec_for
+
+    spec = spec_for(config)
     return {
         "format_version": FORMAT_VERSION,
         "family": config.model.family,
         "task": config.model.task,
-        "max_text_tokens": config.model.max_text_tokens,
+        "max_text_tokens": spec.max_text_tokens,  # resolved: the family's default when unset
         "encoder_dtype": config.model.dtype,
         "storage_dtype": config.precompute.storage_dtype,
         "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
                        "buckets": sorted(config.buckets.sizes), "fit": FIT_MODE,
                        "frame_sampling": FRAME_SAMPLING},
-        "weights": dict(sorted((weights if weights is not None else weights_digests(config)).items())),
+        "weights": dict(sorted((weights if weights is not None else weights_digests(spec)).items())),
     }
 
 
@@ -61,22 +66,23 @@ def fingerprint(prov: dict) -> str:
     return hashlib.sha256(json.dumps(prov, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def weights_digests(config: Config) -> dict[str, str]:
+def weights_digests(spec) -> dict[str, str]:
     """component -> digest of its files, for the components stage 1 runs (no weights are loaded)."""
-    from vt.shared.models import build_spec
-
-    spec = build_spec(config.model)
-    return {name: folder_digest(_local_folder(*spec.source(name))) for name in ENCODER_COMPONENTS}
+    return {name: folder_digest(_local_folder(spec, name)) for name in ENCODER_COMPONENTS}
 
 
-def _local_folder(path: str, subfolder: str | None) -> Path:
+def _local_folder(spec, name: str) -> Path:
     """The folder holding a component's files: local as given, or the hub snapshot (downloaded if needed)."""
+    path, subfolder = spec.source(name)
     local = Path(path)
     if local.exists():
         return local / subfolder if subfolder else local
     from huggingface_hub import snapshot_download
 
-    folder = Path(snapshot_download(path, allow_patterns=[f"{subfolder}/*"] if subfolder else None))
+    try:
+        folder = Path(snapshot_download(path, allow_patterns=[f"{subfolder}/*"] if subfolder else None))
+    except (OSError, ValueError) as err:
+        raise spec.load_error(name, path, err) from err
     return folder / subfolder if subfolder else folder
 
 

@@ -4,7 +4,7 @@ Layout under the window URI (local folder or s3://bucket/prefix), explained in d
 
     data/p<rank>/<seq:08d>-g<gen>-<sha16>.safetensors  shard data, written first (atomically)
     commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
-    producers/p<rank>.json               {"rank", "world_size", "done", "num_shards", "fingerprint"}
+    producers/p<rank>.json               {"rank", "world_size", "size", "done", "num_shards", "fingerprint"}
     leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
     progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
     consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
@@ -186,7 +186,8 @@ class Window:
             lease.check(self.storage, rank, self._generation[rank])
 
     def register_producer(self, rank: int, world_size: int, fingerprint: str | None = None) -> bool:
-        """Announce producer `rank` of `world_size`; the reader's order needs the world size.
+        """Announce producer `rank` of `world_size` (the reader's order needs it) and its window size
+        (for `state()`; each start rewrites it, so a restart with another size shows).
 
         Returns False if this rank already finished (its done marker is there): nothing left to do.
         """
@@ -200,8 +201,12 @@ class Window:
         if current is not None and current.get("done"):
             log.info("producer %d of %s is already done with %d shards", rank, self.uri, current["num_shards"])
             return False
+        if current is not None and current.get("fingerprint") not in (None, fingerprint) and self.next_seq(rank):
+            raise ValueError(f"{self.uri} holds shards of producer {rank} made with other settings (fingerprint "
+                             f"{current['fingerprint']}, now {fingerprint}): a restart must continue with the same "
+                             "config, model and vt version. Restore them, or precompute into a fresh window.uri")
         self._check_lease(rank)
-        info = {"rank": rank, "world_size": world_size, "done": False, "num_shards": None,
+        info = {"rank": rank, "world_size": world_size, "size": self.size, "done": False, "num_shards": None,
                 "fingerprint": fingerprint, "generation": self._generation.get(rank)}
         self.storage.put_atomic(producer_path(rank), json.dumps(info).encode())
         return True

@@ -9,9 +9,23 @@ from __future__ import annotations
 from . import lease
 
 
+def window_size(producers: dict[int, dict]) -> int | str:
+    """The window size the producers registered with: one value, "unknown" when none recorded it
+    (a window written before sizes were recorded), else each rank's ("p0=2, p1=4")."""
+    sizes = {rank: info["size"] for rank, info in producers.items() if info.get("size") is not None}
+    if not sizes:
+        return "unknown"
+    if len(set(sizes.values())) == 1 and len(sizes) == len(producers):
+        return next(iter(sizes.values()))
+    return ", ".join(f"p{rank}={sizes.get(rank, 'unknown')}" for rank in sorted(producers))
+
+
 def window_state(window) -> dict:
     """Producers, committed / present / unread / evicted shards, consumer positions, bytes,
-    per-bucket shard and sample counts, the shards' fingerprints and orphan data files."""
+    per-bucket shard and sample counts, the shards' fingerprints and orphan data files.
+
+    `size` is what the producers registered (window_size), never this Window object's own setting:
+    `vt-precompute inspect` opens a window without knowing its size."""
     from .window import seq_of
 
     storage = window.storage
@@ -19,11 +33,13 @@ def window_state(window) -> dict:
     records = [r for r in (window.record(int(rel.split("/")[1][1:]), seq_of(rel))
                            for rel in storage.list("commits")) if r is not None]
     data = storage.sizes("data")
+    registered = window._producers()
     producers = {}
-    for rank, info in sorted(window._producers().items()):
+    for rank, info in sorted(registered.items()):
         committed = window.next_seq(rank, consumer)
         read = consumer["read"].get(rank, 0)
-        producers[rank] = {"world_size": info["world_size"], "done": bool(info.get("done")),
+        producers[rank] = {"world_size": info["world_size"], "size": info.get("size", "unknown"),
+                           "done": bool(info.get("done")),
                            "num_shards": info.get("num_shards"), "committed": committed,
                            "read": read, "unread": max(0, committed - read),
                            "watermark": consumer["watermark"].get(rank, 0),
@@ -36,7 +52,7 @@ def window_state(window) -> dict:
         entry["samples"] += len(record.keys)
     present_below = sum(1 for r in records if r.seq < consumer["watermark"].get(r.producer, 0))
     named = {r.data for r in records}
-    return {"uri": window.uri, "size": window.size, "world_size": window.world_size(),
+    return {"uri": window.uri, "size": window_size(registered), "world_size": window.world_size(),
             "producers": producers,
             "committed": sum(p["committed"] for p in producers.values()),
             "unread": sum(p["unread"] for p in producers.values()),

@@ -11,9 +11,13 @@ BIN = Path(sys.executable).parent
 
 
 def raw_keys(raw: Path) -> set[str]:
-    from vt.precompute.sources import iter_raw_samples, list_raw_shards
+    """The keys the samples of the raw shards at `raw` get in latent shards and trainer logs
+    (`<raw shard name>/<key>`, named over the whole shard list as the service names them)."""
+    from vt.precompute.sources import iter_raw_samples, list_raw_shards, shard_names
 
-    return {s.key for shard in list_raw_shards(str(raw)) for s in iter_raw_samples(shard)}
+    shards = list_raw_shards(str(raw))
+    names = shard_names(shards)
+    return {s.sample_id for shard in shards for s in iter_raw_samples(shard, names[shard])}
 
 
 def write_config(path: Path, model_path: Path, raw: Path | str, run_dir: Path, window_uri: str, **sections) -> Path:

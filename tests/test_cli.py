@@ -46,3 +46,23 @@ def test_missing_model_path_says_which_key_to_set(tmp_path, raw_shards, stage):
 def test_help_lists_the_run_command():
     result = run("vt-train", "--help")
     assert result.returncode == 0 and "run" in result.stdout
+
+
+SHIPPED = sorted(p for p in DEMO.parent.glob("*.toml") if p.name != "demo.toml")
+
+
+@pytest.mark.parametrize("stage", ["vt-precompute", "vt-train"])
+@pytest.mark.parametrize("config", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_a_hub_id_offline_is_one_line_naming_component_id_and_fix(tmp_path, raw_shards, stage, config):
+    """A shipped config names a hub id; without network the CLI says so in one line, no traceback."""
+    from vt.shared.config import load_config
+
+    hub_id = load_config(config).model.path
+    result = run(stage, "run", str(config), "--set", f'run.dir="{tmp_path / "run"}"',
+                 "--set", f'window.uri="{tmp_path / "window"}"', "--set", f'data.raw="{raw_shards}"',
+                 "--set", "log.wandb=false")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-2000:]
+    assert f"hub id '{hub_id}'" in errors[0] and "HF_HUB_OFFLINE" in errors[0] and "model.path" in errors[0]

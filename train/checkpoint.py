@@ -95,3 +95,14 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(model, options=options)
     return state if _is_main() else {}
+
+
+def lora_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
+    """The adapter weights of a local (unsharded) model under peft's saved names (`...lora_A.weight`).
+
+    Names come from torch's state-dict API, which strips wrapper segments (activation checkpointing,
+    compile); peft's own `get_peft_model_state_dict` finds nothing in a model with wrapped blocks.
+    """
+    state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
+    return {name.replace(f".{adapter}.", "."): tensor.detach().cpu() for name, tensor in state.items()
+            if ".lora_" in name}

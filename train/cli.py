@@ -22,12 +22,13 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
     """Train (LoRA or full) on the window named by the config; resumes from the newest checkpoint."""
     cfg = load_or_exit(config, set)
+    from vt.shared.models.spec import ModelLoadError
     from vt.train.data import StaleShardError
     from vt.train.trainer import Trainer
 
     try:
         summary = Trainer(cfg).run()
-    except (StaleShardError, FileNotFoundError, ValueError) as err:
+    except (StaleShardError, ModelLoadError, FileNotFoundError, ValueError) as err:
         raise fail(str(err)) from err
     typer.echo(f"trained {summary['steps']} steps, last loss {summary['last_loss']:.4f}, weights in {summary['export']}")
 

@@ -84,8 +84,16 @@ class BatchReader:
 
     # -- iteration -----------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
+        """Batches in an order that depends on the data alone: a resumed cursor continues exactly.
+
+        The rule: every full batch pending goes out before anything more is read. A shard larger
+        than the batch leaves several full batches after it is loaded; a checkpoint taken between
+        them stores a cursor that still holds some, and those come first after a resume, before the
+        next shard (maybe of another bucket) is read.
+        """
         cursor = self.cursor
         while cursor.pass_index < self.passes:
+            yield from self._full_batches()  # a resumed cursor's
             for position, record in self.window.order(start=cursor.position):
                 epoch = cursor.pass_index + record.epoch
                 if epoch != cursor.epoch:
@@ -95,13 +103,20 @@ class BatchReader:
                 cursor.pending.setdefault(record.bucket, []).extend((position, row) for row in range(len(record.keys)))
                 cursor.position = position + 1
                 self.on_read(cursor.position)
-                while len(cursor.pending.get(record.bucket, ())) >= self.batch_size:
-                    yield self._take(record.bucket, self.batch_size)
+                yield from self._full_batches()
             yield from self._flush()
             cursor.pass_index += 1
             cursor.position = 0
 
+    def _full_batches(self) -> Iterator[Batch]:
+        """Every full batch pending, by bucket name (only the bucket read last can hold one)."""
+        for bucket in sorted(self.cursor.pending):
+            while len(self.cursor.pending.get(bucket, ())) >= self.batch_size:
+                yield self._take(bucket, self.batch_size)
+
     def _flush(self) -> Iterator[Batch]:
+        """The end of an epoch: full batches first, then each bucket's remainder as a smaller batch."""
+        yield from self._full_batches()
         for bucket in sorted(self.cursor.pending):
             while self.cursor.pending.get(bucket):
                 yield self._take(bucket, min(self.batch_size, len(self.cursor.pending[bucket])))

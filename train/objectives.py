@@ -9,16 +9,14 @@ first-frame noise).
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 from vt.shared.models.spec import Prediction
+from vt.shared.runtime import keyed_generator
 
 
 def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
-    digest = hashlib.blake2b(f"{seed}:{step}:{micro}:{rank}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return keyed_generator(seed, step, micro, rank)
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:

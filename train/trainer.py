@@ -24,23 +24,23 @@ from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config, to_toml
 from vt.shared.faults import fault_point
 from vt.shared.log import get_logger
-from vt.shared.models import build_spec
+from vt.shared.models import spec_for
 from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
-from vt.train.checkpoint import Checkpointer, gather_full_state_dict
+from vt.train.checkpoint import Checkpointer, gather_full_state_dict, lora_weights
 from vt.train.data import Batch, BatchReader, StaleShardError
 from vt.train.objectives import flow_matching_loss, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
-from vt.train.parallel.world import pick_device, setup_world, shutdown_world
+from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
-from vt.train.progress import Progress
+from vt.shared.progress import Progress
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator
 
-__all__ = ["Trainer", "pick_device", "autocast_dtype"]
+__all__ = ["Trainer", "autocast_dtype"]
 log = get_logger("vt.train")
 
 
@@ -53,6 +53,11 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     if setting == "bf16" or supported:
         return torch.bfloat16
     return None
+
+
+def _reduced(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype to autocast validation to when the frozen parts run reduced (None for float32)."""
+    return None if dtype == torch.float32 else dtype
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -82,10 +87,13 @@ class Trainer:
         if self.is_main:
             (self.run_dir / "config.toml").write_text(to_toml(config))
         self.amp_dtype = autocast_dtype(train.mixed_precision, self.device)
-        self.spec = build_spec(config.model)
+        self.spec = spec_for(config)
         self.buckets = parse_buckets(config.buckets.sizes)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
+        if self.is_main:
+            for line in self.spec.inference_mismatches():
+                log.warning(line)
         self.provenance = provenance(config)
         self.fingerprint = fingerprint(self.provenance)
 
@@ -105,7 +113,8 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
-        self.validator = Validator(self.spec, config, self.buckets[0], str(self.device))
+        self.validator = Validator(self.spec, config, self.buckets[0], str(self.device),
+                                   autocast=self.amp_dtype or _reduced(self.spec.frozen_dtype))
         self._export_model: torch.nn.Module | None = None  # rank 0's unsharded copy (distributed runs)
         self.step = 0
         self._checkpointed = -1
@@ -184,7 +193,8 @@ class Trainer:
             self.step += 1
             last_loss = metrics["loss"]
             stats.samples += sum(len(b) for b in micro)
-            stats.tokens += sum(len(b) * b.tensors["latents"][0, 0].numel() for b in micro)  # whole job
+            stats.tokens += sum(len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:])
+                                for b in micro)  # transformer tokens of the whole job
             memory = self.world.gather_floats(peak_memory_gb(self.device))  # a collective: every step, every rank
             if self.tracker.due(self.step):
                 elapsed = max(time.perf_counter() - stats.started, 1e-9)
@@ -228,21 +238,23 @@ class Trainer:
         if not math.isfinite(loss):  # the same global value on every rank: all stop together
             raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr or check the data")
         grad_norm = clip_grad_norm(self.params, train.max_grad_norm)
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (the scheduler then moves on)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._log_samples(micro, parts)
-        return {"loss": loss, "lr": self.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+        return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "epoch": micro[-1].epoch, "batch": total}
 
     def _log_samples(self, micro: list[Batch], parts: list[Slice]) -> None:
         """log.samples: the step's global keys (rank 0) and, when distributed, each rank's own slice."""
         if not self.config.log.samples:
             return
+        step = self.step + 1  # the number this step gets in metrics.jsonl and checkpoints
         if self.is_main:
             with open(self.run_dir / "samples.jsonl", "a") as f:
                 for batch in micro:
-                    f.write(json.dumps({"step": self.step, "epoch": batch.epoch, "bucket": batch.bucket,
+                    f.write(json.dumps({"step": step, "epoch": batch.epoch, "bucket": batch.bucket,
                                         "keys": batch.keys}) + "\n")
         if self.world.dims.distributed:
             folder = self.run_dir / "samples"
@@ -250,7 +262,7 @@ class Trainer:
             coordinate = self.world.dims.coordinate(self.world.rank)
             with open(folder / f"rank{self.world.rank}.jsonl", "a") as f:
                 for index, part in enumerate(parts):
-                    f.write(json.dumps({"step": self.step, "micro": index, "epoch": part.epoch, "bucket": part.bucket,
+                    f.write(json.dumps({"step": step, "micro": index, "epoch": part.epoch, "bucket": part.bucket,
                                         "keys": part.keys, "dp_rank": self.world.dp_rank, **coordinate}) + "\n")
 
     def checkpoint(self) -> Path:
@@ -326,9 +338,7 @@ class Trainer:
 
     def export(self, model: torch.nn.Module) -> Path:
         if self.config.train.mode == "lora":
-            from peft.utils import get_peft_model_state_dict
-
-            return self.spec.save_lora(get_peft_model_state_dict(model), self.run_dir / "lora")
+            return self.spec.save_lora(lora_weights(model), self.run_dir / "lora")
         return self.spec.save_full(model, self.run_dir / "model")
 
     def export_path(self) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import Config
@@ -25,8 +26,12 @@ def load_image(path: str) -> np.ndarray:
 
 
 class Validator:
-    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, device: str):
+    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, device: str,
+                 autocast: torch.dtype | None = None):
+        """`autocast`: the dtype to run the pipeline in when its parts differ (a trained float32
+        transformer beside bfloat16 text encoder and VAE); None runs it as loaded."""
         self.spec = spec
+        self.autocast = autocast
         self.config = config
         self.bucket = bucket
         self.device = device
@@ -53,8 +58,11 @@ class Validator:
         try:
             for i, prompt in enumerate(self.prompts):
                 image = self.images[i] if self.images else None
-                frames = self.spec.generate(self._pipeline, prompt, self.bucket, self.config.train.validation_steps,
-                                            seed=self.config.train.seed + i, image=image)
+                with torch.autocast(torch.device(self.device).type, dtype=self.autocast or torch.float32,
+                                    enabled=self.autocast is not None):
+                    frames = self.spec.generate(self._pipeline, prompt, self.bucket,
+                                                self.config.train.validation_steps,
+                                                seed=self.config.train.seed + i, image=image)
                 paths.append(write_video(frames, out_dir / f"{i:02d}.mp4", fps=self.config.buckets.fps))
         finally:
             transformer.train(was_training)

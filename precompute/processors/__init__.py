@@ -47,9 +47,12 @@ class PreparedSample:
 
 
 def prepare_sample(raw: RawSample, buckets: list[Bucket], fps: float) -> PreparedSample:
-    """Probe, choose the nearest bucket, sample at `fps` from the start, decode, fit."""
+    """Probe, choose the nearest bucket, sample at `fps` from the start, decode, fit.
+
+    The prepared sample's key is the raw sample's `sample_id` (raw shard name and key).
+    """
     if raw.error:
-        raise SampleError(raw.error, f"sample {raw.key!r} in {raw.shard}")
+        raise SampleError(raw.error, raw.detail or f"sample {raw.key!r} in {raw.shard}")
     if not buckets:
         raise ValueError("no buckets given; set buckets.sizes, e.g. ['9x64x96']")
     with Clip(raw.video) as clip:
@@ -60,12 +63,12 @@ def prepare_sample(raw: RawSample, buckets: list[Bucket], fps: float) -> Prepare
             shortest = min(b.frames for b in buckets)
             raise SampleError(
                 "too_short",
-                f"{raw.key!r} lasts {info.duration:.2f}s = {available} frames at {fps:g} fps; "
+                f"{raw.sample_id!r} lasts {info.duration:.2f}s = {available} frames at {fps:g} fps; "
                 f"the smallest bucket needs {shortest}",
             )
         size = resize_for_crop(info.height, info.width, bucket)
         frames = clip.frames_at(sample_times(info, fps, bucket.frames), size=size)
-    return PreparedSample(key=raw.key, caption=raw.caption, bucket=bucket, pixels=fit_pixels(frames, bucket))
+    return PreparedSample(key=raw.sample_id, caption=raw.caption, bucket=bucket, pixels=fit_pixels(frames, bucket))
 
 
 def worker_init() -> None:

@@ -5,13 +5,17 @@ its first frame, and decoding the wanted frames continues from there when they s
 beginning, or seeks to the keyframe before the first wanted time otherwise. It stops at the first
 frame past the last wanted time, so a long video is never decoded whole. Frames are chosen by
 timestamp (the frame on screen at time t is the last one whose presentation time is <= t), which
-works for 25, 29.97 and variable frame rate alike.
+works for 25, 29.97 and variable frame rate alike. Times count from the stream's start time, or from
+its first frame where the container states none (raw MPEG-1/2 video, .m2v).
 
-Sizes in VideoInfo are after rotation: a phone clip stored 1920x1080 with a 90 degree display
-rotation reports height 1920, width 1080, and frames come back upright. Pixels are taken as square
-(a sample aspect ratio, e.g. carphone's 128/117, is not applied). Frames are scaled by FFmpeg
-(swscale) while being converted to RGB, straight to the size the caller asks for, so a 720p clip
-bound for a 64x96 bucket never exists as full-size RGB or float in memory.
+Sizes in VideoInfo are the displayed size: the sample aspect ratio (SAR, pixel shape) applied to
+the width, then the rotation. An anamorphic clip stored 64x64 with SAR 2:1 reports height 64,
+width 128 (carphone's 128/117 turns 176x144 into 193x144); a phone clip stored 1920x1080 with a 90
+degree display rotation reports height 1920, width 1080, and frames come back upright. So bucket
+choice and fitting see the picture as a player shows it, never stretched. A SAR outside
+[1/10, 10] is taken for broken metadata and ignored (square pixels). Frames are scaled by FFmpeg
+(swscale) while being converted to RGB, straight to the size the caller asks for (in displayed
+pixels), so a 720p clip bound for a 64x96 bucket never exists as full-size RGB or float in memory.
 
 Decoding is single-threaded per clip: throughput comes from several decode worker processes
 (precompute.workers), and FFmpeg's own threads would only compete with them and the encoder.
@@ -35,9 +39,9 @@ class VideoInfo:
     """What bucket choice and frame sampling need to know about a clip.
 
     `duration` runs to the end of the last frame (frames / fps for a constant rate), `height` and
-    `width` are after rotation, and `rotation` is the
-    display rotation in degrees counter-clockwise (0, 90, 180 or 270), the convention of FFmpeg's
-    display matrix and PyAV's VideoFrame.rotation.
+    `width` are the displayed size (stored width times `sample_aspect_ratio`, then rotated), and
+    `rotation` is the display rotation in degrees counter-clockwise (0, 90, 180 or 270), the
+    convention of FFmpeg's display matrix and PyAV's VideoFrame.rotation.
     """
 
     fps: float
@@ -46,6 +50,10 @@ class VideoInfo:
     height: int
     width: int
     rotation: int
+    sample_aspect_ratio: float = 1.0  # width of a stored pixel over its height, as applied
+
+
+_SAR_RANGE = (0.1, 10.0)  # outside: broken metadata, pixels taken as square
 
 
 def _open(video: bytes) -> av.container.InputContainer:
@@ -69,16 +77,22 @@ def _normalize_rotation(degrees: float | int | None) -> int:
     return int(round((degrees or 0) / 90.0)) % 4 * 90
 
 
+def _sample_aspect(stream) -> float:
+    """The stream's SAR (container's, else the codec's, as FFmpeg guesses it); 1 when unset or absurd."""
+    sar = stream.sample_aspect_ratio or stream.codec_context.sample_aspect_ratio
+    value = float(sar) if sar else 1.0
+    return value if _SAR_RANGE[0] <= value <= _SAR_RANGE[1] else 1.0
+
+
 def _frame_pts(frame) -> int | None:
     return frame.pts if frame.pts is not None else frame.dts
 
 
-def _scan_packets(video: bytes) -> tuple[int, float]:
-    """(frames, duration) by demuxing without decoding, for containers whose header lacks them."""
+def _scan_packets(video: bytes, origin: int) -> tuple[int, float]:
+    """(frames, duration from `origin`) by demuxing without decoding, for containers whose header lacks them."""
     count, end = 0, None
     with _open(video) as container:
         stream = _video_stream(container)
-        origin = stream.start_time or 0
         for packet in container.demux(stream):
             pts = packet.pts if packet.pts is not None else packet.dts
             if packet.size == 0 or pts is None:
@@ -113,6 +127,8 @@ class Clip:
             if first is None:
                 raise SampleError("empty_video", "the video stream has no decodable frames")
             self._first = first
+            start = self._stream.start_time
+            self._origin = start if start is not None else (_frame_pts(first) or 0)  # time 0, in stream ticks
             self._pending = [first]  # decoded, not yet looked at by frames_at
             self._at_start = True
             self.info = self._probe(first)
@@ -141,21 +157,23 @@ class Clip:
         frames = stream.frames or 0
         duration = float(stream.duration * stream.time_base) if stream.duration else 0.0
         if frames <= 0 or duration <= 0:
-            frames, duration = _scan_packets(self._video)
+            frames, duration = _scan_packets(self._video, self._origin)
         if frames <= 0 or duration <= 0:
             raise SampleError("empty_video", f"the video stream has {frames} frames over {duration:.3f}s")
         rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else frames / duration
         rotation = _normalize_rotation(first.rotation)
-        height, width = first.height, first.width
+        sar = _sample_aspect(stream)
+        height, width = first.height, max(1, round(first.width * sar))  # displayed: pixels made square
         if rotation in (90, 270):
             height, width = width, height
-        return VideoInfo(fps=fps, frames=frames, duration=duration, height=height, width=width, rotation=rotation)
+        return VideoInfo(fps=fps, frames=frames, duration=duration, height=height, width=width, rotation=rotation,
+                         sample_aspect_ratio=sar)
 
     def _restart(self, seconds: float, count: bool) -> None:
         """Seek to the keyframe at or before `seconds` from the start; decoding resumes there."""
         stream = self._stream
-        self._container.seek((stream.start_time or 0) + int(seconds / stream.time_base), stream=stream,
+        self._container.seek(self._origin + int(seconds / stream.time_base), stream=stream,
                              backward=True)
         self._frames, self._pending, self._at_start = self._decode_forward(), [], False
         if count:
@@ -168,7 +186,7 @@ class Clip:
         one frame past the last wanted time (plus the decoder's reorder delay).
         """
         stream, fps = self._stream, self.info.fps
-        base, origin = stream.time_base, stream.start_time or 0
+        base, origin = stream.time_base, self._origin
         # Slack for stored timestamps, which are rounded to the nearest tick (a millisecond in mkv):
         # half a tick, never more than a quarter frame, plus float noise.
         tol = min(0.5 * float(base), 0.25 / fps if fps > 0 else 1.0) + 1e-6
@@ -198,7 +216,11 @@ class Clip:
         return picked + [shown] * (len(wanted) - len(picked))  # times in the last frame
 
     def _to_rgb(self, frame, height: int, width: int) -> np.ndarray:
-        """One frame as upright (height, width, 3) uint8 RGB, scaled by swscale if needed."""
+        """One frame as upright (height, width, 3) uint8 RGB, scaled by swscale if needed.
+
+        (height, width) is in displayed pixels, so scaling the stored frame to it also undoes a
+        non-square sample aspect ratio.
+        """
         rotation = self.info.rotation
         stored_h, stored_w = (width, height) if rotation in (90, 270) else (height, width)
         shrink = stored_h <= frame.height and stored_w <= frame.width
@@ -214,7 +236,8 @@ class Clip:
         """(F, H, W, 3) uint8 RGB: the frame shown at each time (seconds from the clip's start).
 
         `size` is the (height, width) to scale the displayed frame to (aspect is the caller's
-        business: fit_bucket asks for the size that covers a bucket); default: as displayed.
+        business: fit_bucket asks for the size that covers a bucket); default: as displayed
+        (`info.height`, `info.width`, so an anamorphic clip comes out widened, not stored-size).
         Raises SampleError("corrupt_video" | "empty_video" | "frame_size_changes").
         """
         if not times:
@@ -244,7 +267,7 @@ class Clip:
 
 
 def probe(video: bytes) -> VideoInfo:
-    """Frame rate, frame count, duration, displayed size and rotation of a clip.
+    """Frame rate, frame count, duration, displayed size, rotation and sample aspect ratio of a clip.
 
     Decodes the first frame too, so a file that opens but cannot be decoded fails here.
     Raises SampleError("corrupt_video" | "no_video_stream" | "empty_video").

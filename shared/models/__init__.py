@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from vt.shared.config import ModelConfig
 
 if TYPE_CHECKING:
+    from vt.shared.config import Config
     from vt.shared.models.spec import ModelSpec
 
 # family name -> "module:class"
@@ -30,6 +31,11 @@ def get_spec_class(family: str) -> type["ModelSpec"]:
     return getattr(importlib.import_module(module), name)
 
 
-def build_spec(config: ModelConfig) -> "ModelSpec":
-    """The spec for `config.family`, configured by `config`."""
-    return get_spec_class(config.family)(config)
+def build_spec(config: ModelConfig, frame_rate: float) -> "ModelSpec":
+    """The spec for `config.family`, configured by `config`, for frames sampled at `frame_rate` (buckets.fps)."""
+    return get_spec_class(config.family)(config, frame_rate)
+
+
+def spec_for(config: "Config") -> "ModelSpec":
+    """The spec a run config describes: its model section at its bucket frame rate."""
+    return build_spec(config.model, config.buckets.fps)

@@ -22,8 +22,6 @@ from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, Mod
                                    TensorParallelPlan, VaeGeometry, flow_match_noisy)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
-FRAME_RATE = 25  # the pipeline's default; RoPE's temporal scale depends on it, so train and sample alike
-
 
 class LTXVideoSpec(ModelSpec):
     family: ClassVar[str] = "ltx-video"
@@ -58,10 +56,10 @@ class LTXVideoSpec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
     def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]:
-        """{"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)} float32, L = max_text_tokens."""
+        """{"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)} float32, L = the spec's max_text_tokens."""
         pipeline = self._text_pipeline(tokenizer, text_encoder)
         embeds, mask, _, _ = pipeline.encode_prompt(
-            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.config.max_text_tokens,
+            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.max_text_tokens,
             device=text_encoder.device,
         )
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
@@ -111,7 +109,7 @@ class LTXVideoSpec(ModelSpec):
             timestep=(timestep * NUM_TRAIN_TIMESTEPS).to(tokens.device),  # float32, as the pipeline passes it
             encoder_attention_mask=batch["prompt_attention_mask"].to(tokens.device),
             num_frames=grid[0], height=grid[1], width=grid[2],
-            rope_interpolation_scale=(g.temporal / FRAME_RATE, g.spatial, g.spatial),
+            rope_interpolation_scale=(g.temporal / self.frame_rate, g.spatial, g.spatial),  # as the pipeline
             return_dict=False,
         )[0]
         prediction = LTXPipeline._unpack_latents(out, *grid, g.patch, 1)
@@ -139,8 +137,12 @@ class LTXVideoSpec(ModelSpec):
         return x0, frame_sigmas, weight
 
     # ----------------------------------------------------------------------------- validation
+    def inference_settings(self) -> dict[str, Any]:
+        """RoPE's temporal scale depends on the frame rate: sample at the rate frames were sampled at."""
+        return {**super().inference_settings(), "frame_rate": self.frame_rate}
+
     def _generate_kwargs(self, image) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {"frame_rate": FRAME_RATE}
+        kwargs: dict[str, Any] = {}
         if self.config.task == "i2v":
             if image is None:
                 raise ValueError("ltx-video i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame")

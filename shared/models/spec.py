@@ -10,7 +10,9 @@ target changes stay inside the family and the trainer's loss stays generic.
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import re
 import weakref
 from abc import ABC, abstractmethod
@@ -26,13 +28,22 @@ from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
+from vt.shared.runtime import DTYPES
 
 log = logging.getLogger(__name__)
 
 COMPONENTS = ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NUM_TRAIN_TIMESTEPS = 1000  # flow-matching schedulers of both families: timestep = sigma * 1000
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelLoadError(OSError):
+    """A component (or its config) could not be loaded; the message names it, where from, and the fix."""
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub may not be contacted (HF_HUB_OFFLINE, as huggingface_hub reads it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 @dataclass
@@ -108,7 +119,9 @@ class ModelSpec(ABC):
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
     blocks_attr: ClassVar[str]  # attribute of the transformer holding its ModuleList of blocks
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, frame_rate: float):
+        """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
+        transformer or pipeline depends on it (LTX-Video's rotary scale) train and sample at it."""
         if config.task not in self.tasks:
             raise ValueError(
                 f"model.task = {config.task!r} is not supported for family {self.family!r} yet; "
@@ -117,12 +130,13 @@ class ModelSpec(ABC):
         unknown = sorted(set(config.components) - set(COMPONENTS))
         if unknown:
             raise ValueError(f"model.components.{unknown[0]} is not a component; allowed: {', '.join(COMPONENTS)}")
-        if config.max_text_tokens < 1:
-            raise ValueError(f"model.max_text_tokens must be >= 1, got {config.max_text_tokens}")
-        if not 0.0 <= config.first_frame_noise <= 1.0:
-            raise ValueError(f"model.first_frame_noise must be in [0, 1], got {config.first_frame_noise}")
+        if not frame_rate > 0:
+            raise ValueError(f"buckets.fps must be > 0, got {frame_rate}")
         self.config = config
+        self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
+        # The text length: the config's, else the one the family's pipeline encodes at inference.
+        self.max_text_tokens = config.max_text_tokens or self.pipeline_default("max_sequence_length")
         self._lora_metadata: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------- components
@@ -170,12 +184,19 @@ class ModelSpec(ABC):
         try:
             return cls.from_pretrained(path, **kwargs)
         except (OSError, ValueError) as err:
-            key = f"model.components.{name}" if name in self.config.components else "model.path"
-            raise OSError(
-                f"could not load the {name} of {self.family!r} from {path!r}"
-                f"{f' (subfolder {subfolder!r})' if subfolder else ''}: {err}. Check {key}; a hub id needs "
-                "network access (HF_HUB_OFFLINE unset) or a filled local cache."
-            ) from err
+            raise self.load_error(name, path, err) from err
+
+    def load_error(self, name: str, path: str, err: Exception) -> "ModelLoadError":
+        """One line saying which component failed to load from where, and what to do about it."""
+        key = f"model.components.{name}" if name in self.config.components else "model.path"
+        if not Path(path).exists() and hub_offline():
+            return ModelLoadError(
+                f"cannot load the {name} of {self.family!r} from hub id {path!r}: the Hugging Face hub is offline "
+                f"(HF_HUB_OFFLINE=1) and {path!r} is not in the local cache. Download it where there is network "
+                f"(`hf download {path} --local-dir DIR`) and set {key} = \"DIR\", or unset HF_HUB_OFFLINE")
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ModelLoadError(f"cannot load the {name} of {self.family!r} from {path!r}: {reason}. Check {key}; "
+                              "a hub id needs network access or a filled local cache")
 
     def load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -226,7 +247,7 @@ class ModelSpec(ABC):
         try:
             return dict(reader.load_config(path, **kwargs))
         except (OSError, ValueError) as err:
-            raise OSError(f"could not read the {name} config of {self.family!r} from {path!r}: {err}") from err
+            raise self.load_error(name, path, err) from err
 
     def check_bucket(self, bucket: Bucket) -> None:
         g = self.geometry
@@ -242,6 +263,12 @@ class ModelSpec(ABC):
                     f"bucket {bucket.name}: {self.family} {side} must be a multiple of {pixels}; "
                     f"change buckets.sizes (e.g. {max(pixels, value // pixels * pixels)})"
                 )
+
+    def tokens_per_sample(self, latent_shape: tuple[int, ...]) -> int:
+        """Transformer tokens of one sample with latents (C, F, H, W): the spatial patch folds p x p."""
+        _, frames, height, width = latent_shape
+        patch = self.geometry.patch
+        return frames * (height // patch) * (width // patch)
 
     def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
         self.check_bucket(bucket)
@@ -324,9 +351,31 @@ class ModelSpec(ABC):
         self.check_bucket(bucket)
         kwargs = dict(prompt=prompt, height=bucket.height, width=bucket.width, num_frames=bucket.frames,
                       num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
-                      max_sequence_length=self.config.max_text_tokens)
+                      **self.inference_settings())
         kwargs.update(self._generate_kwargs(image))
         return kwargs
+
+    def inference_settings(self) -> dict[str, Any]:
+        """Pipeline call arguments that must match how the model was trained (text length; the frame
+        rate where the family's transformer depends on it). Validation passes them; a user sampling
+        with the pipeline's defaults gets other conditioning where they differ (`inference_mismatches`)."""
+        return {"max_sequence_length": self.max_text_tokens}
+
+    def pipeline_default(self, argument: str) -> Any:
+        """The default of one of the family pipeline's call arguments (None if it has no such argument)."""
+        parameter = inspect.signature(self.pipeline_class().__call__).parameters.get(argument)
+        return None if parameter is None or parameter.default is inspect.Parameter.empty else parameter.default
+
+    def inference_mismatches(self) -> list[str]:
+        """One line per training setting that differs from the pipeline's default at inference."""
+        pipeline = self.pipeline_class().__name__
+        lines = []
+        for argument, value in self.inference_settings().items():
+            default = self.pipeline_default(argument)
+            if default is not None and default != value:
+                lines.append(f"{self.family} trains with {argument}={value:g} but {pipeline} uses {default:g} by "
+                             f"default: pass {argument}={value:g} when sampling with the trained weights")
+        return lines
 
     def _generate_kwargs(self, image) -> dict[str, Any]:
         if image is not None:

@@ -53,10 +53,10 @@ class WanSpec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
     def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]:
-        """{"prompt_embeds": (B, L, D)} float32, zero past each caption's tokens; L = max_text_tokens."""
+        """{"prompt_embeds": (B, L, D)} float32, zero past each caption's tokens; L = the spec's max_text_tokens."""
         pipeline = self._text_pipeline(tokenizer, text_encoder)
         embeds, _ = pipeline.encode_prompt(
-            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.config.max_text_tokens,
+            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.max_text_tokens,
             device=text_encoder.device,
         )
         return {"prompt_embeds": embeds.float()}

@@ -52,6 +52,6 @@ def test_slices_are_disjoint_across_dp_identical_within_tp_and_cover_the_epoch(t
 
     trained = check_slices(tmp_path / "fsdp-tp", dims)
     assert set(trained) == raw_keys(raw_shards) and set(trained.values()) == {1}, "not every sample exactly once"
-    last = [e for e in sample_log(tmp_path / "fsdp-tp") if e["step"] == 3]  # 0-based step 3: 1 sample, 2 dp ranks
+    last = [e for e in sample_log(tmp_path / "fsdp-tp") if e["step"] == 4]  # step 4: 1 sample, 2 dp ranks
     assert sorted(len(e["keys"]) for e in last) == [0, 0, 1, 1], "the last sample should go to one tp group only"
     assert_same_training(tmp_path / "fsdp-tp", reference("wan"))  # the stand-in adds nothing to loss or gradients

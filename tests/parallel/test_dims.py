@@ -110,9 +110,3 @@ def test_the_trainer_stops_before_joining_a_group_when_degrees_do_not_fit(monkey
         setup_world(ParallelConfig(dp_replicate=2, dp_shard=2), "cpu")
     assert not dist.is_initialized()
 
-
-def test_a_missing_strategy_says_which_degree_to_lower():
-    from vt.train.parallel import _strategy
-
-    with pytest.raises(NotImplementedError, match=r"Set parallel.pp=1"):
-        _strategy("pp", "apply_pp", "pp")

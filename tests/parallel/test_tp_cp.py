@@ -34,7 +34,7 @@ def _spec(family: str, model_dir):
     from vt.shared.config import ModelConfig
     from vt.shared.models import build_spec
 
-    return build_spec(ModelConfig(family=family, path=str(model_dir), task="i2v" if family == "ltx-video" else "t2v"))
+    return build_spec(ModelConfig(family=family, path=str(model_dir), task="i2v" if family == "ltx-video" else "t2v"), frame_rate=8.0)
 
 
 def _batch(family: str) -> tuple[dict, torch.Tensor, torch.Tensor]:

@@ -5,8 +5,9 @@ h264, VP9 (webm), 10-bit HEVC, AV1 (SVT-AV1), MPEG-4 part 2 (avi), rotated by di
 at a variable frame rate and at an odd size (175x143), next to every kind of bad sample (corrupt,
 truncated, empty, audio-only, too short, captions missing / empty / not UTF-8 / bad JSON) and a
 tar cut short. `Precompute` on the tiny LTX-Video model must commit exactly the good samples, in
-the buckets their shapes call for, count each bad one under its reason, and leave no shard file
-without its record. Decoding of the odd clips is checked frame by frame, by gray level.
+the buckets their shapes call for, count each bad one under its reason, list each bad one with its
+reason in rejects.jsonl, and leave no shard file without its record. Decoding of the odd clips is
+checked frame by frame, by gray level.
 """
 
 from __future__ import annotations
@@ -122,10 +123,11 @@ def test_long_clip_is_not_decoded_whole(media):
         assert clip.stats["seeks"] == 0 and clip.stats["frames"] <= 12, clip.stats
 
 
-def build_corpus(folder: Path, media, clips) -> tuple[set[str], Counter]:
+def build_corpus(folder: Path, media, clips) -> tuple[set[str], Counter, dict[str, str]]:
     """Two raw tars: every odd clip between the bad samples, and a tar cut inside its third sample.
 
-    Returns the keys that must be committed and the rejection counts the report must show.
+    Returns the keys that must be committed (`<tar name>/<key>`), the rejection counts the report
+    must show and the reason each rejected key must be listed with.
     """
     good = media.encode_clip(media.gray_frames(24))
     caption = b"a gray fade"
@@ -160,9 +162,12 @@ def build_corpus(folder: Path, media, clips) -> tuple[set[str], Counter]:
         for ext, data in (("mp4", good), ("txt", caption))])
     cut.write_bytes(cut.read_bytes()[: media.member_offset(cut, "tar-c.mp4") + 512 + len(good) // 2])
 
-    expected_keys = set(clips) | {"json-caption", "tar-a", "tar-b"}
+    expected_keys = {f"crawl-000000/{key}" for key in [*clips, "json-caption"]} | {"crawl-000001/tar-a",
+                                                                                    "crawl-000001/tar-b"}
     expected_reasons = Counter(reason for _, reason in bad.values()) + Counter({"truncated_tar": 1})
-    return expected_keys, expected_reasons
+    rejects = {f"crawl-000000/{key}": reason for key, (_, reason) in bad.items()}
+    rejects["crawl-000001/tar-c"] = "truncated_tar"  # the sample being read when the tar ended
+    return expected_keys, expected_reasons, rejects
 
 
 def committed_shards(uri: str) -> list[tuple[object, dict, list[str]]]:
@@ -179,7 +184,7 @@ def committed_shards(uri: str) -> list[tuple[object, dict, list[str]]]:
 def test_bad_corpus_through_the_service(tmp_path, media, clips, tiny_model_factory):
     raw = tmp_path / "raw"
     raw.mkdir()
-    expected_keys, expected_reasons = build_corpus(raw, media, clips)
+    expected_keys, expected_reasons, expected_rejects = build_corpus(raw, media, clips)
     uri = str(tmp_path / "window")
     config = load_config(write_config(
         tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run", uri,
@@ -193,12 +198,20 @@ def test_bad_corpus_through_the_service(tmp_path, media, clips, tiny_model_facto
     assert saved["committed"] == len(expected_keys)
     assert saved["seen"] == len(expected_keys) + sum(expected_reasons.values())
     assert report.committed == len(expected_keys)
+    # Every rejected sample is listed once, with its raw shard, reason and a detail, and the summary names the list.
+    lines = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
+    assert {line["key"]: line["reason"] for line in lines} == expected_rejects and len(lines) == len(expected_rejects)
+    for line in lines:
+        assert line["shard"] == str(raw / f"{line['key'].split('/')[0]}.tar") and line["epoch"] == 0
+        assert line["detail"] and isinstance(line["position"], int)
+    assert saved["rejects_file"] == str(tmp_path / "run" / "rejects.jsonl")
+    assert f"listed in {tmp_path / 'run' / 'rejects.jsonl'}" in report.summary_line()
 
     shards = committed_shards(uri)
     keys = [key for _, _, shard_keys in shards for key in shard_keys]
     assert sorted(keys) == sorted(expected_keys)  # each good sample exactly once, no bad one
     bucket_of = {key: record.bucket for record, _, shard_keys in shards for key in shard_keys}
-    expected_buckets = {key: bucket for key, (_, bucket, _) in clips.items()}
+    expected_buckets = {f"crawl-000000/{key}": bucket for key, (_, bucket, _) in clips.items()}
     assert {key: bucket_of[key] for key in expected_buckets} == expected_buckets
     for record, tensors, shard_keys in shards:
         assert record.keys == shard_keys and 1 <= len(shard_keys) <= 2

@@ -70,3 +70,4 @@ def test_two_ranks_under_torchrun_match_a_rank_by_rank_rerun(tmp_path, tiny_mode
     for rank in (0, 1):
         report = (tmp_path / "torchrun" / f"precompute_report.rank{rank}.json").read_text()
         assert '"status": "done"' in report
+        assert (tmp_path / "torchrun" / f"rejects.rank{rank}.jsonl").read_text() == ""  # per rank, like the report

@@ -40,16 +40,17 @@ def _shown_at(times: list[float], frames: list[np.ndarray], t: float) -> np.ndar
 
 
 @pytest.mark.parametrize("name, expected", [
-    ("bigbuckbunny", (25.0, 132, 5.28, 720, 1280)),
-    ("bikes", (25.0, 250, 10.0, 272, 640)),
-    ("carphone_pristine", (30000 / 1001, 120, 4.004, 144, 176)),
-    ("carphone_distorted", (30000 / 1001, 120, 4.004, 144, 176)),
+    ("bigbuckbunny", (25.0, 132, 5.28, 720, 1280, 1.0)),
+    ("bikes", (25.0, 250, 10.0, 272, 640, 1.0)),
+    # stored 176x144 with pixels 128/117 as wide as tall (CIF at 4:3): shown 193x144
+    ("carphone_pristine", (30000 / 1001, 120, 4.004, 144, 193, 128 / 117)),
+    ("carphone_distorted", (30000 / 1001, 120, 4.004, 144, 193, 128 / 117)),
 ])
 def test_probe_real_clips(clips_dir, name, expected):
     info = probe(_read(clips_dir, name))
-    fps, frames, duration, height, width = expected
+    fps, frames, duration, height, width, sar = expected
     assert info == VideoInfo(fps=pytest.approx(fps), frames=frames, duration=pytest.approx(duration),
-                             height=height, width=width, rotation=0)
+                             height=height, width=width, rotation=0, sample_aspect_ratio=pytest.approx(sar))
 
 
 @pytest.mark.parametrize("name, start", [("bikes", 0.0), ("bikes", 3.3), ("carphone_pristine", 0.7)])
@@ -57,9 +58,10 @@ def test_decode_at_equals_full_decode(clips_dir, name, start):
     video = _read(clips_dir, name)
     info = probe(video)
     times = sample_times(info, fps=8.0, frames=17, start=start)
-    got = decode_at(video, times, info)
     all_times, all_frames = _full_decode(video)
-    assert got.shape == (17, info.height, info.width, 3) and got.dtype == np.uint8
+    stored = all_frames[0].shape[:2]  # carphone's pixels are not square: compare at the stored size
+    got = decode_at(video, times, info, size=stored)
+    assert got.shape == (17, *stored, 3) and got.dtype == np.uint8
     for t, frame in zip(times, got):
         assert np.array_equal(frame, _shown_at(all_times, all_frames, t)), f"frame at {t:.3f}s differs"
 
@@ -177,7 +179,7 @@ def test_prepare_sample_on_raw_tars(raw_tars):
     # 1.5 s at 8 fps = 12 frames: too few for 17, so the wide clips land in 9x64x96
     assert [p.bucket for p in prepared] == [Bucket(9, 64, 96)] * 4
     assert all(p.video.shape == (3, 9, 64, 96) and p.caption == s.caption for p, s in zip(prepared, samples))
-    assert [p.key for p in prepared] == [s.key for s in samples]
+    assert [p.key for p in prepared] == [f"raw-000000/{s.key}" for s in samples]  # raw shard name / key
 
 
 def test_prepare_sample_runs_in_a_worker_process(raw_tars):

@@ -97,7 +97,7 @@ def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_f
         consume_everything(uri, harvested, seen)
         assert Window(uri).storage.list("commits") == []  # nothing left to learn from: all evicted
 
-    expected = raw_keys(raw_with_bad) - {"nocap", "blank"}
+    expected = raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"}
     assert harvested == Counter({(epoch, key): 1 for epoch in (0, 1) for key in expected})
     assert [r["status"].split(":")[0] for r in reports] == ["failed", "failed", "done"]
     assert [r["resumed_at"] for r in reports] == [0, 3, 3 + 3]  # the crash before data lost shard 6 only
@@ -170,7 +170,7 @@ def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_
     assert "precompute[0]" in bar and "clip/s" in bar and "MB=" in bar and "window=keep" in bar
 
     report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
-    expected = raw_keys(raw_with_bad) - {"nocap", "blank"}
+    expected = raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"}
     assert report["seen"] == len(expected) + 2 and report["committed"] == len(expected)
     assert report["rejected"] == {"empty_caption": 1, "missing_caption": 1}
     assert set(report["seconds"]) == {"read", "decode", "text_encode", "vae_encode", "write", "wait"}
@@ -181,6 +181,7 @@ def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_
     assert result.exit_code == 0, result.output
     state = Window(uri).state()
     assert f"committed {state['committed']} shards" in result.output
+    assert "size=keep " in result.output and state["size"] == "keep"  # as the producer registered it
     for bucket, counts in state["buckets"].items():
         assert f"{bucket:<11} {counts['shards']:>6}  {counts['samples']:>7}" in result.output
     assert sum(c["samples"] for c in state["buckets"].values()) == len(expected)

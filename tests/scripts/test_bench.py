@@ -60,7 +60,7 @@ def test_storage_counts_every_window_file_against_one_fp32_file_per_sample(tmp_p
     # A baseline file holds exactly one sample's tensors (not the shard's whole stacked storage), in fp32.
     shard = next((window / "data").rglob("*.safetensors"))
     tensors, keys, _ = decode_shard(shard.read_bytes())
-    saved = torch.load(tmp_path / "fp32-per-sample" / f"{keys[0]}.pt")
+    saved = torch.load(tmp_path / "fp32-per-sample" / f"{keys[0].replace('/', '__')}.pt")
     assert set(saved) == set(tensors)
     for name, tensor in tensors.items():
         assert saved[name].dtype == torch.float32 and saved[name].shape == tensor.shape[1:]

@@ -11,6 +11,7 @@ import torch
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import FAMILIES, build_spec, get_spec_class
+from vt.shared.models.spec import ModelLoadError
 
 BUCKET = Bucket(9, 64, 96)
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
@@ -18,7 +19,7 @@ CAPTIONS = ["a big rabbit walks in the meadow", "people riding bikes on a sunny 
 
 
 def make_spec(folder, family, **kw):
-    return build_spec(ModelConfig(family=family, path=str(folder), max_text_tokens=16, **kw))
+    return build_spec(ModelConfig(family=family, path=str(folder), max_text_tokens=16, **kw), frame_rate=8.0)
 
 
 def video(batch=2, seed=0):
@@ -95,7 +96,8 @@ def test_missing_paths_say_which_key_to_set(tmp_path):
         spec.load_vae()
     with pytest.raises(ValueError, match="model.components.unet is not a component"):
         make_spec(tmp_path, "wan", components={"unet": "x"})
-    with pytest.raises(OSError, match=r"could not load the vae.*'someone/missing-model'.*model.path"):
+    with pytest.raises(ModelLoadError, match=r"the vae of 'wan' from hub id 'someone/missing-model'.*offline "
+                                             r"\(HF_HUB_OFFLINE=1\).*set model.path"):
         make_spec("someone/missing-model", "wan").load_vae()  # HF_HUB_OFFLINE=1: fails at once
 
 
@@ -282,3 +284,52 @@ def test_make_tiny_cli_is_deterministic_for_a_seed(tiny_model_factory, tmp_path,
         folder_digest(tmp_path / "again")["transformer/diffusion_pytorch_model.safetensors"]
     with pytest.raises(SystemExit):
         make_tiny_model.main(["--family", "nope", str(tmp_path / "x")])
+
+
+@FAMILY_PARAMS
+def test_text_length_defaults_to_what_the_family_pipeline_encodes(tiny_model_factory, family, caplog):
+    """Unset, the text length is the pipeline's own (Wan 512, LTX 128); a different one is warned about."""
+    spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family))), frame_rate=8.0)
+    expected = {"wan": 512, "ltx-video": 128}[family]
+    assert spec.max_text_tokens == expected == spec.pipeline_default("max_sequence_length")
+    assert not any("max_sequence_length" in line for line in spec.inference_mismatches())
+    shorter = make_spec(tiny_model_factory(family), family)  # max_text_tokens=16
+    assert shorter.pipeline_inputs("a cat", BUCKET, 2, 0)["max_sequence_length"] == 16
+    assert any(f"max_sequence_length=16 but {shorter.pipeline_class().__name__} uses {expected}" in line
+               for line in shorter.inference_mismatches())
+    assert spec.encode_conditions(spec.load_tokenizer(), spec.load_text_encoder(), CAPTIONS[:1])[
+        "prompt_embeds"].shape[1] == expected
+
+
+def test_ltx_trains_and_samples_at_the_bucket_frame_rate(tiny_model_factory):
+    """RoPE's temporal scale is VAE time compression / frame rate, in training and in the pipeline."""
+    spec = build_spec(ModelConfig(family="ltx-video", path=str(tiny_model_factory("ltx-video")), max_text_tokens=16),
+                      frame_rate=12.0)
+    assert spec.pipeline_inputs("a cat", BUCKET, 2, 0)["frame_rate"] == 12.0
+    assert any("frame_rate=12 but LTXPipeline uses 25" in line for line in spec.inference_mismatches())
+    transformer = spec.load_transformer()
+    seen = {}
+    transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
+    batch = stage1(spec, batch=1)
+    spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
+    assert seen["rope_interpolation_scale"] == (spec.geometry.temporal / 12.0, spec.geometry.spatial,
+                                                spec.geometry.spatial)
+
+
+@FAMILY_PARAMS
+def test_tokens_per_sample_counts_transformer_tokens(tiny_model_factory, family):
+    """Wan folds 2x2 latent pixels into a token, LTX (patch 1 after its VAE) one pixel per token."""
+    spec = make_spec(tiny_model_factory(family), family)
+    latent = spec.latent_shape(BUCKET)
+    transformer = spec.load_transformer()
+    seen = {}
+
+    def first_block_input(module, args, kwargs):  # the token sequence the blocks attend over
+        seen["tokens"] = (args[0] if args else kwargs["hidden_states"]).shape[1]
+
+    spec.blocks(transformer)[0].register_forward_pre_hook(first_block_input, with_kwargs=True)
+    batch = stage1(spec, batch=1)
+    spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
+    assert spec.tokens_per_sample(latent) == seen["tokens"]
+    patch = {"wan": 2, "ltx-video": 1}[family]
+    assert spec.tokens_per_sample(latent) == latent[1] * latent[2] * latent[3] // patch**2

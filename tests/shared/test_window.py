@@ -300,3 +300,41 @@ def test_walking_the_order_again_asks_storage_nothing(tmp_path):
     reader.publish_watermark(8)
     assert listings == [], f"the known order was walked through storage again: {listings}"
     assert slots(reader, start=7) == expected[7:]
+
+
+def test_state_shows_the_size_producers_registered(uri):
+    """inspect opens a window without knowing its size: the size comes from the registrations."""
+    from typer.testing import CliRunner
+
+    from vt.precompute.cli import app
+    from vt.shared.window import producer_path
+
+    Window(uri, size=2, **FAST).register_producer(0, 2)
+    assert Window(uri).state()["size"] == 2  # Window(uri) itself defaults to 8
+    Window(uri, size=2, **FAST).register_producer(1, 2)
+    state = Window(uri).state()
+    assert state["size"] == 2 and [p["size"] for p in state["producers"].values()] == [2, 2]
+    assert "size=2 " in CliRunner().invoke(app, ["inspect", uri]).output
+    Window(uri, size=6, **FAST).register_producer(0, 2)  # a restart with another size: kept current
+    assert Window(uri).state()["size"] == "p0=6, p1=2"
+    Window(uri, size=6, **FAST).register_producer(1, 2)
+    assert Window(uri).state()["size"] == 6
+    # A window whose registrations hold no size (written by an older vt): unknown, never a made-up 8.
+    storage = Storage(uri)
+    storage.put_atomic(producer_path(0), b'{"rank": 0, "world_size": 1, "done": false, "num_shards": null}')
+    storage.delete(producer_path(1))
+    assert Window(uri).state()["size"] == "unknown"
+    assert "size=unknown " in CliRunner().invoke(app, ["inspect", uri]).output
+
+
+def test_a_restart_with_other_settings_is_refused(uri):
+    """A producer restarted into a window its rank wrote with another fingerprint stops, naming both."""
+    w = Window(uri, size=4, **FAST)
+    w.acquire(0)
+    assert w.register_producer(0, 1, fingerprint="fp")
+    commit(w, 0, 0)
+    restarted = Window(uri, size=4, **FAST)
+    restarted.acquire(0)
+    with pytest.raises(ValueError, match=r"other settings \(fingerprint fp, now other\).*fresh window.uri"):
+        restarted.register_producer(0, 1, fingerprint="other")
+    assert restarted.register_producer(0, 1, fingerprint="fp")  # the same settings continue

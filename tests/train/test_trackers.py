@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from vt.train.plots import moving_average, plot_loss
-from vt.train.progress import Progress
+from vt.shared.progress import Progress
 from vt.train.trackers import Tracker, read_metrics
 
 

@@ -11,34 +11,22 @@ rewritten blocks, compile sees the wrapped blocks, and FSDP shards whatever para
 
 from __future__ import annotations
 
-import importlib
-
 import torch
 from torch import nn
 
 from vt.shared.log import get_logger
 from vt.train.parallel.ac import apply_ac
 from vt.train.parallel.compile import apply_compile
+from vt.train.parallel.cp import apply_cp
 from vt.train.parallel.ddp import apply_ddp
 from vt.train.parallel.dims import ParallelConfigError, ParallelDims
 from vt.train.parallel.fsdp import apply_fsdp
+from vt.train.parallel.tp import apply_tp
 
-__all__ = ["ParallelDims", "ParallelConfigError", "parallelize", "apply_ac", "apply_compile", "apply_ddp",
-           "apply_fsdp"]
+__all__ = ["ParallelDims", "ParallelConfigError", "parallelize", "apply_ac", "apply_compile", "apply_cp", "apply_ddp",
+           "apply_fsdp", "apply_tp"]
 
 log = get_logger("vt.train.parallel")
-
-
-def _strategy(module: str, function: str, key: str):
-    """apply_tp / apply_cp from their own files; a clear error while a strategy is not available."""
-    try:
-        return getattr(importlib.import_module(f"vt.train.parallel.{module}"), function)
-    except (ModuleNotFoundError, AttributeError) as err:
-        if isinstance(err, ModuleNotFoundError) and err.name != f"vt.train.parallel.{module}":
-            raise
-        raise NotImplementedError(
-            f"parallel.{key} > 1 needs train/parallel/{module}.py ({function}), which this version does not "
-            f"have. Set parallel.{key}=1 and use data parallelism (parallel.dp_shard / dp_replicate).") from None
 
 
 def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool = False,
@@ -47,9 +35,9 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
     dims: ParallelDims = world.dims
     mesh = world.mesh
     if dims.tp > 1:
-        _strategy("tp", "apply_tp", "tp")(model, spec, mesh["tp"])
+        apply_tp(model, spec, mesh["tp"])
     if dims.cp > 1:
-        _strategy("cp", "apply_cp", "cp")(model, spec, mesh["cp"])
+        apply_cp(model, spec, mesh["cp"])
     if activation_checkpointing:
         apply_ac(model, spec)
     if compile:

@@ -22,9 +22,3 @@ def apply_ac(model: nn.Module, spec) -> nn.Module:
         blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                            preserve_rng_state=False)  # blocks draw no random numbers
     return model
-
-
-def is_checkpointed(block: nn.Module) -> bool:
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    return isinstance(block, CheckpointWrapper)

@@ -22,11 +22,11 @@ different samples), and identical for any world size, slicing or accumulation of
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
+from vt.shared.runtime import keyed_generator
 from vt.train.data import Batch
 from vt.train.objectives import sample_noise, sample_sigmas
 
@@ -63,8 +63,7 @@ def take_slice(batch: Batch, dp_rank: int, dp_size: int, offset: int = 0) -> Sli
 
 def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
     """The generator of sample `index` of optimizer step `step` (same on every rank and world size)."""
-    digest = hashlib.blake2b(f"{seed}:{step}:sample:{index}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return keyed_generator(seed, step, "sample", index)
 
 
 def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float) -> tuple[torch.Tensor, torch.Tensor]:

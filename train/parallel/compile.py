@@ -16,7 +16,3 @@ def apply_compile(model: nn.Module, spec, **compile_kwargs) -> nn.Module:
     for block in spec.blocks(model):
         block.forward = torch.compile(block.forward, **compile_kwargs)
     return model
-
-
-def is_compiled(block: nn.Module) -> bool:
-    return hasattr(block.__dict__.get("forward"), "_torchdynamo_orig_callable")

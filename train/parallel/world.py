@@ -9,23 +9,13 @@ CPU-offloaded state-dict gathers).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from vt.shared import runtime
 from vt.train.parallel.dims import Meshes, ParallelDims
-
-
-def pick_device(name: str, local_rank: int = 0) -> torch.device:
-    """`auto` -> this process's GPU (cuda:LOCAL_RANK) if there is one, else the CPU."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", local_rank)
-    return device
 
 
 @dataclass
@@ -77,11 +67,9 @@ class World:
 
 def setup_world(parallel, device_name: str = "auto") -> World:
     """Check the degrees against torchrun's WORLD_SIZE, join the process group, build the mesh."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    world_size = runtime.world_size()
     dims = ParallelDims.from_config(parallel, world_size)  # a bad product stops here, on every rank
-    device = pick_device(device_name, local_rank)
+    device = runtime.pick_device(device_name)
     if not dims.distributed:
         return World(dims, 0, 0, device, None)
     if device.type == "cuda":
@@ -92,7 +80,7 @@ def setup_world(parallel, device_name: str = "auto") -> World:
     if dist.get_world_size() != world_size:
         raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world_size}")
     mesh = dims.build_mesh(device.type)
-    return World(dims, dist.get_rank(), local_rank, device, mesh)
+    return World(dims, dist.get_rank(), runtime.local_rank(), device, mesh)
 
 
 def shutdown_world() -> None:

@@ -1,4 +1,4 @@
-"""A tqdm progress bar on stderr, shown on rank 0 only.
+"""A tqdm progress bar on stderr with rates and the latest values, shown on rank 0 only (both stages).
 
 With several ranks, one bar per rank would interleave into garbage, so ranks other than 0 get a
 silent bar. When stderr is not a terminal (a log file, a job scheduler) the bar redraws at most every
@@ -7,10 +7,11 @@ silent bar. When stderr is not a terminal (a log file, a job scheduler) the bar 
 
 from __future__ import annotations
 
-import os
 import sys
 
 from tqdm import tqdm
+
+from vt.shared import runtime
 
 TTY_REFRESH_SECONDS = 0.1
 LOG_REFRESH_SECONDS = 30.0
@@ -20,7 +21,7 @@ class Progress:
     """Steps done, their rate and the latest values (loss, samples/s ...) on one line."""
 
     def __init__(self, total: int | None, desc: str, enabled: bool = True, unit: str = "step"):
-        self.enabled = enabled and _rank() == 0
+        self.enabled = enabled and runtime.rank() == 0
         stream = sys.stderr
         tty = hasattr(stream, "isatty") and stream.isatty()
         self._bar = tqdm(total=total or None, desc=desc, unit=unit, file=stream, disable=not self.enabled,
@@ -50,10 +51,3 @@ def _short(value) -> str:
         value = value.item()
     return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
 
-
-def _rank() -> int:
-    """This process's global rank: from torch.distributed once initialized, else torchrun's RANK."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", "0"))

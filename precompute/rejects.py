@@ -1,0 +1,65 @@
+"""Which samples a producer rejected and why: `rejects.jsonl` in the run folder, one JSON line each.
+
+    {"epoch": 0, "shard": "raw/crawl-000003.tar", "position": 17, "key": "crawl-000003/000017",
+     "reason": "corrupt_video", "detail": "PyAV cannot open it: ..."}
+
+`shard` is the raw tar as listed, `position` the sample's ordinal in it (0, 1, ...), `key` the
+sample's key as latent shards and logs name it (`<shard name>/<key in the tar>`, see sources.py),
+`reason` the counter name of precompute_report.json. With several producer ranks each writes its
+own file, `rejects.rank<r>.jsonl`, next to its report.
+
+Lines are appended and flushed as samples are rejected, so a killed producer's file holds what it
+rejected so far. A restarted producer keeps the file and its lines, and writes each (epoch, shard,
+position) once: re-reading a raw shard that was only partly done rejects the same samples again,
+and those are not listed twice. A producer that starts with nothing committed in its window starts
+the file anew. A line cut by a kill is dropped on restart.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def rejects_name(rank: int, world_size: int) -> str:
+    """The file name: rejects.jsonl, or rejects.rank<r>.jsonl with several ranks (like the report)."""
+    return "rejects.jsonl" if world_size == 1 else f"rejects.rank{rank}.jsonl"
+
+
+class RejectLog:
+    """Appends one line per rejected sample to `path`; `keep` carries on an earlier run's file."""
+
+    def __init__(self, path: Path, keep: bool):
+        self.path = path
+        self.listed: set[tuple[int, str, int]] = set()  # (epoch, shard, position) already in the file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if keep and path.exists():
+            self._load()
+        else:
+            path.write_bytes(b"")
+        self._file = open(path, "a", encoding="utf-8")
+
+    def _load(self) -> None:
+        data = self.path.read_bytes()
+        whole = data[:data.rfind(b"\n") + 1]  # a line cut short by a kill is dropped
+        if len(whole) != len(data):
+            self.path.write_bytes(whole)
+        for line in whole.decode("utf-8").splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                self.listed.add((entry["epoch"], entry["shard"], entry["position"]))
+
+    def add(self, epoch: int, shard: str, position: int, key: str, reason: str, detail: str) -> bool:
+        """List one rejected sample; False if this (epoch, shard, position) is listed already."""
+        identity = (epoch, shard, position)
+        if identity in self.listed:
+            return False
+        self.listed.add(identity)
+        entry = {"epoch": epoch, "shard": shard, "position": position, "key": key, "reason": reason,
+                 "detail": detail}
+        self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._file.flush()
+        return True
+
+    def close(self) -> None:
+        self._file.close()

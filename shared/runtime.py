@@ -1,0 +1,55 @@
+"""Where this process runs and how it draws: rank, device, dtypes by name, keyed random generators.
+
+One place for what both stages ask of the process. Ranks come from torchrun's environment (RANK,
+LOCAL_RANK, WORLD_SIZE), or from torch.distributed once a process group exists. Keyed generators
+turn a tuple of names and numbers into a seeded `torch.Generator`, so randomness is a function of
+where it is used (seed, step, sample), never of how much was drawn before: a resumed run, any
+parallel layout and any accumulation setting draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank() -> int:
+    """This process's global rank: torch.distributed's once a group exists, else torchrun's RANK."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    """This process's rank on its node (torchrun's LOCAL_RANK): which GPU it takes."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def world_size() -> int:
+    """How many processes the launcher started (torchrun's WORLD_SIZE); 1 when launched directly."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def pick_device(setting: str = "auto") -> torch.device:
+    """"auto": this process's GPU (cuda:LOCAL_RANK modulo the GPUs seen) if there is one, else the CPU.
+
+    "cuda" without an index also means this process's GPU; anything else is taken as given.
+    """
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(setting)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", local_rank() % max(torch.cuda.device_count(), 1))
+    return device
+
+
+def keyed_generator(*key: object) -> torch.Generator:
+    """A CPU generator seeded by a hash of `key` (e.g. seed, step, sample index): same key, same draws."""
+    digest = hashlib.blake2b(":".join(map(str, key)).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))

@@ -1,0 +1,109 @@
+"""Every file in configs/ through both stages, as a user runs it, with its family's tiny preset.
+
+The config keeps what makes it itself: family, dtypes, text length, frame rate, shard size, batch
+size, accumulation, LoRA settings, activation checkpointing, trackers, validation prompts. Only
+what would take hours on 2 cores is lowered with --set: bucket sizes (same aspects, the family's
+smallest frame count), intervals, validation steps, worker count. Both CLIs run as processes at
+once; the trainer is SIGKILLed right after its second checkpoint (after a validation), resumed, and
+must finish with every sample trained once per epoch. A new config is covered by adding the file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cli_runs import finish, raw_keys, start
+
+from vt.shared.buckets import parse_buckets
+from vt.shared.config import load_config
+from vt.shared.models import build_spec
+from vt.train.trackers import read_metrics
+
+pytestmark = pytest.mark.slow
+
+CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+SMALL_SIDE = 128  # buckets up to this size and 17 frames run as they are
+
+
+def small_buckets(sizes: list[str], spec) -> list[str]:
+    """The config's buckets at a size CPU tests afford: the same aspects, valid for the family."""
+    g = spec.geometry
+    unit = g.spatial * g.patch
+    out: list[str] = []
+    for bucket in parse_buckets(sizes):
+        if max(bucket.height, bucket.width) <= SMALL_SIDE and bucket.frames <= 17:
+            name = bucket.name
+        else:
+            longest = max(96, 3 * unit) // unit * unit
+            scale = longest / max(bucket.height, bucket.width)
+            height, width = (max(unit, round(side * scale / unit) * unit) for side in (bucket.height, bucket.width))
+            name = f"{g.temporal + 1}x{height}x{width}"
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def overrides(config_path: Path, tmp_path: Path, model: Path, raw: Path) -> list[str]:
+    config = load_config(config_path, [f'model.path="{model}"'])
+    spec = build_spec(config.model, config.buckets.fps)
+    train = config.train
+    return [
+        f'model.path="{model}"', f'run.dir="{tmp_path / "run"}"', f'window.uri="{tmp_path / "window"}"',
+        f'data.raw="{raw}"', f"buckets.sizes={json.dumps(small_buckets(config.buckets.sizes, spec))}",
+        "window.poll_seconds=0.05", "window.timeout_seconds=300",
+        f"precompute.workers={min(config.precompute.workers, 1)}",
+        "train.checkpoint_every=2", "train.validate_every=2", f"train.validation_steps={min(train.validation_steps, 2)}",
+        "log.every_steps=1", "log.progress=false", "log.samples=true",
+    ]
+
+
+def trained(run_dir: Path) -> Counter:
+    """(epoch, key) -> times trained; a step logged again after the resume replaces the killed run's."""
+    steps: dict[int, list[dict]] = {}
+    for line in (run_dir / "samples.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        steps.setdefault(entry["step"], []).append(entry)
+    return Counter((e["epoch"], key) for entries in steps.values() for e in entries for key in e["keys"])
+
+
+@pytest.mark.parametrize("config_path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_config_runs_both_stages_through_a_kill_and_resume(config_path, tmp_path, tiny_model_factory,
+                                                                  raw_shards):
+    family = load_config(config_path).model.family
+    sets = overrides(config_path, tmp_path, tiny_model_factory(family), raw_shards)
+    config = load_config(config_path, sets)
+    run_dir = config.run_dir
+    logs = {name: tmp_path / f"{name}.log" for name in ("precompute", "killed", "resumed")}
+
+    producer = start("precompute", config_path, *sets, log=logs["precompute"])
+    killed = start("train", config_path, *sets, log=logs["killed"], env={"VT_FAULT_AT": "train.after_checkpoint@2"})
+    assert killed.wait(timeout=600) == -9, logs["killed"].read_text()[-3000:]
+    assert (run_dir / "checkpoints" / "step-000004" / "state.json").is_file()
+    videos = [f"{i:02d}.mp4" for i in range(len(config.train.validation_prompts))]
+    if videos:  # the validation before the kill
+        assert sorted(p.name for p in (run_dir / "validation" / "step-000002").glob("*.mp4")) == videos
+
+    resumed = start("train", config_path, *sets, log=logs["resumed"])
+    finish(resumed, logs["resumed"], timeout=600)
+    finish(producer, logs["precompute"], timeout=60)
+    assert "resumed from" in logs["resumed"].read_text()
+
+    epochs = config.train.epochs
+    assert trained(run_dir) == Counter({(e, key): 1 for e in range(epochs) for key in raw_keys(raw_shards)})
+    metrics = {m["step"]: m for m in read_metrics(run_dir / "metrics.jsonl")}
+    assert all(math.isfinite(m["loss"]) for m in metrics.values())
+    warmup, lr = config.train.warmup_steps, config.train.lr
+    assert all(m["lr"] == pytest.approx(lr * min(1.0, step / warmup) if warmup else lr) for step, m in metrics.items())
+    spec = build_spec(config.model, config.buckets.fps)
+    buckets = {e["step"]: e["bucket"] for e in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}
+    for step, m in metrics.items():  # one bucket per step, logged every step: tokens / samples = tokens per sample
+        tokens = spec.tokens_per_sample(spec.latent_shape(parse_buckets([buckets[step]])[0]))
+        assert m["tokens_s"] / m["samples_s"] == pytest.approx(tokens)
+    assert (run_dir / ("lora/pytorch_lora_weights.safetensors" if config.train.mode == "lora" else "model")).exists()
+    if videos:
+        rounds = sorted((run_dir / "validation").iterdir())
+        assert len(rounds) >= 3 and all(sorted(p.name for p in r.glob("*.mp4")) == videos for r in rounds)
