@@ -29,7 +29,7 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     cfg = load_or_exit(config, set)
     from vt.precompute.resume import ResumeError
     from vt.precompute.service import Precompute, TooManyFailures
-    from vt.shared.models.spec import ModelLoadError
+    from vt.shared.models.components import ModelLoadError
     from vt.shared.storage import StorageUnavailable
     from vt.shared.window import ProducerConflict, ProducerFenced, WindowTimeout
 

@@ -132,10 +132,8 @@ class Precompute:
         self.seq = 0
 
     def _load_encoders(self) -> None:
-        self.tokenizer = self.spec.load_tokenizer()
-        self.text_encoder = self.spec.load_text_encoder(device=str(self.device)).eval()
-        self.vae = self.spec.load_vae(device=str(self.device)).eval()
-        self.text_cache = TextCache(lambda captions: self.spec.encode_conditions(self.tokenizer, self.text_encoder, captions))
+        self.encoders = self.spec.load_stage1(device=self.device)
+        self.text_cache = TextCache(lambda captions: self.spec.encode_text(self.encoders, captions))
 
     def run(self) -> Report:
         """Produce this rank's share of every epoch into the window, resuming where an earlier run stopped."""
@@ -249,7 +247,7 @@ class Precompute:
         latents: dict[str, list[torch.Tensor]] = {}
         for i in range(0, len(samples), pre.encode_batch):
             video = torch.stack([s.video for s in samples[i:i + pre.encode_batch]]).to(self.device)
-            for name, tensor in self.spec.encode_latents(self.vae, video).items():
+            for name, tensor in self.spec.encode_video(self.encoders, video).items():
                 latents.setdefault(name, []).append(tensor.cpu())
         self.report.seconds["vae_encode"] += time.perf_counter() - started
         tensors = {**conditions, **{name: torch.cat(parts) for name, parts in latents.items()}}

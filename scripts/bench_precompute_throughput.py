@@ -93,8 +93,7 @@ def _run_naive(config) -> int:
     device = config.precompute.device
     if device == "auto":  # the service's choice, so both sides run on the same device
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    tokenizer, text_encoder = spec.load_tokenizer(), spec.load_text_encoder(device=device).eval()
-    vae = spec.load_vae(device=device).eval()
+    encoders = spec.load_stage1(device=device)
     out = config.run_dir / "naive"
     out.mkdir(parents=True, exist_ok=True)
     done = 0
@@ -105,8 +104,8 @@ def _run_naive(config) -> int:
                     sample = prepare_sample(raw, buckets, config.buckets.fps)
                 except SampleError:
                     continue
-                tensors = {**spec.encode_conditions(tokenizer, text_encoder, [sample.caption]),
-                           **spec.encode_latents(vae, sample.video[None].to(device))}
+                tensors = {**spec.encode_text(encoders, [sample.caption]),
+                           **spec.encode_video(encoders, sample.video[None].to(device))}
                 save_file({k: v[0].to("cpu", dtype).contiguous() for k, v in tensors.items()},
                           str(out / f"{done:06d}.safetensors"))
                 done += 1

@@ -34,7 +34,6 @@ from vt.shared.shards import FORMAT_VERSION
 PROCESSING_VERSION = 2
 FIT_MODE = "resize-to-cover, bilinear antialias, center crop"  # precompute/processors/fit_bucket.py
 FRAME_SAMPLING = "from the start, at buckets.fps"  # precompute/processors/sample_frames.py
-ENCODER_COMPONENTS = ("tokenizer", "text_encoder", "vae")  # what stage 1 runs
 
 FULL_HASH_BYTES = 64 * 2**20
 HEAD_BYTES = 2**20
@@ -68,7 +67,7 @@ def fingerprint(prov: dict) -> str:
 
 def weights_digests(spec) -> dict[str, str]:
     """component -> digest of its files, for the components stage 1 runs (no weights are loaded)."""
-    return {name: folder_digest(_local_folder(spec, name)) for name in ENCODER_COMPONENTS}
+    return {name: folder_digest(_local_folder(spec, name)) for name in spec.stage1_components}
 
 
 def _local_folder(spec, name: str) -> Path:

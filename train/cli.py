@@ -22,7 +22,7 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
     """Train (LoRA or full) on the window named by the config; resumes from the newest checkpoint."""
     cfg = load_or_exit(config, set)
-    from vt.shared.models.spec import ModelLoadError
+    from vt.shared.models.components import ModelLoadError
     from vt.train.data import StaleShardError
     from vt.train.trainer import Trainer
 

@@ -27,6 +27,10 @@ class LTXVideoSpec(ModelSpec):
     family: ClassVar[str] = "ltx-video"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     blocks_attr: ClassVar[str] = "transformer_blocks"
+    # The original LTX-Video checkpoint (and ComfyUI) use diffusers' module names; diffusers' LTX
+    # conversion takes lora_A/lora_B without `.alpha`, so the scale goes into lora_B.
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
+    comfy_alpha: ClassVar[bool] = False
     example_hub_id: ClassVar[str] = "Lightricks/LTX-Video"
 
     @staticmethod
@@ -44,10 +48,10 @@ class LTXVideoSpec(ModelSpec):
     def _geometry_from_config(self) -> VaeGeometry:
         from accelerate import init_empty_weights
 
-        vae_config = self._load_config("vae")
+        vae_config = self.load_config("vae")
         with init_empty_weights():  # the class computes its own ratios; no weights are allocated
             vae = self.component_classes()["vae"].from_config(vae_config)
-        transformer = self._load_config("transformer")
+        transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
             raise ValueError("LTX transformers with patch_size_t > 1 are not supported")
         return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
@@ -55,19 +59,20 @@ class LTXVideoSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
-    def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]:
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """{"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)} float32, L = the spec's max_text_tokens."""
-        pipeline = self._text_pipeline(tokenizer, text_encoder)
+        pipeline = self._text_pipeline(encoders)
         embeds, mask, _, _ = pipeline.encode_prompt(
             list(captions), do_classifier_free_guidance=False, max_sequence_length=self.max_text_tokens,
-            device=text_encoder.device,
+            device=encoders["text_encoder"].device,
         )
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
 
     @torch.no_grad()
-    def encode_latents(self, vae, video: Tensor) -> dict[str, Tensor]:
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Normalised latents (posterior mode: stage 1 is deterministic); i2v adds the first frame's."""
         self._check_video(video)
+        vae = encoders["vae"]
         out = {"latents": self._encode(vae, video)}
         if self.config.task == "i2v":
             # The i2v pipeline encodes the conditioning image alone, as a one-frame video.

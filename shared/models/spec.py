@@ -3,7 +3,8 @@
 A family file (ltx_video.py, wan.py) subclasses `ModelSpec` and fills in what really differs:
 component classes, latent normalisation, how the transformer is called, the tiny preset. The rest
 lives here once: finding and loading components (each overridable), bucket checks, LoRA, the
-validation pipeline, export. Stage 1 calls `encode_conditions` / `encode_latents`; stage 2 calls
+validation pipeline, export. Stage 1 loads the components the family declares (`load_stage1`) and
+calls `encode_text` / `encode_video` with them; stage 2 calls
 `forward`, which returns prediction, target and a loss weight, so first-frame conditioning or other
 target changes stay inside the family and the trainer's loss stays generic.
 """
@@ -12,8 +13,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
-import re
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,22 +27,13 @@ from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
+from vt.shared.models import comfy
+from vt.shared.models.components import ComponentLoader
 from vt.shared.runtime import DTYPES
 
 log = logging.getLogger(__name__)
 
-COMPONENTS = ("tokenizer", "text_encoder", "vae", "transformer", "scheduler")
-NUM_TRAIN_TIMESTEPS = 1000  # flow-matching schedulers of both families: timestep = sigma * 1000
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class ModelLoadError(OSError):
-    """A component (or its config) could not be loaded; the message names it, where from, and the fix."""
-
-
-def hub_offline() -> bool:
-    """Whether the Hugging Face hub may not be contacted (HF_HUB_OFFLINE, as huggingface_hub reads it)."""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+NUM_TRAIN_TIMESTEPS = 1000  # flow-matching schedulers: timestep = sigma * 1000
 
 
 @dataclass
@@ -113,8 +103,10 @@ def flow_match_noisy(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:
     return (1 - s) * x0 + s * noise
 
 
-class ModelSpec(ABC):
+class ModelSpec(ComponentLoader, ABC):
     family: ClassVar[str]
+    # What stage 1 loads, fingerprints (provenance) and hands to encode_text / encode_video, by name.
+    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
     blocks_attr: ClassVar[str]  # attribute of the transformer holding its ModuleList of blocks
@@ -127,12 +119,13 @@ class ModelSpec(ABC):
                 f"model.task = {config.task!r} is not supported for family {self.family!r} yet; "
                 f"supported: {list(self.tasks)}. Set model.task = \"t2v\" or use family \"ltx-video\" for i2v."
             )
-        unknown = sorted(set(config.components) - set(COMPONENTS))
+        self.config = config
+        unknown = sorted(set(config.components) - set(self.component_names()))
         if unknown:
-            raise ValueError(f"model.components.{unknown[0]} is not a component; allowed: {', '.join(COMPONENTS)}")
+            raise ValueError(f"model.components.{unknown[0]} is not a component of {self.family!r}; allowed: "
+                             f"{', '.join(self.component_names())}")
         if not frame_rate > 0:
             raise ValueError(f"buckets.fps must be > 0, got {frame_rate}")
-        self.config = config
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
@@ -143,90 +136,18 @@ class ModelSpec(ABC):
     @staticmethod
     @abstractmethod
     def component_classes() -> dict[str, type]:
-        """name -> class with `from_pretrained` for text_encoder, vae, transformer."""
+        """name -> class with `from_pretrained`: text encoder(s), VAE, transformer(s), image encoder ...
+        (tokenizers are found by name, see components.py)."""
 
     @abstractmethod
     def pipeline_class(self) -> type:
         """The diffusers pipeline for this config's task (validation, LoRA format)."""
 
-    def source(self, name: str) -> tuple[str, str | None]:
-        """(path or hub id, subfolder) of a component; errors name the config key to set."""
-        override = self.config.components.get(name)
-        if override:
-            if not Path(override).exists() and not _HUB_ID.match(override):
-                raise FileNotFoundError(
-                    f"model.components.{name} = {override!r} is neither a folder nor a hub id (org/name). "
-                    f"Point it at a folder holding only the {name}, e.g. a transformer saved by save_full."
-                )
-            return override, None
-        root = self.config.path
-        if Path(root).exists():
-            if not (Path(root) / name).is_dir():
-                raise FileNotFoundError(
-                    f"model.path = {root!r} has no {name!r} folder. Use a diffusers-layout folder "
-                    f"(model_index.json + subfolders) or set model.components.{name} = <folder or hub id>."
-                )
-            return root, name
-        if _HUB_ID.match(root):
-            return root, name
-        raise FileNotFoundError(
-            f"model.path = {root!r} does not exist. Build a tiny preset with "
-            f"`python scripts/make_tiny_model.py --family {self.family} {root}`, or set model.path to a "
-            f"diffusers-layout folder or hub id (e.g. {self.example_hub_id})."
-        )
-
     example_hub_id: ClassVar[str] = ""
 
-    def _from_pretrained(self, cls: Any, name: str, **kwargs) -> Any:
-        path, subfolder = self.source(name)
-        if subfolder is not None:
-            kwargs["subfolder"] = subfolder
-        try:
-            return cls.from_pretrained(path, **kwargs)
-        except (OSError, ValueError) as err:
-            raise self.load_error(name, path, err) from err
-
-    def load_error(self, name: str, path: str, err: Exception) -> "ModelLoadError":
-        """One line saying which component failed to load from where, and what to do about it."""
-        key = f"model.components.{name}" if name in self.config.components else "model.path"
-        if not Path(path).exists() and hub_offline():
-            return ModelLoadError(
-                f"cannot load the {name} of {self.family!r} from hub id {path!r}: the Hugging Face hub is offline "
-                f"(HF_HUB_OFFLINE=1) and {path!r} is not in the local cache. Download it where there is network "
-                f"(`hf download {path} --local-dir DIR`) and set {key} = \"DIR\", or unset HF_HUB_OFFLINE")
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return ModelLoadError(f"cannot load the {name} of {self.family!r} from {path!r}: {reason}. Check {key}; "
-                              "a hub id needs network access or a filled local cache")
-
-    def load_tokenizer(self):
-        from transformers import AutoTokenizer
-
-        return self._from_pretrained(AutoTokenizer, "tokenizer")
-
-    def load_text_encoder(self, device="cpu"):
-        return _frozen(self._from_pretrained(self.component_classes()["text_encoder"], "text_encoder",
-                                             dtype=self.frozen_dtype), device)
-
-    def load_vae(self, device="cpu"):
-        return _frozen(self._from_pretrained(self.component_classes()["vae"], "vae",
-                                             torch_dtype=self.frozen_dtype), device)
-
-    def load_transformer(self, device="cpu", dtype=None):
-        """The trainable model, float32 unless `dtype` is given."""
-        model = self._from_pretrained(self.component_classes()["transformer"], "transformer",
-                                      torch_dtype=dtype or torch.float32)
-        return model.to(device)
-
-    def load_scheduler(self):
-        """The scheduler class named in its own config (a real checkpoint may use another one)."""
-        import diffusers
-
-        config = self._load_config("scheduler")
-        cls = getattr(diffusers, config.get("_class_name", ""), None)
-        if cls is None:
-            raise ValueError(f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
-                             f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler")
-        return cls.from_config(config)
+    def load_stage1(self, device="cpu") -> dict[str, Any]:
+        """The stage-1 components this family declares (`stage1_components`), loaded and frozen."""
+        return {name: self.load_component(name, device) for name in self.stage1_components}
 
     # ----------------------------------------------------------------------------- buckets
     @abstractmethod
@@ -236,18 +157,6 @@ class ModelSpec(ABC):
     @cached_property
     def geometry(self) -> VaeGeometry:
         return self._geometry_from_config()
-
-    def _load_config(self, name: str) -> dict:
-        """A component's config (config.json / scheduler_config.json) as a dict, without weights."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
-        reader = FlowMatchEulerDiscreteScheduler if name == "scheduler" else self.component_classes()[name]
-        path, subfolder = self.source(name)
-        kwargs = {"subfolder": subfolder} if subfolder else {}
-        try:
-            return dict(reader.load_config(path, **kwargs))
-        except (OSError, ValueError) as err:
-            raise self.load_error(name, path, err) from err
 
     def check_bucket(self, bucket: Bucket) -> None:
         g = self.geometry
@@ -277,21 +186,28 @@ class ModelSpec(ABC):
 
     # ----------------------------------------------------------------------------- stage 1
     @abstractmethod
-    def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]: ...
+    def encode_text(self, encoders: dict[str, Any], captions: list[str]) -> dict[str, Tensor]:
+        """Named condition tensors (B, ...) for `captions`, from the loaded stage-1 components."""
 
     @abstractmethod
-    def encode_latents(self, vae, video: Tensor) -> dict[str, Tensor]: ...
+    def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
+        """Named latent tensors (B, ...) for `video` (B, 3, F, H, W) in [-1, 1]: latents and any
+        per-sample conditioning made from the pixels (an encoded first frame, image embeddings)."""
 
     def _check_video(self, video: Tensor) -> None:
         if video.ndim != 5 or video.shape[1] != 3:
             raise ValueError(f"video must be (B, 3, F, H, W) in [-1, 1], got shape {tuple(video.shape)}")
         self.check_bucket(Bucket(*video.shape[2:]))
 
-    def _text_pipeline(self, tokenizer, text_encoder):
-        """The family pipeline holding only the text parts: its own encode_prompt does the encoding,
-        so training conditions match what the pipeline feeds the transformer at inference."""
-        cls = self.pipeline_class()
-        return cls(tokenizer=tokenizer, text_encoder=text_encoder, vae=None, transformer=None, scheduler=None)
+    def _text_pipeline(self, encoders: dict[str, Any]):
+        """The family pipeline holding only the given parts (the rest None): its own encode_prompt
+        does the encoding, so training conditions match what the pipeline feeds the transformer."""
+        return self.pipeline_class()(**{name: encoders.get(name) for name in self.pipeline_parts()})
+
+    def pipeline_parts(self) -> list[str]:
+        """The pipeline's constructor arguments that are components of this family."""
+        names = set(self.component_names())
+        return [name for name in inspect.signature(self.pipeline_class().__init__).parameters if name in names]
 
     # ----------------------------------------------------------------------------- stage 2
     @abstractmethod
@@ -329,12 +245,8 @@ class ModelSpec(ABC):
     # ----------------------------------------------------------------------------- validation
     def build_pipeline(self, transformer, device="cpu", **loaded):
         """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them."""
-        parts = {
-            "tokenizer": loaded.get("tokenizer") or self.load_tokenizer(),
-            "text_encoder": loaded.get("text_encoder") or self.load_text_encoder(device),
-            "vae": loaded.get("vae") or self.load_vae(device),
-            "scheduler": loaded.get("scheduler") or self.load_scheduler(),
-        }
+        parts = {name: loaded.get(name) or self.load_component(name, device)
+                 for name in self.pipeline_parts() if name != "transformer"}
         pipeline = self.pipeline_class()(transformer=transformer, **parts)
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
@@ -384,7 +296,8 @@ class ModelSpec(ABC):
 
     # ----------------------------------------------------------------------------- export
     def save_lora(self, lora_state_dict: dict[str, Tensor], out_dir, lora_config: dict | None = None) -> Path:
-        """out_dir/pytorch_lora_weights.safetensors, readable by the pipeline's load_lora_weights.
+        """out_dir/pytorch_lora_weights.safetensors, readable by the pipeline's load_lora_weights, and
+        out_dir/lora_comfyui.safetensors under the original module names (comfy.py); returns the first.
 
         The rank/alpha/targets go into the file's metadata so the loader rebuilds the same scaling;
         they come from this spec's `add_lora` unless `lora_config` ({r, lora_alpha, target_modules}) is given.
@@ -401,7 +314,28 @@ class ModelSpec(ABC):
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict.items()}
         self.pipeline_class().save_lora_weights(out, transformer_lora_layers=tensors, safe_serialization=True,
                                                 transformer_lora_adapter_metadata=dict(metadata))
+        self.save_comfy_lora(tensors, out / comfy.FILENAME, metadata)
         return out / "pytorch_lora_weights.safetensors"
+
+    # (diffusers module regex, original module name) pairs, first full match wins; see comfy.py.
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ()
+    comfy_alpha: ClassVar[bool] = True  # whether the family's loaders read `.alpha` (else baked into lora_B)
+
+    def save_comfy_lora(self, tensors: dict[str, Tensor], path: Path, metadata: dict) -> Path | None:
+        """The ComfyUI form of a LoRA; None (with a warning) when the family has no key table or a
+        module has no original name."""
+        from safetensors.torch import save_file
+
+        try:
+            if not self.original_names:
+                raise ValueError(f"family {self.family!r} has no original key table")
+            state = comfy.comfy_state_dict(tensors, self.original_names, int(metadata["r"]),
+                                           float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha)
+        except ValueError as err:
+            log.warning("LoRA saved for diffusers only: %s", err)
+            return None
+        save_file(state, str(path), metadata={"format": "pt", "vt_family": self.family})
+        return path
 
     def save_full(self, transformer, out_dir) -> Path:
         """save_pretrained into out_dir; usable as model.components.transformer."""
@@ -424,8 +358,3 @@ def input_dtype(transformer: nn.Module) -> torch.dtype:
     if dtype is None:
         dtype = _INPUT_DTYPES[transformer] = transformer.dtype
     return dtype
-
-
-def _frozen(model: nn.Module, device) -> nn.Module:
-    model.requires_grad_(False)
-    return model.eval().to(device)

@@ -27,6 +27,16 @@ class WanSpec(ModelSpec):
     family: ClassVar[str] = "wan"
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
     blocks_attr: ClassVar[str] = "blocks"
+    # Original (Wan-AI) module names, which ComfyUI uses; diffusers' Wan LoRA conversion reads them back.
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = (
+        *((rf"blocks\.(\d+)\.{attn}\.{ours}", rf"blocks.\1.{theirs}.{short}")
+          for attn, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+          for ours, short in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))),
+        (r"blocks\.(\d+)\.attn2\.add_k_proj", r"blocks.\1.cross_attn.k_img"),
+        (r"blocks\.(\d+)\.attn2\.add_v_proj", r"blocks.\1.cross_attn.v_img"),
+        (r"blocks\.(\d+)\.ffn\.net\.0\.proj", r"blocks.\1.ffn.0"),
+        (r"blocks\.(\d+)\.ffn\.net\.2", r"blocks.\1.ffn.2"),
+    )
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
     @staticmethod
@@ -42,8 +52,8 @@ class WanSpec(ModelSpec):
         return WanPipeline
 
     def _geometry_from_config(self) -> VaeGeometry:
-        vae = self._load_config("vae")
-        patch = tuple(self._load_config("transformer").get("patch_size", (1, 2, 2)))
+        vae = self.load_config("vae")
+        patch = tuple(self.load_config("transformer").get("patch_size", (1, 2, 2)))
         if patch[0] != 1 or patch[1] != patch[2]:
             raise ValueError(f"Wan transformer patch_size {patch} is not supported; expected (1, p, p)")
         return VaeGeometry(temporal=vae.get("scale_factor_temporal") or 2 ** sum(vae["temperal_downsample"]),
@@ -52,19 +62,20 @@ class WanSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
-    def encode_conditions(self, tokenizer, text_encoder, captions: list[str]) -> dict[str, Tensor]:
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """{"prompt_embeds": (B, L, D)} float32, zero past each caption's tokens; L = the spec's max_text_tokens."""
-        pipeline = self._text_pipeline(tokenizer, text_encoder)
+        pipeline = self._text_pipeline(encoders)
         embeds, _ = pipeline.encode_prompt(
             list(captions), do_classifier_free_guidance=False, max_sequence_length=self.max_text_tokens,
-            device=text_encoder.device,
+            device=encoders["text_encoder"].device,
         )
         return {"prompt_embeds": embeds.float()}
 
     @torch.no_grad()
-    def encode_latents(self, vae, video: Tensor) -> dict[str, Tensor]:
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Normalised latents from the posterior mode (deterministic, as WanImageToVideoPipeline encodes)."""
         self._check_video(video)
+        vae = encoders["vae"]
         latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
         mean, std = _latent_stats(vae, latents)
         return {"latents": ((latents - mean) / std).float()}

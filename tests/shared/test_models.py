@@ -11,7 +11,7 @@ import torch
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import FAMILIES, build_spec, get_spec_class
-from vt.shared.models.spec import ModelLoadError
+from vt.shared.models.components import ModelLoadError
 
 BUCKET = Bucket(9, 64, 96)
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
@@ -28,8 +28,8 @@ def video(batch=2, seed=0):
 
 
 def stage1(spec, batch=2):
-    conds = spec.encode_conditions(spec.load_tokenizer(), spec.load_text_encoder(), CAPTIONS[:batch])
-    return {**conds, **spec.encode_latents(spec.load_vae(), video(batch))}
+    encoders = spec.load_stage1()
+    return {**spec.encode_text(encoders, CAPTIONS[:batch]), **spec.encode_video(encoders, video(batch))}
 
 
 def pipeline_latents(spec, pipeline, image=None):
@@ -60,23 +60,24 @@ def test_preset_loads_through_spec_and_pipeline(tiny_model_factory, family):
     assert type(pipeline.transformer) is type(transformer)
     loaded = pipeline.transformer.state_dict()
     assert all(torch.equal(loaded[k], v) for k, v in transformer.state_dict().items())
-    assert type(pipeline.vae) is type(spec.load_vae())
+    assert type(pipeline.vae) is type(spec.load_component("vae"))
     assert type(pipeline.scheduler) is type(spec.load_scheduler())
-    assert spec.load_tokenizer()(CAPTIONS[0]).input_ids == pipeline.tokenizer(CAPTIONS[0]).input_ids
+    assert spec.load_component("tokenizer")(CAPTIONS[0]).input_ids == pipeline.tokenizer(CAPTIONS[0]).input_ids
     assert len(spec.blocks(transformer)) == 2
 
 
 @FAMILY_PARAMS
 def test_frozen_components_honour_dtype(tiny_model_factory, family):
     spec = make_spec(tiny_model_factory(family), family, dtype="bfloat16")
-    text_encoder, vae = spec.load_text_encoder(), spec.load_vae()
+    encoders = spec.load_stage1()
+    text_encoder, vae = encoders["text_encoder"], encoders["vae"]
     assert text_encoder.dtype == torch.bfloat16 and vae.dtype == torch.bfloat16
     assert not any(p.requires_grad for p in vae.parameters())
     assert spec.load_transformer().dtype == torch.float32  # the trained weights stay float32
-    latents = spec.encode_latents(vae, video(1))["latents"]
+    latents = spec.encode_video(encoders, video(1))["latents"]
     assert latents.dtype == torch.float32 and torch.isfinite(latents).all()
     # A bfloat16 transformer (mixed precision) takes the float32 batch and returns a float32 prediction.
-    conds = spec.encode_conditions(spec.load_tokenizer(), text_encoder, CAPTIONS[:1])
+    conds = spec.encode_text(encoders, CAPTIONS[:1])
     assert all(v.dtype == torch.float32 for v in conds.values())
     out = spec.forward(spec.load_transformer(dtype=torch.bfloat16), {**conds, "latents": latents},
                        torch.tensor([0.5]), torch.randn_like(latents))
@@ -86,19 +87,19 @@ def test_frozen_components_honour_dtype(tiny_model_factory, family):
 def test_missing_paths_say_which_key_to_set(tmp_path):
     spec = make_spec(tmp_path / "nowhere", "ltx-video")
     with pytest.raises(FileNotFoundError, match=r"model.path = .*nowhere.* does not exist.*make_tiny_model.py"):
-        spec.load_vae()
+        spec.load_component("vae")
     (tmp_path / "partial").mkdir()
     spec = make_spec(tmp_path / "partial", "wan")
     with pytest.raises(FileNotFoundError, match=r"no 'transformer' folder.*model.components.transformer"):
         spec.load_transformer()
     spec = make_spec(tmp_path, "wan", components={"vae": str(tmp_path / "no_vae_here")})
     with pytest.raises(FileNotFoundError, match="model.components.vae"):
-        spec.load_vae()
+        spec.load_component("vae")
     with pytest.raises(ValueError, match="model.components.unet is not a component"):
         make_spec(tmp_path, "wan", components={"unet": "x"})
     with pytest.raises(ModelLoadError, match=r"the vae of 'wan' from hub id 'someone/missing-model'.*offline "
                                              r"\(HF_HUB_OFFLINE=1\).*set model.path"):
-        make_spec("someone/missing-model", "wan").load_vae()  # HF_HUB_OFFLINE=1: fails at once
+        make_spec("someone/missing-model", "wan").load_component("vae")  # HF_HUB_OFFLINE=1: fails at once
 
 
 def test_wan_i2v_is_refused_at_construction(tmp_path):
@@ -117,7 +118,7 @@ def test_check_bucket_rejects_what_the_vae_cannot_encode(tiny_model_factory, fam
     with pytest.raises(ValueError, match=rf"height must be a multiple of {side}"):
         spec.check_bucket(Bucket(9, side + 8, 96))
     with pytest.raises(ValueError, match=r"\(B, 3, F, H, W\)"):
-        spec.encode_latents(spec.load_vae(), torch.zeros(1, 9, 64, 96))
+        spec.encode_video(spec.load_stage1(), torch.zeros(1, 9, 64, 96))
 
 
 # ----------------------------------------------------------------------------- stage 1
@@ -141,9 +142,9 @@ def test_latents_are_normalised_as_the_pipeline_denormalises(tiny_model_factory,
     from diffusers import LTXPipeline
 
     spec = make_spec(tiny_model_factory(family), family)
-    vae = spec.load_vae()
+    vae = spec.load_component("vae")
     clip = video(1)
-    latents = spec.encode_latents(vae, clip)["latents"]
+    latents = spec.encode_video({"vae": vae}, clip)["latents"]
     raw = vae.encode(clip).latent_dist.mode()
     if family == "ltx-video":  # the pipeline's own inverse, as used before vae.decode
         back = LTXPipeline._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
@@ -240,6 +241,20 @@ def test_lora_export_loads_into_a_fresh_pipeline(tiny_model_factory, tmp_path, f
     frames = spec.generate(fresh, "a rabbit in a meadow", BUCKET, steps=2, seed=0)
     assert frames.shape == (9, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
 
+    # The ComfyUI file: original module names under diffusion_model., read back by diffusers' own
+    # conversion of non-diffusers LoRA files into the same model.
+    from safetensors.torch import load_file
+
+    comfy = load_file(tmp_path / "lora" / "lora_comfyui.safetensors")
+    assert all(key.startswith("diffusion_model.") for key in comfy)
+    original = {"wan": "diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+                "ltx-video": "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"}[family]
+    assert original in comfy and any(key.endswith(".alpha") for key in comfy) == spec.comfy_alpha
+    other = spec.pipeline_class().from_pretrained(folder)
+    other.set_progress_bar_config(disable=True)
+    other.load_lora_weights(tmp_path / "lora", weight_name="lora_comfyui.safetensors")
+    torch.testing.assert_close(pipeline_latents(spec, other), in_memory, atol=1e-4, rtol=1e-4)
+
 
 @FAMILY_PARAMS
 def test_full_export_round_trips_and_overrides_the_transformer(tiny_model_factory, tmp_path, family):
@@ -297,8 +312,7 @@ def test_text_length_defaults_to_what_the_family_pipeline_encodes(tiny_model_fac
     assert shorter.pipeline_inputs("a cat", BUCKET, 2, 0)["max_sequence_length"] == 16
     assert any(f"max_sequence_length=16 but {shorter.pipeline_class().__name__} uses {expected}" in line
                for line in shorter.inference_mismatches())
-    assert spec.encode_conditions(spec.load_tokenizer(), spec.load_text_encoder(), CAPTIONS[:1])[
-        "prompt_embeds"].shape[1] == expected
+    assert spec.encode_text(spec.load_stage1(), CAPTIONS[:1])["prompt_embeds"].shape[1] == expected
 
 
 def test_ltx_trains_and_samples_at_the_bucket_frame_rate(tiny_model_factory):

@@ -1,0 +1,141 @@
+"""Finding and loading a family's components by name, each from `model.path` or its own override.
+
+A family names its components (`component_classes()`: text encoders, image encoder, VAE,
+transformer ...), plus tokenizers (any name starting with "tokenizer", read with AutoTokenizer) and
+the scheduler (the class its own config names). Every one comes from `model.path/<name>` in diffusers
+layout, or from `model.components.<name>` (a folder or hub id holding just that component), so a
+family with two text encoders or an image encoder needs nothing outside its own file. Frozen
+modules load in `model.dtype` and in eval mode; the transformer loads trainable in float32.
+
+Loading errors are one line (`ModelLoadError`) naming the component, where it was looked for, and
+what to do (an offline hub, a missing folder, a key to set).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class ModelLoadError(OSError):
+    """A component (or its config) could not be loaded; the message names it, where from, and the fix."""
+
+
+def hub_offline() -> bool:
+    """Whether the Hugging Face hub may not be contacted (HF_HUB_OFFLINE, as huggingface_hub reads it)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+class ComponentLoader:
+    """Mixed into ModelSpec: uses its `config` (ModelConfig), `family`, `frozen_dtype`,
+    `example_hub_id` and `component_classes()`."""
+
+    def component_names(self) -> tuple[str, ...]:
+        """Every component a config may point elsewhere (`model.components.<name>`)."""
+        classes = tuple(self.component_classes())
+        tokenizers = tuple(f"tokenizer{n[len('text_encoder'):]}" for n in classes if n.startswith("text_encoder"))
+        return (*tokenizers, *classes, "scheduler")
+
+    def source(self, name: str) -> tuple[str, str | None]:
+        """(path or hub id, subfolder) of a component; errors name the config key to set."""
+        override = self.config.components.get(name)
+        if override:
+            if not Path(override).exists() and not _HUB_ID.match(override):
+                raise FileNotFoundError(
+                    f"model.components.{name} = {override!r} is neither a folder nor a hub id (org/name). "
+                    f"Point it at a folder holding only the {name}, e.g. a transformer saved by save_full."
+                )
+            return override, None
+        root = self.config.path
+        if Path(root).exists():
+            if not (Path(root) / name).is_dir():
+                raise FileNotFoundError(
+                    f"model.path = {root!r} has no {name!r} folder. Use a diffusers-layout folder "
+                    f"(model_index.json + subfolders) or set model.components.{name} = <folder or hub id>."
+                )
+            return root, name
+        if _HUB_ID.match(root):
+            return root, name
+        raise FileNotFoundError(
+            f"model.path = {root!r} does not exist. Build a tiny preset with "
+            f"`python scripts/make_tiny_model.py --family {self.family} {root}`, or set model.path to a "
+            f"diffusers-layout folder or hub id (e.g. {self.example_hub_id})."
+        )
+
+    def load_error(self, name: str, path: str, err: Exception) -> ModelLoadError:
+        """One line saying which component failed to load from where, and what to do about it."""
+        key = f"model.components.{name}" if name in self.config.components else "model.path"
+        if not Path(path).exists() and hub_offline():
+            return ModelLoadError(
+                f"cannot load the {name} of {self.family!r} from hub id {path!r}: the Hugging Face hub is offline "
+                f"(HF_HUB_OFFLINE=1) and {path!r} is not in the local cache. Download it where there is network "
+                f"(`hf download {path} --local-dir DIR`) and set {key} = \"DIR\", or unset HF_HUB_OFFLINE")
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return ModelLoadError(f"cannot load the {name} of {self.family!r} from {path!r}: {reason}. Check {key}; "
+                              "a hub id needs network access or a filled local cache")
+
+    def _from_pretrained(self, cls: Any, name: str, **kwargs) -> Any:
+        path, subfolder = self.source(name)
+        if subfolder is not None:
+            kwargs["subfolder"] = subfolder
+        try:
+            return cls.from_pretrained(path, **kwargs)
+        except (OSError, ValueError) as err:
+            raise self.load_error(name, path, err) from err
+
+    def _class_of(self, name: str) -> type:
+        classes = self.component_classes()
+        if name in classes:
+            return classes[name]
+        if name.startswith("tokenizer"):
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer
+        raise ValueError(f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}")
+
+    def load_component(self, name: str, device: str | torch.device = "cpu") -> Any:
+        """A frozen component by name: modules in `model.dtype`, eval mode, on `device`."""
+        if name == "scheduler":
+            return self.load_scheduler()
+        cls = self._class_of(name)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            return self._from_pretrained(cls, name)  # tokenizers, image processors
+        dtype_key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
+        model = self._from_pretrained(cls, name, **{dtype_key: self.frozen_dtype})
+        model.requires_grad_(False)
+        return model.eval().to(device)
+
+    def load_transformer(self, device="cpu", dtype=None, name: str = "transformer") -> nn.Module:
+        """A trainable transformer (or expert, by `name`), float32 unless `dtype` is given."""
+        model = self._from_pretrained(self._class_of(name), name, torch_dtype=dtype or torch.float32)
+        return model.to(device)
+
+    def load_scheduler(self):
+        """The scheduler class named in its own config (a real checkpoint may use another one)."""
+        import diffusers
+
+        config = self.load_config("scheduler")
+        cls = getattr(diffusers, config.get("_class_name", ""), None)
+        if cls is None:
+            raise ValueError(f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
+                             f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler")
+        return cls.from_config(config)
+
+    def load_config(self, name: str) -> dict:
+        """A component's config (config.json / scheduler_config.json) as a dict, without weights."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        reader = FlowMatchEulerDiscreteScheduler if name == "scheduler" else self._class_of(name)
+        path, subfolder = self.source(name)
+        kwargs = {"subfolder": subfolder} if subfolder else {}
+        try:
+            return dict(reader.load_config(path, **kwargs))
+        except (OSError, ValueError) as err:
+            raise self.load_error(name, path, err) from err
