@@ -20,7 +20,7 @@ def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
-    """The resolution shift of SD3/Flux/LTX/Wan: pushes sigmas towards 1 (more noise) for shift > 1."""
+    """The resolution shift of rectified-flow models: pushes sigmas towards 1 (more noise) for shift > 1."""
     if shift == 1.0:
         return sigmas
     return shift * sigmas / (1 + (shift - 1) * sigmas)

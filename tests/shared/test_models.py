@@ -15,6 +15,38 @@ from vt.shared.models.components import ModelLoadError
 
 BUCKET = Bucket(9, 64, 96)
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
+
+
+def _ltx_denormalize(latents, vae):  # LTXPipeline's own inverse, as used before vae.decode
+    from diffusers import LTXPipeline
+
+    return LTXPipeline._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
+def _wan_denormalize(latents, vae):  # WanPipeline: latents / (1 / std) + mean
+    shape = (1, -1, 1, 1, 1)
+    return latents / (1.0 / torch.tensor(vae.config.latents_std).view(shape)) + torch.tensor(
+        vae.config.latents_mean).view(shape)
+
+
+def _has_padding_mask(batch):  # padded captions are masked
+    mask = batch["prompt_attention_mask"]
+    return mask.shape == batch["prompt_embeds"].shape[:2] and 0 < mask.sum() < mask.numel()
+
+
+def _zero_past_caption(batch):  # no mask: embeddings are zero past the caption's tokens
+    return batch["prompt_embeds"][:, -1].abs().sum() == 0 and batch["prompt_embeds"][:, 0].abs().sum() > 0
+
+
+# What each family's tiny preset must show; a new family adds its entry.
+EXPECTED = {
+    "ltx-video": dict(frames_step=8, side=32, latent=(16, 2, 2, 3), text_dim=64, text_tokens=128, patch=1,
+                      text_padding=_has_padding_mask, denormalize=_ltx_denormalize,
+                      comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"),
+    "wan": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
+                text_padding=_zero_past_caption, denormalize=_wan_denormalize,
+                comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+}
 CAPTIONS = ["a big rabbit walks in the meadow", "people riding bikes on a sunny street"]
 
 
@@ -45,10 +77,10 @@ def folder_digest(folder):
 
 # ----------------------------------------------------------------------------- registry and loading
 def test_registry_names_families_and_rejects_unknown():
-    assert FAMILIES == ("ltx-video", "wan")
-    assert get_spec_class("wan").family == "wan"
-    with pytest.raises(ValueError, match=r"'hunyuan'.*\['ltx-video', 'wan'\]"):
-        get_spec_class("hunyuan")
+    assert {"ltx-video", "wan"} <= set(FAMILIES) and set(FAMILIES) == set(EXPECTED)
+    assert all(get_spec_class(family).family == family for family in FAMILIES)
+    with pytest.raises(ValueError, match=r"'no-such-family'.*\['ltx-video', 'wan'"):
+        get_spec_class("no-such-family")
 
 
 @FAMILY_PARAMS
@@ -111,10 +143,10 @@ def test_wan_i2v_is_refused_at_construction(tmp_path):
 def test_check_bucket_rejects_what_the_vae_cannot_encode(tiny_model_factory, family):
     spec = make_spec(tiny_model_factory(family), family)
     spec.check_bucket(BUCKET)
-    step = {"ltx-video": 8, "wan": 4}[family]
+    step = EXPECTED[family]["frames_step"]
     with pytest.raises(ValueError, match=rf"frames must be {step}k\+1"):
         spec.check_bucket(Bucket(step + 2, 64, 96))
-    side = {"ltx-video": 32, "wan": 16}[family]
+    side = EXPECTED[family]["side"]
     with pytest.raises(ValueError, match=rf"height must be a multiple of {side}"):
         spec.check_bucket(Bucket(9, side + 8, 96))
     with pytest.raises(ValueError, match=r"\(B, 3, F, H, W\)"):
@@ -125,33 +157,22 @@ def test_check_bucket_rejects_what_the_vae_cannot_encode(tiny_model_factory, fam
 @FAMILY_PARAMS
 def test_stage1_shapes_match_latent_shape(tiny_model_factory, family):
     spec = make_spec(tiny_model_factory(family), family)
-    expected = {"ltx-video": (16, 2, 2, 3), "wan": (16, 3, 8, 12)}[family]
+    expected = EXPECTED[family]["latent"]
     assert spec.latent_shape(BUCKET) == expected
     batch = stage1(spec)
     assert batch["latents"].shape == (2, *expected) and batch["latents"].dtype == torch.float32
-    assert batch["prompt_embeds"].shape == (2, 16, 64)
-    if family == "ltx-video":
-        mask = batch["prompt_attention_mask"]
-        assert mask.shape == (2, 16) and 0 < mask.sum() < mask.numel()  # padded captions are masked
-    else:  # Wan has no mask: embeddings are zero past the caption's tokens
-        assert batch["prompt_embeds"][:, -1].abs().sum() == 0 and batch["prompt_embeds"][:, 0].abs().sum() > 0
+    assert batch["prompt_embeds"].shape == (2, 16, EXPECTED[family]["text_dim"])
+    assert EXPECTED[family]["text_padding"](batch)
 
 
 @FAMILY_PARAMS
 def test_latents_are_normalised_as_the_pipeline_denormalises(tiny_model_factory, family):
-    from diffusers import LTXPipeline
-
     spec = make_spec(tiny_model_factory(family), family)
     vae = spec.load_component("vae")
     clip = video(1)
     latents = spec.encode_video({"vae": vae}, clip)["latents"]
     raw = vae.encode(clip).latent_dist.mode()
-    if family == "ltx-video":  # the pipeline's own inverse, as used before vae.decode
-        back = LTXPipeline._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
-    else:  # WanPipeline: latents / (1 / std) + mean
-        shape = (1, -1, 1, 1, 1)
-        back = latents / (1.0 / torch.tensor(vae.config.latents_std).view(shape)) + torch.tensor(
-            vae.config.latents_mean).view(shape)
+    back = EXPECTED[family]["denormalize"](latents, vae)
     assert not torch.allclose(latents, raw, atol=1e-3)  # the tiny presets have non-trivial statistics
     torch.testing.assert_close(back, raw, atol=1e-5, rtol=1e-5)
 
@@ -247,9 +268,7 @@ def test_lora_export_loads_into_a_fresh_pipeline(tiny_model_factory, tmp_path, f
 
     comfy = load_file(tmp_path / "lora" / "lora_comfyui.safetensors")
     assert all(key.startswith("diffusion_model.") for key in comfy)
-    original = {"wan": "diffusion_model.blocks.0.self_attn.q.lora_A.weight",
-                "ltx-video": "diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"}[family]
-    assert original in comfy and any(key.endswith(".alpha") for key in comfy) == spec.comfy_alpha
+    assert EXPECTED[family]["comfy_key"] in comfy and any(key.endswith(".alpha") for key in comfy) == spec.comfy_alpha
     other = spec.pipeline_class().from_pretrained(folder)
     other.set_progress_bar_config(disable=True)
     other.load_lora_weights(tmp_path / "lora", weight_name="lora_comfyui.safetensors")
@@ -305,7 +324,7 @@ def test_make_tiny_cli_is_deterministic_for_a_seed(tiny_model_factory, tmp_path,
 def test_text_length_defaults_to_what_the_family_pipeline_encodes(tiny_model_factory, family, caplog):
     """Unset, the text length is the pipeline's own (Wan 512, LTX 128); a different one is warned about."""
     spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family))), frame_rate=8.0)
-    expected = {"wan": 512, "ltx-video": 128}[family]
+    expected = EXPECTED[family]["text_tokens"]
     assert spec.max_text_tokens == expected == spec.pipeline_default("max_sequence_length")
     assert not any("max_sequence_length" in line for line in spec.inference_mismatches())
     shorter = make_spec(tiny_model_factory(family), family)  # max_text_tokens=16
@@ -345,5 +364,5 @@ def test_tokens_per_sample_counts_transformer_tokens(tiny_model_factory, family)
     batch = stage1(spec, batch=1)
     spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
     assert spec.tokens_per_sample(latent) == seen["tokens"]
-    patch = {"wan": 2, "ltx-video": 1}[family]
+    patch = EXPECTED[family]["patch"]
     assert spec.tokens_per_sample(latent) == latent[1] * latent[2] * latent[3] // patch**2

@@ -4,8 +4,8 @@ After `apply_cp`, the transformer still takes the FULL inputs on every cp rank (
 group get identical samples, sigmas and noise) and returns the FULL output; inside, each rank
 works on a contiguous 1/P of the token sequence:
 - the inputs the plan names (packed tokens, per-token timesteps) are cut to this rank's chunk
-  where the plan says (LTX: at the transformer's input; Wan: where the first block receives them,
-  since Wan patchifies inside its forward);
+  where the plan says (at the transformer's input for a model fed packed tokens; where the first
+  block receives them for one that patchifies inside its forward);
 - in each self-attention, queries, keys (after their norms) and values move from "my tokens, all
   heads" to "all tokens, my heads" with one all-to-all each, attention runs on full sequences for
   the local heads, and one all-to-all moves the result back before the output projection

@@ -1,6 +1,6 @@
 """RMSNorm over channels that are spread across tensor-parallel ranks.
 
-LTX-Video and Wan normalise queries and keys with one RMSNorm over all heads' channels
+Some transformers normalise queries and keys with one RMSNorm over all heads' channels
 ("rms_norm_across_heads"). Once the q/k projections are split column-wise, each rank holds only
 its heads' channels, so a local norm would divide by the wrong root-mean-square. This norm sums
 the squares locally, all-reduces that sum over the tp group and divides by the full channel count,

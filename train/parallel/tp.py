@@ -6,7 +6,7 @@ output projection and the FFN's second layer row-wise (each rank multiplies its 
 results are summed over the tp group). Everything else stays replicated. Each rank then runs
 attention on its local heads, so the attention modules get the local head count; query/key RMSNorms
 that span all heads become `ShardedRMSNorm` (sum of squares all-reduced over tp); rotary tables laid
-out over all heads' channels (LTX-Video) are cut to this rank's channels.
+out over all heads' channels (the plan's `channel_rope`) are cut to this rank's channels.
 
 LoRA: add the adapters BEFORE `apply_tp` (the trainer's order is load -> LoRA -> TP -> CP -> AC ->
 compile -> FSDP/DDP). A peft LoRA layer is split consistently with its base layer:
@@ -79,7 +79,7 @@ def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: s
         if getattr(attn, "fused_projections", False):
             raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
         if getattr(attn, "add_k_proj", None) is not None:
-            raise ValueError(f"{where}.{name} has image key/value projections (image-conditioned Wan), "
+            raise ValueError(f"{where}.{name} has added key/value projections (image conditioning), "
                              f"which the TP plan does not cover; use parallel.tp = 1")
 
 
