@@ -6,22 +6,30 @@ Building takes about a second on CPU and needs no network.
 
     python scripts/make_tiny_model.py --family ltx-video runs/models/ltx-video-tiny
     python scripts/make_tiny_model.py --family wan --seed 1 runs/models/wan-tiny
+    python scripts/make_tiny_model.py --family wan --task i2v runs/models/wan-i2v-tiny
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally
 
 
-def make_tiny_model(family: str, out: Path, seed: int = 0) -> Path:
-    """Write the tiny preset of `family` into `out` (created if missing) and return `out`."""
+def make_tiny_model(family: str, out: Path, seed: int = 0, task: str = "t2v") -> Path:
+    """Write the tiny preset of `family` for `task` into `out` (created if missing) and return `out`.
+
+    A family whose `make_tiny` takes no `task` has one preset for all its tasks."""
     from vt.shared.models import get_spec_class
 
-    return get_spec_class(family).make_tiny(Path(out), seed=seed)
+    spec_class = get_spec_class(family)
+    if task not in spec_class.tasks:
+        raise ValueError(f"family {family!r} has no task {task!r}; tasks: {list(spec_class.tasks)}")
+    kwargs = {"task": task} if "task" in inspect.signature(spec_class.make_tiny).parameters else {}
+    return spec_class.make_tiny(Path(out), seed=seed, **kwargs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -30,9 +38,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=FAMILIES, help="model family")
     parser.add_argument("--seed", type=int, default=0, help="weights are identical for a seed")
+    parser.add_argument("--task", default="t2v", choices=("t2v", "i2v"),
+                        help="the preset for this task (families with one preset for all tasks ignore it)")
     parser.add_argument("out", type=Path, help="output folder (diffusers layout)")
     args = parser.parse_args(argv)
-    print(make_tiny_model(args.family, args.out, seed=args.seed))
+    print(make_tiny_model(args.family, args.out, seed=args.seed, task=args.task))
 
 
 if __name__ == "__main__":

@@ -55,6 +55,9 @@ class ModelConfig(_Section):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights' dtype
     max_text_tokens: int | None = Field(None, ge=1)  # None: the family's default
     first_frame_noise: float = Field(0.0, ge=0, le=1)  # i2v: max sigma of the conditioning frame (0: clean)
+    # Families with several experts (Wan 2.2 A14B: "high_noise", "low_noise"): the one this run trains,
+    # on its own noise range; "" is the family's first.
+    expert: str = ""
 
 
 class DataConfig(_Section):

@@ -32,15 +32,17 @@ def clips_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
-    """tiny_model_factory(family) -> folder of a tiny preset in diffusers layout (built once)."""
+    """tiny_model_factory(family, task="t2v") -> folder of a tiny preset in diffusers layout (built
+    once; a family with one preset for all tasks builds it once per task asked for)."""
     from make_tiny_model import make_tiny_model
 
-    built: dict[str, Path] = {}
+    built: dict[tuple[str, str], Path] = {}
 
-    def build(family: str) -> Path:
-        if family not in built:
-            built[family] = make_tiny_model(family, tmp_path_factory.mktemp(f"{family}-tiny"), seed=0)
-        return built[family]
+    def build(family: str, task: str = "t2v") -> Path:
+        if (family, task) not in built:
+            name = family if task == "t2v" else f"{family}-{task}"
+            built[family, task] = make_tiny_model(family, tmp_path_factory.mktemp(f"{name}-tiny"), seed=0, task=task)
+        return built[family, task]
 
     return build
 

@@ -183,6 +183,7 @@ class Trainer:
         batches = iter(self.reader)
         stats = StepStats()
         last_loss = math.nan
+        unlogged: tuple[dict, StepStats, list[float]] | None = None  # the latest step, if not logged yet
         while not train.max_steps or self.step < train.max_steps:
             waited = time.perf_counter()
             micro = list(islice(batches, train.grad_accum))  # every rank reads the same global batches
@@ -196,20 +197,26 @@ class Trainer:
             stats.tokens += sum(len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:])
                                 for b in micro)  # transformer tokens of the whole job
             memory = self.world.gather_floats(peak_memory_gb(self.device))  # a collective: every step, every rank
+            unlogged = (metrics, stats, memory)
             if self.tracker.due(self.step):
-                elapsed = max(time.perf_counter() - stats.started, 1e-9)
-                metrics.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed,
-                               data_wait_s=stats.data_wait)
-                metrics.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
-                self.tracker.log(self.step, metrics)
-                stats = StepStats()
+                self._log_step(*unlogged)
+                unlogged, stats = None, StepStats()
             progress.update(1, loss=last_loss)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             if train.validate_every and self.step % train.validate_every == 0:
                 self.validate()
         progress.close()
+        if unlogged is not None:  # the last step always reaches the metrics, whatever the interval
+            self._log_step(*unlogged)
         return self.finish(last_loss)
+
+    def _log_step(self, metrics: dict, stats: StepStats, memory: list[float]) -> None:
+        """The step's metrics plus rates since the last log (samples, transformer tokens) and peak memory."""
+        elapsed = max(time.perf_counter() - stats.started, 1e-9)
+        metrics.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed, data_wait_s=stats.data_wait)
+        metrics.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
+        self.tracker.log(self.step, metrics, force=True)
 
     def train_step(self, micro: list[Batch]) -> dict:
         """One optimizer step over `micro` (global micro-batches); returns global metrics."""
@@ -224,7 +231,8 @@ class Trainer:
             parts.append(part)
             set_gradient_sync(self.transformer, index == len(micro) - 1)  # sync once, on the last micro-step
             tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
-            sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift)
+            sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
+                                        self.spec.sigma_range())
             # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
             generator = step_generator(train.seed, self.step, index, world.dp_rank)
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 _REGISTRY: dict[str, str] = {
     "ltx-video": "vt.shared.models.ltx_video:LTXVideoSpec",
     "wan": "vt.shared.models.wan:WanSpec",
+    "wan2.2": "vt.shared.models.wan22:Wan22Spec",
+    "cogvideox": "vt.shared.models.cogvideox:CogVideoXSpec",
+    "hunyuan-video": "vt.shared.models.hunyuan_video:HunyuanVideoSpec",
 }
 FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 

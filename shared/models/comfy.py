@@ -14,18 +14,29 @@ diffusers module name, replacement), first full match wins. Where a family's loa
 into lora_B instead and no alpha is written: every loader then applies scale 1 and gets the same
 weights. diffusers' own conversion of such files (`load_lora_weights`) is what the tests load them
 with.
+
+Where the original model fuses several diffusers modules into one (HunyuanVideo's q, k and v are
+one `img_attn_qkv`), a family lists `Fused` entries: the parts' rank-r LoRAs become one LoRA of rank
+(number of parts trained) x r on the fused module, A = cat(A_part) and B = block_diag(B_part), so B A
+stacks each part's own B_part A_part in the fused output; a part without a LoRA gets zero rows.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 PREFIX = "diffusion_model."
-FILENAME = "lora_comfyui.safetensors"
+
+
+def filename(expert: str | None = None) -> str:
+    """lora_comfyui.safetensors, or lora_comfyui_<expert>.safetensors for one expert of several
+    (ComfyUI loads one file per expert model)."""
+    return f"lora_comfyui_{expert}.safetensors" if expert else "lora_comfyui.safetensors"
 
 
 def original_module(module: str, table: Sequence[tuple[str, str]]) -> str | None:
@@ -36,23 +47,49 @@ def original_module(module: str, table: Sequence[tuple[str, str]]) -> str | None
     return None
 
 
+@dataclass(frozen=True)
+class Fused:
+    """Diffusers modules `<prefix>.<part>` that are one original module, their outputs stacked in
+    `parts` order; `original` is the replacement for `prefix` (a regular expression matched whole)."""
+
+    prefix: str
+    parts: tuple[str, ...]
+    original: str
+
+    def match(self, module: str) -> tuple[str, str] | None:
+        """(the module's prefix, its part) if it is one of this entry's parts, else None."""
+        for part in self.parts:
+            if module.endswith("." + part) and re.fullmatch(self.prefix, module[:-len(part) - 1]):
+                return module[:-len(part) - 1], part
+        return None
+
+
 def comfy_state_dict(lora: dict[str, Tensor], table: Sequence[tuple[str, str]], rank: int, alpha: float,
-                     write_alpha: bool) -> dict[str, Tensor]:
+                     write_alpha: bool, fused: Sequence[Fused] = (),
+                     out_features: Callable[[str], int] | None = None) -> dict[str, Tensor]:
     """peft/diffusers LoRA keys (`<module>.lora_A.weight`) -> `diffusion_model.<original>.lora_A.weight`.
 
-    Raises ValueError naming the modules the table has no original name for.
+    `fused` entries merge their parts' LoRAs into one (see the module docstring); `out_features(module)`
+    gives the output size of a part that has no LoRA (its zero rows). Raises ValueError naming the
+    modules the table has no original name for.
     """
     out: dict[str, Tensor] = {}
     unmapped: set[str] = set()
+    groups: dict[tuple[int, str], dict[str, dict[str, Tensor]]] = {}
     for key, tensor in lora.items():
         module, sep, part = key.rpartition(".lora_")
         if not sep or part not in ("A.weight", "B.weight"):
             raise ValueError(f"{key!r} is not a LoRA weight (<module>.lora_A.weight or .lora_B.weight)")
+        tensor = tensor.detach().to("cpu", torch.float32)
         original = original_module(module, table)
         if original is None:
-            unmapped.add(module)
+            found = next(((i, hit) for i, entry in enumerate(fused) if (hit := entry.match(module))), None)
+            if found is None:
+                unmapped.add(module)
+            else:
+                (index, (prefix, piece)) = found
+                groups.setdefault((index, prefix), {}).setdefault(piece, {})[part[0]] = tensor
             continue
-        tensor = tensor.detach().to("cpu", torch.float32)
         if part == "B.weight" and not write_alpha:
             tensor = tensor * (alpha / rank)
         out[f"{PREFIX}{original}.lora_{part}"] = tensor.contiguous()
@@ -61,4 +98,26 @@ def comfy_state_dict(lora: dict[str, Tensor], table: Sequence[tuple[str, str]], 
     if unmapped:
         raise ValueError(f"no original module name for {sorted(unmapped)[:4]} (LoRA on modules outside the "
                          "family's key table); the ComfyUI file is not written")
+    for (index, prefix), parts in groups.items():
+        entry = fused[index]
+        original = re.sub(f"^{entry.prefix}$", entry.original, prefix)
+        present = [p for p in entry.parts if p in parts]
+        if any(set(parts[p]) != {"A", "B"} for p in present):
+            raise ValueError(f"{prefix}: a fused part has lora_A without lora_B or the reverse")
+        blocks = []
+        for piece in entry.parts:
+            if piece in parts:
+                blocks.append(parts[piece]["B"])
+            elif out_features is None:
+                raise ValueError(f"{prefix}.{piece} has no LoRA and its size is unknown: cannot fuse into {original}")
+            else:
+                blocks.append(torch.zeros(out_features(f"{prefix}.{piece}"), 0))
+        lora_a = torch.cat([parts[p]["A"] for p in present], dim=0)
+        lora_b = torch.block_diag(*blocks)
+        if not write_alpha:
+            lora_b = lora_b * (alpha / rank)
+        out[f"{PREFIX}{original}.lora_A.weight"] = lora_a.contiguous()
+        out[f"{PREFIX}{original}.lora_B.weight"] = lora_b.contiguous()
+        if write_alpha:  # rank len(present) * r: the same scale alpha / r
+            out[f"{PREFIX}{original}.alpha"] = torch.tensor(float(alpha) * len(present))
     return out

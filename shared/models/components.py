@@ -35,7 +35,7 @@ def hub_offline() -> bool:
 
 class ComponentLoader:
     """Mixed into ModelSpec: uses its `config` (ModelConfig), `family`, `frozen_dtype`,
-    `example_hub_id` and `component_classes()`."""
+    `example_hub_id`, `trained_component` and `component_classes()`."""
 
     def component_names(self) -> tuple[str, ...]:
         """Every component a config may point elsewhere (`model.components.<name>`)."""
@@ -112,8 +112,10 @@ class ComponentLoader:
         model.requires_grad_(False)
         return model.eval().to(device)
 
-    def load_transformer(self, device="cpu", dtype=None, name: str = "transformer") -> nn.Module:
-        """A trainable transformer (or expert, by `name`), float32 unless `dtype` is given."""
+    def load_transformer(self, device="cpu", dtype=None, name: str | None = None) -> nn.Module:
+        """The transformer this run trains (`trained_component`, or another by `name`), trainable,
+        float32 unless `dtype` is given."""
+        name = name or self.trained_component
         model = self._from_pretrained(self._class_of(name), name, torch_dtype=dtype or torch.float32)
         return model.to(device)
 

@@ -18,8 +18,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction, input_dtype,
-                                   TensorParallelPlan, VaeGeometry, flow_match_noisy)
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
+                                   TensorParallelPlan, VaeGeometry, flow_match_noisy, input_dtype, to_pil_image)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
 
@@ -61,11 +61,7 @@ class LTXVideoSpec(ModelSpec):
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """{"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)} float32, L = the spec's max_text_tokens."""
-        pipeline = self._text_pipeline(encoders)
-        embeds, mask, _, _ = pipeline.encode_prompt(
-            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.max_text_tokens,
-            device=encoders["text_encoder"].device,
-        )
+        embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
 
     @torch.no_grad()
@@ -83,7 +79,7 @@ class LTXVideoSpec(ModelSpec):
     def _encode(vae, video: Tensor) -> Tensor:
         from diffusers import LTXPipeline
 
-        latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+        latents = ModelSpec._vae_mode(vae, video)
         latents = LTXPipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         return latents.float()
 
@@ -151,7 +147,7 @@ class LTXVideoSpec(ModelSpec):
         if self.config.task == "i2v":
             if image is None:
                 raise ValueError("ltx-video i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame")
-            kwargs["image"] = _to_pil(image)
+            kwargs["image"] = to_pil_image(image)
         elif image is not None:
             raise ValueError("ltx-video t2v takes no image; set model.task = \"i2v\" for first-frame conditioning")
         return kwargs
@@ -217,15 +213,3 @@ class LTXVideoSpec(ModelSpec):
         out = Path(out_dir)
         pipeline.save_pretrained(out, safe_serialization=True)
         return out
-
-
-def _to_pil(image):
-    import numpy as np
-    from PIL import Image
-
-    if isinstance(image, Image.Image):
-        return image.convert("RGB")
-    array = np.asarray(image)
-    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
-        raise ValueError(f"image must be a PIL image or an (H, W, 3) uint8 array, got {array.dtype} {array.shape}")
-    return Image.fromarray(array)

@@ -105,7 +105,8 @@ def flow_match_noisy(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:
 
 class ModelSpec(ComponentLoader, ABC):
     family: ClassVar[str]
-    # What stage 1 loads, fingerprints (provenance) and hands to encode_text / encode_video, by name.
+    # What stage 1 loads, fingerprints (provenance) and hands to encode_text / encode_video, by name
+    # (a family whose parts depend on the task, e.g. an image encoder for i2v, makes it a property).
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
@@ -117,7 +118,8 @@ class ModelSpec(ComponentLoader, ABC):
         if config.task not in self.tasks:
             raise ValueError(
                 f"model.task = {config.task!r} is not supported for family {self.family!r} yet; "
-                f"supported: {list(self.tasks)}. Set model.task = \"t2v\" or use family \"ltx-video\" for i2v."
+                f"supported: {list(self.tasks)}. Set model.task to one of them, or pick a family that has it "
+                "(docs/families.md)"
             )
         self.config = config
         unknown = sorted(set(config.components) - set(self.component_names()))
@@ -126,6 +128,10 @@ class ModelSpec(ComponentLoader, ABC):
                              f"{', '.join(self.component_names())}")
         if not frame_rate > 0:
             raise ValueError(f"buckets.fps must be > 0, got {frame_rate}")
+        experts = self.experts()
+        if config.expert not in ("", *experts):
+            raise ValueError(f"model.expert = {config.expert!r} is not an expert of {self.family!r}; "
+                             + (f"choose one of {list(experts)}" if experts else "it has one transformer: leave it unset"))
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
@@ -133,17 +139,36 @@ class ModelSpec(ComponentLoader, ABC):
         self._lora_metadata: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------------------- components
-    @staticmethod
     @abstractmethod
-    def component_classes() -> dict[str, type]:
+    def component_classes(self) -> dict[str, type]:
         """name -> class with `from_pretrained`: text encoder(s), VAE, transformer(s), image encoder ...
-        (tokenizers are found by name, see components.py)."""
+        (tokenizers are found by name, see components.py); may depend on `self.config.task`, and a
+        family whose classes do not may make it a staticmethod."""
 
     @abstractmethod
     def pipeline_class(self) -> type:
         """The diffusers pipeline for this config's task (validation, LoRA format)."""
 
     example_hub_id: ClassVar[str] = ""
+
+    def experts(self) -> dict[str, tuple[str, tuple[float, float]]]:
+        """Expert name -> (transformer component, sigma range it denoises), for families that split the
+        noise levels between several transformers (Wan 2.2 A14B); empty for one transformer."""
+        return {}
+
+    @property
+    def expert(self) -> str | None:
+        """The expert this run trains (`model.expert`, else the first), None for one transformer."""
+        return (self.config.expert or next(iter(self.experts()))) if self.experts() else None
+
+    @property
+    def trained_component(self) -> str:
+        """The transformer component this run trains and exports."""
+        return self.experts()[self.expert][0] if self.expert else "transformer"
+
+    def sigma_range(self) -> tuple[float, float]:
+        """The noise levels this run trains: all of them, or the trained expert's range."""
+        return self.experts()[self.expert][1] if self.expert else (0.0, 1.0)
 
     def load_stage1(self, device="cpu") -> dict[str, Any]:
         """The stage-1 components this family declares (`stage1_components`), loaded and frozen."""
@@ -189,10 +214,18 @@ class ModelSpec(ComponentLoader, ABC):
     def encode_text(self, encoders: dict[str, Any], captions: list[str]) -> dict[str, Tensor]:
         """Named condition tensors (B, ...) for `captions`, from the loaded stage-1 components."""
 
-    @abstractmethod
+    @torch.no_grad()
     def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
         """Named latent tensors (B, ...) for `video` (B, 3, F, H, W) in [-1, 1]: latents and any
-        per-sample conditioning made from the pixels (an encoded first frame, image embeddings)."""
+        per-sample conditioning made from the pixels (an encoded first frame, image embeddings).
+
+        This default is diffusers' most common convention: {"latents": the posterior mode times the
+        VAE's `scaling_factor`} (the pipeline divides by it before decoding); families that normalise
+        otherwise, or condition on pixels, override it.
+        """
+        self._check_video(video)
+        vae = encoders["vae"]
+        return {"latents": (self._vae_mode(vae, video) * vae.config.scaling_factor).float()}
 
     def _check_video(self, video: Tensor) -> None:
         if video.ndim != 5 or video.shape[1] != 3:
@@ -203,6 +236,21 @@ class ModelSpec(ComponentLoader, ABC):
         """The family pipeline holding only the given parts (the rest None): its own encode_prompt
         does the encoding, so training conditions match what the pipeline feeds the transformer."""
         return self.pipeline_class()(**{name: encoders.get(name) for name in self.pipeline_parts()})
+
+    def _encode_prompt(self, encoders: dict[str, Any], captions: list[str], **kwargs) -> Any:
+        """The family pipeline's own `encode_prompt` over `captions` at this spec's text length, on the
+        text encoder's device; `kwargs` go to it as they are."""
+        return self._text_pipeline(encoders).encode_prompt(
+            list(captions), max_sequence_length=self.max_text_tokens, device=encoders["text_encoder"].device, **kwargs)
+
+    @staticmethod
+    def _vae_mode(vae, video: Tensor) -> Tensor:
+        """The VAE posterior's mode for `video` (stage 1 is deterministic), in the VAE's dtype."""
+        return vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+
+    def pipeline_options(self) -> dict[str, Any]:
+        """Pipeline constructor arguments that are settings, not components (e.g. an expert boundary)."""
+        return {}
 
     def pipeline_parts(self) -> list[str]:
         """The pipeline's constructor arguments that are components of this family."""
@@ -246,8 +294,9 @@ class ModelSpec(ComponentLoader, ABC):
     def build_pipeline(self, transformer, device="cpu", **loaded):
         """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them."""
         parts = {name: loaded.get(name) or self.load_component(name, device)
-                 for name in self.pipeline_parts() if name != "transformer"}
-        pipeline = self.pipeline_class()(transformer=transformer, **parts)
+                 for name in self.pipeline_parts() if name != self.trained_component}
+        parts[self.trained_component] = transformer  # other experts load frozen
+        pipeline = self.pipeline_class()(**parts, **self.pipeline_options())
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 
@@ -314,8 +363,13 @@ class ModelSpec(ComponentLoader, ABC):
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict.items()}
         self.pipeline_class().save_lora_weights(out, transformer_lora_layers=tensors, safe_serialization=True,
                                                 transformer_lora_adapter_metadata=dict(metadata))
-        self.save_comfy_lora(tensors, out / comfy.FILENAME, metadata)
+        self.save_comfy_lora(tensors, out / comfy.filename(self.expert), metadata)
         return out / "pytorch_lora_weights.safetensors"
+
+    def lora_load_kwargs(self) -> dict[str, Any]:
+        """What `pipeline.load_lora_weights` needs besides the file to load this run's LoRA (e.g. which
+        expert it goes into)."""
+        return {}
 
     # (diffusers module regex, original module name) pairs, first full match wins; see comfy.py.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -346,6 +400,18 @@ class ModelSpec(ComponentLoader, ABC):
     @classmethod
     @abstractmethod
     def make_tiny(cls, out_dir, seed: int = 0) -> Path: ...
+
+
+def to_pil_image(image):
+    """A PIL image or an (H, W, 3) uint8 array as an RGB PIL image (what image-to-video pipelines take)."""
+    from PIL import Image
+
+    if isinstance(image, Image.Image):
+        return image.convert("RGB")
+    array = np.asarray(image)
+    if array.ndim != 3 or array.shape[2] != 3 or array.dtype != np.uint8:
+        raise ValueError(f"image must be a PIL image or an (H, W, 3) uint8 array, got {array.dtype} {array.shape}")
+    return Image.fromarray(array)
 
 
 _INPUT_DTYPES: "weakref.WeakKeyDictionary[nn.Module, torch.dtype]" = weakref.WeakKeyDictionary()

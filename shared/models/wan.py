@@ -7,25 +7,42 @@ What is particular to Wan:
   `encode_prompt` does that, and we call it;
 - the transformer patchifies internally (patch (1, 2, 2)), so latent height and width must be even;
 - the scheduler is UniPC in flow-prediction mode, whose timesteps are sigma * 1000.
-Image-to-video (Wan 2.1 I2V, CLIP image encoder) is not supported yet.
+
+Image-to-video (`model.task = "i2v"`, the Wan 2.1 I2V 480P/720P checkpoints), as
+WanImageToVideoPipeline conditions on the first frame:
+- stage 1 also loads the CLIP image encoder and its processor and stores, per sample,
+  `image_embeds` (the encoder's second-to-last hidden states of the first frame: `encode_image`) and
+  `condition_latents` ([first frame, zeros for the other frames] VAE-encoded and normalised:
+  `prepare_latents`); the 4-channel first-frame mask it also builds is rebuilt in `forward`;
+- the transformer takes [noisy latents (16), mask (4), condition (16)] = 36 channels and the image
+  embeddings, which it prepends to the text; the target is flow matching on all frames as for t2v;
+- the text is exactly 512 tokens: diffusers' Wan attention takes everything before the last 512
+  context tokens to be image tokens.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction, input_dtype,
-                                   TensorParallelPlan, VaeGeometry, flow_match_noisy)
+from vt.shared.config import ModelConfig
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
+                                   TensorParallelPlan, VaeGeometry, flow_match_noisy, input_dtype, to_pil_image)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
+
+# diffusers' WanAttnProcessor: with image key/value projections, the context's last 512 tokens are
+# the text and everything before them the image.
+I2V_TEXT_TOKENS = 512
+IMAGE_PARTS = ("image_encoder", "image_processor")
 
 
 class WanSpec(ModelSpec):
     family: ClassVar[str] = "wan"
-    tasks: ClassVar[tuple[str, ...]] = ("t2v",)
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     blocks_attr: ClassVar[str] = "blocks"
     # Original (Wan-AI) module names, which ComfyUI uses; diffusers' Wan LoRA conversion reads them back.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
@@ -39,46 +56,121 @@ class WanSpec(ModelSpec):
     )
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
+    def __init__(self, config: ModelConfig, frame_rate: float):
+        super().__init__(config, frame_rate)
+        if config.task == "i2v" and self.max_text_tokens != I2V_TEXT_TOKENS:
+            raise ValueError(
+                f"model.max_text_tokens = {self.max_text_tokens}, but Wan image-to-video needs exactly "
+                f"{I2V_TEXT_TOKENS}: its cross-attention (diffusers' WanAttnProcessor) takes every context token "
+                f"before the last {I2V_TEXT_TOKENS} to be an image token. Unset model.max_text_tokens or set it "
+                f"to {I2V_TEXT_TOKENS}")
+
+    def component_classes(self) -> dict[str, type]:
+        """UMT5, the Wan VAE and transformer; i2v adds the CLIP image encoder and its processor."""
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
-        return {"text_encoder": UMT5EncoderModel, "vae": AutoencoderKLWan, "transformer": WanTransformer3DModel}
+        classes = {"text_encoder": UMT5EncoderModel, "vae": AutoencoderKLWan, "transformer": WanTransformer3DModel}
+        if self.config.task == "i2v":
+            from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
+
+            classes.update(image_encoder=CLIPVisionModelWithProjection, image_processor=CLIPImageProcessor)
+        return classes
+
+    @property
+    def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
+        """i2v also encodes the first frame with the image encoder."""
+        base = ModelSpec.stage1_components
+        return (*base, *IMAGE_PARTS) if self.config.task == "i2v" else base
+
+    @property
+    def default_lora_targets(self) -> list[str]:  # type: ignore[override]
+        """Attention q/k/v/out; i2v also the cross-attention's image keys and values (`add_k_proj`,
+        `add_v_proj`; peft matches by suffix, so `to_k` does not cover them)."""
+        extra = ["add_k_proj", "add_v_proj"] if self.config.task == "i2v" else []
+        return [*ModelSpec.default_lora_targets, *extra]
 
     def pipeline_class(self) -> type:
-        from diffusers import WanPipeline
+        from diffusers import WanImageToVideoPipeline, WanPipeline
 
-        return WanPipeline
+        return WanImageToVideoPipeline if self.config.task == "i2v" else WanPipeline
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")
-        patch = tuple(self.load_config("transformer").get("patch_size", (1, 2, 2)))
+        transformer = self.load_config("transformer")
+        patch = tuple(transformer.get("patch_size", (1, 2, 2)))
         if patch[0] != 1 or patch[1] != patch[2]:
             raise ValueError(f"Wan transformer patch_size {patch} is not supported; expected (1, p, p)")
-        return VaeGeometry(temporal=vae.get("scale_factor_temporal") or 2 ** sum(vae["temperal_downsample"]),
-                           spatial=vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"]),
-                           channels=vae["z_dim"], patch=patch[1])
+        geometry = VaeGeometry(temporal=vae.get("scale_factor_temporal") or 2 ** sum(vae["temperal_downsample"]),
+                               spatial=vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"]),
+                               channels=vae["z_dim"], patch=patch[1])
+        self._check_task_fits(transformer, geometry)
+        return geometry
+
+    def _check_task_fits(self, transformer: dict, g: VaeGeometry) -> None:
+        """An i2v run needs a Wan 2.1 I2V transformer (36 input channels, image projections), and a
+        t2v run a transformer without them."""
+        where = self.source("transformer")[0]
+        found = {key: transformer.get(key) for key in ("in_channels", "image_dim", "added_kv_proj_dim")}
+        if self.config.task == "i2v":
+            expected = 2 * g.channels + g.temporal  # latents, first-frame mask, condition latents
+            if found["in_channels"] != expected or not found["image_dim"] or not found["added_kv_proj_dim"]:
+                raise ValueError(
+                    f"model.task = \"i2v\" needs a Wan 2.1 image-to-video transformer (in_channels {expected}, "
+                    f"image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-I2V-14B-480P-Diffusers); the one "
+                    f"at {where!r} has {found}")
+        elif found["image_dim"]:
+            raise ValueError(f"the transformer at {where!r} is an image-to-video one ({found}): "
+                             "set model.task = \"i2v\"")
 
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """{"prompt_embeds": (B, L, D)} float32, zero past each caption's tokens; L = the spec's max_text_tokens."""
-        pipeline = self._text_pipeline(encoders)
-        embeds, _ = pipeline.encode_prompt(
-            list(captions), do_classifier_free_guidance=False, max_sequence_length=self.max_text_tokens,
-            device=encoders["text_encoder"].device,
-        )
+        embeds, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds.float()}
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """Normalised latents from the posterior mode (deterministic, as WanImageToVideoPipeline encodes)."""
+        """Normalised latents from the posterior mode (deterministic, as WanImageToVideoPipeline encodes);
+        i2v adds what the pipeline makes of the first frame (`encode_first_frame`)."""
         self._check_video(video)
         vae = encoders["vae"]
-        latents = vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+        latents = self._vae_mode(vae, video)
         mean, std = _latent_stats(vae, latents)
-        return {"latents": ((latents - mean) / std).float()}
+        out = {"latents": ((latents - mean) / std).float()}
+        if self.config.task == "i2v":
+            out.update(self.encode_first_frame(encoders, video))
+        return out
+
+    @torch.no_grad()
+    def encode_first_frame(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """The first frame as WanImageToVideoPipeline's conditioning image, float32:
+        - `image_embeds` (B, N, D): the image encoder's second-to-last hidden states of the frame as a
+          uint8 image through the image processor (`encode_image`);
+        - `condition_latents` (B, C, F, H, W): [the frame, zeros for the other F - 1 frames] VAE-encoded
+          (mode) and normalised (`prepare_latents`). The mask it concatenates is `first_frame_mask`.
+        """
+        vae, encoder = encoders["vae"], encoders["image_encoder"]
+        first = video[:, :, :1]
+        condition = torch.cat([first, torch.zeros_like(video[:, :, 1:])], dim=2)
+        latents = self._vae_mode(vae, condition).float()
+        mean, std = _latent_stats(vae, latents)
+        # The frame back to the uint8 pixels it was decoded from (stage 1 maps them to p / 127.5 - 1).
+        pixels = ((first[:, :, 0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+        images = [to_pil_image(frame) for frame in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+        inputs = encoders["image_processor"](images=images, return_tensors="pt")
+        hidden = encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
+                         output_hidden_states=True).hidden_states[-2]
+        return {"image_embeds": hidden.float(), "condition_latents": ((latents - mean) / std).float()}
+
+    def first_frame_mask(self, latents: Tensor) -> Tensor:
+        """WanImageToVideoPipeline's mask for latents (B, C, F, H, W): (B, T, F, H, W) with T the VAE's
+        time compression, 1 on the first latent frame (the given image) and 0 on the others."""
+        batch, _, frames, height, width = latents.shape
+        mask = latents.new_zeros(batch, self.geometry.temporal, frames, height, width)
+        mask[:, :, 0] = 1
+        return mask
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -88,30 +180,54 @@ class WanSpec(ModelSpec):
         sigmas = sigmas.to(x0).flatten()
         dtype = input_dtype(transformer)
         noisy = flow_match_noisy(x0, noise, sigmas)
+        image = {}
+        if self.config.task == "i2v":  # [noisy, mask, condition] and the image tokens, as the pipeline
+            if "condition_latents" not in batch or "image_embeds" not in batch:
+                raise KeyError("task i2v needs batch['condition_latents'] and batch['image_embeds']; "
+                               "precompute the shards with model.task = \"i2v\"")
+            noisy = torch.cat([noisy, self.first_frame_mask(x0), batch["condition_latents"].to(x0)], dim=1)
+            image["encoder_hidden_states_image"] = batch["image_embeds"].to(x0.device, dtype)
         prediction = transformer(
             hidden_states=noisy.to(dtype),
             timestep=sigmas * NUM_TRAIN_TIMESTEPS,  # float32, as the pipeline passes it
             encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
             return_dict=False,
+            **image,
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+
+    # ----------------------------------------------------------------------------- validation
+    def _generate_kwargs(self, image) -> dict[str, Any]:
+        if self.config.task != "i2v":
+            return super()._generate_kwargs(image)
+        if image is None:
+            raise ValueError("wan i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame; "
+                             "set train.validation_images, one per validation prompt")
+        return {"image": to_pil_image(image)}
 
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
         """q/k/v and the FFN's first layer column-wise, attention outputs and the FFN's second row-wise.
 
         Wan's rotary tables span one head and are broadcast over heads, so they need no change.
+        i2v: the image keys/values (`add_k_proj`, `add_v_proj`) are split like the text ones, by
+        heads, and their key norm spans all heads (`norm_added_k`); the image attention then runs on
+        the local heads and adds to the text attention before the row-wise output projection.
         """
+        image = ("attn2.add_k_proj", "attn2.add_v_proj") if self.config.task == "i2v" else ()
         return TensorParallelPlan(
-            colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), "ffn.net.0.proj"),
+            colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), *image,
+                     "ffn.net.0.proj"),
             rowwise=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"),
             attention=("attn1", "attn2"),
-            head_norms=tuple(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
+            head_norms=(*(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
+                        *(("attn2.norm_added_k",) if image else ())),
         )
 
     def cp_plan(self) -> ContextParallelPlan:
         """Split the tokens where the first block receives them (Wan patchifies inside its forward)
-        and per-token timesteps (Wan 2.2 style) at the input; gather after proj_out."""
+        and per-token timesteps (Wan 2.2 style) at the input; gather after proj_out. i2v: the image
+        tokens are prepended to the text, which is not split, so the plan is the same."""
         return ContextParallelPlan(
             split_inputs={"": {"timestep": 1}, "blocks.0": {"hidden_states": 1}},
             gather_output="proj_out",
@@ -120,28 +236,57 @@ class WanSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
-        """2-layer transformer, 3-level VAE (x4 time, x8 space), 2-layer UMT5; WanPipeline layout."""
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
+        """2-layer transformer, 3-level VAE (x4 time, x8 space), 2-layer UMT5; WanPipeline layout.
+
+        task "i2v": WanImageToVideoPipeline layout, as Wan 2.1 I2V: the transformer takes 36 channels
+        and has image projections (image_dim, added_kv_proj_dim = heads x head dim), plus a 2-layer
+        CLIP vision encoder on 32 x 32 crops (17 image tokens) and its CLIPImageProcessor.
+        """
+        from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
+                               WanTransformer3DModel)
         from transformers import UMT5Config, UMT5EncoderModel
 
+        if task not in cls.tasks:
+            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
+        i2v = task == "i2v"
+        heads, head_dim, z_dim, image_dim = 4, 16, 16, 32
         with seeded(seed):
-            vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+            vae = AutoencoderKLWan(base_dim=16, z_dim=z_dim, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
                                    temperal_downsample=[False, True, True])
+            image = dict(in_channels=2 * z_dim + 4, image_dim=image_dim, added_kv_proj_dim=heads * head_dim) if i2v \
+                else dict(in_channels=z_dim)
             transformer = WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16,
-                out_channels=16, text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+                patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, out_channels=z_dim,
+                text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64, **image,
             )
             text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128,
                                                        num_layers=2, num_heads=4))
-        # Wan2.1-T2V-1.3B-Diffusers' scheduler: UniPC on flow sigmas with shift 3.
+            parts = _tiny_image_parts(image_dim) if i2v else {}
+        # Wan2.1-T2V-1.3B-Diffusers' (and I2V-480P's) scheduler: UniPC on flow sigmas with shift 3.
         scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                             num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
-        pipeline = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                               scheduler=scheduler, transformer=transformer)
+        pipeline = (WanImageToVideoPipeline if i2v else WanPipeline)(
+            tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+            transformer=transformer, **parts)
         out = Path(out_dir)
         pipeline.save_pretrained(out, safe_serialization=True)
+        if i2v:  # name the processor as the checkpoints do, not by the backend transformers picked here
+            index = json.loads((out / "model_index.json").read_text())
+            index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+            (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         return out
+
+
+def _tiny_image_parts(hidden: int) -> dict[str, Any]:
+    """A 2-layer CLIP vision encoder (32 x 32 images in 8 x 8 patches: 16 + 1 tokens) and its processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=hidden, projection_dim=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, image_size=32, patch_size=8))
+    return {"image_encoder": encoder, "image_processor": CLIPImageProcessor(crop_size=32, size=32)}
+
 
 
 def _latent_stats(vae, like: Tensor) -> tuple[Tensor, Tensor]:

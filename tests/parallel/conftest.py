@@ -21,12 +21,27 @@ BUCKET = "9x64x64"
 TEXT_TOKENS = 64
 # LTX-Video trains fully, Wan with LoRA; a low clip threshold makes clipping act on every Wan step,
 # so parity also covers the global gradient norm.
-FAMILY_TRAIN = {"ltx-video": {"mode": "full"}, "wan": {"mode": "lora", "max_grad_norm": 0.05}}
+FAMILY_TRAIN = {
+    "ltx-video": {"mode": "full"},
+    "wan": {"mode": "lora", "max_grad_norm": 0.05},
+    "wan2.2": {"mode": "lora"},  # the high-noise expert, on its sigma range
+    # LoRA on attention and FFN, so tensor parallel splits adapters in both directions.
+    "cogvideox": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]},
+    "wan-i2v": {"mode": "lora", "max_grad_norm": 0.05},  # default targets: attention and the image keys/values
+    "hunyuan-video": {"mode": "lora"},  # double and single blocks' attention (the default targets)
+}
+# Keys above that are not a family: the model section they stand for (a task's own preset).
+VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512}}  # i2v takes only 512
+
+
+def model_section(key: str) -> dict:
+    """The config's model section for a FAMILY_TRAIN key: a family (text of TEXT_TOKENS) or a variant."""
+    return VARIANTS.get(key, {"family": key, "max_text_tokens": TEXT_TOKENS})
 
 
 @pytest.fixture(scope="session")
 def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
-    """kept_window(family) -> (window folder, model folder), precomputed once per session."""
+    """kept_window(family or variant key) -> (window folder, model folder), precomputed once per session."""
     from cli_runs import write_config
 
     from vt.precompute.service import Precompute
@@ -37,9 +52,10 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
     def build(family: str):
         if family not in built:
             root = tmp_path_factory.mktemp(f"window-{family}")
-            model = tiny_model_factory(family)
+            section = model_section(family)
+            model = tiny_model_factory(section["family"], task=section.get("task", "t2v"))
             config = write_config(root / "pre.toml", model, raw_shards, root / "pre", str(root / "window"),
-                                  model={"family": family, "max_text_tokens": TEXT_TOKENS},
+                                  model=section,
                                   buckets={"sizes": [BUCKET]}, window={"size": "keep"}, precompute={"workers": 0})
             Precompute(load_config(config)).run()
             built[family] = (root / "window", model)
@@ -57,7 +73,7 @@ def run_config(kept_window, raw_shards):
         window, model = kept_window(family)
         settings = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2, **FAMILY_TRAIN[family], **train}
         return write_config(folder / f"{name}.toml", model, raw_shards, folder / name, str(window),
-                            model={"family": family, "max_text_tokens": TEXT_TOKENS}, buckets={"sizes": [BUCKET]},
+                            model=model_section(family), buckets={"sizes": [BUCKET]},
                             window={"size": "keep"},
                             train=settings, log={"progress": False, "samples": True})
 

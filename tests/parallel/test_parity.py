@@ -36,7 +36,19 @@ EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), acti
 
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
 # family adds its line; DDP and FSDP2 at least.
-FAMILY_LAYOUTS = {"ltx-video": list(LAYOUTS), "wan": list(LAYOUTS)}
+FAMILY_LAYOUTS = {
+    "ltx-video": list(LAYOUTS),
+    "wan": list(LAYOUTS),
+    "wan2.2": ["ddp-2", "fsdp-2"],  # one expert is a Wan 2.1 transformer: the wan rows cover its plans
+    # No CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
+    # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs.
+    "cogvideox": ["ddp-2", "fsdp-2", "tp-2"],
+    # No TP or CP plan (fused single-block projections; joint text + video attention with a text mask).
+    "hunyuan-video": ["ddp-2", "fsdp-2"],
+    # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
+    # tokens join the text, which is not split); the wan rows cover the combined layouts.
+    "wan-i2v": ["ddp-2", "fsdp-2", "tp-2", "cp-2"],
+}
 CASES = [(family, layout) for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
 
 

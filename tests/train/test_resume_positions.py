@@ -93,3 +93,14 @@ def test_resume_from_every_checkpoint_repeats_the_run(reference, tmp_path):
         for step in got:
             assert got[step][0] == expected[step][0], f"resumed at step {at}: step {step} trained other samples"
             assert got[step][1] == pytest.approx(expected[step][1], rel=1e-6), f"resumed at {at}: loss of step {step}"
+
+
+def test_a_log_interval_longer_than_the_run_still_logs_and_plots_the_last_step(reference, tmp_path):
+    from vt.train.trainer import Trainer
+
+    config, _ = reference
+    run_dir = tmp_path / "sparse"
+    summary = Trainer(load_config(config, [f'run.dir="{run_dir}"', "log.every_steps=100", "train.max_steps=3",
+                                           "log.samples=false", "train.checkpoint_every=0"])).run()
+    assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [3]
+    assert summary["steps"] == 3 and (run_dir / "loss.png").stat().st_size > 0

@@ -66,12 +66,18 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
     return keyed_generator(seed, step, "sample", index)
 
 
-def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sigmas (n,), noise like latents) for the rows of `part`, one generator per sample."""
+def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float,
+                sigma_range: tuple[float, float] = (0.0, 1.0)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sigmas (n,), noise like latents) for the rows of `part`, one generator per sample.
+
+    `sigma_range` (low, high) maps the drawn sigmas affinely into that range: an expert trained on
+    part of the noise levels keeps the scheme's shape within its own.
+    """
     latents = part.tensors["latents"]
+    low, high = sigma_range
     sigmas, noise = [], []
     for row in range(latents.shape[0]):
         generator = sample_generator(seed, step, part.first_index + row)
-        sigmas.append(sample_sigmas(1, scheme, shift, generator))
+        sigmas.append(low + (high - low) * sample_sigmas(1, scheme, shift, generator))
         noise.append(sample_noise(latents[row:row + 1], generator))
     return torch.cat(sigmas), torch.cat(noise)

@@ -78,9 +78,10 @@ def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: s
                              f"parallel.tp = {size}; choose a tp size that divides {attn.heads}")
         if getattr(attn, "fused_projections", False):
             raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
-        if getattr(attn, "add_k_proj", None) is not None:
+        if getattr(attn, "add_k_proj", None) is not None and not {f"{name}.add_k_proj", f"{name}.add_v_proj"} <= \
+                set(plan.colwise):
             raise ValueError(f"{where}.{name} has added key/value projections (image conditioning), "
-                             f"which the TP plan does not cover; use parallel.tp = 1")
+                             f"which the family's TP plan does not split; use parallel.tp = 1")
 
 
 def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, ParallelStyle]:

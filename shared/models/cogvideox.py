@@ -1,0 +1,227 @@
+"""CogVideoX 1.0 and 1.5 (THUDM / zai-org, text-to-video): T5 text encoder, causal video VAE (x4 time,
+x8 space), a DiT over the joint [text, video] sequence, v-prediction on a DDPM schedule.
+
+What is particular to CogVideoX:
+- it is not flow matching. The model was trained as a DDPM v-predictor on its scheduler's schedule
+  (scaled-linear betas, `snr_shift_scale`, rescaled to zero terminal SNR), so the objective lives
+  here: the trainer's sigma in [0, 1) picks the integer timestep `t = min(floor(sigma * N), N - 1)`
+  (N = the scheduler's num_train_timesteps, 1000): uniform sigmas (`train.sigma_sampling =
+  "uniform"`) give exactly the training script's `randint(0, N)`. Then, with ab = alphas_cumprod[t]
+  read once from the loaded scheduler, `x_t = sqrt(ab) x0 + sqrt(1 - ab) eps` and the target is
+  `v = sqrt(ab) eps - sqrt(1 - ab) x0` (diffusers' `scheduler.get_velocity`); plain MSE on v equals
+  the diffusers example's x0 loss weighted 1 / (1 - ab);
+- latents are `z * vae.config.scaling_factor` (posterior mode), the inverse of what CogVideoXPipeline
+  does before decoding; the transformer takes them as (B, F, C, H, W), we store (C, F, H, W);
+- text embeddings are T5's outputs over the padded caption with no mask and no zeroing, as the
+  pipeline's own `encode_prompt` makes them (226 tokens unless model.max_text_tokens is set). The
+  2B model's sincos positional embedding spans exactly `max_text_seq_length` text tokens, so there
+  the text length must equal it (checked at start-up); RoPE models (5B, 1.5) take any length;
+- RoPE tables come from the pipeline's own `_prepare_rotary_positional_embeddings`;
+- CogVideoX 1.5 (`patch_size_t = 2`) folds two latent frames into a token: its buckets need an even
+  latent frame count (frames 8k+5, e.g. 85; the pipeline turns num_frames=81 into 85 the same way).
+Image-to-video (CogVideoXImageToVideoPipeline) is not supported yet.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.buckets import Bucket
+from vt.shared.models.spec import ModelSpec, Prediction, TensorParallelPlan, VaeGeometry, input_dtype
+from vt.shared.models.tiny import build_t5_tokenizer, seeded
+
+
+class CogVideoXSpec(ModelSpec):
+    family: ClassVar[str] = "cogvideox"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v",)
+    blocks_attr: ClassVar[str] = "transformer_blocks"
+    # No ComfyUI key table: diffusers has no converter for CogVideoX's original (SAT, fused q/k/v)
+    # names, so nothing here could check such a file; ComfyUI-CogVideoXWrapper reads the diffusers
+    # file as it is. The base class warns and writes the diffusers file only.
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ()
+    example_hub_id: ClassVar[str] = "THUDM/CogVideoX-5b"
+
+    @staticmethod
+    def component_classes() -> dict[str, type]:
+        from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
+        from transformers import T5EncoderModel
+
+        return {"text_encoder": T5EncoderModel, "vae": AutoencoderKLCogVideoX,
+                "transformer": CogVideoXTransformer3DModel}
+
+    def pipeline_class(self) -> type:
+        from diffusers import CogVideoXPipeline
+
+        return CogVideoXPipeline
+
+    # ----------------------------------------------------------------------------- geometry
+    @cached_property
+    def _transformer_config(self) -> dict:
+        return self.load_config("transformer")
+
+    @property
+    def _patch_t(self) -> int:
+        """Latent frames per token: 1 for CogVideoX 1.0, `patch_size_t` (2) for 1.5."""
+        return self._transformer_config.get("patch_size_t") or 1
+
+    def _geometry_from_config(self) -> VaeGeometry:
+        vae, transformer = self.load_config("vae"), self._transformer_config
+        if transformer.get("in_channels") != vae["latent_channels"]:
+            raise ValueError(f"the {self.family} transformer takes {transformer.get('in_channels')} input channels but "
+                             f"the VAE makes {vae['latent_channels']}: an image-to-video transformer? Only t2v "
+                             f"checkpoints are supported (e.g. {self.example_hub_id})")
+        self._check_text_length()
+        # As CogVideoXPipeline computes its vae_scale_factor_spatial / _temporal.
+        return VaeGeometry(temporal=int(vae["temporal_compression_ratio"]),
+                           spatial=2 ** (len(vae["block_out_channels"]) - 1),
+                           channels=vae["latent_channels"], patch=transformer.get("patch_size", 2))
+
+    def _check_text_length(self) -> None:
+        """Sincos (and learned) positional embeddings span exactly max_text_seq_length text tokens."""
+        config = self._transformer_config
+        positional = not config.get("use_rotary_positional_embeddings") or config.get("use_learned_positional_embeddings")
+        expected = config.get("max_text_seq_length", 226)
+        if positional and self.max_text_tokens != expected:
+            given = (f"model.max_text_tokens = {self.max_text_tokens}" if self.config.max_text_tokens
+                     else f"model.max_text_tokens unset ({self.max_text_tokens}, the pipeline's default)")
+            raise ValueError(f"{given} does not fit this {self.family} transformer: its sincos positional embedding "
+                             f"covers exactly max_text_seq_length = {expected} text tokens. Set "
+                             f"model.max_text_tokens = {expected}")
+
+    def check_bucket(self, bucket: Bucket) -> None:
+        super().check_bucket(bucket)
+        p_t, temporal = self._patch_t, self.geometry.temporal
+        if p_t > 1 and ((bucket.frames - 1) // temporal + 1) % p_t:
+            first = temporal * (p_t - 1) + 1
+            raise ValueError(
+                f"bucket {bucket.name}: this {self.family} transformer folds {p_t} latent frames into a token "
+                f"(patch_size_t), so frames must be {temporal * p_t}k+{first} (e.g. {first + temporal * p_t} or "
+                f"{first + 10 * temporal * p_t}); change buckets.sizes"
+            )
+
+    def tokens_per_sample(self, latent_shape: tuple[int, ...]) -> int:
+        """Video tokens (the text tokens are not counted): CogVideoX 1.5 also folds patch_size_t frames."""
+        _, frames, height, width = latent_shape
+        patch = self.geometry.patch
+        return frames // self._patch_t * (height // patch) * (width // patch)
+
+    # ----------------------------------------------------------------------------- stage 1
+    @torch.no_grad()
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
+        """{"prompt_embeds": (B, L, D)} float32: T5 over the padded caption, no mask (as the pipeline)."""
+        self._check_text_length()
+        embeds, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds.float()}
+
+    # ----------------------------------------------------------------------------- stage 2
+    @cached_property
+    def _alphas_cumprod(self) -> Tensor:
+        """The scheduler's alphas_cumprod (float64, CPU): snr_shift_scale and zero-terminal-SNR included."""
+        scheduler = self.load_scheduler()
+        prediction = scheduler.config.get("prediction_type")
+        if prediction != "v_prediction" or not hasattr(scheduler, "alphas_cumprod"):
+            raise ValueError(f"{self.family} trains v-prediction on a DDPM schedule, but the scheduler of "
+                             f"{self.source('scheduler')[0]!r} is {type(scheduler).__name__} with prediction_type "
+                             f"{prediction!r}; use the checkpoint's CogVideoXDDIMScheduler / CogVideoXDPMScheduler "
+                             f"(model.components.scheduler)")
+        return scheduler.alphas_cumprod.to(torch.float64).clone()
+
+    def timesteps(self, sigmas: Tensor) -> Tensor:
+        """The integer DDPM timesteps (B,) for the trainer's sigmas in [0, 1]: floor(sigma * N), at most N - 1."""
+        steps = len(self._alphas_cumprod)
+        return (sigmas.detach().float() * steps).floor().clamp(0, steps - 1).long()  # float32, as sigma * 1000 reads
+
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """v-prediction on (B, C, F, H, W) latents; the transformer sees them as (B, F, C, H, W)."""
+        x0 = batch["latents"].float()
+        noise = noise.to(x0)
+        t = self.timesteps(sigmas.flatten()).to(x0.device)
+        alphas = self._alphas_cumprod.to(x0.device)[t]
+        shape = (-1, *([1] * (x0.ndim - 1)))
+        signal, sigma = alphas.sqrt().float().view(shape), (1 - alphas).sqrt().float().view(shape)
+        noisy = signal * x0 + sigma * noise
+        dtype = input_dtype(transformer)
+        frames, height, width = x0.shape[2:]
+        out = transformer(
+            hidden_states=noisy.transpose(1, 2).to(dtype),
+            encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
+            timestep=t,  # int64, as the pipeline passes the scheduler's timesteps
+            image_rotary_emb=self._rotary_embedding(transformer, frames, height, width, x0.device),
+            return_dict=False,
+        )[0]
+        return Prediction(prediction=out.transpose(1, 2).float(), target=signal * noise - sigma * x0, weight=None)
+
+    @cached_property
+    def _rope_cache(self) -> dict:
+        return {}
+
+    def _rotary_embedding(self, transformer, frames: int, height: int, width: int, device) -> tuple | None:
+        """(cos, sin) for a latent grid, from CogVideoXPipeline's own method; None without RoPE."""
+        config = transformer.config
+        if not config.use_rotary_positional_embeddings:
+            return None
+        cache, key = self._rope_cache, (frames, height, width, str(device))
+        if key not in cache:
+            spatial = self.geometry.spatial
+            pipeline = SimpleNamespace(transformer=SimpleNamespace(config=config), vae_scale_factor_spatial=spatial)
+            cache[key] = self.pipeline_class()._prepare_rotary_positional_embeddings(
+                pipeline, height * spatial, width * spatial, frames, device)
+        return cache[key]
+
+    # ----------------------------------------------------------------------------- parallel plans
+    def tp_plan(self) -> TensorParallelPlan:
+        """q/k/v and the FFN's first layer column-wise, the attention output and the FFN's second row-wise.
+
+        One joint self-attention per block (text and video tokens together), no cross-attention;
+        its query/key norms are LayerNorms over one head's channels and the rotary tables span one
+        head, so both work unchanged on each rank's local heads.
+        """
+        return TensorParallelPlan(
+            colwise=("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"),
+            rowwise=("attn1.to_out.0", "ff.net.2"),
+            attention=("attn1",),
+        )
+
+    # cp_plan: none (the base class refuses parallel.cp > 1). The attention processor concatenates the
+    # text with the video tokens before q/k/v and applies RoPE to all but the first text-length
+    # positions, so splitting the video tokens would need a CogVideoX-specific Ulysses processor.
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+        """2-layer RoPE transformer (the 5B's layout), 4-level VAE (x4 time, x8 space), 2-layer T5,
+        the CogVideoX-5b scheduler; CogVideoXPipeline layout. RoPE takes any bucket and text length."""
+        from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline,
+                               CogVideoXTransformer3DModel)
+        from transformers import T5Config, T5EncoderModel
+
+        with seeded(seed):
+            vae = AutoencoderKLCogVideoX(
+                block_out_channels=(8, 8, 8, 8), latent_channels=16, layers_per_block=1, norm_num_groups=4,
+                temporal_compression_ratio=4, sample_height=64, sample_width=96, scaling_factor=0.7,
+            )
+            transformer = CogVideoXTransformer3DModel(
+                num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16, time_embed_dim=32,
+                text_embed_dim=64, num_layers=2, sample_height=8, sample_width=12, sample_frames=9, patch_size=2,
+                temporal_compression_ratio=4, use_rotary_positional_embeddings=True,
+            )
+            text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                   num_heads=4))
+        # THUDM/CogVideoX-5b's scheduler (the 2B differs only in snr_shift_scale = 3.0).
+        scheduler = CogVideoXDDIMScheduler(
+            num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
+            clip_sample=False, set_alpha_to_one=True, steps_offset=0, prediction_type="v_prediction",
+            timestep_spacing="trailing", rescale_betas_zero_snr=True, snr_shift_scale=1.0,
+        )
+        pipeline = CogVideoXPipeline(tokenizer=build_t5_tokenizer(model_max_length=226), text_encoder=text_encoder,
+                                     vae=vae, transformer=transformer, scheduler=scheduler)
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out

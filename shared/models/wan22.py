@@ -1,0 +1,89 @@
+"""Wan 2.2 A14B (text-to-video): two Wan transformers, experts for high and low noise levels.
+
+Everything per expert is Wan 2.1 (wan.py): the UMT5 text encoder, the 16-channel VAE, the DiT, the
+flow-matching objective, the TP and CP plans and the original module names for ComfyUI. What is
+particular:
+- WanPipeline holds `transformer` (high noise) and `transformer_2` (low noise) and a
+  `boundary_ratio` (0.875 for T2V-A14B): a denoising step at timestep t >= boundary * 1000 runs the
+  first, any later one the second. Training follows that split: `model.expert = "high_noise"` trains
+  `transformer` on sigmas in [boundary, 1], `"low_noise"` trains `transformer_2` on [0, boundary);
+  the trainer maps its drawn sigmas into the expert's range (`sigma_range`).
+- One expert per run (as the peers train them): its LoRA is written for diffusers (load the
+  low-noise one with `load_lora_weights(..., load_into_transformer_2=True)`) and for ComfyUI as
+  `lora_comfyui_<expert>.safetensors`, one file per expert model. Validation runs the whole
+  two-expert pipeline with the other expert frozen.
+Not here yet: training both experts in one run, Wan 2.2 I2V-A14B and TI2V-5B.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS
+from vt.shared.models.tiny import build_t5_tokenizer, seeded
+from vt.shared.models.wan import WanSpec
+
+HIGH, LOW = "high_noise", "low_noise"
+
+
+class Wan22Spec(WanSpec):
+    family: ClassVar[str] = "wan2.2"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v",)
+    example_hub_id: ClassVar[str] = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+
+    def component_classes(self) -> dict[str, type]:
+        classes = super().component_classes()
+        return {**classes, "transformer_2": classes["transformer"]}
+
+    @cached_property
+    def boundary(self) -> float:
+        """The pipeline's boundary_ratio (model_index.json): the sigma where the experts hand over."""
+        from diffusers import DiffusionPipeline
+
+        try:
+            index = DiffusionPipeline.load_config(self.config.path)
+        except (OSError, ValueError) as err:
+            raise self.load_error("model_index.json", self.config.path, err) from err
+        ratio = index.get("boundary_ratio")
+        if not ratio:
+            raise ValueError(f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
+                             "not a two-expert Wan 2.2 pipeline; use family \"wan\" for one transformer")
+        return float(ratio)
+
+    def experts(self) -> dict[str, tuple[str, tuple[float, float]]]:
+        boundary = self.boundary
+        return {HIGH: ("transformer", (boundary, 1.0)), LOW: ("transformer_2", (0.0, boundary))}
+
+    def pipeline_options(self) -> dict[str, Any]:
+        return {"boundary_ratio": self.boundary}
+
+    def lora_load_kwargs(self) -> dict[str, Any]:
+        return {"load_into_transformer_2": True} if self.expert == LOW else {}
+
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+        """Two 2-layer experts (different weights), the tiny Wan VAE and UMT5; WanPipeline layout."""
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        def transformer():
+            return WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16,
+                out_channels=16, text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+            )
+
+        with seeded(seed):
+            vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True])
+            high, low = transformer(), transformer()
+            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128,
+                                                       num_layers=2, num_heads=4))
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
+        pipeline = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
+                               scheduler=scheduler, transformer=high, transformer_2=low, boundary_ratio=0.875)
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out
