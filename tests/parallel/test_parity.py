@@ -13,7 +13,7 @@ import pytest
 import torch
 from cli_runs import raw_keys
 from dist_runs import assert_same_training, finish, torchrun, trained_weights
-from test_data_slices import check_slices
+from slice_audit import check_slices, check_uneven_last_step
 
 from vt.train.parallel.dims import ParallelDims
 
@@ -63,6 +63,8 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
     dims = ParallelDims(**{k: int(v) for k, v in degrees.items()}, world_size=nproc)
     trained = check_slices(tmp_path / layout, dims)  # disjoint dp slices, identical cp/tp groups, one bucket
     assert set(trained) == raw_keys(raw_shards) and set(trained.values()) == {1}, "every sample once in the epoch"
+    if dims.dp > 1:
+        check_uneven_last_step(tmp_path / layout, dims)
     log = (tmp_path / "run.log").read_text()
     assert EXPECTED_LOG[layout] in log, f"the run did not use {EXPECTED_LOG[layout]}"
 
