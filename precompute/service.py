@@ -122,7 +122,7 @@ class Precompute:
         self.shards_id = shards_digest(self.raw_shards)
         self.device = pick_device(pre.device)
         self.storage_dtype = DTYPES[pre.storage_dtype]
-        self.provenance = provenance(config)
+        self.provenance = provenance(config, spec=self.spec)
         self.fingerprint = fingerprint(self.provenance)
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)

@@ -41,12 +41,12 @@ SAMPLE_COUNT = 64
 SAMPLE_BYTES = 64 * 2**10
 
 
-def provenance(config: Config, weights: dict[str, str] | None = None) -> dict:
+def provenance(config: Config, weights: dict[str, str] | None = None, spec=None) -> dict:
     """The settings that decide a shard's content. `weights` (component -> digest) defaults to
-    `weights_digests(config)`."""
+    `weights_digests(spec)`; `spec` (the config's Model Spec) is built when not given."""
     from vt.shared.models import spec_for
 
-    spec = spec_for(config)
+    spec = spec or spec_for(config)
     return {
         "format_version": FORMAT_VERSION,
         "family": config.model.family,

@@ -25,6 +25,7 @@ from vt.shared.config import Config, to_toml
 from vt.shared.faults import fault_point
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
+from vt.shared.progress import Progress
 from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
@@ -36,7 +37,6 @@ from vt.train.parallel.batching import Slice, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
-from vt.shared.progress import Progress
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator
 
@@ -94,7 +94,7 @@ class Trainer:
         if self.is_main:
             for line in self.spec.inference_mismatches():
                 log.warning(line)
-        self.provenance = provenance(config)
+        self.provenance = provenance(config, spec=self.spec)
         self.fingerprint = fingerprint(self.provenance)
 
         self.transformer = self._build_model()

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor, nn
 
 from vt.shared.models import comfy
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_match_noisy, input_dtype
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
 from vt.shared.models.tiny import TINY_WORDS, seeded
 
 log = logging.getLogger(__name__)
@@ -136,11 +136,8 @@ class HunyuanVideoSpec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction:
-        x0 = batch["latents"].float()
-        noise = noise.to(x0)
-        sigmas = sigmas.to(x0).flatten()
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
-        noisy = flow_match_noisy(x0, noise, sigmas)
         guidance = None
         if transformer.config.guidance_embeds:  # as the pipeline: (B,) in the transformer's dtype, scale * 1000
             guidance = torch.full((x0.shape[0],), self.guidance * 1000.0, device=x0.device, dtype=dtype)

@@ -103,6 +103,15 @@ def flow_match_noisy(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:
     return (1 - s) * x0 + s * noise
 
 
+def flow_inputs(batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(x0, noise, sigmas (B,), noisy) in float32 on the latents' device: the batch's latents and their
+    rectified-flow interpolation, what a flow-matching family's `forward` starts from."""
+    x0 = batch["latents"].float()
+    noise = noise.to(x0)
+    sigmas = sigmas.to(x0).flatten()
+    return x0, noise, sigmas, flow_match_noisy(x0, noise, sigmas)
+
+
 class ModelSpec(ComponentLoader, ABC):
     family: ClassVar[str]
     # What stage 1 loads, fingerprints (provenance) and hands to encode_text / encode_video, by name

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from vt.shared.config import ModelConfig
 from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
-                                   TensorParallelPlan, VaeGeometry, flow_match_noisy, input_dtype, to_pil_image)
+                                   TensorParallelPlan, VaeGeometry, flow_inputs, input_dtype, to_pil_image)
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
 # diffusers' WanAttnProcessor: with image key/value projections, the context's last 512 tokens are
@@ -175,11 +175,8 @@ class WanSpec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction:
-        x0 = batch["latents"].float()
-        noise = noise.to(x0)
-        sigmas = sigmas.to(x0).flatten()
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
-        noisy = flow_match_noisy(x0, noise, sigmas)
         image = {}
         if self.config.task == "i2v":  # [noisy, mask, condition] and the image tokens, as the pipeline
             if "condition_latents" not in batch or "image_embeds" not in batch:
