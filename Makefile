@@ -9,7 +9,7 @@ FAMILY ?= ltx-video
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test bench precompute train pipeline assets clean
+.PHONY: setup demo test bench gpu-check precompute train pipeline assets clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ test: setup
 
 bench: assets
 	$(PY) scripts/bench.py
+
+# One GPU: attention backends, AC, compile, fp8 (docs/benchmarks.md); `make gpu-check GPU_ARGS=--dry` on a CPU.
+gpu-check: setup
+	scripts/gpu_check.sh $(GPU_ARGS)
 
 clean:
 	rm -rf runs .cache

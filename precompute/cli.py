@@ -44,6 +44,22 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
 
 
 @app.command()
+def pack(folder: str = typer.Argument(..., help="folder (local or s3://) of clips and images with .txt/.json captions"),
+         out: str = typer.Argument(..., help="where the tars go: a folder or s3://bucket/prefix"),
+         shard_size: str = typer.Option("1GB", "--shard-size", help="close a tar once it holds this much, e.g. 512MB"),
+         prefix: str = typer.Option("raw", "--prefix", help="tar names: <prefix>-000000.tar, ...")) -> None:
+    """Write a folder of media files as webdataset tars of about --shard-size each (for object storage)."""
+    from vt.precompute.pack import pack_folder, parse_size
+
+    try:
+        written = pack_folder(folder, out, parse_size(shard_size), prefix)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    for url in written:
+        typer.echo(url)
+
+
+@app.command()
 def inspect(window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
             as_json: bool = typer.Option(False, "--json", help="print the state as JSON")) -> None:
     """Print a window's state: producers, committed, consumed watermark, evicted, bytes, buckets, fingerprint."""

@@ -14,7 +14,9 @@ the partial ones re-read without their committed samples. So a producer killed a
 started again commits every accepted sample exactly once.
 
 Samples are keyed by raw shard and key (`RawSample.sample_id`, see sources.py), named from the
-whole raw shard list before the per-rank split. Every rejected sample is listed with its reason in
+whole raw shard list before the per-rank split. The processor chain (`precompute.processors`, run in
+the decode workers) may make several samples of one raw sample, keyed `<sample_id>#<suffix>`; each
+is committed once on its own, and a restart drops the parts of a re-decoded clip already committed. Every rejected sample is listed with its reason in
 the run folder's rejects.jsonl (precompute/rejects.py), each once across restarts.
 """
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vt.precompute.processors import PreparedSample, prepare_sample, worker_init
+from vt.precompute.processors import Chain, PreparedSample, build_chain, worker_init
 from vt.precompute.processors.errors import SampleError
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
@@ -34,7 +36,8 @@ from vt.precompute.resume import Tracker, resume_state, shards_digest
 from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, shard_names, split_for_rank
 from vt.precompute.text_cache import TextCache
 from vt.precompute.workers import DecodePool
-from vt.shared.buckets import Bucket, parse_buckets
+from vt.shared.buckets import Bucket, buckets_for, parse_buckets
+from vt.shared.caption_table import Captions, encode_caption
 from vt.shared.config import Config
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
@@ -52,20 +55,20 @@ class TooManyFailures(RuntimeError):
 
 @dataclass
 class Outcome:
-    """What became of one raw sample: `sample` when accepted, else `reason` and `detail`."""
+    """What became of one raw sample: the `samples` the chain made of it, or `reason` and `detail`."""
 
-    key: str  # the sample's key in shards and logs (RawSample.sample_id)
+    key: str  # the raw sample's key in shards and logs (RawSample.sample_id)
     shard: str  # the raw shard it came from
     position: int  # its ordinal in that shard
-    sample: PreparedSample | None
+    samples: list[PreparedSample] | None  # several with a chain that splits clips (keys <key>#w<i>)
     reason: str | None
     detail: str
     seconds: float
 
     @classmethod
-    def of(cls, raw: RawSample, sample: PreparedSample | None, reason: str | None = None, detail: str = "",
+    def of(cls, raw: RawSample, samples: list[PreparedSample] | None, reason: str | None = None, detail: str = "",
            seconds: float = 0.0) -> "Outcome":
-        return cls(raw.sample_id, raw.shard, raw.position, sample, reason, detail, seconds)
+        return cls(raw.sample_id, raw.shard, raw.position, samples, reason, detail, seconds)
 
 
 @dataclass(frozen=True)
@@ -75,11 +78,11 @@ class ShardEnd:
     index: int
 
 
-def prepare_timed(raw: RawSample, buckets: list[Bucket], fps: float) -> Outcome:
-    """Runs in a decode worker: a sample in, a prepared sample or the reason it was rejected out."""
+def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float) -> Outcome:
+    """Runs in a decode worker: a sample in, its prepared samples or the reason it was rejected out."""
     start = time.perf_counter()
     try:
-        return Outcome.of(raw, prepare_sample(raw, buckets, fps), seconds=time.perf_counter() - start)
+        return Outcome.of(raw, chain.prepare(raw, buckets, fps), seconds=time.perf_counter() - start)
     except SampleError as err:
         return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
     except Exception as err:  # an unforeseen decoder failure is still one bad clip, not a dead run
@@ -87,16 +90,21 @@ def prepare_timed(raw: RawSample, buckets: list[Bucket], fps: float) -> Outcome:
 
 
 class _Prepare:
-    """Picklable `prepare_timed` bound to the bucket table; (raw index, sample) -> (raw index, Outcome)."""
+    """Picklable `prepare_timed` bound to the chain and bucket table; (raw index, sample) -> (raw index, Outcome)."""
 
-    def __init__(self, buckets: list[Bucket], fps: float):
-        self.buckets, self.fps = buckets, fps
+    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float):
+        self.chain, self.buckets, self.fps = chain, buckets, fps
 
     def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
         if isinstance(item, ShardEnd):
             return item
         index, raw = item
-        return index, prepare_timed(raw, self.buckets, self.fps)
+        buckets = buckets_for(self.buckets, raw.still)  # a still image: one-frame buckets only
+        if not buckets and raw.error is None:
+            need = "a one-frame bucket (1xHxW)" if raw.still else "a bucket of more than one frame"
+            kind = "an image" if raw.still else "a clip"
+            return index, Outcome.of(raw, None, "no_bucket", f"{kind} needs {need} in buckets.sizes")
+        return index, prepare_timed(raw, self.chain, buckets, self.fps)
 
     @staticmethod
     def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
@@ -113,6 +121,7 @@ class Precompute:
         self.rank, self.world_size = rank, world_size
         pre = config.precompute
         self.buckets = parse_buckets(config.buckets.sizes)
+        self.chain = build_chain(pre.processors)
         self.spec = spec_for(config)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
@@ -171,6 +180,7 @@ class Precompute:
         try:
             self._load_encoders()  # while the workers start
             with torch.inference_mode():
+                self._write_empty_caption()
                 for epoch in range(state.epoch, passes):
                     tracker.start_epoch(epoch)
                     self._run_epoch(epoch, pool, tracker)
@@ -202,7 +212,7 @@ class Precompute:
         pre = self.config.precompute
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
-        prepare = _Prepare(self.buckets, self.config.buckets.fps)
+        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
@@ -215,7 +225,7 @@ class Precompute:
             index, outcome = item
             self.report.seen += 1
             self.report.seconds["decode"] += outcome.seconds
-            if outcome.sample is None:
+            if outcome.samples is None:
                 self.report.reject(outcome.reason)
                 self.rejects.add(epoch, outcome.shard, outcome.position, outcome.key, outcome.reason, outcome.detail)
                 log.debug("skipped %s: %s %s", outcome.key, outcome.reason, outcome.detail)
@@ -227,21 +237,36 @@ class Precompute:
                 self.progress.update()
                 continue
             failures_in_a_row = 0
-            tracker.accepted(index)
-            bucket_samples = pending.setdefault(outcome.sample.bucket, [])
-            bucket_samples.append((index, outcome.sample))
-            if len(bucket_samples) >= pre.samples_per_shard:
-                self._write_shard(pending.pop(outcome.sample.bucket), epoch, tracker)
+            for sample in outcome.samples:
+                # A clip split into several samples is decoded again after a restart; its parts
+                # already committed are dropped here (the raw sample as a whole was not).
+                if sample.key != outcome.key and tracker.state.committed(index, sample.key):
+                    self.report.skipped_committed += 1
+                    continue
+                tracker.accepted(index)
+                bucket_samples = pending.setdefault(sample.bucket, [])
+                bucket_samples.append((index, sample))
+                if len(bucket_samples) >= pre.samples_per_shard:
+                    self._write_shard(pending.pop(sample.bucket), epoch, tracker)
             self.progress.update()
         for bucket in sorted(pending):  # the epoch's remainders: smaller shards, every sample kept
             self._write_shard(pending[bucket], epoch, tracker)
+
+    def _stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Floating tensors in the storage dtype, others as they are."""
+        return {k: v.to(self.storage_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+
+    def _write_empty_caption(self) -> None:
+        """The empty caption's conditions, once per window, for the trainer's caption dropout."""
+        conditions = self._stored(self.text_cache.encode([""]))
+        self.window.put_empty_caption(self.fingerprint, encode_caption(conditions, self.spec.text_masks))
 
     def _write_shard(self, items: list[tuple[int, PreparedSample]], epoch: int, tracker: Tracker) -> CommitRecord:
         pre = self.config.precompute
         samples = [sample for _, sample in items]
         bucket = samples[0].bucket
         started = time.perf_counter()
-        conditions = self.text_cache.encode([s.caption for s in samples])
+        captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
         self.report.seconds["text_encode"] += time.perf_counter() - started
         started = time.perf_counter()
         latents: dict[str, list[torch.Tensor]] = {}
@@ -250,10 +275,11 @@ class Precompute:
             for name, tensor in self.spec.encode_video(self.encoders, video).items():
                 latents.setdefault(name, []).append(tensor.cpu())
         self.report.seconds["vae_encode"] += time.perf_counter() - started
-        tensors = {**conditions, **{name: torch.cat(parts) for name, parts in latents.items()}}
-        tensors = {k: v.to(self.storage_dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        tensors = self._stored({name: torch.cat(parts) for name, parts in latents.items()})
+        captions.conditions = self._stored(captions.conditions)
         keys = [s.key for s in samples]
-        data = encode_shard(tensors, keys, {"provenance": self.provenance, "bucket": bucket.name, "epoch": epoch})
+        data = encode_shard(tensors, keys, {"provenance": self.provenance, "bucket": bucket.name, "epoch": epoch},
+                            captions)
         started = time.perf_counter()
         unread, share = self.window.wait_for_room(self.rank)
         self.report.seconds["wait"] += time.perf_counter() - started

@@ -1,8 +1,10 @@
 """Raw webdataset shards in, one RawSample per key out; local folders, globs or s3:// prefixes.
 
 A raw shard is a tar whose consecutive members share a key: `<key>.mp4` (or any extension in
-VIDEO_EXTS) plus `<key>.txt` or `<key>.json` (webdataset's convention: the key is the member path up
-to the first dot of its file name). Stage 1 must survive whatever a crawl produced, so
+VIDEO_EXTS; or a still image in IMAGE_EXTS, a sample of the one-frame buckets) plus `<key>.txt` or
+`<key>.json` (webdataset's convention: the key is the member path up to the first dot of its file
+name). A folder may also hold media files with caption sidecars instead of tars (media_files.py):
+each is a one-sample unit of its own. Stage 1 must survive whatever a crawl produced, so
 iter_raw_samples never raises for bad data: a sample with a problem carries a short reason in
 `RawSample.error` (the service counts reasons in its report and lists them in rejects.jsonl), and a
 damaged tar yields its good samples and then one `truncated_tar`. Storage failures (a shard that
@@ -35,9 +37,11 @@ from typing import Iterator
 import fsspec
 from braceexpand import braceexpand
 
+from vt.precompute.media_files import pick_media, read_media_sample, split_key
+
 # Extensions of the video files FFmpeg (so PyAV) demuxes with their timing, in the order one is
-# picked when a sample holds several. Images (jpg, png, gif, webp) are not videos here. Raw H.264 /
-# HEVC elementary streams (.h264, .264, .hevc) are left out: they carry no timestamps to sample by.
+# picked when a sample holds several. Raw H.264 / HEVC elementary streams (.h264, .264, .hevc) are
+# left out: they carry no timestamps to sample by.
 VIDEO_EXTS = (
     "mp4", "m4v", "mov", "qt", "mkv", "mk3d", "webm", "avi", "divx",  # MPEG-4 / QuickTime, Matroska, AVI
     "ts", "m2ts", "mts", "m2t", "tsv",  # MPEG transport stream (broadcast, AVCHD cameras)
@@ -46,6 +50,9 @@ VIDEO_EXTS = (
     "mxf", "dv", "dif", "y4m", "nut", "ivf", "rm", "rmvb", "wtv", "dvr-ms", "amv", "nsv",  # broadcast, raw, others
     "video",  # webdataset's generic name
 )
+# Still images: samples of one-frame buckets (1xHxW). A sample with a video and an image is its video.
+IMAGE_EXTS = ("jpg", "jpeg", "png", "webp")
+MEDIA_EXTS = VIDEO_EXTS + IMAGE_EXTS
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 _GLOB_CHARS = "*?["
 
@@ -67,6 +74,8 @@ class RawSample:
     detail: str = ""  # what was wrong, when `error` alone does not say it
     name: str = ""
     position: int = 0
+    still: bool = False  # `video` holds a still image (IMAGE_EXTS), not a clip
+    meta: dict | None = None  # the .json member's fields, when it holds a JSON object (caption processor)
 
     @property
     def sample_id(self) -> str:
@@ -76,6 +85,16 @@ class RawSample:
 
 def _is_shard(path: str) -> bool:
     return path.lower().endswith(SHARD_SUFFIXES)
+
+
+def is_media(path: str) -> bool:
+    """A video or image file of a raw folder (precompute/media_files.py), not a tar."""
+    return split_key(path)[1] in MEDIA_EXTS
+
+
+def _units(paths: list[str]) -> list[str]:
+    """The tars among `paths`, plus one media file per sample key (its video, else its image)."""
+    return [p for p in paths if _is_shard(p)] + pick_media((p for p in paths if is_media(p)), MEDIA_EXTS)
 
 
 def _to_url(fs, path: str) -> str:
@@ -88,10 +107,10 @@ def _list_one(uri: str) -> list[str]:
     fs, path = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache()  # a producer may have just uploaded shards; never trust a stale listing
     if any(ch in path for ch in _GLOB_CHARS):
-        found = [p for p in fs.glob(path) if _is_shard(p)]
+        found = _units(fs.glob(path))
     elif fs.isdir(path):
-        found = [p for p in fs.find(path) if _is_shard(p)]
-    elif fs.isfile(path) and _is_shard(path):
+        found = _units(fs.find(path))
+    elif fs.isfile(path) and (_is_shard(path) or is_media(path)):
         found = [path]
     else:
         found = []
@@ -99,13 +118,17 @@ def _list_one(uri: str) -> list[str]:
 
 
 def list_raw_shards(uri: str) -> list[str]:
-    """Sorted shard URLs under `uri`: a folder, one .tar, a glob, braces, or s3://bucket/prefix."""
+    """Sorted shard URLs under `uri`: a folder, one .tar, a glob, braces, or s3://bucket/prefix.
+
+    A media file with caption sidecars (a folder of clips, see media_files.py) is a one-sample unit
+    of its own, listed as its video or image file."""
     urls: set[str] = set()
     for one in braceexpand(str(uri)):
         urls.update(_list_one(one))
     if not urls:
         raise FileNotFoundError(
-            f"no raw .tar shards found at {uri!r}. Give a folder of tars, one .tar file, a glob such as "
+            f"no raw .tar shards or media files found at {uri!r}. Give a folder of tars or of clips and "
+            f"images with .txt/.json captions, one .tar file, a glob such as "
             f"'raw/*.tar', braces such as 'raw-{{000000..000009}}.tar', or s3://bucket/prefix; "
             f"make sample shards with: python scripts/make_sample_shards.py --clips DIR --out DIR"
         )
@@ -113,6 +136,8 @@ def list_raw_shards(uri: str) -> list[str]:
 
 
 def _strip_suffix(name: str) -> str:
+    if is_media(name):
+        return split_key(name)[0]  # a media file's name is its sample key
     lower = name.lower()
     suffix = next((s for s in SHARD_SUFFIXES if lower.endswith(s)), "")
     return name[:len(name) - len(suffix)] if suffix else name
@@ -187,6 +212,15 @@ def _caption(files: dict[str, bytes]) -> tuple[str | None, str | None]:
     return text, None
 
 
+def _meta(files: dict[str, bytes]) -> dict | None:
+    """The .json member as a dict (None without one, or when it is not a JSON object)."""
+    try:
+        meta = json.loads(files["json"].decode("utf-8")) if "json" in files else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
 class _Samples:
     """Turns the member groups of one tar into RawSamples: positions, and the first-key-wins rule."""
 
@@ -197,16 +231,20 @@ class _Samples:
 
     def make(self, key: str, files: dict[str, bytes]) -> RawSample:
         video = next((files[ext] for ext in VIDEO_EXTS if ext in files), None)
+        image = next((files[ext] for ext in IMAGE_EXTS if ext in files), None)
+        still = video is None and image is not None
+        video = image if still else video
         caption, error = _caption(files)
         detail = ""
         if video is None:
-            error = "missing_video"  # no video outranks any caption problem: nothing to train on
+            error = "missing_video"  # no video or image outranks any caption problem: nothing to train on
         if key in self.seen:  # a repeat outranks everything: the first sample of the key is the one
             error, caption, video = "duplicate_key", None, None  # nothing of it is used
             detail = f"key {key!r} came earlier in {self.shard}; the first sample with it is kept"
         self.seen.add(key)
         return self._next(RawSample(key=key, shard=self.shard, video=video, caption=caption, error=error,
-                                    detail=detail))
+                                    detail=detail, meta=_meta(files) if video is not None else None,
+                                    still=still and video is not None))
 
     def damaged(self, key: str) -> RawSample:
         """The marker that ends a damaged tar; `key` is the sample that was being read."""
@@ -242,13 +280,18 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
 
 
 def iter_raw_samples(shard_url: str, name: str | None = None) -> Iterator[RawSample]:
-    """The samples of one tar (local path or any fsspec URL such as s3://), in tar order.
+    """The samples of one tar (local path or any fsspec URL such as s3://), in tar order; or the one
+    sample of a media file with its caption sidecars.
 
     `name` is the shard's name in sample ids (from shard_names over all shards; default: the file
     name without its suffix). On damage (cut short, garbage header, broken gzip) the sample being
     read is still yielded if it has a whole video and a caption (only an extra member can be lost),
     else dropped; then one RawSample with error "truncated_tar" ends the shard.
     """
+    if is_media(shard_url):  # one sample of a folder of clips: its name is its key
+        key = shard_names([shard_url])[shard_url] if name is None else name
+        yield _Samples(shard_url, "").make(key, read_media_sample(shard_url))
+        return
     samples = _Samples(shard_url, shard_names([shard_url])[shard_url] if name is None else name)
     with fsspec.open(shard_url, "rb") as stream:
         key, files = None, {}

@@ -96,18 +96,35 @@ class BareLoop:
         return value
 
 
+def read_shard(path: Path) -> dict[str, torch.Tensor]:
+    """A shard's tensors, one row per sample: its caption table (each caption's kept rows, `text_rows.*`
+    counts, `text_index` per sample, full lengths in the metadata) padded back with zeros by hand."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+        lengths = json.loads(f.metadata().get("text_lengths", "{}"))
+    out = {n: t for n, t in stored.items() if not n.startswith(("text.", "text_rows.")) and n != "text_index"}
+    for name, full in lengths.items():
+        rows, kept = stored[f"text.{name}"], stored[f"text_rows.{name}"].tolist()
+        table = rows.new_zeros((len(kept), full, *rows.shape[1:]))
+        starts = [sum(kept[:c]) for c in range(len(kept))]
+        for caption, (start, n) in enumerate(zip(starts, kept)):
+            table[caption, :n] = rows[start:start + n]
+        out[name] = table[stored["text_index"]]
+    return out
+
+
 def window_batches(window: Path, batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
     """Batches of a local vt window's shards (producer 0, in commit order), each read when it is
     needed as a plain safetensors file, over and over. A shard holds one bucket; its rows are cut
     into batches (the trainer also joins same-bucket remainders, so a few batches may differ)."""
-    from safetensors.torch import load_file
-
     commits = sorted((Path(window) / "commits" / "p0").glob("*.json"))
     if not commits:
         raise SystemExit(f"no commit records under {window}/commits/p0: run vt-precompute into that window first")
     while True:
         for path in commits:
-            tensors = load_file(str(Path(window) / json.loads(path.read_text())["data"]))
+            tensors = read_shard(Path(window) / json.loads(path.read_text())["data"])
             rows = next(iter(tensors.values())).shape[0]
             for start in range(0, rows, batch_size):
                 yield {name: t[start:start + batch_size].float() for name, t in tensors.items()}

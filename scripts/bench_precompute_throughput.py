@@ -6,7 +6,7 @@ Three sides over the same clips (the demo raw shards, repeated to make a longer 
 - naive: one sample at a time: decode it (the same `prepare_sample`), encode its caption and its
   video (batch of one), save its tensors as one safetensors file;
 - encode-only: the service itself with decoding made free: every clip is decoded before the clock
-  starts and `prepare_sample` hands back the stored result. Its rate is the bound the service
+  starts and a stand-in for the service's processor chain hands back the stored result. Its rate is the bound the service
   approaches when the decode workers fully hide decoding.
 
 Start-up costs differ between the sides (the service starts worker processes while it loads the
@@ -118,7 +118,7 @@ def _clip_id(raw) -> tuple[str, int]:
 
 
 class _Decoded:
-    """Stands in for `prepare_sample` in the encode-only side: returns clips decoded beforehand."""
+    """Stands in for the service's processor chain in the encode-only side: returns clips decoded beforehand."""
 
     def __init__(self, config):
         from vt.precompute.processors import SampleError, prepare_sample
@@ -136,25 +136,23 @@ class _Decoded:
                     except SampleError as err:
                         self.prepared[ident] = err
 
-    def __call__(self, raw, buckets, fps):
+    def prepare(self, raw, buckets, fps):
+        """`Chain.prepare`'s signature: the samples of one raw sample."""
         found = self.prepared[_clip_id(raw)]
         if isinstance(found, Exception):
             raise found
-        return dataclasses.replace(found, key=raw.sample_id, caption=raw.caption)
+        return [dataclasses.replace(found, key=raw.sample_id, caption=raw.caption)]
 
 
 def _run_encode_only(config, decoded: _Decoded) -> int:
     from vt.precompute import service
 
-    if not hasattr(service, "prepare_sample"):
-        raise RuntimeError("vt.precompute.service no longer calls prepare_sample by that name; "
+    producer = service.Precompute(config)
+    if not hasattr(producer, "chain"):
+        raise RuntimeError("vt.precompute.service no longer runs its processors as Precompute.chain; "
                            "update _run_encode_only in scripts/bench_precompute_throughput.py")
-    real = service.prepare_sample
-    service.prepare_sample = decoded
-    try:
-        return service.Precompute(config).run().committed
-    finally:
-        service.prepare_sample = real
+    producer.chain = decoded  # in-process (workers = 0), so the stand-in is what runs
+    return producer.run().committed
 
 
 def child(side: str, config_path: Path) -> dict:

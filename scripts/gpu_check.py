@@ -1,84 +1,133 @@
-"""One FSDP2 training step of a Wan 2.1 1.3B-shaped transformer in bf16: tokens/s and MFU.
+"""Memory and speed on one GPU, as vt trains: one table of tokens/s, MFU and peak memory.
 
-Real sizes (30 layers, 12 heads x 128, FFN 8960, text 4096), random weights, a realistic clip
-(81 frames at 480x832 -> 21 x 60 x 104 latents -> 32,760 tokens after the 2x2 patch) and 512 text
-tokens. The model goes through vt's own strategies in the trainer's order (activation checkpointing
-per block, optional compile, FSDP2 per block then root with bf16 parameters and fp32 reduction)
-and the Model Spec's forward under bf16 autocast, exactly as `vt-train` runs it. One process per
-GPU (scripts/gpu_check.sh starts them with torchrun); each rank trains `--batch` samples.
+Three groups of rows, each a fresh model trained for one warm-up and `--steps` timed steps through
+the Model Spec's forward (flow-matching loss, AdamW), in one process on one GPU:
 
-MFU counts model FLOPs (forward + backward = 3 x forward, recomputation not counted) per second per
-GPU against the GPU's dense bf16 peak (H100/H200 989 TFLOPS, A100 312; others: --peak-tflops).
+- full: a Wan 2.1 1.3B-shaped transformer (30 layers, 12 x 128 heads, FFN 8960, text 4096), fp32
+  master weights under bf16 autocast, on an 81x480x832 clip (21 x 60 x 104 latents -> 32,760
+  tokens after the 2x2 patch) and 512 text tokens: one row per attention backend this machine can
+  train with (activation checkpointing on), then the default backend without checkpointing and
+  with torch.compile per block.
+- fp8: 14B-shaped layer widths (5120 wide, 40 x 128 heads, FFN 13824; `--fp8-layers` blocks) at the
+  same clip, full fine-tuning in bf16 against torchao float8 tensorwise and rowwise (compiled
+  blocks: torchao's float8 casts need compile to pay off), on the layers torchao's filter picks.
+- lora: the 1.3B shape with rank-32 LoRA on a bf16 base against an fp8 e4m3 base (vt's
+  `train.fp8_base_weights`): memory and step time.
 
-    scripts/gpu_check.sh                     # all GPUs of this machine
-    scripts/gpu_check.sh --dry               # CPU, 1 layer, tiny clip: proves the path executes
+MFU counts model FLOPs (forward + backward = 3 x forward; recomputation not counted) against the
+GPU's dense bf16 peak (H100/H200: 989 TFLOP/s), also for the fp8 rows; LoRA rows show none. A row
+that runs out of memory or cannot run here says so and the table goes on.
+
+    scripts/gpu_check.sh                 # one GPU, real sizes (estimated 6-8 min on an H200)
+    scripts/gpu_check.sh --dry           # CPU, tiny shapes, one step: proves every row's path runs
+    scripts/gpu_check.sh --only full     # one group (full, fp8, lora)
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import math
 import os
 import statistics
 import sys
-import tempfile
 import time
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
+GROUPS = ("full", "fp8", "lora")
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int
+    heads: int
+    head_dim: int
+    ffn: int
+    text_dim: int = 4096
+    text_len: int = 512
+    frames: int = 21  # latent frames (81 video frames)
+    height: int = 60  # latent height (480 px)
+    width: int = 104  # latent width (832 px)
+
+    @property
+    def tokens(self) -> int:
+        return self.frames * (self.height // 2) * (self.width // 2)
+
+
+WAN_1_3B = Shape(layers=30, heads=12, head_dim=128, ffn=8960)
+WAN_14B = Shape(layers=4, heads=40, head_dim=128, ffn=13824)
+DRY = dict(text_dim=64, text_len=16, frames=1, height=8, width=8)  # tiny clip, 16 video tokens
+
+
+@dataclass(frozen=True)
+class Case:
+    group: str
+    shape: Shape
+    backend: str = "native"
+    ac: bool = True
+    compile: bool = False
+    fp8: str = "none"  # full fine-tuning: "tensorwise" / "rowwise"
+    lora_base: str = ""  # LoRA rows: "bf16" or "fp8"
+
+    @property
+    def label(self) -> str:
+        parts = [self.group, self.backend, "AC" if self.ac else "no AC"]
+        if self.compile:
+            parts.append("compile")
+        if self.fp8 != "none" or self.group == "fp8":
+            parts.append(f"fp8 {self.fp8}" if self.fp8 != "none" else "bf16")
+        if self.lora_base:
+            parts.append(f"{self.lora_base} base")
+        return ", ".join(parts)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--heads", type=int, default=12)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--ffn", type=int, default=8960)
-    parser.add_argument("--text-dim", type=int, default=4096)
-    parser.add_argument("--text-len", type=int, default=512)
-    parser.add_argument("--frames", type=int, default=21, help="latent frames (81 video frames)")
-    parser.add_argument("--height", type=int, default=60, help="latent height (480 px)")
-    parser.add_argument("--width", type=int, default=104, help="latent width (832 px)")
-    parser.add_argument("--batch", type=int, default=1, help="samples per rank")
-    parser.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
-    parser.add_argument("--no-ac", dest="ac", action="store_false", help="no activation checkpointing")
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser.add_argument("--dry", action="store_true", help="CPU dry run: tiny shapes, one step per row, no compile")
+    parser.add_argument("--only", choices=GROUPS, action="append", help="run only these groups (repeatable)")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step")
+    parser.add_argument("--fp8-layers", type=int, default=4, help="blocks of the 14B-shaped model")
+    parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak per GPU (0: look it up)")
-    parser.add_argument("--dry", action="store_true", help="CPU dry run: 1 layer, a tiny clip, 32 text tokens")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args(argv)
     if args.dry:
-        args.layers, args.frames, args.height, args.width, args.text_len, args.steps = 1, 1, 8, 8, 32, 1
+        args.steps = 1
     return args
 
 
-def init_group(device_type: str) -> tuple[int, int]:
-    """(rank, world) from torchrun's environment, or a one-process group (FSDP2 needs a mesh)."""
-    import torch.distributed as dist
+def cases(args, training_backends: list[str]) -> list[Case]:
+    """The rows to run, in order; tiny shapes and no compile in a dry run."""
+    big, wide = WAN_1_3B, replace(WAN_14B, layers=args.fp8_layers)
+    if args.dry:
+        big = Shape(layers=1, heads=2, head_dim=32, ffn=128, **DRY)
+        wide = Shape(layers=1, heads=2, head_dim=32, ffn=128, **DRY)
+    compile_ok = not args.dry
+    # native_math materialises every 32k x 32k score matrix: a dry-run row only. flex is fused only
+    # when compiled (eager flex is the same materialising fallback), so its row compiles.
+    full = [Case("full", big, backend=b, compile=b == "flex" and compile_ok)
+            for b in training_backends if args.dry or b != "native_math"]
+    full += [Case("full", big, ac=False)] + ([Case("full", big, compile=True)] if compile_ok else [])
+    fp8 = [Case("fp8", wide, compile=compile_ok, fp8=recipe) for recipe in ("none", "tensorwise", "rowwise")]
+    lora = [Case("lora", big, lora_base=base) for base in ("bf16", "fp8")]
+    chosen = args.only or GROUPS
+    return [case for case in full + fp8 + lora if case.group in chosen]
 
-    from vt.shared import runtime
 
-    rank, world = runtime.rank(), runtime.world_size()
-    backend = "cpu:gloo,cuda:nccl" if device_type == "cuda" else "gloo"
-    if "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
-    return rank, world
-
-
-def model_flops_per_sample(args) -> float:
+def model_flops_per_sample(shape: Shape) -> float:
     """Forward + backward matmul FLOPs of one sample (3 x forward; recomputation not counted)."""
-    d, f = args.heads * args.head_dim, args.ffn
-    s = args.frames * (args.height // 2) * (args.width // 2)  # video tokens after the 1x2x2 patch
-    t = args.text_len
+    d, f, s, t = shape.heads * shape.head_dim, shape.ffn, shape.tokens, shape.text_len
     per_layer = (2 * s * (6 * d * d + 2 * d * f)  # self-attn q,k,v,o + cross-attn q,o + FFN, on video tokens
                  + 2 * t * 2 * d * d  # cross-attn k, v on text tokens
                  + 4 * s * s * d + 4 * s * t * d)  # attention scores and weighted sums (self, cross)
-    embed = 2 * t * (args.text_dim * d + d * d) + 2 * s * (16 * 4 * d + d * 16 * 4)  # text embedder, patch in/out
-    return 3.0 * (args.layers * per_layer + embed)
+    embed = 2 * t * (shape.text_dim * d + d * d) + 2 * s * (16 * 4 * d + d * 16 * 4)  # text embedder, patch in/out
+    return 3.0 * (shape.layers * per_layer + embed)
 
 
 def peak_tflops(args, device) -> float | None:
@@ -86,97 +135,153 @@ def peak_tflops(args, device) -> float | None:
         return args.peak_tflops
     if device.type != "cuda":
         return None
-    name = __import__("torch").cuda.get_device_name(device)
+    import torch
+
+    name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def build(case: Case, args, device):
+    """The case's model on `device` and the parameters AdamW trains."""
+    import torch
+    from bench_parallel import build_wan
+
+    from vt.train.attention import set_backend
+    from vt.train.fp8 import apply_fp8_training, store_base_fp8
+    from vt.train.parallel import apply_ac, apply_compile
+
+    shape = case.shape
+    with torch.device(device):  # random init straight on the device: seconds, not minutes
+        model = build_wan(shape.layers, shape.heads, shape.head_dim, shape.ffn, shape.text_dim)
+    if case.lora_base:
+        from peft import LoraConfig
+
+        model.requires_grad_(False).to(torch.bfloat16)
+        if case.lora_base == "fp8":
+            store_base_fp8(model, torch.bfloat16, sharded=False)
+        model.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank,
+                                     target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.float()
+    set_backend(model, case.backend)
+    if case.fp8 != "none":
+        dry_filter = (lambda m, name: m.in_features % 16 == 0 and m.out_features % 16 == 0) if args.dry else None
+        apply_fp8_training(model, case.fp8, fsdp=False, module_filter=dry_filter)
+    spec = _spec()
+    if case.ac:
+        apply_ac(model, spec)
+    if case.compile:
+        apply_compile(model, spec)
+    return model, [p for p in model.parameters() if p.requires_grad]
+
+
+def _spec():
+    from vt.shared.config import ModelConfig
+    from vt.shared.models import build_spec
+
+    return build_spec(ModelConfig(family="wan"), frame_rate=16.0)
+
+
+def measure(case: Case, args, device) -> dict:
+    """Train the case for a warm-up and `args.steps` steps; its row (or why it has none)."""
+    import torch
+    from bench_parallel import wan_batch
+
+    from vt.train.data import Batch
+    from vt.train.objectives import flow_matching_loss
+    from vt.train.parallel.batching import draw_inputs, take_slice
+
+    row = {"case": case.label, **{k: v for k, v in asdict(case).items() if k != "shape"}}
+    model = optimizer = None
+    try:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        model, params = build(case, args, device)
+        optimizer = torch.optim.AdamW(params, lr=1e-5)
+        shape, spec = case.shape, _spec()
+        tensors = wan_batch(1, shape.frames, shape.height, shape.width, shape.text_len, shape.text_dim)
+        part = take_slice(Batch("check", 0, ["0"], tensors), 0, 1)
+        sigmas, noise = draw_inputs(part, 0, 0, "logit_normal", 3.0)
+        batch = {k: v.to(device) for k, v in part.tensors.items()}
+        sigmas, noise = sigmas.to(device), noise.to(device)
+        times, losses = [], []
+        warmup = 0 if args.dry else 1  # a dry run proves the path; its one step is not a measurement
+        for step in range(warmup + args.steps):
+            _sync(device)
+            begin = time.perf_counter()
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = flow_matching_loss(spec.forward(model, batch, sigmas, noise)).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            _sync(device)
+            if step >= warmup:
+                times.append(time.perf_counter() - begin)
+            losses.append(float(loss.detach()))
+        step_s = statistics.median(times)
+        peak = peak_tflops(args, device)
+        flops = model_flops_per_sample(shape) / step_s
+        row.update(tokens=shape.tokens, step_ms=step_s * 1e3, tokens_s=shape.tokens / step_s,
+                   mfu=(flops / (peak * 1e12)) if peak and not case.lora_base else None,
+                   peak_gib=(torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
+                   losses=losses, note="" if all(map(math.isfinite, losses)) else "loss not finite")
+    except torch.OutOfMemoryError:
+        row["note"] = "out of memory"
+    except (RuntimeError, ValueError, NotImplementedError) as err:  # a kernel this GPU or build lacks
+        row["note"] = f"failed: {str(err).splitlines()[0][:90]}"
+    finally:
+        del model, optimizer
+        gc.collect()
+        if case.compile:
+            torch._dynamo.reset()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def format_rows(rows: list[dict]) -> str:
+    def num(value, fmt):
+        return "-" if value is None else format(value, fmt)
+
+    lines = ["| case | tokens | step ms | tokens/s | MFU | peak GiB | note |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        lines.append(f"| {r['case']} | {num(r.get('tokens'), ',')} | {num(r.get('step_ms'), '.1f')} | "
+                     f"{num(r.get('tokens_s'), ',.0f')} | {num(r.get('mfu'), '.1%')} | "
+                     f"{num(r.get('peak_gib'), '.1f')} | {r.get('note', '')} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from bench_parallel import build_wan, wan_batch
-    from vt.shared.config import ModelConfig
-    from vt.shared.models import build_spec
-    from vt.train.objectives import flow_matching_loss
-    from vt.train.parallel import apply_ac, apply_compile, apply_fsdp
-    from vt.train.parallel.batching import draw_inputs, take_slice
-    from vt.train.data import Batch
-    from vt.train.parallel.dims import ParallelDims
-    from vt.train.parallel.grads import clip_grad_norm
+    from vt.train.attention import available_backends
 
     if not args.dry and not torch.cuda.is_available():
         print("no CUDA device here: run with --dry for the CPU dry run", file=sys.stderr)
         return 2
-    from vt.shared.runtime import pick_device
-
-    device = torch.device("cpu") if args.dry else pick_device("cuda")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    rank, world = init_group(device.type)
-    import torch.distributed as dist
-
-    try:
-        meshes = ParallelDims(dp_shard=world, world_size=world).build_mesh(device.type)
-        spec = build_spec(ModelConfig(family="wan"), frame_rate=16.0)
-        started = time.perf_counter()
-        with torch.device(device):  # random init straight on the device: seconds, not minutes
-            model = build_wan(args.layers, args.heads, args.head_dim, args.ffn, args.text_dim)
-        n_params = sum(p.numel() for p in model.parameters())
-        if args.ac:
-            apply_ac(model, spec)
-        if args.compile:
-            apply_compile(model, spec)
-        apply_fsdp(model, spec, meshes["dp_shard"], param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=1e-5)
-        built = time.perf_counter() - started
-
-        tensors = wan_batch(args.batch, args.frames, args.height, args.width, args.text_len, args.text_dim, seed=rank)
-        part = take_slice(Batch("check", 0, [str(i) for i in range(args.batch)], tensors), 0, 1)
-        sigmas, noise = draw_inputs(part, 0, rank, "logit_normal", 3.0)
-        batch = {k: v.to(device) for k, v in part.tensors.items()}
-        sigmas, noise = sigmas.to(device), noise.to(device)
-        times, losses = [], []
-        for step in range(1 + args.steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            begin = time.perf_counter()
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                out = spec.forward(model, batch, sigmas, noise)
-            loss = flow_matching_loss(out)
-            loss.backward()
-            norm = clip_grad_norm(params, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if step:
-                times.append(time.perf_counter() - begin)
-            losses.append(loss.item())
-        step_s = statistics.median(times)
-        tokens = args.batch * args.frames * (args.height // 2) * (args.width // 2)
-        flops = model_flops_per_sample(args) * args.batch / step_s
-        peak = peak_tflops(args, device)
-        memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else float("nan")
-        finite = all(map(lambda v: v == v and abs(v) != float("inf"), losses)) and norm == norm
-        if rank == 0:
-            print(f"Wan 1.3B-shaped transformer: {n_params / 1e9:.3f}B parameters, {args.layers} layers, "
-                  f"{args.heads}x{args.head_dim} heads, FFN {args.ffn}; FSDP2 over {world} rank(s), bf16 params, "
-                  f"fp32 reduce, AC {'on' if args.ac else 'off'}, compile {'on' if args.compile else 'off'}; "
-                  f"built in {built:.1f}s on {device}")
-            print(f"clip {args.frames}x{args.height}x{args.width} latents = {tokens // args.batch} tokens/sample, "
-                  f"{args.text_len} text tokens, {args.batch} sample(s)/rank; losses {['%.4f' % v for v in losses]}, "
-                  f"grad norm {norm:.3f}")
-            print(f"step time {step_s * 1e3:.1f} ms (median of {len(times)}); tokens/s {tokens * world / step_s:,.0f} "
-                  f"(job), {tokens / step_s:,.0f} per rank; model TFLOP/s per rank {flops / 1e12:.1f}; "
-                  f"MFU {f'{100 * flops / (peak * 1e12):.1f}%' if peak else 'n/a (unknown peak: --peak-tflops)'}; "
-                  f"peak memory rank 0 {memory:.1f} GiB")
-        if not finite:
-            print(f"rank {rank}: loss or gradient norm is not finite: {losses}, {norm}", file=sys.stderr)
-            return 1
-        return 0
-    finally:
-        dist.destroy_process_group()
+    device = torch.device("cpu") if args.dry else torch.device("cuda", torch.cuda.current_device())
+    backends = available_backends(device, training=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
+    started = time.perf_counter()
+    rows = [measure(case, args, device) for case in cases(args, backends)]
+    print(f"vt gpu check on {name}: torch {torch.__version__}, attention backends {', '.join(backends)}, "
+          f"peak {peak_tflops(args, device) or 'unknown'} TFLOP/s bf16, {args.steps} timed step(s) per row, "
+          f"{time.perf_counter() - started:.0f} s")
+    print(format_rows(rows))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    return 1 if any(r.get("note") == "loss not finite" for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
-# One FSDP2 bf16 step of a Wan 1.3B-shaped transformer on this machine's GPUs: tokens/s and MFU.
-#   scripts/gpu_check.sh            one process per GPU (torchrun), real sizes
-#   scripts/gpu_check.sh --dry      CPU, one process, 1 layer: checks the path runs (no GPU needed)
-# Extra arguments go to scripts/gpu_check.py (see --help), e.g. --batch 2 --no-ac --compile.
+# Memory and speed on one GPU: one table of tokens/s, MFU and peak memory per attention backend,
+# with/without activation checkpointing and compile (Wan 1.3B shape, 32,760 tokens), fp8 training
+# against bf16 (14B widths), LoRA on fp8 against bf16 base weights. See scripts/gpu_check.py.
+#   scripts/gpu_check.sh              first GPU (CUDA_VISIBLE_DEVICES picks another), real sizes
+#   scripts/gpu_check.sh --dry        CPU, tiny shapes, one step per row: checks every row's path runs
+# Extra arguments go to scripts/gpu_check.py (see --help), e.g. --only fp8 --json runs/gpu_check.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
 export HF_HUB_OFFLINE=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-if [[ " $* " == *" --dry "* ]]; then
-    exec "$PY" scripts/gpu_check.py "$@"
-fi
-GPUS=${NPROC:-$("$PY" -c 'import torch; print(torch.cuda.device_count())')}
-if [[ "$GPUS" -lt 1 ]]; then
+if [[ " $* " != *" --dry "* ]] && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "no CUDA GPU visible; run scripts/gpu_check.sh --dry for the CPU dry run" >&2
     exit 2
 fi
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$GPUS" scripts/gpu_check.py "$@"
+"$PY" -m vt.train env 2>/dev/null || true  # the machine, for the record above the table
+exec "$PY" scripts/gpu_check.py "$@"

@@ -6,6 +6,9 @@ keyframe a second so decoders can seek), and written as `<key>.mp4` plus `<key>.
 `<key>.json` {"caption": ...}) into out/raw-000000.tar, raw-000001.tar, ...
 
     python scripts/make_sample_shards.py --clips DIR --out DIR [--seconds 1.5] [--per-shard 8] [--max-side 480]
+
+With `--stills N` it writes a folder of media files instead (the pieces as <key>.mp4 plus N still
+images per clip as .jpg / .png / .webp, each with <key>.txt): the mixed raw input of images and videos.
 """
 
 from __future__ import annotations
@@ -138,6 +141,54 @@ def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_s
     return shards
 
 
+STILL_FORMATS = (("jpg", "JPEG"), ("png", "PNG"), ("webp", "WEBP"))
+
+
+def cut_stills(clip: Path, count: int, max_side: int, start: int = 0) -> list[tuple[str, bytes]]:
+    """`count` frames spread over the clip as (extension, image bytes), cycling through .jpg, .png and
+    .webp from format `start`."""
+    from PIL import Image
+
+    with av.open(str(clip)) as source:
+        total = source.streams.video[0].frames or sum(1 for _ in source.decode(video=0))
+    wanted = {(2 * i + 1) * total // (2 * count) for i in range(count)}
+    with av.open(str(clip)) as source:
+        picks = [frame for n, frame in zip(range(max(wanted) + 1), source.decode(video=0)) if n in wanted]
+    stills = []
+    for index, frame in enumerate(picks):
+        height, width = _output_size(frame.height, frame.width, max_side)
+        image = Image.fromarray(frame.to_ndarray(format="rgb24")).resize((width, height), Image.Resampling.BOX)
+        buffer = io.BytesIO()
+        ext, kind = STILL_FORMATS[(start + index) % len(STILL_FORMATS)]
+        image.save(buffer, kind)
+        stills.append((ext, buffer.getvalue()))
+    return stills
+
+
+def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_side: int = 256,
+                      stills_per_clip: int = 3, pieces_per_clip: int | None = None) -> list[Path]:
+    """A raw folder as the peers take it: `<clip>-<n>.mp4` pieces (at most `pieces_per_clip`) and
+    `<clip>-still-<n>.jpg` / `.png` / `.webp` cut from the clips, each with a `.txt` caption (the
+    clip's, plus "a still of" for images); returns the media files."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written, stills = [], 0
+    for clip in sorted(Path(c) for c in clips):
+        caption = CAPTIONS.get(clip.stem)
+        if caption is None:
+            raise ValueError(f"no caption for clip {clip.name}; add it to CAPTIONS")
+        media = [(f"{clip.stem}-{n:03d}.mp4", video, caption)
+                 for n, video in enumerate(cut_clip(clip, seconds, max_side)[:pieces_per_clip])]
+        media += [(f"{clip.stem}-still-{n:03d}.{ext}", image, f"a still of {caption}")
+                  for n, (ext, image) in enumerate(cut_stills(clip, stills_per_clip, max_side, start=stills))]
+        stills += stills_per_clip
+        for name, data, text in media:
+            (out / name).write_bytes(data)
+            (out / name).with_suffix(".txt").write_text(text)
+            written.append(out / name)
+    return written
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clips", type=Path, required=True, help="folder of .mp4 clips")
@@ -146,12 +197,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-shard", type=int, default=8)
     parser.add_argument("--max-side", type=int, default=480)
     parser.add_argument("--json", action="store_true", help="captions as <key>.json instead of <key>.txt")
+    parser.add_argument("--stills", type=int, default=0,
+                        help="write a media folder instead of tars: the pieces plus this many stills per clip")
     args = parser.parse_args(argv)
     clips = sorted(args.clips.glob("*.mp4"))
     if not clips:
         raise SystemExit(f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}")
-    for path in make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
-                                   caption_format="json" if args.json else "txt"):
+    if args.stills:
+        written = make_media_folder(clips, args.out, args.seconds, args.max_side, stills_per_clip=args.stills)
+    else:
+        written = make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
+                                     caption_format="json" if args.json else "txt")
+    for path in written:
         print(path)
 
 

@@ -7,6 +7,8 @@ Building takes about a second on CPU and needs no network.
     python scripts/make_tiny_model.py --family ltx-video runs/models/ltx-video-tiny
     python scripts/make_tiny_model.py --family wan --seed 1 runs/models/wan-tiny
     python scripts/make_tiny_model.py --family wan --task i2v runs/models/wan-i2v-tiny
+    python scripts/make_tiny_model.py --family wan2.2 --task i2v runs/models/wan22-i2v-tiny
+    python scripts/make_tiny_model.py --family wan2.2-ti2v runs/models/wan22-ti2v-tiny
 """
 
 from __future__ import annotations

@@ -40,6 +40,11 @@ def parse_buckets(specs: list[str]) -> list[Bucket]:
     return buckets
 
 
+def buckets_for(buckets: list[Bucket], still: bool) -> list[Bucket]:
+    """The buckets a sample may take: one-frame buckets (1xHxW) for a still image, the others for a clip."""
+    return [b for b in buckets if (b.frames == 1) == still]
+
+
 def choose_bucket(buckets: list[Bucket], frames: int, height: int, width: int) -> Bucket | None:
     """The bucket for a clip of `frames` usable frames at height x width, or None if too short."""
     fitting = [b for b in buckets if b.frames <= frames]

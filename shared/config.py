@@ -17,6 +17,7 @@ import tomli_w
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from vt.shared.buckets import parse_buckets
+from vt.shared.chain import resolve_chain
 
 
 class ConfigError(ValueError):
@@ -56,7 +57,8 @@ class ModelConfig(_Section):
     max_text_tokens: int | None = Field(None, ge=1)  # None: the family's default
     first_frame_noise: float = Field(0.0, ge=0, le=1)  # i2v: max sigma of the conditioning frame (0: clean)
     # Families with several experts (Wan 2.2 A14B: "high_noise", "low_noise"): the one this run trains,
-    # on its own noise range; "" is the family's first.
+    # on its own noise range; "" is the family's first; "all" trains every expert in one run, each
+    # sample by the expert whose range holds its sigma.
     expert: str = ""
 
 
@@ -99,6 +101,20 @@ class PrecomputeConfig(_Section):
     max_consecutive_failures: int = Field(100, ge=1)
     workers: int = Field(1, ge=0)  # decode worker processes (0: decode in the encoding process)
     device: str = "auto"
+    # The processor chain (vt.shared.chain): tables of `name` plus options; [] is the default chain.
+    processors: list[dict[str, Any]] = Field(default_factory=list)
+
+    @field_validator("processors")
+    @classmethod
+    def _chain(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        resolve_chain(value)  # every option checked at load; the error names the processor and the key
+        return value
+
+
+# The attention kernels a run may name (vt names; vt.train.attention maps them to diffusers' dispatcher).
+ATTENTION_BACKENDS = ("native", "native_cudnn", "native_flash", "native_efficient", "native_math", "flash",
+                      "flex", "xformers")
+VALIDATION_ATTENTION_BACKENDS = ("", *ATTENTION_BACKENDS, "sage")  # sage: forward only, so inference only
 
 
 class TrainConfig(_Section):
@@ -116,6 +132,8 @@ class TrainConfig(_Section):
     max_steps: int = Field(0, ge=0)  # 0: until the data ends
     seed: int = Field(0, ge=0)
     sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    # Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample).
+    caption_dropout: float = Field(0.0, ge=0, le=1)
     shift: float = Field(1.0, gt=0)
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     checkpoint_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end
@@ -125,6 +143,18 @@ class TrainConfig(_Section):
     validation_steps: int = Field(4, ge=1)
     resume: bool = True  # continue from the newest checkpoint in the run folder
     device: str = "auto"
+    # Attention kernel through diffusers' dispatcher (vt.train.attention): "native" (torch SDPA picks),
+    # "native_cudnn" / "native_flash" / "native_efficient" / "native_math" (one SDPA kernel), "flash"
+    # (the flash-attn package), "flex", "xformers"; checked against this machine at start-up.
+    attention_backend: Literal[ATTENTION_BACKENDS] = "native"
+    # Validation's kernel ("": the training one); may also be an inference-only one ("sage").
+    validation_attention_backend: Literal[VALIDATION_ATTENTION_BACKENDS] = ""
+    # LoRA: keep the frozen transformer in float8 e4m3 and upcast it layer by layer for compute (half
+    # the weight memory of bf16); adapters and optimizer stay fp32.
+    fp8_base_weights: bool = False
+    # Full fine-tuning: torchao float8 linear layers ("tensorwise" or "rowwise"; CUDA sm89+ only), on
+    # the linear layers torchao's size filter picks (small ones stay bf16: float8 would not pay there).
+    fp8_training: Literal["none", "tensorwise", "rowwise"] = "none"
 
 
 class LogConfig(_Section):
@@ -143,6 +173,9 @@ class ParallelConfig(_Section):
     tp: int = Field(1, ge=1)
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory
     compile: bool = False  # torch.compile each transformer block
+    # FSDP2 keeps parameters, gradients and optimizer state in CPU memory and the optimizer steps on
+    # the CPU (CPUOffloadPolicy); one process shards over a group of one, so a single GPU can use it.
+    cpu_offload: bool = False
 
     @field_validator("dp_shard")
     @classmethod

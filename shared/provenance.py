@@ -5,8 +5,9 @@ trainer computes the same from its own config and refuses shards whose fingerpri
 the settings that differ (`describe_difference`), so a cache never goes stale silently.
 
 What goes in: the model family and task, the encoders' weights (a digest of the tokenizer, text
-encoder and VAE files), the processor chain and its settings (frame rate, bucket table, how a clip
-is fitted to its bucket, the text length), encoder and storage dtypes, and the shard format version.
+encoder and VAE files), the processing (frame rate, bucket table, and the processor chain: every
+step's name, version and options, defaults included), the text length, encoder and storage dtypes,
+and the shard format version.
 Not in: anything only the trainer uses (transformer, LoRA, learning rate ...).
 
 The weights digest reads files, never loads a model. Files up to FULL_HASH_BYTES are hashed whole.
@@ -15,8 +16,9 @@ hashed by their size, their first HEAD_BYTES (for safetensors: the whole header,
 tensor with its dtype, shape and offsets) and SAMPLE_COUNT blocks of SAMPLE_BYTES spread evenly over
 the rest. The trade-off: a change confined to bytes between the sampled blocks, with the same size
 and header, goes unnoticed. Fine-tuning or re-saving a model changes nearly every block, so real
-changes are caught; a single hand-edited value in a big file is not. Bump PROCESSING_VERSION when
-a processor's behaviour changes so old caches are refused.
+changes are caught; a single hand-edited value in a big file is not. Bump a processor's
+VERSION (its options class) when its behaviour changes, PROCESSING_VERSION when anything else in
+stage 1 does, so old caches are refused.
 """
 
 from __future__ import annotations
@@ -26,14 +28,14 @@ import json
 import struct
 from pathlib import Path
 
+from vt.shared.chain import describe_chain
 from vt.shared.config import Config
 from vt.shared.shards import FORMAT_VERSION
 
-# Bump when decode / frame sampling / fitting changes what a shard holds (2: display aspect, sample ids
-# "<raw shard>/<key>").
-PROCESSING_VERSION = 2
-FIT_MODE = "resize-to-cover, bilinear antialias, center crop"  # precompute/processors/fit_bucket.py
-FRAME_SAMPLING = "from the start, at buckets.fps"  # precompute/processors/sample_frames.py
+# Bump when stage 1 changes what a shard holds outside any one processor (a processor's own change
+# bumps its VERSION, vt.shared.chain). 2: display aspect, sample ids "<raw shard>/<key>"; 3: the
+# processor chain (each step's name, version and options) replaces the fixed fit / frame sampling.
+PROCESSING_VERSION = 3
 
 FULL_HASH_BYTES = 64 * 2**20
 HEAD_BYTES = 2**20
@@ -55,8 +57,8 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
         "encoder_dtype": config.model.dtype,
         "storage_dtype": config.precompute.storage_dtype,
         "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
-                       "buckets": sorted(config.buckets.sizes), "fit": FIT_MODE,
-                       "frame_sampling": FRAME_SAMPLING},
+                       "buckets": sorted(config.buckets.sizes),
+                       "processors": describe_chain(config.precompute.processors)},
         "weights": dict(sorted((weights if weights is not None else weights_digests(spec)).items())),
     }
 
@@ -130,5 +132,15 @@ def _diff(expected, found, prefix: str):
     if isinstance(expected, dict) and isinstance(found, dict):
         for key in sorted(set(expected) | set(found)):
             yield from _diff(expected.get(key), found.get(key), f"{prefix}{key}.")
+    elif _same_chain(expected, found):  # step by step: "processing.processors[1:crop].mode: ..."
+        for index, (ours, theirs) in enumerate(zip(expected, found)):
+            yield from _diff(ours, theirs, f"{prefix.rstrip('.')}[{index}:{ours['name']}].")
     elif expected != found:
         yield prefix.rstrip("."), expected, found
+
+
+def _same_chain(expected, found) -> bool:
+    """Two processor lists with the same steps in the same order (their options may differ)."""
+    return (isinstance(expected, list) and isinstance(found, list) and len(expected) == len(found)
+            and all(isinstance(a, dict) and isinstance(b, dict) and "name" in a and a.get("name") == b.get("name")
+                    for a, b in zip(expected, found)))

@@ -4,6 +4,9 @@ A shard holds the samples of one bucket: each named tensor is stacked along dim 
 sample key, and the lot is one safetensors file (no pickle, so reading a shard runs no code). The
 safetensors metadata (string -> string) carries the format version, the sample keys and a JSON
 `meta` dict (bucket, provenance fingerprint, ...), so a shard describes itself without its record.
+Text conditions are stored once per distinct caption, trimmed to the caption's rows, and samples
+refer to them (shared/caption_table.py, version 2); `decode_shard` gives every sample its caption's
+tensors padded back, so readers see one row per sample for every name as in version 1.
 
 A commit record is the small JSON that makes a shard visible in the window: it names the data file
 and pins its size and sha256, so a reader detects a file that changed after it was committed.
@@ -22,17 +25,23 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import Tensor
 
-FORMAT_VERSION = 1
+    from .caption_table import Captions
+
+FORMAT_VERSION = 2  # 2: the caption table (text stored once per distinct caption, trimmed)
 
 
 class ShardFormatError(ValueError):
     """Bytes that are not a vt latent shard of this format version, or a malformed record."""
 
 
-def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict) -> bytes:
-    """Stacked tensors (dim 0 = sample, one row per key) -> safetensors bytes."""
+def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict,
+                 captions: "Captions | None" = None) -> bytes:
+    """Stacked tensors (dim 0 = sample, one row per key), plus the samples' text conditions once per
+    distinct caption (`captions`), -> safetensors bytes."""
     import torch
     from safetensors.torch import save
+
+    from .caption_table import is_text, pack
 
     if not keys or not all(isinstance(k, str) for k in keys):
         raise ValueError(f"a shard needs a non-empty list of string sample keys, got {keys!r}")
@@ -40,7 +49,12 @@ def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict) -> b
         raise ValueError("sample keys in one shard must be unique; a key repeats")
     if not tensors:
         raise ValueError("a shard needs at least one tensor")
+    text, lengths = pack(captions.conditions, captions.index, captions.masks) if captions else ({}, {})
+    if captions is not None and len(captions.index) != len(keys):
+        raise ValueError(f"{len(captions.index)} caption references for {len(keys)} sample keys")
     for name, tensor in tensors.items():
+        if is_text(name) or name in lengths:
+            raise ValueError(f"shard tensor name {name!r} is taken by the caption table; rename it")
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"shard tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dim() == 0 or tensor.shape[0] != len(keys):
@@ -51,17 +65,30 @@ def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict) -> b
     except TypeError as err:
         raise ValueError(f"shard meta must be JSON-serializable: {err}") from err
     metadata = {"format": "vt-latent-shard", "format_version": str(FORMAT_VERSION),
-                "keys": json.dumps(keys), "meta": meta_json}
-    return save({n: t.detach().cpu().contiguous() for n, t in tensors.items()}, metadata=metadata)
+                "keys": json.dumps(keys), "meta": meta_json, "text_lengths": json.dumps(lengths, sort_keys=True)}
+    stored = {**tensors, **text}
+    return save({n: t.detach().cpu().contiguous() for n, t in stored.items()}, metadata=metadata)
 
 
 def decode_shard(data: bytes) -> tuple[dict[str, "Tensor"], list[str], dict]:
-    """safetensors bytes -> (tensors, keys, meta); rejects other formats and versions."""
+    """safetensors bytes -> (tensors, keys, meta), every tensor one row per key (captions padded
+    back); rejects other formats and versions."""
     from safetensors.torch import load
+
+    from .caption_table import INDEX, is_text, per_sample
 
     metadata = read_shard_metadata(data)
     keys = json.loads(metadata["keys"])
-    tensors = load(bytes(data))
+    stored = load(bytes(data))
+    tensors = {name: t for name, t in stored.items() if not is_text(name)}
+    lengths = json.loads(metadata.get("text_lengths", "{}"))
+    if lengths:
+        try:
+            if stored[INDEX].shape[0] != len(keys):
+                raise ValueError(f"its index has {stored[INDEX].shape[0]} rows for {len(keys)} keys")
+            tensors.update(per_sample(stored, lengths))
+        except (KeyError, ValueError, IndexError) as err:
+            raise ShardFormatError(f"shard caption table is malformed: {err}") from err
     for name, tensor in tensors.items():
         if tensor.shape[0] != len(keys):
             raise ShardFormatError(f"shard tensor {name!r} has {tensor.shape[0]} rows for {len(keys)} keys")
@@ -85,7 +112,8 @@ def read_shard_metadata(data: bytes) -> dict[str, str]:
                                "write shards with vt.shared.shards.encode_shard")
     if metadata.get("format_version") != str(FORMAT_VERSION):
         raise ShardFormatError(f"shard format version {metadata.get('format_version')} is not "
-                               f"{FORMAT_VERSION}; re-run vt-precompute with this vt version")
+                               f"{FORMAT_VERSION} (version 2 stores each caption's text once); re-run "
+                               "vt-precompute with this vt version into a fresh window")
     return metadata
 
 

@@ -8,6 +8,8 @@ Layout under the window URI (local folder or s3://bucket/prefix), explained in d
     leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
     progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
     consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
+    text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window (caption
+                                         dropout); the first producer's copy stays, never evicted
 
 Why it is safe at every crash point:
 - A reader trusts only commit records; data without one is invisible. Records are created
@@ -49,7 +51,7 @@ from .shards import CommitRecord, read_shard_metadata
 from .storage import Storage
 
 __all__ = ["CONSUMER", "ProducerConflict", "ProducerFenced", "ShardCorruptError", "Window", "WindowTimeout",
-           "commit_path", "data_path", "producer_path", "seq_of"]
+           "commit_path", "data_path", "empty_caption_path", "producer_path", "seq_of"]
 
 log = logging.getLogger("vt.window")
 
@@ -77,6 +79,10 @@ def data_path(rank: int, seq: int, sha256: str, generation: int = 0) -> str:
 
 def commit_path(rank: int, seq: int) -> str:
     return f"commits/p{rank}/{seq:08d}.json"
+
+
+def empty_caption_path(fingerprint: str) -> str:
+    return f"text/empty-{fingerprint}.safetensors"
 
 
 def producer_path(rank: int) -> str:
@@ -306,6 +312,20 @@ class Window:
     def read_progress(self, rank: int) -> list[tuple[int, dict]]:
         """(generation, payload) of every stored resume state of `rank`, newest generation first."""
         return lease.read_progress(self.storage, rank)
+
+    def put_empty_caption(self, fingerprint: str, data: bytes) -> bool:
+        """Store the empty caption's shard-format text conditions for shards of `fingerprint`, once per
+        window: every producer offers its copy before its first commit and the first one stays."""
+        return self.storage.create_exclusive(empty_caption_path(fingerprint), data)
+
+    def empty_caption(self, fingerprint: str) -> bytes:
+        """The stored empty caption of shards made with `fingerprint` (see put_empty_caption)."""
+        try:
+            return self.storage.read(empty_caption_path(fingerprint))
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{self.uri} holds no empty caption for shards {fingerprint}: it was made before caption "
+                "dropout existed; re-run vt-precompute into a fresh window, or set train.caption_dropout = 0") from None
 
     def finish_producer(self, rank: int, num_shards: int) -> None:
         """Done marker: this rank's shards are seqs 0..num_shards-1; the reader stops waiting on it."""

@@ -97,6 +97,18 @@ def s3_bucket(s3_server, request) -> str:
 
 
 @pytest.fixture(scope="session")
+def media_folder(clips_dir, tmp_path_factory) -> Path:
+    """A raw folder of media files with .txt captions: a 1.5 s mp4 piece of each real clip plus one
+    still (.jpg, .png or .webp) cut from each, at most 128 px (scripts/make_sample_shards.py)."""
+    from make_sample_shards import make_media_folder
+
+    out = tmp_path_factory.mktemp("media")
+    make_media_folder(sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, max_side=128, stills_per_clip=1,
+                      pieces_per_clip=1)
+    return out
+
+
+@pytest.fixture(scope="session")
 def raw_shards(clips_dir, tmp_path_factory) -> Path:
     """Raw webdataset shards cut from the real clips (1.5 s samples, at most 256 px)."""
     from make_sample_shards import make_sample_shards

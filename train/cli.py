@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -22,6 +23,7 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
     """Train (LoRA or full) on the window named by the config; resumes from the newest checkpoint."""
     cfg = load_or_exit(config, set)
+    _note_accelerate_cpu()
     from vt.shared.models.components import ModelLoadError
     from vt.train.data import StaleShardError
     from vt.train.trainer import Trainer
@@ -31,6 +33,26 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     except (StaleShardError, ModelLoadError, FileNotFoundError, ValueError) as err:
         raise fail(str(err)) from err
     typer.echo(f"trained {summary['steps']} steps, last loss {summary['last_loss']:.4f}, weights in {summary['export']}")
+
+
+def _note_accelerate_cpu() -> None:
+    """`accelerate launch --cpu --num_processes N` starts ONE process (accelerate's several-CPU-process
+    mode goes through MPI): say how to get N ranks instead of training quietly on one."""
+    if os.environ.get("ACCELERATE_USE_CPU", "").lower() == "true" and "WORLD_SIZE" not in os.environ:
+        from vt.shared.log import get_logger
+
+        get_logger("vt.train").warning(
+            "started by `accelerate launch --cpu`, which runs a single process: for N ranks use "
+            "`accelerate launch --multi_gpu --num_processes N -m vt.train run ...` (it starts them as torchrun "
+            "does, on CPUs too) or torchrun --nproc-per-node N")
+
+
+@app.command()
+def env() -> None:
+    """Versions, GPUs, attention backends and fp8 recipes of this machine: paste it into a bug report."""
+    from vt.train.env import environment, format_environment
+
+    typer.echo(format_environment(environment()))
 
 
 if __name__ == "__main__":

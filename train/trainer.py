@@ -14,13 +14,14 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 
 import torch
 
 from vt.shared.buckets import parse_buckets
+from vt.shared.caption_table import decode_caption
 from vt.shared.config import Config, to_toml
 from vt.shared.faults import fault_point
 from vt.shared.log import get_logger
@@ -29,8 +30,12 @@ from vt.shared.progress import Progress
 from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
+from vt.train.attention import backend_for, check_backend, set_backend
+from vt.train.caption_dropout import drop_captions, dropped
 from vt.train.checkpoint import Checkpointer, gather_full_state_dict, lora_weights
 from vt.train.data import Batch, BatchReader, StaleShardError
+from vt.train.experts import expert_modules, routes
+from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training, store_base_fp8
 from vt.train.objectives import flow_matching_loss, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_inputs, take_slice
@@ -87,6 +92,7 @@ class Trainer:
         if self.is_main:
             (self.run_dir / "config.toml").write_text(to_toml(config))
         self.amp_dtype = autocast_dtype(train.mixed_precision, self.device)
+        self._check_kernels()
         self.spec = spec_for(config)
         self.buckets = parse_buckets(config.buckets.sizes)
         for bucket in self.buckets:
@@ -118,16 +124,41 @@ class Trainer:
         self._export_model: torch.nn.Module | None = None  # rank 0's unsharded copy (distributed runs)
         self.step = 0
         self._checkpointed = -1
+        self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
 
     # -- set-up --------------------------------------------------------------------------------------
-    def _load_transformer(self, device: str) -> torch.nn.Module:
+    def _check_kernels(self) -> None:
+        """Attention backends, fp8 and CPU offload: stop at start-up when this machine cannot run them."""
         train = self.config.train
-        transformer = self.spec.load_transformer(device=device)
+        check_backend(train.attention_backend, self.device)
+        if train.validation_attention_backend:
+            check_backend(train.validation_attention_backend, self.device, training=False,
+                          key="train.validation_attention_backend")
+        check_fp8_training(train, self.device)
+        check_fp8_base(train)
+
+    def _compute_dtype(self) -> torch.dtype:
+        """What fp8-stored frozen weights are upcast to: the autocast dtype, else the model's dtype."""
+        return self.amp_dtype or self.spec.frozen_dtype
+
+    def _load_model(self, device: str) -> torch.nn.Module:
+        """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer."""
+        experts = self.spec.trained_experts
+        if not experts:
+            return self._load_transformer(device)
+        return torch.nn.ModuleDict({name: self._load_transformer(device, component)
+                                    for name, component in experts.items()})
+
+    def _load_transformer(self, device: str, component: str | None = None) -> torch.nn.Module:
+        train = self.config.train
+        transformer = self.spec.load_transformer(device=device, name=component)
+        if train.fp8_base_weights and not hasattr(self, "transformer"):  # the trained model, not rank 0's export copy
+            store_base_fp8(transformer, self._compute_dtype(), sharded=self.world.dims.fsdp_enabled)  # before LoRA
         if train.mode == "lora":
             transformer.requires_grad_(False)
             self.spec.add_lora(transformer, train.lora_rank, train.lora_alpha, train.lora_targets or None)
         else:
-            transformer.requires_grad_(True)
+            self.spec.full_trainable(transformer)
         for p in transformer.parameters():  # fp32 master weights for whatever trains
             if p.requires_grad:
                 p.data = p.data.float()
@@ -137,15 +168,24 @@ class Trainer:
         train, parallel, dims = self.config.train, self.config.parallel, self.world.dims
         torch.manual_seed(train.seed)  # LoRA initialisation: the same adapters in every run and on every rank
         # FSDP2 moves each shard to the device itself: loading on the CPU keeps whole copies off the GPU.
-        transformer = self._load_transformer("cpu" if dims.fsdp_enabled else str(self.device))
+        transformer = self._load_model("cpu" if dims.fsdp_enabled else str(self.device))
         transformer.train()
+        modules = set_backend(transformer, train.attention_backend)
+        log.info("attention backend %s (diffusers dispatcher, %d attention modules)", train.attention_backend, modules)
+        if train.fp8_training != "none":
+            for module in expert_modules(transformer).values():
+                apply_fp8_training(module, train.fp8_training, fsdp=dims.fsdp_enabled)
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
         log.info("%s %s: %.2fM trainable of %.2fM parameters on %s", self.spec.family, train.mode,
                  trainable / 1e6, total / 1e6, self.device)
+        # fp8-stored base weights are upcast by FSDP2's all-gather, so they need a param dtype to go to.
+        param_dtype = self.amp_dtype or (self._compute_dtype() if train.fp8_base_weights else None)
         if dims.distributed or parallel.activation_checkpointing or parallel.compile:
-            parallelize(transformer, self.spec, self.world, activation_checkpointing=parallel.activation_checkpointing,
-                        compile=parallel.compile, param_dtype=self.amp_dtype if dims.fsdp_enabled else None)
+            for module in expert_modules(transformer).values():  # several experts: each by the same plan
+                parallelize(module, self.spec, self.world, activation_checkpointing=parallel.activation_checkpointing,
+                            compile=parallel.compile, param_dtype=param_dtype if dims.fsdp_enabled else None,
+                            cpu_offload=parallel.cpu_offload)
         return transformer
 
     def _check_record(self, record: CommitRecord, data: bytes) -> None:
@@ -226,6 +266,7 @@ class Trainer:
         loss_sum = torch.zeros((), dtype=torch.float64)
         offset, parts = 0, []
         for index, batch in enumerate(micro):
+            batch = self._drop_captions(batch, offset)  # on the global batch: every rank drops the same
             part = take_slice(batch, world.dp_rank, world.dims.dp, offset)
             offset += len(batch)
             parts.append(part)
@@ -235,24 +276,42 @@ class Trainer:
                                         self.spec.sigma_range())
             # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
             generator = step_generator(train.seed, self.step, index, world.dp_rank)
-            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                enabled=self.amp_dtype is not None):
-                out = self.spec.forward(self.transformer, tensors, sigmas.to(self.device), noise.to(self.device),
-                                        generator=generator)
-            sample_losses = flow_matching_loss(out) * part.count  # sum of this slice's per-sample losses
-            (sample_losses * scale).backward()
-            loss_sum += sample_losses.detach().double().cpu()
+            models = expert_modules(self.transformer)
+            for route in routes(self.spec, sigmas, part.count):  # the one transformer, or each expert's rows
+                rows = slice(None) if route.expert is None else route.rows
+                with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                                    enabled=self.amp_dtype is not None):
+                    out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
+                                            sigmas[rows].to(self.device), noise[rows].to(self.device),
+                                            generator=generator)
+                sample_losses = flow_matching_loss(out) * route.count  # sum of these rows' per-sample losses
+                (sample_losses * scale).backward()
+                loss_sum += sample_losses.detach().double().cpu()
         loss = float(world.sum(loss_sum.to(world.comm_device)).item()) / total
         if not math.isfinite(loss):  # the same global value on every rank: all stop together
             raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr or check the data")
         grad_norm = clip_grad_norm(self.params, train.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (the scheduler then moves on)
         self.optimizer.step()
+        if train.fp8_training != "none":
+            after_optimizer_step(self.transformer, train.fp8_training, fsdp=world.dims.fsdp_enabled)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._log_samples(micro, parts)
         return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "epoch": micro[-1].epoch, "batch": total}
+
+    def _drop_captions(self, batch: Batch, first: int) -> Batch:
+        """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global
+        index of its first sample in this step (see train/caption_dropout.py)."""
+        train = self.config.train
+        rows = [row for row in range(len(batch)) if dropped(train.seed, self.step, first + row, train.caption_dropout)]
+        if not rows:
+            return batch
+        if self._empty_caption is None:
+            stored = decode_caption(self.window.empty_caption(self.fingerprint))
+            self._empty_caption = {name: tensor.float() for name, tensor in stored.items()}
+        return replace(batch, tensors=drop_captions(batch.tensors, self._empty_caption, rows))
 
     def _log_samples(self, micro: list[Batch], parts: list[Slice]) -> None:
         """log.samples: the step's global keys (rank 0) and, when distributed, each rank's own slice."""
@@ -303,7 +362,7 @@ class Trainer:
             return None
         if self._export_model is None:
             with torch.random.fork_rng(devices=[]):  # LoRA's init draws must not shift rank 0's RNG
-                self._export_model = self._load_transformer("cpu").eval()
+                self._export_model = self._load_model("cpu").eval()
         result = self._export_model.load_state_dict(state, strict=False)
         trainable = {n for n, p in self._export_model.named_parameters() if p.requires_grad}
         missing = [k for k in result.missing_keys if k in trainable]
@@ -321,7 +380,10 @@ class Trainer:
         videos = []
         if model is not None:
             home = next(model.parameters()).device
-            videos = self.validator.run(model.to(self.device), self.step)
+            train = self.config.train
+            with backend_for(model, train.validation_attention_backend or train.attention_backend,
+                             restore=train.attention_backend):
+                videos = self.validator.run(model.to(self.device), self.step)
             model.to(home)
         self.world.barrier()
         return videos
@@ -345,12 +407,23 @@ class Trainer:
         return summary
 
     def export(self, model: torch.nn.Module) -> Path:
-        if self.config.train.mode == "lora":
-            return self.spec.save_lora(lora_weights(model), self.run_dir / "lora")
-        return self.spec.save_full(model, self.run_dir / "model")
+        """The LoRA files or full weights; a run over all experts writes each expert's (LoRA files named
+        after the expert, full weights in model/<its pipeline component>/)."""
+        lora = self.config.train.mode == "lora"
+        if not self.spec.trains_all_experts:
+            return self.spec.save_lora(lora_weights(model), self.run_dir / "lora") if lora \
+                else self.spec.save_full(model, self.run_dir / "model")
+        for expert, component in self.spec.trained_experts.items():
+            if lora:
+                self.spec.save_lora(lora_weights(model[expert]), self.run_dir / "lora", expert=expert)
+            else:
+                self.spec.save_full(model[expert], self.run_dir / "model" / component)
+        return self.export_path()
 
     def export_path(self) -> Path:
         """Where `export` writes (LoRA file or model folder), known on every rank."""
+        if self.spec.trains_all_experts:  # one file or folder per expert in it
+            return self.run_dir / ("lora" if self.config.train.mode == "lora" else "model")
         if self.config.train.mode == "lora":
             return self.run_dir / "lora" / "pytorch_lora_weights.safetensors"
         return self.run_dir / "model"

@@ -1,4 +1,5 @@
-"""Fit decoded frames to a bucket: resize to cover it, keeping the aspect ratio, then center crop.
+"""Fit decoded frames to a bucket: resize to cover it, keeping the aspect ratio, then crop (centered
+unless the `crop` processor placed the box elsewhere).
 
 Never stretch: a stretched clip teaches the model wrong shapes. The decoder usually delivers frames
 already at the covering size (FFmpeg scales while converting to RGB, see decode.py), so fitting is
@@ -8,15 +9,24 @@ at a time, so a 720p clip does not need its whole float copy in memory at once.
 Fitted frames stay uint8 (`fit_pixels`) until the encoder needs them: a quarter of float32's bytes
 between the decode workers and the encoder, and in the per-bucket buffers. `to_model_range` makes
 the model's input from them at the last moment.
+
+The `decode` processor is this step in the chain: it decodes the sample's frames (from `start`, at
+buckets.fps) scaled to cover its bucket, and cuts the crop box.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from vt.shared.buckets import Bucket, crop_box, resize_for_crop
+from vt.shared.chain import DecodeOptions
+
+from .sample import Processor, Sample
+from .sample_frames import sample_times
 
 _CHUNK = 8  # frames resized per step: bounds peak memory, costs nothing in speed
 
@@ -28,12 +38,15 @@ def _check(frames: np.ndarray, bucket: Bucket) -> None:
         raise ValueError(f"bucket {bucket.name} needs {bucket.frames} frames, got {frames.shape[0]}")
 
 
-def fit_pixels(frames: np.ndarray, bucket: Bucket) -> torch.Tensor:
-    """(F, H, W, 3) uint8 frames -> (3, F, bucket.height, bucket.width) uint8, covered and center-cropped."""
+def fit_pixels(frames: np.ndarray, bucket: Bucket, box: tuple[int, int] | None = None) -> torch.Tensor:
+    """(F, H, W, 3) uint8 frames -> (3, F, bucket.height, bucket.width) uint8, covered and cropped at
+    `box` (top, left in the covering size; default: centered)."""
     _check(frames, bucket)
     height, width = frames.shape[1:3]
     size = resize_for_crop(height, width, bucket)
-    top, left = crop_box(*size, bucket)
+    top, left = box if box is not None else crop_box(*size, bucket)
+    if not (0 <= top <= size[0] - bucket.height and 0 <= left <= size[1] - bucket.width):
+        raise ValueError(f"crop box {box} does not fit {bucket.name} in a {size[0]}x{size[1]} frame")
     if size == (height, width):  # the decoder already scaled: crop, then one copy into channel-first
         crop = frames[:, top:top + bucket.height, left:left + bucket.width]
         return torch.from_numpy(np.ascontiguousarray(crop.transpose(3, 0, 1, 2)))
@@ -57,3 +70,14 @@ def to_model_range(pixels: torch.Tensor) -> torch.Tensor:
 def fit_to_bucket(frames: np.ndarray, bucket: Bucket) -> torch.Tensor:
     """(F, H, W, 3) uint8 frames -> (3, F, bucket.height, bucket.width) float32 in [-1, 1]."""
     return to_model_range(fit_pixels(frames, bucket))
+
+
+class Decode(Processor):
+    Options = DecodeOptions
+
+    def __call__(self, sample: Sample):
+        info, bucket = sample.info, sample.bucket
+        assert bucket is not None, "decode runs after sample_frames (vt.shared.chain.resolve_chain orders them)"
+        size = resize_for_crop(info.height, info.width, bucket)
+        frames = sample.clip.frames_at(sample_times(info, sample.fps, bucket.frames, sample.start), size=size)
+        yield replace(sample, pixels=fit_pixels(frames, bucket, sample.box))

@@ -20,8 +20,12 @@ _REGISTRY: dict[str, str] = {
     "ltx-video": "vt.shared.models.ltx_video:LTXVideoSpec",
     "wan": "vt.shared.models.wan:WanSpec",
     "wan2.2": "vt.shared.models.wan22:Wan22Spec",
+    "wan2.2-ti2v": "vt.shared.models.wan22_ti2v:Wan22TI2VSpec",
     "cogvideox": "vt.shared.models.cogvideox:CogVideoXSpec",
     "hunyuan-video": "vt.shared.models.hunyuan_video:HunyuanVideoSpec",
+    "hunyuan-video-1.5": "vt.shared.models.hunyuan_video15:HunyuanVideo15Spec",
+    "ltx-2": "vt.shared.models.ltx2:LTX2Spec",
+    "mochi": "vt.shared.models.mochi:MochiSpec",
 }
 FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 

@@ -1,5 +1,5 @@
-"""CogVideoX 1.0 and 1.5 (THUDM / zai-org, text-to-video): T5 text encoder, causal video VAE (x4 time,
-x8 space), a DiT over the joint [text, video] sequence, v-prediction on a DDPM schedule.
+"""CogVideoX 1.0 and 1.5 (THUDM / zai-org, text- and image-to-video): T5 text encoder, causal video VAE
+(x4 time, x8 space), a DiT over the joint [text, video] sequence, v-prediction on a DDPM schedule.
 
 What is particular to CogVideoX:
 - it is not flow matching. The model was trained as a DDPM v-predictor on its scheduler's schedule
@@ -19,7 +19,16 @@ What is particular to CogVideoX:
 - RoPE tables come from the pipeline's own `_prepare_rotary_positional_embeddings`;
 - CogVideoX 1.5 (`patch_size_t = 2`) folds two latent frames into a token: its buckets need an even
   latent frame count (frames 8k+5, e.g. 85; the pipeline turns num_frames=81 into 85 the same way).
-Image-to-video (CogVideoXImageToVideoPipeline) is not supported yet.
+Image-to-video (`model.task = "i2v"`, CogVideoXImageToVideoPipeline, e.g. THUDM/CogVideoX-5b-I2V):
+- stage 1 also stores `image_latents` (B, C, 1, H, W): the first frame VAE-encoded alone (posterior
+  mode; the pipeline samples it) times `scaling_factor`, or divided by it where the VAE sets
+  `invert_scale_latents` (1.5), as the pipeline's `prepare_latents` scales its image;
+- the transformer (in_channels = 2 x latent channels) takes [noisy latents, image latents followed
+  by zeros for the other latent frames] on the channel axis; CogVideoX 1.5 I2V (`ofs_embed_dim`)
+  also takes `ofs` = 2.0, as the pipeline passes it. The target and loss cover every frame, as the
+  diffusers example trains (no noise is added to the image: stage 1 is deterministic);
+- the 5B-I2V's learned positional embedding fixes the resolution to its sample size (480 x 720):
+  other bucket sizes are refused; other frame counts fall back to sincos positions, as in the pipeline.
 """
 
 from __future__ import annotations
@@ -33,13 +42,13 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
-from vt.shared.models.spec import ModelSpec, Prediction, TensorParallelPlan, VaeGeometry, input_dtype
+from vt.shared.models.spec import ModelSpec, Prediction, TensorParallelPlan, VaeGeometry, input_dtype, to_pil_image
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 
 
 class CogVideoXSpec(ModelSpec):
     family: ClassVar[str] = "cogvideox"
-    tasks: ClassVar[tuple[str, ...]] = ("t2v",)
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     blocks_attr: ClassVar[str] = "transformer_blocks"
     # No ComfyUI key table: diffusers has no converter for CogVideoX's original (SAT, fused q/k/v)
     # names, so nothing here could check such a file; ComfyUI-CogVideoXWrapper reads the diffusers
@@ -56,9 +65,9 @@ class CogVideoXSpec(ModelSpec):
                 "transformer": CogVideoXTransformer3DModel}
 
     def pipeline_class(self) -> type:
-        from diffusers import CogVideoXPipeline
+        from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
 
-        return CogVideoXPipeline
+        return CogVideoXImageToVideoPipeline if self.config.task == "i2v" else CogVideoXPipeline
 
     # ----------------------------------------------------------------------------- geometry
     @cached_property
@@ -72,10 +81,14 @@ class CogVideoXSpec(ModelSpec):
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae, transformer = self.load_config("vae"), self._transformer_config
-        if transformer.get("in_channels") != vae["latent_channels"]:
-            raise ValueError(f"the {self.family} transformer takes {transformer.get('in_channels')} input channels but "
-                             f"the VAE makes {vae['latent_channels']}: an image-to-video transformer? Only t2v "
-                             f"checkpoints are supported (e.g. {self.example_hub_id})")
+        i2v = self.config.task == "i2v"
+        if transformer.get("in_channels") != vae["latent_channels"] * (2 if i2v else 1):
+            found = f"the {self.family} transformer at {self.source('transformer')[0]!r} takes " \
+                    f"{transformer.get('in_channels')} input channels for {vae['latent_channels']} latent channels"
+            raise ValueError(f"{found}, but model.task = \"i2v\" needs an image-to-video transformer (twice as many, "
+                             f"e.g. THUDM/CogVideoX-5b-I2V)" if i2v else
+                             f"{found}: an image-to-video transformer? Set model.task = \"i2v\", or use a t2v "
+                             f"checkpoint (e.g. {self.example_hub_id})")
         self._check_text_length()
         # As CogVideoXPipeline computes its vae_scale_factor_spatial / _temporal.
         return VaeGeometry(temporal=int(vae["temporal_compression_ratio"]),
@@ -96,6 +109,13 @@ class CogVideoXSpec(ModelSpec):
 
     def check_bucket(self, bucket: Bucket) -> None:
         super().check_bucket(bucket)
+        config, spatial = self._transformer_config, self.geometry.spatial
+        if config.get("use_learned_positional_embeddings"):  # the transformer raises on any other size
+            size = (config.get("sample_height", 60) * spatial, config.get("sample_width", 90) * spatial)
+            if (bucket.height, bucket.width) != size:
+                raise ValueError(f"bucket {bucket.name}: this {self.family} transformer's learned positional embedding "
+                                 f"covers exactly {size[0]}x{size[1]} pixels (CogVideoX-5b-I2V); change buckets.sizes "
+                                 f"to {bucket.frames}x{size[0]}x{size[1]}")
         p_t, temporal = self._patch_t, self.geometry.temporal
         if p_t > 1 and ((bucket.frames - 1) // temporal + 1) % p_t:
             first = temporal * (p_t - 1) + 1
@@ -118,6 +138,18 @@ class CogVideoXSpec(ModelSpec):
         self._check_text_length()
         embeds, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds.float()}
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """Latents (the base class: mode x scaling_factor); i2v adds `image_latents` (B, C, 1, H, W), the
+        first frame encoded alone and scaled as CogVideoXImageToVideoPipeline.prepare_latents scales it."""
+        out = super().encode_video(encoders, video)
+        if self.config.task == "i2v":
+            vae = encoders["vae"]
+            latents = self._vae_mode(vae, video[:, :, :1]).float()
+            factor = vae.config.scaling_factor
+            out["image_latents"] = (latents / factor if vae.config.get("invert_scale_latents") else latents * factor)
+        return out
 
     # ----------------------------------------------------------------------------- stage 2
     @cached_property
@@ -149,12 +181,22 @@ class CogVideoXSpec(ModelSpec):
         noisy = signal * x0 + sigma * noise
         dtype = input_dtype(transformer)
         frames, height, width = x0.shape[2:]
+        image = {}
+        if self.config.task == "i2v":  # [noisy, image latents + zeros] on channels; 1.5 I2V: ofs 2.0
+            if "image_latents" not in batch:
+                raise KeyError("task i2v needs batch['image_latents']; precompute the shards with model.task = \"i2v\"")
+            first = batch["image_latents"].to(x0)
+            condition = torch.cat([first, first.new_zeros(*first.shape[:2], frames - 1, height, width)], dim=2)
+            noisy = torch.cat([noisy, condition], dim=1)
+            if transformer.config.ofs_embed_dim is not None:
+                image["ofs"] = torch.full((x0.shape[0],), 2.0, device=x0.device, dtype=dtype)
         out = transformer(
             hidden_states=noisy.transpose(1, 2).to(dtype),
             encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
             timestep=t,  # int64, as the pipeline passes the scheduler's timesteps
             image_rotary_emb=self._rotary_embedding(transformer, frames, height, width, x0.device),
             return_dict=False,
+            **image,
         )[0]
         return Prediction(prediction=out.transpose(1, 2).float(), target=signal * noise - sigma * x0, weight=None)
 
@@ -174,6 +216,15 @@ class CogVideoXSpec(ModelSpec):
             cache[key] = self.pipeline_class()._prepare_rotary_positional_embeddings(
                 pipeline, height * spatial, width * spatial, frames, device)
         return cache[key]
+
+    # ----------------------------------------------------------------------------- validation
+    def _generate_kwargs(self, image) -> dict:
+        if self.config.task != "i2v":
+            return super()._generate_kwargs(image)
+        if image is None:
+            raise ValueError("cogvideox i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame; "
+                             "set train.validation_images, one per validation prompt")
+        return {"image": to_pil_image(image)}
 
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
@@ -195,22 +246,28 @@ class CogVideoXSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
         """2-layer RoPE transformer (the 5B's layout), 4-level VAE (x4 time, x8 space), 2-layer T5,
-        the CogVideoX-5b scheduler; CogVideoXPipeline layout. RoPE takes any bucket and text length."""
-        from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline,
-                               CogVideoXTransformer3DModel)
+        the CogVideoX-5b scheduler; CogVideoXPipeline layout. RoPE takes any bucket and text length.
+
+        task "i2v": CogVideoXImageToVideoPipeline layout, the transformer taking twice the latent
+        channels (the 5B-I2V's, without its learned positional embedding, which would tie the preset
+        to one bucket size and the 226-token text; tests/shared/test_cogvideox.py checks that rule)."""
+        from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline,
+                               CogVideoXPipeline, CogVideoXTransformer3DModel)
         from transformers import T5Config, T5EncoderModel
 
+        if task not in cls.tasks:
+            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
         with seeded(seed):
             vae = AutoencoderKLCogVideoX(
                 block_out_channels=(8, 8, 8, 8), latent_channels=16, layers_per_block=1, norm_num_groups=4,
                 temporal_compression_ratio=4, sample_height=64, sample_width=96, scaling_factor=0.7,
             )
             transformer = CogVideoXTransformer3DModel(
-                num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16, time_embed_dim=32,
-                text_embed_dim=64, num_layers=2, sample_height=8, sample_width=12, sample_frames=9, patch_size=2,
-                temporal_compression_ratio=4, use_rotary_positional_embeddings=True,
+                num_attention_heads=4, attention_head_dim=16, in_channels=32 if task == "i2v" else 16, out_channels=16,
+                time_embed_dim=32, text_embed_dim=64, num_layers=2, sample_height=8, sample_width=12, sample_frames=9,
+                patch_size=2, temporal_compression_ratio=4, use_rotary_positional_embeddings=True,
             )
             text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                    num_heads=4))
@@ -220,8 +277,9 @@ class CogVideoXSpec(ModelSpec):
             clip_sample=False, set_alpha_to_one=True, steps_offset=0, prediction_type="v_prediction",
             timestep_spacing="trailing", rescale_betas_zero_snr=True, snr_shift_scale=1.0,
         )
-        pipeline = CogVideoXPipeline(tokenizer=build_t5_tokenizer(model_max_length=226), text_encoder=text_encoder,
-                                     vae=vae, transformer=transformer, scheduler=scheduler)
+        pipeline = (CogVideoXImageToVideoPipeline if task == "i2v" else CogVideoXPipeline)(
+            tokenizer=build_t5_tokenizer(model_max_length=226), text_encoder=text_encoder, vae=vae,
+            transformer=transformer, scheduler=scheduler)
         out = Path(out_dir)
         pipeline.save_pretrained(out, safe_serialization=True)
         return out

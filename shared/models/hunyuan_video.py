@@ -55,6 +55,7 @@ REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft 
 class HunyuanVideoSpec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video"
     blocks_attr: ClassVar[str] = "transformer_blocks"
+    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention masks the rest
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
                                                     "vae")
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo"

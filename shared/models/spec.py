@@ -34,6 +34,7 @@ from vt.shared.runtime import DTYPES
 log = logging.getLogger(__name__)
 
 NUM_TRAIN_TIMESTEPS = 1000  # flow-matching schedulers: timestep = sigma * 1000
+ALL_EXPERTS = "all"  # model.expert: train every expert of a multi-expert family in one run
 
 
 @dataclass
@@ -120,6 +121,12 @@ class ModelSpec(ComponentLoader, ABC):
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
     blocks_attr: ClassVar[str]  # attribute of the transformer holding its ModuleList of blocks
+    # Condition tensor -> the mask the transformer applies to its rows: rows past the mask's last
+    # nonzero entry are padding it never reads, which stage 1 need not store (shared/caption_table.py).
+    # Unnamed tensors lose only rows that are exactly zero, so their padding is kept bit for bit.
+    text_masks: ClassVar[dict[str, str]] = {}
+    # Whether the VAE and transformer take one-frame buckets (1xHxW): still images train as those.
+    single_frame: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
@@ -138,9 +145,10 @@ class ModelSpec(ComponentLoader, ABC):
         if not frame_rate > 0:
             raise ValueError(f"buckets.fps must be > 0, got {frame_rate}")
         experts = self.experts()
-        if config.expert not in ("", *experts):
+        if config.expert not in ("", *experts, *((ALL_EXPERTS,) if experts else ())):
             raise ValueError(f"model.expert = {config.expert!r} is not an expert of {self.family!r}; "
-                             + (f"choose one of {list(experts)}" if experts else "it has one transformer: leave it unset"))
+                             + (f"choose one of {[*experts, ALL_EXPERTS]}" if experts
+                                else "it has one transformer: leave it unset"))
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
@@ -167,17 +175,40 @@ class ModelSpec(ComponentLoader, ABC):
 
     @property
     def expert(self) -> str | None:
-        """The expert this run trains (`model.expert`, else the first), None for one transformer."""
-        return (self.config.expert or next(iter(self.experts()))) if self.experts() else None
+        """The expert this run trains (`model.expert`, else the first), None for one transformer or
+        when the run trains all of them (`model.expert = "all"`)."""
+        if not self.experts() or self.trains_all_experts:
+            return None
+        return self.config.expert or next(iter(self.experts()))
+
+    @property
+    def trains_all_experts(self) -> bool:
+        """`model.expert = "all"`: one run trains every expert, each sample by the expert of its sigma."""
+        return self.config.expert == ALL_EXPERTS
+
+    @property
+    def trained_experts(self) -> dict[str, str]:
+        """Expert -> transformer component for a run that trains all experts; {} for one transformer."""
+        return {name: component for name, (component, _) in self.experts().items()} if self.trains_all_experts else {}
 
     @property
     def trained_component(self) -> str:
-        """The transformer component this run trains and exports."""
+        """The transformer component this run trains and exports (one expert, or the only transformer)."""
+        if self.trains_all_experts:
+            raise ValueError("model.expert = \"all\" trains several transformers: see trained_experts")
         return self.experts()[self.expert][0] if self.expert else "transformer"
 
     def sigma_range(self) -> tuple[float, float]:
         """The noise levels this run trains: all of them, or the trained expert's range."""
         return self.experts()[self.expert][1] if self.expert else (0.0, 1.0)
+
+    def expert_of(self, sigma: float) -> str:
+        """The expert that denoises at `sigma`: the one whose [low, high) range holds it (the top range
+        also holds 1), as the pipeline hands over at its boundary."""
+        for name, (_, (low, high)) in self.experts().items():
+            if low <= sigma < high or sigma == high == 1.0:
+                return name
+        raise ValueError(f"sigma {sigma} is in no expert's range: {self.experts()}")
 
     def load_stage1(self, device="cpu") -> dict[str, Any]:
         """The stage-1 components this family declares (`stage1_components`), loaded and frozen."""
@@ -193,6 +224,12 @@ class ModelSpec(ComponentLoader, ABC):
         return self._geometry_from_config()
 
     def check_bucket(self, bucket: Bucket) -> None:
+        if bucket.frames == 1 and not self.single_frame:
+            raise ValueError(f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
+                             "remove 1xHxW sizes from buckets.sizes")
+        if bucket.frames == 1 and self.config.task == "i2v":
+            raise ValueError(f"bucket {bucket.name}: i2v conditions on the first frame, so a one-frame bucket leaves "
+                             "nothing to learn; remove 1xHxW sizes from buckets.sizes or use model.task = \"t2v\"")
         g = self.geometry
         pixels = g.spatial * g.patch
         if bucket.frames % g.temporal != 1 % g.temporal:
@@ -288,6 +325,11 @@ class ModelSpec(ComponentLoader, ABC):
             raise ValueError(f"train.lora_targets {targets} matched no layer of the {self.family} transformer")
         self._lora_metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
 
+    def full_trainable(self, transformer) -> None:
+        """Mark what a full fine-tune trains: every parameter, unless the family leaves some out (LTX-2's
+        audio stream, which video-only training gives no gradient)."""
+        transformer.requires_grad_(True)
+
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
         """Which layers tensor parallel splits (used by vt.train.parallel.tp.apply_tp)."""
@@ -301,10 +343,17 @@ class ModelSpec(ComponentLoader, ABC):
 
     # ----------------------------------------------------------------------------- validation
     def build_pipeline(self, transformer, device="cpu", **loaded):
-        """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them."""
+        """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them.
+
+        `transformer` is the trained one, or for a run over all experts a mapping expert -> transformer
+        (an nn.ModuleDict); experts not trained load frozen."""
+        if isinstance(transformer, (dict, nn.ModuleDict)):
+            trained = {self.experts()[name][0]: module for name, module in transformer.items()}
+        else:
+            trained = {self.trained_component: transformer}
         parts = {name: loaded.get(name) or self.load_component(name, device)
-                 for name in self.pipeline_parts() if name != self.trained_component}
-        parts[self.trained_component] = transformer  # other experts load frozen
+                 for name in self.pipeline_parts() if name not in trained}
+        parts.update(trained)
         pipeline = self.pipeline_class()(**parts, **self.pipeline_options())
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
@@ -353,12 +402,15 @@ class ModelSpec(ComponentLoader, ABC):
         return {}
 
     # ----------------------------------------------------------------------------- export
-    def save_lora(self, lora_state_dict: dict[str, Tensor], out_dir, lora_config: dict | None = None) -> Path:
+    def save_lora(self, lora_state_dict: dict[str, Tensor], out_dir, lora_config: dict | None = None,
+                  expert: str | None = None) -> Path:
         """out_dir/pytorch_lora_weights.safetensors, readable by the pipeline's load_lora_weights, and
         out_dir/lora_comfyui.safetensors under the original module names (comfy.py); returns the first.
 
         The rank/alpha/targets go into the file's metadata so the loader rebuilds the same scaling;
         they come from this spec's `add_lora` unless `lora_config` ({r, lora_alpha, target_modules}) is given.
+        `expert`: the LoRA of that expert in a run over all experts, written as
+        pytorch_lora_weights_<expert>.safetensors and lora_comfyui_<expert>.safetensors.
         """
         metadata = lora_config or self._lora_metadata
         if metadata is None:
@@ -370,15 +422,30 @@ class ModelSpec(ComponentLoader, ABC):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict.items()}
-        self.pipeline_class().save_lora_weights(out, transformer_lora_layers=tensors, safe_serialization=True,
-                                                transformer_lora_adapter_metadata=dict(metadata))
-        self.save_comfy_lora(tensors, out / comfy.filename(self.expert), metadata)
-        return out / "pytorch_lora_weights.safetensors"
+        weight_name = lora_weight_name(expert)
+        if hasattr(self.pipeline_class(), "save_lora_weights"):
+            self.pipeline_class().save_lora_weights(out, transformer_lora_layers=tensors, safe_serialization=True,
+                                                    weight_name=weight_name,
+                                                    transformer_lora_adapter_metadata=dict(metadata))
+        else:  # a pipeline without a LoRA mixin (HunyuanVideo 1.5): diffusers' own writer, the same file format
+            from diffusers.loaders.lora_base import LoraBaseMixin
 
-    def lora_load_kwargs(self) -> dict[str, Any]:
-        """What `pipeline.load_lora_weights` needs besides the file to load this run's LoRA (e.g. which
-        expert it goes into)."""
+            LoraBaseMixin._save_lora_weights(out, {"transformer": tensors}, {"transformer": dict(metadata)},
+                                             weight_name=weight_name)
+        self.save_comfy_lora(tensors, out / comfy.filename(expert or self.expert), metadata)
+        return out / weight_name
+
+    def lora_load_kwargs(self, expert: str | None = None) -> dict[str, Any]:
+        """What `pipeline.load_lora_weights` needs besides the file to load this run's LoRA (or that of
+        `expert`): which transformer it goes into."""
         return {}
+
+    def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
+        """Load a LoRA file `save_lora` wrote (the diffusers or the ComfyUI one, by `weight_name`) into
+        `pipeline`: its own `load_lora_weights` with `lora_load_kwargs`; a family whose pipeline has no
+        LoRA loader gives its own."""
+        kwargs = {"weight_name": weight_name} if weight_name else {}
+        pipeline.load_lora_weights(folder, **kwargs, **self.lora_load_kwargs(expert))
 
     # (diffusers module regex, original module name) pairs, first full match wins; see comfy.py.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ()
@@ -409,6 +476,12 @@ class ModelSpec(ComponentLoader, ABC):
     @classmethod
     @abstractmethod
     def make_tiny(cls, out_dir, seed: int = 0) -> Path: ...
+
+
+def lora_weight_name(expert: str | None = None) -> str:
+    """The diffusers LoRA file: pytorch_lora_weights.safetensors, with `_<expert>` for one of several
+    experts trained in one run."""
+    return f"pytorch_lora_weights_{expert}.safetensors" if expert else "pytorch_lora_weights.safetensors"
 
 
 def to_pil_image(image):

@@ -55,23 +55,30 @@ class WanSpec(ModelSpec):
         (r"blocks\.(\d+)\.ffn\.net\.2", r"blocks.\1.ffn.2"),
     )
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    # Wan 2.1 I2V also conditions on CLIP image embeddings; Wan 2.2's I2V models only on the encoded frame.
+    clip_image_conditioning: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         super().__init__(config, frame_rate)
-        if config.task == "i2v" and self.max_text_tokens != I2V_TEXT_TOKENS:
+        if self.image_tokens and self.max_text_tokens != I2V_TEXT_TOKENS:
             raise ValueError(
                 f"model.max_text_tokens = {self.max_text_tokens}, but Wan image-to-video needs exactly "
                 f"{I2V_TEXT_TOKENS}: its cross-attention (diffusers' WanAttnProcessor) takes every context token "
                 f"before the last {I2V_TEXT_TOKENS} to be an image token. Unset model.max_text_tokens or set it "
                 f"to {I2V_TEXT_TOKENS}")
 
+    @property
+    def image_tokens(self) -> bool:
+        """Whether this run feeds CLIP image embeddings (Wan 2.1 i2v) beside the encoded first frame."""
+        return self.config.task == "i2v" and self.clip_image_conditioning
+
     def component_classes(self) -> dict[str, type]:
-        """UMT5, the Wan VAE and transformer; i2v adds the CLIP image encoder and its processor."""
+        """UMT5, the Wan VAE and transformer; Wan 2.1 i2v adds the CLIP image encoder and its processor."""
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import UMT5EncoderModel
 
         classes = {"text_encoder": UMT5EncoderModel, "vae": AutoencoderKLWan, "transformer": WanTransformer3DModel}
-        if self.config.task == "i2v":
+        if self.image_tokens:
             from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
 
             classes.update(image_encoder=CLIPVisionModelWithProjection, image_processor=CLIPImageProcessor)
@@ -81,13 +88,13 @@ class WanSpec(ModelSpec):
     def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
         """i2v also encodes the first frame with the image encoder."""
         base = ModelSpec.stage1_components
-        return (*base, *IMAGE_PARTS) if self.config.task == "i2v" else base
+        return (*base, *IMAGE_PARTS) if self.image_tokens else base
 
     @property
     def default_lora_targets(self) -> list[str]:  # type: ignore[override]
         """Attention q/k/v/out; i2v also the cross-attention's image keys and values (`add_k_proj`,
         `add_v_proj`; peft matches by suffix, so `to_k` does not cover them)."""
-        extra = ["add_k_proj", "add_v_proj"] if self.config.task == "i2v" else []
+        extra = ["add_k_proj", "add_v_proj"] if self.image_tokens else []
         return [*ModelSpec.default_lora_targets, *extra]
 
     def pipeline_class(self) -> type:
@@ -109,17 +116,23 @@ class WanSpec(ModelSpec):
 
     def _check_task_fits(self, transformer: dict, g: VaeGeometry) -> None:
         """An i2v run needs a Wan 2.1 I2V transformer (36 input channels, image projections), and a
-        t2v run a transformer without them."""
+        t2v run a transformer without them (Wan 2.2 I2V: 36 channels, no image projections)."""
         where = self.source("transformer")[0]
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim", "added_kv_proj_dim")}
-        if self.config.task == "i2v":
+        if self.config.task == "i2v" and not self.clip_image_conditioning:
+            if found["in_channels"] != 2 * g.channels + g.temporal or found["image_dim"]:
+                raise ValueError(
+                    f"model.task = \"i2v\" on {self.family} needs a Wan 2.2 image-to-video transformer (in_channels "
+                    f"{2 * g.channels + g.temporal}, no image_dim, e.g. Wan-AI/Wan2.2-I2V-A14B-Diffusers); the one at "
+                    f"{where!r} has {found}")
+        elif self.config.task == "i2v":
             expected = 2 * g.channels + g.temporal  # latents, first-frame mask, condition latents
             if found["in_channels"] != expected or not found["image_dim"] or not found["added_kv_proj_dim"]:
                 raise ValueError(
                     f"model.task = \"i2v\" needs a Wan 2.1 image-to-video transformer (in_channels {expected}, "
                     f"image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-I2V-14B-480P-Diffusers); the one "
                     f"at {where!r} has {found}")
-        elif found["image_dim"]:
+        elif found["image_dim"] or found["in_channels"] != g.channels:
             raise ValueError(f"the transformer at {where!r} is an image-to-video one ({found}): "
                              "set model.task = \"i2v\"")
 
@@ -146,23 +159,27 @@ class WanSpec(ModelSpec):
     @torch.no_grad()
     def encode_first_frame(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """The first frame as WanImageToVideoPipeline's conditioning image, float32:
-        - `image_embeds` (B, N, D): the image encoder's second-to-last hidden states of the frame as a
-          uint8 image through the image processor (`encode_image`);
+        - `image_embeds` (B, N, D) (Wan 2.1 only): the image encoder's second-to-last hidden states of
+          the frame as a uint8 image through the image processor (`encode_image`);
         - `condition_latents` (B, C, F, H, W): [the frame, zeros for the other F - 1 frames] VAE-encoded
           (mode) and normalised (`prepare_latents`). The mask it concatenates is `first_frame_mask`.
         """
-        vae, encoder = encoders["vae"], encoders["image_encoder"]
+        vae = encoders["vae"]
         first = video[:, :, :1]
         condition = torch.cat([first, torch.zeros_like(video[:, :, 1:])], dim=2)
         latents = self._vae_mode(vae, condition).float()
         mean, std = _latent_stats(vae, latents)
+        condition_latents = {"condition_latents": ((latents - mean) / std).float()}
+        if not self.image_tokens:
+            return condition_latents
+        encoder = encoders["image_encoder"]
         # The frame back to the uint8 pixels it was decoded from (stage 1 maps them to p / 127.5 - 1).
         pixels = ((first[:, :, 0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
         images = [to_pil_image(frame) for frame in pixels.permute(0, 2, 3, 1).cpu().numpy()]
         inputs = encoders["image_processor"](images=images, return_tensors="pt")
         hidden = encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
                          output_hidden_states=True).hidden_states[-2]
-        return {"image_embeds": hidden.float(), "condition_latents": ((latents - mean) / std).float()}
+        return {"image_embeds": hidden.float(), **condition_latents}
 
     def first_frame_mask(self, latents: Tensor) -> Tensor:
         """WanImageToVideoPipeline's mask for latents (B, C, F, H, W): (B, T, F, H, W) with T the VAE's
@@ -179,11 +196,12 @@ class WanSpec(ModelSpec):
         dtype = input_dtype(transformer)
         image = {}
         if self.config.task == "i2v":  # [noisy, mask, condition] and the image tokens, as the pipeline
-            if "condition_latents" not in batch or "image_embeds" not in batch:
-                raise KeyError("task i2v needs batch['condition_latents'] and batch['image_embeds']; "
-                               "precompute the shards with model.task = \"i2v\"")
+            needed = ("condition_latents", "image_embeds") if self.image_tokens else ("condition_latents",)
+            if any(name not in batch for name in needed):
+                raise KeyError(f"task i2v needs batch{[*needed]}; precompute the shards with model.task = \"i2v\"")
             noisy = torch.cat([noisy, self.first_frame_mask(x0), batch["condition_latents"].to(x0)], dim=1)
-            image["encoder_hidden_states_image"] = batch["image_embeds"].to(x0.device, dtype)
+            if self.image_tokens:
+                image["encoder_hidden_states_image"] = batch["image_embeds"].to(x0.device, dtype)
         prediction = transformer(
             hidden_states=noisy.to(dtype),
             timestep=sigmas * NUM_TRAIN_TIMESTEPS,  # float32, as the pipeline passes it
@@ -211,7 +229,7 @@ class WanSpec(ModelSpec):
         heads, and their key norm spans all heads (`norm_added_k`); the image attention then runs on
         the local heads and adds to the text attention before the row-wise output projection.
         """
-        image = ("attn2.add_k_proj", "attn2.add_v_proj") if self.config.task == "i2v" else ()
+        image = ("attn2.add_k_proj", "attn2.add_v_proj") if self.image_tokens else ()
         return TensorParallelPlan(
             colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), *image,
                      "ffn.net.0.proj"),

@@ -1,18 +1,24 @@
-"""Wan 2.2 A14B (text-to-video): two Wan transformers, experts for high and low noise levels.
+"""Wan 2.2 A14B (text- and image-to-video): two Wan transformers, experts for high and low noise levels.
 
 Everything per expert is Wan 2.1 (wan.py): the UMT5 text encoder, the 16-channel VAE, the DiT, the
 flow-matching objective, the TP and CP plans and the original module names for ComfyUI. What is
 particular:
 - WanPipeline holds `transformer` (high noise) and `transformer_2` (low noise) and a
-  `boundary_ratio` (0.875 for T2V-A14B): a denoising step at timestep t >= boundary * 1000 runs the
-  first, any later one the second. Training follows that split: `model.expert = "high_noise"` trains
-  `transformer` on sigmas in [boundary, 1], `"low_noise"` trains `transformer_2` on [0, boundary);
-  the trainer maps its drawn sigmas into the expert's range (`sigma_range`).
-- One expert per run (as the peers train them): its LoRA is written for diffusers (load the
-  low-noise one with `load_lora_weights(..., load_into_transformer_2=True)`) and for ComfyUI as
+  `boundary_ratio` (0.875 for T2V-A14B, 0.9 for I2V-A14B): a denoising step at timestep
+  t >= boundary * 1000 runs the first, any later one the second. Training follows that split:
+  `model.expert = "high_noise"` trains `transformer` on sigmas in [boundary, 1], `"low_noise"` trains
+  `transformer_2` on [0, boundary); the trainer maps its drawn sigmas into the expert's range
+  (`sigma_range`).
+- One expert per run: its LoRA is written for diffusers (load the low-noise one with
+  `load_lora_weights(..., load_into_transformer_2=True)`) and for ComfyUI as
   `lora_comfyui_<expert>.safetensors`, one file per expert model. Validation runs the whole
   two-expert pipeline with the other expert frozen.
-Not here yet: training both experts in one run, Wan 2.2 I2V-A14B and TI2V-5B.
+- Or both in one run (`model.expert = "all"`): each sample's sigma picks its expert (`expert_of`),
+  and the LoRA of each is `pytorch_lora_weights_<expert>.safetensors` plus its ComfyUI file.
+- Image-to-video (`model.task = "i2v"`, I2V-A14B): WanImageToVideoPipeline with no CLIP image
+  encoder: the transformer takes [noisy (16), first-frame mask (4), encoded [image, zeros] (16)]
+  channels as Wan 2.1 I2V (wan.py) but no image tokens, so any text length works.
+TI2V-5B (one transformer, 48-channel VAE, per-token timesteps) is family "wan2.2-ti2v" (wan22_ti2v.py).
 """
 
 from __future__ import annotations
@@ -30,8 +36,9 @@ HIGH, LOW = "high_noise", "low_noise"
 
 class Wan22Spec(WanSpec):
     family: ClassVar[str] = "wan2.2"
-    tasks: ClassVar[tuple[str, ...]] = ("t2v",)
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
+    clip_image_conditioning: ClassVar[bool] = False
 
     def component_classes(self) -> dict[str, type]:
         classes = super().component_classes()
@@ -48,8 +55,10 @@ class Wan22Spec(WanSpec):
             raise self.load_error("model_index.json", self.config.path, err) from err
         ratio = index.get("boundary_ratio")
         if not ratio:
+            hint = ("family \"wan2.2-ti2v\" for Wan 2.2 TI2V-5B" if index.get("expand_timesteps")
+                    else "family \"wan\" for one transformer")
             raise ValueError(f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
-                             "not a two-expert Wan 2.2 pipeline; use family \"wan\" for one transformer")
+                             f"not a two-expert Wan 2.2 pipeline; use {hint}")
         return float(ratio)
 
     def experts(self) -> dict[str, tuple[str, tuple[float, float]]]:
@@ -59,18 +68,26 @@ class Wan22Spec(WanSpec):
     def pipeline_options(self) -> dict[str, Any]:
         return {"boundary_ratio": self.boundary}
 
-    def lora_load_kwargs(self) -> dict[str, Any]:
-        return {"load_into_transformer_2": True} if self.expert == LOW else {}
+    def lora_load_kwargs(self, expert: str | None = None) -> dict[str, Any]:
+        component = self.experts()[expert or self.expert][0]
+        return {"load_into_transformer_2": True} if component == "transformer_2" else {}
 
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
-        """Two 2-layer experts (different weights), the tiny Wan VAE and UMT5; WanPipeline layout."""
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
+        """Two 2-layer experts (different weights), the tiny Wan VAE and UMT5; WanPipeline layout
+        (boundary 0.875), or for "i2v" WanImageToVideoPipeline's (36-channel experts, no image encoder,
+        boundary 0.9), as T2V-A14B and I2V-A14B."""
+        from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
+                               WanTransformer3DModel)
         from transformers import UMT5Config, UMT5EncoderModel
+
+        if task not in cls.tasks:
+            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
+        i2v = task == "i2v"
 
         def transformer():
             return WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16,
+                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=36 if i2v else 16,
                 out_channels=16, text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
             )
 
@@ -82,8 +99,9 @@ class Wan22Spec(WanSpec):
                                                        num_layers=2, num_heads=4))
         scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                             num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
-        pipeline = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                               scheduler=scheduler, transformer=high, transformer_2=low, boundary_ratio=0.875)
+        pipeline = (WanImageToVideoPipeline if i2v else WanPipeline)(
+            tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
+            transformer=high, transformer_2=low, boundary_ratio=0.9 if i2v else 0.875)
         out = Path(out_dir)
         pipeline.save_pretrained(out, safe_serialization=True)
         return out

@@ -22,6 +22,7 @@ from cli_runs import finish, raw_keys, start
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import load_config
 from vt.shared.models import build_spec
+from vt.shared.models.spec import lora_weight_name
 from vt.train.trackers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -118,7 +119,12 @@ def test_shipped_config_runs_both_stages_through_a_kill_and_resume(config_path, 
     for step, m in metrics.items():  # one bucket per step, logged every step: tokens / samples = tokens per sample
         tokens = spec.tokens_per_sample(spec.latent_shape(parse_buckets([buckets[step]])[0]))
         assert m["tokens_s"] / m["samples_s"] == pytest.approx(tokens)
-    assert (run_dir / ("lora/pytorch_lora_weights.safetensors" if config.train.mode == "lora" else "model")).exists()
+    if config.train.mode == "lora":  # one file per expert when a run trains them all
+        names = [lora_weight_name(expert) for expert in spec.trained_experts] or [lora_weight_name()]
+        assert all((run_dir / "lora" / name).is_file() for name in names), names
+    else:
+        folders = [run_dir / "model" / component for component in spec.trained_experts.values()]
+        assert all(folder.is_dir() for folder in folders or [run_dir / "model"]), folders
     if videos:
         rounds = sorted((run_dir / "validation").iterdir())  # before the kill, after the resume, at the end
         assert {"step-000002", f"step-{max(metrics):06d}"} <= {r.name for r in rounds}

@@ -16,6 +16,7 @@ import pytest
 from dist_runs import finish, single
 
 BUCKET = "9x64x64"
+BUCKETS = {"mochi": "7x64x64"}  # keys whose VAE takes other frame counts (Mochi: 6k+1)
 # Text of 64 tokens, not Wan's 512: parity compares float sums in other orders, and 512 mostly zero
 # keys add rounding to no purpose here (the shipped-config tests run the families' own lengths).
 TEXT_TOKENS = 64
@@ -24,14 +25,24 @@ TEXT_TOKENS = 64
 FAMILY_TRAIN = {
     "ltx-video": {"mode": "full"},
     "wan": {"mode": "lora", "max_grad_norm": 0.05},
-    "wan2.2": {"mode": "lora"},  # the high-noise expert, on its sigma range
+    # Both experts in one run (VARIANTS); uniform sigmas shifted by 5 land on both sides of the 0.875 boundary.
+    "wan2.2-all": {"mode": "lora", "sigma_sampling": "uniform", "shift": 5.0},
     # LoRA on attention and FFN, so tensor parallel splits adapters in both directions.
     "cogvideox": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]},
     "wan-i2v": {"mode": "lora", "max_grad_norm": 0.05},  # default targets: attention and the image keys/values
     "hunyuan-video": {"mode": "lora"},  # double and single blocks' attention (the default targets)
+    "mochi": {"mode": "lora"},  # the blocks' video attention (the default targets)
+    "cogvideox-i2v": {"mode": "lora"},  # 32 input channels: the image latents on the channel axis
+    # LoRA on both streams' attention and FFNs, so tensor parallel splits adapters of every kind it splits.
+    "hunyuan-video-1.5": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
+                                                           "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
+    # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
+    "ltx-2": {"mode": "full"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
-VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512}}  # i2v takes only 512
+VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
+            "cogvideox-i2v": {"family": "cogvideox", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+            "wan2.2-all": {"family": "wan2.2", "expert": "all", "max_text_tokens": TEXT_TOKENS}}
 
 
 def model_section(key: str) -> dict:
@@ -56,7 +67,8 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
             model = tiny_model_factory(section["family"], task=section.get("task", "t2v"))
             config = write_config(root / "pre.toml", model, raw_shards, root / "pre", str(root / "window"),
                                   model=section,
-                                  buckets={"sizes": [BUCKET]}, window={"size": "keep"}, precompute={"workers": 0})
+                                  buckets={"sizes": [BUCKETS.get(family, BUCKET)]}, window={"size": "keep"},
+                                  precompute={"workers": 0})
             Precompute(load_config(config)).run()
             built[family] = (root / "window", model)
         return built[family]
@@ -73,7 +85,7 @@ def run_config(kept_window, raw_shards):
         window, model = kept_window(family)
         settings = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2, **FAMILY_TRAIN[family], **train}
         return write_config(folder / f"{name}.toml", model, raw_shards, folder / name, str(window),
-                            model=model_section(family), buckets={"sizes": [BUCKET]},
+                            model=model_section(family), buckets={"sizes": [BUCKETS.get(family, BUCKET)]},
                             window={"size": "keep"},
                             train=settings, log={"progress": False, "samples": True})
 

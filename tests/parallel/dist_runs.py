@@ -65,7 +65,8 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 
 def trained_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    """The exported trainable weights: the LoRA file, or the full model's safetensors."""
+    """The exported trainable weights: the LoRA files (keys prefixed by their file's name, so several
+    experts' files do not overwrite each other), or the full model's safetensors."""
     from safetensors.torch import load_file
 
     files = sorted((run_dir / "lora").glob("*.safetensors")) or sorted((run_dir / "model").glob("*.safetensors"))
@@ -73,7 +74,8 @@ def trained_weights(run_dir: Path) -> dict[str, torch.Tensor]:
         raise AssertionError(f"{run_dir} has no exported weights (lora/ or model/)")
     weights = {}
     for file in files:
-        weights.update(load_file(file))
+        prefix = f"{file.name}:" if file.parent.name == "lora" else ""
+        weights.update({prefix + key: tensor for key, tensor in load_file(file).items()})
     return weights
 
 

@@ -1,6 +1,7 @@
 """Every parallel layout trains the same model as one process: DDP (2), FSDP2 (2), HSDP (2x2), TP (2),
 CP (2), FSDP2 x TP (2x2), FSDP2 x CP (2x2), dp_shard x cp x tp (2x2x2), and gradient accumulation
-against a batch twice as large, for both model families, over gloo.
+against a batch twice as large, over gloo, for every family in the layouts its architecture has
+(FAMILY_LAYOUTS; docs/parallel.md says why).
 
 Every run here is real torchrun processes on the CPU; the reference is one plain `vt-train` process
 with the same global batch (4). Compared per step: the logged global loss and gradient norm (both
@@ -37,17 +38,32 @@ EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), acti
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
 # family adds its line; DDP and FSDP2 at least.
 FAMILY_LAYOUTS = {
-    "ltx-video": list(LAYOUTS),
+    # All eight layouts on Wan; LTX-Video's own TP and CP plans alone and composed with FSDP2 (the HSDP and
+    # 3-D rows add nothing family-specific over wan's: the same plans under a bigger mesh).
+    "ltx-video": [layout for layout in LAYOUTS if layout not in ("hsdp-2x2", "fsdp-cp-tp-2x2x2")],
     "wan": list(LAYOUTS),
-    "wan2.2": ["ddp-2", "fsdp-2"],  # one expert is a Wan 2.1 transformer: the wan rows cover its plans
+    # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
+    # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
+    "wan2.2-all": ["ddp-2", "fsdp-2"],
     # No CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
     # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs.
     "cogvideox": ["ddp-2", "fsdp-2", "tp-2"],
     # No TP or CP plan (fused single-block projections; joint text + video attention with a text mask).
     "hunyuan-video": ["ddp-2", "fsdp-2"],
+    # TP splits both streams' heads of its double blocks; no CP plan (joint video + image + glyph + text
+    # attention, its padding mask built in the processor). The ltx/wan rows cover the TP compositions.
+    "hunyuan-video-1.5": ["ddp-2", "fsdp-2", "tp-2"],
+    # No TP or CP plan: both would have to split its audio stream and audio-video cross-attention too.
+    "ltx-2": ["ddp-2", "fsdp-2"],
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
     # tokens join the text, which is not split); the wan rows cover the combined layouts.
     "wan-i2v": ["ddp-2", "fsdp-2", "tp-2", "cp-2"],
+    # No TP or CP plan (SwiGLU [hidden, gate] in one projection, per-head rotary tables, joint video +
+    # text attention that drops each sample's padded text tokens); conftest BUCKETS: 7 frames.
+    "mochi": ["ddp-2", "fsdp-2"],
+    # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels; the cogvideox rows
+    # cover its plans.
+    "cogvideox-i2v": ["ddp-2"],
 }
 CASES = [(family, layout) for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
 
@@ -95,3 +111,27 @@ def test_training_moved_the_weights_the_parity_runs_compare(reference, kept_wind
     lora = trained_weights(reference("wan"))
     b_factors = [v for k, v in lora.items() if "lora_B" in k]  # zero before training
     assert b_factors and all(float(v.abs().max()) > 1e-5 for v in b_factors)
+
+
+def test_both_experts_train_in_the_all_experts_runs(reference):
+    """The wan2.2-all parity rows compare two experts' LoRAs, and both of them trained; their draws
+    leave some DDP/FSDP2 rank without a sample of an expert, so the stand-in path runs too."""
+    from vt.shared.config import load_config
+    from vt.shared.models import spec_for
+    from vt.train.objectives import sample_sigmas
+    from vt.train.parallel.batching import sample_generator, slice_bounds
+
+    config = load_config(reference("wan2.2-all") / "config.toml")
+    spec, train = spec_for(config), config.train
+    owners = [[spec.expert_of(float(sample_sigmas(1, train.sigma_sampling, train.shift,
+                                                  sample_generator(train.seed, step, index))))
+               for index in range(size)] for step, size in enumerate([4, 4, 4, 1])]
+    assert {"high_noise", "low_noise"} <= {owner for step in owners for owner in step}
+    rank_slices = [step[slice(*slice_bounds(len(step), rank, 2))] for step in owners for rank in range(2)]
+    # A rank with two real samples of one expert runs the other on a stand-in (the 1-sample last
+    # step leaves a rank with none at all, so every layout also runs both experts on stand-ins).
+    assert any(len(part) == 2 and len(set(part)) == 1 for part in rank_slices), rank_slices
+    lora = trained_weights(reference("wan2.2-all"))
+    for expert in ("high_noise", "low_noise"):
+        b_factors = [v for k, v in lora.items() if k.startswith(f"pytorch_lora_weights_{expert}.") and "lora_B" in k]
+        assert b_factors and all(float(v.abs().max()) > 1e-5 for v in b_factors), expert

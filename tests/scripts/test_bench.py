@@ -53,9 +53,12 @@ def test_storage_counts_every_window_file_against_one_fp32_file_per_sample(tmp_p
     assert result["fp32_total_bytes"] == sum(f.stat().st_size for f in files)
     on_disk = sum(p.stat().st_size for p in window.rglob("*") if p.is_file())
     assert sum(window_bytes(window).values()) == on_disk
-    stored, data_only = result["rows"]
+    stored, data_only, wan = result["rows"]
     assert stored.vt == pytest.approx(on_disk / samples)
     assert data_only.vt < stored.vt
+    assert stored.ok  # <= 0.25x: each caption stored once, trimmed to its tokens
+    # Wan 2.1's real shapes: 4 MiB of latents and 4 MiB of padded UMT5 text per sample before.
+    assert wan.baseline > 8.3e6 and wan.vt < 0.65 * wan.baseline
 
     # A baseline file holds exactly one sample's tensors (not the shard's whole stacked storage), in fp32.
     shard = next((window / "data").rglob("*.safetensors"))

@@ -1,6 +1,6 @@
 import pytest
 
-from vt.shared.buckets import Bucket, choose_bucket, crop_box, parse_buckets, resize_for_crop
+from vt.shared.buckets import Bucket, buckets_for, choose_bucket, crop_box, parse_buckets, resize_for_crop
 
 BUCKETS = parse_buckets(["9x64x96", "9x64x64", "9x96x64", "17x64x96"])
 
@@ -35,3 +35,22 @@ def test_resize_covers_bucket_without_stretching():
     assert abs(width / height - 1280 / 720) < 0.02
     top, left = crop_box(height, width, bucket)
     assert top == 0 and left == (width - 96) // 2
+
+
+def test_stills_take_one_frame_buckets_and_families_refuse_them_where_they_cannot_train(tiny_model_factory,
+                                                                                         monkeypatch):
+    from vt.shared.config import ModelConfig
+    from vt.shared.models import build_spec
+
+    table = parse_buckets(["9x64x96", "1x64x96", "1x64x64"])
+    assert buckets_for(table, still=True) == [Bucket(1, 64, 64), Bucket(1, 64, 96)]
+    assert buckets_for(table, still=False) == [Bucket(9, 64, 96)]
+
+    path = str(tiny_model_factory("ltx-video"))
+    t2v = build_spec(ModelConfig(family="ltx-video", path=path), 8.0)
+    t2v.check_bucket(Bucket(1, 64, 96))  # most families train on images as one-frame buckets
+    with pytest.raises(ValueError, match="i2v conditions on the first frame"):
+        build_spec(ModelConfig(family="ltx-video", task="i2v", path=path), 8.0).check_bucket(Bucket(1, 64, 96))
+    monkeypatch.setattr(type(t2v), "single_frame", False)  # a family whose VAE cannot take one frame
+    with pytest.raises(ValueError, match="cannot take one-frame buckets.*remove 1xHxW"):
+        t2v.check_bucket(Bucket(1, 64, 96))

@@ -1,11 +1,14 @@
 """CogVideoX: the v-prediction objective on the scheduler's own schedule, transformer inputs that match
-CogVideoXPipeline's, the sincos text-length rule and CogVideoX 1.5's temporal patch (tiny real models)."""
+CogVideoXPipeline's, the sincos text-length rule, CogVideoX 1.5's temporal patch, and image-to-video
+as CogVideoXImageToVideoPipeline conditions it (tiny real models)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
-from test_models import BUCKET, capture_transformer_inputs, make_spec, stage1
+from test_models import (BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video,
+                         video)
 
 from vt.shared.buckets import Bucket
 
@@ -125,3 +128,123 @@ def test_sincos_transformer_needs_its_text_length(tiny_model_factory, tmp_path):
                                    components={"transformer": transformer_dir}), frame_rate=8.0)
     with pytest.raises(ValueError, match=r"model.max_text_tokens = 32 does not fit"):
         other.encode_text(other.load_stage1(), ["a cat"])
+
+
+# ----------------------------------------------------------------------------- image-to-video
+I2V_IMAGE = np.random.default_rng(0).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
+
+
+def i2v_spec(tiny_model_factory, **kw):
+    return make_spec(tiny_model_factory("cogvideox", task="i2v"), "cogvideox", task="i2v", **kw)
+
+
+def test_i2v_conditions_on_the_first_frame_as_the_pipeline_does(tiny_model_factory):
+    """image_latents are the pipeline's prepare_latents image (the same posterior, mode instead of a
+    sample, times scaling_factor); the transformer gets [noisy, image latents then zeros] on channels,
+    as the pipeline feeds it; a t2v checkpoint or task refuses the other."""
+    from diffusers import CogVideoXImageToVideoPipeline
+    from PIL import Image
+
+    spec = i2v_spec(tiny_model_factory)
+    encoders = spec.load_stage1()
+    clip, pixels = uint8_video(2)
+    batch = {**spec.encode_text(encoders, ["a cat", "a dog"]), **spec.encode_video(encoders, clip)}
+    assert batch["image_latents"].shape == (2, 16, 1, 8, 12) and batch["latents"].shape == (2, 16, 3, 8, 12)
+
+    pipeline = CogVideoXImageToVideoPipeline.from_pretrained(tiny_model_factory("cogvideox", task="i2v"))
+    factor = pipeline.vae.config.scaling_factor
+    image = pipeline.video_processor.preprocess(Image.fromarray(pixels[1, 0].numpy()), height=64, width=96)
+    torch.testing.assert_close(image, clip[1:, :, 0], atol=1e-6, rtol=0)  # the same pixels
+    posterior = pipeline.vae.encode(image.unsqueeze(2)).latent_dist
+    _, piped = pipeline.prepare_latents(image, 1, 16, BUCKET.frames, 64, 96, torch.float32, "cpu",
+                                        torch.Generator().manual_seed(0))
+    assert piped.shape == (1, 3, 16, 8, 12) and (piped[:, 1:] == 0).all()  # (B, F, C, H, W)
+    sampled = posterior.sample(torch.Generator().manual_seed(0)) * factor
+    torch.testing.assert_close(piped[:, :1].transpose(1, 2), sampled, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batch["image_latents"][1:], posterior.mode() * factor, atol=1e-5, rtol=1e-5)
+
+    transformer = spec.load_transformer()
+    seen = capture_transformer_inputs(transformer)
+    spec.forward(transformer, batch, torch.tensor([0.2, 0.9]), torch.randn_like(batch["latents"]))
+    hidden = seen["hidden_states"].transpose(1, 2)  # (B, 2C, F, H, W)
+    assert hidden.shape == (2, 32, 3, 8, 12) and "ofs" not in seen  # 1.0: no ofs embedding
+    assert torch.equal(hidden[:, 16:, :1], batch["image_latents"]) and (hidden[:, 16:, 1:] == 0).all()
+    pipeline.transformer = transformer
+    pipeline(**spec.pipeline_inputs("a cat", BUCKET, steps=1, seed=0, image=I2V_IMAGE), output_type="latent")
+    assert seen["hidden_states"].shape[2:] == (32, 8, 12) and (seen["hidden_states"][:, 1:, 16:] == 0).all()
+    assert seen["ofs"] is None
+
+    with pytest.raises(KeyError, match="precompute the shards with model.task"):
+        spec.forward(transformer, {k: v for k, v in batch.items() if k != "image_latents"}, torch.tensor([0.5, 0.5]),
+                     torch.randn_like(batch["latents"]))
+    with pytest.raises(ValueError, match=r"needs an image-to-video transformer"):
+        make_spec(tiny_model_factory("cogvideox"), "cogvideox", task="i2v").check_bucket(BUCKET)
+    with pytest.raises(ValueError, match=r"Set model.task = \"i2v\""):
+        make_spec(tiny_model_factory("cogvideox", task="i2v"), "cogvideox").check_bucket(BUCKET)
+
+
+def test_i2v_lora_and_full_exports_load_into_the_i2v_pipeline(tiny_model_factory, tmp_path):
+    """The LoRA file read by CogVideoXImageToVideoPipeline.load_lora_weights reproduces the in-memory
+    model, whose videos depend on the image; the full export overrides the i2v transformer."""
+    from diffusers import CogVideoXImageToVideoPipeline
+    from peft.utils import get_peft_model_state_dict
+
+    folder = tiny_model_factory("cogvideox", task="i2v")
+    spec = i2v_spec(tiny_model_factory)
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
+    in_memory = pipeline_latents(spec, spec.build_pipeline(transformer), image=I2V_IMAGE)
+    fresh = CogVideoXImageToVideoPipeline.from_pretrained(folder)
+    fresh.set_progress_bar_config(disable=True)
+    assert (pipeline_latents(spec, fresh, image=I2V_IMAGE) - in_memory).abs().max() > 1e-2
+    fresh.load_lora_weights(tmp_path / "lora")
+    torch.testing.assert_close(pipeline_latents(spec, fresh, image=I2V_IMAGE), in_memory, atol=1e-4, rtol=1e-4)
+
+    other = pipeline_latents(spec, fresh, image=255 - I2V_IMAGE)
+    assert (other - in_memory).abs().max() > 1e-2, "the image did not condition the video"
+    frames = spec.generate(fresh, "a rabbit", BUCKET, steps=1, seed=0, image=I2V_IMAGE)
+    assert frames.shape == (9, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
+    with pytest.raises(ValueError, match="cogvideox i2v generation needs an image"):
+        spec.generate(fresh, "a rabbit", BUCKET, steps=1, seed=0)
+
+    full = spec.load_transformer()
+    with torch.no_grad():
+        full.patch_embed.proj.weight.add_(0.5)  # the image channels' patch embedding is saved too
+    override = make_spec(folder, "cogvideox", task="i2v",
+                         components={"transformer": str(spec.save_full(full, tmp_path / "full"))}).load_transformer()
+    assert override.config.in_channels == 32
+    assert torch.equal(override.patch_embed.proj.weight, full.patch_embed.proj.weight)
+    assert isinstance(spec.build_pipeline(override), CogVideoXImageToVideoPipeline)
+
+
+def test_i2v_checkpoint_variants_follow_the_pipeline(tiny_model_factory, tmp_path):
+    """CogVideoX 1.5 I2V: `ofs` = 2.0 goes to the transformer and a VAE with invert_scale_latents
+    divides the image latents by scaling_factor (prepare_latents); the 5B-I2V's learned positional
+    embedding refuses other bucket sizes."""
+    folder, transformer_dir = variant(tiny_model_factory, tmp_path / "i2v15", in_channels=32, patch_size_t=2,
+                                      patch_bias=False, ofs_embed_dim=32)  # = time_embed_dim, as 1.5
+    spec = make_spec(folder, "cogvideox", task="i2v", components={"transformer": transformer_dir})
+    encoders = spec.load_stage1()
+    encoders["vae"].register_to_config(invert_scale_latents=True)
+    bucket = Bucket(13, 64, 96)
+    clip = video(1, bucket=bucket)
+    batch = {**spec.encode_text(encoders, ["a cat"]), **spec.encode_video(encoders, clip)}
+    mode = encoders["vae"].encode(clip[:, :, :1]).latent_dist.mode()
+    torch.testing.assert_close(batch["image_latents"], mode / encoders["vae"].config.scaling_factor)
+    transformer = spec.load_transformer()
+    seen = capture_transformer_inputs(transformer)
+    out = spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
+    assert seen["ofs"].tolist() == [2.0] and out.prediction.shape == (1, 16, 4, 8, 12)
+
+    _, learned_dir = variant(tiny_model_factory, tmp_path / "learned", in_channels=32,
+                             use_learned_positional_embeddings=True, max_text_seq_length=16)
+    learned = make_spec(folder, "cogvideox", task="i2v", components={"transformer": learned_dir})
+    learned.check_bucket(Bucket(5, 64, 96))  # the sample size (8 x 12 latents); any frame count
+    with pytest.raises(ValueError, match=r"covers exactly 64x96 pixels.*9x64x96"):
+        learned.check_bucket(Bucket(9, 64, 64))

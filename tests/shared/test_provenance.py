@@ -64,7 +64,8 @@ def test_provenance_covers_the_encoders_and_the_processing(tmp_path, tiny_model_
     p = prov.provenance(config)
     assert set(p["weights"]) == {"tokenizer", "text_encoder", "vae"}
     assert p["processing"]["buckets"] == sorted(BUCKETS) and p["processing"]["fps"] == 8.0
-    assert p["processing"]["fit"] and p["family"] == "ltx-video" and p["storage_dtype"] == "bfloat16"
+    assert [step["name"] for step in p["processing"]["processors"]] == ["sample_frames", "crop", "decode"]
+    assert p["family"] == "ltx-video" and p["storage_dtype"] == "bfloat16"
     assert prov.fingerprint(prov.provenance(config)) == prov.fingerprint(p)  # both stages agree
 
     broken = tmp_path / "model"
@@ -103,6 +104,14 @@ def test_trainer_refuses_shards_of_another_bucket_table(stale_setup):
     message = refusal(root, model, raw, "buckets", buckets={"sizes": BUCKETS + ["17x64x64"]})
     assert "processing.buckets: shard has ['9x64x128', '9x64x64', '9x64x96']" in message
     assert "weights" not in message and "Re-run vt-precompute into a fresh window" in message
+
+
+def test_trainer_refuses_shards_of_another_processor_chain(stale_setup):
+    """The window was made with the default chain; a random crop is another chain, named to the option."""
+    root, model, raw = stale_setup
+    message = refusal(root, model, raw, "chain", precompute={"processors": [{"name": "crop", "mode": "random"}]})
+    assert "processing.processors[1:crop].mode: shard has 'center', config wants 'random'" in message
+    assert message.count("shard has") == 1 and "weights" not in message
 
 
 def test_trainer_refuses_shards_of_another_vae(stale_setup, tmp_path):

@@ -83,3 +83,28 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(tmp_path,
     _, record = next(iter(window.order()))
     tensors, _, _ = decode_shard(window.read_shard(record))
     assert "first_frame_latents" in tensors and tensors["first_frame_latents"].shape[2] == 1
+
+
+def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tmp_path, tiny_model_factory,
+                                                                            raw_shards):
+    """model.expert = "all": each sample trains the expert of its sigma (sigmas reach both sides of the
+    boundary), validation runs the pipeline around both trained experts, and each expert's full
+    weights land in model/<pipeline component> for from_pretrained."""
+    from diffusers import WanTransformer3DModel
+
+    model = tiny_model_factory("wan2.2")
+    config, trainer, summary = precompute_and_train(
+        tmp_path, model, raw_shards, "wan2.2", model={"expert": "all", "max_text_tokens": 16},
+        buckets={"sizes": ["9x64x64"]},
+        train={"mode": "full", "sigma_sampling": "uniform", "shift": 5.0, "validation_prompts": ["a rabbit"],
+               "validation_steps": 2})
+    assert summary["export"] == str(tmp_path / "run" / "model") and summary["videos"] == 1
+    pipeline = trainer.validator._pipeline
+    assert pipeline.transformer is trainer.transformer["high_noise"]
+    assert pipeline.transformer_2 is trainer.transformer["low_noise"]
+    for expert, component in (("high_noise", "transformer"), ("low_noise", "transformer_2")):
+        loaded = WanTransformer3DModel.from_pretrained(tmp_path / "run" / "model" / component).state_dict()
+        original = WanTransformer3DModel.from_pretrained(model, subfolder=component).state_dict()
+        trained = trainer.transformer[expert].state_dict()
+        assert loaded.keys() == trained.keys() and all(torch.equal(loaded[k], trained[k]) for k in trained)
+        assert any(not torch.equal(original[k], trained[k]) for k in trained), f"{expert} did not train"

@@ -30,7 +30,7 @@ log = get_logger("vt.train.parallel")
 
 
 def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool = False,
-                compile: bool = False, param_dtype: torch.dtype | None = None) -> nn.Module:
+                compile: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False) -> nn.Module:
     """Apply every enabled strategy to `model` in place, in the fixed order; returns `model`."""
     dims: ParallelDims = world.dims
     mesh = world.mesh
@@ -43,9 +43,9 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
     if compile:
         apply_compile(model, spec)
     if dims.fsdp_enabled:
-        apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype)
+        apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype, cpu_offload=cpu_offload)
     elif dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
-    log.info("parallel layout: %s%s%s", dims.describe(), ", activation checkpointing" if activation_checkpointing else "",
-             ", compiled blocks" if compile else "")
+    log.info("parallel layout: %s%s%s%s", dims.describe(), ", activation checkpointing" if activation_checkpointing else "",
+             ", compiled blocks" if compile else "", ", CPU offload" if cpu_offload and dims.fsdp_enabled else "")
     return model

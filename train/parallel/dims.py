@@ -38,9 +38,14 @@ class ParallelDims:
     cp: int = 1
     tp: int = 1
     world_size: int = 1
+    # FSDP2's CPU offload: shard (FSDP2) even over one rank, so a one-GPU run can keep its
+    # parameters, gradients and optimizer state in CPU memory.
+    cpu_offload: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
+            if f.name == "cpu_offload":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ParallelConfigError(f"parallel.{f.name} must be an integer, got {value!r}")
@@ -71,7 +76,8 @@ class ParallelDims:
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
         """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp)."""
-        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, world_size)
+        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, world_size,
+                   getattr(parallel, "cpu_offload", False))
 
     # -- what is on ----------------------------------------------------------------------------------
     @property
@@ -81,8 +87,9 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        """FSDP2 shards over dp_shard x cp (cp ranks hold the same weights); HSDP adds dp_replicate."""
-        return self.dp_shard * self.cp > 1
+        """FSDP2 shards over dp_shard x cp (cp ranks hold the same weights); HSDP adds dp_replicate.
+        CPU offload is an FSDP2 policy, so it turns FSDP2 on even where there is one rank to shard over."""
+        return self.dp_shard * self.cp > 1 or self.cpu_offload
 
     @property
     def ddp_enabled(self) -> bool:
@@ -95,7 +102,8 @@ class ParallelDims:
 
     @property
     def distributed(self) -> bool:
-        return self.world_size > 1
+        """A process group and a mesh: several ranks, or FSDP2 over one (CPU offload)."""
+        return self.world_size > 1 or self.fsdp_enabled
 
     def describe(self) -> str:
         strategy = "HSDP" if self.hsdp_enabled else "FSDP2" if self.fsdp_enabled else \

@@ -10,6 +10,11 @@ bf16 while the sharded parameters the optimizer updates stay fp32 (the master we
 gradients are reduced in `reduce_dtype` (fp32). The root does not cast its forward inputs: the
 spec passes the flow-matching timestep in fp32, as the diffusers pipelines do, and autocast covers
 the root's own layers.
+
+CPU offload (`parallel.cpu_offload`): FSDP2's CPUOffloadPolicy keeps the sharded parameters, their
+gradients and the optimizer state in CPU memory (pinned when the compute is on a GPU); each block's
+parameters are copied to the GPU for its all-gather and the optimizer steps on the CPU. GPU memory
+then holds little more than activations (still checkpointed per block when asked).
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ from torch import nn
 
 
 def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32) -> nn.Module:
+               reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False) -> nn.Module:
     """Shard each block, then the root, over `mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP)."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh.ndim not in (1, 2):
         raise ValueError(f"FSDP needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.mesh_dim_names}")
@@ -29,9 +34,11 @@ def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = N
         reduce_dtype = None  # fp32 parameters already reduce in fp32
     block_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     blocks = spec.blocks(model)
     for index, block in enumerate(blocks):
         # The last block's parameters are needed first in backward: keep them gathered after forward.
-        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=index < len(blocks) - 1)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy)
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=index < len(blocks) - 1,
+                    offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
     return model

@@ -18,10 +18,15 @@ from torch.distributed.tensor import DTensor
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    """Turn gradient communication on (last micro-step) or off (inner micro-steps); no-op if local."""
+    """Turn gradient communication on (last micro-step) or off (inner micro-steps); no-op if local.
+
+    A container of separately wrapped models (several experts) sets each of them."""
     setter = getattr(model, "set_requires_gradient_sync", None)  # FSDP2 and composable DDP both have it
     if setter is not None:
         setter(enabled)
+    elif isinstance(model, nn.ModuleDict):
+        for module in model.values():
+            set_gradient_sync(module, enabled)
 
 
 def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:

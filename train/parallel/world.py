@@ -1,7 +1,9 @@
 """The process's place in the job: process group from torchrun's environment, device, mesh, collectives.
 
 One `World` per trainer. With WORLD_SIZE unset or 1 it is a plain single process: no process group,
-no mesh, and every collective below is the identity, so the training loop has one code path.
+no mesh, and every collective below is the identity, so the training loop has one code path; the
+exception is CPU offload, an FSDP2 policy, for which one process joins a group of one over an
+in-memory store.
 Under torchrun (one node or many, c10d rendezvous) it initialises the default process group from
 the environment: gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones (object collectives,
 CPU-offloaded state-dict gathers).
@@ -76,7 +78,10 @@ def setup_world(parallel, device_name: str = "auto") -> World:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend)
+        if world_size == 1:  # one process sharding over itself (CPU offload): no launcher, an in-memory store
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        else:
+            dist.init_process_group(backend=backend)
     if dist.get_world_size() != world_size:
         raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world_size}")
     mesh = dims.build_mesh(device.type)

@@ -1,0 +1,30 @@
+"""What the chain hands the encoder process: a sample fitted to its bucket, as uint8 pixels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vt.shared.buckets import Bucket
+
+from .fit_bucket import to_model_range
+
+
+@dataclass
+class PreparedSample:
+    """A sample fitted to its bucket, as uint8 `pixels` (3, F, H, W).
+
+    uint8 is a quarter of float32's bytes to send from a decode worker and to hold in a bucket's
+    buffer until the shard is full; `video`, the encoder's input, is made from it when asked for.
+    """
+
+    key: str
+    caption: str
+    bucket: Bucket
+    pixels: torch.Tensor
+
+    @property
+    def video(self) -> torch.Tensor:
+        """(3, F, H, W) float32 in [-1, 1] (a new tensor each time)."""
+        return to_model_range(self.pixels)

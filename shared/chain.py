@@ -1,0 +1,168 @@
+"""Stage 1's processor chain as both stages see it: names, typed options, and what goes into provenance.
+
+`precompute.processors` in the config is a list of tables, each `name = ...` plus that processor's
+options. A name is a built-in (BUILTIN_OPTIONS) or a user class by import path
+(`mypkg.module:MyProcessor`). The work itself lives in vt.precompute.processors; this module only
+knows the options, because the trainer must compute the same fingerprint from the same config
+without importing stage 1 (a user processor's module is imported by both stages, for its options
+and version).
+
+`resolve_chain` validates every entry (an unknown option or a bad value names the processor and the
+key) and fills in the core steps a list leaves out, at their place: `sample_frames` (picks the bucket
+and the frames' start), `crop` (where the bucket-sized crop sits), `decode` (decodes and fits the
+pixels). They run once each, in that order; other processors go anywhere in between (before
+`decode` a processor sees metadata and the caption, after it the pixels). The empty list is
+today's fixed pipeline: `sample_frames(mode="start")`, `crop(mode="center")`, `decode`.
+`describe_chain` is what provenance stores: every step's name, version and every option, defaults
+included, so a changed chain is refused by the trainer like a changed VAE.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+CORE_STEPS = ("sample_frames", "crop", "decode")
+
+# Phrases captioning models open with; `caption.strip_boilerplate` removes one at the start.
+BOILERPLATE = (
+    "the video shows", "the video features", "the video depicts", "the video captures", "the video presents",
+    "the video showcases", "the video begins with", "this video shows", "this video features", "the clip shows",
+    "the footage shows", "in this video,", "in the video,", "the scene shows", "the image shows",
+)
+
+
+class ProcessorOptions(BaseModel):
+    """Base of every processor's options: strict types, unknown keys refused. Subclass it for a user
+    processor; VERSION is the processor's behaviour version (bump it when its output changes)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
+    VERSION: ClassVar[int] = 1
+
+
+class SampleFramesOptions(ProcessorOptions):
+    """Which frames, at buckets.fps: from the clip's start, from a start drawn per sample key (seeded),
+    every non-overlapping window of the bucket's length, or `windows` windows with starts spread evenly
+    from the clip's start to its end (they may overlap on a short clip); several windows are each a
+    sample keyed `<key>#w<i>`. Every mode keeps the frame spacing of buckets.fps, so motion speed holds."""
+
+    mode: Literal["start", "random", "all_windows", "uniform"] = "start"
+    seed: int = Field(0, ge=0)  # random: the draw depends on (seed, sample key) only
+    max_windows: int = Field(0, ge=0)  # all_windows: at most this many per clip (0: every one that fits)
+    windows: int = Field(2, ge=1, le=1000)  # uniform: how many windows per clip
+
+
+class CropOptions(ProcessorOptions):
+    """Where the bucket-sized crop sits in the frame scaled to cover the bucket: centered, or at an
+    offset drawn per sample key (seeded)."""
+
+    mode: Literal["center", "random"] = "center"
+    seed: int = Field(0, ge=0)
+
+
+class CaptionOptions(ProcessorOptions):
+    """The caption: another .json field, captioner boilerplate removed, a prefix (a trigger word) and a suffix."""
+
+    field: str = ""  # "": the caption the source found (.txt, else .json "caption" / "text")
+    strip_boilerplate: bool = False  # drop an opening such as "The video shows" (BOILERPLATE)
+    prefix: str = ""  # e.g. "sks style, "
+    suffix: str = ""
+
+
+class DecodeOptions(ProcessorOptions):
+    """Decode the chosen frames scaled to cover the bucket (bilinear antialias), cut the crop."""
+
+
+BUILTIN_OPTIONS: dict[str, type[ProcessorOptions]] = {
+    "sample_frames": SampleFramesOptions, "crop": CropOptions, "caption": CaptionOptions, "decode": DecodeOptions,
+}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One resolved step of the chain: its name (built-in or import path), version and options."""
+
+    name: str
+    version: int
+    options: ProcessorOptions
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "version": self.version, **self.options.model_dump()}
+
+
+def load_user_class(path: str) -> type:
+    """`package.module:ClassName` -> the class; ValueError saying what is wrong otherwise."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"processor {path!r} is neither a built-in ({', '.join(BUILTIN_OPTIONS)}) "
+                         "nor an import path such as 'mypkg.module:MyProcessor'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"processor {path!r}: cannot import {module_name!r} ({err}); install the package "
+                         "in both stages' environment or fix the path") from None
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type) or not callable(cls):
+        raise ValueError(f"processor {path!r}: {module_name} has no class {attr!r}")
+    options = getattr(cls, "Options", ProcessorOptions)
+    if not (isinstance(options, type) and issubclass(options, ProcessorOptions)):
+        raise ValueError(f"processor {path!r}: its Options must subclass vt.shared.chain.ProcessorOptions")
+    return cls
+
+
+def options_class(name: str) -> type[ProcessorOptions]:
+    if name in BUILTIN_OPTIONS:
+        return BUILTIN_OPTIONS[name]
+    return getattr(load_user_class(name), "Options", ProcessorOptions)
+
+
+def _option_problems(name: str, index: int, err: ValidationError, allowed: list[str]) -> str:
+    lines = []
+    for problem in err.errors(include_url=False):
+        key = ".".join(str(part) for part in problem["loc"])
+        where = f"processor {index} ({name!r}) option {key!r}"
+        if problem["type"] == "extra_forbidden":
+            lines.append(f"{where} is unknown; allowed: {', '.join(allowed) or 'none'}")
+        else:
+            lines.append(f"{where} = {problem['input']!r}: {problem['msg']}")
+    return "; ".join(lines)
+
+
+def _step(index: int, entry: Any) -> Step:
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+        raise ValueError(f"processor {index} must be a table with a name, e.g. {{name = \"crop\", mode = \"random\"}}")
+    options = {k: v for k, v in entry.items() if k != "name"}
+    cls = options_class(entry["name"])
+    try:
+        return Step(entry["name"], cls.VERSION, cls.model_validate(options))
+    except ValidationError as err:
+        raise ValueError(_option_problems(entry["name"], index, err, sorted(cls.model_fields))) from None
+
+
+def resolve_chain(entries: list[dict[str, Any]]) -> list[Step]:
+    """The configured list -> the chain that runs: validated, core steps added at their place."""
+    steps = [_step(index, entry) for index, entry in enumerate(entries)]
+    names = [step.name for step in steps]
+    for core in CORE_STEPS:
+        if names.count(core) > 1:
+            raise ValueError(f"processor {core!r} is listed {names.count(core)} times; it runs once")
+    listed = [name for name in names if name in CORE_STEPS]
+    if listed != sorted(listed, key=CORE_STEPS.index):
+        raise ValueError(f"processors {listed} are out of order; {' -> '.join(CORE_STEPS)} run in that order")
+    for position, core in enumerate(CORE_STEPS):
+        if core in names:
+            continue
+        later = [names.index(c) for c in CORE_STEPS[position + 1:] if c in names]
+        at = min(later) if later else len(steps)
+        cls = BUILTIN_OPTIONS[core]
+        steps.insert(at, Step(core, cls.VERSION, cls()))
+        names.insert(at, core)
+    return steps
+
+
+def describe_chain(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What provenance stores for the configured chain: each step's name, version and every option."""
+    return [step.describe() for step in resolve_chain(entries)]

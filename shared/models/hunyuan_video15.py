@@ -1,0 +1,384 @@
+"""HunyuanVideo 1.5 (Tencent, text-to-video): a Qwen2.5-VL text encoder plus a ByT5 glyph encoder, a
+causal video VAE (32 channels, x4 time, x16 space), and a DiT of 54 double-stream blocks (patch 1).
+
+What is particular to HunyuanVideo 1.5:
+- two text encoders, both through HunyuanVideo15Pipeline's own `encode_prompt`: Qwen2.5-VL's
+  third-to-last hidden states of the caption inside the pipeline's chat template, the first 108
+  template tokens cropped (`prompt_embeds`, `prompt_attention_mask`, right padded), and ByT5 over the
+  quoted text of the caption (`prompt_embeds_2`, `prompt_attention_mask_2`, 256 tokens, zeros and an
+  all-zero mask when the caption quotes nothing);
+- the pipeline has no text-length argument: it encodes `tokenizer_max_length` (1000) tokens. The
+  transformer moves padding to the end of the joint sequence and masks it, so the length changes no
+  output, only where a long caption is cut: training at `model.max_text_tokens` and sampling at 1000
+  agree for captions that fit (validation sets the pipeline's `tokenizer_max_length` to the trained one);
+- the transformer input is [noisy latents, condition latents, mask] on the channel dim (65 = 32 + 32 +
+  1); for text-to-video the condition and the mask are zeros. The pipeline also feeds 729 zero image
+  tokens and its text padding, all masked out: training leaves them out (the same output, faster);
+- no guidance embedding: sampling uses classifier-free guidance through the pipeline's `guider`
+  component (6.0 for the 480p/720p checkpoints); training sees the caption only;
+- flow matching: latents = posterior mode x `scaling_factor`, timestep = sigma x 1000, target noise - x0;
+- diffusers has no LoRA loader for this pipeline: `load_lora(pipeline, path)` loads either exported
+  file (diffusers or ComfyUI names) into its transformer (`HunyuanVideo15Spec.load_lora` calls it);
+- the original (Tencent) names keep q, k and v apart (`double_blocks.N.img_attn_q`, diffusers'
+  scripts/convert_hunyuan_video1_5_to_diffusers.py), so the ComfyUI file is a 1:1 renaming with the
+  scale baked into lora_B. The text token refiner fuses q/k/v (`self_attn_qkv`) and is never
+  LoRA-targeted.
+Tensor parallel splits each double block's heads (both streams) and FFNs (`tp_plan`). No CP plan:
+every block's attention is joint over [video, image, glyph text, text] with a per-sample padding mask
+built inside the attention processor, and diffusers gives the transformer no `_cp_plan`
+(docs/parallel.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, TensorParallelPlan, VaeGeometry,
+                                   flow_inputs, input_dtype)
+from vt.shared.models.tiny import TINY_WORDS, seeded
+
+PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
+PROMPT_TEMPLATE_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: tokens cropped
+IMAGE_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: zero image embeddings for t2v
+REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft exclude_modules)
+
+# diffusers module -> original (Tencent) module, `{}` the block index (convert_hunyuan_video1_5_to_diffusers.py).
+NAMES: tuple[tuple[str, str], ...] = (
+    ("transformer_blocks.{}.attn.to_q", "double_blocks.{}.img_attn_q"),
+    ("transformer_blocks.{}.attn.to_k", "double_blocks.{}.img_attn_k"),
+    ("transformer_blocks.{}.attn.to_v", "double_blocks.{}.img_attn_v"),
+    ("transformer_blocks.{}.attn.to_out.0", "double_blocks.{}.img_attn_proj"),
+    ("transformer_blocks.{}.attn.add_q_proj", "double_blocks.{}.txt_attn_q"),
+    ("transformer_blocks.{}.attn.add_k_proj", "double_blocks.{}.txt_attn_k"),
+    ("transformer_blocks.{}.attn.add_v_proj", "double_blocks.{}.txt_attn_v"),
+    ("transformer_blocks.{}.attn.to_add_out", "double_blocks.{}.txt_attn_proj"),
+    ("transformer_blocks.{}.ff.net.0.proj", "double_blocks.{}.img_mlp.fc1"),
+    ("transformer_blocks.{}.ff.net.2", "double_blocks.{}.img_mlp.fc2"),
+    ("transformer_blocks.{}.ff_context.net.0.proj", "double_blocks.{}.txt_mlp.fc1"),
+    ("transformer_blocks.{}.ff_context.net.2", "double_blocks.{}.txt_mlp.fc2"),
+)
+
+
+def _rename_table(pairs, reverse: bool = False) -> tuple[tuple[str, str], ...]:
+    """(regex matched whole, replacement) pairs for comfy.original_module, either direction."""
+    table = []
+    for source, target in ((t, s) if reverse else (s, t) for s, t in pairs):
+        table.append((re.escape(source).replace(r"\{\}", r"(\d+)"), target.replace("{}", r"\1")))
+    return tuple(table)
+
+
+class HunyuanVideo15Spec(ModelSpec):
+    family: ClassVar[str] = "hunyuan-video-1.5"
+    blocks_attr: ClassVar[str] = "transformer_blocks"
+    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
+                                                    "vae")
+    example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = _rename_table(NAMES)
+    comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: every loader then applies 1
+    # Both texts are masked in the joint attention: rows past a mask's last one need not be stored.
+    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask",
+                                            "prompt_embeds_2": "prompt_attention_mask_2"}
+
+    @staticmethod
+    def component_classes() -> dict[str, type]:
+        from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, HunyuanVideo15Transformer3DModel
+        from transformers import Qwen2_5_VLTextModel, T5EncoderModel
+
+        return {"text_encoder": Qwen2_5_VLTextModel, "text_encoder_2": T5EncoderModel,
+                "vae": AutoencoderKLHunyuanVideo15, "transformer": HunyuanVideo15Transformer3DModel,
+                "guider": ClassifierFreeGuidance}
+
+    def pipeline_class(self) -> type:
+        from diffusers import HunyuanVideo15Pipeline
+
+        return HunyuanVideo15Pipeline
+
+    def _geometry_from_config(self) -> VaeGeometry:
+        vae = self.load_config("vae")
+        transformer = self.load_config("transformer")
+        if transformer.get("patch_size_t", 1) != 1:
+            raise ValueError(f"HunyuanVideo 1.5 transformers with patch_size_t {transformer['patch_size_t']} are not "
+                             "supported; expected 1")
+        if transformer.get("in_channels") != 2 * vae["latent_channels"] + 1:
+            raise ValueError(f"the HunyuanVideo 1.5 transformer takes {transformer.get('in_channels')} channels, "
+                             f"expected 2 x {vae['latent_channels']} latent channels + 1 mask: check model.components")
+        return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
+                           spatial=vae.get("spatial_compression_ratio", 16),
+                           channels=vae["latent_channels"], patch=transformer.get("patch_size", 1))
+
+    # ----------------------------------------------------------------------------- text
+    def pipeline_default(self, argument: str) -> Any:
+        """As the base, plus the text length the pipeline encodes (an attribute, not a call argument)."""
+        if argument == "max_sequence_length":
+            return PIPELINE_TEXT_TOKENS
+        return super().pipeline_default(argument)
+
+    def _text_pipeline(self, encoders: dict[str, Any]):
+        pipeline = super()._text_pipeline(encoders)
+        pipeline.tokenizer_max_length = self.max_text_tokens
+        return pipeline
+
+    @torch.no_grad()
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
+        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L), "prompt_embeds_2": (B, 256, D2),
+        "prompt_attention_mask_2": (B, 256)}, L = the spec's max_text_tokens, right padded."""
+        pipeline = self._text_pipeline(encoders)
+        embeds, mask, embeds_2, mask_2 = pipeline.encode_prompt(
+            list(captions), device=encoders["text_encoder"].device, dtype=torch.float32, batch_size=len(captions))
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float(),
+                "prompt_embeds_2": embeds_2.float(), "prompt_attention_mask_2": mask_2.float()}
+
+    @torch.no_grad()
+    def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
+        """{"latents": posterior mode x scaling_factor}, one sample at a time: the VAE's mid-block attention
+        builds its causal mask as (B, S, S) against (B, 1, S, S) queries, which fails for a batch > 1
+        (diffusers 0.42.1)."""
+        self._check_video(video)
+        vae = encoders["vae"]
+        modes = [self._vae_mode(vae, video[i:i + 1]) for i in range(video.shape[0])]
+        return {"latents": (torch.cat(modes) * vae.config.scaling_factor).float()}
+
+    # ----------------------------------------------------------------------------- stage 2
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """The pipeline's text-to-video call, less the tokens its masks drop: the transformer moves masked
+        tokens to the end of the joint sequence and masks them, so the 729 zero image tokens and the text
+        padding past the batch's longest caption change no output (tests/shared/test_hunyuan_video15.py)
+        and are not fed."""
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
+        dtype = input_dtype(transformer)
+        b, _, f, h, w = x0.shape
+        condition = torch.zeros(b, x0.shape[1] + 1, f, h, w, device=x0.device)  # t2v: no condition latents, mask 0
+        text, mask = _trim(batch["prompt_embeds"], batch["prompt_attention_mask"])
+        text_2, mask_2 = _trim(batch["prompt_embeds_2"], batch["prompt_attention_mask_2"])
+        prediction = transformer(
+            hidden_states=torch.cat([noisy, condition], dim=1).to(dtype),
+            timestep=(sigmas * NUM_TRAIN_TIMESTEPS).to(dtype),  # as the pipeline: in the latents' dtype
+            encoder_hidden_states=text.to(x0.device, dtype),
+            encoder_attention_mask=mask.to(x0.device, dtype),
+            encoder_hidden_states_2=text_2.to(x0.device, dtype),
+            encoder_attention_mask_2=mask_2.to(x0.device, dtype),
+            image_embeds=torch.zeros(b, 0, transformer.config.image_embed_dim, device=x0.device, dtype=dtype),
+            return_dict=False,
+        )[0]
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+
+    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None) -> None:
+        """peft LoRA on `targets` (names matched by suffix, or one regular expression matched whole),
+        never on the text token refiner (its original q/k/v are one fused module) nor on what never
+        reaches the loss (`dead_modules`)."""
+        from peft import LoraConfig
+
+        if rank < 1:
+            raise ValueError(f"train.lora_rank must be >= 1, got {rank}")
+        targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
+        transformer.requires_grad_(False)
+        unmatched = ValueError(f"train.lora_targets {targets} matched no layer of the {self.family} transformer "
+                               "outside the text token refiner")
+        excluded = f"(?:{REFINER})|(?:{dead_modules(transformer)})"
+        with warnings.catch_warnings():  # peft warns when the targets never reached the excluded modules anyway
+            warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
+            try:
+                transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
+                                                   exclude_modules=excluded, init_lora_weights=True))
+            except ValueError as err:  # peft: no module targeted
+                raise unmatched from err
+        if not any("lora_" in n for n, _ in transformer.named_parameters()):
+            raise unmatched
+        # exclude_modules too: a loader building its LoraConfig from the file's metadata then adds no
+        # (untrained) adapters to the refiner either.
+        self._lora_metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets, "exclude_modules": excluded}
+
+    def full_trainable(self, transformer) -> None:
+        """Everything but the last block's text-stream output (`dead_modules`), which gets no gradient
+        (DDP would otherwise wait for it)."""
+        dead = re.compile(dead_modules(transformer))
+        for name, param in transformer.named_parameters():
+            param.requires_grad_(not dead.fullmatch(name.rpartition(".")[0]))  # the parameter's module
+
+    # ----------------------------------------------------------------------------- parallel plans
+    def tp_plan(self) -> TensorParallelPlan:
+        """Per double block: video and text q/k/v and both FFNs' first layers column-wise, both attention
+        outputs and both FFNs' second layers row-wise. The joint attention runs on the local heads of
+        both streams together; its padding mask is per token, not per head, and the query/key RMSNorms
+        and rotary tables span one head, so all work unchanged on each rank's heads."""
+        return TensorParallelPlan(
+            colwise=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj",
+                     "attn.add_v_proj", "ff.net.0.proj", "ff_context.net.0.proj"),
+            rowwise=("attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2"),
+            attention=("attn",),
+        )
+
+    # cp_plan: none (the base class refuses parallel.cp > 1). Each block's attention concatenates the
+    # text streams' q/k/v to the video's inside the processor, with a padding mask over the joint
+    # sequence: Ulysses would have to move the text streams' heads too, which the generic plan cannot.
+
+    # ----------------------------------------------------------------------------- validation
+    def inference_settings(self) -> dict[str, Any]:
+        """Nothing: the pipeline takes no text-length argument (build_pipeline sets its attribute instead)."""
+        return {}
+
+    def build_pipeline(self, transformer, device="cpu", **loaded):
+        pipeline = super().build_pipeline(transformer, device, **loaded)
+        pipeline.tokenizer_max_length = self.max_text_tokens  # the text length training used
+        return pipeline
+
+    def inference_mismatches(self) -> list[str]:
+        if self.max_text_tokens == PIPELINE_TEXT_TOKENS:
+            return []
+        return [f"{self.family} trains with max_sequence_length={self.max_text_tokens} but "
+                f"{self.pipeline_class().__name__} uses {PIPELINE_TEXT_TOKENS} by default (its tokenizer_max_length): "
+                f"set pipeline.tokenizer_max_length = {self.max_text_tokens} when sampling with the trained weights "
+                "(only captions longer than that are cut differently)"]
+
+    # ----------------------------------------------------------------------------- export
+    def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
+        """diffusers has no LoRA loader for HunyuanVideo15Pipeline: vt's own `load_lora`."""
+        load_lora(pipeline, Path(folder) / (weight_name or "pytorch_lora_weights.safetensors"))
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+        """diffusers' test sizes (2 double blocks, 1 refiner layer, 2 heads x 8), patch 1, the real
+        geometry (4-level VAE: x4 time, x16 space); 2-layer Qwen2.5-VL text model with a local byte-level
+        BPE tokenizer and chat template, 2-layer ByT5-sized T5 encoder; the 480p t2v checkpoint's
+        scheduler (flow-match Euler, shift 5); classifier-free guidance off (scale 1.0, one transformer
+        call per step, as diffusers' own test) to keep CPU tests short."""
+        from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                               HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+
+        tokenizer, tokenizer_2 = build_qwen_tokenizer(), ByT5Tokenizer()
+        with seeded(seed):
+            transformer = HunyuanVideo15Transformer3DModel(
+                in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
+                text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+            )
+            vae = AutoencoderKLHunyuanVideo15(
+                in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+                spatial_compression_ratio=16, temporal_compression_ratio=4, downsample_match_channel=False,
+                upsample_match_channel=False,
+            )
+            text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+                vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=2, bos_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}))
+            text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37,
+                                                     num_layers=2, num_heads=4))
+        pipeline = HunyuanVideo15Pipeline(
+            text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+            scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
+            tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=1.0))
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out
+
+
+def dead_modules(transformer) -> str:
+    """Regex (matched whole) of the last double block's text-stream output, `attn.to_add_out` and the
+    text FFN `ff_context`: the transformer drops the text tokens after that block, so they never reach
+    the loss; LoRA leaves them out and a full fine-tune freezes them."""
+    last = transformer.config.num_layers - 1
+    return rf"transformer_blocks\.{last}\.(?:attn\.to_add_out|ff_context(?:\..*)?)"
+
+
+def _trim(embeds: Tensor, mask: Tensor, multiple: int = 64) -> tuple[Tensor, Tensor]:
+    """`embeds` (B, L, D) and `mask` (B, L) cut after the batch's last unmasked row, rounded up to a
+    `multiple` (fewer distinct shapes for torch.compile); all rows go when the mask has none."""
+    kept = mask.flatten(1).ne(0).any(0).nonzero()
+    length = 0 if kept.numel() == 0 else min(mask.shape[1], -(-(int(kept.max()) + 1) // multiple) * multiple)
+    return embeds[:, :length], mask[:, :length]
+
+
+# ----------------------------------------------------------------------------- LoRA loading
+def load_lora(pipeline, path, adapter_name: str | None = None) -> None:
+    """Load a LoRA file vt exported for HunyuanVideo 1.5 into `pipeline.transformer` (diffusers has no
+    loader for this pipeline): the diffusers file (`transformer.<module>.lora_A.weight` with its rank and
+    alpha in the metadata) or the ComfyUI file (`diffusion_model.<original module>...`, the scale in
+    lora_B), whose original names are mapped back to diffusers' through the same table that wrote them."""
+    from safetensors import safe_open
+
+    from vt.shared.models import comfy
+
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as handle:
+        keys = list(handle.keys())
+        metadata = handle.metadata() or {}
+        state = {key: handle.get_tensor(key) for key in keys}
+    if all(key.startswith(comfy.PREFIX) for key in keys):
+        table = _rename_table(NAMES, reverse=True)
+        renamed: dict[str, Tensor] = {}
+        for key, tensor in state.items():
+            module, sep, part = key[len(comfy.PREFIX):].rpartition(".lora_")
+            name = comfy.original_module(module, table) if sep else None
+            if name is None:
+                raise ValueError(f"{path.name}: {key!r} is not a LoRA weight of a HunyuanVideo 1.5 module vt knows "
+                                 "(double_blocks.N.img_attn_q ... txt_mlp.fc2)")
+            renamed[f"transformer.{name}.lora_{part}"] = tensor
+        pipeline.transformer.load_lora_adapter(renamed, prefix="transformer", adapter_name=adapter_name)
+        return
+    adapter_metadata = json.loads(metadata["lora_adapter_metadata"]) if "lora_adapter_metadata" in metadata else None
+    with warnings.catch_warnings():  # peft: the refiner exclusion in the metadata found nothing to exclude
+        warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
+        pipeline.transformer.load_lora_adapter(state, prefix="transformer", adapter_name=adapter_name,
+                                               metadata=adapter_metadata)
+
+
+# ----------------------------------------------------------------------------- tiny tokenizer
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'system' %}{{ '<|vision_pad|>' * FILL }}{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
+    """A byte-level BPE Qwen2 tokenizer over `words` (each one token after a space; any other text falls
+    back to bytes) with a ChatML template, right padded. The pipeline's system prompt is one added token
+    and the template pads the system turn with `<|vision_pad|>` so that the system turn plus the user
+    header is exactly 108 tokens, as with the real Qwen2.5-VL tokenizer: the pipeline's fixed crop then
+    leaves the caption, as it does for the real model."""
+    from diffusers import HunyuanVideo15Pipeline
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_pad|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab.setdefault(char, len(vocab))
+    merges: list[tuple[str, str]] = []
+    # The chat roles, then each word after a space (\u0120): every merge chain starts from its own first
+    # piece, so no chain splits another word (a caption's first word, without the space, is spelt out).
+    for word in ["system", "user", "assistant", *(f"\u0120{w}" for w in words)]:
+        current = word[0]
+        for piece in word[1:]:
+            if (current, piece) not in merges:
+                merges.append((current, piece))
+            current += piece
+            vocab.setdefault(current, len(vocab))
+    system = _pipeline_system_message(HunyuanVideo15Pipeline)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:] + [system]})
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("FILL", "0")
+    header = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": ""}],
+                                           tokenize=True, return_dict=True)["input_ids"]
+    fill = PROMPT_TEMPLATE_TOKENS - (len(header) - 2)  # less the user turn's "<|im_end|>\n"
+    tokenizer.chat_template = CHAT_TEMPLATE.replace("FILL", str(fill))
+    return tokenizer
+
+
+def _pipeline_system_message(pipeline_class) -> str:
+    """The system prompt HunyuanVideo15Pipeline puts before every caption (its encode default)."""
+    import inspect
+
+    return inspect.signature(pipeline_class._get_mllm_prompt_embeds).parameters["system_message"].default

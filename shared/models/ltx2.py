@@ -1,0 +1,235 @@
+"""LTX-2 (Lightricks, audio + video): Gemma 3 text encoder with text connectors, causal video VAE
+(x8 time, x32 space), a DiT with a video and an audio stream joined by cross-attention.
+
+vt trains the video stream only (the audio branch stays out, docs/families.md):
+- stage 1 stores what LTX2Pipeline feeds the video stream: Gemma's stacked hidden states of the
+  left-padded caption (`encode_prompt`) passed through the frozen `connectors`, i.e. their video
+  text embedding and mask (`prompt_embeds`, `prompt_attention_mask`; diffusers' connectors mark
+  every row valid, their output fills the padding), plus latents normalised as
+  the pipeline denormalises them (`(z - mean) * scaling_factor / std`). No audio is encoded;
+- stage 2 calls the transformer the way Lightricks' own trainer trains video without audio (its
+  model takes `audio=None` and skips the audio blocks): `isolate_modalities=True` turns off the
+  audio-to-video and video-to-audio cross-attention, so the video prediction depends on the video
+  tokens and text alone, and a one-token zero audio input (which the diffusers class requires)
+  only runs through the audio stream, whose output is dropped. Flow matching on the packed video
+  tokens: timestep 1000 sigma, target noise - x0, RoPE at the bucket frame rate (`fps`, as the
+  pipeline's `frame_rate`);
+- what trains: LoRA defaults to the video attention (`attn1`, `attn2`: q/k/v/out); a full
+  fine-tune trains every parameter except the audio stream and the audio-video cross-attention
+  (`full_trainable`), which receive no gradient without audio. Those stay as the checkpoint has
+  them, and LTX2Pipeline still generates audio with them in validation (its audio VAE and vocoder
+  load frozen, the pipeline needs them to run);
+- LoRA files: ComfyUI's (Lightricks') names for the video attention are diffusers' own, so the
+  ComfyUI file is `diffusion_model.` + the diffusers module name, scale folded into lora_B
+  (diffusers' LTX-2 conversion does not read `.alpha` keys).
+No TP or CP plan: both would have to split the audio stream and the audio-video cross-attention too.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.buckets import Bucket
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
+from vt.shared.models.tiny import TINY_WORDS, seeded
+
+# Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
+# in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
+AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
+
+
+class LTX2Spec(ModelSpec):
+    family: ClassVar[str] = "ltx-2"
+    blocks_attr: ClassVar[str] = "transformer_blocks"
+    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
+    # Video self- and cross-attention only: suffixes that never match `audio_attn1.to_q` and the like.
+    default_lora_targets: ClassVar[list[str]] = [f"{attn}.{proj}" for attn in ("attn1", "attn2")
+                                                 for proj in ("to_q", "to_k", "to_v", "to_out.0")]
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
+    comfy_alpha: ClassVar[bool] = False
+    example_hub_id: ClassVar[str] = "Lightricks/LTX-2"
+
+    @staticmethod
+    def component_classes() -> dict[str, type]:
+        from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+        from transformers import Gemma3ForConditionalGeneration
+
+        return {"text_encoder": Gemma3ForConditionalGeneration, "connectors": LTX2TextConnectors,
+                "vae": AutoencoderKLLTX2Video, "audio_vae": AutoencoderKLLTX2Audio, "vocoder": LTX2Vocoder,
+                "transformer": LTX2VideoTransformer3DModel}
+
+    def pipeline_class(self) -> type:
+        from diffusers import LTX2Pipeline
+
+        return LTX2Pipeline
+
+    def _geometry_from_config(self) -> VaeGeometry:
+        from accelerate import init_empty_weights
+
+        vae_config = self.load_config("vae")
+        with init_empty_weights():  # the class computes its own ratios; no weights are allocated
+            vae = self.component_classes()["vae"].from_config(vae_config)
+        transformer = self.load_config("transformer")
+        if transformer.get("patch_size_t", 1) != 1:
+            raise ValueError(f"LTX-2 transformers with patch_size_t {transformer['patch_size_t']} are not supported; "
+                             "expected 1")
+        return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
+                           channels=vae_config["latent_channels"], patch=transformer.get("patch_size", 1))
+
+    # ----------------------------------------------------------------------------- stage 1
+    @torch.no_grad()
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
+        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)}: the connectors' video
+        text embedding of the pipeline's Gemma encoding, L = the spec's max_text_tokens."""
+        embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
+        connectors = encoders["connectors"]
+        padding_side = getattr(encoders["tokenizer"], "padding_side", "left")  # the pipeline's: left
+        video, _audio, video_mask = connectors(embeds.to(connectors.device, connectors.dtype),
+                                               mask.to(connectors.device), padding_side=padding_side)
+        return {"prompt_embeds": video.float(), "prompt_attention_mask": video_mask.float()}
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """Latents normalised as LTX2Pipeline denormalises them (posterior mode: stage 1 is deterministic)."""
+        from diffusers import LTX2Pipeline
+
+        self._check_video(video)
+        vae = encoders["vae"]
+        latents = self._vae_mode(vae, video)
+        latents = LTX2Pipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+        return {"latents": latents.float()}
+
+    # ----------------------------------------------------------------------------- stage 2
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """Flow matching on the packed video tokens, audio cross-attention off (see the module docstring)."""
+        from diffusers import LTX2Pipeline
+
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
+        frames, height, width = x0.shape[2:]
+        patch = self.geometry.patch
+        grid = (frames, height // patch, width // patch)
+        dtype = input_dtype(transformer)
+        tokens = LTX2Pipeline._pack_latents(noisy, patch, 1).to(dtype)
+        text = batch["prompt_embeds"].to(tokens.device, dtype)
+        batch_size = tokens.shape[0]
+        timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(tokens.device)  # float32, as the pipeline passes it
+        out = transformer(
+            hidden_states=tokens,
+            audio_hidden_states=tokens.new_zeros(batch_size, 1, transformer.config.audio_in_channels),
+            encoder_hidden_states=text,
+            audio_encoder_hidden_states=text.new_zeros(batch_size, 1, text.shape[-1]),
+            timestep=timestep, sigma=timestep,
+            encoder_attention_mask=batch["prompt_attention_mask"].to(tokens.device),
+            num_frames=grid[0], height=grid[1], width=grid[2], fps=self.frame_rate, audio_num_frames=1,
+            isolate_modalities=True,  # no audio <-> video cross-attention: the video stream alone
+            return_dict=False,
+        )[0]
+        prediction = LTX2Pipeline._unpack_latents(out, *grid, patch, 1)
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+
+    def full_trainable(self, transformer) -> None:
+        """A full fine-tune trains the video stream: the audio stream and the audio-video cross-attention
+        get no gradient without audio, so they stay frozen (DDP would otherwise wait for their gradients)."""
+        for name, param in transformer.named_parameters():
+            param.requires_grad_(not AUDIO_PARAMETERS.search(name))
+
+    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | None) -> None:
+        """peft LoRA on video modules; targets that reach the audio stream are refused (they would never train)."""
+        super().add_lora(transformer, rank, alpha, targets)
+        audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
+                        if "lora_" in n and AUDIO_PARAMETERS.search(n)})
+        if audio:
+            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({audio[0]}, ...), which vt does "
+                             "not train for ltx-2 (video only); name video modules, e.g. \"attn1.to_q\" or "
+                             "\"ff.net.2\" (suffixes), or leave train.lora_targets unset")
+
+    # ----------------------------------------------------------------------------- validation
+    def inference_settings(self) -> dict[str, Any]:
+        """RoPE's time positions depend on the frame rate: sample at the rate frames were sampled at."""
+        return {**super().inference_settings(), "frame_rate": self.frame_rate}
+
+    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None) -> dict[str, Any]:
+        """Validation samples an LTX-2 (2.0) checkpoint as diffusers documents it: audio-video cross-attention
+        modulated by each stream's own timestep (`use_cross_timestep=False`; True is LTX-2.3's)."""
+        return {**super().pipeline_inputs(prompt, bucket, steps, seed, image), "use_cross_timestep": False}
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+        """diffusers' test sizes for the transformer (2 layers, video 2 heads x 8, audio 2 x 4), text
+        connectors, audio VAE and vocoder; a 4-level video VAE (x8 time, x32 space, 8 channels); a
+        2-layer Gemma 3 with a locally built tokenizer; LTX2Pipeline layout."""
+        from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                               LTX2Pipeline, LTX2VideoTransformer3DModel)
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors
+        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+        from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
+
+        tokenizer = build_gemma_tokenizer()
+        text_hidden = 16
+        with seeded(seed):
+            text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+                text_config=Gemma3TextConfig(
+                    vocab_size=len(tokenizer), hidden_size=text_hidden, intermediate_size=32, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=16,
+                    pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id),
+                vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14),
+                mm_tokens_per_image=4))
+            connectors = LTX2TextConnectors(  # each connector's width (heads x head dim) is the text width
+                caption_channels=text_hidden, text_proj_in_factor=2 + 1, video_connector_num_attention_heads=2,
+                video_connector_attention_head_dim=8, video_connector_num_layers=1,
+                video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+                audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+                audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32,
+                rope_double_precision=False, rope_type="split")
+            vae = AutoencoderKLLTX2Video(
+                latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 16, 32),
+                layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), patch_size=4,
+                patch_size_t=1, decoder_inject_noise=(False,) * 4, spatial_compression_ratio=32,
+                temporal_compression_ratio=8)
+            # Non-trivial normalisation statistics, so a wrong normalisation cannot go unnoticed.
+            vae.latents_mean.copy_(torch.randn(8) * 0.1)
+            vae.latents_std.copy_(torch.rand(8) + 0.5)
+            transformer = LTX2VideoTransformer3DModel(
+                in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+                audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+                qk_norm="rms_norm_across_heads", caption_channels=text_hidden, rope_double_precision=False,
+                rope_type="split")
+            audio_vae = AutoencoderKLLTX2Audio(
+                base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+                in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
+                dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
+                mel_bins=8)
+            vocoder = LTX2Vocoder(
+                in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+        scheduler = FlowMatchEulerDiscreteScheduler(  # LTX's token-count shift (LTX2Pipeline's mu defaults)
+            use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+            max_image_seq_len=4096, shift_terminal=0.1)
+        pipeline = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                                tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out
+
+
+def build_gemma_tokenizer(words: list[str] = TINY_WORDS):
+    """A Gemma BPE tokenizer over `words` (each one token after a space), left padded as LTX-2 encodes."""
+    from transformers import GemmaTokenizer
+
+    from vt.shared.models.hunyuan_video import _bpe_vocab
+
+    vocab, merges = _bpe_vocab(words, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], prefix="\u2581")
+    return GemmaTokenizer(vocab=vocab, merges=merges, padding_side="left", model_max_length=1024)

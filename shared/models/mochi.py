@@ -1,0 +1,209 @@
+"""Mochi 1 (Genmo, text-to-video): T5-XXL text encoder, asymmetric video VAE (x6 time, x8 space, 12
+channels), an asymmetric DiT over [video, text] with a text padding mask.
+
+What is particular to Mochi:
+- its flow-matching time runs the other way. MochiPipeline passes the scheduler's inverted sigmas
+  (`FlowMatchEulerDiscreteScheduler(invert_sigmas=True)`): timestep = (1 - sigma) * 1000, 0 for pure
+  noise and 1000 for the clean video, and each step adds (sigma'_next - sigma') * output with
+  sigma' = 1 - sigma rising, so the model predicts x0 - noise. Training is the same flow
+  (`x_t = (1 - s) x0 + s noise`) with timestep (1 - s) * 1000 and target x0 - noise, as diffusers'
+  Mochi training example and genmo's fine-tuner (`model(z_sigma, 1 - sigma)`, `ut = z - eps`) do;
+- text: T5 over the caption padded to the text length WITH its attention mask (the pipeline's own
+  `encode_prompt`); the mask goes to the transformer, whose attention drops each sample's padded
+  text tokens and whose caption pooling averages over the unmasked ones. Stored as float 0/1;
+- latents are `(z - latents_mean) / latents_std * scaling_factor` (posterior mode), the inverse of
+  what the pipeline does before decoding; frames 6k+1 (the pipeline assumes x6 time, x8 space);
+- the original (genmo, and ComfyUI's) names fuse q/k/v (`blocks.N.attn.qkv_x`, text side `qkv_y`)
+  and put the SwiGLU input projection's SiLU half first (`mlp_x.w1`) where diffusers puts it second
+  (diffusers' converter `swap_proj_gate`). The ComfyUI export fuses the q/k/v LoRAs (comfy.Fused),
+  swaps the halves of w1's lora_B rows, and bakes alpha / rank into lora_B (no `.alpha`). diffusers
+  reads no non-diffusers Mochi LoRA; tests/shared/test_mochi.py checks the file against diffusers'
+  own single-file converter of original Mochi checkpoints.
+No TP or CP plan (the base class refuses parallel.tp / parallel.cp > 1): the SwiGLU input projection
+holds both halves in one Linear, so a contiguous column-wise shard would pair one rank's linear units
+with another rank's gates; the rotary tables are per head (`pos_frequencies` (3, heads, D/2)) and would have to
+be sliced to each rank's heads; diffusers has no `_cp_plan` for it, and its attention processor
+drops padded text tokens per sample inside the joint [video, text] attention, which Ulysses would
+have to split apart.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.models import comfy
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
+from vt.shared.models.tiny import build_t5_tokenizer, seeded
+
+log = logging.getLogger(__name__)
+
+# What MochiPipeline hard-codes (vae_temporal_scale_factor, vae_spatial_scale_factor): a VAE with other
+# ratios would train on latents the pipeline cannot sample.
+PIPELINE_TEMPORAL, PIPELINE_SPATIAL = 6, 8
+# SwiGLU input projections: diffusers' rows are [linear half, SiLU half], genmo's [SiLU half, linear half].
+SWIGLU_INPUTS = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.0\.proj"
+
+
+class MochiSpec(ModelSpec):
+    family: ClassVar[str] = "mochi"
+    blocks_attr: ClassVar[str] = "transformer_blocks"
+    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention drops the rest
+    example_hub_id: ClassVar[str] = "genmo/mochi-1-preview"
+    # The blocks' video attention; "attn1." keeps peft's suffix match off the caption pooler's own
+    # `time_embed.pooler.to_q` (which has no original name in the ComfyUI file).
+    default_lora_targets: ClassVar[list[str]] = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"]
+    # Original (genmo) module names, which ComfyUI loads (`diffusion_model.` + these).
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = (
+        (r"transformer_blocks\.(\d+)\.attn1\.to_out\.0", r"blocks.\1.attn.proj_x"),
+        (r"transformer_blocks\.(\d+)\.attn1\.to_add_out", r"blocks.\1.attn.proj_y"),
+        (r"transformer_blocks\.(\d+)\.ff\.net\.0\.proj", r"blocks.\1.mlp_x.w1"),
+        (r"transformer_blocks\.(\d+)\.ff\.net\.2", r"blocks.\1.mlp_x.w2"),
+        (r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj", r"blocks.\1.mlp_y.w1"),
+        (r"transformer_blocks\.(\d+)\.ff_context\.net\.2", r"blocks.\1.mlp_y.w2"),
+    )
+    fused_original_names: ClassVar[tuple[comfy.Fused, ...]] = (
+        comfy.Fused(r"transformer_blocks\.(\d+)\.attn1", ("to_q", "to_k", "to_v"), r"blocks.\1.attn.qkv_x"),
+        comfy.Fused(r"transformer_blocks\.(\d+)\.attn1", ("add_q_proj", "add_k_proj", "add_v_proj"),
+                    r"blocks.\1.attn.qkv_y"),
+    )
+    comfy_alpha: ClassVar[bool] = False  # ranks differ between fused and plain modules: scale baked into lora_B
+
+    @staticmethod
+    def component_classes() -> dict[str, type]:
+        from diffusers import AutoencoderKLMochi, MochiTransformer3DModel
+        from transformers import T5EncoderModel
+
+        return {"text_encoder": T5EncoderModel, "vae": AutoencoderKLMochi, "transformer": MochiTransformer3DModel}
+
+    def pipeline_class(self) -> type:
+        from diffusers import MochiPipeline
+
+        return MochiPipeline
+
+    def _geometry_from_config(self) -> VaeGeometry:
+        vae, transformer = self.load_config("vae"), self.load_config("transformer")
+        temporal = int(torch.tensor(vae.get("temporal_expansions", (1, 2, 3))).prod())
+        spatial = int(torch.tensor(vae.get("spatial_expansions", (2, 2, 2))).prod())
+        if (temporal, spatial) != (PIPELINE_TEMPORAL, PIPELINE_SPATIAL):
+            raise ValueError(f"the {self.family} VAE at {self.source('vae')[0]!r} compresses x{temporal} in time and "
+                             f"x{spatial} in space, but MochiPipeline assumes x{PIPELINE_TEMPORAL} and "
+                             f"x{PIPELINE_SPATIAL}; use Mochi's own VAE (e.g. {self.example_hub_id})")
+        return VaeGeometry(temporal=temporal, spatial=spatial, channels=vae.get("latent_channels", 12),
+                           patch=transformer.get("patch_size", 2))
+
+    # ----------------------------------------------------------------------------- stage 1
+    @torch.no_grad()
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
+        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L) 0/1}, T5 run with the mask.
+
+        MochiPipeline zeroes the whole batch's tokens when its last prompt is empty (meant for a
+        negative prompt); a batch holding an empty caption is encoded one caption at a time so only
+        that caption is zeroed, as the pipeline would encode it alone."""
+        if len(captions) > 1 and "" in captions:
+            parts = [self.encode_text(encoders, [caption]) for caption in captions]
+            return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
+        embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """{"latents": (posterior mode - latents_mean) / latents_std * scaling_factor}, float32."""
+        self._check_video(video)
+        vae = encoders["vae"]
+        latents = self._vae_mode(vae, video).float()
+        mean, std = latent_stats(vae, latents)
+        return {"latents": ((latents - mean) / std * vae.config.scaling_factor).float()}
+
+    # ----------------------------------------------------------------------------- stage 2
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """Timestep (1 - sigma) * 1000 and target x0 - noise: Mochi's inverted flow time (module docstring)."""
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
+        dtype = input_dtype(transformer)
+        prediction = transformer(
+            hidden_states=noisy.to(dtype),
+            encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
+            timestep=(1 - sigmas) * NUM_TRAIN_TIMESTEPS,  # float32; the pipeline passes the inverted timesteps
+            encoder_attention_mask=batch["prompt_attention_mask"].to(x0.device) > 0.5,  # bool, as the pipeline
+            return_dict=False,
+        )[0]
+        return Prediction(prediction=prediction.float(), target=x0 - noise, weight=None)
+
+    # ----------------------------------------------------------------------------- validation
+    def pipeline_inputs(self, prompt: str, bucket, steps: int, seed: int, image=None) -> dict:
+        """As the base class; MochiPipeline's sigma schedule (`linear_quadratic_schedule`) divides by
+        zero below 2 steps, so fewer are refused here with the key to set."""
+        if steps < 2:
+            raise ValueError(f"MochiPipeline samples with at least 2 steps, got {steps}; "
+                             "set train.validation_steps >= 2")
+        return super().pipeline_inputs(prompt, bucket, steps, seed, image)
+
+    # ----------------------------------------------------------------------------- export
+    def save_comfy_lora(self, tensors: dict[str, Tensor], path: Path, metadata: dict) -> Path | None:
+        """Original names, q/k/v fused into `qkv_x` / `qkv_y`, SwiGLU lora_B halves in genmo's order."""
+        from safetensors.torch import save_file
+
+        swapped = {key: swap_halves(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
+                   for key, value in tensors.items()}
+        heads = self.load_config("transformer")
+        inner = heads.get("num_attention_heads", 24) * heads.get("attention_head_dim", 128)
+        try:  # every q/k/v projection (video and text side) outputs heads x head_dim features
+            state = comfy.comfy_state_dict(swapped, self.original_names, int(metadata["r"]),
+                                           float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha,
+                                           fused=self.fused_original_names, out_features=lambda module: inner)
+        except ValueError as err:
+            log.warning("LoRA saved for diffusers only: %s", err)
+            return None
+        save_file(state, str(path), metadata={"format": "pt", "vt_family": self.family})
+        return path
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+        """diffusers' test sizes (2 layers, 2 heads; here of 16 channels); the real VAE layout with 32
+        channels per level (x6 time, x8 space), the real latent statistics and no encoder attention
+        (the slowest part on a CPU); a 2-layer T5; the checkpoint's scheduler (flow-match Euler with
+        inverted sigmas); MochiPipeline layout. The rotary frequencies are drawn at random (a fresh
+        MochiTransformer3DModel has them all zero, which would leave the rotary embedding unchecked)."""
+        from diffusers import (AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline,
+                               MochiTransformer3DModel)
+        from transformers import T5Config, T5EncoderModel
+
+        with seeded(seed):
+            transformer = MochiTransformer3DModel(
+                patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2, pooled_projection_dim=16,
+                in_channels=12, qk_norm="rms_norm", text_embed_dim=64, time_embed_dim=32, activation_fn="swiglu",
+                max_sequence_length=256,
+            )
+            with torch.no_grad():
+                transformer.pos_frequencies.normal_(std=0.5)
+            vae = AutoencoderKLMochi(latent_channels=12, out_channels=3, encoder_block_out_channels=(32,) * 4,
+                                     decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5,
+                                     add_attention_block=(False,) * 5)
+            text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                   num_heads=4))
+        pipeline = MochiPipeline(scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True), vae=vae,
+                                 text_encoder=text_encoder, tokenizer=build_t5_tokenizer(model_max_length=256),
+                                 transformer=transformer)
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out
+
+
+def swap_halves(weight: Tensor) -> Tensor:
+    """The two halves of the rows swapped: a SwiGLU input projection in diffusers' order <-> genmo's."""
+    first, second = weight.chunk(2, dim=0)
+    return torch.cat([second, first], dim=0)
+
+
+def latent_stats(vae, like: Tensor) -> tuple[Tensor, Tensor]:
+    """The VAE config's per-channel latents_mean and latents_std, shaped (1, C, 1, 1, 1) like `like`."""
+    shape = (1, -1, 1, 1, 1)
+    return (torch.tensor(vae.config.latents_mean).view(shape).to(like),
+            torch.tensor(vae.config.latents_std).view(shape).to(like))

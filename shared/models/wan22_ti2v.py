@@ -1,0 +1,112 @@
+"""Wan 2.2 TI2V-5B: one Wan transformer over a 48-channel VAE, text- and image-to-video with one set of weights.
+
+Everything else is Wan (wan.py): UMT5, the Wan DiT, flow matching, the TP/CP plans, the original
+module names for ComfyUI. What is particular:
+- the VAE (AutoencoderKLWan with z_dim 48, `is_residual`, `patch_size` 2) folds 2 x 2 pixels before
+  encoding: x16 in space, x4 in time, so bucket sides are multiples of 32 (16 x the transformer's
+  patch 2); its own 48 `latents_mean` / `latents_std` normalise the latents as for Wan 2.1;
+- the pipelines run with `expand_timesteps=True`: the timestep is given per token (B, F*H/2*W/2),
+  frame-major, and the transformer takes the latents alone (48 channels, no mask or condition);
+- image-to-video (`model.task = "i2v"`, WanImageToVideoPipeline(expand_timesteps=True)): the first
+  latent frame is the encoded image, clean, with timestep 0 on its tokens; the pipeline throws its
+  prediction away. Training does the same: frame 0 is the clean latent (the causal VAE encodes
+  the first frame alone, so the clip's first latent frame is what the pipeline encodes from the
+  image), its tokens get sigma 0 and its loss weight is 0. Stage 1 stores latents only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, Prediction, VaeGeometry, flow_inputs, input_dtype
+from vt.shared.models.tiny import build_t5_tokenizer, seeded
+from vt.shared.models.wan import WanSpec, _latent_stats
+
+
+class Wan22TI2VSpec(WanSpec):
+    family: ClassVar[str] = "wan2.2-ti2v"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
+    example_hub_id: ClassVar[str] = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
+    clip_image_conditioning: ClassVar[bool] = False
+
+    def pipeline_options(self) -> dict[str, Any]:
+        return {"expand_timesteps": True}
+
+    def _check_task_fits(self, transformer: dict, g: VaeGeometry) -> None:
+        """Both tasks take the latents alone: in_channels = the VAE's z_dim, no image projections."""
+        found = {key: transformer.get(key) for key in ("in_channels", "image_dim")}
+        if found["in_channels"] != g.channels or found["image_dim"]:
+            raise ValueError(f"family {self.family!r} needs a TI2V-5B transformer (in_channels = the VAE's z_dim "
+                             f"{g.channels}, no image_dim); the one at {self.source('transformer')[0]!r} has {found}")
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """Normalised latents (posterior mode) for both tasks: an i2v condition is their first frame."""
+        self._check_video(video)
+        latents = self._vae_mode(encoders["vae"], video)
+        mean, std = _latent_stats(encoders["vae"], latents)
+        return {"latents": ((latents - mean) / std).float()}
+
+    def token_timesteps(self, sigmas: Tensor, latents: Tensor, clean_first_frame: bool) -> Tensor:
+        """The pipeline's per-token timesteps (B, F * H/p * W/p), frame-major: sigma * 1000 everywhere,
+        0 on the first frame's tokens when it is the clean condition."""
+        batch, _, frames, height, width = latents.shape
+        patch = self.geometry.patch
+        per_frame = torch.ones(batch, frames, (height // patch) * (width // patch), device=latents.device)
+        if clean_first_frame:
+            per_frame[:, 0] = 0
+        return (per_frame * (sigmas * NUM_TRAIN_TIMESTEPS).view(-1, 1, 1)).flatten(1)
+
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
+        i2v = self.config.task == "i2v"
+        weight = None
+        if i2v:  # frame 0 is the clean image latent, left out of the loss
+            noisy = torch.cat([x0[:, :, :1], noisy[:, :, 1:]], dim=2)
+            weight = torch.ones(1, 1, x0.shape[2], 1, 1, device=x0.device)
+            weight[:, :, 0] = 0
+        prediction = transformer(
+            hidden_states=noisy.to(input_dtype(transformer)),
+            timestep=self.token_timesteps(sigmas, x0, clean_first_frame=i2v),
+            encoder_hidden_states=batch["prompt_embeds"].to(x0.device, input_dtype(transformer)),
+            return_dict=False,
+        )[0]
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
+
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
+        """A 2-layer 48-channel transformer, a 3-level residual 48-channel VAE (patch 2: x16 space, x4
+        time, non-trivial latent statistics) and UMT5; WanPipeline(expand_timesteps=True) layout,
+        which both tasks load (i2v with WanImageToVideoPipeline), as the TI2V-5B checkpoint."""
+        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+        from transformers import UMT5Config, UMT5EncoderModel
+
+        if task not in cls.tasks:
+            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
+        z_dim = 48
+        with seeded(seed):
+            stats = torch.rand(2, z_dim)
+            vae = AutoencoderKLWan(base_dim=16, z_dim=z_dim, in_channels=12, out_channels=12, is_residual=True,
+                                   patch_size=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+                                   temperal_downsample=[False, True, True], scale_factor_spatial=16,
+                                   scale_factor_temporal=4, latents_mean=(stats[0] - 0.5).tolist(),
+                                   latents_std=(stats[1] + 0.5).tolist())
+            transformer = WanTransformer3DModel(
+                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=z_dim,
+                out_channels=z_dim, text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
+            )
+            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128,
+                                                       num_layers=2, num_heads=4))
+        # Wan2.2-TI2V-5B-Diffusers' scheduler: UniPC on flow sigmas with shift 5.
+        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                            num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=5.0)
+        pipeline = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
+                               scheduler=scheduler, transformer=transformer, expand_timesteps=True)
+        out = Path(out_dir)
+        pipeline.save_pretrained(out, safe_serialization=True)
+        return out

@@ -1,0 +1,42 @@
+"""scripts/gpu_check.py's CPU dry run: every row of the GPU table (each attention backend this
+machine trains with, no activation checkpointing, fp8 tensorwise/rowwise against bf16, LoRA on an
+fp8 against a bf16 base) trains a tiny model through vt's own pieces and lands in one table."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import gpu_check
+
+
+def test_dry_run_trains_every_row_and_prints_one_table(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert gpu_check.main(["--dry", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    labels = [r["case"] for r in rows]
+    assert labels == ["full, native, AC", "full, native_math, AC", "full, native, no AC",
+                      "fp8, native, AC, bf16", "fp8, native, AC, fp8 tensorwise", "fp8, native, AC, fp8 rowwise",
+                      "lora, native, AC, bf16 base", "lora, native, AC, fp8 base"]
+    for row in rows:
+        assert row["note"] == "", row
+        assert row["tokens"] == 16 and row["step_ms"] > 0
+        assert len(row["losses"]) == 1 and all(math.isfinite(v) for v in row["losses"])
+    # fp8 and bf16 start from the same weights and batch: their first losses agree to float8's precision
+    first = {r["fp8"]: r["losses"][0] for r in rows if r["group"] == "fp8"}
+    assert abs(first["tensorwise"] - first["none"]) < 0.05 * first["none"]
+    assert first["tensorwise"] != first["none"], "the float8 rows must really run float8 matmuls"
+    table = capsys.readouterr().out
+    assert "| case | tokens | step ms | tokens/s | MFU | peak GiB | note |" in table
+    assert table.count("\n| ") == len(rows) + 2  # header, rule, one line per row
+
+
+def test_model_flops_count_six_per_weight_per_token_plus_attention():
+    """The MFU numerator: 6 x the blocks' linear weights x tokens, plus the attention products."""
+    shape = gpu_check.WAN_1_3B
+    d, f, s, t = 1536, 8960, 32760, 512
+    assert shape.tokens == s
+    linear = 6 * s * (6 * d * d + 2 * d * f) + 6 * t * 2 * d * d
+    attention = 3 * (4 * s * s * d + 4 * s * t * d)
+    blocks = shape.layers * (linear + attention)
+    assert blocks < gpu_check.model_flops_per_sample(shape) < blocks * 1.01

@@ -1,0 +1,126 @@
+"""float8 where it saves memory or time: fp8 frozen base weights for LoRA, torchao fp8 training.
+
+- `train.fp8_base_weights` (LoRA): the frozen transformer is stored in float8 e4m3 (1 byte per
+  weight, half of bf16) and each layer is upcast just for its own compute. One process: diffusers'
+  layerwise casting hooks (`enable_layerwise_casting`, which also skips the layers the model class
+  marks as precision-sensitive: norms, embeddings, patch projections). Under FSDP2 the same layers
+  are simply stored in float8 and FSDP2's MixedPrecisionPolicy upcasts them when it all-gathers a
+  block (a module-level cast hook would fight FSDP2 over the unsharded parameters). It is applied
+  before the adapters are added, so the LoRA weights and their optimizer state stay fp32.
+- `train.fp8_training` (full fine-tuning): torchao's float8 linear layers with the tensorwise or
+  rowwise recipe, on the layers torchao's size filter keeps (small matmuls stay bf16); tensorwise
+  under FSDP2 all-gathers in float8. It needs float8 matmuls: a CUDA GPU of sm89+ (Ada, Hopper, later).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+
+import torch
+from torch import nn
+
+from vt.shared.log import get_logger
+
+__all__ = ["FP8_STORAGE", "fp8_training_support", "check_fp8_training", "check_fp8_base", "store_base_fp8",
+           "apply_fp8_training", "after_optimizer_step", "weight_bytes"]
+log = get_logger("vt.train.fp8")
+FP8_STORAGE = torch.float8_e4m3fn
+FP8_RECIPES = ("tensorwise", "rowwise")
+_CAST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # the layer kinds diffusers' layerwise casting stores
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters as stored (what fp8 storage halves)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
+    """The layers kept in their dtype, as diffusers' `enable_layerwise_casting` chooses them: its defaults
+    (embeddings, norms, the input and output projections, so the model's `.dtype` stays a compute
+    dtype), the class's fp32 modules and the class's own skip patterns."""
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    return (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(model, "_keep_in_fp32_modules", None) or ()),
+            *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()))
+
+
+def store_base_fp8(model: nn.Module, compute_dtype: torch.dtype, sharded: bool) -> int:
+    """Store the frozen weights in float8 e4m3 (before LoRA is added); returns the bytes saved.
+
+    `sharded`: FSDP2 will wrap the model and upcast on all-gather (its param_dtype must then be
+    `compute_dtype`); otherwise diffusers' layerwise-casting hooks upcast each layer around its forward.
+    """
+    before = weight_bytes(model)
+    if not sharded:
+        model.enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=compute_dtype)
+    else:
+        skip = _skip_patterns(model)
+        for name, module in model.named_modules():
+            if isinstance(module, _CAST_LAYERS) and not any(re.search(p, name) for p in skip):
+                for param in module.parameters(recurse=False):
+                    param.data = param.data.to(FP8_STORAGE)
+    saved = before - weight_bytes(model)
+    log.info("fp8 base weights: frozen transformer stored in float8 e4m3, computed in %s (%.1f MB -> %.1f MB)",
+             str(compute_dtype).removeprefix("torch."), before / 1e6, (before - saved) / 1e6)
+    return saved
+
+
+def fp8_training_support(device: torch.device) -> str | None:
+    """Why float8 training cannot run on `device` here, or None when it can."""
+    if device.type != "cuda":
+        return f"float8 training needs a CUDA GPU of sm89+ (Ada, Hopper or later); this run is on {device}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        return (f"float8 training needs a CUDA GPU of sm89+ (Ada, Hopper or later); "
+                f"{torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}")
+    if importlib.util.find_spec("torchao") is None:
+        return "float8 training needs torchao: pip install 'vt[fp8]' (or pip install torchao)"
+    return None
+
+
+def check_fp8_training(train, device: torch.device) -> None:
+    """Stop at start-up when `train.fp8_training` cannot run: wrong mode, or no fp8 on this machine."""
+    if train.fp8_training == "none":
+        return
+    if train.mode != "full":
+        raise ValueError(f"train.fp8_training = {train.fp8_training!r} is for full fine-tuning; for LoRA use "
+                         "train.fp8_base_weights = true (or set train.mode = \"full\")")
+    why = fp8_training_support(device)
+    if why is not None:
+        raise ValueError(f"train.fp8_training = {train.fp8_training!r}: {why}. Set train.fp8_training = \"none\"")
+
+
+def check_fp8_base(train) -> None:
+    """fp8 base weights are for LoRA: full fine-tuning trains those weights (see train.fp8_training)."""
+    if train.fp8_base_weights and train.mode != "lora":
+        raise ValueError("train.fp8_base_weights = true stores frozen weights in float8, but train.mode = \"full\" "
+                         "trains them all; use train.fp8_training = \"rowwise\" (or \"tensorwise\") for full "
+                         "fine-tuning, or set train.mode = \"lora\"")
+
+
+def apply_fp8_training(model: nn.Module, recipe: str, fsdp: bool, module_filter=None) -> list[str]:
+    """Swap the linear layers torchao's filter picks for float8 ones (in place); returns their names.
+
+    `module_filter(module, name) -> bool` replaces torchao's size filter (benchmarks of tiny shapes)."""
+    from torchao.float8 import Float8LinearConfig, _auto_filter_for_recipe, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if fsdp and recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)  # the tensorwise recipe's defaults
+    keep = module_filter or _auto_filter_for_recipe(recipe, filter_fqns=[])
+    chosen = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and keep(module, name)]
+    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    log.info("fp8 training (%s%s): %d of %d linear layers in float8, e.g. %s", recipe,
+             ", float8 all-gather" if config.enable_fsdp_float8_all_gather else "", len(chosen), linears,
+             ", ".join(chosen[:4]) or "none")
+    return chosen
+
+
+def after_optimizer_step(model: nn.Module, recipe: str, fsdp: bool) -> None:
+    """Tensorwise float8 all-gather: precompute the next step's scales in one collective."""
+    if recipe == "tensorwise" and fsdp:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        precompute_float8_dynamic_scale_for_fsdp(model)
