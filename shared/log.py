@@ -14,6 +14,18 @@ _CONFIGURED = False
 # load for this torch and about enum registrations, and diffusers about torchao tensor types it does
 # not find (for loading torchao-quantized checkpoints, which vt does not). Errors still get through.
 QUIET_LOGGERS = ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer")
+# Single messages of loggers that otherwise matter: diffusers says its attention dispatcher is
+# experimental every time vt selects a backend (train.attention_backend, logged by vt itself).
+QUIET_MESSAGES = {"diffusers.models.modeling_utils": "Attention backends are an experimental feature"}
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
 
 
 def get_logger(name: str = "vt") -> logging.Logger:
@@ -25,7 +37,9 @@ def get_logger(name: str = "vt") -> logging.Logger:
         root.addHandler(handler)
         root.setLevel(os.environ.get("VT_LOG_LEVEL", "INFO"))
         root.propagate = False
-        for name in QUIET_LOGGERS:
-            logging.getLogger(name).setLevel(logging.ERROR)
+        for quiet in QUIET_LOGGERS:
+            logging.getLogger(quiet).setLevel(logging.ERROR)
+        for logger, prefix in QUIET_MESSAGES.items():
+            logging.getLogger(logger).addFilter(_DropMessage(prefix))
         _CONFIGURED = True
     return logging.getLogger(name if name.startswith("vt") else f"vt.{name}")

@@ -32,7 +32,6 @@ non-contiguous slices; diffusers has no `_cp_plan` for it, and every block's att
 from __future__ import annotations
 
 import logging
-import string
 import warnings
 from functools import cached_property
 from pathlib import Path
@@ -43,7 +42,7 @@ from torch import Tensor, nn
 
 from vt.shared.models import comfy
 from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
-from vt.shared.models.tiny import TINY_WORDS, seeded
+from vt.shared.models.tiny import TINY_WORDS, bpe_vocab, seeded
 
 log = logging.getLogger(__name__)
 
@@ -263,38 +262,12 @@ class HunyuanVideoSpec(ModelSpec):
 
 
 # ----------------------------------------------------------------------------- tiny tokenizers
-FALLBACK_CHARS = string.ascii_letters + string.digits + string.punctuation
-
-
-def _bpe_vocab(words, specials, prefix: str = "", suffix: str = "") -> tuple[dict[str, int], list[tuple[str, str]]]:
-    """Whole-word BPE: every listed word is one token (each prefix of it too); single characters (with
-    the word prefix / end-of-word suffix variants) make any other word tokenizable."""
-    vocab = {s: i for i, s in enumerate(specials)}
-    merges: list[tuple[str, str]] = []
-    for char in FALLBACK_CHARS:
-        for piece in (char, prefix + char if prefix else char + suffix):
-            vocab.setdefault(piece, len(vocab))
-    if prefix:
-        vocab.setdefault(prefix, len(vocab))
-    for word in words:
-        pieces = list(prefix + word)
-        if suffix:
-            pieces[-1] += suffix
-        current = pieces[0]
-        for piece in pieces[1:]:
-            if (current, piece) not in merges:
-                merges.append((current, piece))
-            current += piece
-            vocab.setdefault(current, len(vocab))
-    return vocab, merges
-
-
 def build_llama_tokenizer(words: list[str] = TINY_WORDS):
     """A Llama BPE tokenizer over `words`, right padded as HunyuanVideo's (the transformer's text mask
     assumes right padding; LlamaTokenizer's default is left)."""
     from transformers import LlamaTokenizer
 
-    vocab, merges = _bpe_vocab(words, ["<unk>", "<s>", "</s>", "<pad>"], prefix="\u2581")
+    vocab, merges = bpe_vocab(words, ["<unk>", "<s>", "</s>", "<pad>"], prefix="\u2581")
     return LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                           pad_token="<pad>", padding_side="right", model_max_length=1024)
 
@@ -303,6 +276,6 @@ def build_clip_tokenizer(words: list[str] = TINY_WORDS):
     """A CLIP BPE tokenizer over `words` (77 tokens, padded with its end-of-text token, as CLIP's)."""
     from transformers import CLIPTokenizer
 
-    vocab, merges = _bpe_vocab(words, ["<|startoftext|>", "<|endoftext|>"], suffix="</w>")
+    vocab, merges = bpe_vocab(words, ["<|startoftext|>", "<|endoftext|>"], suffix="</w>")
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
 

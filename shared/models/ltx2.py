@@ -229,7 +229,7 @@ def build_gemma_tokenizer(words: list[str] = TINY_WORDS):
     """A Gemma BPE tokenizer over `words` (each one token after a space), left padded as LTX-2 encodes."""
     from transformers import GemmaTokenizer
 
-    from vt.shared.models.hunyuan_video import _bpe_vocab
+    from vt.shared.models.tiny import bpe_vocab
 
-    vocab, merges = _bpe_vocab(words, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], prefix="\u2581")
+    vocab, merges = bpe_vocab(words, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], prefix="\u2581")
     return GemmaTokenizer(vocab=vocab, merges=merges, padding_side="left", model_max_length=1024)

@@ -32,6 +32,7 @@ class LTXVideoSpec(ModelSpec):
     # conversion takes lora_A/lora_B without `.alpha`, so the scale goes into lora_B.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
     comfy_alpha: ClassVar[bool] = False
+    noisy_first_frame: ClassVar[bool] = True  # i2v may noise the conditioning frame lightly
     example_hub_id: ClassVar[str] = "Lightricks/LTX-Video"
 
     @staticmethod

@@ -127,6 +127,9 @@ class ModelSpec(ComponentLoader, ABC):
     text_masks: ClassVar[dict[str, str]] = {}
     # Whether the VAE and transformer take one-frame buckets (1xHxW): still images train as those.
     single_frame: ClassVar[bool] = True
+    # Whether i2v training can noise the conditioning frame (`model.first_frame_noise`); families that
+    # condition on a clean frame refuse the key rather than ignore it.
+    noisy_first_frame: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
@@ -149,6 +152,10 @@ class ModelSpec(ComponentLoader, ABC):
             raise ValueError(f"model.expert = {config.expert!r} is not an expert of {self.family!r}; "
                              + (f"choose one of {[*experts, ALL_EXPERTS]}" if experts
                                 else "it has one transformer: leave it unset"))
+        if config.first_frame_noise > 0 and not (self.noisy_first_frame and config.task == "i2v"):
+            raise ValueError(f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
+                             f"task {config.task!r}: " + ("it conditions on a clean first frame" if config.task == "i2v"
+                                                          else "it is an i2v setting") + "; remove it")
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.

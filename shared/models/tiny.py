@@ -4,7 +4,8 @@ Tiny presets must be built offline, in milliseconds, and identically for a seed,
 demo load them through the very `from_pretrained` code path a real checkpoint uses. The tokenizer
 is a SentencePiece-style Unigram model (what T5 and UMT5 use) made with the `tokenizers` library
 from a small word list: each listed word is one piece, anything else falls back to single
-characters, so no caption ever fails to tokenize.
+characters, so no caption ever fails to tokenize. `bpe_vocab` is the same idea for the byte-pair
+tokenizers (Llama, CLIP, Gemma) the other families' presets build.
 """
 
 from __future__ import annotations
@@ -66,6 +67,29 @@ def build_t5_tokenizer(words: list[str] = TINY_WORDS, model_max_length: int = 12
         tokenizer_object=model, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
         extra_ids=0, model_max_length=model_max_length,
     )
+
+
+def bpe_vocab(words, specials, prefix: str = "", suffix: str = "") -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """Whole-word BPE: every listed word is one token (each prefix of it too); single characters (with
+    the word prefix / end-of-word suffix variants) make any other word tokenizable."""
+    vocab = {s: i for i, s in enumerate(specials)}
+    merges: list[tuple[str, str]] = []
+    for char in FALLBACK_CHARS:
+        for piece in (char, prefix + char if prefix else char + suffix):
+            vocab.setdefault(piece, len(vocab))
+    if prefix:
+        vocab.setdefault(prefix, len(vocab))
+    for word in words:
+        pieces = list(prefix + word)
+        if suffix:
+            pieces[-1] += suffix
+        current = pieces[0]
+        for piece in pieces[1:]:
+            if (current, piece) not in merges:
+                merges.append((current, piece))
+            current += piece
+            vocab.setdefault(current, len(vocab))
+    return vocab, merges
 
 
 @contextlib.contextmanager

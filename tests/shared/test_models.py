@@ -279,6 +279,13 @@ def capture_transformer_inputs(transformer):
     return seen
 
 
+def test_first_frame_noise_is_refused_where_it_would_do_nothing(tiny_model_factory):
+    with pytest.raises(ValueError, match=r"first_frame_noise = 0.5 does nothing for 'wan' task 'i2v': it conditions"):
+        make_spec(tiny_model_factory("wan", task="i2v"), "wan", task="i2v", first_frame_noise=0.5)
+    with pytest.raises(ValueError, match=r"for 'ltx-video' task 't2v': it is an i2v setting"):
+        make_spec(tiny_model_factory("ltx-video"), "ltx-video", first_frame_noise=0.5)
+
+
 @pytest.mark.parametrize("first_frame_noise", [0.0, 0.5])
 def test_ltx_i2v_keeps_first_frame_as_condition(tiny_model_factory, first_frame_noise):
     from diffusers import LTXPipeline
