@@ -45,6 +45,9 @@ FAMILY_LAYOUTS = {
     # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
     # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
     "wan2.2-all": ["ddp-2", "fsdp-2"],
+    # TI2V-5B as i2v (conftest VARIANTS): its per-token timesteps and first-frame loss weights split over
+    # data-parallel ranks like the latents; its transformer is Wan's, whose TP/CP plans the wan rows cover.
+    "wan2.2-ti2v-i2v": ["ddp-2", "fsdp-2"],
     # No CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
     # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs.
     "cogvideox": ["ddp-2", "fsdp-2", "tp-2"],
