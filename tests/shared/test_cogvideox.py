@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from lora_init import randomise_lora
 from test_models import (BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video,
                          video)
 
@@ -193,11 +194,7 @@ def test_i2v_lora_and_full_exports_load_into_the_i2v_pipeline(tiny_model_factory
     spec = i2v_spec(tiny_model_factory)
     transformer = spec.load_transformer()
     spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    randomise_lora(transformer, seed=3)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
     in_memory = pipeline_latents(spec, spec.build_pipeline(transformer), image=I2V_IMAGE)
     fresh = CogVideoXImageToVideoPipeline.from_pretrained(folder)

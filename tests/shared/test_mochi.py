@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+from lora_init import randomise_lora
 from test_models import make_spec
 
 from vt.shared.buckets import Bucket
@@ -85,11 +86,7 @@ def test_comfy_lora_applied_to_original_weights_reproduces_the_lora_model(tiny_m
     assert back.keys() == base.keys() and all(torch.equal(back[k], v) for k, v in base.items())
 
     spec.add_lora(transformer, rank=2, alpha=3.0, targets=TARGETS)  # alpha != rank: the scale is baked in
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    randomise_lora(transformer, seed=1)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)
     comfy = load_file(tmp_path / "lora_comfyui.safetensors")
     assert not any(key.endswith(".alpha") for key in comfy)

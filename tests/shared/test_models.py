@@ -7,6 +7,7 @@ import hashlib
 import numpy as np
 import pytest
 import torch
+from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
@@ -323,11 +324,7 @@ def test_lora_export_loads_into_a_fresh_pipeline(tiny_model_factory, tmp_path, f
     spec = make_spec(folder, family)
     transformer = spec.load_transformer()
     spec.add_lora(transformer, rank=4, alpha=8.0, targets=EXPECTED[family].get("lora_targets"))  # alpha != rank
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    randomise_lora(transformer, seed=3)
     path = spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
     assert path == tmp_path / "lora" / "pytorch_lora_weights.safetensors" and path.is_file()
 
@@ -602,11 +599,7 @@ def test_wan_i2v_lora_export_loads_into_a_fresh_i2v_pipeline(tiny_model_factory,
     assert spec.pipeline_class() is WanImageToVideoPipeline
     transformer = spec.load_transformer()
     spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
+    randomise_lora(transformer, seed=3)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
     comfy = load_file(tmp_path / "lora" / "lora_comfyui.safetensors")
     assert {"diffusion_model.blocks.0.cross_attn.k_img.lora_A.weight",

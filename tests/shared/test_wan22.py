@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from lora_init import randomise_lora
 from test_models import BUCKET, CAPTIONS, capture_transformer_inputs, pipeline_latents, uint8_video
 
 from vt.shared.config import ModelConfig
@@ -24,13 +25,6 @@ def stage1(spec, clip):
     encoders = spec.load_stage1()
     return {**spec.encode_text(encoders, CAPTIONS[:len(clip)]), **spec.encode_video(encoders, clip)}
 
-
-def randomise_lora(transformer, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.3)
 
 
 def test_i2v_a14b_conditions_on_the_frame_and_exports_one_lora_per_expert(tiny_model_factory, tmp_path):
