@@ -28,10 +28,24 @@ class _DropMessage(logging.Filter):
         return not str(record.msg).startswith(self.prefix)
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is when a record is emitted, not the one at set-up: tools that
+    swap stderr for a while (a CLI runner, a tracker's console capture) must not leave vt writing to a
+    closed stream."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def get_logger(name: str = "vt") -> logging.Logger:
     global _CONFIGURED
     if not _CONFIGURED:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(f"[rank{runtime.rank()}] %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
         root = logging.getLogger("vt")
         root.addHandler(handler)

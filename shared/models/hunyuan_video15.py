@@ -42,7 +42,7 @@ from torch import Tensor
 
 from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, TensorParallelPlan, VaeGeometry,
                                    flow_inputs, input_dtype)
-from vt.shared.models.tiny import TINY_WORDS, seeded
+from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, seeded
 
 PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
 PROMPT_TEMPLATE_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: tokens cropped
@@ -360,12 +360,7 @@ def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
     # The chat roles, then each word after a space (\u0120): every merge chain starts from its own first
     # piece, so no chain splits another word (a caption's first word, without the space, is spelt out).
     for word in ["system", "user", "assistant", *(f"\u0120{w}" for w in words)]:
-        current = word[0]
-        for piece in word[1:]:
-            if (current, piece) not in merges:
-                merges.append((current, piece))
-            current += piece
-            vocab.setdefault(current, len(vocab))
+        add_merge_chain(word, vocab, merges)
     system = _pipeline_system_message(HunyuanVideo15Pipeline)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
     tokenizer.add_special_tokens({"additional_special_tokens": specials[1:] + [system]})

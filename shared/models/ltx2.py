@@ -71,17 +71,13 @@ class LTX2Spec(ModelSpec):
         return LTX2Pipeline
 
     def _geometry_from_config(self) -> VaeGeometry:
-        from accelerate import init_empty_weights
-
-        vae_config = self.load_config("vae")
-        with init_empty_weights():  # the class computes its own ratios; no weights are allocated
-            vae = self.component_classes()["vae"].from_config(vae_config)
+        vae = self._vae_without_weights()
         transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
             raise ValueError(f"LTX-2 transformers with patch_size_t {transformer['patch_size_t']} are not supported; "
                              "expected 1")
         return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
-                           channels=vae_config["latent_channels"], patch=transformer.get("patch_size", 1))
+                           channels=vae.config.latent_channels, patch=transformer.get("patch_size", 1))
 
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()

@@ -230,6 +230,13 @@ class ModelSpec(ComponentLoader, ABC):
     def geometry(self) -> VaeGeometry:
         return self._geometry_from_config()
 
+    def _vae_without_weights(self):
+        """The VAE class built from its config on the meta device: for ratios the class computes itself."""
+        from accelerate import init_empty_weights
+
+        with init_empty_weights():
+            return self.component_classes()["vae"].from_config(self.load_config("vae"))
+
     def check_bucket(self, bucket: Bucket) -> None:
         if bucket.frames == 1 and not self.single_frame:
             raise ValueError(f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "

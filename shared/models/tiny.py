@@ -83,13 +83,18 @@ def bpe_vocab(words, specials, prefix: str = "", suffix: str = "") -> tuple[dict
         pieces = list(prefix + word)
         if suffix:
             pieces[-1] += suffix
-        current = pieces[0]
-        for piece in pieces[1:]:
-            if (current, piece) not in merges:
-                merges.append((current, piece))
-            current += piece
-            vocab.setdefault(current, len(vocab))
+        add_merge_chain(pieces, vocab, merges)
     return vocab, merges
+
+
+def add_merge_chain(pieces, vocab: dict[str, int], merges: list[tuple[str, str]]) -> None:
+    """Merges that join `pieces` left to right into one token, every prefix of it a token too."""
+    current = pieces[0]
+    for piece in pieces[1:]:
+        if (current, piece) not in merges:
+            merges.append((current, piece))
+        current += piece
+        vocab.setdefault(current, len(vocab))
 
 
 @contextlib.contextmanager
