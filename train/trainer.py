@@ -141,18 +141,19 @@ class Trainer:
         """What fp8-stored frozen weights are upcast to: the autocast dtype, else the model's dtype."""
         return self.amp_dtype or self.spec.frozen_dtype
 
-    def _load_model(self, device: str) -> torch.nn.Module:
-        """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer."""
+    def _load_model(self, device: str, export_copy: bool = False) -> torch.nn.Module:
+        """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer.
+        `export_copy`: rank 0's plain copy for validation and export, which keeps its base weights as loaded."""
         experts = self.spec.trained_experts
         if not experts:
-            return self._load_transformer(device)
-        return torch.nn.ModuleDict({name: self._load_transformer(device, component)
+            return self._load_transformer(device, export_copy=export_copy)
+        return torch.nn.ModuleDict({name: self._load_transformer(device, component, export_copy)
                                     for name, component in experts.items()})
 
-    def _load_transformer(self, device: str, component: str | None = None) -> torch.nn.Module:
+    def _load_transformer(self, device: str, component: str | None = None, export_copy: bool = False) -> torch.nn.Module:
         train = self.config.train
         transformer = self.spec.load_transformer(device=device, name=component)
-        if train.fp8_base_weights and not hasattr(self, "transformer"):  # the trained model, not rank 0's export copy
+        if train.fp8_base_weights and not export_copy:
             store_base_fp8(transformer, self._compute_dtype(), sharded=self.world.dims.fsdp_enabled)  # before LoRA
         if train.mode == "lora":
             transformer.requires_grad_(False)
@@ -362,7 +363,7 @@ class Trainer:
             return None
         if self._export_model is None:
             with torch.random.fork_rng(devices=[]):  # LoRA's init draws must not shift rank 0's RNG
-                self._export_model = self._load_model("cpu").eval()
+                self._export_model = self._load_model("cpu", export_copy=True).eval()
         result = self._export_model.load_state_dict(state, strict=False)
         trainable = {n for n, p in self._export_model.named_parameters() if p.requires_grad}
         missing = [k for k in result.missing_keys if k in trainable]
