@@ -75,9 +75,9 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
-        """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp)."""
+        """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp, cpu_offload)."""
         return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, world_size,
-                   getattr(parallel, "cpu_offload", False))
+                   parallel.cpu_offload)
 
     # -- what is on ----------------------------------------------------------------------------------
     @property
