@@ -49,7 +49,7 @@ from vt.shared.models.tiny import build_t5_tokenizer, seeded
 class CogVideoXSpec(ModelSpec):
     family: ClassVar[str] = "cogvideox"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
-    blocks_attr: ClassVar[str] = "transformer_blocks"
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # No ComfyUI key table: diffusers has no converter for CogVideoX's original (SAT, fused q/k/v)
     # names, so nothing here could check such a file; ComfyUI-CogVideoXWrapper reads the diffusers
     # file as it is. The base class warns and writes the diffusers file only.

@@ -53,7 +53,8 @@ REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft 
 
 class HunyuanVideoSpec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video"
-    blocks_attr: ClassVar[str] = "transformer_blocks"
+    # Double-stream blocks, then single-stream ones: every parallel strategy and checkpointing walks both.
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention masks the rest
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
                                                     "vae")
@@ -102,10 +103,6 @@ class HunyuanVideoSpec(ModelSpec):
         return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
                            spatial=vae.get("spatial_compression_ratio", 8),
                            channels=vae["latent_channels"], patch=transformer.get("patch_size", 2))
-
-    def blocks(self, transformer) -> list[nn.Module]:
-        """The double-stream blocks, then the single-stream ones (each is wrapped and checkpointed)."""
-        return [*transformer.transformer_blocks, *transformer.single_transformer_blocks]
 
     # ----------------------------------------------------------------------------- text
     @cached_property

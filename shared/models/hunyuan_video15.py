@@ -76,7 +76,7 @@ def _rename_table(pairs, reverse: bool = False) -> tuple[tuple[str, str], ...]:
 
 class HunyuanVideo15Spec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video-1.5"
-    blocks_attr: ClassVar[str] = "transformer_blocks"
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
                                                     "vae")
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"

@@ -45,7 +45,7 @@ AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|vide
 
 class LTX2Spec(ModelSpec):
     family: ClassVar[str] = "ltx-2"
-    blocks_attr: ClassVar[str] = "transformer_blocks"
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
     # Video self- and cross-attention only: suffixes that never match `audio_attn1.to_q` and the like.
     default_lora_targets: ClassVar[list[str]] = [f"{attn}.{proj}" for attn in ("attn1", "attn2")

@@ -26,7 +26,7 @@ from vt.shared.models.tiny import build_t5_tokenizer, seeded
 class LTXVideoSpec(ModelSpec):
     family: ClassVar[str] = "ltx-video"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
-    blocks_attr: ClassVar[str] = "transformer_blocks"
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention masks the rest
     # The original LTX-Video checkpoint (and ComfyUI) use diffusers' module names; diffusers' LTX
     # conversion takes lora_A/lora_B without `.alpha`, so the scale goes into lora_B.

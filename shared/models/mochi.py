@@ -52,7 +52,7 @@ SWIGLU_INPUTS = r"transformer_blocks\.\d+\.(ff|ff_context)\.net\.0\.proj"
 
 class MochiSpec(ModelSpec):
     family: ClassVar[str] = "mochi"
-    blocks_attr: ClassVar[str] = "transformer_blocks"
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention drops the rest
     example_hub_id: ClassVar[str] = "genmo/mochi-1-preview"
     # The blocks' video attention; "attn1." keeps peft's suffix match off the caption pooler's own

@@ -120,7 +120,9 @@ class ModelSpec(ComponentLoader, ABC):
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
-    blocks_attr: ClassVar[str]  # attribute of the transformer holding its ModuleList of blocks
+    # Attributes of the transformer holding its ModuleLists of repeated blocks, in the order they run: the
+    # one list that FSDP, TP, CP, activation checkpointing and compile all walk (`named_blocks`).
+    block_lists: ClassVar[tuple[str, ...]]
     # Condition tensor -> the mask the transformer applies to its rows: rows past the mask's last
     # nonzero entry are padding it never reads, which stage 1 need not store (shared/caption_table.py).
     # Unnamed tensors lose only rows that are exactly zero, so their padding is kept bit for bit.
@@ -322,8 +324,20 @@ class ModelSpec(ComponentLoader, ABC):
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction: ...
 
+    def named_blocks(self, transformer) -> list[tuple[str, nn.Module]]:
+        """("transformer_blocks.3", block) for every block of every list in `block_lists`, in running order."""
+        named = []
+        for attr in self.block_lists:
+            blocks = getattr(transformer, attr, None)
+            if not isinstance(blocks, nn.ModuleList):
+                raise TypeError(f"{type(transformer).__name__}.{attr} is not a ModuleList of blocks; fix block_lists "
+                                f"of the {self.family} spec")
+            named += [(f"{attr}.{index}", block) for index, block in enumerate(blocks)]
+        return named
+
     def blocks(self, transformer) -> list[nn.Module]:
-        return list(getattr(transformer, self.blocks_attr))
+        """Every block of the transformer (`named_blocks` without the names)."""
+        return [block for _, block in self.named_blocks(transformer)]
 
     def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | None) -> None:
         """Freeze the transformer and inject peft LoRA layers (only they train)."""

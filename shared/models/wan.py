@@ -43,7 +43,7 @@ IMAGE_PARTS = ("image_encoder", "image_processor")
 class WanSpec(ModelSpec):
     family: ClassVar[str] = "wan"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
-    blocks_attr: ClassVar[str] = "blocks"
+    block_lists: ClassVar[tuple[str, ...]] = ("blocks",)
     # Original (Wan-AI) module names, which ComfyUI uses; diffusers' Wan LoRA conversion reads them back.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
         *((rf"blocks\.(\d+)\.{attn}\.{ours}", rf"blocks.\1.{theirs}.{short}")

@@ -270,6 +270,35 @@ def test_forward_gives_flow_target_and_trains_lora_only(tiny_model_factory, fami
     assert any(transformer.get_parameter(n).grad.abs().sum() > 0 for n in with_grad)
 
 
+@FAMILY_PARAMS
+def test_checkpointing_recomputes_every_block_of_every_list(tiny_model_factory, family):
+    """The spec's block lists are the transformer's block lists (every top-level ModuleList), and under
+    activation checkpointing every block of them runs twice per micro-step: forward, then recompute."""
+    from collections import Counter
+
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    from vt.train.parallel import apply_ac
+
+    spec = make_spec(tiny_model_factory(family), family)
+    batch = stage1(spec)
+    transformer = spec.load_transformer()
+    lists = {name for name, child in transformer.named_children() if isinstance(child, torch.nn.ModuleList)}
+    assert lists == set(spec.block_lists), f"{family}: block lists {spec.block_lists}, transformer has {lists}"
+    apply_ac(transformer, spec)
+    names = {id(block._checkpoint_wrapped_module): name for name, block in spec.named_blocks(transformer)}
+    starts = Counter()
+    handle = register_module_forward_pre_hook(lambda module, args: starts.update([names.get(id(module))]))
+    try:
+        noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(1))
+        out = spec.forward(transformer, batch, torch.tensor([0.2, 0.9]), noise)
+        ((out.prediction - out.target) ** 2).mean().backward()
+    finally:
+        handle.remove()
+    starts.pop(None, None)
+    assert starts == {name: 2 for name in names.values()}, f"{family}: block forward starts {dict(starts)}"
+
+
 def capture_transformer_inputs(transformer):
     seen = {}
 

@@ -1,7 +1,8 @@
 """Activation checkpointing per transformer block: keep only block inputs, recompute in backward.
 
-Each block of the spec's block list is wrapped in torch's non-reentrant checkpoint wrapper, in
-place in its ModuleList. Parameter names gain a `_checkpoint_wrapped_module.` segment, which the
+Every block of the spec's block lists (`spec.named_blocks`: the same blocks FSDP, TP, CP and compile
+walk, e.g. HunyuanVideo's double- and single-stream blocks) is wrapped in torch's non-reentrant
+checkpoint wrapper, in place in its ModuleList. Parameter names gain a `_checkpoint_wrapped_module.` segment, which the
 wrapper's state-dict hook and torch.distributed.checkpoint's name resolution both strip, so
 checkpoints and LoRA exports keep the plain names and load into a model without checkpointing.
 """
@@ -14,11 +15,8 @@ from torch import nn
 def apply_ac(model: nn.Module, spec) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-    blocks = getattr(model, spec.blocks_attr)
-    if not isinstance(blocks, nn.ModuleList):
-        raise TypeError(f"{type(model).__name__}.{spec.blocks_attr} is not a ModuleList of blocks; "
-                        f"fix blocks_attr of the {spec.family} spec")
-    for index, block in enumerate(blocks):
-        blocks[index] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                           preserve_rng_state=False)  # blocks draw no random numbers
+    for name, block in spec.named_blocks(model):
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
+                                     preserve_rng_state=False)  # blocks draw no random numbers
+        model.set_submodule(name, wrapped)
     return model

@@ -56,10 +56,10 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
     for path, arguments in plan.split_inputs.items():
         module = transformer.get_submodule(path) if path else transformer
         module.register_forward_pre_hook(_split_arguments(module, arguments, group), with_kwargs=True)
-    for index, block in enumerate(spec.blocks(transformer)):
+    for where, block in spec.named_blocks(transformer):
         for name in plan.self_attention:
             _make_ulysses(block.get_submodule(name), plan.sequence_to_heads, plan.heads_to_sequence, group,
-                          f"{spec.blocks_attr}.{index}.{name}")
+                          f"{where}.{name}")
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
     transformer.get_submodule(plan.gather_output).register_forward_hook(

@@ -51,8 +51,8 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
     if tp_mesh.size() == 1:
         return
     plan = spec.tp_plan()
-    for index, block in enumerate(spec.blocks(transformer)):
-        _check_block(block, plan, tp_mesh.size(), f"{spec.blocks_attr}.{index}")
+    for where, block in spec.named_blocks(transformer):
+        _check_block(block, plan, tp_mesh.size(), where)
         styles: dict[str, ParallelStyle] = {}
         for name in plan.colwise:
             styles.update(_linear_styles(block, name, column=True))
