@@ -27,6 +27,7 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     started again, a producer carries on where it stopped.
     """
     cfg = load_or_exit(config, set)
+    from vt.precompute.encoders import VaeOutOfMemory
     from vt.precompute.resume import ResumeError
     from vt.precompute.service import Precompute, TooManyFailures
     from vt.shared.models.components import ModelLoadError
@@ -38,9 +39,28 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     try:
         report = Precompute(cfg, rank(), world_size()).run()
     except (TooManyFailures, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
-            ProducerConflict, StorageUnavailable, WindowTimeout) as err:
+            ProducerConflict, StorageUnavailable, WindowTimeout, VaeOutOfMemory) as err:
         raise fail(str(err)) from err
     typer.echo(report.summary_line())
+
+
+@app.command()
+def prompts(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
+            set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+    """Encode the config's validation prompts (and i2v images) into its window, for the trainer.
+
+    Loads only the text (and image) encoders. vt-precompute run does this too; use this command for
+    prompts added after the window was made.
+    """
+    cfg = load_or_exit(config, set)
+    from vt.precompute.validation_conditions import encode_validation_inputs
+    from vt.shared.models.components import ModelLoadError
+
+    try:
+        written = encode_validation_inputs(cfg)
+    except (ModelLoadError, FileNotFoundError, ValueError) as err:
+        raise fail(str(err)) from err
+    typer.echo(f"validation conditions: {written} inputs encoded into {cfg.window.uri}")
 
 
 @app.command()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vt.precompute.encoders import encode_videos, load_encoders, text_phase
 from vt.precompute.processors import Chain, PreparedSample, build_chain, worker_init
 from vt.precompute.processors.errors import SampleError
 from vt.precompute.rejects import RejectLog, rejects_name
@@ -35,6 +36,7 @@ from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
 from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, shard_names, split_for_rank
 from vt.precompute.text_cache import TextCache
+from vt.precompute.validation_conditions import write_validation_conditions
 from vt.precompute.workers import DecodePool
 from vt.shared.buckets import Bucket, buckets_for, parse_buckets
 from vt.shared.caption_table import Captions, encode_caption
@@ -141,8 +143,14 @@ class Precompute:
         self.seq = 0
 
     def _load_encoders(self) -> None:
-        self.encoders = self.spec.load_stage1(device=self.device)
-        self.text_cache = TextCache(lambda captions: self.spec.encode_text(self.encoders, captions))
+        pre = self.config.precompute
+        self.encoders = load_encoders(self.spec, self.device, pre.text_encoder_offload, pre.vae_tiling)
+        self.text_cache = TextCache(self._encode_text)
+
+    def _encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
+        """A shard's new captions, in its text phase (precompute/encoders.py)."""
+        with text_phase(self.encoders, self.spec, self.device, self.config.precompute.text_encoder_offload):
+            return self.spec.encode_text(self.encoders, captions)
 
     def run(self) -> Report:
         """Produce this rank's share of every epoch into the window, resuming where an earlier run stopped."""
@@ -181,6 +189,9 @@ class Precompute:
             self._load_encoders()  # while the workers start
             with torch.inference_mode():
                 self._write_empty_caption()
+                with text_phase(self.encoders, self.spec, self.device, pre.text_encoder_offload):
+                    write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
+                                                self.storage_dtype)
                 for epoch in range(state.epoch, passes):
                     tracker.start_epoch(epoch)
                     self._run_epoch(epoch, pool, tracker)
@@ -269,11 +280,8 @@ class Precompute:
         captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
         self.report.seconds["text_encode"] += time.perf_counter() - started
         started = time.perf_counter()
-        latents: dict[str, list[torch.Tensor]] = {}
-        for i in range(0, len(samples), pre.encode_batch):
-            video = torch.stack([s.video for s in samples[i:i + pre.encode_batch]]).to(self.device)
-            for name, tensor in self.spec.encode_video(self.encoders, video).items():
-                latents.setdefault(name, []).append(tensor.cpu())
+        latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,
+                                bucket.name, pre.vae_tiling)
         self.report.seconds["vae_encode"] += time.perf_counter() - started
         tensors = self._stored({name: torch.cat(parts) for name, parts in latents.items()})
         captions.conditions = self._stored(captions.conditions)

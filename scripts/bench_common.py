@@ -29,6 +29,7 @@ class Row:
     max_ratio: float | None = None  # goal: vt / baseline at most this
     max_value: float | None = None  # goal for rows without a baseline: vt at most this
     note: str = ""
+    min_ratio: float | None = None  # goal (with max_ratio): vt / baseline at least this, e.g. an estimate's band
 
     @property
     def ratio(self) -> float | None:
@@ -38,6 +39,8 @@ class Row:
 
     @property
     def goal(self) -> str:
+        if self.min_ratio is not None and self.max_ratio is not None:
+            return f"{self.min_ratio:g}x..{self.max_ratio:g}x"
         if self.max_ratio is not None:
             return f"<= {self.max_ratio:g}x"
         if self.max_value is not None:
@@ -47,7 +50,8 @@ class Row:
     @property
     def ok(self) -> bool | None:
         if self.max_ratio is not None:
-            return self.ratio is not None and self.ratio <= self.max_ratio
+            low = self.min_ratio if self.min_ratio is not None else float("-inf")
+            return self.ratio is not None and low <= self.ratio <= self.max_ratio
         if self.max_value is not None:
             return self.vt <= self.max_value
         return None

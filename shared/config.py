@@ -101,6 +101,11 @@ class PrecomputeConfig(_Section):
     max_consecutive_failures: int = Field(100, ge=1)
     workers: int = Field(1, ge=0)  # decode worker processes (0: decode in the encoding process)
     device: str = "auto"
+    # Where the text (and image) encoders live (precompute/encoders.py): "none" on the device beside the VAE;
+    # "model" in CPU memory, moved onto the device for each shard's text phase; "blocks" streamed block by
+    # block from CPU memory (an encoder larger than the GPU).
+    text_encoder_offload: Literal["none", "model", "blocks"] = "none"
+    vae_tiling: bool = False  # encode clips in overlapping tiles: long or high-resolution clips fit (in provenance)
     # The processor chain (vt.shared.chain): tables of `name` plus options; [] is the default chain.
     processors: list[dict[str, Any]] = Field(default_factory=list)
 

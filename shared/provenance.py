@@ -58,7 +58,8 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
         "storage_dtype": config.precompute.storage_dtype,
         "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
                        "buckets": sorted(config.buckets.sizes),
-                       "processors": describe_chain(config.precompute.processors)},
+                       "processors": describe_chain(config.precompute.processors),
+                       **({"vae_tiling": True} if config.precompute.vae_tiling else {})},
         "weights": dict(sorted((weights if weights is not None else weights_digests(spec)).items())),
     }
 

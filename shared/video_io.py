@@ -15,6 +15,13 @@ import av
 import numpy as np
 
 
+def load_image(path: str | Path) -> np.ndarray:
+    """An image file -> (H, W, 3) uint8 RGB (PyAV reads PNG/JPEG/WebP as one-frame videos)."""
+    with av.open(str(path)) as container:
+        frame = next(container.decode(video=0))
+        return frame.to_ndarray(format="rgb24")
+
+
 def write_video(frames: np.ndarray, path: Path, fps: float = 8.0) -> Path:
     """Encode (F, H, W, 3) uint8 RGB frames as an h264 mp4 at `path`; returns `path`."""
     frames = _check_frames(frames)

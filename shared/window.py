@@ -8,6 +8,8 @@ Layout under the window URI (local folder or s3://bucket/prefix), explained in d
     leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
     progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
     consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
+    text/validation-<fingerprint>/<key>.safetensors  a validation prompt's (or i2v image's) conditions as the
+                                         family pipeline takes them: the trainer loads no text encoder
     text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window (caption
                                          dropout); the first producer's copy stays, never evicted
 
@@ -51,7 +53,8 @@ from .shards import CommitRecord, read_shard_metadata
 from .storage import Storage
 
 __all__ = ["CONSUMER", "ProducerConflict", "ProducerFenced", "ShardCorruptError", "Window", "WindowTimeout",
-           "commit_path", "data_path", "empty_caption_path", "producer_path", "seq_of"]
+           "commit_path", "data_path", "empty_caption_path", "producer_path", "seq_of", "validation_key",
+           "validation_path"]
 
 log = logging.getLogger("vt.window")
 
@@ -83,6 +86,17 @@ def commit_path(rank: int, seq: int) -> str:
 
 def empty_caption_path(fingerprint: str) -> str:
     return f"text/empty-{fingerprint}.safetensors"
+
+
+def validation_path(fingerprint: str, key: str) -> str:
+    """A validation prompt's (or i2v image's) encoded conditions for shards of `fingerprint`; `key` names
+    the content (`validation_key`)."""
+    return f"text/validation-{fingerprint}/{key}.safetensors"
+
+
+def validation_key(kind: str, content: bytes) -> str:
+    """"prompt-<sha256 of the text>" or "image-<sha256 of the file>", shortened: the same input, the same key."""
+    return f"{kind}-{hashlib.sha256(content).hexdigest()[:16]}"
 
 
 def producer_path(rank: int) -> str:
@@ -317,6 +331,18 @@ class Window:
         """Store the empty caption's shard-format text conditions for shards of `fingerprint`, once per
         window: every producer offers its copy before its first commit and the first one stays."""
         return self.storage.create_exclusive(empty_caption_path(fingerprint), data)
+
+    def put_validation(self, fingerprint: str, key: str, data: bytes) -> bool:
+        """Store one validation input's conditions (safetensors) for shards of `fingerprint`, once: the
+        first writer's copy stays (every producer offers them before its first commit)."""
+        return self.storage.create_exclusive(validation_path(fingerprint, key), data)
+
+    def validation(self, fingerprint: str, key: str) -> bytes | None:
+        """The stored conditions of validation input `key` (see put_validation), None if there are none."""
+        try:
+            return self.storage.read(validation_path(fingerprint, key))
+        except FileNotFoundError:
+            return None
 
     def empty_caption(self, fingerprint: str) -> bytes:
         """The stored empty caption of shards made with `fingerprint` (see put_empty_caption)."""

@@ -48,6 +48,33 @@ def _note_accelerate_cpu() -> None:
 
 
 @app.command()
+def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/wan.toml"),
+         gpus: int = typer.Option(1, "--gpus", min=1, help="ranks (GPUs) the run would use"),
+         gpu_memory: float = typer.Option(0.0, "--gpu-memory", min=0.0,
+                                          help="GiB per GPU, e.g. 80: says whether it fits and what would"),
+         device: str = typer.Option("cuda", "--device", help="cuda (GPU memory), or cpu (a CPU run's host memory)"),
+         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+    """Memory per rank (weights, gradients, optimizer, activations per bucket, stage-1 encoders) from the
+    components' config files alone: no weights are loaded."""
+    import json
+
+    cfg = load_or_exit(config, set)
+    from vt.shared.models.components import ModelLoadError
+    from vt.train.parallel.dims import ParallelConfigError
+    from vt.train.plan import alternatives, format_plan, make_plan, plan_json
+
+    if device not in ("cuda", "cpu"):
+        raise fail(f"--device must be cuda or cpu, got {device!r}")
+    try:
+        result = make_plan(cfg, gpus, device)
+        options = alternatives(cfg, gpus, device) if gpu_memory and not as_json else []
+    except (ModelLoadError, FileNotFoundError, ParallelConfigError, ValueError) as err:
+        raise fail(str(err)) from err
+    typer.echo(json.dumps(plan_json(result), indent=1) if as_json else format_plan(result, gpu_memory, options))
+
+
+@app.command()
 def env() -> None:
     """Versions, GPUs, attention backends and fp8 recipes of this machine: paste it into a bug report."""
     from vt.train.env import environment, format_environment

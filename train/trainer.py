@@ -32,10 +32,13 @@ from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
 from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.caption_dropout import drop_captions, dropped
-from vt.train.checkpoint import Checkpointer, gather_full_state_dict, lora_weights
+from vt.shared.models.components import keeps_float32
+from vt.train.checkpoint import Checkpointer
 from vt.train.data import Batch, BatchReader, StaleShardError
 from vt.train.experts import expert_modules, routes
-from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training, store_base_fp8
+from vt.train.export import lora_states, write_full_weights
+from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
+from vt.train.model_build import build_transformer
 from vt.train.objectives import flow_matching_loss, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_inputs, take_slice
@@ -65,11 +68,16 @@ def _reduced(dtype: torch.dtype) -> torch.dtype | None:
     return None if dtype == torch.float32 else dtype
 
 
+def host_peak_gb() -> float:
+    """This process's peak resident set so far, in GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """This process's peak memory: allocated GPU memory on CUDA, peak resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+    return host_peak_gb()
 
 
 @dataclass
@@ -83,6 +91,7 @@ class StepStats:
 class Trainer:
     def __init__(self, config: Config):
         self.config = config
+        self.host_baseline_gb = host_peak_gb()  # the interpreter and its libraries, before any model
         train = config.train
         self.world = setup_world(config.parallel, train.device)
         self.device = self.world.device
@@ -119,9 +128,10 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
-        self.validator = Validator(self.spec, config, self.buckets[0], str(self.device),
-                                   autocast=self.amp_dtype or _reduced(self.spec.frozen_dtype))
-        self._export_model: torch.nn.Module | None = None  # rank 0's unsharded copy (distributed runs)
+        self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
+                                   autocast=self.amp_dtype or _reduced(self.spec.frozen_dtype),
+                                   extra_parts=self._untrained_experts)
+        self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
         self._checkpointed = -1
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
@@ -141,53 +151,63 @@ class Trainer:
         """What fp8-stored frozen weights are upcast to: the autocast dtype, else the model's dtype."""
         return self.amp_dtype or self.spec.frozen_dtype
 
-    def _load_model(self, device: str, export_copy: bool = False) -> torch.nn.Module:
-        """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer.
-        `export_copy`: rank 0's plain copy for validation and export, which keeps its base weights as loaded."""
-        experts = self.spec.trained_experts
-        if not experts:
-            return self._load_transformer(device, export_copy=export_copy)
-        return torch.nn.ModuleDict({name: self._load_transformer(device, component, export_copy)
-                                    for name, component in experts.items()})
+    def _frozen_dtype(self) -> torch.dtype:
+        """The dtype frozen weights load in: `model.dtype`, except beside a full fine-tune's float32
+        weights without autocast, where nothing would cast between the two."""
+        if self.config.train.mode == "full" and self.amp_dtype is None:
+            return torch.float32
+        return self.spec.frozen_dtype
 
-    def _load_transformer(self, device: str, component: str | None = None, export_copy: bool = False) -> torch.nn.Module:
-        train = self.config.train
-        transformer = self.spec.load_transformer(device=device, name=component)
-        if train.fp8_base_weights and not export_copy:
-            store_base_fp8(transformer, self._compute_dtype(), sharded=self.world.dims.fsdp_enabled)  # before LoRA
-        if train.mode == "lora":
-            transformer.requires_grad_(False)
-            self.spec.add_lora(transformer, train.lora_rank, train.lora_alpha, train.lora_targets or None)
-        else:
-            self.spec.full_trainable(transformer)
-        for p in transformer.parameters():  # fp32 master weights for whatever trains
-            if p.requires_grad:
-                p.data = p.data.float()
-        return transformer
+    def _build_transformer(self, component: str, mode: str) -> torch.nn.Module:
+        """Transformer `component` built on the meta device, laid out by the run's parallel plan and filled
+        (train/model_build.py); `mode` "lora", "full" or "frozen" (validation's other expert)."""
+        train, parallel, dims = self.config.train, self.config.parallel, self.world.dims
+        trains = mode != "frozen"
+        fp8_base = train.fp8_base_weights and mode == "lora"
+        # fp8-stored base weights are upcast by FSDP2's all-gather, so they need a param dtype to go to.
+        param_dtype = self.amp_dtype or (self._compute_dtype() if fp8_base else None)
+
+        def lay_out(model: torch.nn.Module, materialize) -> None:
+            if train.fp8_training != "none" and trains:
+                apply_fp8_training(model, train.fp8_training, fsdp=dims.fsdp_enabled)
+            parallelize(model, self.spec, self.world, activation_checkpointing=parallel.activation_checkpointing and trains,
+                        compile=parallel.compile and trains, param_dtype=param_dtype if dims.fsdp_enabled else None,
+                        cpu_offload=parallel.cpu_offload, materialize=materialize)
+
+        lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
+        return build_transformer(self.spec, component, self.world, mode=mode, lora=lora, fp8_base=fp8_base,
+                                 compute_dtype=self._compute_dtype(), frozen_dtype=self._frozen_dtype(),
+                                 parallelize=lay_out, seed=train.seed)
 
     def _build_model(self) -> torch.nn.Module:
-        train, parallel, dims = self.config.train, self.config.parallel, self.world.dims
-        torch.manual_seed(train.seed)  # LoRA initialisation: the same adapters in every run and on every rank
-        # FSDP2 moves each shard to the device itself: loading on the CPU keeps whole copies off the GPU.
-        transformer = self._load_model("cpu" if dims.fsdp_enabled else str(self.device))
+        """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer,
+        each laid out by the same plan."""
+        train = self.config.train
+        torch.manual_seed(train.seed)
+        experts = self.spec.trained_experts
+        if experts:
+            transformer = torch.nn.ModuleDict({name: self._build_transformer(component, train.mode)
+                                               for name, component in experts.items()})
+        else:
+            transformer = self._build_transformer(self.spec.trained_component, train.mode)
         transformer.train()
         modules = set_backend(transformer, train.attention_backend)
         log.info("attention backend %s (diffusers dispatcher, %d attention modules)", train.attention_backend, modules)
-        if train.fp8_training != "none":
-            for module in expert_modules(transformer).values():
-                apply_fp8_training(module, train.fp8_training, fsdp=dims.fsdp_enabled)
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
         log.info("%s %s: %.2fM trainable of %.2fM parameters on %s", self.spec.family, train.mode,
                  trainable / 1e6, total / 1e6, self.device)
-        # fp8-stored base weights are upcast by FSDP2's all-gather, so they need a param dtype to go to.
-        param_dtype = self.amp_dtype or (self._compute_dtype() if train.fp8_base_weights else None)
-        if dims.distributed or parallel.activation_checkpointing or parallel.compile:
-            for module in expert_modules(transformer).values():  # several experts: each by the same plan
-                parallelize(module, self.spec, self.world, activation_checkpointing=parallel.activation_checkpointing,
-                            compile=parallel.compile, param_dtype=param_dtype if dims.fsdp_enabled else None,
-                            cpu_offload=parallel.cpu_offload)
         return transformer
+
+    def _untrained_experts(self) -> dict[str, torch.nn.Module]:
+        """The experts a one-expert run does not train, frozen and laid out like the trained one, for the
+        validation pipeline (built once, at the first validation)."""
+        if self._frozen_experts is None:
+            trained = set(self.spec.trained_experts.values()) or {self.spec.trained_component}
+            others = [component for component, _ in self.spec.experts().values() if component not in trained]
+            self._frozen_experts = {component: self._build_transformer(component, "frozen").eval()
+                                    for component in others}
+        return self._frozen_experts
 
     def _check_record(self, record: CommitRecord, data: bytes) -> None:
         if record.fingerprint == self.fingerprint:
@@ -231,6 +251,8 @@ class Trainer:
             stats.data_wait += time.perf_counter() - waited
             if not micro:
                 break
+            if self.validator.enabled:
+                self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
             metrics = self.train_step(micro)
             self.step += 1
             last_loss = metrics["loss"]
@@ -346,46 +368,15 @@ class Trainer:
         fault_point("train.after_checkpoint")
         return path
 
-    # -- the whole model on rank 0: validation and export --------------------------------------------
-    def unsharded_model(self) -> torch.nn.Module | None:
-        """The trained transformer as one plain module on rank 0 (None on other ranks).
-
-        Single process: the model itself. Distributed: every rank must call this; the trainable
-        weights (all weights for full fine-tuning) are gathered to rank 0's CPU and loaded into a
-        plain copy built once from the same files, so pipelines and save_pretrained see an
-        ordinary module.
-        """
-        if not self.world.dims.distributed:
-            return self.transformer
-        lora = self.config.train.mode == "lora"
-        state = gather_full_state_dict(self.transformer, trainable_only=lora)
-        if not self.is_main:
-            return None
-        if self._export_model is None:
-            with torch.random.fork_rng(devices=[]):  # LoRA's init draws must not shift rank 0's RNG
-                self._export_model = self._load_model("cpu", export_copy=True).eval()
-        result = self._export_model.load_state_dict(state, strict=False)
-        trainable = {n for n, p in self._export_model.named_parameters() if p.requires_grad}
-        missing = [k for k in result.missing_keys if k in trainable]
-        if result.unexpected_keys or missing:
-            raise RuntimeError(f"gathered weights do not fit the {self.spec.family} transformer: unexpected "
-                               f"{result.unexpected_keys[:3]}, missing {missing[:3]}")
-        return self._export_model
-
-    def validate(self, model: torch.nn.Module | None = None, gathered: bool = False) -> list[Path]:
-        """Validation videos from rank 0 (the others wait); pass `gathered=True` with a model already gathered."""
+    # -- validation and export, on the training model itself -------------------------------------------
+    def validate(self) -> list[Path]:
+        """Validation videos of the training model; every rank takes part (see validation.py)."""
         if not self.validator.enabled:
             return []
-        if not gathered:
-            model = self.unsharded_model()
-        videos = []
-        if model is not None:
-            home = next(model.parameters()).device
-            train = self.config.train
-            with backend_for(model, train.validation_attention_backend or train.attention_backend,
-                             restore=train.attention_backend):
-                videos = self.validator.run(model.to(self.device), self.step)
-            model.to(home)
+        train = self.config.train
+        with backend_for(self.transformer, train.validation_attention_backend or train.attention_backend,
+                         restore=train.attention_backend):
+            videos = self.validator.run(self.transformer, self.step)
         self.world.barrier()
         return videos
 
@@ -395,10 +386,10 @@ class Trainer:
             raise RuntimeError("the window had no data to train on: did vt-precompute commit any shards? "
                                "See its precompute_report.json")
         self.checkpoint()
-        model = self.unsharded_model()
-        export = self.export(model) if model is not None else self.export_path()  # rank 0 writes it
-        videos = self.validate(model, gathered=True)
+        export = self.export()
+        videos = self.validate()
         summary = {"steps": self.step, "last_loss": last_loss, "export": str(export), "videos": len(videos)}
+        self._write_memory()
         if self.is_main:
             self.tracker.close()
             plot = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
@@ -407,18 +398,30 @@ class Trainer:
         self.world.barrier()
         return summary
 
-    def export(self, model: torch.nn.Module) -> Path:
-        """The LoRA files or full weights; a run over all experts writes each expert's (LoRA files named
-        after the expert, full weights in model/<its pipeline component>/)."""
-        lora = self.config.train.mode == "lora"
-        if not self.spec.trains_all_experts:
-            return self.spec.save_lora(lora_weights(model), self.run_dir / "lora") if lora \
-                else self.spec.save_full(model, self.run_dir / "model")
-        for expert, component in self.spec.trained_experts.items():
-            if lora:
-                self.spec.save_lora(lora_weights(model[expert]), self.run_dir / "lora", expert=expert)
-            else:
-                self.spec.save_full(model[expert], self.run_dir / "model" / component)
+    def _write_memory(self) -> None:
+        """<run.dir>/memory.json: every rank's peak over the whole run (validation and export included):
+        host resident set, the part of it that was there before the trainer built anything (imports),
+        and on CUDA the peak allocated GPU memory. Every rank calls it (a gather)."""
+        memory = {"host_peak_gb": self.world.gather_floats(host_peak_gb()),
+                  "host_baseline_gb": self.world.gather_floats(self.host_baseline_gb)}
+        if self.device.type == "cuda":
+            memory["gpu_peak_gb"] = self.world.gather_floats(peak_memory_gb(self.device))
+        if self.is_main:
+            (self.run_dir / "memory.json").write_text(json.dumps(memory, indent=1))
+
+    def export(self) -> Path:
+        """The LoRA files or full weights (every rank calls this); a run over all experts writes each expert's
+        (LoRA files named after the expert, full weights in model/<its pipeline component>/)."""
+        if self.config.train.mode == "lora":
+            for expert, tensors in lora_states(self.transformer).items():  # {} off rank 0
+                self.spec.save_lora(tensors, self.run_dir / "lora", expert=expert)
+            self.world.barrier()
+            return self.export_path()
+        experts = self.spec.trained_experts
+        for expert, module in expert_modules(self.transformer).items():
+            folder = self.run_dir / "model" / experts[expert] if expert else self.run_dir / "model"
+            write_full_weights(module, folder, dtype_of=lambda name, tensor, module=module: (
+                torch.float32 if keeps_float32(module, name) else self.spec.frozen_dtype))
         return self.export_path()
 
     def export_path(self) -> Path:

@@ -1,70 +1,165 @@
-"""Validation videos during training: the family's own diffusers pipeline around the live transformer."""
+"""Validation videos during training: the family's own diffusers pipeline around the training model itself.
+
+No second copy and no text encoder:
+- the pipeline wraps the live transformer (under FSDP2 the sharded one: its forward gathers block by
+  block), with the VAE and the other parts it needs, built at the first validation and kept;
+  tokenizers, text and image encoders stay out;
+- each prompt's conditions, and the negative prompt's, come from the window, where stage 1 stored them
+  as the pipeline's call takes them (vt.shared.validation_inputs); a trainer whose prompts are not
+  there says which command adds them, before the first step;
+- every rank takes part: the prompts are dealt to the data-parallel ranks in rounds, ranks of one
+  context- or tensor-parallel group render the same prompt, and a rank with no prompt left in a round
+  renders a stand-in (the round's first prompt, kept as latents, never decoded or written) so the
+  sharded forwards stay in step. The rank at cp = tp = 0 of each group writes the video.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import Config
 from vt.shared.log import get_logger
 from vt.shared.models.spec import ModelSpec
-from vt.shared.video_io import write_video
+from vt.shared.validation_inputs import decode_conditions, image_input, prompt_input
+from vt.shared.video_io import load_image, write_video
 
 log = get_logger("vt.train.validation")
 
 
-def load_image(path: str) -> np.ndarray:
-    """An image file -> (H, W, 3) uint8 (PyAV reads PNG/JPEG as one-frame videos)."""
-    import av
-
-    with av.open(path) as container:
-        frame = next(container.decode(video=0))
-        return frame.to_ndarray(format="rgb24")
+class MissingConditions(FileNotFoundError):
+    """The window holds no conditions for a validation input; the message says how to add them."""
 
 
 class Validator:
-    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, device: str,
-                 autocast: torch.dtype | None = None):
-        """`autocast`: the dtype to run the pipeline in when its parts differ (a trained float32
-        transformer beside bfloat16 text encoder and VAE); None runs it as loaded."""
-        self.spec = spec
+    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, world, window, fingerprint: str,
+                 autocast: torch.dtype | None = None, extra_parts=None):
+        """`autocast`: the dtype to run the pipeline in when its parts differ (float32 adapters beside a
+        bfloat16 base and VAE); None runs it as loaded. `extra_parts()`: pipeline parts the trainer already
+        holds besides the trained transformer (Wan 2.2's other expert), asked for at the first run."""
+        self.spec, self.config, self.bucket, self.world = spec, config, bucket, world
+        self.window, self.fingerprint = window, fingerprint
         self.autocast = autocast
-        self.config = config
-        self.bucket = bucket
-        self.device = device
+        self.extra_parts = extra_parts or dict
         self.prompts = config.train.validation_prompts
         self.images = [load_image(p) for p in config.train.validation_images]
         if self.prompts and config.model.task == "i2v" and len(self.images) != len(self.prompts):
             raise ValueError(f"model.task = 'i2v' needs one train.validation_images entry per validation prompt "
                              f"({len(self.prompts)} prompts, {len(self.images)} images)")
-        self._pipeline = None
+        self._conditions: list[dict[str, torch.Tensor]] | None = None
+        self._pipeline = None  # built at the first run, around the training model, and kept
 
     @property
     def enabled(self) -> bool:
         return bool(self.prompts)
 
+    # -- conditions from the window ------------------------------------------------------------------
+    def conditions(self) -> list[dict[str, torch.Tensor]]:
+        """Per prompt: its conditions, the negative prompt's (named negative_*) and its image's, read once.
+        MissingConditions, naming every input the window lacks, if any is not there."""
+        if self._conditions is None:
+            images = self.config.train.validation_images if self.spec.image_conditions else []
+            items = [prompt_input(p) for p in self.prompts] + [image_input(path) for path in images]
+            negative = prompt_input(self.spec.negative_prompt)
+            stored = {item.key: self.window.validation(self.fingerprint, item.key) for item in [*items, negative]}
+            missing = [self._describe(item) for item in [*items, negative] if stored[item.key] is None]
+            if missing:
+                raise MissingConditions(
+                    f"the window {self.window.uri} holds no conditions for {', '.join(dict.fromkeys(missing))} "
+                    f"(shards {self.fingerprint}): stage 1 encodes train.validation_prompts (and i2v images), so the "
+                    "trainer needs no text encoder. Encode them with `vt-precompute prompts CONFIG` (it loads only "
+                    "the text encoders), or remove them from the config")
+            decoded = {key: decode_conditions(data) for key, data in stored.items()}
+            self._conditions = []
+            for index, prompt in enumerate(self.prompts):
+                merged = {**decoded[prompt_input(prompt).key],
+                          **{f"negative_{k}": v for k, v in decoded[negative.key].items()}}
+                if images:
+                    merged.update(decoded[image_input(images[index]).key])
+                self._conditions.append(merged)
+        return self._conditions
+
+    def _describe(self, item) -> str:
+        if item.kind == "image":
+            return f"validation image {item.value}"
+        if item.value == self.spec.negative_prompt and item.value not in self.prompts:
+            return f"the negative prompt {item.value!r}"
+        return f"validation prompt {item.value!r}"
+
+    # -- rendering -----------------------------------------------------------------------------------
+    def assignments(self) -> list[int | None]:
+        """The prompt this rank renders in each round (None: a stand-in), the same number of rounds on
+        every rank: prompts go to data-parallel ranks in turn; cp/tp peers share their dp rank's."""
+        dp, dp_rank = self.world.dims.dp, self.world.dp_rank
+        rounds = -(-len(self.prompts) // dp)
+        return [r * dp + dp_rank if r * dp + dp_rank < len(self.prompts) else None for r in range(rounds)]
+
+    @torch.no_grad()
     def run(self, transformer, step: int) -> list[Path]:
+        """Every rank calls this with the training model; returns the videos this rank wrote."""
         if not self.enabled:
             return []
+        conditions = self.conditions()
+        device = str(self.world.device)
         if self._pipeline is None:
-            self._pipeline = self.spec.build_pipeline(transformer, device=self.device)
+            self._pipeline = self.spec.build_pipeline(transformer, device=device, text_encoders=False,
+                                                      **self.extra_parts())
+        pipeline = self._pipeline
+        coordinate = self.world.dims.coordinate(self.world.rank)
+        writes = coordinate["cp"] == 0 and coordinate["tp"] == 0
         out_dir = self.config.run_dir / "validation" / f"step-{step:06d}"
+        train = self.config.train
         was_training = transformer.training
         transformer.eval()
+        held = hold_no_gathered_weights(transformer)
         paths = []
         try:
-            for i, prompt in enumerate(self.prompts):
-                image = self.images[i] if self.images else None
-                with torch.autocast(torch.device(self.device).type, dtype=self.autocast or torch.float32,
+            for round_index, index in enumerate(self.assignments()):
+                shown = index if index is not None else round_index * self.world.dims.dp  # a stand-in: any prompt
+                image = self.images[shown] if self.images else None
+                with torch.autocast(torch.device(device).type, dtype=self.autocast or torch.float32,
                                     enabled=self.autocast is not None):
-                    frames = self.spec.generate(self._pipeline, prompt, self.bucket,
-                                                self.config.train.validation_steps,
-                                                seed=self.config.train.seed + i, image=image)
-                paths.append(write_video(frames, out_dir / f"{i:02d}.mp4", fps=self.config.buckets.fps))
+                    frames = self.spec.generate(pipeline, None, self.bucket, train.validation_steps,
+                                                seed=train.seed + shown, image=image, conditions=conditions[shown],
+                                                decode=index is not None)
+                if index is None:
+                    continue
+                if writes:
+                    paths.append(write_video(frames, out_dir / f"{index:02d}.mp4", fps=self.config.buckets.fps))
         finally:
             transformer.train(was_training)
-        log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
+            reshard(transformer, held)
+        if paths:
+            log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
         return paths
+
+
+def hold_no_gathered_weights(model: torch.nn.Module) -> list:
+    """Make every FSDP2 module of `model` free its gathered weights right after its forward (training keeps
+    the last block's for the backward that follows; inference runs none); returns the modules it changed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    changed = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for module in changed:
+        module.set_reshard_after_forward(True)
+    return changed
+
+
+def reshard(model: torch.nn.Module, changed: list) -> None:
+    """Back to training's settings (the last block and the root keep their weights after forward) and free
+    what inference left gathered."""
+    from torch.distributed.fsdp import FSDPModule
+
+    keep = {id(m) for m in _kept_after_forward(model)}
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+            if module in changed and id(module) in keep:
+                module.set_reshard_after_forward(False)
+
+
+def _kept_after_forward(model: torch.nn.Module) -> list:
+    """The FSDP2 modules training keeps gathered after forward (set in vt.train.parallel.fsdp)."""
+    return [m for m in model.modules() if getattr(m, "_vt_keep_after_forward", False)]

@@ -151,6 +151,12 @@ class CogVideoXSpec(ModelSpec):
             out["image_latents"] = (latents / factor if vae.config.get("invert_scale_latents") else latents * factor)
         return out
 
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        shapes = super().condition_shapes(bucket)
+        if self.config.task == "i2v":  # the first frame encoded alone
+            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+        return shapes
+
     # ----------------------------------------------------------------------------- stage 2
     @cached_property
     def _alphas_cumprod(self) -> Tensor:

@@ -5,7 +5,11 @@ transformer ...), plus tokenizers (any name starting with "tokenizer", read with
 the scheduler (the class its own config names). Every one comes from `model.path/<name>` in diffusers
 layout, or from `model.components.<name>` (a folder or hub id holding just that component), so a
 family with two text encoders or an image encoder needs nothing outside its own file. Frozen
-modules load in `model.dtype` and in eval mode; the transformer loads trainable in float32.
+modules load in `model.dtype` and in eval mode, straight onto their device.
+
+The trainer builds its transformer without loading it (`empty_component`: the class from its config on
+the meta device, each parameter in the dtype `from_pretrained` would give it) and fills it from the
+component's safetensors files (`weights`), shard by shard, after the parallel layout is applied.
 
 Loading errors are one line (`ModelLoadError`) naming the component, where it was looked for, and
 what to do (an offline hub, a missing folder, a key to set).
@@ -101,16 +105,53 @@ class ComponentLoader:
         raise ValueError(f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}")
 
     def load_component(self, name: str, device: str | torch.device = "cpu") -> Any:
-        """A frozen component by name: modules in `model.dtype`, eval mode, on `device`."""
+        """A frozen component by name: modules in `model.dtype`, eval mode, loaded straight onto `device`
+        (no whole copy on the CPU first)."""
         if name == "scheduler":
             return self.load_scheduler()
         cls = self._class_of(name)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             return self._from_pretrained(cls, name)  # tokenizers, image processors
-        dtype_key = "dtype" if cls.__module__.startswith("transformers") else "torch_dtype"
-        model = self._from_pretrained(cls, name, **{dtype_key: self.frozen_dtype})
+        dtype_key = "dtype" if _is_transformers(cls) else "torch_dtype"
+        placement = {} if torch.device(device).type == "cpu" else {"device_map": {"": str(torch.device(device))}}
+        model = self._from_pretrained(cls, name, **{dtype_key: self.frozen_dtype}, **placement)
         model.requires_grad_(False)
         return model.eval().to(device)
+
+    def empty_component(self, name: str, dtype: torch.dtype | None = None) -> nn.Module:
+        """Component `name` built from its config without weights: parameters on the meta device, each in the dtype
+        `from_pretrained(torch_dtype=dtype)` gives it (`dtype`, default `model.dtype`; float32 for the
+        class's `_keep_in_fp32_modules`), buffers computed on the CPU as the constructor makes them."""
+        from accelerate import init_empty_weights
+
+        cls = self._class_of(name)
+        config = self.load_config(name)
+        with init_empty_weights(include_buffers=False):
+            model = cls._from_config(config) if _is_transformers(cls) else cls.from_config(config)
+            set_load_dtypes(model, dtype or self.frozen_dtype)
+        return model
+
+    def weights(self, name: str):
+        """The component's safetensors weights (`vt.shared.models.weights.Weights`), found as `from_pretrained`
+        finds them: the component folder, or the hub cache for a hub id (`model.path` or an override)."""
+        from vt.shared.models.weights import Weights
+
+        path, subfolder = self.source(name)
+        folder = Path(path) / subfolder if subfolder else Path(path)
+        if not folder.is_dir():
+            try:
+                from huggingface_hub import snapshot_download
+
+                root = snapshot_download(path, allow_patterns=[f"{subfolder}/*"] if subfolder else None)
+            except Exception as err:  # offline, unknown repo, no network: one line naming the component
+                raise self.load_error(name, path, err) from err
+            folder = Path(root) / subfolder if subfolder else Path(root)
+        try:
+            return Weights.in_folder(folder)
+        except FileNotFoundError as err:
+            key = f"model.components.{name}" if name in self.config.components else "model.path"
+            raise ModelLoadError(f"the {name} of {self.family!r} at {folder} has no .safetensors weights (a .bin "
+                                 f"checkpoint?); save it with safe_serialization=True, or check {key}") from err
 
     def load_transformer(self, device="cpu", dtype=None, name: str | None = None) -> nn.Module:
         """The transformer this run trains (`trained_component`, or another by `name`), trainable,
@@ -130,14 +171,36 @@ class ComponentLoader:
                              f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler")
         return cls.from_config(config)
 
-    def load_config(self, name: str) -> dict:
-        """A component's config (config.json / scheduler_config.json) as a dict, without weights."""
+    def load_config(self, name: str) -> Any:
+        """A component's config without weights: a dict (config.json / scheduler_config.json) for diffusers
+        classes, the class's PretrainedConfig for transformers ones."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         reader = FlowMatchEulerDiscreteScheduler if name == "scheduler" else self._class_of(name)
         path, subfolder = self.source(name)
         kwargs = {"subfolder": subfolder} if subfolder else {}
         try:
+            if _is_transformers(reader):
+                return reader.config_class.from_pretrained(path, **kwargs)
             return dict(reader.load_config(path, **kwargs))
         except (OSError, ValueError) as err:
             raise self.load_error(name, path, err) from err
+
+
+def _is_transformers(cls: type) -> bool:
+    return cls.__module__.startswith("transformers")
+
+
+def keeps_float32(model: nn.Module, name: str) -> bool:
+    """Whether `from_pretrained` keeps parameter `name` of `model` in float32 whatever dtype it loads in:
+    diffusers' rule, a `_keep_in_fp32_modules` entry equal to one of the name's dotted parts."""
+    keep = getattr(model, "_keep_in_fp32_modules", None) or ()
+    parts = name.split(".")
+    return any(module in parts for module in keep)
+
+
+def set_load_dtypes(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give every floating parameter of `model` (in place) the dtype `from_pretrained(torch_dtype=dtype)` gives it."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point():
+            param.data = param.data.to(torch.float32 if keeps_float32(model, name) else dtype)

@@ -130,6 +130,10 @@ class HunyuanVideoSpec(ModelSpec):
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float(),
                 "pooled_prompt_embeds": pooled.float()}
 
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        """Llama's text and mask, and CLIP's pooled embedding."""
+        return {**super().condition_shapes(bucket), "pooled_prompt_embeds": (self.text_width("text_encoder_2"),)}
+
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction:

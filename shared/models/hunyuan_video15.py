@@ -47,6 +47,7 @@ from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, seeded
 PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
 PROMPT_TEMPLATE_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: tokens cropped
 IMAGE_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: zero image embeddings for t2v
+GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length: the quoted text's tokens
 REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft exclude_modules)
 
 # diffusers module -> original (Tencent) module, `{}` the block index (convert_hunyuan_video1_5_to_diffusers.py).
@@ -85,6 +86,8 @@ class HunyuanVideo15Spec(ModelSpec):
     # Both texts are masked in the joint attention: rows past a mask's last one need not be stored.
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask",
                                             "prompt_embeds_2": "prompt_attention_mask_2"}
+    pipeline_text_names: ClassVar[dict[str, str]] = {"prompt_attention_mask": "prompt_embeds_mask",
+                                                     "prompt_attention_mask_2": "prompt_embeds_mask_2"}
 
     @staticmethod
     def component_classes() -> dict[str, type]:
@@ -124,6 +127,11 @@ class HunyuanVideo15Spec(ModelSpec):
         pipeline = super()._text_pipeline(encoders)
         pipeline.tokenizer_max_length = self.max_text_tokens
         return pipeline
+
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        """Qwen's text and the glyph encoder's (the pipeline's fixed GLYPH_TOKENS), each with its mask."""
+        return {**super().condition_shapes(bucket), "prompt_embeds_2": (GLYPH_TOKENS, self.text_width("text_encoder_2")),
+                "prompt_attention_mask_2": (GLYPH_TOKENS,)}
 
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
@@ -225,8 +233,8 @@ class HunyuanVideo15Spec(ModelSpec):
         """Nothing: the pipeline takes no text-length argument (build_pipeline sets its attribute instead)."""
         return {}
 
-    def build_pipeline(self, transformer, device="cpu", **loaded):
-        pipeline = super().build_pipeline(transformer, device, **loaded)
+    def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, **loaded):
+        pipeline = super().build_pipeline(transformer, device, text_encoders, **loaded)
         pipeline.tokenizer_max_length = self.max_text_tokens  # the text length training used
         return pipeline
 

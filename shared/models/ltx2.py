@@ -91,6 +91,20 @@ class LTX2Spec(ModelSpec):
                                                mask.to(connectors.device), padding_side=padding_side)
         return {"prompt_embeds": video.float(), "prompt_attention_mask": video_mask.float()}
 
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        """The connectors' video text embedding (heads x head dim wide) and its mask."""
+        connectors = self.load_config("connectors")
+        width = connectors["video_connector_num_attention_heads"] * connectors["video_connector_attention_head_dim"]
+        return {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
+                "latents": self.latent_shape(bucket)}
+
+    @torch.no_grad()
+    def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
+        """What LTX2Pipeline's call takes as `prompt_embeds` / `prompt_attention_mask`: Gemma's stacked hidden
+        states before the connectors (the pipeline runs its `connectors` itself; they load with it)."""
+        embeds, mask, _, _ = self._encode_prompt(encoders, [prompt], do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Latents normalised as LTX2Pipeline denormalises them (posterior mode: stage 1 is deterministic)."""

@@ -73,6 +73,12 @@ class LTXVideoSpec(ModelSpec):
             out["first_frame_latents"] = self._encode(vae, video[:, :, :1])
         return out
 
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        shapes = super().condition_shapes(bucket)
+        if self.config.task == "i2v":  # the first frame encoded alone
+            shapes["first_frame_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+        return shapes
+
     @staticmethod
     def _encode(vae, video: Tensor) -> Tensor:
         from diffusers import LTXPipeline

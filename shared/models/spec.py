@@ -266,6 +266,24 @@ class ModelSpec(ComponentLoader, ABC):
         patch = self.geometry.patch
         return frames * (height // patch) * (width // patch)
 
+    def condition_shapes(self, bucket: Bucket) -> dict[str, tuple[int, ...]]:
+        """Per-sample shapes of every tensor stage 1 stores for `bucket` (what `encode_text` and
+        `encode_video` return), from the components' configs alone: `vt-train plan` runs the transformer on
+        fake tensors of these shapes. This default: `prompt_embeds` (text length, text encoder width), the
+        masks `text_masks` names, `latents`; families add what else they store (tests compare every family
+        with its real encoders)."""
+        shapes = {"prompt_embeds": (self.max_text_tokens, self.text_width()), "latents": self.latent_shape(bucket)}
+        for embeds, mask in self.text_masks.items():
+            if embeds in shapes:
+                shapes[mask] = shapes[embeds][:1]
+        return shapes
+
+    def text_width(self, name: str = "text_encoder") -> int:
+        """The hidden size of a text encoder, from its config."""
+        config = self.load_config(name)
+        config = getattr(config, "text_config", None) or config
+        return getattr(config, "d_model", None) or config.hidden_size
+
     def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
         self.check_bucket(bucket)
         g = self.geometry
@@ -370,28 +388,71 @@ class ModelSpec(ComponentLoader, ABC):
                                   f"(or add cp_plan() to its spec file)")
 
     # ----------------------------------------------------------------------------- validation
-    def build_pipeline(self, transformer, device="cpu", **loaded):
+    # encode_text's condition names -> the pipeline call's (`prompt_embeds=`, ...), where they differ; the
+    # negative prompt's are the same names with "negative_" in front.
+    pipeline_text_names: ClassVar[dict[str, str]] = {}
+    negative_prompt: ClassVar[str] = ""  # what the pipelines encode for negative_prompt=None
+
+    def text_parts(self) -> list[str]:
+        """The pipeline parts that turn prompts (and i2v images) into conditions: tokenizers, text and image
+        encoders. Stage 1 runs them and stores their output in the window, so validation never loads them."""
+        prefixes = ("tokenizer", "text_encoder", "image_encoder", "image_processor")
+        return [name for name in self.pipeline_parts() if name.startswith(prefixes)]
+
+    @torch.no_grad()
+    def encode_validation_text(self, encoders: dict[str, Any], prompt: str) -> dict[str, Tensor]:
+        """One prompt's conditions (batch of one) as the pipeline's call takes them (`prompt_embeds` ...):
+        `encode_text`'s, renamed by `pipeline_text_names`."""
+        return {self.pipeline_text_names.get(k, k): v for k, v in self.encode_text(encoders, [prompt]).items()}
+
+    @property
+    def image_conditions(self) -> bool:
+        """Whether this run's i2v pipeline makes conditions of its image with a stage-1 encoder
+        (`encode_validation_image`), so stage 1 encodes the validation images too."""
+        return False
+
+    def encode_validation_image(self, encoders: dict[str, Any], image: np.ndarray) -> dict[str, Tensor]:
+        """The conditions an i2v pipeline makes of its image with a stage-1 encoder (Wan 2.1's CLIP
+        `image_embeds`), as its call takes them; {} where the VAE alone conditions on the image."""
+        return {}
+
+    def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, **loaded):
         """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them.
 
         `transformer` is the trained one, or for a run over all experts a mapping expert -> transformer
-        (an nn.ModuleDict); experts not trained load frozen."""
+        (an nn.ModuleDict); experts not trained load frozen. `text_encoders=False` leaves the `text_parts`
+        out (None): the pipeline then needs its conditions passed in (`generate(..., conditions=...)`)."""
         if isinstance(transformer, (dict, nn.ModuleDict)):
             trained = {self.experts()[name][0]: module for name, module in transformer.items()}
         else:
             trained = {self.trained_component: transformer}
-        parts = {name: loaded.get(name) or self.load_component(name, device)
+        left_out = set() if text_encoders else set(self.text_parts())
+        parts = {name: None if name in left_out else loaded.get(name) or self.load_component(name, device)
                  for name in self.pipeline_parts() if name not in trained}
         parts.update(trained)
         pipeline = self.pipeline_class()(**parts, **self.pipeline_options())
         pipeline.set_progress_bar_config(disable=True)
         return pipeline
 
-    def generate(self, pipeline, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
-                 **pipeline_kwargs) -> np.ndarray:
-        """(F, H, W, 3) uint8 frames of one sample from `pipeline` (extra kwargs go to the pipeline)."""
-        kwargs = {**self.pipeline_inputs(prompt, bucket, steps, seed, image), **pipeline_kwargs, "output_type": "np"}
+    def generate(self, pipeline, prompt: str | None, bucket: Bucket, steps: int, seed: int, image=None,
+                 conditions: dict[str, Tensor] | None = None, decode: bool = True, **pipeline_kwargs) -> np.ndarray | None:
+        """(F, H, W, 3) uint8 frames of one sample from `pipeline` (extra kwargs go to the pipeline).
+        `conditions`: the prompt's (and negative prompt's) encoded conditions in the pipeline's names, in
+        place of the prompt (a pipeline built without text encoders). `decode=False` stops at the latents
+        (never decoded) and returns None: a validation stand-in that only keeps sharded forwards in step."""
+        kwargs = {**self.pipeline_inputs(prompt, bucket, steps, seed, image), **pipeline_kwargs,
+                  "output_type": "np" if decode else "latent"}
+        if conditions is not None:
+            kwargs.update(prompt=None, **self.pipeline_conditions(pipeline, conditions))
         frames = pipeline(**kwargs).frames[0]
+        if not decode:
+            return None
         return (np.clip(np.asarray(frames, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+
+    def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The stored conditions as call arguments of `pipeline` (a family whose pipeline takes one of them
+        another way arranges that here)."""
+        return conditions
 
     def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None) -> dict[str, Any]:
         """The pipeline call arguments `generate` uses: the same text length and frame rate as training."""

@@ -181,6 +181,42 @@ class WanSpec(ModelSpec):
                          output_hidden_states=True).hidden_states[-2]
         return {"image_embeds": hidden.float(), **condition_latents}
 
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        """i2v adds the encoded first-frame condition and, for Wan 2.1, the CLIP image tokens."""
+        shapes = super().condition_shapes(bucket)
+        if self.config.task == "i2v":
+            shapes["condition_latents"] = shapes["latents"]
+        if self.image_tokens:
+            vision = self.load_config("image_encoder")
+            shapes["image_embeds"] = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
+        return shapes
+
+    @property
+    def image_conditions(self) -> bool:
+        """Wan 2.1 i2v: validation images need the CLIP image encoder's embeddings (stage 1 makes them)."""
+        return self.image_tokens
+
+    @torch.no_grad()
+    def encode_validation_image(self, encoders, image) -> dict[str, Tensor]:
+        """WanImageToVideoPipeline.encode_image of the validation image: the image encoder's second-to-last
+        hidden states of the processed image, as its call's `image_embeds`."""
+        if not self.image_tokens:
+            return {}
+        encoder = encoders["image_encoder"]
+        inputs = encoders["image_processor"](images=to_pil_image(image), return_tensors="pt")
+        hidden = encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
+                         output_hidden_states=True).hidden_states[-2]
+        return {"image_embeds": hidden.float()}
+
+    def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
+        """WanImageToVideoPipeline refuses `image` together with `image_embeds` (its check_inputs), yet needs
+        the image for the VAE condition: this pipeline object's `encode_image` hands it the stored embeddings."""
+        conditions = dict(conditions)
+        embeds = conditions.pop("image_embeds", None)
+        if embeds is not None:
+            pipeline.encode_image = lambda image, device: embeds.to(device)
+        return conditions
+
     def first_frame_mask(self, latents: Tensor) -> Tensor:
         """WanImageToVideoPipeline's mask for latents (B, C, F, H, W): (B, T, F, H, W) with T the VAE's
         time compression, 1 on the first latent frame (the given image) and 0 on the others."""

@@ -22,7 +22,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, Prediction, VaeGeometry, flow_inputs, input_dtype
+from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
 from vt.shared.models.tiny import build_t5_tokenizer, seeded
 from vt.shared.models.wan import WanSpec, _latent_stats
 
@@ -50,6 +50,10 @@ class Wan22TI2VSpec(WanSpec):
         latents = self._vae_mode(encoders["vae"], video)
         mean, std = _latent_stats(encoders["vae"], latents)
         return {"latents": ((latents - mean) / std).float()}
+
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        """The latents alone, for both tasks (an i2v condition is their first frame)."""
+        return ModelSpec.condition_shapes(self, bucket)
 
     def token_timesteps(self, sigmas: Tensor, latents: Tensor, clean_first_frame: bool) -> Tensor:
         """The pipeline's per-token timesteps (B, F * H/p * W/p), frame-major: sigma * 1000 everywhere,

@@ -27,14 +27,16 @@ def child_env(extra: dict | None = None) -> dict:
 
 
 def torchrun(config: Path, nproc: int, *overrides: str, log: Path, env: dict | None = None,
-             nnodes: int = 1, endpoint: str | None = None) -> subprocess.Popen:
-    """Start `torchrun ... -m vt.train run CONFIG --set ...` (one node, or one of `nnodes` nodes)."""
+             nnodes: int = 1, endpoint: str | None = None, script: Path | None = None) -> subprocess.Popen:
+    """Start `torchrun ... -m vt.train run CONFIG --set ...` (one node, or one of `nnodes` nodes); `script`:
+    a Python file taking vt-train's arguments, in place of `-m vt.train`."""
     if nnodes == 1:
         launch = ["--standalone", f"--nproc-per-node={nproc}"]
     else:
         launch = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
                   f"--rdzv-endpoint={endpoint}", "--rdzv-id=vt-test"]
-    args = [str(BIN / "torchrun"), *launch, "-m", "vt.train", "run", str(config)]
+    entry = [str(script)] if script else ["-m", "vt.train"]
+    args = [str(BIN / "torchrun"), *launch, *entry, "run", str(config)]
     for text in overrides:
         args += ["--set", text]
     return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env(env))

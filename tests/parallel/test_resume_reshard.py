@@ -4,9 +4,7 @@ checkpoint holds the adapters and their optimizer state, never the frozen base w
 
 from __future__ import annotations
 
-import os
 
-import pytest
 from dist_runs import assert_same_training, finish, losses, torchrun
 
 

@@ -3,7 +3,6 @@ full weights with from_pretrained; LTX-Video image-to-video trains and validates
 
 from __future__ import annotations
 
-import pytest
 import torch
 from cli_runs import write_config
 

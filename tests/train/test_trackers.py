@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 
@@ -137,7 +138,19 @@ def test_tensorboard_writes_scalars(tmp_path):
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 0.5), (2, 0.25)]
 
 
-def test_wandb_offline_run_creates_its_folder(tmp_path, monkeypatch):
+@pytest.fixture
+def own_wandb_service():
+    """wandb starts one service per process and names it in os.environ (WANDB_SERVICE), which every
+    process the tests start later would inherit and share: a killed trainer's run id then stays taken in
+    it. Shut this test's service down and take the variable back."""
+    yield
+    import wandb
+
+    wandb.teardown()
+    os.environ.pop("WANDB_SERVICE", None)
+
+
+def test_wandb_offline_run_creates_its_folder(tmp_path, monkeypatch, own_wandb_service):
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_home"))

@@ -2,14 +2,19 @@
 
     parallelize(model, spec, world, ...):
         TP (tp.py) -> CP (cp.py) -> activation checkpointing per block (ac.py)
-        -> torch.compile per block (compile.py) -> FSDP2/HSDP per block then root (fsdp.py) | DDP (ddp.py)
+        -> torch.compile per block (compile.py) -> FSDP2/HSDP per block then root (fsdp.py)
+        -> materialize (the caller's: storage + weights for the shards that now exist) -> DDP (ddp.py)
 
 The order matters: TP and CP rewrite the blocks' layers and attention, checkpointing wraps the
-rewritten blocks, compile sees the wrapped blocks, and FSDP shards whatever parameters result.
+rewritten blocks, compile sees the wrapped blocks, and FSDP shards whatever parameters result. A
+model built on the meta device is laid out first and filled after, so each rank only ever holds its
+shards (train/model_build.py); DDP comes last because it broadcasts real weights from rank 0.
 `ParallelDims` (dims.py) decides which strategies are on; `World` (world.py) holds the mesh.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -30,8 +35,10 @@ log = get_logger("vt.train.parallel")
 
 
 def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool = False,
-                compile: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False) -> nn.Module:
-    """Apply every enabled strategy to `model` in place, in the fixed order; returns `model`."""
+                compile: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False,
+                materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """Apply every enabled strategy to `model` in place, in the fixed order; returns `model`.
+    `materialize(model)`, if given, runs once the shards exist and before DDP replicates the weights."""
     dims: ParallelDims = world.dims
     mesh = world.mesh
     if dims.tp > 1:
@@ -44,7 +51,9 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
         apply_compile(model, spec)
     if dims.fsdp_enabled:
         apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype, cpu_offload=cpu_offload)
-    elif dims.ddp_enabled:
+    if materialize is not None:
+        materialize(model)
+    if dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
     log.info("parallel layout: %s%s%s%s", dims.describe(), ", activation checkpointing" if activation_checkpointing else "",
              ", compiled blocks" if compile else "", ", CPU offload" if cpu_offload and dims.fsdp_enabled else "")

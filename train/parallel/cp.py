@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vt.shared.models.spec import ModelSpec
-from vt.train.parallel.tp import APPLIED_ATTR, broadcast_replicated_trainables, slice_rope_channels
+from vt.train.parallel.tp import APPLIED_ATTR, slice_rope_channels
 from vt.train.parallel.ulysses import gather_sequence, heads_to_sequence, sequence_to_heads, split_sequence
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,6 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
         lambda module, args, output: gather_sequence(output, 1, group))
-    broadcast_replicated_trainables(transformer, cp_mesh)
     setattr(transformer, APPLIED_ATTR, applied + ["cp"])
     log.info("context parallel (Ulysses) over %d ranks", size)
 

@@ -40,5 +40,7 @@ def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = N
         # The last block's parameters are needed first in backward: keep them gathered after forward.
         fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=index < len(blocks) - 1,
                     offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)  # the root keeps its too
+    for module in (blocks[-1], model) if blocks else (model,):
+        module._vt_keep_after_forward = True  # what inference (validation) turns off for its forwards
     return model

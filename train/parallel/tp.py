@@ -8,8 +8,8 @@ attention on its local heads, so the attention modules get the local head count;
 that span all heads become `ShardedRMSNorm` (sum of squares all-reduced over tp); rotary tables laid
 out over all heads' channels (the plan's `channel_rope`) are cut to this rank's channels.
 
-LoRA: add the adapters BEFORE `apply_tp` (the trainer's order is load -> LoRA -> TP -> CP -> AC ->
-compile -> FSDP/DDP). A peft LoRA layer is split consistently with its base layer:
+LoRA: add the adapters BEFORE `apply_tp` (the trainer's order is build on meta -> LoRA -> TP -> CP ->
+AC -> compile -> FSDP -> fill -> DDP, train/model_build.py). A peft LoRA layer is split consistently with its base layer:
 - column-wise base: lora_A stays replicated (it reads the replicated input), lora_B is split
   column-wise, so the LoRA update lands on the same output channels as the base;
 - row-wise base: lora_A is split row-wise (it reads the sharded input; its small rank-r output is
@@ -25,11 +25,8 @@ from __future__ import annotations
 
 import logging
 
-import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from vt.shared.models.spec import ModelSpec, TensorParallelPlan
@@ -65,7 +62,6 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
             block.set_submodule(name, ShardedRMSNorm.from_rmsnorm(block.get_submodule(name), tp_mesh))
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), tp_mesh)
-    broadcast_replicated_trainables(transformer, tp_mesh)
     setattr(transformer, APPLIED_ATTR, ["tp"])
     log.info("tensor parallel over %d ranks: %d blocks split", tp_mesh.size(), len(spec.blocks(transformer)))
 
@@ -100,16 +96,17 @@ def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, Paral
         for adapter in module.lora_A:
             # The LoRA factor that touches the split side is split the same way; the other stays whole.
             if column:
-                styles[f"{name}.lora_B.{adapter}"] = ColwiseParallel()
+                styles[f"{name}.lora_B.{adapter}"] = _local_split(ColwiseParallel())
             else:
-                styles[f"{name}.lora_A.{adapter}"] = RowwiseParallel()
+                styles[f"{name}.lora_A.{adapter}"] = _local_split(RowwiseParallel())
         return styles
     raise TypeError(f"the TP plan names {name!r}, a {type(module).__name__}; expected a Linear or a peft LoRA "
                     f"layer around one. Fix the family's tp_plan()")
 
 
 def _local_split(style: ParallelStyle) -> ParallelStyle:
-    """Base weights come from the same file on every rank: each rank cuts its shard, no broadcast."""
+    """Every rank holds the same values (checkpoint tensors, adapters keyed by name; or nothing yet, on
+    the meta device, filled later by block): each rank cuts its own shard, no scatter from rank 0."""
     style.src_data_rank = None
     return style
 
@@ -128,25 +125,3 @@ def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh) -> None:
         return tuple(cut(t) for t in output) if isinstance(output, (tuple, list)) else cut(output)
 
     rope.register_forward_hook(keep_local_channels)
-
-
-def broadcast_replicated_trainables(module: nn.Module, mesh: DeviceMesh) -> None:
-    """Make trainable parameters agree over `mesh` by copying rank 0's.
-
-    Ranks of one tp or cp group must hold the same trainable values, but peft draws LoRA's initial
-    lora_A from each process's own random state. Split DTensor parameters were already scattered
-    from rank 0 by their ParallelStyle; this covers the rest (and the local shards of DTensors on
-    another mesh, for cp).
-    """
-    group = mesh.get_group()
-    with torch.no_grad():
-        for param in module.parameters():
-            if not param.requires_grad:
-                continue
-            if isinstance(param, DTensor):
-                if param.device_mesh == mesh:
-                    continue  # laid out on this very mesh: already consistent
-                local = param.to_local()
-            else:
-                local = param.data
-            dist.broadcast(local, group=group, group_src=0)

@@ -1,0 +1,134 @@
+"""Stage 1's encoders at real size: each loaded once, in model.dtype, straight where it runs.
+
+`precompute.text_encoder_offload` decides where the text (and image) encoders live, for encoders that do
+not fit on the device beside the VAE's work:
+- "none": on the device, with the VAE (small models, or a GPU with room for both);
+- "model": in CPU memory; each shard's text phase moves them onto the device, encodes the shard's new
+  captions and moves them back (freeing the device memory) before the VAE runs. For an encoder that
+  fits on the GPU alone but not beside a VAE encoding long, high-resolution clips;
+- "blocks": in CPU memory, streamed onto the device block by block as they run (diffusers' group
+  offloading, with a CUDA stream prefetching the next block): an encoder larger than the GPU
+  (MiniMax H3's 32B Qwen3-VL, 64 GB in bf16) runs on any GPU, at the cost of moving its weights
+  once per caption batch. Captions are encoded once each (text cache), so this is rarely the bottleneck.
+Why not shard the encoder over the producers (FSDP2 in lockstep): producers are independent processes
+that start, stop and restart on their own; a collective text encoder would tie every producer to the
+slowest and stop all of them when one dies. The choice keeps each producer self-contained.
+
+`precompute.vae_tiling` encodes clips in overlapping tiles (diffusers' `enable_tiling`), so long or
+high-resolution clips fit; it changes the latents slightly, so it is part of the shards' provenance.
+A clip that still cannot be encoded stops the run with what to change (`VaeOutOfMemory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from vt.shared.log import get_logger
+
+log = get_logger("vt.precompute")
+
+
+class VaeOutOfMemory(RuntimeError):
+    """The VAE ran out of memory on one clip of a bucket; the message names the settings to change."""
+
+
+def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) -> dict:
+    """The stage-1 components, each loaded once: the VAE on `device`, the text parts per `offload`."""
+    text_parts = [name for name in spec.stage1_components if name != "vae"]
+    encoders = {}
+    for name in spec.stage1_components:
+        on_cpu = name in text_parts and offload != "none"
+        encoders[name] = spec.load_component(name, "cpu" if on_cpu else device)
+    if offload == "blocks":
+        from diffusers.hooks import apply_group_offloading
+
+        for name in text_parts:
+            if isinstance(encoders[name], nn.Module):
+                apply_group_offloading(encoders[name], onload_device=device, offload_device="cpu",
+                                       offload_type="block_level", num_blocks_per_group=1,
+                                       use_stream=device.type == "cuda", block_modules=layer_paths(encoders[name]))
+    if vae_tiling:
+        vae = encoders["vae"]
+        if not hasattr(vae, "enable_tiling"):
+            raise ValueError(f"precompute.vae_tiling = true, but the {spec.family} VAE ({type(vae).__name__}) "
+                             "has no tiled encoding; set precompute.vae_tiling = false")
+        vae.enable_tiling()
+    if offload != "none":
+        log.info("text encoders in CPU memory (precompute.text_encoder_offload = %s): %s", offload,
+                 ", ".join(n for n in text_parts if isinstance(encoders[n], nn.Module)))
+    return encoders
+
+
+def layer_paths(module: nn.Module) -> list[str]:
+    """The child names leading to the module's lists of layers (UMT5's `encoder` above `encoder.block`,
+    Gemma 3's `model`, `language_model`): group offloading descends through them to stream each layer."""
+    lists = [path for path, child in module.named_modules() if isinstance(child, nn.ModuleList) and len(child) > 1]
+    outermost = [path for path in lists if not any(path.startswith(f"{other}.") for other in lists)]
+    return sorted({name for path in outermost for name in path.split(".")[:-1]})
+
+
+@contextlib.contextmanager
+def text_phase(encoders: dict, spec, device: torch.device, offload: str) -> Iterator[None]:
+    """Around text encoding: with "model" offload the text parts are on `device` inside the block and back
+    in CPU memory (the device memory freed) after it; otherwise nothing moves."""
+    modules = [encoders[n] for n in spec.stage1_components if n != "vae" and isinstance(encoders[n], nn.Module)]
+    if offload != "model" or device.type == "cpu":
+        yield
+        return
+    for module in modules:
+        module.to(device)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.to("cpu")
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """A GPU out-of-memory error, or the CPU allocator failing to allocate (what the CPU says instead)."""
+    return isinstance(err, torch.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+
+
+def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, device: torch.device,
+                  bucket: str, tiling: bool) -> dict[str, list[torch.Tensor]]:
+    """`spec.encode_video` over `videos` in batches of `batch`; a batch that runs out of memory is retried
+    one clip at a time, and a clip that still does not fit raises VaeOutOfMemory naming what to change."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, len(videos), batch):
+        group = videos[start:start + batch]
+        try:
+            parts = [spec.encode_video(encoders, torch.stack(group).to(device))]
+        except Exception as err:
+            if not is_out_of_memory(err):
+                raise
+            _free(device)
+            parts = [_encode_one(spec, encoders, video, device, bucket, tiling) for video in group]
+        for part in parts:
+            for name, tensor in part.items():
+                out.setdefault(name, []).append(tensor.cpu())
+    return out
+
+
+def _encode_one(spec, encoders, video, device, bucket: str, tiling: bool) -> dict[str, torch.Tensor]:
+    try:
+        return spec.encode_video(encoders, video.unsqueeze(0).to(device))
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        _free(device)
+        fix = ("use smaller buckets.sizes (fewer frames or pixels), or more GPU memory"
+               if tiling else "set precompute.vae_tiling = true (tiled encoding), or use smaller buckets.sizes")
+        raise VaeOutOfMemory(f"the {spec.family} VAE ran out of memory encoding one clip of bucket {bucket} on "
+                             f"{device} ({type(err).__name__}): {fix}") from err
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,107 @@
+"""How much memory a piece of model code needs, found by running it on fake tensors (no memory, no compute).
+
+Models are built inside a `FakeTensorMode`: every parameter has its real shape and dtype but no storage,
+and ops compute only output shapes, so a 14B transformer "runs" on a laptop in seconds. `PeakLive`, a
+dispatch mode, records each storage an op creates and drops it once nothing refers to it any more
+(a weak reference to the storage itself, so views keep it alive as they keep real memory alive): its
+`peak` is the most bytes alive at once, as the caching allocator would need them. This is what
+`vt-train plan` uses for activations (a forward and backward) and for the stage-1 encoders' working
+memory, from config files alone.
+
+Masks and indices are small and their values matter (a family's forward may drop the tokens a mask
+drops): `KnownValues` runs an op for real when every tensor it reads is a real, small tensor, so code
+that branches on a mask's contents runs as it would, while everything the weights touch stays fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def fake_mode():
+    """A FakeTensorMode in which real (CPU) tensors may mix with fake ones (masks, token ids)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def fake_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Replace every meta parameter of `model` by a fake CPU tensor of the same shape, dtype and
+    requires_grad, in place (call it inside the fake mode): a model built as the trainer builds it, made runnable."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                              requires_grad=param.requires_grad)
+    return model
+
+
+class PeakLive(TorchDispatchMode):
+    """Bytes of the storages ops create while the mode is on: `live` now, `peak` at most, over one region."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.live = 0
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # An output on an input's storage (a view, an in-place op) allocated nothing: the weights a
+        # `weight.t()` reads were there before the region and are no activation.
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for tensor in tree_leaves(out):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                key = storage._cdata
+                if key not in self.storages and key not in inputs:
+                    size = storage.nbytes()
+                    self.storages[key] = (StorageWeakRef(storage), size)
+                    self.live += size
+        if self.live > self.peak:  # `live` counts freed storages until a sweep: only a new peak needs one
+            self._sweep()
+            self.peak = max(self.peak, self.live)
+        return out
+
+    def _sweep(self) -> None:
+        for key in [k for k, (ref, _) in self.storages.items() if ref.expired()]:
+            self.live -= self.storages.pop(key)[1]
+
+    def current(self) -> int:
+        """Bytes alive now."""
+        self._sweep()
+        return self.live
+
+
+SMALL = 1 << 20  # elements: a mask or an index, not an activation
+
+
+class KnownValues(TorchDispatchMode):
+    """Run an op on real tensors when all its tensor inputs are real and small (enter it inside the fake
+    mode): their values stay known, so data-dependent code (nonzero, item) works."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        kwargs = kwargs or {}
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if tensors and all(not isinstance(t, FakeTensor) and t.numel() <= SMALL for t in tensors):
+            with _disable_current_modes():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def peak_bytes():
+    """`with peak_bytes() as tracker:` ... `tracker.peak`: the most bytes the code in the block held at once
+    beyond what existed before it (run it inside the fake mode the model lives in)."""
+    tracker = PeakLive()
+    with tracker:
+        yield tracker

@@ -1,0 +1,85 @@
+"""The trainer's transformer, built on the meta device and filled from the safetensors files, is the model
+`from_pretrained` loads: same names, same values, same dtypes (frozen in model.dtype, the class's float32
+modules kept), for every family; what trains is float32; LoRA adapters start the same in every build."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vt.shared.config import ModelConfig, ParallelConfig
+from vt.shared.models import FAMILIES, build_spec
+from vt.shared.models.weights import Weights
+from vt.train.model_build import build_transformer, plain_name
+from vt.train.parallel import parallelize
+from vt.train.parallel.world import setup_world
+
+
+def build(spec, mode: str, dtype: torch.dtype, seed: int = 0):
+    world = setup_world(ParallelConfig(), "cpu")
+    lora = {"rank": 4, "alpha": 4.0, "targets": []}
+    return build_transformer(spec, spec.trained_component, world, mode=mode, lora=lora, fp8_base=False,
+                             compute_dtype=torch.float32, frozen_dtype=dtype,
+                             parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill),
+                             seed=seed)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_built_transformer_is_what_from_pretrained_loads(tiny_model_factory, family):
+    spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family)), dtype="bfloat16"), 8.0)
+    frozen = build(spec, "frozen", torch.bfloat16)
+    expected = spec.component_classes()[spec.trained_component].from_pretrained(
+        spec.config.path, subfolder=spec.trained_component, torch_dtype=torch.bfloat16).state_dict()
+    got = frozen.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype, f"{name}: {got[name].dtype}, from_pretrained {tensor.dtype}"
+        assert torch.equal(got[name], tensor), name
+    assert {t.dtype for t in got.values() if t.is_floating_point()} >= {torch.bfloat16}
+    assert not any(p.requires_grad for p in frozen.parameters())
+    assert not any(b.is_meta for b in frozen.buffers())
+
+
+def test_lora_base_stays_in_model_dtype_adapters_train_in_float32_and_start_alike(tiny_model_factory):
+    spec = build_spec(ModelConfig(family="wan", path=str(tiny_model_factory("wan")), dtype="bfloat16"), 8.0)
+    first, again, other_seed = build(spec, "lora", torch.bfloat16), build(spec, "lora", torch.bfloat16), \
+        build(spec, "lora", torch.bfloat16, seed=1)
+    trained = {n: p for n, p in first.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n and p.dtype == torch.float32 for n, p in trained.items())
+    frozen = [p for p in first.parameters() if not p.requires_grad]
+    assert frozen and {p.dtype for p in frozen} == {torch.bfloat16, torch.float32}  # Wan keeps its norms in fp32
+    assert all(torch.equal(p, again.get_parameter(n)) for n, p in trained.items())  # keyed by name, not RNG state
+    lora_a = [n for n in trained if ".lora_A." in n]
+    assert all(float(trained[n].detach().abs().max()) > 0 for n in lora_a)
+    assert all(float(trained[n].detach().abs().max()) == 0 for n in trained if ".lora_B." in n)  # peft's start: B = 0
+    assert any(not torch.equal(trained[n], other_seed.get_parameter(n)) for n in lora_a)
+
+
+def test_full_fine_tune_trains_float32_master_weights(tiny_model_factory):
+    spec = build_spec(ModelConfig(family="ltx-video", path=str(tiny_model_factory("ltx-video")), dtype="bfloat16"),
+                      8.0)
+    model = build(spec, "full", torch.bfloat16)
+    assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
+    reference = spec.load_transformer(dtype=torch.float32).state_dict()
+    assert all(torch.equal(model.get_parameter(plain_name(n)), t) for n, t in reference.items())
+
+
+def test_weights_reader_reads_blocks_of_tensors_across_index_files(tmp_path):
+    from safetensors.torch import save_file
+
+    tensors = {"a": torch.arange(60, dtype=torch.float32).reshape(6, 10),
+               "b": torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4), "c": torch.tensor(3.5)}
+    save_file({"a": tensors["a"]}, tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"b": tensors["b"], "c": tensors["c"]}, tmp_path / "model-00002-of-00002.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", '
+        '"c": "model-00002-of-00002.safetensors"}}')
+    weights = Weights.in_folder(tmp_path)
+    assert sorted(weights.names()) == ["a", "b", "c"] and weights.shape("b") == (2, 3, 4)
+    assert torch.equal(weights.read("a"), tensors["a"]) and weights.read("c").item() == 3.5
+    assert torch.equal(weights.read("a", (2, 0), (3, 10)), tensors["a"][2:5])  # rows: one contiguous read
+    assert torch.equal(weights.read("a", (0, 4), (6, 3)), tensors["a"][:, 4:7])  # columns (row-wise TP)
+    assert torch.equal(weights.read("b", (1, 1, 0), (1, 2, 4)), tensors["b"][1:2, 1:3])
+    assert weights.read("a", (6, 0), (0, 10)).shape == (0, 10)  # an empty shard (more ranks than rows)
+    with pytest.raises(ValueError, match="outside a"):
+        weights.read("a", (5, 0), (2, 10))

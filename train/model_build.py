@@ -1,0 +1,173 @@
+"""The trained transformer, built without ever holding a whole copy: on the meta device, laid out, filled.
+
+    empty (meta; each parameter in its load dtype) -> fp8 storage, LoRA adapters or what a full
+    fine-tune trains (float32) -> parallelize: TP, CP, checkpointing, compile, FSDP2 (shards of
+    nothing yet) -> materialize on the device -> fill each parameter's local shard -> DDP
+
+- Dtypes: frozen weights (a LoRA's base, whatever a full fine-tune freezes) are read from the file
+  into `model.dtype` (float32 for the class's `_keep_in_fp32_modules`, as `from_pretrained` does;
+  float8 with `train.fp8_base_weights`); only what trains is float32. A full fine-tune without
+  autocast keeps its few frozen weights float32 too, since nothing would cast between them.
+- Fill: each rank reads from the safetensors files only the block of each tensor that its shard
+  holds (`Weights.read` at the DTensor's local offsets): under FSDP2 start-up memory and bytes read
+  fall as 1/N, a single process fills straight onto its GPU, and there is no whole copy anywhere.
+  (`fill_from="rank0"`, where rank 0 reads every tensor and scatters it, exists for the benchmark
+  that compares the two: scripts/bench_memory.py.)
+- LoRA adapters start as peft's default (lora_A Kaiming-uniform, lora_B zero) drawn from a generator
+  keyed by (train.seed, component, parameter name): the same adapters in every layout and on every
+  rank, with no broadcast.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from vt.shared.log import get_logger
+from vt.shared.runtime import keyed_generator
+from vt.train.fp8 import store_base_fp8
+
+__all__ = ["prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
+log = get_logger("vt.train.model")
+
+# Segments wrappers add to parameter names: activation checkpointing's and torch.compile's.
+WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def plain_name(name: str) -> str:
+    """A parameter's name as the model itself names it (without wrapper segments)."""
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def file_key(name: str) -> str | None:
+    """The checkpoint key of a parameter or buffer: its plain name without peft's `base_layer.`; None
+    for LoRA adapters, which no checkpoint holds."""
+    name = plain_name(name)
+    if ".lora_" in name:
+        return None
+    return name.replace(".base_layer.", ".")
+
+
+def lora_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """peft's default start for the adapter weight `name` (plain name): lora_A Kaiming-uniform (a = sqrt 5),
+    lora_B and anything else zero; drawn from a generator keyed by (seed, name)."""
+    out = torch.zeros(shape)
+    if ".lora_A." in name:
+        torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=keyed_generator("lora", seed, name))
+    elif ".lora_magnitude_vector" in name:
+        raise ValueError(f"{name}: DoRA adapters are not supported; use plain LoRA")
+    return out
+
+
+def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, fp8_base: bool, sharded: bool,
+                        compute_dtype: torch.dtype, frozen_dtype: torch.dtype) -> nn.Module:
+    """Transformer `component` of `spec` on the meta device, set up to
+    train: `mode` "lora" (adapters per `lora`: rank, alpha, targets), "full" (what `spec.full_trainable`
+    marks) or "frozen" (nothing trains: validation's other expert); float32 for whatever trains."""
+    model = spec.empty_component(component, dtype=frozen_dtype)
+    if fp8_base:
+        store_base_fp8(model, compute_dtype, sharded=sharded)  # before LoRA: the adapters stay float32
+    model.requires_grad_(False)
+    if mode == "lora":
+        spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None)
+    elif mode == "full":
+        spec.full_trainable(model)
+    for param in model.parameters():  # float32 for whatever trains (master weights under FSDP2's mixed precision)
+        if param.requires_grad:
+            param.data = param.data.float()
+    return model
+
+
+def build_transformer(spec, component: str, world, *, mode: str, lora: dict | None, fp8_base: bool,
+                      compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
+                      parallelize: Callable[[nn.Module, Callable[[nn.Module], None]], None],
+                      seed: int) -> nn.Module:
+    """`prepare_transformer`'s model, laid out and filled: `parallelize(model, materialize)` applies the
+    parallel plan and calls `materialize` once its shards exist."""
+    model = prepare_transformer(spec, component, mode=mode, lora=lora, fp8_base=fp8_base,
+                                sharded=world.dims.fsdp_enabled, compute_dtype=compute_dtype,
+                                frozen_dtype=frozen_dtype)
+    weights = spec.weights(component)
+
+    def materialize_and_fill(laid_out: nn.Module) -> None:
+        materialize(laid_out, world.device)
+        fill(laid_out, weights, seed=seed, key=component)
+
+    parallelize(model, materialize_and_fill)
+    return model
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Give the meta parameters (plain or sharded) storage on `device`, keeping the buffers the constructor
+    computed (non-persistent ones, such as rotary tables, are in no checkpoint)."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name in buffers:
+                buffer.copy_(buffers[name])
+
+
+def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
+    """(this rank's local tensor, its offsets in the global tensor, its shape)."""
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+        return tensor.to_local(), tuple(offsets), tuple(shape)
+    return tensor, (0,) * tensor.ndim, tuple(tensor.shape)
+
+
+@torch.no_grad()
+def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "slices") -> None:
+    """Fill every parameter (and every persistent buffer the checkpoint holds) of a materialized model:
+    checkpoint tensors from `weights`, LoRA adapters from `lora_init` keyed by (`seed`, `key`, name).
+
+    `fill_from="slices"`: each rank reads its own block of each tensor. `"rank0"`: rank 0 reads whole
+    tensors and scatters them (every rank must call this)."""
+    missing = []
+    persistent = {plain_name(name) for name in model.state_dict(keep_vars=True)}
+    tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if plain_name(n) in persistent)]
+    for name, tensor in tensors:
+        checkpoint_key = file_key(name)
+        if checkpoint_key is None:
+            full = lambda: lora_init(f"{key}.{plain_name(name)}" if key else plain_name(name),  # noqa: E731
+                                     tuple(tensor.shape), seed)
+        elif checkpoint_key in weights:
+            full = None
+        elif isinstance(tensor, nn.Parameter):
+            missing.append(checkpoint_key)
+            continue
+        else:
+            continue  # a buffer the checkpoint does not hold keeps what the constructor computed
+        if fill_from == "rank0" and isinstance(tensor, DTensor):
+            _scatter_from_rank0(tensor, full() if full else weights.read(checkpoint_key) if dist.get_rank() == 0 else None)
+            continue
+        local, offsets, shape = _local(tensor)
+        if full is not None:
+            block = full()[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
+        else:
+            if tuple(weights.shape(checkpoint_key)) != tuple(tensor.shape):
+                raise ValueError(f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
+                                 f"model's {tuple(tensor.shape)}: the weights do not match the component's config")
+            block = weights.read(checkpoint_key, offsets, shape)
+        local.copy_(block)
+    if missing:
+        raise ValueError(f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
+                         "weights do not match the component's config")
+
+
+def _scatter_from_rank0(tensor: DTensor, full: torch.Tensor | None) -> None:
+    """Rank 0's whole tensor scattered into every rank's shard (distribute_tensor from rank 0)."""
+    from torch.distributed.tensor import distribute_tensor
+
+    source = (full if full is not None else torch.empty(tensor.shape)).to(tensor.device_mesh.device_type, tensor.dtype)
+    shard = distribute_tensor(source, tensor.device_mesh, tensor.placements, src_data_rank=0)
+    tensor.to_local().copy_(shard.to_local())

@@ -1,0 +1,347 @@
+"""`vt-train plan CONFIG`: memory per rank before a run, from the components' config files alone.
+
+Nothing is loaded: the transformer is built as the trainer builds it (train/model_build.py) but on the
+meta device, so every tensor's shape and dtype are exact, and the code that needs memory at run time
+(a training step's forward and backward, the VAE encoding a clip or decoding a video, the text
+encoders) runs on fake tensors (vt.shared.memory_trace), which measures its working memory without
+computing anything. Per rank, for the config's layout over `gpus` ranks:
+
+- weights: each tensor's bytes over the ranks that shard it (FSDP2 over dp_shard x cp, the TP plan's
+  layers over tp); a one-expert Wan 2.2 run also holds its other expert (frozen) for validation;
+- gradients and optimizer: float32 gradients and AdamW's two moments of what trains, sharded alike;
+- buffers: FSDP2's gathered blocks (the one running and the last, kept for backward, plus the root)
+  in the compute dtype, a full fine-tune's block of unsharded gradients, DDP's gradient buckets;
+- activations: one micro-batch (this rank's share of train.batch_size) of the largest bucket, through
+  the family's forward and a backward, with and without activation checkpointing, divided over cp;
+- validation: the VAE, and the most the pipeline's steps or the VAE's decode hold at once;
+- stage 1: each producer's encoders in model.dtype and what encoding the largest bucket needs.
+With `parallel.cpu_offload`, weights, gradients and optimizer state are host memory, not GPU memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import nn
+
+from vt.shared.buckets import parse_buckets
+from vt.shared.config import Config
+from vt.shared.memory_trace import KnownValues, fake_mode, fake_parameters, peak_bytes
+from vt.shared.models import spec_for
+from vt.train.model_build import prepare_transformer
+from vt.train.parallel.dims import ParallelDims
+
+GIB = 2**30
+
+
+@dataclass
+class RankPlan:
+    """Bytes one rank needs; `host` is what lives in CPU memory (CPU offload) rather than on the device."""
+
+    weights: int = 0
+    gradients: int = 0
+    optimizer: int = 0
+    buffers: int = 0
+    activations: int = 0
+    validation: int = 0
+    host: int = 0
+
+    @property
+    def device_total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations + self.validation - self.host
+
+
+@dataclass
+class Plan:
+    config: Config
+    dims: ParallelDims
+    device: str
+    rank: RankPlan
+    activations: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> {"checkpointing": b, "none": b}
+    stage1: dict[str, int] = field(default_factory=dict)  # encoder -> bytes, "working" -> bytes
+    micro_batch: int = 1
+
+
+@dataclass
+class _Layout:
+    """Which ranks share each tensor: the FSDP2 shard group and, for the TP plan's layers, the tp group."""
+
+    fsdp: int
+    tp: int
+    split: set[str]
+
+    @classmethod
+    def of(cls, spec, model: nn.Module, dims: ParallelDims) -> "_Layout":
+        split: set[str] = set()
+        if dims.tp > 1:
+            plan = spec.tp_plan()
+            for where, _ in spec.named_blocks(model):
+                for layer in plan.colwise:
+                    split |= {f"{where}.{layer}.weight", f"{where}.{layer}.bias",
+                                   f"{where}.{layer}.base_layer.weight", f"{where}.{layer}.base_layer.bias",
+                                   f"{where}.{layer}.lora_B.default.weight"}
+                for layer in plan.rowwise:
+                    split |= {f"{where}.{layer}.weight", f"{where}.{layer}.base_layer.weight",
+                                   f"{where}.{layer}.lora_A.default.weight"}
+                split |= {f"{where}.{norm}.weight" for norm in plan.head_norms}
+        return cls(dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, dims.tp, split)
+
+    def gathered(self) -> "_Layout":
+        """This layout without FSDP2's sharding: a block as its all-gather makes it."""
+        whole = replace(self)
+        whole.fsdp = 1
+        return whole
+
+    def local(self, name: str, tensor: torch.Tensor, bytes_per: int | None = None) -> int:
+        """This rank's bytes of `tensor` (FSDP2 pads dim 0 to a multiple of the shard count)."""
+        size = bytes_per or tensor.element_size()
+        rows = tensor.shape[0] if tensor.ndim else 1
+        rest = tensor.numel() // max(rows, 1)
+        if name in self.split and name.endswith("lora_A.default.weight"):
+            rest //= self.tp  # a row-wise layer's adapter input: split along its columns
+        elif name in self.split:
+            rows = math.ceil(rows / self.tp)
+        return math.ceil(rows / self.fsdp) * rest * size
+
+
+def _compute_settings(config: Config, device: str) -> tuple[torch.dtype | None, torch.dtype, torch.dtype]:
+    """(autocast dtype, compute dtype, frozen load dtype) as the trainer picks them on `device` (a GPU with
+    bfloat16, or the CPU, where "auto" means no autocast)."""
+    from vt.shared.runtime import DTYPES
+
+    precision = config.train.mixed_precision
+    amp = None if precision == "no" or (device == "cpu" and precision == "auto") else torch.bfloat16
+    frozen = torch.float32 if config.train.mode == "full" and amp is None else DTYPES[config.model.dtype]
+    return amp, amp or frozen, frozen
+
+
+def make_plan(config: Config, gpus: int, device: str = "cuda") -> Plan:
+    """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs)."""
+    spec = spec_for(config)
+    dims = ParallelDims.from_config(config.parallel, gpus)
+    train, parallel = config.train, config.parallel
+    amp, compute, frozen = _compute_settings(config, device)
+    fp8 = train.fp8_base_weights and train.mode == "lora"
+    lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
+    trained = spec.trained_experts or {None: spec.trained_component}
+    resident = dict(trained)
+    if train.validation_prompts and spec.experts() and not spec.trains_all_experts:
+        for component, _ in spec.experts().values():  # the other expert, frozen, for validation
+            if component not in resident.values():
+                resident[f"frozen:{component}"] = component
+    rank = RankPlan()
+    largest_block, largest_grad_block, root = 0, 0, 0
+    for key, component in resident.items():
+        mode = "frozen" if str(key).startswith("frozen:") else train.mode
+        model = prepare_transformer(spec, component, mode=mode, lora=lora, fp8_base=fp8 and mode == "lora",
+                                    sharded=dims.fsdp_enabled, compute_dtype=compute, frozen_dtype=frozen)
+        layout = _Layout.of(spec, model, dims)
+        in_blocks = set()
+        for where, block in spec.named_blocks(model):
+            block_bytes = sum(_gathered_bytes(f"{where}.{n}", p, layout, amp or (compute if fp8 else None))
+                           for n, p in block.named_parameters())
+            largest_block = max(largest_block, block_bytes)
+            trainable = sum(p.numel() for p in block.parameters() if p.requires_grad) * 4
+            largest_grad_block = max(largest_grad_block, trainable // layout.tp)
+            in_blocks |= {f"{where}.{n}" for n, _ in block.named_parameters()}
+        for name, param in model.named_parameters():
+            rank.weights += layout.local(name, param)
+            if param.requires_grad:
+                rank.gradients += layout.local(name, param, 4)
+                rank.optimizer += 2 * layout.local(name, param, 4)
+            if name not in in_blocks:
+                root += _gathered_bytes(name, param, layout, amp or (compute if fp8 else None))
+    if dims.fsdp_enabled:
+        rank.buffers = 2 * largest_block + root + (largest_grad_block if train.mode == "full" else 0)
+    elif dims.ddp_enabled:
+        rank.buffers = min(100 * 2**20, rank.gradients)
+    if parallel.cpu_offload:
+        rank.host = rank.weights + rank.gradients + rank.optimizer
+    micro = max(1, math.ceil(train.batch_size / dims.dp))
+    plan = Plan(config, dims, device, rank, micro_batch=micro)
+    # Under FSDP2 the blocks compute with gathered copies in the param dtype; one process casts its float32
+    # weights under autocast (and autocast keeps those casts for the whole forward).
+    gathered = amp if dims.fsdp_enabled else None
+    key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
+           tuple(train.lora_targets), bool(train.validation_prompts), device, str(amp), str(gathered), micro)
+    if key not in _TRACES:  # alternatives of one config share what the fake runs measured
+        _trace(plan, spec, amp, compute, frozen, lora, gathered)
+        _TRACES[key] = (plan.activations, plan.stage1, rank.validation)
+    plan.activations, plan.stage1, rank.validation = _TRACES[key]
+    worst = max(plan.activations.values(), key=lambda a: a["none"])
+    rank.activations = (worst["checkpointing"] if parallel.activation_checkpointing else worst["none"]) // dims.cp
+    return plan
+
+
+_TRACES: dict[tuple, tuple] = {}
+
+
+def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torch.dtype | None) -> int:
+    """Bytes of one parameter gathered whole by FSDP2 (in the all-gather dtype), still split by TP."""
+    size = torch.empty((), dtype=dtype).element_size() if dtype is not None else param.element_size()
+    return layout.gathered().local(name, param, size)
+
+
+def _trace(plan: Plan, spec, amp, compute, frozen, lora, gathered: torch.dtype | None) -> None:
+    """Activations per bucket (one micro-batch's forward and backward, with and without checkpointing),
+    validation's working memory and stage 1's encoders, all on fake tensors."""
+    from vt.train.objectives import flow_matching_loss
+    from vt.train.parallel import apply_ac
+
+    config, train = plan.config, plan.config.train
+    device_type = "cuda" if plan.device == "cuda" else "cpu"
+    buckets = parse_buckets(config.buckets.sizes)
+    component = next(iter(spec.trained_experts.values()), None) or spec.trained_component
+    # Built on the meta device as the trainer builds them (peft's adapters cannot be made on fake tensors),
+    # then given fake parameters to run; fp8 storage changes no activation (the compute dtype is the same).
+    parts = {name: spec.empty_component(name) for name in spec.stage1_components
+             if isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)}
+    models = {checkpointing: prepare_transformer(spec, component, mode=train.mode, lora=lora, fp8_base=False,
+                                                 sharded=False, compute_dtype=compute, frozen_dtype=frozen)
+              for checkpointing in (False, True)}
+    if gathered is not None:
+        for model in models.values():
+            for param in model.parameters():
+                param.data = param.data.to(gathered)  # meta tensors: no memory
+    with fake_mode():
+        for name, part in parts.items():  # tokenizers and processors hold no weights
+            fake_parameters(part).eval().requires_grad_(False)
+            plan.stage1[name] = sum(p.numel() * p.element_size() for p in part.parameters())
+        vae = parts["vae"]
+        for bucket in buckets:  # the VAE's working memory while stage 1 encodes a clip of each bucket
+            video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=spec.frozen_dtype)
+            with peak_bytes() as encoding, torch.no_grad():
+                spec._vae_mode(vae, video)
+            plan.stage1["working"] = max(plan.stage1.get("working", 0), encoding.peak)
+        for checkpointing, model in models.items():
+            fake_parameters(model)
+            for param in model.parameters():  # gradients leave as soon as they exist (FSDP2 frees them per block)
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+            if checkpointing:
+                apply_ac(model, spec)
+            for bucket in buckets:
+                batch = _batch(spec, bucket, plan.micro_batch)
+                with KnownValues(), peak_bytes() as step:
+                    with torch.autocast(device_type, dtype=amp or torch.float32, enabled=amp is not None):
+                        out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
+                                           torch.zeros_like(batch["latents"]))
+                    flow_matching_loss(out).backward()
+                plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
+        if train.validation_prompts:
+            plan.rank.validation = _validation_bytes(spec, vae, buckets, models[False], amp, device_type)
+
+
+def _batch(spec, bucket, size: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of what stage 1 stores for `bucket`: fake tensors, but masks real (all ones)."""
+    out = {}
+    for name, shape in spec.condition_shapes(bucket).items():
+        if "mask" in name:
+            from torch.utils._python_dispatch import _disable_current_modes
+
+            with _disable_current_modes():
+                out[name] = torch.ones(size, *shape)
+        else:
+            out[name] = torch.zeros(size, *shape)
+    return out
+
+
+def _validation_bytes(spec, vae, buckets, model, amp, device_type) -> int:
+    """The VAE's weights plus the most validation holds at once: a denoising step (classifier-free guidance:
+    batch 2, no gradients) or decoding the largest bucket's latents."""
+    weights = sum(p.numel() * p.element_size() for p in vae.parameters())
+    largest = max(buckets, key=lambda b: b.frames * b.height * b.width)
+    batch = _batch(spec, largest, 2)
+    with KnownValues(), peak_bytes() as step, torch.no_grad():
+        with torch.autocast(device_type, dtype=amp or torch.float32, enabled=amp is not None):
+            spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))
+    with peak_bytes() as decode, torch.no_grad():
+        try:
+            vae.decode(batch["latents"][:1].to(vae.dtype))
+        except (TypeError, RuntimeError, ValueError, NotImplementedError):  # a decode that needs more than latents
+            pass
+    return weights + max(step.peak, decode.peak)
+
+
+# -- what makes it fit ---------------------------------------------------------------------------------
+def alternatives(config: Config, gpus: int, device: str) -> list[tuple[str, Plan]]:
+    """Settings that would change the plan, each with its plan: fp8 base weights (LoRA), checkpointing,
+    CPU offload, context parallel, more GPUs; a list for `vt-train plan` to say which fit."""
+    train, parallel = config.train, config.parallel
+    options: list[tuple[str, Config, int]] = []
+    if train.mode == "lora" and not train.fp8_base_weights:
+        options.append(("train.fp8_base_weights=true", _with(config, "train", fp8_base_weights=True), gpus))
+    if not parallel.activation_checkpointing:
+        options.append(("parallel.activation_checkpointing=true",
+                        _with(config, "parallel", activation_checkpointing=True), gpus))
+    if not parallel.cpu_offload:
+        options.append(("parallel.cpu_offload=true", _with(config, "parallel", cpu_offload=True), gpus))
+    spec = spec_for(config)
+    try:
+        spec.cp_plan()
+        for cp in (2, 4, 8):
+            if gpus % (cp * parallel.tp * parallel.dp_replicate) == 0 and cp > parallel.cp:
+                options.append((f"parallel.cp={cp}", _with(config, "parallel", cp=cp), gpus))
+    except NotImplementedError:
+        pass
+    for more in (2, 4, 8, 16, 32):
+        if more > gpus:
+            options.append((f"{more} GPUs (FSDP2)", config, more))
+    out = []
+    for label, changed, count in options:
+        try:
+            out.append((label, make_plan(changed, count, device)))
+        except (ValueError, NotImplementedError):
+            continue
+    return out
+
+
+def _with(config: Config, section: str, **values) -> Config:
+    return config.model_copy(update={section: getattr(config, section).model_copy(update=values)})
+
+
+def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[str, Plan]] = ()) -> str:
+    rank, config = plan.rank, plan.config
+    where = "GPU" if plan.device == "cuda" else "host"
+    lines = [f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, micro-batch {plan.micro_batch} per rank",
+             f"per rank ({where}):",
+             f"  weights       {rank.weights / GIB:8.2f} GiB",
+             f"  gradients     {rank.gradients / GIB:8.2f} GiB",
+             f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments)",
+             f"  buffers       {rank.buffers / GIB:8.2f} GiB  (FSDP2 gathered blocks / DDP buckets)",
+             f"  activations   {rank.activations / GIB:8.2f} GiB  "
+             f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}, largest bucket)",
+             f"  validation    {rank.validation / GIB:8.2f} GiB  (VAE and its working memory)"]
+    if rank.host:
+        lines.append(f"  in host memory (CPU offload): {rank.host / GIB:.2f} GiB of the above")
+    lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}"
+                 + (f" of {budget_gib:g} GiB: {'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
+                    if budget_gib else ""))
+    lines.append("activations per bucket (one micro-batch, before / cp):")
+    for bucket, sizes in plan.activations.items():
+        lines.append(f"  {bucket:<12} no checkpointing {sizes['none'] / GIB:8.2f} GiB   "
+                     f"checkpointing {sizes['checkpointing'] / GIB:8.2f} GiB")
+    encoders = ", ".join(f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items() if name != "working")
+    lines.append(f"stage 1, per producer: {encoders} GiB; encoding works in {plan.stage1.get('working', 0) / GIB:.2f} GiB "
+                 f"more (largest bucket)")
+    if budget_gib and alternatives:
+        fits = [label for label, alt in alternatives if alt.rank.device_total <= budget_gib * GIB]
+        lines.append("what fits " + f"{budget_gib:g} GiB: " + (", ".join(
+            f"{label} ({alt.rank.device_total / GIB:.1f} GiB)" for label, alt in alternatives
+            if label in fits) or "none of the single changes tried"))
+    return "\n".join(lines)
+
+
+def plan_json(plan: Plan) -> dict:
+    rank = plan.rank
+    return {"family": plan.config.model.family, "mode": plan.config.train.mode, "layout": plan.dims.describe(),
+            "device": plan.device, "micro_batch": plan.micro_batch,
+            "per_rank_bytes": {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
+                               "buffers": rank.buffers, "activations": rank.activations,
+                               "validation": rank.validation, "host": rank.host, "total": rank.device_total},
+            "activations": plan.activations, "stage1": plan.stage1}
+
+
+__all__ = ["Plan", "RankPlan", "make_plan", "alternatives", "format_plan", "plan_json"]
