@@ -54,6 +54,7 @@ test: setup
 
 bench: assets
 	$(PY) scripts/bench.py
+	$(PY) scripts/bench_memory.py
 
 # One GPU: attention backends, AC, compile, fp8 (docs/benchmarks.md); `make gpu-check GPU_ARGS=--dry` on a CPU.
 gpu-check: setup

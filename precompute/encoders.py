@@ -1,4 +1,4 @@
-"""Stage 1's encoders at real size: each loaded once, in model.dtype, straight where it runs.
+"""Stage 1's encoders at real size: each loaded once, in model.dtype (float32 on a CPU), straight where it runs.
 
 `precompute.text_encoder_offload` decides where the text (and image) encoders live, for encoders that do
 not fit on the device beside the VAE's work:
@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from vt.shared.log import get_logger
+from vt.shared.runtime import encoder_dtype
 
 log = get_logger("vt.precompute")
 
@@ -39,10 +40,14 @@ class VaeOutOfMemory(RuntimeError):
 def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) -> dict:
     """The stage-1 components, each loaded once: the VAE on `device`, the text parts per `offload`."""
     text_parts = [name for name in spec.stage1_components if name != "vae"]
+    dtype = encoder_dtype(device, spec.frozen_dtype)
+    if dtype != spec.frozen_dtype:
+        log.info("stage 1 on a CPU: the encoders compute in float32, not model.dtype %s (their reduced-precision "
+                 "kernels run tens of times slower there)", str(spec.frozen_dtype).removeprefix("torch."))
     encoders = {}
     for name in spec.stage1_components:
         on_cpu = name in text_parts and offload != "none"
-        encoders[name] = spec.load_component(name, "cpu" if on_cpu else device)
+        encoders[name] = spec.load_component(name, "cpu" if on_cpu else device, dtype)
     if offload == "blocks":
         from diffusers.hooks import apply_group_offloading
 

@@ -44,7 +44,7 @@ from vt.shared.config import Config
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
 from vt.shared.provenance import fingerprint, provenance
-from vt.shared.runtime import DTYPES, pick_device
+from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
 from vt.shared.shards import CommitRecord, encode_shard
 from vt.shared.window import Window
 
@@ -119,6 +119,7 @@ class _Prepare:
 
 class Precompute:
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1):
+        map_large_allocations()  # decoded clips and encoder activations go back to the OS when freed
         self.config = config
         self.rank, self.world_size = rank, world_size
         pre = config.precompute

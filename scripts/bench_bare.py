@@ -65,6 +65,14 @@ class BareLoop:
         self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
         self.step_index = 0
 
+    @torch.no_grad()
+    def copy_trainable(self, source: torch.nn.Module) -> None:
+        """Start from `source`'s adapter values (the trainer's own LoRA init) instead of this loop's draw."""
+        values = dict(source.named_parameters())
+        for name, param in self.model.named_parameters():
+            if param.requires_grad:
+                param.copy_(values[name].detach())
+
     def step(self, batch: dict[str, torch.Tensor], sigmas: torch.Tensor | None = None,
              noise: torch.Tensor | None = None) -> float:
         """One optimizer step; draws its own sigmas (B,) and noise (like the latents) unless given."""

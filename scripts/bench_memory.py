@@ -6,14 +6,15 @@ encoder, which only stage 1 loads, the tiny preset's Wan VAE (a real VAE config 
 minutes per clip on CPUs without bf16 instructions) and the tiny preset's tokenizer and scheduler.
 The data: the demo raw shards, one bucket, precomputed once into a kept window.
 
-Every run is a whole `vt-train run` (two optimizer steps of the global batch, validation with one prompt,
-export), and each rank reports its peak resident set in <run>/memory.json:
+Every run is a whole `vt-train run` (an optimizer step of a global batch of 4, a checkpoint, validation with
+one prompt, export), and each rank reports its peak resident set in <run>/memory.json:
 
     LoRA, one process          goal: <= 1.3x the bf16 weights
     LoRA, FSDP2 over 2 ranks   goal: the largest rank <= 0.6x the one-process run
     LoRA, FSDP2 over 4 ranks   goal: the largest rank <= 0.35x the one-process run
     full, FSDP2 over 2 ranks   goal: each rank <= 0.6x the one-process figure `vt-train plan` gives
-                               (needs ~2 x 12 GiB: skipped, and said so, on a smaller host)
+                               (2 x ~12 GiB at 30 blocks: on a smaller host, as many blocks of the same
+                               width as fit, and the row says so)
     `vt-train plan --device cpu` for each row: within 15% of the measured peak
 
 Peaks are the runs' own (the process's resident set at its highest), less the resident set the process
@@ -21,7 +22,7 @@ had before it built anything (interpreter, torch, diffusers, transformers, peft:
 any training script); both are printed. Also: the two ways of filling a sharded model (each rank reads
 its slices / rank 0 reads and scatters), start-up seconds and peak at 2 ranks.
 
-    python scripts/bench_memory.py [--out runs/bench/memory] [--skip-full]
+    python scripts/bench_memory.py [--out runs/bench/memory] [--skip-full | --only-full]
 """
 
 from __future__ import annotations
@@ -71,6 +72,21 @@ def build_model(folder: Path) -> Path:
     return folder
 
 
+def build_shallow_transformer(folder: Path, layers: int) -> Path:
+    """The same transformer config with `layers` of its blocks (the real width), random bf16 weights."""
+    if (folder / ".done").is_file():
+        return folder
+    import torch
+    from diffusers import WanTransformer3DModel
+
+    shutil.rmtree(folder, ignore_errors=True)
+    torch.manual_seed(0)
+    config = dict(REAL["components"]["transformer"]["config"], num_layers=layers)
+    WanTransformer3DModel(**config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    (folder / ".done").write_text("ok\n")
+    return folder
+
+
 def bf16_weights_bytes(folder: Path) -> int:
     from vt.shared.models.weights import Weights
 
@@ -78,18 +94,24 @@ def bf16_weights_bytes(folder: Path) -> int:
     return sum(entry.end - entry.start for entry in weights.entries.values())
 
 
-def write_config(path: Path, model: Path, raw: Path, window: Path, run: Path, **train) -> Path:
+def write_config(path: Path, model: Path, raw: Path, window: Path, run: Path, transformer: Path | None = None,
+                 **train) -> Path:
     from vt.shared.config import Config, build, to_toml
 
     tree = {
         "run": {"dir": str(run)},
-        "model": {"family": "wan", "path": str(model), "dtype": "bfloat16"},
+        # 64 text tokens (Wan's pipeline encodes 512, mostly padding): the cross-attention over them is most of
+        # a step's work at this bucket, and its memory is a sliver of the weights'.
+        "model": {"family": "wan", "path": str(model), "dtype": "bfloat16", "max_text_tokens": 64,
+                  **({"components": {"transformer": str(transformer)}} if transformer else {})},
         "data": {"raw": str(raw)},
         "buckets": {"sizes": ["9x64x96"], "fps": 8.0},
         "window": {"uri": str(window), "size": "keep", "poll_seconds": 0.05},
         "precompute": {"workers": 0, "samples_per_shard": 4, "encode_batch": 4},
-        "train": {"mode": "lora", "batch_size": 4, "max_steps": 2, "lr": 1e-4, "checkpoint_every": 0,
-                  "mixed_precision": "bf16", "validation_prompts": [PROMPT], "validation_steps": 2, **train},
+        # mixed_precision "auto": on a CPU, float32 compute (bf16 matmuls without bf16 instructions run ~100x
+        # slower), the frozen bf16 layers upcast one at a time, as the trainer does there.
+        "train": {"mode": "lora", "batch_size": 4, "max_steps": 1, "lr": 1e-4, "checkpoint_every": 0,
+                  "validation_prompts": [PROMPT], "validation_steps": 1, **train},
         "parallel": {"activation_checkpointing": True},
         "log": {"progress": False},
     }
@@ -143,12 +165,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench" / "memory")
     parser.add_argument("--raw", type=Path, default=ROOT / "runs" / "data" / "raw")
     parser.add_argument("--skip-full", action="store_true", help="leave out the full fine-tune row")
+    parser.add_argument("--only-full", action="store_true", help="the full fine-tune row (and its plan row) alone")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     model = build_model(args.out / "wan-1.3b")
     weights = bf16_weights_bytes(model)
     window = args.out / "window"
-    runs = args.out / "runs"
+    runs = args.out / ("runs-full" if args.only_full else "runs")
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir()
     if not (window / "producers").is_dir():
@@ -157,24 +180,25 @@ def main(argv: list[str] | None = None) -> dict:
 
         Precompute(load_config(write_config(args.out / "precompute.toml", model, args.raw, window,
                                             args.out / "precompute"))).run()
-    cases = [("lora", 1), ("lora", 2), ("lora", 4)] + ([] if args.skip_full else [("full", 2)])
     measured = {}
-    for mode, ranks in cases:
-        name = f"{mode}-{ranks}"
-        config = write_config(runs / f"{name}.toml", model, args.raw, window, runs / name, mode=mode,
-                              **({"lr": 1e-5} if mode == "full" else {}))
-        need = planned(config, ranks) * ranks
-        if mode == "full" and need > host_memory() * 0.9:
-            measured[name] = {"skipped": f"needs ~{need / GIB:.1f} GiB for {ranks} ranks; this host has "
-                                         f"{host_memory() / GIB:.1f} GiB"}
-            continue
-        result = run_trainer(config, ranks, runs / f"{name}.log")
-        result["planned"] = planned(config, ranks)
-        measured[name] = result
-    one_plan = planned(write_config(runs / "full-1.toml", model, args.raw, window, runs / "full-1", mode="full"), 1)
-    fill = bench_fill(write_config(runs / "fill.toml", model, args.raw, window, runs / "fill"), runs)
+    for ranks in () if args.only_full else (1, 2, 4):
+        name = f"lora-{ranks}"
+        config = write_config(runs / f"{name}.toml", model, args.raw, window, runs / name)
+        measured[name] = {**run_trainer(config, ranks, runs / f"{name}.log"), "planned": planned(config, ranks)}
+    one_plan, full_layers = 0, None
+    if not args.skip_full:
+        full_layers, transformer = full_fine_tune_depth(args.out, model, args.raw, window, runs)
+        full = lambda name: write_config(runs / f"{name}.toml", model, args.raw, window, runs / name,  # noqa: E731
+                                         transformer=transformer, mode="full", lr=1e-5)
+        one_plan = planned(full("full-1"), 1)
+        config = full("full-2")
+        measured["full-2"] = {**run_trainer(config, 2, runs / "full-2.log"), "planned": planned(config, 2),
+                              "layers": full_layers}
+    fill = [] if args.only_full else bench_fill(write_config(runs / "fill.toml", model, args.raw, window,
+                                                             runs / "fill"), runs)
     rows = rows_of(measured, weights, one_plan, fill)
     return {"machine": machine(), "weights_bytes": weights, "runs": measured, "fill": fill,
+            "out": str(args.out / ("results-full.json" if args.only_full else "results.json")),
             "rows": [r.to_dict() for r in rows], "table": format_table(rows), "notes": [
                 f"{r.name}: {r.note}" for r in rows if r.note]}
 
@@ -183,37 +207,54 @@ def host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def full_fine_tune_depth(out: Path, model: Path, raw: Path, window: Path, runs: Path) -> tuple[int, Path | None]:
+    """The full fine-tune row's model: the bench transformer if 2 ranks of it fit in 70% of this host
+    (float32 weights, gradients and AdamW's moments: ~16 bytes a parameter over the ranks, ~23 GiB for
+    1.42B), else the same config with as many of its blocks as fit (the real width, so the ratios hold)."""
+    total = REAL["components"]["transformer"]["config"]["num_layers"]
+    config = write_config(runs / "full-probe.toml", model, raw, window, runs / "full-probe", mode="full")
+    need = 2 * planned(config, 2)
+    if need <= 0.7 * host_memory():
+        return total, None
+    layers = max(1, int(total * 0.7 * host_memory() / need))
+    return layers, build_shallow_transformer(out / f"wan-1.3b-{layers}-blocks", layers)
+
+
 def net(result: dict, rank: int) -> float:
     return (result["host_peak_gb"][rank] - result["host_baseline_gb"][rank]) * GIB
 
 
 def rows_of(measured: dict, weights: int, full_one_plan: int, fill: list[dict]) -> list[Row]:
     gib = lambda value: value / GIB  # noqa: E731
-    one = measured["lora-1"]
-    one_net = net(one, 0)
-    rows = [Row("LoRA 1 process: peak vs bf16 weights", gib(one_net), "GiB", gib(weights), max_ratio=1.3,
-                note=f"peak {one['host_peak_gb'][0]:.2f} GiB less the {one['host_baseline_gb'][0]:.2f} GiB the "
-                     "process held before building anything")]
-    for ranks, goal in ((2, 0.6), (4, 0.35)):
+    rows = []
+    one = measured.get("lora-1")
+    one_net = net(one, 0) if one else 0.0
+    if one:
+        rows.append(Row("LoRA 1 process: peak vs bf16 weights", gib(one_net), "GiB", gib(weights), max_ratio=1.3,
+                        note=f"peak {one['host_peak_gb'][0]:.2f} GiB less the {one['host_baseline_gb'][0]:.2f} "
+                             "GiB the process held before building anything"))
+    for ranks, goal in ((2, 0.6), (4, 0.35)) if one else ():
         result = measured[f"lora-{ranks}"]
         largest = max(range(ranks), key=lambda r: net(result, r))
         rows.append(Row(f"LoRA FSDP2 {ranks} ranks: largest rank vs 1 process", gib(net(result, largest)), "GiB",
                         gib(one_net), max_ratio=goal,
                         note=f"rank {largest}; peaks {', '.join(f'{g:.2f}' for g in result['host_peak_gb'])} GiB"))
     full = measured.get("full-2")
-    if full and "skipped" not in full:
+    if full:
         largest = max(range(2), key=lambda r: net(full, r))
-        rows.append(Row("full FSDP2 2 ranks: largest rank vs plan's 1 process", gib(net(full, largest)), "GiB",
-                        gib(full_one_plan), max_ratio=0.6))
-    elif full:
-        rows.append(Row("full FSDP2 2 ranks: not run", gib(full_one_plan), "GiB", note=full["skipped"]))
+        total = REAL["components"]["transformer"]["config"]["num_layers"]
+        depth = "" if full["layers"] == total else f" ({full['layers']} of {total} blocks)"
+        rows.append(Row(f"full FSDP2 2 ranks{depth}: largest rank vs plan's 1 process", gib(net(full, largest)),
+                        "GiB", gib(full_one_plan), max_ratio=0.6,
+                        note=f"rank {largest}; peaks {', '.join(f'{g:.2f}' for g in full['host_peak_gb'])} GiB" +
+                             (f"; {total} blocks do not fit 2 ranks in this host's memory" if depth else "")))
     for name, result in measured.items():
-        if "skipped" in result:
-            continue
         largest = max(net(result, r) for r in range(len(result["host_peak_gb"])))
         rows.append(Row(f"vt-train plan vs measured: {name}", gib(result["planned"]), "GiB", gib(largest),
                         max_ratio=1.15, min_ratio=0.85))
     by = {entry["how"]: entry for entry in fill}
+    if not by:
+        return rows
     rows.append(Row("fill 2 ranks: rank 0 reads + scatters vs own slices", by["rank0"]["seconds"], "s",
                     by["slices"]["seconds"], note="start-up seconds of the sharded model"))
     rows.append(Row("fill 2 ranks: its largest rank's peak vs own slices", gib(by["rank0"]["peak_bytes"]), "GiB",
@@ -225,6 +266,6 @@ if __name__ == "__main__":
     result = main()
     print(result["table"])
     print("\n".join(f"  {note}" for note in result["notes"]))
-    out = ROOT / "runs" / "bench" / "memory" / "results.json"
+    out = Path(result["out"])
     out.write_text(json.dumps(result, indent=1, default=str))
     print(f"written to {out}; how to read it: docs/benchmarks.md")

@@ -120,6 +120,7 @@ def bench_steps(base_config: Path, model: Path, transformer: Path, window: Path,
     if not batches:
         raise RuntimeError(f"the window {window} gave no batches; run the precompute bench first")
     bare = BareLoop(transformer, bare_settings(trainer))
+    bare.copy_trainable(trainer.transformer)  # vt draws each adapter from a generator keyed by its name
     device = trainer.device
 
     def vt_step(batch) -> float:

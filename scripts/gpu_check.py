@@ -13,6 +13,9 @@ the Model Spec's forward (flow-matching loss, AdamW), in one process on one GPU:
   blocks: torchao's float8 casts need compile to pay off), on the layers torchao's filter picks.
 - lora: the 1.3B shape with rank-32 LoRA on a bf16 base against an fp8 e4m3 base (vt's
   `train.fp8_base_weights`): memory and step time.
+- plan: a rank-32 LoRA on a Wan 2.1 14B-shaped transformer (all 40 blocks, random bf16 weights) at the
+  same clip, activation checkpointing on, its peak GPU memory over the training steps next to what
+  `vt-train plan` estimates for that run from the real configs (scripts/real_models.json).
 
 MFU counts model FLOPs (forward + backward = 3 x forward; recomputation not counted) against the
 GPU's dense bf16 peak (H100/H200: 989 TFLOP/s), also for the fp8 rows; LoRA rows show none. A row
@@ -40,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
-GROUPS = ("full", "fp8", "lora")
+GROUPS = ("full", "fp8", "lora", "plan")
 
 
 @dataclass(frozen=True)
@@ -116,8 +119,9 @@ def cases(args, training_backends: list[str]) -> list[Case]:
     full += [Case("full", big, ac=False)] + ([Case("full", big, compile=True)] if compile_ok else [])
     fp8 = [Case("fp8", wide, compile=compile_ok, fp8=recipe) for recipe in ("none", "tensorwise", "rowwise")]
     lora = [Case("lora", big, lora_base=base) for base in ("bf16", "fp8")]
+    planned = [Case("plan", wide if args.dry else replace(WAN_14B, layers=40), lora_base="bf16")]
     chosen = args.only or GROUPS
-    return [case for case in full + fp8 + lora if case.group in chosen]
+    return [case for case in full + fp8 + lora + planned if case.group in chosen]
 
 
 def model_flops_per_sample(shape: Shape) -> float:
@@ -199,6 +203,8 @@ def measure(case: Case, args, device) -> dict:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         model, params = build(case, args, device)
+        if case.group == "plan" and device.type == "cuda":  # the run's memory, not the random init's
+            torch.cuda.reset_peak_memory_stats(device)
         optimizer = torch.optim.AdamW(params, lr=1e-5)
         shape, spec = case.shape, _spec()
         tensors = wan_batch(1, shape.frames, shape.height, shape.width, shape.text_len, shape.text_dim)
@@ -227,6 +233,9 @@ def measure(case: Case, args, device) -> dict:
                    mfu=(flops / (peak * 1e12)) if peak and not case.lora_base else None,
                    peak_gib=(torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
                    losses=losses, note="" if all(map(math.isfinite, losses)) else "loss not finite")
+        if case.group == "plan":
+            row["plan_gib"] = planned_gib(case, args)
+            row["note"] = (row["note"] + f" plan {row['plan_gib']:.1f} GiB").strip()
     except torch.OutOfMemoryError:
         row["note"] = "out of memory"
     except (RuntimeError, ValueError, NotImplementedError) as err:  # a kernel this GPU or build lacks
@@ -239,6 +248,33 @@ def measure(case: Case, args, device) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return row
+
+
+def planned_gib(case: Case, args) -> float:
+    """What `vt-train plan` gives for the plan row's run (GPU memory, one GPU, LoRA rank args.lora_rank):
+    from the real Wan 2.1 14B configs, or the tiny preset's in a dry run."""
+    import tempfile
+
+    from vt.shared.config import Config, build as build_config
+    from vt.train.plan import make_plan
+
+    shape = case.shape
+    with tempfile.TemporaryDirectory() as work:
+        if args.dry:
+            from make_tiny_model import make_tiny_model
+
+            folder = make_tiny_model("wan", Path(work) / "wan", seed=0)
+        else:
+            from memory_table import config_only_model
+
+            folder = config_only_model("wan2.1-14b", Path(work) / "wan")
+        config = build_config(Config, {
+            "model": {"family": "wan", "path": str(folder), "dtype": "bfloat16", "max_text_tokens": shape.text_len},
+            "buckets": {"sizes": [f"{4 * (shape.frames - 1) + 1}x{8 * shape.height}x{8 * shape.width}"]},
+            "train": {"mode": "lora", "lora_rank": args.lora_rank, "lora_alpha": float(args.lora_rank),
+                      "lora_targets": ["to_q", "to_k", "to_v", "to_out.0"], "batch_size": 1},
+            "parallel": {"activation_checkpointing": case.ac}})
+        return make_plan(config, 1, "cuda").rank.device_total / 2**30
 
 
 def _sync(device) -> None:

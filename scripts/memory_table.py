@@ -33,6 +33,7 @@ MODELS = {
     "cogvideox-5b": ("CogVideoX 5B", "49x480x720", {}),
 }
 BUDGETS = (24, 48, 80)
+MARKER = "<!-- everything below is written by scripts/memory_table.py -->"
 
 
 def config_only_model(key: str, folder: Path) -> Path:
@@ -111,7 +112,8 @@ def _g(value: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "memory_tables.md")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "memory.md",
+                        help="written after its MARKER line (the text above it stays)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "memory-table")
     parser.add_argument("--only", nargs="*", default=list(MODELS))
     args = parser.parse_args(argv)
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         folder = config_only_model(key, args.work / key)
         sections.append(table(key, folder))
         print(sections[-1], flush=True)
-    args.out.write_text("\n".join(sections))
+    head = args.out.read_text().split(MARKER)[0] if args.out.is_file() else ""
+    args.out.write_text(head + MARKER + "\n\n" + "\n".join(sections))
     print(f"written to {args.out}")
 
 

@@ -16,6 +16,7 @@ that branches on a mask's contents runs as it would, while everything the weight
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -83,8 +84,11 @@ SMALL = 1 << 20  # elements: a mask or an index, not an activation
 
 
 class KnownValues(TorchDispatchMode):
-    """Run an op on real tensors when all its tensor inputs are real and small (enter it inside the fake
-    mode): their values stay known, so data-dependent code (nonzero, item) works."""
+    """Run an op on real tensors when all its tensor inputs are real and small, or when it makes a small
+    constant tensor (zeros, ones, full: e.g. a family's empty image tokens); enter it inside the fake mode.
+    Their values stay known, so data-dependent code (nonzero, item, `if torch.all(x == 0)`) works."""
+
+    CONSTANTS = (torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         from torch._subclasses.fake_tensor import FakeTensor
@@ -92,10 +96,23 @@ class KnownValues(TorchDispatchMode):
 
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if tensors and all(not isinstance(t, FakeTensor) and t.numel() <= SMALL for t in tensors):
+        known = all(not isinstance(t, FakeTensor) and t.numel() <= SMALL for t in tensors) if tensors else (
+            func in self.CONSTANTS and math.prod(args[0]) <= SMALL)
+        if known:
             with _disable_current_modes():
                 return func(*args, **kwargs)
+        if func is torch.ops.aten.index.Tensor and any(_known_mask(i) for i in args[1]):
+            # `x[mask]` with a known mask: the same as indexing by the mask's positions, whose count is known.
+            with _disable_current_modes():
+                positions = [i.nonzero(as_tuple=True) if _known_mask(i) else (i,) for i in args[1]]
+            return func(args[0], [p for group in positions for p in group], *args[2:], **kwargs)
         return func(*args, **kwargs)
+
+
+def _known_mask(index) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(index, torch.Tensor) and not isinstance(index, FakeTensor) and index.dtype == torch.bool
 
 
 @contextlib.contextmanager

@@ -49,7 +49,36 @@ def pick_device(setting: str = "auto") -> torch.device:
     return device
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+
+
+def map_large_allocations(threshold: int = 64 << 10) -> bool:
+    """Have glibc's malloc map every allocation above `threshold` bytes, and unmap it when freed.
+
+    By default glibc raises its mmap threshold to the largest chunk freed so far (up to 32 MiB), after
+    which freed tensors of that size stay in the heap as free lists: a training process's resident set
+    then grows by what one step allocates and frees (1.2 GiB on the 1.3B memory bench, docs/benchmarks.md;
+    with FSDP2 over gloo another 0.7 GiB of all-gather churn).
+    A fixed threshold keeps it at what is in use. Returns whether it applied (Linux with glibc; a
+    MALLOC_MMAP_THRESHOLD_ set in the environment is left to rule)."""
+    if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+        return False
+    try:
+        import ctypes
+
+        return bool(ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, threshold))
+    except (OSError, AttributeError):
+        return False
+
+
 def keyed_generator(*key: object) -> torch.Generator:
     """A CPU generator seeded by a hash of `key` (e.g. seed, step, sample index): same key, same draws."""
     digest = hashlib.blake2b(":".join(map(str, key)).encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+
+
+def encoder_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype frozen encoders and VAEs compute in on `device`: `dtype` (model.dtype), except float32 on a
+    CPU, where bfloat16 and float16 convolutions run tens of times slower than float32 ones without native
+    instructions for them (a Wan VAE encoding a clip: 30x)."""
+    return torch.float32 if device.type == "cpu" else dtype

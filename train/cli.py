@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
         summary = Trainer(cfg).run()
     except (StaleShardError, ModelLoadError, FileNotFoundError, ValueError) as err:
         raise fail(str(err)) from err
+    # The trainer's model, optimizer and mesh form reference cycles holding gloo work objects: free them now,
+    # not at interpreter exit, where freeing their tensors aborts the process ("terminate called ...").
+    gc.collect()
     typer.echo(f"trained {summary['steps']} steps, last loss {summary['last_loss']:.4f}, weights in {summary['export']}")
 
 
@@ -48,7 +52,7 @@ def _note_accelerate_cpu() -> None:
 
 
 @app.command()
-def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/wan.toml"),
+def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
          gpus: int = typer.Option(1, "--gpus", min=1, help="ranks (GPUs) the run would use"),
          gpu_memory: float = typer.Option(0.0, "--gpu-memory", min=0.0,
                                           help="GiB per GPU, e.g. 80: says whether it fits and what would"),

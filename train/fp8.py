@@ -1,12 +1,11 @@
 """float8 where it saves memory or time: fp8 frozen base weights for LoRA, torchao fp8 training.
 
 - `train.fp8_base_weights` (LoRA): the frozen transformer is stored in float8 e4m3 (1 byte per
-  weight, half of bf16) and each layer is upcast just for its own compute. One process: diffusers'
-  layerwise casting hooks (`enable_layerwise_casting`, which also skips the layers the model class
-  marks as precision-sensitive: norms, embeddings, patch projections). Under FSDP2 the same layers
-  are simply stored in float8 and FSDP2's MixedPrecisionPolicy upcasts them when it all-gathers a
-  block (a module-level cast hook would fight FSDP2 over the unsharded parameters). It is applied
-  before the adapters are added, so the LoRA weights and their optimizer state stay fp32.
+  weight, half of bf16) and each layer is upcast just for its own compute (train/frozen_storage.py:
+  one process upcasts per matmul, skipping the layers the model class marks as precision-sensitive:
+  norms, embeddings, patch projections; under FSDP2 FSDP2's MixedPrecisionPolicy upcasts them when it
+  all-gathers a block). It is applied before the adapters are added, so the LoRA weights and their
+  optimizer state stay fp32.
 - `train.fp8_training` (full fine-tuning): torchao's float8 linear layers with the tensorwise or
   rowwise recipe, on the layers torchao's size filter keeps (small matmuls stay bf16); tensorwise
   under FSDP2 all-gathers in float8. It needs float8 matmuls: a CUDA GPU of sm89+ (Ada, Hopper, later).
@@ -15,55 +14,23 @@
 from __future__ import annotations
 
 import importlib.util
-import re
 
 import torch
 from torch import nn
 
 from vt.shared.log import get_logger
+from vt.train.frozen_storage import store_frozen, weight_bytes
 
 __all__ = ["FP8_STORAGE", "fp8_training_support", "check_fp8_training", "check_fp8_base", "store_base_fp8",
            "apply_fp8_training", "after_optimizer_step", "weight_bytes"]
 log = get_logger("vt.train.fp8")
 FP8_STORAGE = torch.float8_e4m3fn
 FP8_RECIPES = ("tensorwise", "rowwise")
-_CAST_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)  # the layer kinds diffusers' layerwise casting stores
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters as stored (what fp8 storage halves)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def _skip_patterns(model: nn.Module) -> tuple[str, ...]:
-    """The layers kept in their dtype, as diffusers' `enable_layerwise_casting` chooses them: its defaults
-    (embeddings, norms, the input and output projections, so the model's `.dtype` stays a compute
-    dtype), the class's fp32 modules and the class's own skip patterns."""
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
-
-    return (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(model, "_keep_in_fp32_modules", None) or ()),
-            *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()))
 
 
 def store_base_fp8(model: nn.Module, compute_dtype: torch.dtype, sharded: bool) -> int:
-    """Store the frozen weights in float8 e4m3 (before LoRA is added); returns the bytes saved.
-
-    `sharded`: FSDP2 will wrap the model and upcast on all-gather (its param_dtype must then be
-    `compute_dtype`); otherwise diffusers' layerwise-casting hooks upcast each layer around its forward.
-    """
-    before = weight_bytes(model)
-    if not sharded:
-        model.enable_layerwise_casting(storage_dtype=FP8_STORAGE, compute_dtype=compute_dtype)
-    else:
-        skip = _skip_patterns(model)
-        for name, module in model.named_modules():
-            if isinstance(module, _CAST_LAYERS) and not any(re.search(p, name) for p in skip):
-                for param in module.parameters(recurse=False):
-                    param.data = param.data.to(FP8_STORAGE)
-    saved = before - weight_bytes(model)
-    log.info("fp8 base weights: frozen transformer stored in float8 e4m3, computed in %s (%.1f MB -> %.1f MB)",
-             str(compute_dtype).removeprefix("torch."), before / 1e6, (before - saved) / 1e6)
-    return saved
+    """`train.fp8_base_weights`: the frozen weights stored in float8 e4m3 (train/frozen_storage.py)."""
+    return store_frozen(model, FP8_STORAGE, compute_dtype, sharded)
 
 
 def fp8_training_support(device: torch.device) -> str | None:

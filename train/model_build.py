@@ -6,8 +6,10 @@
 
 - Dtypes: frozen weights (a LoRA's base, whatever a full fine-tune freezes) are read from the file
   into `model.dtype` (float32 for the class's `_keep_in_fp32_modules`, as `from_pretrained` does;
-  float8 with `train.fp8_base_weights`); only what trains is float32. A full fine-tune without
-  autocast keeps its few frozen weights float32 too, since nothing would cast between them.
+  float8 with `train.fp8_base_weights`); only what trains is float32. Where the run computes in
+  another dtype than the frozen weights are stored in (fp8; bf16 weights without autocast, e.g. on a
+  CPU), each layer is upcast for its compute (store_frozen). A full fine-tune without autocast keeps
+  its few frozen weights float32, since nothing would cast between them.
 - Fill: each rank reads from the safetensors files only the block of each tensor that its shard
   holds (`Weights.read` at the DTensor's local offsets): under FSDP2 start-up memory and bytes read
   fall as 1/N, a single process fills straight onto its GPU, and there is no whole copy anywhere.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,9 +33,10 @@ from torch.distributed.tensor import DTensor
 
 from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
-from vt.train.fp8 import store_base_fp8
+from vt.train.fp8 import FP8_STORAGE
+from vt.train.frozen_storage import store_frozen
 
-__all__ = ["prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
+__all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
 log = get_logger("vt.train.model")
 
 # Segments wrappers add to parameter names: activation checkpointing's and torch.compile's.
@@ -66,14 +70,51 @@ def lora_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return out
 
 
-def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, fp8_base: bool, sharded: bool,
-                        compute_dtype: torch.dtype, frozen_dtype: torch.dtype) -> nn.Module:
-    """Transformer `component` of `spec` on the meta device, set up to
-    train: `mode` "lora" (adapters per `lora`: rank, alpha, targets), "full" (what `spec.full_trainable`
-    marks) or "frozen" (nothing trains: validation's other expert); float32 for whatever trains."""
+@dataclass(frozen=True)
+class Dtypes:
+    """The dtypes of a run's transformer, for the trainer and `vt-train plan` alike."""
+
+    autocast: torch.dtype | None  # the autocast dtype, None without autocast
+    model: torch.dtype  # model.dtype: what frozen weights are stored in
+    mode: str  # train.mode
+    fp8_base: bool  # train.fp8_base_weights
+
+    @property
+    def compute(self) -> torch.dtype:
+        """What the frozen weights compute in: the autocast dtype, else float32."""
+        return self.autocast or torch.float32
+
+    @property
+    def frozen(self) -> torch.dtype:
+        """What frozen weights load in: `model.dtype`, except beside a full fine-tune's float32 weights
+        without autocast, where nothing would cast between the two."""
+        return torch.float32 if self.mode == "full" and self.autocast is None else self.model
+
+    def storage(self, mode: str) -> torch.dtype | None:
+        """The frozen weights' storage dtype when it is not their compute dtype (None when it is): float8
+        for fp8 base weights, `model.dtype` without autocast (layers upcast for their compute)."""
+        if self.fp8_base and mode == "lora":
+            return FP8_STORAGE
+        if mode != "full" and self.autocast is None and self.model != torch.float32:
+            return self.model
+        return None
+
+    def param_dtype(self, mode: str) -> torch.dtype | None:
+        """FSDP2's param dtype: the autocast dtype, the compute dtype for float8-stored frozen weights (the
+        all-gather upcasts them), else None (each parameter gathered as stored; bf16 linears upcast per
+        matmul, train/frozen_storage.py)."""
+        return self.autocast or (self.compute if self.storage(mode) == FP8_STORAGE else None)
+
+
+def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
+                        sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype) -> nn.Module:
+    """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
+    `lora`: rank, alpha, targets), "full" (what `spec.full_trainable` marks) or "frozen" (nothing trains:
+    validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights' storage
+    when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen."""
     model = spec.empty_component(component, dtype=frozen_dtype)
-    if fp8_base:
-        store_base_fp8(model, compute_dtype, sharded=sharded)  # before LoRA: the adapters stay float32
+    if storage_dtype is not None:  # before LoRA: the adapters stay float32
+        store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE)
     model.requires_grad_(False)
     if mode == "lora":
         spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None)
@@ -85,20 +126,27 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, f
     return model
 
 
-def build_transformer(spec, component: str, world, *, mode: str, lora: dict | None, fp8_base: bool,
+def build_transformer(spec, component: str, world, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
                       compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
                       parallelize: Callable[[nn.Module, Callable[[nn.Module], None]], None],
-                      seed: int) -> nn.Module:
+                      seed: int, cpu_offload: bool = False) -> nn.Module:
     """`prepare_transformer`'s model, laid out and filled: `parallelize(model, materialize)` applies the
-    parallel plan and calls `materialize` once its shards exist."""
-    model = prepare_transformer(spec, component, mode=mode, lora=lora, fp8_base=fp8_base,
+    parallel plan and calls `materialize` once its shards exist. With `cpu_offload` the shards are made in
+    CPU memory (FSDP2 keeps them there and copies each block to the device for its all-gather) and the
+    buffers on the device."""
+    model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=storage_dtype,
                                 sharded=world.dims.fsdp_enabled, compute_dtype=compute_dtype,
                                 frozen_dtype=frozen_dtype)
     weights = spec.weights(component)
 
     def materialize_and_fill(laid_out: nn.Module) -> None:
-        materialize(laid_out, world.device)
+        materialize(laid_out, torch.device("cpu") if cpu_offload else world.device)
         fill(laid_out, weights, seed=seed, key=component)
+        if cpu_offload:
+            for module in laid_out.modules():
+                for name, buffer in module._buffers.items():
+                    if buffer is not None:
+                        module._buffers[name] = buffer.to(world.device)
 
     parallelize(model, materialize_and_fill)
     return model

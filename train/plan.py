@@ -7,14 +7,15 @@ encoders) runs on fake tensors (vt.shared.memory_trace), which measures its work
 computing anything. Per rank, for the config's layout over `gpus` ranks:
 
 - weights: each tensor's bytes over the ranks that shard it (FSDP2 over dp_shard x cp, the TP plan's
-  layers over tp); a one-expert Wan 2.2 run also holds its other expert (frozen) for validation;
+  layers over tp); a run that trains one expert of two also holds the other (frozen) for validation;
 - gradients and optimizer: float32 gradients and AdamW's two moments of what trains, sharded alike;
-- buffers: FSDP2's gathered blocks (the one running and the last, kept for backward, plus the root)
-  in the compute dtype, a full fine-tune's block of unsharded gradients, DDP's gradient buckets;
+- buffers: FSDP2's gathered blocks in the compute dtype (the one running and the next one prefetched,
+  with the all-gather's own buffers), the root's gathered parameters, a full fine-tune's block of
+  unsharded gradients with its reduce-scatter buffers, DDP's gradient buckets;
 - activations: one micro-batch (this rank's share of train.batch_size) of the largest bucket, through
   the family's forward and a backward, with and without activation checkpointing, divided over cp;
 - validation: the VAE, and the most the pipeline's steps or the VAE's decode hold at once;
-- stage 1: each producer's encoders in model.dtype and what encoding the largest bucket needs.
+- stage 1: each producer's encoders in model.dtype (float32 on a CPU) and what encoding the largest bucket needs.
 With `parallel.cpu_offload`, weights, gradients and optimizer state are host memory, not GPU memory.
 """
 
@@ -30,8 +31,11 @@ from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
 from vt.shared.memory_trace import KnownValues, fake_mode, fake_parameters, peak_bytes
 from vt.shared.models import spec_for
-from vt.train.model_build import prepare_transformer
+from vt.shared.runtime import encoder_dtype
+from vt.train.model_build import Dtypes, prepare_transformer
 from vt.train.parallel.dims import ParallelDims
+from vt.train.parallel.fsdp import ROOT_UNIT
+from vt.train.parallel.fsdp import units as fsdp_units
 
 GIB = 2**30
 
@@ -106,15 +110,13 @@ class _Layout:
         return math.ceil(rows / self.fsdp) * rest * size
 
 
-def _compute_settings(config: Config, device: str) -> tuple[torch.dtype | None, torch.dtype, torch.dtype]:
-    """(autocast dtype, compute dtype, frozen load dtype) as the trainer picks them on `device` (a GPU with
-    bfloat16, or the CPU, where "auto" means no autocast)."""
+def run_dtypes(config: Config, device: str) -> Dtypes:
+    """The trainer's dtypes on `device`: a GPU with bfloat16, or the CPU, where "auto" means no autocast."""
     from vt.shared.runtime import DTYPES
 
     precision = config.train.mixed_precision
     amp = None if precision == "no" or (device == "cpu" and precision == "auto") else torch.bfloat16
-    frozen = torch.float32 if config.train.mode == "full" and amp is None else DTYPES[config.model.dtype]
-    return amp, amp or frozen, frozen
+    return Dtypes(amp, DTYPES[config.model.dtype], config.train.mode, config.train.fp8_base_weights)
 
 
 def make_plan(config: Config, gpus: int, device: str = "cuda") -> Plan:
@@ -122,8 +124,7 @@ def make_plan(config: Config, gpus: int, device: str = "cuda") -> Plan:
     spec = spec_for(config)
     dims = ParallelDims.from_config(config.parallel, gpus)
     train, parallel = config.train, config.parallel
-    amp, compute, frozen = _compute_settings(config, device)
-    fp8 = train.fp8_base_weights and train.mode == "lora"
+    dtypes = run_dtypes(config, device)
     lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
     trained = spec.trained_experts or {None: spec.trained_component}
     resident = dict(trained)
@@ -132,42 +133,63 @@ def make_plan(config: Config, gpus: int, device: str = "cuda") -> Plan:
             if component not in resident.values():
                 resident[f"frozen:{component}"] = component
     rank = RankPlan()
-    largest_block, largest_grad_block, root = 0, 0, 0
+    largest_unit, largest_grad_unit, root, widest = 0, 0, 0, 0
+    split = not parallel.compile  # FSDP2 units: a block's large parts, the root's large parts (parallel/fsdp.py)
     for key, component in resident.items():
         mode = "frozen" if str(key).startswith("frozen:") else train.mode
-        model = prepare_transformer(spec, component, mode=mode, lora=lora, fp8_base=fp8 and mode == "lora",
-                                    sharded=dims.fsdp_enabled, compute_dtype=compute, frozen_dtype=frozen)
+        model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=dtypes.storage(mode),
+                                    sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen)
+        gather = dtypes.param_dtype(mode)
         layout = _Layout.of(spec, model, dims)
-        in_blocks = set()
-        for where, block in spec.named_blocks(model):
-            block_bytes = sum(_gathered_bytes(f"{where}.{n}", p, layout, amp or (compute if fp8 else None))
-                           for n, p in block.named_parameters())
-            largest_block = max(largest_block, block_bytes)
-            trainable = sum(p.numel() for p in block.parameters() if p.requires_grad) * 4
-            largest_grad_block = max(largest_grad_block, trainable // layout.tp)
-            in_blocks |= {f"{where}.{n}" for n, _ in block.named_parameters()}
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def unit_bytes(params, bytes_per=None) -> int:
+            if bytes_per is not None:
+                return sum(layout.gathered().local(names[id(p)], p, bytes_per) for p in params if p.requires_grad)
+            return sum(_gathered_bytes(names[id(p)], p, layout, gather) for p in params)
+
+        transient = [unit for _, block in spec.named_blocks(model) for unit in (fsdp_units(block) if split else [])]
+        transient += [block for _, block in spec.named_blocks(model)]
+        transient += [child for child in model.children() if split and child not in
+                      {getattr(model, n) for n in spec.block_lists} and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT]
+        counted = set()
+        for unit in transient:  # innermost first: each parameter belongs to the first unit that holds it
+            params = [p for p in unit.parameters() if id(p) not in counted]
+            counted |= {id(p) for p in params}
+            largest_unit = max(largest_unit, unit_bytes(params))
+            largest_grad_unit = max(largest_grad_unit, unit_bytes(params, 4))
         for name, param in model.named_parameters():
             rank.weights += layout.local(name, param)
             if param.requires_grad:
                 rank.gradients += layout.local(name, param, 4)
                 rank.optimizer += 2 * layout.local(name, param, 4)
-            if name not in in_blocks:
-                root += _gathered_bytes(name, param, layout, amp or (compute if fp8 else None))
+            if id(param) not in counted:  # the root's own: gathered all along
+                root += _gathered_bytes(name, param, layout, gather)
+            if dtypes.storage(mode) is not None and gather is None:  # a linear upcast for its matmul
+                widest = max(widest, param.numel() * torch.empty((), dtype=dtypes.compute).element_size())
     if dims.fsdp_enabled:
-        rank.buffers = 2 * largest_block + root + (largest_grad_block if train.mode == "full" else 0)
+        # A gathered unit is its unsharded parameters; gathering one also holds the all-gather's output and
+        # this rank's copied-in shard until the copy-out: the unit running plus the next one fetched ahead
+        # come to (3 + 1/N) units at the peak (measured: docs/memory.md). A full fine-tune's backward adds
+        # a unit's unsharded gradients and its reduce-scatter buffers in the reduce dtype (float32).
+        shards = layout.fsdp
+        rank.buffers = int((3 + 1 / shards) * largest_unit) + root
+        if train.mode == "full":
+            rank.buffers += int((2 + 1 / shards) * largest_grad_unit)
     elif dims.ddp_enabled:
         rank.buffers = min(100 * 2**20, rank.gradients)
+    rank.buffers += widest
     if parallel.cpu_offload:
         rank.host = rank.weights + rank.gradients + rank.optimizer
     micro = max(1, math.ceil(train.batch_size / dims.dp))
     plan = Plan(config, dims, device, rank, micro_batch=micro)
     # Under FSDP2 the blocks compute with gathered copies in the param dtype; one process casts its float32
     # weights under autocast (and autocast keeps those casts for the whole forward).
-    gathered = amp if dims.fsdp_enabled else None
+    gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), bool(train.validation_prompts), device, str(amp), str(gathered), micro)
+           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
-        _trace(plan, spec, amp, compute, frozen, lora, gathered)
+        _trace(plan, spec, dtypes, lora, gathered)
         _TRACES[key] = (plan.activations, plan.stage1, rank.validation)
     plan.activations, plan.stage1, rank.validation = _TRACES[key]
     worst = max(plan.activations.values(), key=lambda a: a["none"])
@@ -184,7 +206,7 @@ def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torc
     return layout.gathered().local(name, param, size)
 
 
-def _trace(plan: Plan, spec, amp, compute, frozen, lora, gathered: torch.dtype | None) -> None:
+def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None) -> None:
     """Activations per bucket (one micro-batch's forward and backward, with and without checkpointing),
     validation's working memory and stage 1's encoders, all on fake tensors."""
     from vt.train.objectives import flow_matching_loss
@@ -195,12 +217,21 @@ def _trace(plan: Plan, spec, amp, compute, frozen, lora, gathered: torch.dtype |
     buckets = parse_buckets(config.buckets.sizes)
     component = next(iter(spec.trained_experts.values()), None) or spec.trained_component
     # Built on the meta device as the trainer builds them (peft's adapters cannot be made on fake tensors),
-    # then given fake parameters to run; fp8 storage changes no activation (the compute dtype is the same).
-    parts = {name: spec.empty_component(name) for name in spec.stage1_components
-             if isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)}
-    models = {checkpointing: prepare_transformer(spec, component, mode=train.mode, lora=lora, fp8_base=False,
-                                                 sharded=False, compute_dtype=compute, frozen_dtype=frozen)
+    # then given fake parameters to run; a narrower storage changes no activation, so frozen weights are
+    # held in their compute dtype here (diffusers' casting hooks cannot move fake tensors).
+    modules = [name for name in spec.stage1_components
+               if isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)]
+    parts = {name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
+             for name in modules}
+    # Validation's VAE computes as the transformer does: model.dtype under autocast, else float32.
+    vae_dtype = spec.frozen_dtype if dtypes.autocast else torch.float32
+    validation_vae = parts["vae"] if parts["vae"].dtype == vae_dtype else spec.empty_component("vae", vae_dtype)
+    frozen = dtypes.compute if dtypes.storage(train.mode) is not None else dtypes.frozen
+    amp = dtypes.autocast
+    models = {checkpointing: prepare_transformer(spec, component, mode=train.mode, lora=lora, storage_dtype=None,
+                                                 sharded=False, compute_dtype=dtypes.compute, frozen_dtype=frozen)
               for checkpointing in (False, True)}
+    shapes = {bucket: spec.condition_shapes(bucket) for bucket in buckets}  # the configs' geometry, before faking
     if gathered is not None:
         for model in models.values():
             for param in model.parameters():
@@ -211,7 +242,7 @@ def _trace(plan: Plan, spec, amp, compute, frozen, lora, gathered: torch.dtype |
             plan.stage1[name] = sum(p.numel() * p.element_size() for p in part.parameters())
         vae = parts["vae"]
         for bucket in buckets:  # the VAE's working memory while stage 1 encodes a clip of each bucket
-            video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=spec.frozen_dtype)
+            video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=vae.dtype)
             with peak_bytes() as encoding, torch.no_grad():
                 spec._vae_mode(vae, video)
             plan.stage1["working"] = max(plan.stage1.get("working", 0), encoding.peak)
@@ -223,7 +254,7 @@ def _trace(plan: Plan, spec, amp, compute, frozen, lora, gathered: torch.dtype |
             if checkpointing:
                 apply_ac(model, spec)
             for bucket in buckets:
-                batch = _batch(spec, bucket, plan.micro_batch)
+                batch = _batch(shapes[bucket], plan.micro_batch)
                 with KnownValues(), peak_bytes() as step:
                     with torch.autocast(device_type, dtype=amp or torch.float32, enabled=amp is not None):
                         out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
@@ -231,13 +262,14 @@ def _trace(plan: Plan, spec, amp, compute, frozen, lora, gathered: torch.dtype |
                     flow_matching_loss(out).backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
         if train.validation_prompts:
-            plan.rank.validation = _validation_bytes(spec, vae, buckets, models[False], amp, device_type)
+            plan.rank.validation = _validation_bytes(spec, fake_parameters(validation_vae).eval(), shapes,
+                                                     models[False], amp, device_type)
 
 
-def _batch(spec, bucket, size: int) -> dict[str, torch.Tensor]:
-    """A micro-batch of what stage 1 stores for `bucket`: fake tensors, but masks real (all ones)."""
+def _batch(shapes: dict[str, tuple[int, ...]], size: int) -> dict[str, torch.Tensor]:
+    """A micro-batch of what stage 1 stores (`spec.condition_shapes`): fake tensors, but masks real (all ones)."""
     out = {}
-    for name, shape in spec.condition_shapes(bucket).items():
+    for name, shape in shapes.items():
         if "mask" in name:
             from torch.utils._python_dispatch import _disable_current_modes
 
@@ -248,12 +280,12 @@ def _batch(spec, bucket, size: int) -> dict[str, torch.Tensor]:
     return out
 
 
-def _validation_bytes(spec, vae, buckets, model, amp, device_type) -> int:
+def _validation_bytes(spec, vae, shapes, model, amp, device_type) -> int:
     """The VAE's weights plus the most validation holds at once: a denoising step (classifier-free guidance:
     batch 2, no gradients) or decoding the largest bucket's latents."""
     weights = sum(p.numel() * p.element_size() for p in vae.parameters())
-    largest = max(buckets, key=lambda b: b.frames * b.height * b.width)
-    batch = _batch(spec, largest, 2)
+    largest = max(shapes, key=lambda b: b.frames * b.height * b.width)
+    batch = _batch(shapes[largest], 2)
     with KnownValues(), peak_bytes() as step, torch.no_grad():
         with torch.autocast(device_type, dtype=amp or torch.float32, enabled=amp is not None):
             spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))

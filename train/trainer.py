@@ -28,6 +28,7 @@ from vt.shared.log import get_logger
 from vt.shared.models import spec_for
 from vt.shared.progress import Progress
 from vt.shared.provenance import describe_difference, fingerprint, provenance
+from vt.shared.runtime import map_large_allocations
 from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
 from vt.train.attention import backend_for, check_backend, set_backend
@@ -38,7 +39,7 @@ from vt.train.data import Batch, BatchReader, StaleShardError
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
-from vt.train.model_build import build_transformer
+from vt.train.model_build import Dtypes, build_transformer
 from vt.train.objectives import flow_matching_loss, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_inputs, take_slice
@@ -61,11 +62,6 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     if setting == "bf16" or supported:
         return torch.bfloat16
     return None
-
-
-def _reduced(dtype: torch.dtype) -> torch.dtype | None:
-    """The dtype to autocast validation to when the frozen parts run reduced (None for float32)."""
-    return None if dtype == torch.float32 else dtype
 
 
 def host_peak_gb() -> float:
@@ -91,7 +87,7 @@ class StepStats:
 class Trainer:
     def __init__(self, config: Config):
         self.config = config
-        self.host_baseline_gb = host_peak_gb()  # the interpreter and its libraries, before any model
+        map_large_allocations()  # freed tensors go back to the OS, not to heap free lists
         train = config.train
         self.world = setup_world(config.parallel, train.device)
         self.device = self.world.device
@@ -103,6 +99,10 @@ class Trainer:
         self.amp_dtype = autocast_dtype(train.mixed_precision, self.device)
         self._check_kernels()
         self.spec = spec_for(config)
+        # The interpreter and the libraries the run uses (the family's pipeline and model classes are imported
+        # by now), before anything is built or loaded: what any process using them holds (memory.json).
+        self.host_baseline_gb = host_peak_gb()
+        self.dtypes = Dtypes(self.amp_dtype, self.spec.frozen_dtype, train.mode, train.fp8_base_weights)
         self.buckets = parse_buckets(config.buckets.sizes)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
@@ -129,11 +129,12 @@ class Trainer:
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
         self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
-                                   autocast=self.amp_dtype or _reduced(self.spec.frozen_dtype),
+                                   autocast=self.amp_dtype,
                                    extra_parts=self._untrained_experts)
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
         self._checkpointed = -1
+        self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -147,25 +148,12 @@ class Trainer:
         check_fp8_training(train, self.device)
         check_fp8_base(train)
 
-    def _compute_dtype(self) -> torch.dtype:
-        """What fp8-stored frozen weights are upcast to: the autocast dtype, else the model's dtype."""
-        return self.amp_dtype or self.spec.frozen_dtype
-
-    def _frozen_dtype(self) -> torch.dtype:
-        """The dtype frozen weights load in: `model.dtype`, except beside a full fine-tune's float32
-        weights without autocast, where nothing would cast between the two."""
-        if self.config.train.mode == "full" and self.amp_dtype is None:
-            return torch.float32
-        return self.spec.frozen_dtype
-
     def _build_transformer(self, component: str, mode: str) -> torch.nn.Module:
         """Transformer `component` built on the meta device, laid out by the run's parallel plan and filled
         (train/model_build.py); `mode` "lora", "full" or "frozen" (validation's other expert)."""
         train, parallel, dims = self.config.train, self.config.parallel, self.world.dims
         trains = mode != "frozen"
-        fp8_base = train.fp8_base_weights and mode == "lora"
-        # fp8-stored base weights are upcast by FSDP2's all-gather, so they need a param dtype to go to.
-        param_dtype = self.amp_dtype or (self._compute_dtype() if fp8_base else None)
+        param_dtype = self.dtypes.param_dtype(mode)  # what FSDP2's all-gather casts to
 
         def lay_out(model: torch.nn.Module, materialize) -> None:
             if train.fp8_training != "none" and trains:
@@ -175,9 +163,11 @@ class Trainer:
                         cpu_offload=parallel.cpu_offload, materialize=materialize)
 
         lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
-        return build_transformer(self.spec, component, self.world, mode=mode, lora=lora, fp8_base=fp8_base,
-                                 compute_dtype=self._compute_dtype(), frozen_dtype=self._frozen_dtype(),
-                                 parallelize=lay_out, seed=train.seed)
+        return build_transformer(self.spec, component, self.world, mode=mode, lora=lora,
+                                 storage_dtype=self.dtypes.storage(mode), compute_dtype=self.dtypes.compute,
+                                 frozen_dtype=self.dtypes.frozen,
+                                 parallelize=lay_out, seed=train.seed,
+                                 cpu_offload=parallel.cpu_offload and dims.fsdp_enabled)
 
     def _build_model(self) -> torch.nn.Module:
         """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer,
@@ -373,11 +363,14 @@ class Trainer:
         """Validation videos of the training model; every rank takes part (see validation.py)."""
         if not self.validator.enabled:
             return []
+        if self._validated[0] == self.step:  # the periodic validation already rendered this step
+            return self._validated[1]
         train = self.config.train
         with backend_for(self.transformer, train.validation_attention_backend or train.attention_backend,
                          restore=train.attention_backend):
             videos = self.validator.run(self.transformer, self.step)
         self.world.barrier()
+        self._validated = (self.step, videos)
         return videos
 
     # -- the end -------------------------------------------------------------------------------------

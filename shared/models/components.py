@@ -104,9 +104,9 @@ class ComponentLoader:
             return AutoTokenizer
         raise ValueError(f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}")
 
-    def load_component(self, name: str, device: str | torch.device = "cpu") -> Any:
-        """A frozen component by name: modules in `model.dtype`, eval mode, loaded straight onto `device`
-        (no whole copy on the CPU first)."""
+    def load_component(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Any:
+        """A frozen component by name: modules in `dtype` (default `model.dtype`), eval mode, loaded straight
+        onto `device` (no whole copy on the CPU first)."""
         if name == "scheduler":
             return self.load_scheduler()
         cls = self._class_of(name)
@@ -114,7 +114,7 @@ class ComponentLoader:
             return self._from_pretrained(cls, name)  # tokenizers, image processors
         dtype_key = "dtype" if _is_transformers(cls) else "torch_dtype"
         placement = {} if torch.device(device).type == "cpu" else {"device_map": {"": str(torch.device(device))}}
-        model = self._from_pretrained(cls, name, **{dtype_key: self.frozen_dtype}, **placement)
+        model = self._from_pretrained(cls, name, **{dtype_key: dtype or self.frozen_dtype}, **placement)
         model.requires_grad_(False)
         return model.eval().to(device)
 

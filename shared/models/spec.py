@@ -29,7 +29,7 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import comfy
 from vt.shared.models.components import ComponentLoader
-from vt.shared.runtime import DTYPES
+from vt.shared.runtime import DTYPES, encoder_dtype
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,10 @@ class ModelSpec(ComponentLoader, ABC):
         raise ValueError(f"sigma {sigma} is in no expert's range: {self.experts()}")
 
     def load_stage1(self, device="cpu") -> dict[str, Any]:
-        """The stage-1 components this family declares (`stage1_components`), loaded and frozen."""
-        return {name: self.load_component(name, device) for name in self.stage1_components}
+        """The stage-1 components this family declares (`stage1_components`), loaded and frozen, in the
+        dtype they compute in on `device` (`runtime.encoder_dtype`)."""
+        dtype = encoder_dtype(torch.device(device), self.frozen_dtype)
+        return {name: self.load_component(name, device, dtype) for name in self.stage1_components}
 
     # ----------------------------------------------------------------------------- buckets
     @abstractmethod
@@ -416,8 +418,10 @@ class ModelSpec(ComponentLoader, ABC):
         `image_embeds`), as its call takes them; {} where the VAE alone conditions on the image."""
         return {}
 
-    def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, **loaded):
+    def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, dtype: torch.dtype | None = None,
+                       **loaded):
         """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them.
+        The parts it loads are in `dtype` (default `model.dtype`).
 
         `transformer` is the trained one, or for a run over all experts a mapping expert -> transformer
         (an nn.ModuleDict); experts not trained load frozen. `text_encoders=False` leaves the `text_parts`
@@ -427,7 +431,7 @@ class ModelSpec(ComponentLoader, ABC):
         else:
             trained = {self.trained_component: transformer}
         left_out = set() if text_encoders else set(self.text_parts())
-        parts = {name: None if name in left_out else loaded.get(name) or self.load_component(name, device)
+        parts = {name: None if name in left_out else loaded.get(name) or self.load_component(name, device, dtype)
                  for name in self.pipeline_parts() if name not in trained}
         parts.update(trained)
         pipeline = self.pipeline_class()(**parts, **self.pipeline_options())

@@ -40,12 +40,16 @@ FAMILY_TRAIN = {
     "ltx-2": {"mode": "full"},
     # Wan 2.2 TI2V-5B in i2v: per-token timesteps, the clean first latent frame weighted 0 in the loss.
     "wan2.2-ti2v-i2v": {"mode": "lora"},
+    # bf16 weights on a CPU: the frozen layers stored in bf16 and computed in float32 (per layer in one
+    # process, by FSDP2's all-gather when sharded), as a real checkpoint trains there.
+    "wan-bf16": {"mode": "lora"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
             "cogvideox-i2v": {"family": "cogvideox", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "wan2.2-all": {"family": "wan2.2", "expert": "all", "max_text_tokens": TEXT_TOKENS},
-            "wan2.2-ti2v-i2v": {"family": "wan2.2-ti2v", "task": "i2v", "max_text_tokens": TEXT_TOKENS}}
+            "wan2.2-ti2v-i2v": {"family": "wan2.2-ti2v", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+            "wan-bf16": {"family": "wan", "dtype": "bfloat16", "max_text_tokens": TEXT_TOKENS}}
 
 
 def model_section(key: str) -> dict:

@@ -57,7 +57,7 @@ def test_lora_on_fp8_base_weights_trains_like_the_bf16_base(tmp_path, run_config
     assert got != expected, "fp8 storage must actually change the weights the base computes with"
     assert runs["fp8"]["steps"] == 4
     text = caplog.text
-    assert "fp8 base weights: frozen transformer stored in float8 e4m3" in text
+    assert "frozen transformer stored in float8_e4m3fn, computed in bfloat16" in text
     assert "attention backend native_math (diffusers dispatcher, 4 attention modules)" in text
 
 

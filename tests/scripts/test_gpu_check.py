@@ -1,6 +1,6 @@
 """scripts/gpu_check.py's CPU dry run: every row of the GPU table (each attention backend this
 machine trains with, no activation checkpointing, fp8 tensorwise/rowwise against bf16, LoRA on an
-fp8 against a bf16 base) trains a tiny model through vt's own pieces and lands in one table."""
+fp8 against a bf16 base, the plan row) trains a tiny model through vt's own pieces and lands in one table."""
 
 from __future__ import annotations
 
@@ -17,15 +17,17 @@ def test_dry_run_trains_every_row_and_prints_one_table(tmp_path, capsys):
     labels = [r["case"] for r in rows]
     assert labels == ["full, native, AC", "full, native_math, AC", "full, native, no AC",
                       "fp8, native, AC, bf16", "fp8, native, AC, fp8 tensorwise", "fp8, native, AC, fp8 rowwise",
-                      "lora, native, AC, bf16 base", "lora, native, AC, fp8 base"]
+                      "lora, native, AC, bf16 base", "lora, native, AC, fp8 base", "plan, native, AC, bf16 base"]
     for row in rows:
-        assert row["note"] == "", row
+        assert row["note"] == "" or row["group"] == "plan", row
         assert row["tokens"] == 16 and row["step_ms"] > 0
         assert len(row["losses"]) == 1 and all(math.isfinite(v) for v in row["losses"])
     # fp8 and bf16 start from the same weights and batch: their first losses agree to float8's precision
     first = {r["fp8"]: r["losses"][0] for r in rows if r["group"] == "fp8"}
     assert abs(first["tensorwise"] - first["none"]) < 0.05 * first["none"]
     assert first["tensorwise"] != first["none"], "the float8 rows must really run float8 matmuls"
+    plan = rows[-1]  # the 14B LoRA row at real size on a GPU: the plan's estimate beside the measured peak
+    assert plan["plan_gib"] > 0 and plan["note"].startswith("plan ")
     table = capsys.readouterr().out
     assert "| case | tokens | step ms | tokens/s | MFU | peak GiB | note |" in table
     assert table.count("\n| ") == len(rows) + 2  # header, rule, one line per row

@@ -18,7 +18,7 @@ from vt.train.parallel.world import setup_world
 def build(spec, mode: str, dtype: torch.dtype, seed: int = 0):
     world = setup_world(ParallelConfig(), "cpu")
     lora = {"rank": 4, "alpha": 4.0, "targets": []}
-    return build_transformer(spec, spec.trained_component, world, mode=mode, lora=lora, fp8_base=False,
+    return build_transformer(spec, spec.trained_component, world, mode=mode, lora=lora, storage_dtype=None,
                              compute_dtype=torch.float32, frozen_dtype=dtype,
                              parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill),
                              seed=seed)
@@ -83,3 +83,34 @@ def test_weights_reader_reads_blocks_of_tensors_across_index_files(tmp_path):
     assert weights.read("a", (6, 0), (0, 10)).shape == (0, 10)  # an empty shard (more ranks than rows)
     with pytest.raises(ValueError, match="outside a"):
         weights.read("a", (5, 0), (2, 10))
+
+
+def test_a_stored_linear_computes_in_float32_and_keeps_only_its_stored_weight():
+    """bf16 weights in a float32 run (one process): each frozen Linear upcasts per matmul, forward and
+    backward, and what the backward keeps is the stored bf16 weight itself, never an upcast copy."""
+    from vt.train.frozen_storage import StoredLinear, store_frozen
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    reference = [p.detach().clone() for p in model.parameters()]
+    store_frozen(model, torch.bfloat16, torch.float32, sharded=False)
+    model.requires_grad_(False)
+    assert isinstance(model[0], StoredLinear) and model[0].weight.dtype == torch.bfloat16
+    assert model[1].weight.dtype == torch.float32  # a norm computes in (and is held in) float32
+    x = torch.randn(5, 64, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = model(x)
+    assert out.dtype == torch.float32
+    stored = {model[0].weight.data_ptr(), model[2].weight.data_ptr()}
+    big = [t for t in saved if t.numel() >= 32 * 8]
+    assert {t.data_ptr() for t in big if t.dtype == torch.bfloat16} == stored  # the weights as stored
+    assert not [t for t in big if t.dtype == torch.float32 and t.shape in ((32, 64), (8, 32))]  # no upcast copies
+    out.sum().backward()
+    plain = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.LayerNorm(32), torch.nn.Linear(32, 8))
+    with torch.no_grad():
+        for p, r, s in zip(plain.parameters(), reference, model.parameters()):
+            p.copy_(s.float() if s.dtype == torch.bfloat16 else r)
+    x2 = x.detach().clone().requires_grad_(True)
+    plain(x2).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)

@@ -50,7 +50,8 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
     if compile:
         apply_compile(model, spec)
     if dims.fsdp_enabled:
-        apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype, cpu_offload=cpu_offload)
+        apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype, cpu_offload=cpu_offload,
+                   split_blocks=not compile)
     if materialize is not None:
         materialize(model)
     if dims.ddp_enabled:

@@ -2,7 +2,12 @@
 
 `fully_shard` is applied per transformer block (the spec's block list), then to the root, so each
 block's parameters are all-gathered just before it runs and freed after; the root group holds the
-rest (embeddings, norms, projections). A 1-D mesh shards over all its ranks (FSDP); a 2-D mesh
+rest (embeddings, norms, projections). A block's large parts (attention, FFN: `units`) are sharded as
+units of their own first, so a gather holds one part: gathering costs (3 + 1/N) times the unit at its
+peak (the unsharded copy, the all-gather's output and this rank's shard, and the next unit fetched
+ahead), and a part is at most ~60% of a block (a feed-forward of 4x width). The root's large parts (the text and time
+embedders) are units too, gathered only while they run. Not with torch.compile, whose per-block graphs
+would break at every inner unit's hooks. A 1-D mesh shards over all its ranks (FSDP); a 2-D mesh
 (dp_replicate, dp_shard_cp) shards within a row and replicates across rows (HSDP).
 
 Mixed precision: with `param_dtype=bfloat16` the all-gathered copies the blocks compute with are
@@ -24,8 +29,10 @@ from torch import nn
 
 
 def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False) -> nn.Module:
-    """Shard each block, then the root, over `mesh` (1-D: FSDP, 2-D (replicate, shard): HSDP)."""
+               reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False,
+               split_blocks: bool = True) -> nn.Module:
+    """Shard each block (its large parts first, with `split_blocks`), then the root, over `mesh` (1-D: FSDP,
+    2-D (replicate, shard): HSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh.ndim not in (1, 2):
@@ -36,11 +43,32 @@ def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = N
     root_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False)
     offload = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda") if cpu_offload else OffloadPolicy()
     blocks = spec.blocks(model)
+    kept = [model]  # what stays gathered after forward: the root, and the last block, needed first in backward
     for index, block in enumerate(blocks):
-        # The last block's parameters are needed first in backward: keep them gathered after forward.
-        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=index < len(blocks) - 1,
-                    offload_policy=offload)
-    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)  # the root keeps its too
-    for module in (blocks[-1], model) if blocks else (model,):
+        last = index == len(blocks) - 1
+        for unit in units(block) if split_blocks else ():
+            fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=not last,
+                        offload_policy=offload)
+            kept += [unit] if last else []
+        fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=not last, offload_policy=offload)
+    kept += blocks[-1:]
+    lists = {id(getattr(model, name)) for name in spec.block_lists}
+    for child in model.children() if split_blocks else ():  # the root's large parts (embedders): gathered when used
+        if id(child) not in lists and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT:
+            fully_shard(child, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    for module in kept:
         module._vt_keep_after_forward = True  # what inference (validation) turns off for its forwards
     return model
+
+
+ROOT_UNIT = 1 << 20  # parameters: a part of the root this large (text and time embedders) is a unit of its own
+
+
+def units(block: nn.Module) -> list[nn.Module]:
+    """A block's large parts (each at least an eighth of its parameters: attention, FFN), sharded as units
+    of their own so that one gather holds one part, not the whole block; [] when one part is the block."""
+    inner = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing
+    total = sum(p.numel() for p in inner.parameters())
+    large = [child for child in inner.children() if 8 * sum(p.numel() for p in child.parameters()) >= total]
+    return large if len(large) > 1 else []

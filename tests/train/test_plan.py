@@ -1,0 +1,78 @@
+"""`vt-train plan` from config files alone: every family's training step runs on fake tensors, weights and
+their sharding are the trainer's own, and the fake-tensor peak counter measures what ops allocate."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vt.shared.config import Config, build
+from vt.shared.memory_trace import fake_mode, peak_bytes
+from vt.shared.models import FAMILIES, spec_for
+
+BIN = Path(sys.executable).parent
+BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96"}
+
+
+def config_for(model: Path, family: str, **train) -> Config:
+    return build(Config, {"model": {"family": family, "path": str(model), "max_text_tokens": 16},
+                          "buckets": {"sizes": [BUCKETS.get(family, "9x64x96")]},
+                          "train": {"batch_size": 2, "validation_prompts": ["a fox"], **train}})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_plans_from_its_configs(tiny_model_factory, family):
+    from vt.train.model_build import prepare_transformer
+    from vt.train.plan import make_plan
+
+    config = config_for(tiny_model_factory(family), family)
+    one, two = make_plan(config, 1, "cpu"), make_plan(config, 2, "cpu")
+    def weight_bytes(mode: str) -> int:
+        built = prepare_transformer(spec_for(config), "transformer", mode=mode,
+                                    lora={"rank": 16, "alpha": 16.0, "targets": []}, storage_dtype=None,
+                                    sharded=False, compute_dtype=torch.float32, frozen_dtype=torch.float32)
+        return sum(p.numel() * p.element_size() for p in built.parameters())
+
+    expected = weight_bytes("lora")
+    if family == "wan2.2":  # a one-expert run also holds the other expert, frozen, for validation
+        expected += weight_bytes("frozen")
+    assert one.rank.weights == pytest.approx(expected, rel=0.01)
+    assert two.rank.weights < 0.6 * one.rank.weights and two.rank.buffers > 0  # FSDP2 shards, gathers blocks
+    bucket = next(iter(one.activations.values()))
+    assert 0 < bucket["checkpointing"] <= bucket["none"]  # at tiny sizes the blocks may hold the least of it
+    if family == "wan":
+        assert bucket["checkpointing"] < 0.8 * bucket["none"]
+    assert one.rank.validation > 0 and one.stage1["text_encoder"] > 0 and one.stage1["working"] > 0
+
+
+def test_plan_command_says_what_fits(tiny_model_factory, tmp_path):
+    from vt.shared.config import to_toml
+
+    path = tmp_path / "run.toml"
+    path.write_text(to_toml(config_for(tiny_model_factory("wan"), "wan", mode="full")))
+    out = subprocess.run([str(BIN / "vt-train"), "plan", str(path), "--gpus", "2", "--gpu-memory", "0.001",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "(FSDP2)" in out.stdout and "does NOT fit" in out.stdout and "what fits" in out.stdout
+    plan = json.loads(subprocess.run([str(BIN / "vt-train"), "plan", str(path), "--json"], capture_output=True,
+                                     text=True, timeout=300, check=True).stdout)
+    rank = plan["per_rank_bytes"]
+    assert rank["gradients"] * 2 == rank["optimizer"] and rank["total"] == sum(
+        rank[k] for k in ("weights", "gradients", "optimizer", "buffers", "activations", "validation"))
+
+
+def test_peak_counter_counts_what_ops_allocate_not_views_of_weights():
+    with fake_mode():
+        weight = torch.nn.Linear(1000, 1000)  # 4 MB of weights, there before the region
+        x = torch.zeros(1000, 1000)
+        with peak_bytes() as tracker, torch.no_grad():
+            for _ in range(5):
+                x = weight(x)  # reads weight.t(): a view, no new memory
+            y = x.view(-1)  # a view of an activation: no new memory
+        assert tracker.current() == 4_000_000 and y.numel() == 1_000_000
+        assert tracker.peak == 8_000_000  # the previous output and the new one, at the moment both exist
