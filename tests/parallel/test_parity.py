@@ -36,13 +36,15 @@ EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), acti
 
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
 # family adds its line, FSDP2 at least. DDP wraps the model whole, so its rows add nothing per family
-# beyond the data-parallel split FSDP2's rows check: it runs on LTX-Video, Wan and both Wan 2.2 experts.
+# beyond the data-parallel split FSDP2's rows check: it runs on LTX-Video, both Wan 2.2 experts (two
+# reducers) and under Wan's gradient accumulation.
 FAMILY_LAYOUTS = {
     # LTX-Video's own TP and CP plans, and TP composed with FSDP2 (the HSDP, FSDP2 x CP and 3-D rows add
     # nothing family-specific over wan's: the same plans under a bigger mesh).
     "ltx-video": [layout for layout in LAYOUTS if layout not in ("hsdp-2x2", "fsdp-cp-tp-2x2x2")],
-    # Wan: the 3-D row composes its TP and CP plans with FSDP2 (FSDP2 x TP alone: the ltx row).
-    "wan": [layout for layout in LAYOUTS if layout != "fsdp-tp-2x2"],
+    # Wan: HSDP, and the 3-D row composing its TP and CP plans with FSDP2. Its TP and CP plans alone run on
+    # wan-i2v (the same blocks with the image keys/values), DDP in its accumulation row, FSDP2 x TP on ltx.
+    "wan": ["fsdp-2", "hsdp-2x2", "fsdp-cp-tp-2x2x2"],
     # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
     # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
     "wan2.2-all": ["ddp-2", "fsdp-2"],
