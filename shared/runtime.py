@@ -59,8 +59,10 @@ def map_large_allocations(threshold: int = 64 << 10) -> bool:
     which freed tensors of that size stay in the heap as free lists: a training process's resident set
     then grows by what one step allocates and frees (1.2 GiB on the 1.3B memory bench, docs/benchmarks.md;
     with FSDP2 over gloo another 0.7 GiB of all-gather churn).
-    A fixed threshold keeps it at what is in use. Returns whether it applied (Linux with glibc; a
-    MALLOC_MMAP_THRESHOLD_ set in the environment is left to rule)."""
+    A fixed threshold keeps it at what is in use. The cost: each such allocation is a fresh mapping,
+    page-faulted and zeroed (a loop of 64 KiB CPU tensors ran 1.8x slower; at 1 MiB the 4-rank bench row
+    keeps 0.47x instead of 0.34x). Returns whether it applied (Linux with glibc; a
+    MALLOC_MMAP_THRESHOLD_ set in the environment is left to rule, e.g. a larger one for CPU-bound runs)."""
     if not sys.platform.startswith("linux") or "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
     try:

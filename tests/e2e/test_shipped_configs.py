@@ -5,8 +5,11 @@ size, accumulation, LoRA settings, activation checkpointing, trackers, validatio
 what would take hours on 2 cores is lowered with --set: bucket sizes (same aspects, the family's
 smallest frame count), intervals, validation steps, worker count; an image-to-video config's
 validation images (the user's files) become one test image per prompt. Both CLIs run as processes at
-once; the trainer is SIGKILLed right after its second checkpoint (after a validation), resumed, and
-must finish with every sample trained once per epoch. A new config is covered by adding the file.
+once and the trainer must finish with every sample trained once per epoch. For the configs in KILLED
+(one per kind of training state: the default, one expert of two, both experts, a full fine-tune, two
+block lists, an audio-video transformer) the trainer is SIGKILLed right after its second checkpoint
+(after a validation) and resumed; the others' state is of those kinds. A new config is covered by
+adding the file.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from vt.train.trackers import read_metrics
 pytestmark = pytest.mark.slow
 
 CONFIGS = sorted((Path(__file__).resolve().parents[2] / "configs").glob("*.toml"))
+KILLED = {"demo", "wan", "wan22_a14b", "wan22_i2v_a14b", "wan22_ti2v_5b", "hunyuan_video", "ltx2"}
 SMALL_SIDE = 128  # buckets up to this size and 17 frames run as they are
 
 
@@ -87,26 +91,27 @@ def trained(run_dir: Path) -> Counter:
 
 
 @pytest.mark.parametrize("config_path", CONFIGS, ids=[p.stem for p in CONFIGS])
-def test_shipped_config_runs_both_stages_through_a_kill_and_resume(config_path, tmp_path, tiny_model_factory,
+def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_factory,
                                                                   raw_shards):
     model = load_config(config_path).model  # the preset of the config's family and task
     sets = overrides(config_path, tmp_path, tiny_model_factory(model.family, task=model.task), raw_shards)
     config = load_config(config_path, sets)
     run_dir = config.run_dir
-    logs = {name: tmp_path / f"{name}.log" for name in ("precompute", "killed", "resumed")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("precompute", "killed", "train")}
 
     producer = start("precompute", config_path, *sets, log=logs["precompute"])
-    killed = start("train", config_path, *sets, log=logs["killed"], env={"VT_FAULT_AT": "train.after_checkpoint@2"})
-    assert killed.wait(timeout=600) == -9, logs["killed"].read_text()[-3000:]
-    assert (run_dir / "checkpoints" / "step-000004" / "state.json").is_file()
     videos = [f"{i:02d}.mp4" for i in range(len(config.train.validation_prompts))]
-    if videos:  # the validation before the kill
-        assert sorted(p.name for p in (run_dir / "validation" / "step-000002").glob("*.mp4")) == videos
-
-    resumed = start("train", config_path, *sets, log=logs["resumed"])
-    finish(resumed, logs["resumed"], timeout=600)
+    if config_path.stem in KILLED:
+        killed = start("train", config_path, *sets, log=logs["killed"],
+                       env={"VT_FAULT_AT": "train.after_checkpoint@2"})
+        assert killed.wait(timeout=600) == -9, logs["killed"].read_text()[-3000:]
+        assert (run_dir / "checkpoints" / "step-000004" / "state.json").is_file()
+        if videos:  # the validation before the kill
+            assert sorted(p.name for p in (run_dir / "validation" / "step-000002").glob("*.mp4")) == videos
+    trainer = start("train", config_path, *sets, log=logs["train"])  # resumes after a kill
+    finish(trainer, logs["train"], timeout=600)
     finish(producer, logs["precompute"], timeout=60)
-    assert "resumed from" in logs["resumed"].read_text()
+    assert ("resumed from" in logs["train"].read_text()) == (config_path.stem in KILLED)
 
     epochs = config.train.epochs
     assert trained(run_dir) == Counter({(e, key): 1 for e in range(epochs) for key in raw_keys(raw_shards)})
@@ -126,6 +131,6 @@ def test_shipped_config_runs_both_stages_through_a_kill_and_resume(config_path, 
         folders = [run_dir / "model" / component for component in spec.trained_experts.values()]
         assert all(folder.is_dir() for folder in folders or [run_dir / "model"]), folders
     if videos:
-        rounds = sorted((run_dir / "validation").iterdir())  # before the kill, after the resume, at the end
+        rounds = sorted((run_dir / "validation").iterdir())  # every validate_every steps and at the end
         assert {"step-000002", f"step-{max(metrics):06d}"} <= {r.name for r in rounds}
         assert all(sorted(p.name for p in r.glob("*.mp4")) == videos for r in rounds)

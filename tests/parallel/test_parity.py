@@ -1,5 +1,5 @@
 """Every parallel layout trains the same model as one process: DDP (2), FSDP2 (2), HSDP (2x2), TP (2),
-CP (2), FSDP2 x TP (2x2), dp_shard x cp x tp (2x2x2, which has FSDP2 x CP in it), and gradient accumulation
+CP (2), dp_shard x cp x tp (2x2x2, which composes FSDP2 with TP and CP), and gradient accumulation
 against a batch twice as large, over gloo, for every family in the layouts its architecture has
 (FAMILY_LAYOUTS; docs/parallel.md says why).
 
@@ -25,12 +25,10 @@ LAYOUTS = {
     "hsdp-2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.activation_checkpointing=true"]),
     "tp-2": (2, ["parallel.dp_shard=1", "parallel.tp=2"]),
     "cp-2": (2, ["parallel.dp_shard=1", "parallel.cp=2"]),
-    "fsdp-tp-2x2": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
     "fsdp-cp-tp-2x2x2": (8, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2"]),
 }
 EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), activation checkpointing",
                 "tp-2": "cp 1 x tp 2 (no data parallelism)", "cp-2": "dp_shard 1 x cp 2 x tp 1",
-                "fsdp-tp-2x2": "dp_shard 2 x cp 1 x tp 2 (FSDP2)",
                 "fsdp-cp-tp-2x2x2": "dp_shard 2 x cp 2 x tp 2 (FSDP2)"}
 
 
@@ -39,11 +37,11 @@ EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), acti
 # beyond the data-parallel split FSDP2's rows check: it runs on LTX-Video, both Wan 2.2 experts (two
 # reducers) and under Wan's gradient accumulation.
 FAMILY_LAYOUTS = {
-    # LTX-Video's own TP and CP plans, and TP composed with FSDP2 (the HSDP, FSDP2 x CP and 3-D rows add
-    # nothing family-specific over wan's: the same plans under a bigger mesh).
-    "ltx-video": [layout for layout in LAYOUTS if layout not in ("hsdp-2x2", "fsdp-cp-tp-2x2x2")],
+    # LTX-Video's own TP and CP plans (the HSDP and 3-D rows add nothing family-specific over wan's: the
+    # same plans under a bigger mesh).
+    "ltx-video": ["ddp-2", "fsdp-2", "tp-2", "cp-2"],
     # Wan: HSDP, and the 3-D row composing its TP and CP plans with FSDP2. Its TP and CP plans alone run on
-    # wan-i2v (the same blocks with the image keys/values), DDP in its accumulation row, FSDP2 x TP on ltx.
+    # wan-i2v (the same blocks with the image keys/values), DDP in its accumulation row.
     "wan": ["fsdp-2", "hsdp-2x2", "fsdp-cp-tp-2x2x2"],
     # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
     # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
