@@ -8,6 +8,8 @@ at the model's usual bucket, on one GPU and on 8 (FSDP2), and the settings that 
 in 24, 48 and 80 GB.
 
     python scripts/memory_table.py [--out docs/memory.md] [--work runs/memory-table] [--only wan2.1-14b]
+
+With --only, the other models' tables already in the file are kept; the file is rewritten after each model.
 """
 
 from __future__ import annotations
@@ -117,14 +119,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "memory-table")
     parser.add_argument("--only", nargs="*", default=list(MODELS))
     args = parser.parse_args(argv)
-    sections = []
+    text = args.out.read_text() if args.out.is_file() else MARKER
+    head, _, tables = text.partition(MARKER)
+    sections = kept_sections(tables)  # a model not in --only keeps its table
     for key in args.only:
         folder = config_only_model(key, args.work / key)
-        sections.append(table(key, folder))
-        print(sections[-1], flush=True)
-    head = args.out.read_text().split(MARKER)[0] if args.out.is_file() else ""
-    args.out.write_text(head + MARKER + "\n\n" + "\n".join(sections))
+        sections[MODELS[key][0]] = table(key, folder)
+        print(sections[MODELS[key][0]], flush=True)
+        ordered = [sections[title] for title, *_ in MODELS.values() if title in sections]
+        args.out.write_text(head + MARKER + "\n\n" + "\n".join(ordered))  # after each model: a long run keeps its work
     print(f"written to {args.out}")
+
+
+def kept_sections(tables: str) -> dict[str, str]:
+    """model title -> its table section, from what the script wrote before (each starts "### <title>, ")."""
+    sections = {}
+    for part in ("\n" + tables).split("\n### ")[1:]:
+        title = next((t for t, *_ in MODELS.values() if part.startswith(f"{t}, ")), None)
+        if title:
+            sections[title] = "### " + part.rstrip("\n") + "\n"
+    return sections
 
 
 if __name__ == "__main__":
