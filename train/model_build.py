@@ -90,6 +90,12 @@ class Dtypes:
         without autocast, where nothing would cast between the two."""
         return torch.float32 if self.mode == "full" and self.autocast is None else self.model
 
+    @property
+    def pipeline_parts(self) -> torch.dtype:
+        """What validation's other pipeline parts (the VAE, text connectors) load and compute in: as the
+        transformer computes, `model.dtype` under autocast, else float32."""
+        return self.model if self.autocast else torch.float32
+
     def storage(self, mode: str) -> torch.dtype | None:
         """The frozen weights' storage dtype when it is not their compute dtype (None when it is): float8
         for fp8 base weights, `model.dtype` without autocast (layers upcast for their compute)."""

@@ -223,8 +223,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
                if isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)]
     parts = {name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
              for name in modules}
-    # Validation's VAE computes as the transformer does: model.dtype under autocast, else float32.
-    vae_dtype = spec.frozen_dtype if dtypes.autocast else torch.float32
+    vae_dtype = dtypes.pipeline_parts
     validation_vae = parts["vae"] if parts["vae"].dtype == vae_dtype else spec.empty_component("vae", vae_dtype)
     frozen = dtypes.compute if dtypes.storage(train.mode) is not None else dtypes.frozen
     amp = dtypes.autocast

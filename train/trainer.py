@@ -129,7 +129,7 @@ class Trainer:
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
         self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
-                                   autocast=self.amp_dtype,
+                                   autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
                                    extra_parts=self._untrained_experts)
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0

@@ -35,14 +35,14 @@ class MissingConditions(FileNotFoundError):
 
 class Validator:
     def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, world, window, fingerprint: str,
-                 autocast: torch.dtype | None = None, extra_parts=None):
-        """`autocast`: the training's autocast dtype, which validation runs in too (None: float32, as training;
-        the pipeline's other parts, the VAE or a family's text connectors, then load in float32). `extra_parts()`:
-        pipeline parts the trainer already holds besides the trained transformer (a two-expert family's
-        other expert), asked for at the first run."""
+                 autocast: torch.dtype | None = None, parts_dtype: torch.dtype | None = None, extra_parts=None):
+        """`autocast`: the training's autocast dtype, which validation runs in too (None: float32, as training).
+        `parts_dtype`: what the pipeline parts it loads are in (`Dtypes.pipeline_parts`; None: model.dtype).
+        `extra_parts()`: pipeline parts the trainer already holds besides the trained transformer (a
+        two-expert family's other expert), asked for at the first run."""
         self.spec, self.config, self.bucket, self.world = spec, config, bucket, world
         self.window, self.fingerprint = window, fingerprint
-        self.autocast = autocast
+        self.autocast, self.parts_dtype = autocast, parts_dtype
         self.extra_parts = extra_parts or dict
         self.prompts = config.train.validation_prompts
         self.images = [load_image(p) for p in config.train.validation_images]
@@ -105,9 +105,8 @@ class Validator:
         conditions = self.conditions()
         device = str(self.world.device)
         if self._pipeline is None:
-            # The parts it loads compute as the transformer does: in model.dtype under autocast, else float32.
-            dtype = None if self.autocast else torch.float32
-            self._pipeline = self.spec.build_pipeline(transformer, device=device, text_encoders=False, dtype=dtype,
+            self._pipeline = self.spec.build_pipeline(transformer, device=device, text_encoders=False,
+                                                      dtype=self.parts_dtype,
                                                       **self.extra_parts())
         pipeline = self._pipeline
         coordinate = self.world.dims.coordinate(self.world.rank)
