@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 CONFIG ?= configs/demo.toml
 SET ?=
 FAMILY ?= ltx-video
+# pytest-xdist workers of `make test` (a test may start up to 8 ranks of its own)
+TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
@@ -50,7 +52,7 @@ train: assets
 	$(VENV)/bin/vt-train run $(CONFIG) $(SET)
 
 test: setup
-	$(VENV)/bin/pytest -q tests
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 bench: assets
 	$(PY) scripts/bench.py

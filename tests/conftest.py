@@ -46,6 +46,30 @@ def tiny_model_factory(tmp_path_factory):
     return build
 
 
+def pytest_addoption(parser):
+    parser.addoption("--update-reference-numbers", action="store_true",
+                     help="rewrite tests/assets/reference_numbers.json from this run (review the diff)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """`make test` runs the suite on pytest-xdist's workers with `--dist loadgroup`: a test file is one
+    unit of work (its module and session fixtures are built once, on one worker), unless its tests
+    name their own groups (the parity rows by family, the shipped configs one by one)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session):
+    """Fail at once where xdist's groups silently do not apply (pytest 9.2 with xdist 3.8,
+    pytest-dev/pytest-xdist#1386): every family's window and reference would be built on each worker."""
+    if session.config.getoption("loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (pytest-dev/pytest-xdist#1386): "
+                                "install the pytest pinned in pyproject.toml (make setup)")
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

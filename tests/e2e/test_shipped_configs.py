@@ -25,7 +25,7 @@ from cli_runs import finish, raw_keys, start
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import load_config
 from vt.shared.models import build_spec
-from vt.shared.models.spec import lora_weight_name
+from vt.shared.models.lora import lora_weight_name
 from vt.train.trackers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -90,7 +90,8 @@ def trained(run_dir: Path) -> Counter:
     return Counter((e["epoch"], key) for entries in steps.values() for e in entries for key in e["keys"])
 
 
-@pytest.mark.parametrize("config_path", CONFIGS, ids=[p.stem for p in CONFIGS])
+@pytest.mark.parametrize("config_path", [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(f"config-{p.stem}"))
+                                         for p in CONFIGS])  # one config a unit of work under pytest-xdist
 def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_factory,
                                                                   raw_shards):
     model = load_config(config_path).model  # the preset of the config's family and task

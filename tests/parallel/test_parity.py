@@ -72,10 +72,12 @@ FAMILY_LAYOUTS = {
     # all-gather against one process's per-layer casting.
     "wan-bf16": ["fsdp-2"],
 }
-CASES = [(family, layout) for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
+# Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
+CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))
+         for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
 
 
-@pytest.mark.parametrize("family, layout", CASES, ids=[f"{layout}-{family}" for family, layout in CASES])
+@pytest.mark.parametrize("family, layout", CASES)
 def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards, family, layout):
     nproc, overrides = LAYOUTS[layout]
     config = run_config(tmp_path, family, layout)
@@ -96,7 +98,7 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
 ACCUMULATION = {"ltx-video": (2, []), "wan": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"])}
 
 
-@pytest.mark.parametrize("family", list(ACCUMULATION))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group(f"parity-{f}")) for f in ACCUMULATION])
 def test_gradient_accumulation_matches_a_batch_twice_as_large(tmp_path, run_config, reference, family):
     nproc, overrides = ACCUMULATION[family]
     config = run_config(tmp_path, family, "accumulate", batch_size=2, grad_accum=2)
