@@ -14,7 +14,6 @@ Building takes about a second on CPU and needs no network.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 from pathlib import Path
 
@@ -22,16 +21,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is built locally
 
 
 def make_tiny_model(family: str, out: Path, seed: int = 0, task: str = "t2v") -> Path:
-    """Write the tiny preset of `family` for `task` into `out` (created if missing) and return `out`.
-
-    A family whose `make_tiny` takes no `task` has one preset for all its tasks."""
+    """Write the tiny preset of `family` for `task` into `out` (created if missing) and return `out`."""
     from vt.shared.models import get_spec_class
 
     spec_class = get_spec_class(family)
     if task not in spec_class.tasks:
         raise ValueError(f"family {family!r} has no task {task!r}; tasks: {list(spec_class.tasks)}")
-    kwargs = {"task": task} if "task" in inspect.signature(spec_class.make_tiny).parameters else {}
-    return spec_class.make_tiny(Path(out), seed=seed, **kwargs)
+    return spec_class.make_tiny(Path(out), seed=seed, task=task)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -44,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--family", required=True, choices=FAMILIES, help="model family")
     parser.add_argument("--seed", type=int, default=0, help="weights are identical for a seed")
     parser.add_argument("--task", default="t2v", choices=("t2v", "i2v"),
-                        help="the preset for this task (families with one preset for all tasks ignore it)")
+                        help="the preset for this task (its pipeline's layout)")
     parser.add_argument("out", type=Path, help="output folder (diffusers layout)")
     args = parser.parse_args(argv)
     print(make_tiny_model(args.family, args.out, seed=args.seed, task=args.task))

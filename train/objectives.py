@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from vt.shared.models.spec import Prediction
+from vt.shared.models.flow import Prediction
 from vt.shared.runtime import keyed_generator
 
 

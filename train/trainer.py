@@ -407,7 +407,7 @@ class Trainer:
         (LoRA files named after the expert, full weights in model/<its pipeline component>/)."""
         if self.config.train.mode == "lora":
             for expert, tensors in lora_states(self.transformer).items():  # {} off rank 0
-                self.spec.save_lora(tensors, self.run_dir / "lora", expert=expert)
+                self.spec.save_lora(tensors, self.run_dir / "lora", expert=expert, step=self.step)
             self.world.barrier()
             return self.export_path()
         experts = self.spec.trained_experts

@@ -34,16 +34,17 @@ Image-to-video (`model.task = "i2v"`, CogVideoXImageToVideoPipeline, e.g. THUDM/
 from __future__ import annotations
 
 from functools import cached_property
-from pathlib import Path
 from types import SimpleNamespace
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
-from vt.shared.models.spec import ModelSpec, Prediction, TensorParallelPlan, VaeGeometry, input_dtype, to_pil_image
-from vt.shared.models.tiny import build_t5_tokenizer, seeded
+from vt.shared.models.flow import Prediction, input_dtype
+from vt.shared.models.plans import TensorParallelPlan
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 
 class CogVideoXSpec(ModelSpec):
@@ -56,18 +57,11 @@ class CogVideoXSpec(ModelSpec):
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ()
     example_hub_id: ClassVar[str] = "THUDM/CogVideoX-5b"
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
-        from diffusers import AutoencoderKLCogVideoX, CogVideoXTransformer3DModel
-        from transformers import T5EncoderModel
-
-        return {"text_encoder": T5EncoderModel, "vae": AutoencoderKLCogVideoX,
-                "transformer": CogVideoXTransformer3DModel}
-
-    def pipeline_class(self) -> type:
-        from diffusers import CogVideoXImageToVideoPipeline, CogVideoXPipeline
-
-        return CogVideoXImageToVideoPipeline if self.config.task == "i2v" else CogVideoXPipeline
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:T5EncoderModel",
+                                            "vae": "diffusers:AutoencoderKLCogVideoX",
+                                            "transformer": "diffusers:CogVideoXTransformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:CogVideoXPipeline",
+                                           "i2v": "diffusers:CogVideoXImageToVideoPipeline"}
 
     # ----------------------------------------------------------------------------- geometry
     @cached_property
@@ -224,14 +218,6 @@ class CogVideoXSpec(ModelSpec):
         return cache[key]
 
     # ----------------------------------------------------------------------------- validation
-    def _generate_kwargs(self, image) -> dict:
-        if self.config.task != "i2v":
-            return super()._generate_kwargs(image)
-        if image is None:
-            raise ValueError("cogvideox i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame; "
-                             "set train.validation_images, one per validation prompt")
-        return {"image": to_pil_image(image)}
-
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
         """q/k/v and the FFN's first layer column-wise, the attention output and the FFN's second row-wise.
@@ -252,40 +238,30 @@ class CogVideoXSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """2-layer RoPE transformer (the 5B's layout), 4-level VAE (x4 time, x8 space), 2-layer T5,
         the CogVideoX-5b scheduler; CogVideoXPipeline layout. RoPE takes any bucket and text length.
 
         task "i2v": CogVideoXImageToVideoPipeline layout, the transformer taking twice the latent
         channels (the 5B-I2V's, without its learned positional embedding, which would tie the preset
         to one bucket size and the 226-token text; tests/shared/test_cogvideox.py checks that rule)."""
-        from diffusers import (AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXImageToVideoPipeline,
-                               CogVideoXPipeline, CogVideoXTransformer3DModel)
-        from transformers import T5Config, T5EncoderModel
+        from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXTransformer3DModel
 
-        if task not in cls.tasks:
-            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
-        with seeded(seed):
-            vae = AutoencoderKLCogVideoX(
-                block_out_channels=(8, 8, 8, 8), latent_channels=16, layers_per_block=1, norm_num_groups=4,
-                temporal_compression_ratio=4, sample_height=64, sample_width=96, scaling_factor=0.7,
-            )
-            transformer = CogVideoXTransformer3DModel(
-                num_attention_heads=4, attention_head_dim=16, in_channels=32 if task == "i2v" else 16, out_channels=16,
-                time_embed_dim=32, text_embed_dim=64, num_layers=2, sample_height=8, sample_width=12, sample_frames=9,
-                patch_size=2, temporal_compression_ratio=4, use_rotary_positional_embeddings=True,
-            )
-            text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                                   num_heads=4))
+        vae = AutoencoderKLCogVideoX(
+            block_out_channels=(8, 8, 8, 8), latent_channels=16, layers_per_block=1, norm_num_groups=4,
+            temporal_compression_ratio=4, sample_height=64, sample_width=96, scaling_factor=0.7,
+        )
+        transformer = CogVideoXTransformer3DModel(
+            num_attention_heads=4, attention_head_dim=16, in_channels=32 if task == "i2v" else 16, out_channels=16,
+            time_embed_dim=32, text_embed_dim=64, num_layers=2, sample_height=8, sample_width=12, sample_frames=9,
+            patch_size=2, temporal_compression_ratio=4, use_rotary_positional_embeddings=True,
+        )
+        text_encoder = tiny_t5_encoder()
         # THUDM/CogVideoX-5b's scheduler (the 2B differs only in snr_shift_scale = 3.0).
         scheduler = CogVideoXDDIMScheduler(
             num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
             clip_sample=False, set_alpha_to_one=True, steps_offset=0, prediction_type="v_prediction",
             timestep_spacing="trailing", rescale_betas_zero_snr=True, snr_shift_scale=1.0,
         )
-        pipeline = (CogVideoXImageToVideoPipeline if task == "i2v" else CogVideoXPipeline)(
-            tokenizer=build_t5_tokenizer(model_max_length=226), text_encoder=text_encoder, vae=vae,
-            transformer=transformer, scheduler=scheduler)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
+        return dict(tokenizer=build_t5_tokenizer(model_max_length=226), text_encoder=text_encoder, vae=vae,
+                    transformer=transformer, scheduler=scheduler)

@@ -19,6 +19,9 @@ Where the original model fuses several diffusers modules into one (HunyuanVideo'
 one `img_attn_qkv`), a family lists `Fused` entries: the parts' rank-r LoRAs become one LoRA of rank
 (number of parts trained) x r on the fused module, A = cat(A_part) and B = block_diag(B_part), so B A
 stacks each part's own B_part A_part in the fused output; a part without a LoRA gets zero rows.
+`diffusers_state_dict` reads such a file back (tables reversed, fused LoRAs split by `split_fused`).
+tests/shared/test_comfy_keys.py checks every family's file against ComfyUI's own key map and LoRA
+arithmetic (tests/comfy_reference.py, re-implemented from ComfyUI's source).
 """
 
 from __future__ import annotations
@@ -120,4 +123,54 @@ def comfy_state_dict(lora: dict[str, Tensor], table: Sequence[tuple[str, str]], 
         out[f"{PREFIX}{original}.lora_B.weight"] = lora_b.contiguous()
         if write_alpha:  # rank len(present) * r: the same scale alpha / r
             out[f"{PREFIX}{original}.alpha"] = torch.tensor(float(alpha) * len(present))
+    return out
+
+
+def split_fused(lora_a: Tensor, lora_b: Tensor, sizes: Sequence[int]) -> list[tuple[Tensor, Tensor] | None]:
+    """A fused module's LoRA (lora_B (sum(sizes), R), lora_A (R, in)) as one (lora_A, lora_B) per part,
+    exactly: part i gets lora_B's rows of that part and, of the R columns, those non-zero in these rows
+    (with lora_A's matching rows). For a file `comfy_state_dict` wrote (lora_B block diagonal) that is
+    each part's own LoRA; a part whose rows are all zero (not trained) gets None."""
+    if lora_b.shape[0] != sum(sizes) or lora_b.shape[1] != lora_a.shape[0]:
+        raise ValueError(f"a fused LoRA of lora_B {tuple(lora_b.shape)}, lora_A {tuple(lora_a.shape)} does not "
+                         f"split into parts of {list(sizes)} outputs")
+    out: list[tuple[Tensor, Tensor] | None] = []
+    for rows in torch.split(lora_b, list(sizes)):
+        used = rows.ne(0).any(0)
+        out.append((lora_a[used].contiguous(), rows[:, used].contiguous()) if used.any() else None)
+    return out
+
+
+def diffusers_state_dict(state: dict[str, Tensor], table: Sequence[tuple[str, str]],
+                         fused: Sequence[tuple[str, str, tuple[str, ...]]] = (),
+                         out_features: Callable[[str], int] | None = None) -> dict[str, Tensor]:
+    """A ComfyUI file without `.alpha` (the scale in lora_B) -> peft keys `<module>.lora_A.weight`, scale 1.
+
+    `table`: (regular expression over the original module, diffusers replacement), first full match
+    wins; `fused`: (regular expression over an original fused module, the diffusers prefix it stands for,
+    the parts in output order), each split by `split_fused` with the parts' sizes `out_features(module)`.
+    Raises ValueError naming a key that is not a LoRA weight of a module either knows.
+    """
+    modules: dict[str, dict[str, Tensor]] = {}
+    for key, tensor in state.items():
+        module, sep, part = key.removeprefix(PREFIX).rpartition(".lora_")
+        if not key.startswith(PREFIX) or not sep or part not in ("A.weight", "B.weight"):
+            raise ValueError(f"{key!r} is not a LoRA weight ({PREFIX}<module>.lora_A.weight or .lora_B.weight)")
+        modules.setdefault(module, {})[part[0]] = tensor
+    out: dict[str, Tensor] = {}
+    for module, lora in modules.items():
+        if set(lora) != {"A", "B"}:
+            raise ValueError(f"{module}: lora_A without lora_B or the reverse")
+        name = original_module(module, table)
+        if name is not None:
+            out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = lora["A"], lora["B"]
+            continue
+        entry = next((entry for entry in fused if re.fullmatch(entry[0], module)), None)
+        if entry is None or out_features is None:
+            raise ValueError(f"{module!r} is not a module the key table knows")
+        pattern, prefix, parts = entry
+        names = [f"{re.sub(f'^{pattern}$', prefix, module)}.{part}" for part in parts]
+        for name, split in zip(names, split_fused(lora["A"], lora["B"], [out_features(n) for n in names])):
+            if split is not None:
+                out[f"{name}.lora_A.weight"], out[f"{name}.lora_B.weight"] = split
     return out

@@ -17,6 +17,8 @@ what to do (an offline hub, a missing folder, a key to set).
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 from pathlib import Path
@@ -30,6 +32,14 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 class ModelLoadError(OSError):
     """A component (or its config) could not be loaded; the message names it, where from, and the fix."""
+
+
+@functools.cache
+def load_class(path: str) -> type:
+    """The class an import string names ("diffusers:WanPipeline", "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder"):
+    a family declares its components and pipelines this way, and nothing is imported before it is used."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def hub_offline() -> bool:

@@ -31,20 +31,16 @@ non-contiguous slices; diffusers has no `_cp_plan` for it, and every block's att
 
 from __future__ import annotations
 
-import logging
-import warnings
 from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from vt.shared.models import comfy
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
-from vt.shared.models.tiny import TINY_WORDS, bpe_vocab, seeded
-
-log = logging.getLogger(__name__)
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_clip_tokenizer, build_llama_tokenizer
 
 # The template for a tokenizer that lacks the Llama-3 chat header tokens: the bare caption, nothing cropped.
 BARE_TEMPLATE: dict[str, Any] = {"template": "{}", "crop_start": 0}
@@ -70,29 +66,24 @@ class HunyuanVideoSpec(ModelSpec):
         (r"single_transformer_blocks\.(\d+)\.proj_out", r"single_blocks.\1.linear2"),
     )
     # Several diffusers modules that are one original module (outputs stacked in this order).
-    fused_original_names: ClassVar[tuple[comfy.Fused, ...]] = (
+    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = (
         comfy.Fused(r"transformer_blocks\.(\d+)\.attn", ("to_q", "to_k", "to_v"), r"double_blocks.\1.img_attn_qkv"),
         comfy.Fused(r"transformer_blocks\.(\d+)\.attn", ("add_q_proj", "add_k_proj", "add_v_proj"),
                     r"double_blocks.\1.txt_attn_qkv"),
         comfy.Fused(r"single_transformer_blocks\.(\d+)", ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"),
                     r"single_blocks.\1.linear1"),
     )
+    excluded_modules_named: ClassVar[str] = "the text token refiner"
     comfy_alpha: ClassVar[bool] = False  # diffusers' HunyuanVideo conversion fails on `.alpha`
+    exclusions_in_metadata: ClassVar[bool] = False  # diffusers' loader targets the file's keys: never the refiner
     # The guidance scale the transformer is trained at (fed as guidance * 1000); None: the pipeline's default.
     train_guidance: ClassVar[float | None] = 1.0
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
-        from diffusers import AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel
-        from transformers import CLIPTextModel, LlamaModel
-
-        return {"text_encoder": LlamaModel, "text_encoder_2": CLIPTextModel, "vae": AutoencoderKLHunyuanVideo,
-                "transformer": HunyuanVideoTransformer3DModel}
-
-    def pipeline_class(self) -> type:
-        from diffusers import HunyuanVideoPipeline
-
-        return HunyuanVideoPipeline
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:LlamaModel",
+                                            "text_encoder_2": "transformers:CLIPTextModel",
+                                            "vae": "diffusers:AutoencoderKLHunyuanVideo",
+                                            "transformer": "diffusers:HunyuanVideoTransformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideoPipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")
@@ -153,28 +144,9 @@ class HunyuanVideoSpec(ModelSpec):
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
 
-    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None) -> None:
-        """peft LoRA on `targets` (names matched by suffix, or one regular expression matched whole),
-        never on the text token refiner."""
-        from peft import LoraConfig
-
-        if rank < 1:
-            raise ValueError(f"train.lora_rank must be >= 1, got {rank}")
-        targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
-        transformer.requires_grad_(False)
-        unmatched = ValueError(f"train.lora_targets {targets} matched no layer of the {self.family} transformer "
-                               "outside the text token refiner")
-        with warnings.catch_warnings():  # peft warns when the targets never reached the refiner anyway
-            warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
-            try:
-                transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                   exclude_modules=REFINER, init_lora_weights=True))
-            except ValueError as err:  # peft: no module targeted
-                raise unmatched from err
-        if not any("lora_" in n for n, _ in transformer.named_parameters()):
-            raise unmatched
-        # No exclude_modules here: diffusers' loader targets the file's keys, which never name the refiner.
-        self._lora_metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
+    def lora_exclusions(self, transformer) -> str:
+        """The text token refiner: its original q/k/v are one fused module ComfyUI's key table lacks."""
+        return REFINER
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:
@@ -184,99 +156,35 @@ class HunyuanVideoSpec(ModelSpec):
             settings["prompt_template"] = dict(BARE_TEMPLATE)
         return settings
 
-    def inference_mismatches(self) -> list[str]:
-        pipeline = self.pipeline_class().__name__
-        lines = []
-        for argument, value in self.inference_settings().items():
-            default = self.pipeline_default(argument)
-            if default is None or default == value:
-                continue
-            shown = f"{value:g}" if isinstance(value, (int, float)) else repr(value)
-            was = f"{default:g}" if isinstance(default, (int, float)) else "its own"
-            lines.append(f"{self.family} trains with {argument}={shown} but {pipeline} uses {was} by default: "
-                         f"pass {argument}={shown} when sampling with the trained weights")
-        return lines
-
-    # ----------------------------------------------------------------------------- export
-    def save_comfy_lora(self, tensors: dict[str, Tensor], path: Path, metadata: dict) -> Path | None:
-        """The original names, q/k/v (and the single blocks' MLP input) fused into one LoRA each."""
-        from safetensors.torch import save_file
-
-        try:
-            state = comfy.comfy_state_dict(tensors, self.original_names, int(metadata["r"]),
-                                           float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha,
-                                           fused=self.fused_original_names, out_features=self._out_features)
-        except ValueError as err:
-            log.warning("LoRA saved for diffusers only: %s", err)
-            return None
-        save_file(state, str(path), metadata={"format": "pt", "vt_family": self.family})
-        return path
-
-    def _out_features(self, module: str) -> int:
-        """Output features of a transformer Linear, from its config (no weights allocated)."""
-        if not hasattr(self, "_linear_sizes"):
-            from accelerate import init_empty_weights
-
-            with init_empty_weights():
-                model = self.component_classes()["transformer"].from_config(self.load_config("transformer"))
-            self._linear_sizes = {n: m.out_features for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        return self._linear_sizes[module]
-
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes (1 double + 1 single block, 1 refiner layer, 2 heads x 10), patch 2;
         4-level VAE (x4 time, x8 space), 2-layer Llama and CLIP with locally built BPE tokenizers;
         HunyuanVideoPipeline layout with the checkpoint's scheduler (flow-match Euler, shift 7)."""
-        from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
-                               HunyuanVideoTransformer3DModel)
+        from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
         from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
 
         tokenizer, tokenizer_2 = build_llama_tokenizer(), build_clip_tokenizer()
-        with seeded(seed):
-            transformer = HunyuanVideoTransformer3DModel(
-                in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-                num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
-                text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
-            )
-            vae = AutoencoderKLHunyuanVideo(
-                in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-                up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
-                temporal_compression_ratio=4, mid_block_add_attention=True,
-            )
-            text_encoder = LlamaModel(LlamaConfig(
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                pad_token_id=tokenizer.pad_token_id, hidden_size=16, intermediate_size=37, num_attention_heads=4,
-                num_hidden_layers=2, vocab_size=len(tokenizer), hidden_act="gelu"))
-            text_encoder_2 = CLIPTextModel(CLIPTextConfig(
-                bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
-                pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=4,
-                num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=32))
+        transformer = HunyuanVideoTransformer3DModel(
+            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
+        )
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+            temporal_compression_ratio=4, mid_block_add_attention=True,
+        )
+        text_encoder = LlamaModel(LlamaConfig(
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id, hidden_size=16, intermediate_size=37, num_attention_heads=4,
+            num_hidden_layers=2, vocab_size=len(tokenizer), hidden_act="gelu"))
+        text_encoder_2 = CLIPTextModel(CLIPTextConfig(
+            bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
+            pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=4,
+            num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=32))
         scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)  # hunyuanvideo-community/HunyuanVideo's
-        pipeline = HunyuanVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer,
-                                        vae=vae, scheduler=scheduler, text_encoder_2=text_encoder_2,
-                                        tokenizer_2=tokenizer_2)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
-
-
-# ----------------------------------------------------------------------------- tiny tokenizers
-def build_llama_tokenizer(words: list[str] = TINY_WORDS):
-    """A Llama BPE tokenizer over `words`, right padded as HunyuanVideo's (the transformer's text mask
-    assumes right padding; LlamaTokenizer's default is left)."""
-    from transformers import LlamaTokenizer
-
-    vocab, merges = bpe_vocab(words, ["<unk>", "<s>", "</s>", "<pad>"], prefix="\u2581")
-    return LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                          pad_token="<pad>", padding_side="right", model_max_length=1024)
-
-
-def build_clip_tokenizer(words: list[str] = TINY_WORDS):
-    """A CLIP BPE tokenizer over `words` (77 tokens, padded with its end-of-text token, as CLIP's)."""
-    from transformers import CLIPTokenizer
-
-    vocab, merges = bpe_vocab(words, ["<|startoftext|>", "<|endoftext|>"], suffix="</w>")
-    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
-
+        return dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae, scheduler=scheduler,
+                    text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)

@@ -19,10 +19,12 @@ What is particular to HunyuanVideo 1.5:
 - flow matching: latents = posterior mode x `scaling_factor`, timestep = sigma x 1000, target noise - x0;
 - diffusers has no LoRA loader for this pipeline: `load_lora(pipeline, path)` loads either exported
   file (diffusers or ComfyUI names) into its transformer (`HunyuanVideo15Spec.load_lora` calls it);
-- the original (Tencent) names keep q, k and v apart (`double_blocks.N.img_attn_q`, diffusers'
-  scripts/convert_hunyuan_video1_5_to_diffusers.py), so the ComfyUI file is a 1:1 renaming with the
-  scale baked into lora_B. The text token refiner fuses q/k/v (`self_attn_qkv`) and is never
-  LoRA-targeted.
+- the ComfyUI file: ComfyUI's HunyuanVideo 1.5 model fuses each stream's q/k/v (`img_attn.qkv`, its LoRA
+  keys `img_attn_qkv`), so vt fuses those LoRAs (comfy.Fused) and renames the rest 1:1 to the original
+  (Tencent) names, the scale baked into lora_B; `load_lora` also reads the separate q/k/v of Tencent's
+  own checkpoint (`double_blocks.N.img_attn_q`, diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py),
+  which vt wrote before and ComfyUI does not load. The text token refiner fuses q/k/v (`self_attn_qkv`)
+  and is never LoRA-targeted.
 Tensor parallel splits each double block's heads (both streams) and FFNs (`tp_plan`). No CP plan:
 every block's attention is joint over [video, image, glyph text, text] with a per-sample padding mask
 built inside the attention processor, and diffusers gives the transformer no `_cp_plan`
@@ -40,9 +42,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, TensorParallelPlan, VaeGeometry,
-                                   flow_inputs, input_dtype)
-from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, seeded
+from vt.shared.models import comfy
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.plans import TensorParallelPlan
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, tiny_t5_encoder
 
 PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
 PROMPT_TEMPLATE_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: tokens cropped
@@ -50,20 +54,31 @@ IMAGE_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: zero im
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length: the quoted text's tokens
 REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft exclude_modules)
 
-# diffusers module -> original (Tencent) module, `{}` the block index (convert_hunyuan_video1_5_to_diffusers.py).
+# diffusers module -> original (Tencent) module, `{}` the block index (convert_hunyuan_video1_5_to_diffusers.py),
+# which ComfyUI's LoRA keys for its HunyuanVideo 1.5 model take (tests/comfy_reference.py).
 NAMES: tuple[tuple[str, str], ...] = (
-    ("transformer_blocks.{}.attn.to_q", "double_blocks.{}.img_attn_q"),
-    ("transformer_blocks.{}.attn.to_k", "double_blocks.{}.img_attn_k"),
-    ("transformer_blocks.{}.attn.to_v", "double_blocks.{}.img_attn_v"),
     ("transformer_blocks.{}.attn.to_out.0", "double_blocks.{}.img_attn_proj"),
-    ("transformer_blocks.{}.attn.add_q_proj", "double_blocks.{}.txt_attn_q"),
-    ("transformer_blocks.{}.attn.add_k_proj", "double_blocks.{}.txt_attn_k"),
-    ("transformer_blocks.{}.attn.add_v_proj", "double_blocks.{}.txt_attn_v"),
     ("transformer_blocks.{}.attn.to_add_out", "double_blocks.{}.txt_attn_proj"),
     ("transformer_blocks.{}.ff.net.0.proj", "double_blocks.{}.img_mlp.fc1"),
     ("transformer_blocks.{}.ff.net.2", "double_blocks.{}.img_mlp.fc2"),
     ("transformer_blocks.{}.ff_context.net.0.proj", "double_blocks.{}.txt_mlp.fc1"),
     ("transformer_blocks.{}.ff_context.net.2", "double_blocks.{}.txt_mlp.fc2"),
+)
+
+
+# Each stream's q/k/v: one module in ComfyUI's model (comfy/ldm/flux/layers.py DoubleStreamBlock `img_attn.qkv`,
+# LoRA key `img_attn_qkv`); Tencent's checkpoint keeps them apart (SEPARATE_QKV, read back only).
+FUSED_QKV: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("transformer_blocks.{}.attn", ("to_q", "to_k", "to_v"), "double_blocks.{}.img_attn_qkv"),
+    ("transformer_blocks.{}.attn", ("add_q_proj", "add_k_proj", "add_v_proj"), "double_blocks.{}.txt_attn_qkv"),
+)
+SEPARATE_QKV: tuple[tuple[str, str], ...] = (
+    ("transformer_blocks.{}.attn.to_q", "double_blocks.{}.img_attn_q"),
+    ("transformer_blocks.{}.attn.to_k", "double_blocks.{}.img_attn_k"),
+    ("transformer_blocks.{}.attn.to_v", "double_blocks.{}.img_attn_v"),
+    ("transformer_blocks.{}.attn.add_q_proj", "double_blocks.{}.txt_attn_q"),
+    ("transformer_blocks.{}.attn.add_k_proj", "double_blocks.{}.txt_attn_k"),
+    ("transformer_blocks.{}.attn.add_v_proj", "double_blocks.{}.txt_attn_v"),
 )
 
 
@@ -75,6 +90,16 @@ def _rename_table(pairs, reverse: bool = False) -> tuple[tuple[str, str], ...]:
     return tuple(table)
 
 
+def _fused_table(reverse: bool = False) -> tuple:
+    """FUSED_QKV as comfy.Fused entries (export) or, reversed, as comfy.diffusers_state_dict takes them:
+    (regex over the original module, diffusers prefix, parts)."""
+    out = []
+    for prefix, parts, original in FUSED_QKV:
+        ((pattern, replacement),) = _rename_table([(prefix, original)], reverse=reverse)
+        out.append((pattern, replacement, parts) if reverse else comfy.Fused(pattern, parts, replacement))
+    return tuple(out)
+
+
 class HunyuanVideo15Spec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video-1.5"
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
@@ -82,6 +107,8 @@ class HunyuanVideo15Spec(ModelSpec):
                                                     "vae")
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
     original_names: ClassVar[tuple[tuple[str, str], ...]] = _rename_table(NAMES)
+    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = _fused_table()
+    excluded_modules_named: ClassVar[str] = "the text token refiner"
     comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: every loader then applies 1
     # Both texts are masked in the joint attention: rows past a mask's last one need not be stored.
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask",
@@ -89,19 +116,12 @@ class HunyuanVideo15Spec(ModelSpec):
     pipeline_text_names: ClassVar[dict[str, str]] = {"prompt_attention_mask": "prompt_embeds_mask",
                                                      "prompt_attention_mask_2": "prompt_embeds_mask_2"}
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
-        from diffusers import AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, HunyuanVideo15Transformer3DModel
-        from transformers import Qwen2_5_VLTextModel, T5EncoderModel
-
-        return {"text_encoder": Qwen2_5_VLTextModel, "text_encoder_2": T5EncoderModel,
-                "vae": AutoencoderKLHunyuanVideo15, "transformer": HunyuanVideo15Transformer3DModel,
-                "guider": ClassifierFreeGuidance}
-
-    def pipeline_class(self) -> type:
-        from diffusers import HunyuanVideo15Pipeline
-
-        return HunyuanVideo15Pipeline
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:Qwen2_5_VLTextModel",
+                                            "text_encoder_2": "transformers:T5EncoderModel",
+                                            "vae": "diffusers:AutoencoderKLHunyuanVideo15",
+                                            "transformer": "diffusers:HunyuanVideo15Transformer3DModel",
+                                            "guider": "diffusers:ClassifierFreeGuidance"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideo15Pipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")
@@ -178,31 +198,10 @@ class HunyuanVideo15Spec(ModelSpec):
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
 
-    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None) -> None:
-        """peft LoRA on `targets` (names matched by suffix, or one regular expression matched whole),
-        never on the text token refiner (its original q/k/v are one fused module) nor on what never
-        reaches the loss (`dead_modules`)."""
-        from peft import LoraConfig
-
-        if rank < 1:
-            raise ValueError(f"train.lora_rank must be >= 1, got {rank}")
-        targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
-        transformer.requires_grad_(False)
-        unmatched = ValueError(f"train.lora_targets {targets} matched no layer of the {self.family} transformer "
-                               "outside the text token refiner")
-        excluded = f"(?:{REFINER})|(?:{dead_modules(transformer)})"
-        with warnings.catch_warnings():  # peft warns when the targets never reached the excluded modules anyway
-            warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
-            try:
-                transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                   exclude_modules=excluded, init_lora_weights=True))
-            except ValueError as err:  # peft: no module targeted
-                raise unmatched from err
-        if not any("lora_" in n for n, _ in transformer.named_parameters()):
-            raise unmatched
-        # exclude_modules too: a loader building its LoraConfig from the file's metadata then adds no
-        # (untrained) adapters to the refiner either.
-        self._lora_metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets, "exclude_modules": excluded}
+    def lora_exclusions(self, transformer) -> str:
+        """The text token refiner (its original q/k/v are one fused module) and what never reaches the
+        loss (`dead_modules`)."""
+        return f"(?:{REFINER})|(?:{dead_modules(transformer)})"
 
     def full_trainable(self, transformer) -> None:
         """Everything but the last block's text-stream output (`dead_modules`), which gets no gradient
@@ -233,10 +232,8 @@ class HunyuanVideo15Spec(ModelSpec):
         """Nothing: the pipeline takes no text-length argument (build_pipeline sets its attribute instead)."""
         return {}
 
-    def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, **loaded):
-        pipeline = super().build_pipeline(transformer, device, text_encoders, **loaded)
-        pipeline.tokenizer_max_length = self.max_text_tokens  # the text length training used
-        return pipeline
+    def pipeline_attributes(self) -> dict[str, Any]:
+        return {"tokenizer_max_length": self.max_text_tokens}  # the text length training used
 
     def inference_mismatches(self) -> list[str]:
         if self.max_text_tokens == PIPELINE_TEXT_TOKENS:
@@ -253,42 +250,36 @@ class HunyuanVideo15Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes (2 double blocks, 1 refiner layer, 2 heads x 8), patch 1, the real
         geometry (4-level VAE: x4 time, x16 space); 2-layer Qwen2.5-VL text model with a local byte-level
         BPE tokenizer and chat template, 2-layer ByT5-sized T5 encoder; the 480p t2v checkpoint's
         scheduler (flow-match Euler, shift 5); classifier-free guidance off (scale 1.0, one transformer
         call per step, as diffusers' own test) to keep CPU tests short."""
         from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                               HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
-        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel, T5Config, T5EncoderModel
+                               HunyuanVideo15Transformer3DModel)
+        from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
         tokenizer, tokenizer_2 = build_qwen_tokenizer(), ByT5Tokenizer()
-        with seeded(seed):
-            transformer = HunyuanVideo15Transformer3DModel(
-                in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
-                num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
-                text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
-            )
-            vae = AutoencoderKLHunyuanVideo15(
-                in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-                spatial_compression_ratio=16, temporal_compression_ratio=4, downsample_match_channel=False,
-                upsample_match_channel=False,
-            )
-            text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
-                vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-                num_attention_heads=2, num_key_value_heads=2, bos_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
-                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}))
-            text_encoder_2 = T5EncoderModel(T5Config(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37,
-                                                     num_layers=2, num_heads=4))
-        pipeline = HunyuanVideo15Pipeline(
-            text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
-            scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
-            tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=1.0))
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
+        transformer = HunyuanVideo15Transformer3DModel(
+            in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+            num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
+            text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+        )
+        vae = AutoencoderKLHunyuanVideo15(
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            spatial_compression_ratio=16, temporal_compression_ratio=4, downsample_match_channel=False,
+            upsample_match_channel=False,
+        )
+        text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+            vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=2, bos_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
+            rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}))
+        text_encoder_2 = tiny_t5_encoder(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37)
+        return dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+                    scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
+                    tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=1.0))
 
 
 def dead_modules(transformer) -> str:
@@ -312,10 +303,10 @@ def load_lora(pipeline, path, adapter_name: str | None = None) -> None:
     """Load a LoRA file vt exported for HunyuanVideo 1.5 into `pipeline.transformer` (diffusers has no
     loader for this pipeline): the diffusers file (`transformer.<module>.lora_A.weight` with its rank and
     alpha in the metadata) or the ComfyUI file (`diffusion_model.<original module>...`, the scale in
-    lora_B), whose original names are mapped back to diffusers' through the same table that wrote them."""
+    lora_B), whose original names are mapped back to diffusers' through the same tables that wrote them:
+    each fused q/k/v LoRA (`img_attn_qkv`) split into its parts' own, or separate q/k/v (`img_attn_q`, the
+    files vt wrote before) as they are."""
     from safetensors import safe_open
-
-    from vt.shared.models import comfy
 
     path = Path(path)
     with safe_open(str(path), framework="pt") as handle:
@@ -323,16 +314,16 @@ def load_lora(pipeline, path, adapter_name: str | None = None) -> None:
         metadata = handle.metadata() or {}
         state = {key: handle.get_tensor(key) for key in keys}
     if all(key.startswith(comfy.PREFIX) for key in keys):
-        table = _rename_table(NAMES, reverse=True)
-        renamed: dict[str, Tensor] = {}
-        for key, tensor in state.items():
-            module, sep, part = key[len(comfy.PREFIX):].rpartition(".lora_")
-            name = comfy.original_module(module, table) if sep else None
-            if name is None:
-                raise ValueError(f"{path.name}: {key!r} is not a LoRA weight of a HunyuanVideo 1.5 module vt knows "
-                                 "(double_blocks.N.img_attn_q ... txt_mlp.fc2)")
-            renamed[f"transformer.{name}.lora_{part}"] = tensor
-        pipeline.transformer.load_lora_adapter(renamed, prefix="transformer", adapter_name=adapter_name)
+        transformer = pipeline.transformer
+        try:
+            renamed = comfy.diffusers_state_dict(state, _rename_table(NAMES + SEPARATE_QKV, reverse=True),
+                                                 _fused_table(reverse=True),
+                                                 out_features=lambda name: transformer.get_submodule(name).out_features)
+        except ValueError as err:
+            raise ValueError(f"{path.name}: {err}: not a LoRA weight of a HunyuanVideo 1.5 module vt knows "
+                             "(double_blocks.N.img_attn_qkv or img_attn_q/k/v ... txt_mlp.fc2)") from err
+        transformer.load_lora_adapter({f"transformer.{key}": value for key, value in renamed.items()},
+                                      prefix="transformer", adapter_name=adapter_name)
         return
     adapter_metadata = json.loads(metadata["lora_adapter_metadata"]) if "lora_adapter_metadata" in metadata else None
     with warnings.catch_warnings():  # peft: the refiner exclusion in the metadata found nothing to exclude

@@ -28,15 +28,15 @@ No TP or CP plan: both would have to split the audio stream and the audio-video 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
-from vt.shared.models.tiny import TINY_WORDS, seeded
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_gemma_tokenizer
 
 # Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
 # in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
@@ -54,21 +54,12 @@ class LTX2Spec(ModelSpec):
     comfy_alpha: ClassVar[bool] = False
     example_hub_id: ClassVar[str] = "Lightricks/LTX-2"
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
-        from diffusers import AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel
-        from diffusers.pipelines.ltx2 import LTX2TextConnectors
-        from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
-        from transformers import Gemma3ForConditionalGeneration
-
-        return {"text_encoder": Gemma3ForConditionalGeneration, "connectors": LTX2TextConnectors,
-                "vae": AutoencoderKLLTX2Video, "audio_vae": AutoencoderKLLTX2Audio, "vocoder": LTX2Vocoder,
-                "transformer": LTX2VideoTransformer3DModel}
-
-    def pipeline_class(self) -> type:
-        from diffusers import LTX2Pipeline
-
-        return LTX2Pipeline
+    components: ClassVar[dict[str, str]] = {
+        "text_encoder": "transformers:Gemma3ForConditionalGeneration",
+        "connectors": "diffusers.pipelines.ltx2:LTX2TextConnectors", "vae": "diffusers:AutoencoderKLLTX2Video",
+        "audio_vae": "diffusers:AutoencoderKLLTX2Audio", "vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
+        "transformer": "diffusers:LTX2VideoTransformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTX2Pipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self._vae_without_weights()
@@ -151,9 +142,8 @@ class LTX2Spec(ModelSpec):
         for name, param in transformer.named_parameters():
             param.requires_grad_(not AUDIO_PARAMETERS.search(name))
 
-    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | None) -> None:
-        """peft LoRA on video modules; targets that reach the audio stream are refused (they would never train)."""
-        super().add_lora(transformer, rank, alpha, targets)
+    def check_lora(self, transformer, targets) -> None:
+        """Targets that reach the audio stream are refused: video-only training never trains them."""
         audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
                         if "lora_" in n and AUDIO_PARAMETERS.search(n)})
         if audio:
@@ -173,73 +163,59 @@ class LTX2Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes for the transformer (2 layers, video 2 heads x 8, audio 2 x 4), text
         connectors, audio VAE and vocoder; a 4-level video VAE (x8 time, x32 space, 8 channels); a
         2-layer Gemma 3 with a locally built tokenizer; LTX2Pipeline layout."""
         from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                               LTX2Pipeline, LTX2VideoTransformer3DModel)
+                               LTX2VideoTransformer3DModel)
         from diffusers.pipelines.ltx2 import LTX2TextConnectors
         from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
         from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3TextConfig, SiglipVisionConfig
 
         tokenizer = build_gemma_tokenizer()
         text_hidden = 16
-        with seeded(seed):
-            text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
-                text_config=Gemma3TextConfig(
-                    vocab_size=len(tokenizer), hidden_size=text_hidden, intermediate_size=32, num_hidden_layers=2,
-                    num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=16,
-                    pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                    eos_token_id=tokenizer.eos_token_id),
-                vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                                 num_attention_heads=2, image_size=28, patch_size=14),
-                mm_tokens_per_image=4))
-            connectors = LTX2TextConnectors(  # each connector's width (heads x head dim) is the text width
-                caption_channels=text_hidden, text_proj_in_factor=2 + 1, video_connector_num_attention_heads=2,
-                video_connector_attention_head_dim=8, video_connector_num_layers=1,
-                video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
-                audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
-                audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32,
-                rope_double_precision=False, rope_type="split")
-            vae = AutoencoderKLLTX2Video(
-                latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 16, 32),
-                layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), patch_size=4,
-                patch_size_t=1, decoder_inject_noise=(False,) * 4, spatial_compression_ratio=32,
-                temporal_compression_ratio=8)
-            # Non-trivial normalisation statistics, so a wrong normalisation cannot go unnoticed.
-            vae.latents_mean.copy_(torch.randn(8) * 0.1)
-            vae.latents_std.copy_(torch.rand(8) + 0.5)
-            transformer = LTX2VideoTransformer3DModel(
-                in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
-                attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
-                audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
-                qk_norm="rms_norm_across_heads", caption_channels=text_hidden, rope_double_precision=False,
-                rope_type="split")
-            audio_vae = AutoencoderKLLTX2Audio(
-                base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
-                in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
-                dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
-                mel_bins=8)
-            vocoder = LTX2Vocoder(
-                in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
-                upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
-                leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+        text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+            text_config=Gemma3TextConfig(
+                vocab_size=len(tokenizer), hidden_size=text_hidden, intermediate_size=32, num_hidden_layers=2,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=8, sliding_window=16,
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=tokenizer.eos_token_id),
+            vision_config=SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=28, patch_size=14),
+            mm_tokens_per_image=4))
+        connectors = LTX2TextConnectors(  # each connector's width (heads x head dim) is the text width
+            caption_channels=text_hidden, text_proj_in_factor=2 + 1, video_connector_num_attention_heads=2,
+            video_connector_attention_head_dim=8, video_connector_num_layers=1,
+            video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
+            audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+            audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32,
+            rope_double_precision=False, rope_type="split")
+        vae = AutoencoderKLLTX2Video(
+            latent_channels=8, block_out_channels=(8, 8, 8, 8), decoder_block_out_channels=(8, 16, 32),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1), patch_size=4,
+            patch_size_t=1, decoder_inject_noise=(False,) * 4, spatial_compression_ratio=32,
+            temporal_compression_ratio=8)
+        # Non-trivial normalisation statistics, so a wrong normalisation cannot go unnoticed.
+        vae.latents_mean.copy_(torch.randn(8) * 0.1)
+        vae.latents_std.copy_(torch.rand(8) + 0.5)
+        transformer = LTX2VideoTransformer3DModel(
+            in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
+            attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+            audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+            qk_norm="rms_norm_across_heads", caption_channels=text_hidden, rope_double_precision=False,
+            rope_type="split")
+        audio_vae = AutoencoderKLLTX2Audio(
+            base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+            in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
+            dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
+            mel_bins=8)
+        vocoder = LTX2Vocoder(
+            in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+            upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+            leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
         scheduler = FlowMatchEulerDiscreteScheduler(  # LTX's token-count shift (LTX2Pipeline's mu defaults)
             use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
             max_image_seq_len=4096, shift_terminal=0.1)
-        pipeline = LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
-                                tokenizer=tokenizer, connectors=connectors, transformer=transformer, vocoder=vocoder)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
-
-
-def build_gemma_tokenizer(words: list[str] = TINY_WORDS):
-    """A Gemma BPE tokenizer over `words` (each one token after a space), left padded as LTX-2 encodes."""
-    from transformers import GemmaTokenizer
-
-    from vt.shared.models.tiny import bpe_vocab
-
-    vocab, merges = bpe_vocab(words, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], prefix="\u2581")
-    return GemmaTokenizer(vocab=vocab, merges=merges, padding_side="left", model_max_length=1024)
+        return dict(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                    connectors=connectors, transformer=transformer, vocoder=vocoder)

@@ -12,15 +12,15 @@ What is particular to LTX:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
-                                   TensorParallelPlan, VaeGeometry, flow_match_noisy, input_dtype, to_pil_image)
-from vt.shared.models.tiny import build_t5_tokenizer, seeded
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy, input_dtype
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 
 class LTXVideoSpec(ModelSpec):
@@ -35,17 +35,10 @@ class LTXVideoSpec(ModelSpec):
     noisy_first_frame: ClassVar[bool] = True  # i2v may noise the conditioning frame lightly
     example_hub_id: ClassVar[str] = "Lightricks/LTX-Video"
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
-        from diffusers import AutoencoderKLLTXVideo, LTXVideoTransformer3DModel
-        from transformers import T5EncoderModel
-
-        return {"text_encoder": T5EncoderModel, "vae": AutoencoderKLLTXVideo, "transformer": LTXVideoTransformer3DModel}
-
-    def pipeline_class(self) -> type:
-        from diffusers import LTXImageToVideoPipeline, LTXPipeline
-
-        return LTXImageToVideoPipeline if self.config.task == "i2v" else LTXPipeline
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:T5EncoderModel",
+                                            "vae": "diffusers:AutoencoderKLLTXVideo",
+                                            "transformer": "diffusers:LTXVideoTransformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTXPipeline", "i2v": "diffusers:LTXImageToVideoPipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self._vae_without_weights()
@@ -146,16 +139,6 @@ class LTXVideoSpec(ModelSpec):
         """RoPE's temporal scale depends on the frame rate: sample at the rate frames were sampled at."""
         return {**super().inference_settings(), "frame_rate": self.frame_rate}
 
-    def _generate_kwargs(self, image) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
-        if self.config.task == "i2v":
-            if image is None:
-                raise ValueError("ltx-video i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame")
-            kwargs["image"] = to_pil_image(image)
-        elif image is not None:
-            raise ValueError("ltx-video t2v takes no image; set model.task = \"i2v\" for first-frame conditioning")
-        return kwargs
-
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
         """q/k/v and the FFN's first layer column-wise, attention outputs and the FFN's second row-wise.
@@ -186,34 +169,27 @@ class LTXVideoSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
-        """2-layer transformer, 4-level VAE (x8 time, x32 space), 2-layer T5; LTXPipeline layout."""
-        from diffusers import (AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline,
-                               LTXVideoTransformer3DModel)
-        from transformers import T5Config, T5EncoderModel
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
+        """2-layer transformer, 4-level VAE (x8 time, x32 space), 2-layer T5 (one preset for both tasks)."""
+        from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXVideoTransformer3DModel
 
-        with seeded(seed):
-            vae = AutoencoderKLLTXVideo(
-                latent_channels=16, block_out_channels=(16, 16, 32, 32), decoder_block_out_channels=(16, 16, 32, 32),
-                layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
-                spatio_temporal_scaling=(True, True, True, False),
-                decoder_spatio_temporal_scaling=(True, True, True, False), patch_size=4, patch_size_t=1,
-            )
-            # Non-trivial normalisation statistics, so a wrong normalisation cannot go unnoticed.
-            vae.latents_mean.copy_(torch.randn(16) * 0.1)
-            vae.latents_std.copy_(torch.rand(16) + 0.5)
-            transformer = LTXVideoTransformer3DModel(
-                in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=16,
-                cross_attention_dim=64, num_layers=2, caption_channels=64,
-            )
-            text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                                   num_heads=4))
+        vae = AutoencoderKLLTXVideo(
+            latent_channels=16, block_out_channels=(16, 16, 32, 32), decoder_block_out_channels=(16, 16, 32, 32),
+            layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1, 1),
+            spatio_temporal_scaling=(True, True, True, False),
+            decoder_spatio_temporal_scaling=(True, True, True, False), patch_size=4, patch_size_t=1,
+        )
+        # Non-trivial normalisation statistics, so a wrong normalisation cannot go unnoticed.
+        vae.latents_mean.copy_(torch.randn(16) * 0.1)
+        vae.latents_std.copy_(torch.rand(16) + 0.5)
+        transformer = LTXVideoTransformer3DModel(
+            in_channels=16, out_channels=16, num_attention_heads=4, attention_head_dim=16,
+            cross_attention_dim=64, num_layers=2, caption_channels=64,
+        )
+        text_encoder = tiny_t5_encoder()
         scheduler = FlowMatchEulerDiscreteScheduler(  # LTX-Video 0.9.x schedule
             use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
             max_image_seq_len=4096, shift_terminal=0.1,
         )
-        pipeline = LTXPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
-                               tokenizer=build_t5_tokenizer(), transformer=transformer)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
+        return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=build_t5_tokenizer(),
+                    transformer=transformer)

@@ -29,19 +29,16 @@ have to split apart.
 
 from __future__ import annotations
 
-import logging
 import re
-from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from vt.shared.models import comfy
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
-from vt.shared.models.tiny import build_t5_tokenizer, seeded
-
-log = logging.getLogger(__name__)
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 # What MochiPipeline hard-codes (vae_temporal_scale_factor, vae_spatial_scale_factor): a VAE with other
 # ratios would train on latents the pipeline cannot sample.
@@ -67,24 +64,17 @@ class MochiSpec(ModelSpec):
         (r"transformer_blocks\.(\d+)\.ff_context\.net\.0\.proj", r"blocks.\1.mlp_y.w1"),
         (r"transformer_blocks\.(\d+)\.ff_context\.net\.2", r"blocks.\1.mlp_y.w2"),
     )
-    fused_original_names: ClassVar[tuple[comfy.Fused, ...]] = (
+    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = (
         comfy.Fused(r"transformer_blocks\.(\d+)\.attn1", ("to_q", "to_k", "to_v"), r"blocks.\1.attn.qkv_x"),
         comfy.Fused(r"transformer_blocks\.(\d+)\.attn1", ("add_q_proj", "add_k_proj", "add_v_proj"),
                     r"blocks.\1.attn.qkv_y"),
     )
     comfy_alpha: ClassVar[bool] = False  # ranks differ between fused and plain modules: scale baked into lora_B
 
-    @staticmethod
-    def component_classes() -> dict[str, type]:
-        from diffusers import AutoencoderKLMochi, MochiTransformer3DModel
-        from transformers import T5EncoderModel
-
-        return {"text_encoder": T5EncoderModel, "vae": AutoencoderKLMochi, "transformer": MochiTransformer3DModel}
-
-    def pipeline_class(self) -> type:
-        from diffusers import MochiPipeline
-
-        return MochiPipeline
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:T5EncoderModel",
+                                            "vae": "diffusers:AutoencoderKLMochi",
+                                            "transformer": "diffusers:MochiTransformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:MochiPipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae, transformer = self.load_config("vae"), self.load_config("transformer")
@@ -145,55 +135,39 @@ class MochiSpec(ModelSpec):
         return super().pipeline_inputs(prompt, bucket, steps, seed, image)
 
     # ----------------------------------------------------------------------------- export
-    def save_comfy_lora(self, tensors: dict[str, Tensor], path: Path, metadata: dict) -> Path | None:
-        """Original names, q/k/v fused into `qkv_x` / `qkv_y`, SwiGLU lora_B halves in genmo's order."""
-        from safetensors.torch import save_file
+    def comfy_out_features(self, module: str) -> int:
+        """Every q/k/v projection (video and text side) outputs heads x head_dim features."""
+        config = self.load_config("transformer")
+        return config.get("num_attention_heads", 24) * config.get("attention_head_dim", 128)
 
-        swapped = {key: swap_halves(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
-                   for key, value in tensors.items()}
-        heads = self.load_config("transformer")
-        inner = heads.get("num_attention_heads", 24) * heads.get("attention_head_dim", 128)
-        try:  # every q/k/v projection (video and text side) outputs heads x head_dim features
-            state = comfy.comfy_state_dict(swapped, self.original_names, int(metadata["r"]),
-                                           float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha,
-                                           fused=self.fused_original_names, out_features=lambda module: inner)
-        except ValueError as err:
-            log.warning("LoRA saved for diffusers only: %s", err)
-            return None
-        save_file(state, str(path), metadata={"format": "pt", "vt_family": self.family})
-        return path
+    def comfy_tensors(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """SwiGLU lora_B halves in genmo's order (q/k/v fuse into `qkv_x` / `qkv_y` by `comfy_fused`)."""
+        return {key: swap_halves(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
+                for key, value in tensors.items()}
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0) -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes (2 layers, 2 heads; here of 16 channels); the real VAE layout with 32
         channels per level (x6 time, x8 space), the real latent statistics and no encoder attention
         (the slowest part on a CPU); a 2-layer T5; the checkpoint's scheduler (flow-match Euler with
         inverted sigmas); MochiPipeline layout. The rotary frequencies are drawn at random (a fresh
         MochiTransformer3DModel has them all zero, which would leave the rotary embedding unchecked)."""
-        from diffusers import (AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline,
-                               MochiTransformer3DModel)
-        from transformers import T5Config, T5EncoderModel
+        from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiTransformer3DModel
 
-        with seeded(seed):
-            transformer = MochiTransformer3DModel(
-                patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2, pooled_projection_dim=16,
-                in_channels=12, qk_norm="rms_norm", text_embed_dim=64, time_embed_dim=32, activation_fn="swiglu",
-                max_sequence_length=256,
-            )
-            with torch.no_grad():
-                transformer.pos_frequencies.normal_(std=0.5)
-            vae = AutoencoderKLMochi(latent_channels=12, out_channels=3, encoder_block_out_channels=(32,) * 4,
-                                     decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5,
-                                     add_attention_block=(False,) * 5)
-            text_encoder = T5EncoderModel(T5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128, num_layers=2,
-                                                   num_heads=4))
-        pipeline = MochiPipeline(scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True), vae=vae,
-                                 text_encoder=text_encoder, tokenizer=build_t5_tokenizer(model_max_length=256),
-                                 transformer=transformer)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
+        transformer = MochiTransformer3DModel(
+            patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2, pooled_projection_dim=16,
+            in_channels=12, qk_norm="rms_norm", text_embed_dim=64, time_embed_dim=32, activation_fn="swiglu",
+            max_sequence_length=256,
+        )
+        with torch.no_grad():
+            transformer.pos_frequencies.normal_(std=0.5)
+        vae = AutoencoderKLMochi(latent_channels=12, out_channels=3, encoder_block_out_channels=(32,) * 4,
+                                 decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5,
+                                 add_attention_block=(False,) * 5)
+        text_encoder = tiny_t5_encoder()
+        return dict(scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True), vae=vae, text_encoder=text_encoder,
+                    tokenizer=build_t5_tokenizer(model_max_length=256), transformer=transformer)
 
 
 def swap_halves(weight: Tensor) -> Tensor:

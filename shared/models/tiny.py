@@ -1,4 +1,4 @@
-"""Helpers for tiny presets: a locally built T5-style tokenizer and seeded module construction.
+"""The builders of tiny presets: locally built tokenizers, tiny text encoders, seeded construction, saving.
 
 Tiny presets must be built offline, in milliseconds, and identically for a seed, so tests and the
 demo load them through the very `from_pretrained` code path a real checkpoint uses. The tokenizer
@@ -6,14 +6,19 @@ is a SentencePiece-style Unigram model (what T5 and UMT5 use) made with the `tok
 from a small word list: each listed word is one piece, anything else falls back to single
 characters, so no caption ever fails to tokenize. `bpe_vocab` is the same idea for the byte-pair
 tokenizers (Llama, CLIP, Gemma) the other families' presets build.
+
+A family's `tiny_parts` builds its pipeline's arguments from these (and its own transformer and VAE at
+a tiny config); `ModelSpec.make_tiny` seeds the build and saves the pipeline (`save_tiny`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import string
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -107,3 +112,49 @@ def seeded(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         yield
+
+
+def build_llama_tokenizer(words: list[str] = TINY_WORDS):
+    """A Llama BPE tokenizer over `words`, right padded as HunyuanVideo's (the transformer's text mask
+    assumes right padding; LlamaTokenizer's default is left)."""
+    from transformers import LlamaTokenizer
+
+    vocab, merges = bpe_vocab(words, ["<unk>", "<s>", "</s>", "<pad>"], prefix="\u2581")
+    return LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                          pad_token="<pad>", padding_side="right", model_max_length=1024)
+
+
+def build_clip_tokenizer(words: list[str] = TINY_WORDS):
+    """A CLIP BPE tokenizer over `words` (77 tokens, padded with its end-of-text token, as CLIP's)."""
+    from transformers import CLIPTokenizer
+
+    vocab, merges = bpe_vocab(words, ["<|startoftext|>", "<|endoftext|>"], suffix="</w>")
+    return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=77)
+
+
+def build_gemma_tokenizer(words: list[str] = TINY_WORDS):
+    """A Gemma BPE tokenizer over `words` (each one token after a space), left padded as LTX-2 encodes."""
+    from transformers import GemmaTokenizer
+
+    vocab, merges = bpe_vocab(words, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], prefix="\u2581")
+    return GemmaTokenizer(vocab=vocab, merges=merges, padding_side="left", model_max_length=1024)
+
+
+def tiny_t5_encoder(umt5: bool = False, vocab_size: int = 1000, d_model: int = 64, d_kv: int = 16, d_ff: int = 128,
+                    num_heads: int = 4):
+    """A 2-layer T5 (or UMT5) encoder at a tiny width: the text encoder of most families' presets."""
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    config, model = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
+    return model(config(vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=2, num_heads=num_heads))
+
+
+def save_tiny(pipeline, out: Path, index_names: dict[str, list[str]] | None = None) -> Path:
+    """Save a tiny preset's pipeline in diffusers layout; `index_names` renames the classes of parts it
+    holds in model_index.json as the real checkpoints name them (not by the backend transformers picked here)."""
+    pipeline.save_pretrained(out, safe_serialization=True)
+    if index_names:
+        index = json.loads((out / "model_index.json").read_text())
+        index.update({name: value for name, value in index_names.items() if any(index.get(name) or ())})
+        (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return out

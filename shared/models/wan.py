@@ -22,17 +22,17 @@ WanImageToVideoPipeline conditions on the first frame:
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from vt.shared.config import ModelConfig
-from vt.shared.models.spec import (NUM_TRAIN_TIMESTEPS, ContextParallelPlan, ModelSpec, Prediction,
-                                   TensorParallelPlan, VaeGeometry, flow_inputs, input_dtype, to_pil_image)
-from vt.shared.models.tiny import build_t5_tokenizer, seeded
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.pipeline import to_pil_image
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 # diffusers' WanAttnProcessor: with image key/value projections, the context's last 512 tokens are
 # the text and everything before them the image.
@@ -55,6 +55,15 @@ class WanSpec(ModelSpec):
         (r"blocks\.(\d+)\.ffn\.net\.2", r"blocks.\1.ffn.2"),
     )
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:UMT5EncoderModel",
+                                            "vae": "diffusers:AutoencoderKLWan",
+                                            "transformer": "diffusers:WanTransformer3DModel"}
+    # Wan 2.1 i2v adds the CLIP image encoder and its processor (Wan 2.2's I2V models have none).
+    task_components: ClassVar[dict[str, dict[str, str]]] = {
+        "i2v": {"image_encoder": "transformers:CLIPVisionModelWithProjection",
+                "image_processor": "transformers:CLIPImageProcessor"}}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:WanPipeline", "i2v": "diffusers:WanImageToVideoPipeline"}
+    tiny_index_names: ClassVar[dict[str, list[str]]] = {"image_processor": ["transformers", "CLIPImageProcessor"]}
     # Wan 2.1 I2V also conditions on CLIP image embeddings; Wan 2.2's I2V models only on the encoded frame.
     clip_image_conditioning: ClassVar[bool] = True
 
@@ -72,18 +81,6 @@ class WanSpec(ModelSpec):
         """Whether this run feeds CLIP image embeddings (Wan 2.1 i2v) beside the encoded first frame."""
         return self.config.task == "i2v" and self.clip_image_conditioning
 
-    def component_classes(self) -> dict[str, type]:
-        """UMT5, the Wan VAE and transformer; Wan 2.1 i2v adds the CLIP image encoder and its processor."""
-        from diffusers import AutoencoderKLWan, WanTransformer3DModel
-        from transformers import UMT5EncoderModel
-
-        classes = {"text_encoder": UMT5EncoderModel, "vae": AutoencoderKLWan, "transformer": WanTransformer3DModel}
-        if self.image_tokens:
-            from transformers import CLIPImageProcessor, CLIPVisionModelWithProjection
-
-            classes.update(image_encoder=CLIPVisionModelWithProjection, image_processor=CLIPImageProcessor)
-        return classes
-
     @property
     def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
         """i2v also encodes the first frame with the image encoder."""
@@ -96,11 +93,6 @@ class WanSpec(ModelSpec):
         `add_v_proj`; peft matches by suffix, so `to_k` does not cover them)."""
         extra = ["add_k_proj", "add_v_proj"] if self.image_tokens else []
         return [*ModelSpec.default_lora_targets, *extra]
-
-    def pipeline_class(self) -> type:
-        from diffusers import WanImageToVideoPipeline, WanPipeline
-
-        return WanImageToVideoPipeline if self.config.task == "i2v" else WanPipeline
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")
@@ -247,15 +239,6 @@ class WanSpec(ModelSpec):
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
 
-    # ----------------------------------------------------------------------------- validation
-    def _generate_kwargs(self, image) -> dict[str, Any]:
-        if self.config.task != "i2v":
-            return super()._generate_kwargs(image)
-        if image is None:
-            raise ValueError("wan i2v generation needs an image (PIL or (H, W, 3) uint8) for the first frame; "
-                             "set train.validation_images, one per validation prompt")
-        return {"image": to_pil_image(image)}
-
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
         """q/k/v and the FFN's first layer column-wise, attention outputs and the FFN's second row-wise.
@@ -287,46 +270,48 @@ class WanSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """2-layer transformer, 3-level VAE (x4 time, x8 space), 2-layer UMT5; WanPipeline layout.
 
         task "i2v": WanImageToVideoPipeline layout, as Wan 2.1 I2V: the transformer takes 36 channels
         and has image projections (image_dim, added_kv_proj_dim = heads x head dim), plus a 2-layer
         CLIP vision encoder on 32 x 32 crops (17 image tokens) and its CLIPImageProcessor.
         """
-        from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
-                               WanTransformer3DModel)
-        from transformers import UMT5Config, UMT5EncoderModel
-
-        if task not in cls.tasks:
-            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
         i2v = task == "i2v"
         heads, head_dim, z_dim, image_dim = 4, 16, 16, 32
-        with seeded(seed):
-            vae = AutoencoderKLWan(base_dim=16, z_dim=z_dim, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
-                                   temperal_downsample=[False, True, True])
-            image = dict(in_channels=2 * z_dim + 4, image_dim=image_dim, added_kv_proj_dim=heads * head_dim) if i2v \
-                else dict(in_channels=z_dim)
-            transformer = WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim, out_channels=z_dim,
-                text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64, **image,
-            )
-            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128,
-                                                       num_layers=2, num_heads=4))
-            parts = _tiny_image_parts(image_dim) if i2v else {}
+        vae = tiny_wan_vae(z_dim)
+        image = dict(in_channels=2 * z_dim + 4, image_dim=image_dim, added_kv_proj_dim=heads * head_dim) if i2v \
+            else dict(in_channels=z_dim)
+        transformer = tiny_wan_transformer(out_channels=z_dim, **image)
+        text_encoder = tiny_t5_encoder(umt5=True)
+        parts = _tiny_image_parts(image_dim) if i2v else {}
         # Wan2.1-T2V-1.3B-Diffusers' (and I2V-480P's) scheduler: UniPC on flow sigmas with shift 3.
-        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                            num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
-        pipeline = (WanImageToVideoPipeline if i2v else WanPipeline)(
-            tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-            transformer=transformer, **parts)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        if i2v:  # name the processor as the checkpoints do, not by the backend transformers picked here
-            index = json.loads((out / "model_index.json").read_text())
-            index["image_processor"] = ["transformers", "CLIPImageProcessor"]
-            (out / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        return out
+        return dict(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
+                    scheduler=flow_unipc_scheduler(3.0), transformer=transformer, **parts)
+
+
+def tiny_wan_vae(z_dim: int = 16, **config):
+    """The Wan VAE at 3 levels of tiny width (x4 time, x8 space unless `config` says otherwise)."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=16, z_dim=z_dim, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], **config)
+
+
+def tiny_wan_transformer(**config):
+    """A 2-layer Wan transformer of 4 heads x 16 (patch 1x2x2, text width 64)."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, text_dim=64,
+                                 freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64, **config)
+
+
+def flow_unipc_scheduler(shift: float):
+    """The Wan checkpoints' scheduler: UniPC on flow sigmas with `shift`."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                   num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=shift)
 
 
 def _tiny_image_parts(hidden: int) -> dict[str, Any]:

@@ -24,12 +24,10 @@ TI2V-5B (one transformer, 48-channel VAE, per-token timesteps) is family "wan2.2
 from __future__ import annotations
 
 from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar
 
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS
-from vt.shared.models.tiny import build_t5_tokenizer, seeded
-from vt.shared.models.wan import WanSpec
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
+from vt.shared.models.wan import WanSpec, flow_unipc_scheduler, tiny_wan_transformer, tiny_wan_vae
 
 HIGH, LOW = "high_noise", "low_noise"
 
@@ -39,10 +37,8 @@ class Wan22Spec(WanSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.2-T2V-A14B-Diffusers"
     clip_image_conditioning: ClassVar[bool] = False
-
-    def component_classes(self) -> dict[str, type]:
-        classes = super().component_classes()
-        return {**classes, "transformer_2": classes["transformer"]}
+    components: ClassVar[dict[str, str]] = {**WanSpec.components, "transformer_2": WanSpec.components["transformer"]}
+    task_components: ClassVar[dict[str, dict[str, str]]] = {}  # no CLIP image encoder
 
     @cached_property
     def boundary(self) -> float:
@@ -73,35 +69,13 @@ class Wan22Spec(WanSpec):
         return {"load_into_transformer_2": True} if component == "transformer_2" else {}
 
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
         """Two 2-layer experts (different weights), the tiny Wan VAE and UMT5; WanPipeline layout
         (boundary 0.875), or for "i2v" WanImageToVideoPipeline's (36-channel experts, no image encoder,
         boundary 0.9), as T2V-A14B and I2V-A14B."""
-        from diffusers import (AutoencoderKLWan, UniPCMultistepScheduler, WanImageToVideoPipeline, WanPipeline,
-                               WanTransformer3DModel)
-        from transformers import UMT5Config, UMT5EncoderModel
-
-        if task not in cls.tasks:
-            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
         i2v = task == "i2v"
-
-        def transformer():
-            return WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=36 if i2v else 16,
-                out_channels=16, text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-            )
-
-        with seeded(seed):
-            vae = AutoencoderKLWan(base_dim=16, z_dim=16, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
-                                   temperal_downsample=[False, True, True])
-            high, low = transformer(), transformer()
-            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128,
-                                                       num_layers=2, num_heads=4))
-        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                            num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=3.0)
-        pipeline = (WanImageToVideoPipeline if i2v else WanPipeline)(
-            tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae, scheduler=scheduler,
-            transformer=high, transformer_2=low, boundary_ratio=0.9 if i2v else 0.875)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
+        vae = tiny_wan_vae()
+        high, low = (tiny_wan_transformer(in_channels=36 if i2v else 16, out_channels=16) for _ in range(2))
+        return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=vae,
+                    scheduler=flow_unipc_scheduler(3.0), transformer=high, transformer_2=low,
+                    boundary_ratio=0.9 if i2v else 0.875)

@@ -16,15 +16,16 @@ module names for ComfyUI. What is particular:
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from vt.shared.models.spec import NUM_TRAIN_TIMESTEPS, ModelSpec, Prediction, VaeGeometry, flow_inputs, input_dtype
-from vt.shared.models.tiny import build_t5_tokenizer, seeded
-from vt.shared.models.wan import WanSpec, _latent_stats
+from vt.shared.models.components import load_class
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
+from vt.shared.models.wan import WanSpec, _latent_stats, flow_unipc_scheduler, tiny_wan_transformer, tiny_wan_vae
 
 
 class Wan22TI2VSpec(WanSpec):
@@ -32,6 +33,7 @@ class Wan22TI2VSpec(WanSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.2-TI2V-5B-Diffusers"
     clip_image_conditioning: ClassVar[bool] = False
+    task_components: ClassVar[dict[str, dict[str, str]]] = {}  # no CLIP image encoder
 
     def pipeline_options(self) -> dict[str, Any]:
         return {"expand_timesteps": True}
@@ -83,34 +85,20 @@ class Wan22TI2VSpec(WanSpec):
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
 
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
-        """A 2-layer 48-channel transformer, a 3-level residual 48-channel VAE (patch 2: x16 space, x4
-        time, non-trivial latent statistics) and UMT5; WanPipeline(expand_timesteps=True) layout,
-        which both tasks load (i2v with WanImageToVideoPipeline), as the TI2V-5B checkpoint."""
-        from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-        from transformers import UMT5Config, UMT5EncoderModel
+    def tiny_pipeline(cls, task: str) -> type:
+        """WanPipeline(expand_timesteps=True) for both tasks, as the TI2V-5B checkpoint (i2v loads it with
+        WanImageToVideoPipeline)."""
+        return load_class(cls.pipelines["t2v"])
 
-        if task not in cls.tasks:
-            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
+    @classmethod
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
+        """A 2-layer 48-channel transformer, a 3-level residual 48-channel VAE (patch 2: x16 space, x4
+        time, non-trivial latent statistics) and UMT5; the checkpoint's scheduler (shift 5)."""
         z_dim = 48
-        with seeded(seed):
-            stats = torch.rand(2, z_dim)
-            vae = AutoencoderKLWan(base_dim=16, z_dim=z_dim, in_channels=12, out_channels=12, is_residual=True,
-                                   patch_size=2, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
-                                   temperal_downsample=[False, True, True], scale_factor_spatial=16,
-                                   scale_factor_temporal=4, latents_mean=(stats[0] - 0.5).tolist(),
-                                   latents_std=(stats[1] + 0.5).tolist())
-            transformer = WanTransformer3DModel(
-                patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=z_dim,
-                out_channels=z_dim, text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64,
-            )
-            text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=1000, d_model=64, d_kv=16, d_ff=128,
-                                                       num_layers=2, num_heads=4))
-        # Wan2.2-TI2V-5B-Diffusers' scheduler: UniPC on flow sigmas with shift 5.
-        scheduler = UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                            num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=5.0)
-        pipeline = WanPipeline(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                               scheduler=scheduler, transformer=transformer, expand_timesteps=True)
-        out = Path(out_dir)
-        pipeline.save_pretrained(out, safe_serialization=True)
-        return out
+        stats = torch.rand(2, z_dim)
+        vae = tiny_wan_vae(z_dim, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
+                           scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=(stats[0] - 0.5).tolist(),
+                           latents_std=(stats[1] + 0.5).tolist())
+        transformer = tiny_wan_transformer(in_channels=z_dim, out_channels=z_dim)
+        return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=vae,
+                    scheduler=flow_unipc_scheduler(5.0), transformer=transformer, expand_timesteps=True)

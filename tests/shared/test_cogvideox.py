@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from lora_init import randomise_lora
-from test_models import (BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video,
+from family_cases import (BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video,
                          video)
 
 from vt.shared.buckets import Bucket

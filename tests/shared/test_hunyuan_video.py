@@ -83,7 +83,7 @@ def test_comfy_file_reads_back_through_diffusers_at_the_real_hidden_size(tiny_mo
     sizes = {"transformer_blocks.0.attn.add_q_proj": hidden, "transformer_blocks.0.attn.add_v_proj": hidden,
              "single_transformer_blocks.0.proj_mlp": mlp}
     state = comfy_state_dict(lora, spec.original_names, rank, alpha, write_alpha=False,
-                             fused=spec.fused_original_names, out_features=sizes.__getitem__)
+                             fused=spec.comfy_fused, out_features=sizes.__getitem__)
     assert state["diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight"].shape == (3 * rank, hidden)
     assert state["diffusion_model.double_blocks.0.txt_attn_qkv.lora_B.weight"].shape == (3 * hidden, rank)
     assert state["diffusion_model.single_blocks.0.linear1.lora_B.weight"].shape == (3 * hidden + mlp, 3 * rank)

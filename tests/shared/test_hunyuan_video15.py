@@ -77,7 +77,8 @@ def test_text_and_transformer_inputs_are_the_pipelines(tiny_model_factory, tmp_p
                           for n in frozen)
     assert all(p.grad is not None for p in transformer.parameters() if p.requires_grad)
 
-    foreign = tmp_path / "fused.safetensors"  # HunyuanVideo 1's fused names are not HunyuanVideo 1.5's
-    save_file({"diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight": torch.zeros(4, 16)}, str(foreign))
-    with pytest.raises(ValueError, match=r"img_attn_qkv.*not a LoRA weight of a HunyuanVideo 1.5 module"):
+    foreign = tmp_path / "single.safetensors"  # HunyuanVideo 1's single blocks: HunyuanVideo 1.5 has none
+    save_file({"diffusion_model.single_blocks.0.linear1.lora_A.weight": torch.zeros(4, 16),
+               "diffusion_model.single_blocks.0.linear1.lora_B.weight": torch.zeros(16, 4)}, str(foreign))
+    with pytest.raises(ValueError, match=r"linear1.*not a LoRA weight of a HunyuanVideo 1.5 module"):
         load_lora(pipeline, foreign)

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 from lora_init import randomise_lora
-from test_models import make_spec
+from family_cases import make_spec
 
 from vt.shared.buckets import Bucket
 from vt.shared.models.mochi import swap_halves

@@ -7,12 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from family_cases import BUCKET, CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 from lora_init import randomise_lora
-from test_models import BUCKET, CAPTIONS, capture_transformer_inputs, pipeline_latents, uint8_video
-
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
-from vt.shared.models.spec import lora_weight_name
+from vt.shared.models.lora import lora_weight_name
 
 IMAGE = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
 
@@ -133,3 +132,39 @@ def test_ti2v_trains_as_the_expand_timesteps_pipelines_sample(tiny_model_factory
     assert frames.shape == (9, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
     with pytest.raises(ValueError, match="use family \"wan2.2-ti2v\""):
         _ = spec_for(folder, "wan2.2").boundary
+
+
+@pytest.mark.parametrize("expert", ["high_noise", "low_noise"])
+def test_an_expert_trains_its_own_transformer_and_noise_range(tiny_model_factory, tmp_path, expert):
+    """Wan 2.2 A14B: each expert is its own transformer, trained on its side of the boundary, and its
+    LoRA loads into that expert of the pipeline, from the diffusers and the ComfyUI file alike."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    folder = tiny_model_factory("wan2.2")
+    spec = make_spec(folder, "wan2.2", expert=expert)
+    component = {"high_noise": "transformer", "low_noise": "transformer_2"}[expert]
+    assert spec.trained_component == component
+    assert spec.sigma_range() == ((0.875, 1.0) if expert == "high_noise" else (0.0, 0.875))
+    transformer = spec.load_transformer()
+    stored = load_file(next((folder / component).glob("*.safetensors")))
+    name = next(iter(stored))
+    torch.testing.assert_close(transformer.state_dict()[name], stored[name].float())
+    spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
+    with torch.no_grad():
+        for param_name, param in transformer.named_parameters():
+            if "lora_B" in param_name:
+                param.normal_(std=0.3, generator=torch.Generator().manual_seed(1))
+    pipeline = spec.build_pipeline(transformer)
+    assert getattr(pipeline, component) is transformer and pipeline.config.boundary_ratio == 0.875
+    in_memory = pipeline_latents(spec, pipeline)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)
+    for weight_name in ("pytorch_lora_weights.safetensors", f"lora_comfyui_{expert}.safetensors"):
+        fresh = spec.pipeline_class().from_pretrained(folder)
+        fresh.set_progress_bar_config(disable=True)
+        fresh.load_lora_weights(tmp_path, weight_name=weight_name, **spec.lora_load_kwargs())
+        torch.testing.assert_close(pipeline_latents(spec, fresh), in_memory, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"model.expert = 'middle'.*\['high_noise', 'low_noise', 'all'\]"):
+        make_spec(folder, "wan2.2", expert="middle")
+    with pytest.raises(ValueError, match=r"one transformer: leave it unset"):
+        make_spec(tiny_model_factory("wan"), "wan", expert="low_noise")

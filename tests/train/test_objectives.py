@@ -1,6 +1,6 @@
 import torch
 
-from vt.shared.models.spec import Prediction
+from vt.shared.models.flow import Prediction
 from vt.train.objectives import flow_matching_loss, sample_sigmas, shift_sigmas, step_generator
 
 

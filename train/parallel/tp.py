@@ -29,7 +29,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from vt.shared.models.spec import ModelSpec, TensorParallelPlan
+from vt.shared.models.plans import TensorParallelPlan
+from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.dist_norm import ShardedRMSNorm
 
 log = logging.getLogger(__name__)

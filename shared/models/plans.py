@@ -1,0 +1,44 @@
+"""How tensor and context parallel split a family's transformer: the plans a family declares."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How tensor parallel splits one transformer block; names are relative to a block.
+
+    Column-wise layers split their output features in rank order (for q/k/v: whole heads per rank),
+    row-wise layers split their input features and sum their outputs over the tp group. The
+    attention modules then run on their local heads, and RMSNorms over all heads' channels
+    (`head_norms`) sum their squares over the tp group so they still match one process.
+    """
+
+    colwise: tuple[str, ...]  # e.g. "attn1.to_q", "ff.net.0.proj"
+    rowwise: tuple[str, ...]  # e.g. "attn1.to_out.0", "ff.net.2"
+    attention: tuple[str, ...]  # attention modules whose `heads` becomes the local head count
+    head_norms: tuple[str, ...] = ()  # torch.nn.RMSNorm over all heads' channels (query/key norms)
+    # Transformer submodule returning rotary (cos, sin) laid out over all heads' channels on the last
+    # dim (LTX-Video); each rank keeps its channels. None when the rotary tables span one head (Wan).
+    channel_rope: str | None = None
+
+
+@dataclass(frozen=True)
+class ContextParallelPlan:
+    """How context parallel splits the token sequence (Ulysses); names are relative to the transformer.
+
+    The inputs named in `split_inputs` are cut to this rank's chunk along their sequence dim (a
+    tensor that has no such dim, or size 1 there, such as a per-sample timestep, stays whole); the
+    output of `gather_output` is gathered back along dim 1. Inside each block's self-attention,
+    the outputs of `sequence_to_heads` switch from "my tokens, all heads" to "all tokens, my heads"
+    and the input of `heads_to_sequence` switches back. Cross-attention keys and values come from
+    the text, which is not split: its queries stay on the local tokens with all heads.
+    """
+
+    split_inputs: dict[str, dict[str, int]]  # module ("" = the transformer) -> {argument name: sequence dim}
+    gather_output: str  # module whose output (B, S/P, C) is gathered to (B, S, C)
+    self_attention: tuple[str, ...]  # relative to a block
+    sequence_to_heads: tuple[str, ...] = ("norm_q", "norm_k", "to_v")  # relative to an attention module
+    heads_to_sequence: str = "to_out.0"
+    channel_rope: str | None = None  # as in TensorParallelPlan: rotary tables over all heads' channels

@@ -1,0 +1,203 @@
+"""ComfyUI's LoRA loading, re-implemented from its source for the models vt writes ComfyUI files for.
+
+Read at comfyanonymous/ComfyUI commit 3cd7b32f1b7e7e90395cefe7d9f9b1f89276d8ce (master, 2026-01-07;
+read from pollockjj/ComfyUI, which merges upstream). ComfyUI applies a LoRA file in
+comfy/sd.py `load_lora_for_models` (line 72): the key map of comfy/lora.py `model_lora_keys_unet`
+(lines 175-333: "LoRA name" -> model weight key), comfy/lora_convert.py `convert_lora` (no rule
+matches vt's keys), then comfy/lora.py `load_lora` (lines 37-95): for each name x of the map, `x.alpha`
+and the LoRA forms of comfy/weight_adapter/lora.py `LoRAAdapter.load` (lines 81-147; vt writes
+`x.lora_B.weight` / `x.lora_A.weight`); every key of the file no name consumed is logged
+"lora key not loaded" and dropped. `LoRAAdapter.calculate_weight` (lines 150-215) then adds
+strength * (alpha / rank, or 1 without alpha) * (lora_B @ lora_A).reshape(weight.shape), rank =
+lora_A.shape[0]; a size mismatch is logged and the weight left unchanged.
+
+The map needs the names of the ComfyUI model's weights. ComfyUI has no diffusers -> original
+conversion for these video models (comfy/utils.py has `*_to_diffusers` for UNet, SD3, PixArt,
+AuraFlow, Flux and Z-Image only), so the functions below list each model's per-block Linear weights
+with their (out, in) shapes as ComfyUI's model classes build them (the files and lines are named at
+each). Only transformer blocks are listed: vt's key tables name nothing outside them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+COMFYUI = "comfyanonymous/ComfyUI@3cd7b32f1b7e7e90395cefe7d9f9b1f89276d8ce"
+Shape = tuple[int, int]
+
+# comfy/model_base.py: the classes each model class is an instance of (`isinstance` in model_lora_keys_unet).
+MODEL_BASES = {
+    "LTXV": ("LTXV",),  # line 948, unet_model comfy.ldm.lightricks.model.LTXVModel
+    "LTXAV": ("LTXAV",),  # line 981, comfy.ldm.lightricks.av_model.LTXAVModel (BaseModel, not LTXV)
+    "WAN21": ("WAN21",),  # line 1174, comfy.ldm.wan.model.WanModel
+    "WAN22": ("WAN22", "WAN21"),  # line 1386: class WAN22(WAN21), WanModel (Wan 2.2 TI2V-5B)
+    "HunyuanVideo": ("HunyuanVideo",),  # line 1035, comfy.ldm.hunyuan_video.model.HunyuanVideo
+    "HunyuanVideo15": ("HunyuanVideo15", "HunyuanVideo"),  # line 1603: class HunyuanVideo15(HunyuanVideo)
+    "GenmoMochi": ("GenmoMochi",),  # line 933, comfy.ldm.genmo.joint_model.asymm_models_joint.AsymmDiTJoint
+}
+
+
+def _attention(out: dict[str, Shape], name: str, query_dim: int, context_dim: int, inner: int) -> None:
+    """comfy/ldm/lightricks/model.py CrossAttention (lines 334-364): to_q, to_k, to_v, to_out.0."""
+    out[f"{name}.to_q"] = (inner, query_dim)
+    out[f"{name}.to_k"] = (inner, context_dim)
+    out[f"{name}.to_v"] = (inner, context_dim)
+    out[f"{name}.to_out.0"] = (query_dim, inner)
+
+
+def _ltx_feed_forward(out: dict[str, Shape], name: str, dim: int) -> None:
+    """comfy/ldm/lightricks/model.py FeedForward (lines 284-292, mult=4): net.0.proj (GELU_approx), net.2."""
+    out[f"{name}.net.0.proj"] = (4 * dim, dim)
+    out[f"{name}.net.2"] = (dim, 4 * dim)
+
+
+def ltxv_weights(num_layers: int, dim: int, cross_attention_dim: int) -> dict[str, Shape]:
+    """LTXVModel (comfy/ldm/lightricks/model.py 801-871): `transformer_blocks.N` BasicTransformerBlock
+    (lines 386-416): attn1 (self), ff, attn2 (context cross_attention_dim)."""
+    out: dict[str, Shape] = {}
+    for n in range(num_layers):
+        block = f"transformer_blocks.{n}"
+        _attention(out, f"{block}.attn1", dim, dim, dim)
+        _ltx_feed_forward(out, f"{block}.ff", dim)
+        _attention(out, f"{block}.attn2", dim, cross_attention_dim, dim)
+    return out
+
+
+def ltxav_weights(num_layers: int, v_dim: int, a_dim: int, v_context: int, a_context: int) -> dict[str, Shape]:
+    """LTXAVModel (comfy/ldm/lightricks/av_model.py 322-464): `transformer_blocks.N`
+    BasicAVTransformerBlock (lines 14-117); the audio-video cross-attention runs at the audio width
+    (heads a_heads x ad_head: inner a_dim)."""
+    out: dict[str, Shape] = {}
+    for n in range(num_layers):
+        block = f"transformer_blocks.{n}"
+        _attention(out, f"{block}.attn1", v_dim, v_dim, v_dim)
+        _attention(out, f"{block}.audio_attn1", a_dim, a_dim, a_dim)
+        _attention(out, f"{block}.attn2", v_dim, v_context, v_dim)
+        _attention(out, f"{block}.audio_attn2", a_dim, a_context, a_dim)
+        _attention(out, f"{block}.audio_to_video_attn", v_dim, a_dim, a_dim)  # Q video, K/V audio
+        _attention(out, f"{block}.video_to_audio_attn", a_dim, v_dim, a_dim)  # Q audio, K/V video
+        _ltx_feed_forward(out, f"{block}.ff", v_dim)
+        _ltx_feed_forward(out, f"{block}.audio_ff", a_dim)
+    return out
+
+
+def wan_weights(num_layers: int, dim: int, ffn_dim: int, i2v: bool) -> dict[str, Shape]:
+    """WanModel (comfy/ldm/wan/model.py 388-508): `blocks.N` WanAttentionBlock (lines 171-209):
+    self_attn and cross_attn WanSelfAttention q/k/v/o (lines 52-55, kv_dim = dim), cross_attn's
+    k_img/v_img for model_type "i2v" (WanI2VCrossAttention, lines 113-124; comfy/model_detection.py
+    sets "i2v" when the checkpoint has img_emb: Wan 2.1 I2V), ffn.0 / ffn.2 (lines 204-206)."""
+    out: dict[str, Shape] = {}
+    for n in range(num_layers):
+        for attn in ("self_attn", "cross_attn"):
+            for proj in ("q", "k", "v", "o"):
+                out[f"blocks.{n}.{attn}.{proj}"] = (dim, dim)
+        if i2v:
+            out[f"blocks.{n}.cross_attn.k_img"] = (dim, dim)
+            out[f"blocks.{n}.cross_attn.v_img"] = (dim, dim)
+        out[f"blocks.{n}.ffn.0"] = (ffn_dim, dim)
+        out[f"blocks.{n}.ffn.2"] = (dim, ffn_dim)
+    return out
+
+
+def hunyuan_video_weights(depth: int, depth_single: int, hidden: int, mlp_hidden: int) -> dict[str, Shape]:
+    """HunyuanVideo (comfy/ldm/hunyuan_video/model.py 196-256; HunyuanVideo 1.5 is the same class with
+    no single blocks): `double_blocks.N` DoubleStreamBlock and `single_blocks.N` SingleStreamBlock of
+    comfy/ldm/flux/layers.py. Double (lines 171-198): img_mod.lin / txt_mod.lin (Modulation, 6 x hidden,
+    line 134), img_attn / txt_attn SelfAttention (lines 111-119: `qkv` fused, 3 x hidden, and `proj`),
+    img_mlp / txt_mlp build_mlp (lines 74-88: `0`, `2`; mlp_hidden = int(hidden * mlp_ratio)). Single
+    (lines 270-321): linear1 = [q, k, v, MLP in] (3 x hidden + mlp_hidden), linear2 = [attention, MLP] ->
+    hidden, modulation.lin (3 x hidden)."""
+    out: dict[str, Shape] = {}
+    for n in range(depth):
+        for stream in ("img", "txt"):
+            out[f"double_blocks.{n}.{stream}_mod.lin"] = (6 * hidden, hidden)
+            out[f"double_blocks.{n}.{stream}_attn.qkv"] = (3 * hidden, hidden)
+            out[f"double_blocks.{n}.{stream}_attn.proj"] = (hidden, hidden)
+            out[f"double_blocks.{n}.{stream}_mlp.0"] = (mlp_hidden, hidden)
+            out[f"double_blocks.{n}.{stream}_mlp.2"] = (hidden, mlp_hidden)
+    for n in range(depth_single):
+        out[f"single_blocks.{n}.linear1"] = (3 * hidden + mlp_hidden, hidden)
+        out[f"single_blocks.{n}.linear2"] = (hidden, hidden + mlp_hidden)
+        out[f"single_blocks.{n}.modulation.lin"] = (3 * hidden, hidden)
+    return out
+
+
+def mochi_weights(depth: int, dim_x: int, dim_y: int, mlp_x: int, mlp_y: int) -> dict[str, Shape]:
+    """AsymmDiTJoint (comfy/ldm/genmo/joint_model/asymm_models_joint.py 321-437): `blocks.N`
+    AsymmetricJointBlock (lines 160-222), the last with update_y=False (line 421): no proj_y, no mlp_y,
+    mod_y to dim_y only. AsymmetricAttention (lines 53-103): qkv_x (3 x dim_x), qkv_y (dim_y -> 3 x dim_x),
+    proj_x, proj_y (dim_x -> dim_y). FeedForward (joint_model/layers.py 71-92): w1 = [SiLU half, gate]
+    (2 x hidden), w2; hidden is int(2/3 x ratio x width) rounded up to 256 there, passed in here
+    (`mlp_x`, `mlp_y`) as the checkpoint's width."""
+    out: dict[str, Shape] = {}
+    for n in range(depth):
+        update_y = n < depth - 1
+        block = f"blocks.{n}"
+        out[f"{block}.mod_x"] = (4 * dim_x, dim_x)
+        out[f"{block}.mod_y"] = (4 * dim_y if update_y else dim_y, dim_x)
+        out[f"{block}.attn.qkv_x"] = (3 * dim_x, dim_x)
+        out[f"{block}.attn.qkv_y"] = (3 * dim_x, dim_y)
+        out[f"{block}.attn.proj_x"] = (dim_x, dim_x)
+        out[f"{block}.mlp_x.w1"] = (2 * mlp_x, dim_x)
+        out[f"{block}.mlp_x.w2"] = (dim_x, mlp_x)
+        if update_y:
+            out[f"{block}.attn.proj_y"] = (dim_y, dim_x)
+            out[f"{block}.mlp_y.w1"] = (2 * mlp_y, dim_y)
+            out[f"{block}.mlp_y.w2"] = (dim_y, mlp_y)
+    return out
+
+
+def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[str, str]:
+    """comfy/lora.py `model_lora_keys_unet` (lines 175-333) for `model_class` (a key of MODEL_BASES)
+    whose diffusion model has `weights` (module names): LoRA name -> `diffusion_model.<module>.weight`.
+    Only the branches that apply to these classes: unet_to_diffusers is empty for them (comfy/utils.py
+    line 271: no "num_res_blocks" in a DiT config) and no other isinstance branch matches."""
+    bases = MODEL_BASES[model_class]
+    keys = [f"diffusion_model.{module}.weight" for module in weights]
+    key_map: dict[str, str] = {}
+    for k in keys:  # lines 179-186: every model
+        key_lora = k[len("diffusion_model."):-len(".weight")].replace(".", "_")
+        key_map[f"lora_unet_{key_lora}"] = k
+        key_map[k[:-len(".weight")]] = k  # "generic lora format without any weird key names"
+    if "GenmoMochi" in bases:  # lines 268-272: "Official Mochi lora format"
+        for k in keys:
+            key_map[k[len("diffusion_model."):-len(".weight")]] = k
+    if "HunyuanVideo" in bases:  # lines 274-284: diffusion-pipe lora format (HunyuanVideo 1.5 too)
+        for k in keys:
+            key_lora = k.replace("_mod.lin.", "_mod.linear.").replace("_attn.qkv.", "_attn_qkv.")
+            key_lora = key_lora.replace("_attn.proj.", "_attn_proj.")
+            key_lora = key_lora.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2.")
+            key_lora = key_lora.replace(".modulation.lin.", ".modulation.linear.")
+            key_lora = key_lora[len("diffusion_model."):-len(".weight")]
+            key_map[f"transformer.{key_lora}"] = k
+            key_map[f"diffusion_model.{key_lora}"] = k  # "Old loras"
+    return key_map
+
+
+def load_lora(lora: dict[str, Tensor], key_map: dict[str, str]) -> tuple[dict[str, tuple], list[str]]:
+    """comfy/lora.py `load_lora` (lines 37-95) for the forms vt writes (`.alpha`, and LoRAAdapter.load's
+    `x.lora_B.weight` with `x.lora_A.weight`, weight_adapter/lora.py lines 95, 110-113): (weight key ->
+    (lora_B, lora_A, alpha or None), the file's keys ComfyUI logs as "lora key not loaded")."""
+    patches: dict[str, tuple] = {}
+    loaded: set[str] = set()
+    for x, weight in key_map.items():
+        alpha = None
+        if f"{x}.alpha" in lora:
+            alpha = lora[f"{x}.alpha"].item()
+            loaded.add(f"{x}.alpha")
+        up, down = f"{x}.lora_B.weight", f"{x}.lora_A.weight"
+        if up in lora:
+            patches[weight] = (lora[up], lora[down], alpha)
+            loaded.update((up, down))
+    return patches, [key for key in lora if key not in loaded]
+
+
+def weight_delta(patch: tuple, shape: Shape, strength: float = 1.0) -> Tensor:
+    """What LoRAAdapter.calculate_weight (weight_adapter/lora.py lines 150-215) adds to a weight of
+    `shape`; a size mismatch, which ComfyUI logs and skips, raises here."""
+    up, down, alpha = patch
+    scale = alpha / down.shape[0] if alpha is not None else 1.0  # line 175: alpha / mat2.shape[0]
+    if up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != tuple(shape):
+        raise ValueError(f"LoRA up {tuple(up.shape)} x down {tuple(down.shape)} does not make a {tuple(shape)} weight")
+    return strength * scale * torch.mm(up.flatten(1).float(), down.flatten(1).float()).reshape(shape)

@@ -1,0 +1,166 @@
+"""What the per-family test files share: each family's expected geometry and pipeline conventions
+(EXPECTED), seeded inputs, and small helpers around the spec."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig
+from vt.shared.models import build_spec
+
+BUCKET = Bucket(9, 64, 96)
+
+
+def _ltx_denormalize(latents, vae):  # LTXPipeline's own inverse, as used before vae.decode
+    from diffusers import LTXPipeline
+
+    return LTXPipeline._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
+def _wan_denormalize(latents, vae):  # WanPipeline: latents / (1 / std) + mean
+    shape = (1, -1, 1, 1, 1)
+    return latents / (1.0 / torch.tensor(vae.config.latents_std).view(shape)) + torch.tensor(
+        vae.config.latents_mean).view(shape)
+
+
+def _has_padding_mask(batch):  # padded captions are masked
+    mask = batch["prompt_attention_mask"]
+    return mask.shape == batch["prompt_embeds"].shape[:2] and 0 < mask.sum() < mask.numel()
+
+
+def _zero_past_caption(batch):  # no mask: embeddings are zero past the caption's tokens
+    return batch["prompt_embeds"][:, -1].abs().sum() == 0 and batch["prompt_embeds"][:, 0].abs().sum() > 0
+
+
+def _cogvideox_denormalize(latents, vae):  # CogVideoXPipeline.decode_latents: 1 / scaling_factor * latents
+    return 1 / vae.config.scaling_factor * latents
+
+
+def _hunyuan_denormalize(latents, vae):  # HunyuanVideoPipeline: latents / scaling_factor
+    return latents / vae.config.scaling_factor
+
+
+def _mochi_denormalize(latents, vae):  # MochiPipeline: latents * std / scaling_factor + mean
+    return _wan_denormalize(latents / vae.config.scaling_factor, vae)
+
+
+def _inverted_flow_target(spec, x0, noise, sigmas):  # Mochi: the pipeline's inverted flow time
+    return x0 - noise
+
+
+def _ltx2_denormalize(latents, vae):  # LTX2Pipeline's own inverse, as used before vae.decode
+    from diffusers import LTX2Pipeline
+
+    return LTX2Pipeline._denormalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
+
+
+def _ltx2_connector_text(batch):  # LTX2Pipeline's connectors: every row is valid and carries their output
+    return bool((batch["prompt_attention_mask"] == 1).all() and (batch["prompt_embeds"].abs().sum(-1) > 0).all())
+
+
+def _t5_unmasked(batch):  # no mask, no zeroing: padded positions carry T5's outputs (CogVideoXPipeline)
+    return "prompt_attention_mask" not in batch and (batch["prompt_embeds"][:, -1].abs().sum(-1) > 0).all()
+
+
+def _flow_target(spec, x0, noise, sigmas):  # rectified flow
+    return noise - x0
+
+
+def _v_target(spec, x0, noise, sigmas):  # DDPM v-prediction at t = floor(1000 sigma) on the scheduler's schedule
+    return spec.load_scheduler().get_velocity(x0, noise, (sigmas * 1000).floor().long().clamp(max=999))
+
+
+# What each family's tiny preset must show; a new family adds its entry (comfy_key None: the family
+# writes no ComfyUI file; target: the training target, rectified flow unless given).
+EXPECTED = {
+    "ltx-video": dict(frames_step=8, side=32, latent=(16, 2, 2, 3), text_dim=64, text_tokens=128, patch=1,
+                      text_padding=_has_padding_mask, denormalize=_ltx_denormalize,
+                      comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"),
+    "wan": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
+                text_padding=_zero_past_caption, denormalize=_wan_denormalize,
+                comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+    "wan2.2": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
+                   text_padding=_zero_past_caption, denormalize=_wan_denormalize,
+                   comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+    # Wan 2.2 TI2V-5B: the 48-channel VAE folds 2 x 2 pixels first (x16 space), so sides are multiples of 32.
+    "wan2.2-ti2v": dict(frames_step=4, side=32, latent=(48, 3, 4, 6), text_dim=64, text_tokens=512, patch=2,
+                        text_padding=_zero_past_caption, denormalize=_wan_denormalize,
+                        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+    "cogvideox": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=226, patch=2,
+                      text_padding=_t5_unmasked, denormalize=_cogvideox_denormalize, comfy_key=None,
+                      target=_v_target),
+    # LoRA targets of the export test: double blocks only; diffusers splits the single blocks' fused
+    # linear1 at the real hidden size (3072), so they read back through it only at the real size.
+    "hunyuan-video": dict(frames_step=4, side=16, latent=(4, 3, 8, 12), text_dim=16, text_tokens=256, patch=2,
+                          text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
+                          comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
+                          lora_targets=r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)"),
+    # x16 VAE, patch 1; the pipeline encodes 1000 text tokens and takes no length argument (it is an attribute).
+    "hunyuan-video-1.5": dict(frames_step=4, side=16, latent=(4, 3, 4, 6), text_dim=16, text_tokens=1000, patch=1,
+                              text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
+                              comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
+                              text_length_in_call=False),
+    # Video stream only (the audio branch is not trained); the connectors' mask marks every row.
+    "ltx-2": dict(frames_step=8, side=32, latent=(8, 2, 2, 3), text_dim=16, text_tokens=1024, patch=1,
+                  text_padding=_ltx2_connector_text, denormalize=_ltx2_denormalize,
+                  comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"),
+    # Frames 6k+1 (bucket); nothing in diffusers reads a non-diffusers Mochi LoRA (comfy_in_diffusers):
+    # tests/shared/test_mochi.py checks its ComfyUI file through diffusers' single-file converter.
+    "mochi": dict(frames_step=6, side=16, latent=(12, 2, 8, 12), text_dim=64, text_tokens=256, patch=2,
+                  text_padding=_has_padding_mask, denormalize=_mochi_denormalize, target=_inverted_flow_target,
+                  comfy_key="diffusion_model.blocks.0.attn.qkv_x.lora_A.weight", comfy_in_diffusers=False,
+                  bucket=Bucket(7, 64, 96)),
+}
+
+
+CAPTIONS = ["a big rabbit walks in the meadow", "people riding bikes on a sunny street"]
+
+
+def make_spec(folder, family, **kw):
+    return build_spec(ModelConfig(family=family, path=str(folder), max_text_tokens=16, **kw), frame_rate=8.0)
+
+
+def bucket_of(family):
+    """The test bucket of a family: BUCKET, unless its VAE needs other frame counts (EXPECTED "bucket")."""
+    return EXPECTED.get(family, {}).get("bucket", BUCKET)
+
+
+def video(batch=2, seed=0, bucket=BUCKET):
+    return torch.rand(batch, 3, bucket.frames, bucket.height, bucket.width,
+                      generator=torch.Generator().manual_seed(seed)) * 2 - 1
+
+
+def stage1(spec, batch=2):
+    encoders = spec.load_stage1()
+    return {**spec.encode_text(encoders, CAPTIONS[:batch]),
+            **spec.encode_video(encoders, video(batch, bucket=bucket_of(spec.family)))}
+
+
+def pipeline_latents(spec, pipeline, image=None):
+    """The denoised latents of a 2-step run: finer than uint8 frames for comparing transformers."""
+    inputs = spec.pipeline_inputs("a rabbit in a meadow", bucket_of(spec.family), steps=2, seed=0, image=image)
+    return pipeline(**inputs, output_type="latent").frames.float()
+
+
+def folder_digest(folder):
+    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*.safetensors"))}
+
+
+def capture_transformer_inputs(transformer):
+    seen = {}
+
+    def hook(module, args, kwargs):
+        seen.update(kwargs)
+
+    transformer.register_forward_pre_hook(hook, with_kwargs=True)
+    return seen
+
+
+def uint8_video(batch=2, seed=0):
+    """(video in [-1, 1] as stage 1 makes it from decoded pixels, the uint8 pixels (B, F, H, W, 3))."""
+    pixels = torch.randint(0, 256, (batch, BUCKET.frames, BUCKET.height, BUCKET.width, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(seed))
+    return pixels.permute(0, 4, 1, 2, 3).float() / 127.5 - 1, pixels

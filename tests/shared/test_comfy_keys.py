@@ -1,0 +1,211 @@
+"""vt's ComfyUI LoRA file against ComfyUI's own loading (tests/comfy_reference.py, re-implemented from
+comfyanonymous/ComfyUI@3cd7b32f): on each family's tiny preset, every key of lora_comfyui.safetensors
+is one ComfyUI's key map takes (none "lora key not loaded"), each LoRA makes a weight of the size of the
+ComfyUI model's module, a fused module's LoRA stacks the parts in the order ComfyUI's forward splits its
+output, and the whole LoRA reaches the model (the same total change as vt's in-memory adapters, with
+ComfyUI's alpha / rank scale). Default targets and attention + FFN of every block; plus vt's own
+HunyuanVideo 1.5 loader reading back both the fused file and the separate q/k/v one vt wrote before."""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import comfy_reference as ref
+import pytest
+import torch
+from lora_init import randomise_lora
+
+from vt.shared.config import ModelConfig
+from vt.shared.models import build_spec
+
+# (family, task) -> the ComfyUI model class (comfy/model_base.py) its checkpoints load as:
+# comfy/supported_models.py WAN21_T2V / WAN21_I2V (Wan 2.1, Wan 2.2 A14B) build model_base.WAN21,
+# WAN22_T2V (48 latent channels: TI2V-5B) model_base.WAN22, HunyuanVideo15 model_base.HunyuanVideo15.
+CASES = {
+    ("ltx-video", "t2v"): "LTXV",
+    ("wan", "t2v"): "WAN21",
+    ("wan", "i2v"): "WAN21",
+    ("wan2.2", "t2v"): "WAN21",
+    ("wan2.2", "i2v"): "WAN21",
+    ("wan2.2-ti2v", "t2v"): "WAN22",
+    ("hunyuan-video", "t2v"): "HunyuanVideo",
+    ("hunyuan-video-1.5", "t2v"): "HunyuanVideo15",
+    ("ltx-2", "t2v"): "LTXAV",
+    ("mochi", "t2v"): "GenmoMochi",
+}
+
+_ATTN = r"(to_q|to_k|to_v|to_out\.0)"
+_LTX = rf"transformer_blocks\.\d+\.((attn1|attn2)\.{_ATTN}|ff\.net\.(0\.proj|2))"  # LTX-2: the video stream only
+_WAN = rf"blocks\.\d+\.((attn1|attn2)\.{_ATTN}|attn2\.(add_k_proj|add_v_proj)|ffn\.net\.(0\.proj|2))"
+
+
+def _double(attn: str) -> str:
+    """A double-stream block's attention (both streams) and FFNs."""
+    return (rf"transformer_blocks\.\d+\.({attn}\.({_ATTN}|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+            r"|ff(_context)?\.net\.(0\.proj|2))")
+
+
+# Attention and FFN of every block (regular expressions, matched whole): more of each key table.
+WIDE = {
+    "ltx-video": _LTX,
+    "ltx-2": _LTX,
+    "wan": _WAN,
+    "wan2.2": _WAN,
+    "wan2.2-ti2v": _WAN,
+    "hunyuan-video": _double("attn") + r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
+    "hunyuan-video-1.5": _double("attn"),
+    "mochi": _double("attn1"),
+}
+
+# ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's
+# forward splits them: comfy/ldm/flux/layers.py DoubleStreamBlock (lines 212-223: qkv.view(..., 3, heads,
+# -1), q then k then v), SingleStreamBlock (line 331: split [3 x hidden, MLP]); comfy/ldm/genmo/joint_model/
+# asymm_models_joint.py AsymmetricAttention (lines 129, 135: view(..., 3, heads, -1)).
+_HUNYUAN_DOUBLE = {
+    r"double_blocks\.(\d+)\.img_attn\.qkv": ("transformer_blocks.{}.attn.to_q", "transformer_blocks.{}.attn.to_k",
+                                            "transformer_blocks.{}.attn.to_v"),
+    r"double_blocks\.(\d+)\.txt_attn\.qkv": ("transformer_blocks.{}.attn.add_q_proj",
+                                            "transformer_blocks.{}.attn.add_k_proj",
+                                            "transformer_blocks.{}.attn.add_v_proj"),
+}
+FUSED = {
+    "HunyuanVideo": {**_HUNYUAN_DOUBLE,
+                     r"single_blocks\.(\d+)\.linear1": tuple(f"single_transformer_blocks.{{}}.{p}" for p in
+                                                             ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))},
+    "HunyuanVideo15": _HUNYUAN_DOUBLE,
+    "GenmoMochi": {
+        r"blocks\.(\d+)\.attn\.qkv_x": tuple(f"transformer_blocks.{{}}.attn1.{p}" for p in ("to_q", "to_k", "to_v")),
+        r"blocks\.(\d+)\.attn\.qkv_y": tuple(f"transformer_blocks.{{}}.attn1.{p}"
+                                             for p in ("add_q_proj", "add_k_proj", "add_v_proj")),
+    },
+}
+
+
+def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
+    """The ComfyUI model's block weights at the tiny preset's sizes (diffusers config -> ComfyUI's
+    constructor arguments, as comfy/model_detection.py reads them off a checkpoint)."""
+    c = transformer.config
+    inner = c.num_attention_heads * c.attention_head_dim
+    if family == "ltx-video":
+        return ref.ltxv_weights(c.num_layers, inner, c.cross_attention_dim)
+    if family == "ltx-2":
+        audio = c.audio_num_attention_heads * c.audio_attention_head_dim
+        return ref.ltxav_weights(c.num_layers, inner, audio, c.cross_attention_dim, c.audio_cross_attention_dim)
+    if family.startswith("wan"):
+        return ref.wan_weights(c.num_layers, inner, c.ffn_dim, i2v=c.image_dim is not None)
+    if family.startswith("hunyuan-video"):
+        return ref.hunyuan_video_weights(c.num_layers, getattr(c, "num_single_layers", 0), inner,
+                                         int(inner * c.mlp_ratio))
+    if family == "mochi":  # the FFN widths as the checkpoint has them (ComfyUI rounds them to 256)
+        block = transformer.transformer_blocks[0]
+        return ref.mochi_weights(c.num_layers, inner, c.pooled_projection_dim, block.ff.net[2].in_features,
+                                 block.ff_context.net[2].in_features)
+    raise AssertionError(family)
+
+
+def lora_deltas(transformer) -> dict[str, torch.Tensor]:
+    """module -> the weight change of its active LoRA (peft's own get_delta_weight)."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: module.get_delta_weight(module.active_adapters[0]).float()
+            for name, module in transformer.named_modules() if isinstance(module, LoraLayer)}
+
+
+@pytest.fixture(scope="module")
+def spec_of(tiny_model_factory):
+    specs = {}
+
+    def get(family: str, task: str):
+        if (family, task) not in specs:
+            folder = tiny_model_factory(family, task=task)
+            specs[family, task] = build_spec(ModelConfig(family=family, path=str(folder), task=task), frame_rate=8.0)
+        return specs[family, task]
+
+    return get
+
+
+@pytest.mark.parametrize("targets", ["default", "wide"])
+@pytest.mark.parametrize("case", list(CASES), ids=lambda case: "-".join(case))
+def test_comfyui_loads_every_key_at_its_size(spec_of, tmp_path, case, targets):
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    family, task = case
+    model_class = CASES[case]
+    spec = spec_of(family, task)
+    transformer = spec.load_transformer()
+    sizes = {n: tuple(m.weight.shape) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    spec.add_lora(transformer, rank=2, alpha=3.0, targets=None if targets == "default" else WIDE[family])
+    randomise_lora(transformer, seed=5)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)
+    files = sorted(tmp_path.glob("lora_comfyui*.safetensors"))
+    assert len(files) == 1, f"{family}: no ComfyUI file written"
+    lora = load_file(files[0])
+
+    weights = comfy_weights(family, transformer)
+    patches, not_loaded = ref.load_lora(lora, ref.model_lora_keys_unet(weights, model_class))
+    assert not not_loaded, f"ComfyUI ({model_class}) logs 'lora key not loaded' for {not_loaded[:6]}"
+    comfy = {key[len("diffusion_model."):-len(".weight")]: patch for key, patch in patches.items()}
+    deltas = {module: ref.weight_delta(patch, weights[module]) for module, patch in comfy.items()}
+
+    ours = lora_deltas(transformer)
+    assert len(ours) > (4 if targets == "wide" else 1)
+    for pattern, parts in FUSED.get(model_class, {}).items():
+        for module, delta in deltas.items():
+            if hit := re.fullmatch(pattern, module):
+                names = [part.format(hit[1]) for part in parts]
+                expected = torch.cat([ours.get(n, torch.zeros(sizes[n])) for n in names])
+                torch.testing.assert_close(delta, expected, msg=f"{module} = {names} stacked")
+    # Nothing lost or doubled, at ComfyUI's scale (alpha / rank, or 1 without .alpha): fused parts stack
+    # and Mochi's w1 halves swap, neither of which changes the total.
+    total = sum(d.square().sum() for d in deltas.values())
+    torch.testing.assert_close(total, sum(d.square().sum() for d in ours.values()), rtol=1e-5, atol=0)
+
+
+def test_cogvideox_writes_no_comfy_file(spec_of, tmp_path):
+    """ComfyUI has no CogVideoX model (comfy/model_base.py; ComfyUI-CogVideoXWrapper reads the diffusers
+    file), and vt writes none."""
+    from peft.utils import get_peft_model_state_dict
+
+    spec = spec_of("cogvideox", "t2v")
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=2, alpha=3.0, targets=None)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)
+    assert not list(tmp_path.glob("lora_comfyui*"))
+
+
+def test_hunyuan_video15_loader_reads_fused_and_separate_qkv(spec_of, tmp_path):
+    """vt's HunyuanVideo 1.5 loader reads the file vt writes (q/k/v fused as ComfyUI loads them; here v,
+    add_k and add_v untrained: zero rows) and the one it wrote before (Tencent's separate q/k/v names):
+    both give the in-memory adapters, each part at its own rank."""
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file, save_file
+
+    from vt.shared.models import comfy
+    from vt.shared.models.hunyuan_video15 import NAMES, SEPARATE_QKV, _rename_table, load_lora
+
+    spec = spec_of("hunyuan-video-1.5", "t2v")
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=2, alpha=3.0, targets=["to_q", "to_k", "to_out.0", "add_q_proj", "ff.net.2"])
+    randomise_lora(transformer, seed=7)
+    expected = lora_deltas(transformer)
+    tensors = get_peft_model_state_dict(transformer)
+    spec.save_lora(tensors, tmp_path)
+    fused = load_file(tmp_path / "lora_comfyui.safetensors")
+    assert fused["diffusion_model.double_blocks.0.img_attn_qkv.lora_B.weight"].shape == (48, 4)  # q, k of rank 2
+    assert fused["diffusion_model.double_blocks.0.txt_attn_qkv.lora_A.weight"].shape == (2, 16)  # add_q only
+    separate = tmp_path / "separate.safetensors"
+    save_file(comfy.comfy_state_dict(tensors, _rename_table(NAMES + SEPARATE_QKV), 2, 3.0, write_alpha=False),
+              str(separate))
+    assert "diffusion_model.double_blocks.0.img_attn_q.lora_A.weight" in load_file(separate)
+
+    for path in (tmp_path / "lora_comfyui.safetensors", separate):
+        fresh = spec.load_transformer()
+        load_lora(SimpleNamespace(transformer=fresh), path)
+        got = lora_deltas(fresh)
+        assert set(got) == set(expected), path.name
+        for name, delta in expected.items():
+            torch.testing.assert_close(got[name], delta, msg=f"{path.name}: {name}")
+        ranks = {p.shape[0] for n, p in fresh.named_parameters() if "lora_A" in n}
+        assert ranks == {2}, path.name
