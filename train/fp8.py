@@ -5,7 +5,8 @@
   one process upcasts per matmul, skipping the layers the model class marks as precision-sensitive:
   norms, embeddings, patch projections; under FSDP2 FSDP2's MixedPrecisionPolicy upcasts them when it
   all-gathers a block). It is applied before the adapters are added, so the LoRA weights and their
-  optimizer state stay fp32.
+  optimizer state stay fp32. A base from one fp8-scaled file (ComfyUI's) keeps the file's own float8 values
+  and per-tensor scales instead of a plain cast (frozen_storage.py).
 - `train.fp8_training` (full fine-tuning): torchao's float8 linear layers with the tensorwise or
   rowwise recipe, on the layers torchao's size filter keeps (small matmuls stay bf16); tensorwise
   under FSDP2 all-gathers in float8. It needs float8 matmuls: a CUDA GPU of sm89+ (Ada, Hopper, later).

@@ -13,11 +13,19 @@ and output projections) in the compute dtype, the class's float32 modules in flo
 - under FSDP2, bf16 storage in a float32 run is gathered as stored (half the all-gather's bytes and
   buffers) and upcast by the same StoredLinear; float8 storage is upcast by the all-gather itself (the
   param dtype is the compute dtype), since collectives in float8 are not available everywhere.
+
+A single fp8-scaled file (ComfyUI's: float8 weights with a per-tensor scale, shared/models/single_file.py) keeps
+its weights with fp8 base weights: each such Linear is a StoredLinear with a `weight_scale` buffer (non-persistent:
+not a parameter, in no state dict, checkpoint or export) that multiplies the upcast weight, forward and backward,
+as ComfyUI computes it (`weight.to(dtype) * scale`), in one process and under FSDP2 alike (there the all-gather
+upcasts the float8 values exactly and the layer applies the scale). The fill stores the file's float8 values and
+scale as they are.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +57,24 @@ class _UpcastLinear(torch.autograd.Function):
     upcast again in the backward from the stored W, which is all that is kept."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, dtype):
-        ctx.save_for_backward(weight)
+    def forward(ctx, x, weight, bias, dtype, scale):
+        ctx.save_for_backward(weight, scale)
         ctx.dtype = dtype
-        return F.linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+        return F.linear(x.to(dtype), upcast(weight, dtype, scale), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        (weight,) = ctx.saved_tensors
-        return grad.to(ctx.dtype) @ weight.to(ctx.dtype), None, None, None
+        weight, scale = ctx.saved_tensors
+        return grad.to(ctx.dtype) @ upcast(weight, ctx.dtype, scale), None, None, None, None
+
+
+def upcast(weight: torch.Tensor, dtype: torch.dtype, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """A stored weight in `dtype`, times its per-tensor scale where it has one (fp8-scaled files)."""
+    wide = weight.to(dtype)
+    if scale is None:
+        return wide
+    scale = scale.to(dtype)
+    return wide * scale if wide is weight else wide.mul_(scale)  # in place on an upcast copy
 
 
 class StoredLinear(nn.Linear):
@@ -66,15 +83,18 @@ class StoredLinear(nn.Linear):
     compute_dtype: torch.dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _UpcastLinear.apply(x, self.weight, self.bias, self.compute_dtype)
+        return _UpcastLinear.apply(x, self.weight, self.bias, self.compute_dtype, self._buffers.get("weight_scale"))
 
 
 def store_frozen(model: nn.Module, storage_dtype: torch.dtype, compute_dtype: torch.dtype, sharded: bool,
-                 gather_stored: bool = False) -> int:
+                 gather_stored: bool = False, scaled: Collection[str] = ()) -> int:
     """Store the frozen linear and conv weights of `model` (before LoRA is added) in `storage_dtype`, computed
     in `compute_dtype` (see the module docstring). `sharded`: FSDP2 will shard it; it upcasts on all-gather
     unless `gather_stored`, where it gathers the stored dtype (half the bytes) and the linears upcast per
-    matmul as in one process (the convs, rare in blocks, then hold the compute dtype). Returns the bytes saved."""
+    matmul as in one process (the convs, rare in blocks, then hold the compute dtype). `scaled`: the linears
+    whose float8 weight comes with a per-tensor scale (fp8 storage only); each stored narrow gets a
+    `weight_scale` buffer (NaN until the fill reads it) and applies it, sharded or not, and keeps its bias (not
+    float8 in the file) in the compute dtype. Returns the bytes saved."""
     from vt.shared.models.components import keeps_float32
 
     before = weight_bytes(model)
@@ -84,12 +104,16 @@ def store_frozen(model: nn.Module, storage_dtype: torch.dtype, compute_dtype: to
         castable = isinstance(module, CAST_LAYERS) and not any(re.search(p, name) for p in skip)
         linear = castable and type(module) is nn.Linear
         narrow = castable and (linear or not (sharded and gather_stored))
+        with_scale = narrow and linear and name in scaled and storage_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
         for local, param in module.named_parameters(recurse=False):
             if param.is_floating_point() and not keeps_float32(model, f"{name}.{local}"):
-                param.data = param.data.to(storage_dtype if narrow else compute_dtype)
-        if linear and upcast_here:
+                stored = narrow and not (with_scale and local != "weight")  # a scaled layer's bias: as the file has it
+                param.data = param.data.to(storage_dtype if stored else compute_dtype)
+        if linear and (upcast_here or with_scale):
             module.__class__ = StoredLinear
             module.compute_dtype = compute_dtype
+        if with_scale:
+            module.register_buffer("weight_scale", torch.full((), float("nan")), persistent=False)
     if not sharded:  # hooks for the convs; the linears upcast themselves
         from diffusers.hooks import apply_layerwise_casting
 

@@ -15,6 +15,10 @@
   fall as 1/N, a single process fills straight onto its GPU, and there is no whole copy anywhere.
   (`fill_from="rank0"`, where rank 0 reads every tensor and scatters it, exists for the benchmark
   that compares the two: scripts/bench_memory.py.)
+- A single-file transformer (`model.components.transformer = "file.safetensors"`, shared/models/single_file.py)
+  fills the same way, through the same reading interface: renamed tensors block by block, tensors diffusers'
+  mapping computes from their group. Its fp8-scaled weights are dequantized into `model.dtype`, or with
+  `train.fp8_base_weights` kept as stored, float8 values and per-tensor scale (train/frozen_storage.py).
 - LoRA adapters start as peft's default (lora_A Kaiming-uniform, lora_B zero) drawn from a generator
   keyed by (train.seed, component, parameter name): the same adapters in every layout and on every
   rank, with no broadcast.
@@ -23,7 +27,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -113,14 +117,17 @@ class Dtypes:
 
 
 def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
-                        sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype) -> nn.Module:
+                        sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
+                        scaled: Collection[str] = ()) -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
     `lora`: rank, alpha, targets), "full" (what `spec.full_trainable` marks) or "frozen" (nothing trains:
     validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights' storage
-    when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen."""
+    when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen;
+    `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage)."""
     model = spec.empty_component(component, dtype=frozen_dtype)
     if storage_dtype is not None:  # before LoRA: the adapters stay float32
-        store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE)
+        store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE,
+                     scaled=scaled if storage_dtype == FP8_STORAGE else ())
     model.requires_grad_(False)
     if mode == "lora":
         spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None)
@@ -140,10 +147,14 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
     parallel plan and calls `materialize` once its shards exist. With `cpu_offload` the shards are made in
     CPU memory (FSDP2 keeps them there and copies each block to the device for its all-gather) and the
     buffers on the device."""
+    weights = spec.weights(component)
+    scaled = weights.scaled_modules()
+    if scaled and storage_dtype != FP8_STORAGE and world.is_main:
+        log.info("%s: %d fp8-scaled weights dequantized into %s; train.fp8_base_weights = true keeps them in float8 "
+                 "with their scales (half the memory of bf16)", component, len(scaled), str(frozen_dtype)[6:])
     model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=storage_dtype,
                                 sharded=world.dims.fsdp_enabled, compute_dtype=compute_dtype,
-                                frozen_dtype=frozen_dtype)
-    weights = spec.weights(component)
+                                frozen_dtype=frozen_dtype, scaled=scaled)
 
     def materialize_and_fill(laid_out: nn.Module) -> None:
         materialize(laid_out, torch.device("cpu") if cpu_offload else world.device)
@@ -185,8 +196,10 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
     checkpoint tensors from `weights`, LoRA adapters from `lora_init` keyed by (`seed`, `key`, name).
 
     `fill_from="slices"`: each rank reads its own block of each tensor. `"rank0"`: rank 0 reads whole
-    tensors and scatters them (every rank must call this)."""
+    tensors and scatters them (every rank must call this). A layer with a `weight_scale` slot (fp8-scaled file,
+    fp8 storage) gets the file's float8 values and their scale (`weights.read_scaled`, `weights.scale`)."""
     missing = []
+    slots = _scale_slots(model, weights)
     persistent = {plain_name(name) for name in model.state_dict(keep_vars=True)}
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if plain_name(n) in persistent)]
     for name, tensor in tensors:
@@ -196,13 +209,14 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
                                      tuple(tensor.shape), seed)
         elif checkpoint_key in weights:
             full = None
+            read = weights.read_scaled if plain_name(name) in slots else weights.read
         elif isinstance(tensor, nn.Parameter):
             missing.append(checkpoint_key)
             continue
         else:
             continue  # a buffer the checkpoint does not hold keeps what the constructor computed
         if fill_from == "rank0" and isinstance(tensor, DTensor):
-            _scatter_from_rank0(tensor, full() if full else weights.read(checkpoint_key) if dist.get_rank() == 0 else None)
+            _scatter_from_rank0(tensor, full() if full else read(checkpoint_key) if dist.get_rank() == 0 else None)
             continue
         local, offsets, shape = _local(tensor)
         if full is not None:
@@ -211,11 +225,27 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
             if tuple(weights.shape(checkpoint_key)) != tuple(tensor.shape):
                 raise ValueError(f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
                                  f"model's {tuple(tensor.shape)}: the weights do not match the component's config")
-            block = weights.read(checkpoint_key, offsets, shape)
+            block = read(checkpoint_key, offsets, shape)
         local.copy_(block)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
                          "weights do not match the component's config")
+    for scale, checkpoint_key in slots.values():
+        scale.copy_(weights.scale(checkpoint_key))
+
+
+def _scale_slots(model: nn.Module, weights) -> dict[str, tuple[torch.Tensor, str]]:
+    """plain weight name -> (its layer's `weight_scale` buffer, the weight's checkpoint key), for every layer
+    store_frozen gave a scale slot; each must have a scale in `weights`."""
+    slots = {}
+    for name, module in model.named_modules():
+        scale = module._buffers.get("weight_scale")
+        if scale is not None:
+            key = file_key(f"{name}.weight")
+            if weights.scale(key) is None:
+                raise ValueError(f"{key} has a scale slot but the checkpoint has no scale for it (internal error)")
+            slots[plain_name(f"{name}.weight")] = (scale, key)
+    return slots
 
 
 def _scatter_from_rank0(tensor: DTensor, full: torch.Tensor | None) -> None:

@@ -9,7 +9,8 @@ into a buffer of its own, so a process holds the tensors it keeps and one tensor
 `read(name, offsets, shape)` returns the block of a tensor that starts at `offsets` (one per dim)
 with `shape`: the rows of a dim-0 shard (FSDP2, column-wise TP) are one contiguous byte range and
 are all that is read; a shard along a later dim (row-wise TP) reads its rows and keeps its columns.
-A sharded checkpoint (`*.safetensors.index.json`) is one `Weights` over its files.
+A sharded checkpoint (`*.safetensors.index.json`) is one `Weights` over its files. A single file in the
+original checkpoint's layout, fp8-scaled too, is read through the same interface by single_file.py.
 """
 
 from __future__ import annotations
@@ -90,6 +91,14 @@ class Weights:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return self.entries[name].shape
+
+    def scaled_modules(self) -> set[str]:
+        """Modules whose weight is stored with a per-tensor scale: none in a diffusers-layout folder (a single
+        fp8-scaled file has them: single_file.py)."""
+        return set()
+
+    def scale(self, name: str) -> None:
+        return None
 
     def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Tensor `name` in its stored dtype on the CPU, or its block at `offsets` of `shape`."""

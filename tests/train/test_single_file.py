@@ -1,0 +1,393 @@
+"""A transformer from one .safetensors file as the community ships it (`model.components.transformer = FILE`).
+
+The files are written here from the tiny presets in the ORIGINAL checkpoint layout, diffusers' mapping
+inverted: Wan's, which only renames, and HunyuanVideo's, which splits the fused qkv projections and swaps the
+final modulation's halves (those tensors are computed, not renamed). And as ComfyUI's fp8-scaled files:
+float8 e4m3fn weights with a per-tensor `scale_weight` = amax / 448, the `scaled_fp8` marker and a few
+`scale_input`s (ignored), under `model.diffusion_model.`. HunyuanVideo's preset is used without its
+single-stream block: diffusers' mapping splits a single block's `linear1` at the real model's width (3072),
+which no tiny model has.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig, ParallelConfig
+from vt.shared.models import build_spec
+from vt.shared.models.components import ModelLoadError
+from vt.shared.models.single_file import SingleFileError
+from vt.shared.models.weights import Weights
+from vt.train.fp8 import FP8_STORAGE
+from vt.train.frozen_storage import StoredLinear
+from vt.train.model_build import build_transformer
+from vt.train.objectives import flow_matching_loss
+from vt.train.parallel import parallelize
+from vt.train.parallel.world import setup_world
+
+FAMILIES = ("wan", "hunyuan-video")
+FP8_MAX = 448.0
+
+# diffusers' convert_wan_transformer_to_diffusers, read backwards (the rest of Wan's names are the same)
+WAN = (("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+       ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+       ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+       ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+       ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"),
+       (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"),
+       ("ffn.net.2", "ffn.2"), ("proj_out", "head.head"), ("norm2", "norm__swap"), ("norm3", "norm2"),
+       ("norm__swap", "norm3"))
+# diffusers' convert_hunyuan_video_transformer_to_diffusers, read backwards: per scope, then the fused q/k/v
+HUNYUAN_REFINER = ((".attn.to_out.0", ".self_attn_proj"), (".ff.net.0.proj", ".mlp.fc1"), (".ff.net.2", ".mlp.fc2"),
+                   (".norm_out.linear", ".adaLN_modulation.1"))
+HUNYUAN_DOUBLE = ((".norm1_context.linear", ".txt_mod.linear"), (".norm1.linear", ".img_mod.linear"),
+                  (".attn.norm_added_q", ".txt_attn_q_norm"), (".attn.norm_added_k", ".txt_attn_k_norm"),
+                  (".attn.norm_q", ".img_attn_q_norm"), (".attn.norm_k", ".img_attn_k_norm"),
+                  (".attn.to_out.0", ".img_attn_proj"), (".attn.to_add_out", ".txt_attn_proj"),
+                  (".ff_context.net.0.proj", ".txt_mlp.fc1"), (".ff_context.net.2", ".txt_mlp.fc2"),
+                  (".ff.net.0.proj", ".img_mlp.fc1"), (".ff.net.2", ".img_mlp.fc2"))
+HUNYUAN_TOP = (("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0"),
+               ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2"),
+               ("context_embedder.time_text_embed.text_embedder", "txt_in.c_embedder"),
+               ("context_embedder.proj_in", "txt_in.input_embedder"),
+               ("time_text_embed.timestep_embedder.linear_1", "time_in.mlp.0"),
+               ("time_text_embed.timestep_embedder.linear_2", "time_in.mlp.2"),
+               ("time_text_embed.guidance_embedder.linear_1", "guidance_in.mlp.0"),
+               ("time_text_embed.guidance_embedder.linear_2", "guidance_in.mlp.2"),
+               ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+               ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"), ("x_embedder", "img_in"),
+               ("norm_out.linear", "final_layer.adaLN_modulation.1"), ("proj_out", "final_layer.linear"))
+HUNYUAN_FUSED = ((r"(transformer_blocks\.\d+)\.attn\.to_(q|k|v)\.(weight|bias)", r"\1.img_attn_qkv.\3"),
+                 (r"(transformer_blocks\.\d+)\.attn\.add_(q|k|v)_proj\.(weight|bias)", r"\1.txt_attn_qkv.\3"),
+                 (r"(context_embedder\.token_refiner\.refiner_blocks\.\d+)\.attn\.to_(q|k|v)\.(weight|bias)",
+                  r"\1.self_attn_qkv.\3"))
+
+
+def wan_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, tensor in state.items():
+        name = "head.modulation" if name == "scale_shift_table" else re.sub(
+            r"^(blocks\.\d+)\.scale_shift_table$", r"\1.modulation", name)
+        for new, old in WAN:
+            name = name.replace(new, old)
+        out[name] = tensor
+    return out
+
+
+def _hunyuan_name(name: str) -> str:
+    if name.startswith("context_embedder.token_refiner.refiner_blocks."):
+        table = HUNYUAN_REFINER
+        name = name.replace("context_embedder.token_refiner.refiner_blocks", "txt_in.individual_token_refiner.blocks")
+    elif name.startswith("transformer_blocks."):
+        table, name = HUNYUAN_DOUBLE, name.replace("transformer_blocks", "double_blocks", 1)
+    else:
+        table = HUNYUAN_TOP
+    for new, old in table:
+        name = name.replace(new, old)
+    return name
+
+
+def hunyuan_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    out, fused = {}, {}
+    for name, tensor in state.items():
+        for pattern, target in HUNYUAN_FUSED:
+            if match := re.fullmatch(pattern, name):
+                fused.setdefault(_hunyuan_name(re.sub(pattern, target, name)), {})[match.group(2)] = tensor
+                break
+        else:
+            out[_hunyuan_name(name)] = tensor
+    out.update({name: torch.cat([parts["q"], parts["k"], parts["v"]]) for name, parts in fused.items()})
+    for kind in ("weight", "bias"):  # the original's (shift, scale) order
+        scale, shift = out[f"final_layer.adaLN_modulation.1.{kind}"].chunk(2)
+        out[f"final_layer.adaLN_modulation.1.{kind}"] = torch.cat([shift, scale])
+    return out
+
+
+def fp8_scaled(original: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(ComfyUI's fp8-scaled file of `original`, the original dequantized: weight.float() * scale_weight)."""
+    prefix = "model.diffusion_model."
+    out, dequantized = {f"{prefix}scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    for index, (name, tensor) in enumerate(original.items()):
+        if tensor.ndim == 2 and name.endswith(".weight"):
+            scale = tensor.abs().amax().float() / FP8_MAX
+            stored = (tensor.float() / scale).to(torch.float8_e4m3fn)
+            module = name.removesuffix(".weight")
+            out.update({prefix + name: stored, f"{prefix}{module}.scale_weight": scale.reshape(() if index % 2 else (1,))})
+            if index % 3 == 0:
+                out[f"{prefix}{module}.scale_input"] = torch.ones(())
+            dequantized[name] = stored.float() * scale
+        else:
+            out[prefix + name], dequantized[name] = tensor, tensor
+    return out, dequantized
+
+
+@pytest.fixture(scope="module")
+def preset(tiny_model_factory, tmp_path_factory):
+    """preset(family) -> dict: `path` (model folder), `state` (diffusers float32), `original` / `scaled` (files),
+    `dequantized` (the scaled file's model in diffusers' layout, a folder), made once per family."""
+    made = {}
+
+    def get(family: str) -> dict:
+        if family in made:
+            return made[family]
+        out = tmp_path_factory.mktemp(f"{family}-single-file")
+        path = tiny_model_factory(family)
+        if family == "hunyuan-video":  # without the single-stream block (see the module docstring)
+            from vt.shared.models.hunyuan_video import tiny_hunyuan_transformer
+
+            shutil.copytree(path, out / "model", ignore=shutil.ignore_patterns("transformer"))
+            path = out / "model"
+            torch.manual_seed(0)
+            tiny_hunyuan_transformer(num_single_layers=0).save_pretrained(path / "transformer")
+        cls = spec_of({"family": family, "path": path}).component_classes()["transformer"]
+        state = cls.from_pretrained(path, subfolder="transformer", torch_dtype=torch.float32).state_dict()
+        original = (wan_original if family == "wan" else hunyuan_original)(state)
+        save_file({k: v.contiguous() for k, v in original.items()}, out / "original.safetensors")
+        scaled, dequantized = fp8_scaled(original)
+        save_file({k: v.contiguous() for k, v in scaled.items()}, out / "scaled.safetensors")
+        # the dequantized model as diffusers' own single-file loader maps it, saved in diffusers' layout
+        reference = cls.from_single_file(dequantized, config=str(path), subfolder="transformer",
+                                         torch_dtype=torch.float32)
+        reference.save_pretrained(out / "dequantized")
+        made[family] = {"family": family, "path": path, "state": state, "original": out / "original.safetensors",
+                        "scaled": out / "scaled.safetensors", "dequantized": out / "dequantized",
+                        "scaled_tensors": scaled}
+        return made[family]
+
+    return get
+
+
+def spec_of(case: dict, transformer=None, dtype: str = "float32", path=None):
+    """The spec of `case`'s family and model folder (or `path`), its transformer from `transformer` if given."""
+    components = {"transformer": str(transformer)} if transformer else {}
+    return build_spec(ModelConfig(family=case["family"], path=str(path or case["path"]), dtype=dtype,
+                                  components=components), 8.0)
+
+
+def build(spec, mode: str, storage=None, frozen=torch.float32, world=None):
+    """The trainer's build on the CPU (float32 compute); under FSDP2 the all-gather upcasts float8 storage."""
+    world = world or setup_world(ParallelConfig(), "cpu")
+    gather = torch.float32 if storage == FP8_STORAGE and world.dims.fsdp_enabled else None
+    return build_transformer(spec, spec.trained_component, world, mode=mode, lora={"rank": 4, "alpha": 4.0, "targets": []},
+                             storage_dtype=storage, compute_dtype=torch.float32, frozen_dtype=frozen, seed=0,
+                             parallelize=lambda model, fill: parallelize(model, spec, world, param_dtype=gather,
+                                                                         materialize=fill))
+
+
+def batch_of(spec) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Two samples in the shapes stage 1 stores (random conditions, all-ones masks), sigmas and noise."""
+    g = spec.geometry
+    side = g.spatial * g.patch * 2
+    generator = torch.Generator().manual_seed(0)
+    masks = set(spec.text_masks.values())
+    batch = {name: torch.ones(2, *shape, dtype=torch.long) if name in masks else torch.randn(2, *shape, generator=generator)
+             for name, shape in sorted(spec.condition_shapes(Bucket(g.temporal + 1, side, side)).items())}
+    return batch, torch.tensor([0.3, 0.8]), torch.randn(batch["latents"].shape, generator=generator)
+
+
+def train(spec, model, steps: int = 2) -> dict:
+    """`steps` AdamW steps on one batch: the losses and the first step's LoRA gradients."""
+    params = sorted((n, p) for n, p in model.named_parameters() if p.requires_grad)
+    optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-2)
+    batch, sigmas, noise = batch_of(spec)
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = flow_matching_loss(spec.forward(model, batch, sigmas, noise))
+        loss.backward()
+        if step == 0:
+            grads = {n: full(p.grad) for n, p in params}
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads}
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.detach().clone()
+
+
+def randomize_lora(model) -> None:
+    """LoRA factors from a fixed seed (not lora_B = 0), so the adapters change what the base computes."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, param in sorted((n, p) for n, p in model.named_parameters() if p.requires_grad):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_original_layout_file_builds_the_model_from_pretrained_loads_reading_each_tensor_once(
+        preset, family, monkeypatch, caplog, tmp_path):
+    """The trainer's build (frozen, bf16), `load_transformer` and `load_component` from the original-layout
+    file equal `from_pretrained` of the diffusers folder, tensor for tensor; the build reads every byte of the
+    file's tensors exactly once (renamed ones block by block, each computed group once) and no more."""
+    case = preset(family)
+    spec = spec_of(case, case["original"], dtype="bfloat16")
+    cls = spec.component_classes()["transformer"]
+    reads = []
+    original_read = Weights._read_bytes
+    monkeypatch.setattr(Weights, "_read_bytes", staticmethod(
+        lambda entry, start, count: reads.append(count) or original_read(entry, start, count)))
+    built = build(spec, "frozen", frozen=torch.bfloat16).state_dict()
+    header = Weights([case["original"]])
+    assert sum(reads) == sum(e.end - e.start for e in header.entries.values())
+    monkeypatch.undo()
+    expected = cls.from_pretrained(case["path"], subfolder="transformer", torch_dtype=torch.bfloat16).state_dict()
+    assert built.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert built[name].dtype == tensor.dtype and torch.equal(built[name], tensor), name
+    loaded = spec.load_transformer().state_dict()
+    assert all(torch.equal(loaded[n], t) for n, t in case["state"].items()) and loaded.keys() == case["state"].keys()
+    frozen = spec.load_component("transformer")
+    assert not any(p.requires_grad for p in frozen.parameters())
+    assert all(torch.equal(frozen.state_dict()[n], t) for n, t in expected.items())
+    save_file({k: v.contiguous() for k, v in case["state"].items()}, tmp_path / "diffusers-layout.safetensors")
+    as_saved = spec_of(case, tmp_path / "diffusers-layout.safetensors").load_transformer().state_dict()
+    assert all(torch.equal(as_saved[n], t) for n, t in case["state"].items())  # read as it is, no mapping
+    # the file is what diffusers' own single-file loader reads as this model (so the layout above is the original)
+    theirs = cls.from_single_file(str(case["original"]), config=str(case["path"]), subfolder="transformer",
+                                  torch_dtype=torch.float32).state_dict()
+    assert all(torch.equal(theirs[n], t) for n, t in case["state"].items())
+    weights = spec.weights("transformer")
+    mapped = re.search(r"original layout, mapped by diffusers' \w+ \((\d+) tensors renamed, (\d+) computed", caplog.text)
+    renamed, computed = map(int, mapped.groups())
+    assert renamed + computed == len(case["state"])
+    if family == "hunyuan-video":  # q/k/v split out of the fused tensors, the final modulation's halves swapped
+        assert computed == 3 * 6 + 2
+        key = "transformer_blocks.0.attn.to_k.weight"  # a shard's block of a computed tensor (FSDP2, TP)
+        assert torch.equal(weights.read(key, (5, 2), (7, 9)), case["state"][key][5:12, 2:11])
+    else:
+        assert computed == 0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp8_scaled_file_is_dequantized_into_model_dtype(preset, family):
+    """Without fp8 base weights the file's float8 weights are dequantized (weight.float() * scale_weight) at
+    fill time: the built model is the one diffusers loads from the dequantized tensors; no scale reaches it."""
+    case = preset(family)
+    spec = spec_of(case, case["scaled"])
+    built = build(spec, "frozen").state_dict()
+    expected = spec_of(case, case["dequantized"]).load_transformer().state_dict()
+    assert built.keys() == expected.keys() and not any("scale_weight" in n or "scaled_fp8" in n for n in built)
+    assert all(torch.equal(built[n], t) for n, t in expected.items())
+    queries = [n for n in case["state"] if n.endswith(("attn1.to_q.weight", "attn.to_q.weight"))]
+    assert queries and not any(torch.equal(built[n], case["state"][n]) for n in queries), \
+        "the dequantized weights must differ from the unquantized ones"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lora_on_fp8_scaled_base_keeps_the_files_fp8_values_and_trains_like_the_dequantized_model(preset, family):
+    """`train.fp8_base_weights` with an fp8-scaled file: the frozen linears hold the file's own float8 values
+    (also those diffusers' mapping splits out of a fused tensor) and its scales as non-persistent buffers (no
+    parameter, in no state dict); forward and backward with LoRA equal the dequantized model's."""
+    case = preset(family)
+    spec = spec_of(case, case["scaled"])
+    model = build(spec, "lora", storage=FP8_STORAGE)
+    reference = build(spec_of(case, case["dequantized"]), "lora")
+    expected = dict(reference.named_parameters())
+    scaled = {n: m for n, m in model.named_modules() if isinstance(m, StoredLinear) and "weight_scale" in m._buffers}
+    query = "blocks.0.attn1.to_q" if family == "wan" else "transformer_blocks.0.attn.to_q"  # hunyuan: split from qkv
+    assert f"{query}.base_layer" in scaled and len(scaled) >= 8
+    for name, module in scaled.items():
+        assert module.weight.dtype == torch.float8_e4m3fn
+        dequantized = module.weight.float() * module.weight_scale
+        assert torch.equal(dequantized, expected[f"{name}.weight"]), name  # the file's values, exactly
+    scale_names = ("scale_weight", "weight_scale", "scale_input", "scaled_fp8")
+    assert not any(n.endswith(scale_names) for n in [*dict(model.named_parameters()), *model.state_dict()])
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    randomize_lora(model)
+    randomize_lora(reference)
+    got, want = train(spec, model), train(spec, reference)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-5)
+    assert got["losses"][1] != got["losses"][0], "the adapters must train"
+    for name, grad in want["grads"].items():
+        assert float(grad.abs().max()) > 0 and relative(got["grads"][name], grad) < 1e-4, name
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_fp8_scaled_base_under_fsdp2_applies_the_scale_after_the_all_gather(preset):
+    """FSDP2 (one rank over an in-memory group, which CPU offload turns on for one process): the frozen float8
+    shards are all-gathered upcast to the compute dtype, each layer applies the file's scale, and losses and
+    LoRA gradients equal the dequantized model's."""
+    from torch.distributed.tensor import DTensor
+
+    from vt.train.parallel.world import shutdown_world
+
+    case = preset("wan")
+    spec = spec_of(case, case["scaled"])
+    expected = train(spec, build(spec_of(case, case["dequantized"]), "lora"))
+    try:
+        model = build(spec, "lora", storage=FP8_STORAGE, world=setup_world(ParallelConfig(cpu_offload=True), "cpu"))
+        query = model.get_submodule("blocks.0.attn1.to_q.base_layer")
+        assert isinstance(query.weight, DTensor) and query.weight.dtype == torch.float8_e4m3fn
+        assert isinstance(query, StoredLinear) and float(query.weight_scale) > 0  # filled (not NaN)
+        got = train(spec, model)
+    finally:
+        shutdown_world()
+    assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+    for name, grad in expected["grads"].items():
+        if float(grad.abs().max()) > 0:  # lora_B (lora_A's gradient is 0 while lora_B starts at 0)
+            assert relative(got["grads"][name], grad) < 1e-4, name
+
+
+def test_missing_scale_unknown_layout_and_wrong_size_are_clear_errors(preset, tmp_path):
+    """Each refusal names what is wrong: a float8 weight of a scaled file without its scale (the key), a layout
+    diffusers' mapping does not turn into the model (the missing parameters, the file's keys), a tensor of
+    another size than model.path's config.json, a model.path without the config, a single file for a VAE."""
+    case = preset("wan")
+    scaled = dict(case["scaled_tensors"])
+    del scaled["model.diffusion_model.blocks.0.self_attn.k.scale_weight"]
+    save_file({k: v.contiguous() for k, v in scaled.items()}, tmp_path / "no_scale.safetensors")
+    with pytest.raises(SingleFileError, match=r"float8 model\.diffusion_model\.blocks\.0\.self_attn\.k\.weight has no "
+                                              r"model\.diffusion_model\.blocks\.0\.self_attn\.k\.scale_weight"):
+        spec_of(case, tmp_path / "no_scale.safetensors").weights("transformer")
+    # Wan's original layout given as a HunyuanVideo transformer: the mapping finds none of its parameters
+    hunyuan = preset("hunyuan-video")
+    with pytest.raises(SingleFileError, match=r"lacks \d+ of HunyuanVideoTransformer3DModel's \d+ parameters after "
+                                              r"diffusers' convert_hunyuan_video_transformer_to_diffusers .* the "
+                                              r"file's keys look like blocks\.0\.cross_attn"):
+        spec_of(hunyuan, case["original"]).weights("transformer")
+    original = {k: v.contiguous() for k, v in wan_original(case["state"]).items()}
+    original["blocks.0.ffn.0.weight"] = original["blocks.0.ffn.0.weight"][:-1].contiguous()
+    save_file(original, tmp_path / "smaller.safetensors")
+    with pytest.raises(SingleFileError, match=r"does not fit the config\.json .*blocks\.0\.ffn\.net\.0\.proj\.weight: "
+                                              r"file \(\d+, \d+\), model"):
+        spec_of(case, tmp_path / "smaller.safetensors").weights("transformer")
+    empty = tmp_path / "no-model"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match=r"model\.components\.transformer = .* is one \.safetensors file; its "
+                                                r"config\.json is read from model\.path's 'transformer' folder"):
+        spec_of(case, case["original"], path=empty).empty_component("transformer")
+    with pytest.raises(ValueError, match="only for a transformer"):
+        build_spec(ModelConfig(family="wan", path=str(case["path"]), components={"vae": str(case["original"])}),
+                   8.0).load_component("vae")
+
+
+def test_a_hub_file_is_read_from_the_cache_and_offline_names_the_download(preset, tmp_path, monkeypatch):
+    """`org/repo/path/file.safetensors` is fetched with hf_hub_download (here: found in the local cache,
+    HF_HUB_OFFLINE=1); a file the cache lacks says how to download it."""
+    import huggingface_hub.constants
+
+    case = preset("wan")
+    commit = "0" * 40
+    snapshot = tmp_path / "hub" / "models--org--wan-fp8" / "snapshots" / commit / "split_files"
+    snapshot.mkdir(parents=True)
+    shutil.copy(case["scaled"], snapshot / "wan_fp8_scaled.safetensors")
+    (tmp_path / "hub" / "models--org--wan-fp8" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--wan-fp8" / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    spec = spec_of(case, "org/wan-fp8/split_files/wan_fp8_scaled.safetensors")
+    expected = spec_of(case, case["dequantized"]).load_transformer().state_dict()
+    got = spec.load_transformer().state_dict()
+    assert all(torch.equal(got[n], t) for n, t in expected.items())
+    with pytest.raises(ModelLoadError, match=r"hub is offline .*`hf download org/wan-fp8 missing\.safetensors"):
+        spec_of(case, "org/wan-fp8/missing.safetensors").weights("transformer")
