@@ -28,6 +28,7 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     """
     cfg = load_or_exit(config, set)
     from vt.precompute.encoders import VaeOutOfMemory
+    from vt.precompute.processors import ProcessorBug
     from vt.precompute.resume import ResumeError
     from vt.precompute.service import Precompute, TooManyFailures
     from vt.shared.models.components import ModelLoadError
@@ -38,7 +39,7 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
 
     try:
         report = Precompute(cfg, rank(), world_size()).run()
-    except (TooManyFailures, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
+    except (TooManyFailures, ProcessorBug, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
             ProducerConflict, StorageUnavailable, WindowTimeout, VaeOutOfMemory) as err:
         raise fail(str(err)) from err
     typer.echo(report.summary_line())

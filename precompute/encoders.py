@@ -102,28 +102,47 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, device: torch.device,
-                  bucket: str, tiling: bool) -> dict[str, list[torch.Tensor]]:
-    """`spec.encode_video` over `videos` in batches of `batch`; a batch that runs out of memory is retried
+                  bucket: str, tiling: bool,
+                  controls: list[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
+    """`spec.encode_video` over `videos` in batches of `batch` (with each clip's control video as
+    `control=` where `controls` is given: `spec.control_video`); a batch that runs out of memory is retried
     one clip at a time, and a clip that still does not fit raises VaeOutOfMemory naming what to change."""
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(videos), batch):
         group = videos[start:start + batch]
+        paired = controls[start:start + batch] if controls is not None else [None] * len(group)
         try:
-            parts = [spec.encode_video(encoders, torch.stack(group).to(device))]
+            control = {} if controls is None else {"control": torch.stack(paired).to(device)}
+            parts = [spec.encode_video(encoders, torch.stack(group).to(device), **control)]
         except Exception as err:
             if not is_out_of_memory(err):
                 raise
             _free(device)
-            parts = [_encode_one(spec, encoders, video, device, bucket, tiling) for video in group]
+            parts = [_encode_one(spec, encoders, video, device, bucket, tiling, control)
+                     for video, control in zip(group, paired)]
         for part in parts:
             for name, tensor in part.items():
                 out.setdefault(name, []).append(tensor.cpu())
     return out
 
 
-def _encode_one(spec, encoders, video, device, bucket: str, tiling: bool) -> dict[str, torch.Tensor]:
+def encode_texts_with_images(spec, encoders: dict, captions: list[str], videos: list[torch.Tensor],
+                             device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """`spec.encode_text_with_image` of each caption with its clip's first frame, one sample at a time (the
+    pipeline's prompt crop handles a caption cut at the text length only in a batch of one)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for caption, video in zip(captions, videos):
+        first = video[:, 0].unsqueeze(0).to(device)  # (1, 3, H, W) of the clip (3, F, H, W)
+        for name, tensor in spec.encode_text_with_image(encoders, [caption], first).items():
+            out.setdefault(name, []).append(tensor.cpu())
+    return out
+
+
+def _encode_one(spec, encoders, video, device, bucket: str, tiling: bool,
+                control: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     try:
-        return spec.encode_video(encoders, video.unsqueeze(0).to(device))
+        extra = {} if control is None else {"control": control.unsqueeze(0).to(device)}
+        return spec.encode_video(encoders, video.unsqueeze(0).to(device), **extra)
     except Exception as err:
         if not is_out_of_memory(err):
             raise

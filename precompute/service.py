@@ -4,7 +4,10 @@ Decoding (PyAV, CPU) runs in worker processes ahead of the encoder process, boun
 never piles up in memory. Samples of one bucket are buffered until a shard is full, then encoded in
 batches (captions through a per-run cache) and committed into the window, which blocks while the
 trainer is behind. A bad sample is skipped and counted by reason; too many failures in a row stop the
-run, since that means the input or the settings are wrong rather than a few clips.
+run, since that means the input or the settings are wrong rather than a few clips. What is bad data
+is the error policy's call (processors/policy.py, passed to the chain in the workers): any other
+exception in a processor is a bug, which stops the run at once as ProcessorBug (its traceback
+logged, the buffered samples never written, so the window holds whole shards only).
 
 Many producers: each rank (torchrun's RANK / WORLD_SIZE) takes every world_size-th raw shard and
 writes its own sequence into the one window; they coordinate through the window alone.
@@ -28,9 +31,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vt.precompute.encoders import encode_videos, load_encoders, text_phase
-from vt.precompute.processors import Chain, PreparedSample, build_chain, worker_init
-from vt.precompute.processors.errors import SampleError
+from vt.precompute.encoders import encode_texts_with_images, encode_videos, load_encoders, text_phase
+from vt.precompute.processors import (Chain, ErrorPolicy, PreparedSample, ProcessorBug, SampleError, bad_data_only,
+                                      build_chain, worker_init)
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
@@ -80,22 +83,25 @@ class ShardEnd:
     index: int
 
 
-def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float) -> Outcome:
-    """Runs in a decode worker: a sample in, its prepared samples or the reason it was rejected out."""
+def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy) -> Outcome:
+    """Runs in a decode worker: a sample in, its prepared samples or the reason it was rejected out.
+
+    Only what `policy` judged bad data arrives here as SampleError; what it raises (ProcessorBug)
+    goes back to the service through the pool and stops the run.
+    """
     start = time.perf_counter()
     try:
-        return Outcome.of(raw, chain.prepare(raw, buckets, fps), seconds=time.perf_counter() - start)
+        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy), seconds=time.perf_counter() - start)
     except SampleError as err:
         return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
-    except Exception as err:  # an unforeseen decoder failure is still one bad clip, not a dead run
-        return Outcome.of(raw, None, "decode_error", repr(err), time.perf_counter() - start)
 
 
 class _Prepare:
-    """Picklable `prepare_timed` bound to the chain and bucket table; (raw index, sample) -> (raw index, Outcome)."""
+    """Picklable `prepare_timed` bound to the chain, bucket table and error policy; (raw index, sample) ->
+    (raw index, Outcome)."""
 
-    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float):
-        self.chain, self.buckets, self.fps = chain, buckets, fps
+    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy):
+        self.chain, self.buckets, self.fps, self.policy = chain, buckets, fps, policy
 
     def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
         if isinstance(item, ShardEnd):
@@ -106,7 +112,7 @@ class _Prepare:
             need = "a one-frame bucket (1xHxW)" if raw.still else "a bucket of more than one frame"
             kind = "an image" if raw.still else "a clip"
             return index, Outcome.of(raw, None, "no_bucket", f"{kind} needs {need} in buckets.sizes")
-        return index, prepare_timed(raw, self.chain, buckets, self.fps)
+        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy)
 
     @staticmethod
     def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
@@ -132,6 +138,8 @@ class Precompute:
         self.shard_names = shard_names(every_shard)  # from the whole list: every rank names shards alike
         self.raw_shards = split_for_rank(every_shard, rank, world_size)
         self.shards_id = shards_digest(self.raw_shards)
+        # The member each sample's control video is read from, for a family that trains on one (else none).
+        self.control = config.data.control if self.spec.control_video else None
         self.device = pick_device(pre.device)
         self.storage_dtype = DTYPES[pre.storage_dtype]
         self.provenance = provenance(config, spec=self.spec)
@@ -160,6 +168,8 @@ class Precompute:
             if self.report.status == "running":
                 self.report.status = "done"
         except BaseException as err:
+            if isinstance(err, ProcessorBug):  # its own traceback, formatted where it ran (maybe a worker)
+                log.error("%s", err.traceback.rstrip())
             self.report.status = f"failed: {type(err).__name__}: {err}"
             raise
         finally:
@@ -210,7 +220,7 @@ class Precompute:
                 self.report.skipped_shards += 1
                 continue
             started = time.perf_counter()
-            for raw in iter_raw_samples(shard, self.shard_names[shard]):
+            for raw in iter_raw_samples(shard, self.shard_names[shard], self.control):
                 self.report.seconds["read"] += time.perf_counter() - started
                 # A sample with an error is never committed (a duplicate_key shares its key with one that may be).
                 if raw.error is None and tracker.state.committed(index, raw.sample_id):
@@ -224,7 +234,8 @@ class Precompute:
         pre = self.config.precompute
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
-        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps)
+        # Bad data is rejected and counted; a processor's bug stops the run (processors/policy.py).
+        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
@@ -273,18 +284,30 @@ class Precompute:
         conditions = self._stored(self.text_cache.encode([""]))
         self.window.put_empty_caption(self.fingerprint, encode_caption(conditions, self.spec.text_masks))
 
+    def _encode_text_with_images(self, samples: list[PreparedSample]) -> dict[str, list[torch.Tensor]]:
+        """Per-sample text conditions, in the text phase, where the family's text encoder reads each caption
+        with its clip's first frame (`spec.text_with_image`: a Llava reading the frame inside the prompt);
+        {} otherwise."""
+        if not self.spec.text_with_image:
+            return {}
+        with text_phase(self.encoders, self.spec, self.device, self.config.precompute.text_encoder_offload):
+            return encode_texts_with_images(self.spec, self.encoders, [s.caption for s in samples],
+                                            [s.video for s in samples], self.device)
+
     def _write_shard(self, items: list[tuple[int, PreparedSample]], epoch: int, tracker: Tracker) -> CommitRecord:
         pre = self.config.precompute
         samples = [sample for _, sample in items]
         bucket = samples[0].bucket
         started = time.perf_counter()
         captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
+        sample_text = self._encode_text_with_images(samples)  # {} unless the text encoder reads the first frame
         self.report.seconds["text_encode"] += time.perf_counter() - started
         started = time.perf_counter()
+        controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,
-                                bucket.name, pre.vae_tiling)
+                                bucket.name, pre.vae_tiling, controls)
         self.report.seconds["vae_encode"] += time.perf_counter() - started
-        tensors = self._stored({name: torch.cat(parts) for name, parts in latents.items()})
+        tensors = self._stored({name: torch.cat(parts) for name, parts in {**latents, **sample_text}.items()})
         captions.conditions = self._stored(captions.conditions)
         keys = [s.key for s in samples]
         data = encode_shard(tensors, keys, {"provenance": self.provenance, "bucket": bucket.name, "epoch": epoch},

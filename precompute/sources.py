@@ -21,6 +21,11 @@ that repeats inside one tar is bad input: the first sample is kept, a later one 
 `tar --append` leaves it) starts a new sample with the same key, which is then a duplicate_key
 rather than silently overwriting the first video.
 
+A sample may also carry a control video (pose, depth, edges ...), for families that train on one
+(`ModelSpec.control_video`): the member `<key>.<control>.<ext>` (`<key>.control.mp4` by default,
+`data.control` names it; any extension of VIDEO_EXTS or IMAGE_EXTS), read only when asked for
+(`iter_raw_samples(..., control=...)`). Asked for and absent, the sample is rejected as `missing_control`.
+
 Tars are read as a stream (tarfile mode "r|*"), so an S3 shard is never downloaded whole first
 and .tar.gz shards work too.
 """
@@ -76,6 +81,7 @@ class RawSample:
     position: int = 0
     still: bool = False  # `video` holds a still image (IMAGE_EXTS), not a clip
     meta: dict | None = None  # the .json member's fields, when it holds a JSON object (caption processor)
+    control: bytes | None = None  # the control video (`<key>.control.mp4`), when one was asked for
 
     @property
     def sample_id(self) -> str:
@@ -224,8 +230,8 @@ def _meta(files: dict[str, bytes]) -> dict | None:
 class _Samples:
     """Turns the member groups of one tar into RawSamples: positions, and the first-key-wins rule."""
 
-    def __init__(self, shard: str, name: str):
-        self.shard, self.name = shard, name
+    def __init__(self, shard: str, name: str, control: str | None = None):
+        self.shard, self.name, self.control = shard, name, control
         self.seen: set[str] = set()
         self.position = 0
 
@@ -236,15 +242,21 @@ class _Samples:
         video = image if still else video
         caption, error = _caption(files)
         detail = ""
+        control = next((files[f"{self.control}.{ext}"] for ext in MEDIA_EXTS if f"{self.control}.{ext}" in files),
+                       None) if self.control else None
         if video is None:
             error = "missing_video"  # no video or image outranks any caption problem: nothing to train on
+        elif self.control and control is None:  # as does a missing control video, for a family that needs one
+            error = "missing_control"
+            detail = (f"no {key}.{self.control}.mp4 (or another video extension) beside it in {self.shard}: "
+                      f"the model family trains on a control video per sample (data.control names the member)")
         if key in self.seen:  # a repeat outranks everything: the first sample of the key is the one
-            error, caption, video = "duplicate_key", None, None  # nothing of it is used
+            error, caption, video, control = "duplicate_key", None, None, None  # nothing of it is used
             detail = f"key {key!r} came earlier in {self.shard}; the first sample with it is kept"
         self.seen.add(key)
         return self._next(RawSample(key=key, shard=self.shard, video=video, caption=caption, error=error,
                                     detail=detail, meta=_meta(files) if video is not None else None,
-                                    still=still and video is not None))
+                                    still=still and video is not None, control=control))
 
     def damaged(self, key: str) -> RawSample:
         """The marker that ends a damaged tar; `key` is the sample that was being read."""
@@ -279,9 +291,12 @@ def _read(tar: tarfile.TarFile, member: tarfile.TarInfo) -> bytes:
     return handle.read() if handle is not None else b""
 
 
-def iter_raw_samples(shard_url: str, name: str | None = None) -> Iterator[RawSample]:
+def iter_raw_samples(shard_url: str, name: str | None = None, control: str | None = None) -> Iterator[RawSample]:
     """The samples of one tar (local path or any fsspec URL such as s3://), in tar order; or the one
     sample of a media file with its caption sidecars.
+
+    `control`: the member name of each sample's control video (`"control"`: `<key>.control.mp4`), read into
+    `RawSample.control` (a sample without one is rejected as `missing_control`); None reads none.
 
     `name` is the shard's name in sample ids (from shard_names over all shards; default: the file
     name without its suffix). On damage (cut short, garbage header, broken gzip) the sample being
@@ -290,9 +305,9 @@ def iter_raw_samples(shard_url: str, name: str | None = None) -> Iterator[RawSam
     """
     if is_media(shard_url):  # one sample of a folder of clips: its name is its key
         key = shard_names([shard_url])[shard_url] if name is None else name
-        yield _Samples(shard_url, "").make(key, read_media_sample(shard_url))
+        yield _Samples(shard_url, "", control).make(key, read_media_sample(shard_url, control))
         return
-    samples = _Samples(shard_url, shard_names([shard_url])[shard_url] if name is None else name)
+    samples = _Samples(shard_url, shard_names([shard_url])[shard_url] if name is None else name, control)
     with fsspec.open(shard_url, "rb") as stream:
         key, files = None, {}
         try:

@@ -136,8 +136,9 @@ class _Decoded:
                     except SampleError as err:
                         self.prepared[ident] = err
 
-    def prepare(self, raw, buckets, fps):
-        """`Chain.prepare`'s signature: the samples of one raw sample."""
+    def prepare(self, raw, buckets, fps, policy):
+        """`Chain.prepare`'s signature: the samples of one raw sample (decoded beforehand: nothing for the
+        error policy to judge here)."""
         found = self.prepared[_clip_id(raw)]
         if isinstance(found, Exception):
             raise found

@@ -9,6 +9,9 @@ keyframe a second so decoders can seek), and written as `<key>.mp4` plus `<key>.
 
 With `--stills N` it writes a folder of media files instead (the pieces as <key>.mp4 plus N still
 images per clip as .jpg / .png / .webp, each with <key>.txt): the mixed raw input of images and videos.
+With `--control edges` (or `gray`) every piece also gets a control video, `<key>.control.mp4`: the same
+frames, timing and size as an edge map (Sobel magnitude of the luma) or as grayscale, what a family that
+trains on a control video (pose, depth, edges) reads beside each clip.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import av
+import numpy as np
 
 CAPTIONS = {
     "bigbuckbunny": "a big cartoon rabbit walks out of his burrow into a sunny green meadow",
@@ -91,6 +95,33 @@ def cut_clip(clip: Path, seconds: float, max_side: int) -> list[bytes]:
     return pieces
 
 
+CONTROLS = ("edges", "gray")
+
+
+def control_video(video: bytes, kind: str = "edges") -> bytes:
+    """A control video of an mp4 piece: each frame as its edge map (Sobel gradient magnitude of the luma,
+    white edges on black) or its grayscale, same size, frame rate and timing, as h264 mp4 bytes."""
+    if kind not in CONTROLS:
+        raise ValueError(f"control kind must be one of {CONTROLS}, got {kind!r}")
+    with av.open(io.BytesIO(video)) as source:
+        stream = source.streams.video[0]
+        rate, size = stream.average_rate or Fraction(25), (stream.codec_context.height, stream.codec_context.width)
+        writer = _PieceWriter(rate, *size)
+        for frame in source.decode(stream):
+            luma = frame.to_ndarray(format="gray").astype(np.float32)
+            if kind == "edges":
+                padded = np.pad(luma, 1, mode="edge")
+                gx = (padded[:-2, 2:] + 2 * padded[1:-1, 2:] + padded[2:, 2:]
+                      - padded[:-2, :-2] - 2 * padded[1:-1, :-2] - padded[2:, :-2])
+                gy = (padded[2:, :-2] + 2 * padded[2:, 1:-1] + padded[2:, 2:]
+                      - padded[:-2, :-2] - 2 * padded[:-2, 1:-1] - padded[:-2, 2:])
+                luma = np.hypot(gx, gy) / 4
+            gray = np.clip(luma, 0, 255).astype(np.uint8)
+            rgb = np.ascontiguousarray(np.repeat(gray[..., None], 3, axis=2))
+            writer.add(av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuv420p"))
+    return writer.close()
+
+
 def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode = len(data), 0, 0o644
@@ -99,12 +130,13 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_shard: int = 8,
                        max_side: int = 480, captions: dict[str, str] | None = None,
-                       caption_format: str = "txt", interleave: bool = False) -> list[Path]:
+                       caption_format: str = "txt", interleave: bool = False, control: str | None = None) -> list[Path]:
     """Write raw shards out/raw-000000.tar ... and return their paths.
 
     `captions` maps a clip's file stem to its caption (defaults cover the four sample clips);
     `caption_format` "txt" writes <key>.txt, "json" writes <key>.json {"caption": ...};
-    `interleave` takes the clips' pieces round-robin (as a crawl mixes sources) instead of clip by clip.
+    `interleave` takes the clips' pieces round-robin (as a crawl mixes sources) instead of clip by clip;
+    `control` ("edges" or "gray") also writes each piece's control video as <key>.control.mp4.
     """
     if caption_format not in ("txt", "json"):
         raise ValueError(f"caption_format must be 'txt' or 'json', got {caption_format!r}")
@@ -134,6 +166,8 @@ def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_s
         with tarfile.open(partial, "w", format=tarfile.USTAR_FORMAT) as tar:
             for key, video, caption in samples[first:first + per_shard]:
                 _add(tar, f"{key}.mp4", video)
+                if control:
+                    _add(tar, f"{key}.control.mp4", control_video(video, control))
                 text = caption if caption_format == "txt" else json.dumps({"caption": caption})
                 _add(tar, f"{key}.{caption_format}", text.encode("utf-8"))
         partial.replace(path)
@@ -166,10 +200,12 @@ def cut_stills(clip: Path, count: int, max_side: int, start: int = 0) -> list[tu
 
 
 def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_side: int = 256,
-                      stills_per_clip: int = 3, pieces_per_clip: int | None = None) -> list[Path]:
+                      stills_per_clip: int = 3, pieces_per_clip: int | None = None,
+                      control: str | None = None) -> list[Path]:
     """A raw folder as the peers take it: `<clip>-<n>.mp4` pieces (at most `pieces_per_clip`) and
     `<clip>-still-<n>.jpg` / `.png` / `.webp` cut from the clips, each with a `.txt` caption (the
-    clip's, plus "a still of" for images); returns the media files."""
+    clip's, plus "a still of" for images); returns the media files. `control` ("edges" or "gray") also
+    writes each piece's control video beside it, `<clip>-<n>.control.mp4`."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written, stills = [], 0
@@ -185,6 +221,8 @@ def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_si
         for name, data, text in media:
             (out / name).write_bytes(data)
             (out / name).with_suffix(".txt").write_text(text)
+            if control and name.endswith(".mp4"):
+                (out / name).with_suffix(".control.mp4").write_bytes(control_video(data, control))
             written.append(out / name)
     return written
 
@@ -199,15 +237,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="captions as <key>.json instead of <key>.txt")
     parser.add_argument("--stills", type=int, default=0,
                         help="write a media folder instead of tars: the pieces plus this many stills per clip")
+    parser.add_argument("--control", choices=CONTROLS, default=None,
+                        help="also write each piece's control video (<key>.control.mp4): its edges or its grayscale")
     args = parser.parse_args(argv)
     clips = sorted(args.clips.glob("*.mp4"))
     if not clips:
         raise SystemExit(f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}")
     if args.stills:
-        written = make_media_folder(clips, args.out, args.seconds, args.max_side, stills_per_clip=args.stills)
+        written = make_media_folder(clips, args.out, args.seconds, args.max_side, stills_per_clip=args.stills,
+                                    control=args.control)
     else:
         written = make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
-                                     caption_format="json" if args.json else "txt")
+                                     caption_format="json" if args.json else "txt", control=args.control)
     for path in written:
         print(path)
 

@@ -7,6 +7,8 @@ Building takes about a second on CPU and needs no network.
     python scripts/make_tiny_model.py --family ltx-video runs/models/ltx-video-tiny
     python scripts/make_tiny_model.py --family wan --seed 1 runs/models/wan-tiny
     python scripts/make_tiny_model.py --family wan --task i2v runs/models/wan-i2v-tiny
+    python scripts/make_tiny_model.py --family wan --task flf2v runs/models/wan-flf2v-tiny
+    python scripts/make_tiny_model.py --family ltx-2 --task i2v runs/models/ltx2-i2v-tiny
     python scripts/make_tiny_model.py --family wan2.2 --task i2v runs/models/wan22-i2v-tiny
     python scripts/make_tiny_model.py --family wan2.2-ti2v runs/models/wan22-ti2v-tiny
 """
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=FAMILIES, help="model family")
     parser.add_argument("--seed", type=int, default=0, help="weights are identical for a seed")
-    parser.add_argument("--task", default="t2v", choices=("t2v", "i2v"),
+    parser.add_argument("--task", default="t2v", choices=("t2v", "i2v", "flf2v"),
                         help="the preset for this task (its pipeline's layout)")
     parser.add_argument("out", type=Path, help="output folder (diffusers layout)")
     args = parser.parse_args(argv)

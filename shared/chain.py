@@ -1,11 +1,12 @@
 """Stage 1's processor chain as both stages see it: names, typed options, and what goes into provenance.
 
 `precompute.processors` in the config is a list of tables, each `name = ...` plus that processor's
-options. A name is a built-in (BUILTIN_OPTIONS) or a user class by import path
+options. A name is a built-in (BUILTINS, the one table of them) or a user class by import path
 (`mypkg.module:MyProcessor`). The work itself lives in vt.precompute.processors; this module only
 knows the options, because the trainer must compute the same fingerprint from the same config
 without importing stage 1 (a user processor's module is imported by both stages, for its options
-and version).
+and version). A built-in's class is named in the table by its import path, as a user's is in the
+config, and only stage 1 imports it (`Step.implementation`).
 
 `resolve_chain` validates every entry (an unknown option or a bad value names the processor and the
 key) and fills in the core steps a list leaves out, at their place: `sample_frames` (picks the bucket
@@ -76,8 +77,21 @@ class DecodeOptions(ProcessorOptions):
     """Decode the chosen frames scaled to cover the bucket (bilinear antialias), cut the crop."""
 
 
-BUILTIN_OPTIONS: dict[str, type[ProcessorOptions]] = {
-    "sample_frames": SampleFramesOptions, "crop": CropOptions, "caption": CaptionOptions, "decode": DecodeOptions,
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in processor: its options, and the import path of the stage 1 class that runs it
+    (a string, so the trainer resolves the options without importing stage 1)."""
+
+    options: type[ProcessorOptions]
+    implementation: str
+
+
+_STAGE1 = "vt.precompute.processors"
+BUILTINS: dict[str, Builtin] = {
+    "sample_frames": Builtin(SampleFramesOptions, f"{_STAGE1}.sample_frames:SampleFrames"),
+    "crop": Builtin(CropOptions, f"{_STAGE1}.crop:Crop"),
+    "caption": Builtin(CaptionOptions, f"{_STAGE1}.caption:Caption"),
+    "decode": Builtin(DecodeOptions, f"{_STAGE1}.fit_bucket:Decode"),
 }
 
 
@@ -89,6 +103,11 @@ class Step:
     version: int
     options: ProcessorOptions
 
+    @property
+    def implementation(self) -> str:
+        """The import path of the class that runs the step: a built-in's from BUILTINS, else the name."""
+        return BUILTINS[self.name].implementation if self.name in BUILTINS else self.name
+
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "version": self.version, **self.options.model_dump()}
 
@@ -97,7 +116,7 @@ def load_user_class(path: str) -> type:
     """`package.module:ClassName` -> the class; ValueError saying what is wrong otherwise."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"processor {path!r} is neither a built-in ({', '.join(BUILTIN_OPTIONS)}) "
+        raise ValueError(f"processor {path!r} is neither a built-in ({', '.join(BUILTINS)}) "
                          "nor an import path such as 'mypkg.module:MyProcessor'")
     try:
         module = importlib.import_module(module_name)
@@ -114,8 +133,8 @@ def load_user_class(path: str) -> type:
 
 
 def options_class(name: str) -> type[ProcessorOptions]:
-    if name in BUILTIN_OPTIONS:
-        return BUILTIN_OPTIONS[name]
+    if name in BUILTINS:
+        return BUILTINS[name].options
     return getattr(load_user_class(name), "Options", ProcessorOptions)
 
 
@@ -157,7 +176,7 @@ def resolve_chain(entries: list[dict[str, Any]]) -> list[Step]:
             continue
         later = [names.index(c) for c in CORE_STEPS[position + 1:] if c in names]
         at = min(later) if later else len(steps)
-        cls = BUILTIN_OPTIONS[core]
+        cls = BUILTINS[core].options
         steps.insert(at, Step(core, cls.VERSION, cls()))
         names.insert(at, core)
     return steps

@@ -50,9 +50,12 @@ class RunSection(_Section):
 class ModelConfig(_Section):
     family: str = "ltx-video"  # a registered Model Spec name (see vt.shared.models)
     path: str = "runs/models/ltx-video-tiny"  # diffusers-layout folder or hub id
-    # Per-component overrides: {tokenizer, text_encoder, vae, transformer, scheduler} -> folder/hub id.
+    # Per-component overrides: {tokenizer, text_encoder, vae, transformer, scheduler} -> folder/hub id; a
+    # transformer may also be one .safetensors file (original or diffusers layout, fp8-scaled too), local or
+    # "org/repo/path/file.safetensors" on the hub, its config read from model.path's transformer folder.
     components: dict[str, str] = Field(default_factory=dict)
-    task: Literal["t2v", "i2v"] = "t2v"  # i2v: first-frame conditioning (families that support it)
+    # i2v: first-frame conditioning; flf2v: first and last frame (families that support them)
+    task: Literal["t2v", "i2v", "flf2v"] = "t2v"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # frozen weights' dtype
     max_text_tokens: int | None = Field(None, ge=1)  # None: the family's default
     first_frame_noise: float = Field(0.0, ge=0, le=1)  # i2v: max sigma of the conditioning frame (0: clean)
@@ -60,10 +63,26 @@ class ModelConfig(_Section):
     # on its own noise range; "" is the family's first; "all" trains every expert in one run, each
     # sample by the expert whose range holds its sigma.
     expert: str = ""
+    # Diffusion forcing (SkyReels V2's DF checkpoints): an independent noise level per latent frame (per
+    # causal block), fed to a transformer that takes a timestep per frame, and validation with the family's
+    # diffusion-forcing pipeline; families whose transformer takes one timestep per sample refuse it.
+    diffusion_forcing: bool = False
 
 
 class DataConfig(_Section):
     raw: str = "runs/data/raw"  # folder, tar file, glob or s3:// prefix of raw webdataset shards
+    # Families that train on a control video per sample (ModelSpec.control_video): the member holding it,
+    # `<key>.<control>.mp4` in a tar (`<stem>.<control>.mp4` beside a media file); e.g. "pose" or "depth"
+    # where the data holds several. Part of the shards' provenance.
+    control: str = "control"
+
+    @field_validator("control")
+    @classmethod
+    def _member(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
+            raise ValueError("must be a member name of letters, digits, '_' or '-' (no dots or slashes): the "
+                             "control video of sample <key> is <key>.<name>.mp4, e.g. data.control = \"pose\"")
+        return value
 
 
 def _bucket_size(text: str) -> str:
@@ -144,7 +163,11 @@ class TrainConfig(_Section):
     checkpoint_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end
     validate_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end (if prompts are set)
     validation_prompts: list[str] = Field(default_factory=list)
-    validation_images: list[str] = Field(default_factory=list)  # i2v: one conditioning image per prompt
+    validation_images: list[str] = Field(default_factory=list)  # i2v, flf2v: one first frame per prompt
+    validation_last_images: list[str] = Field(default_factory=list)  # flf2v: one last frame per prompt
+    # Families that train on a control video: one control video per prompt, fitted to the bucket as stage 1
+    # fits a sample's (frames from its start at buckets.fps, scaled to cover, center-cropped).
+    validation_videos: list[str] = Field(default_factory=list)
     validation_steps: int = Field(4, ge=1)
     resume: bool = True  # continue from the newest checkpoint in the run folder
     device: str = "auto"
@@ -240,7 +263,55 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             raise ConfigError(f"{path} is not valid TOML: {err}") from err
     for text in overrides:
         _merge(tree, *parse_override(text))
-    return build(Config, tree, "")
+    config = build(Config, tree, "")
+    check_last_images(config)
+    check_validation_videos(config)
+    return config
+
+
+def check_validation_videos(config: Config) -> None:
+    """`train.validation_videos` holds one control video per validation prompt, for a family that trains on
+    a control video (`ModelSpec.control_video`) only: at start-up, not at validation. (Such a family's
+    prompts without videos are refused where the trainer builds its validation, which knows the family
+    without importing it here for every config.)"""
+    family, train = config.model.family, config.train
+    if not train.validation_videos:
+        return
+    if not _takes_control_video(family):
+        raise ConfigError(f"train.validation_videos = {train.validation_videos!r}: model.family = {family!r} trains "
+                          "on no control video, so validation has no use for them; remove it (the families with "
+                          "control videos: docs/families.md)")
+    prompts, videos = len(train.validation_prompts), len(train.validation_videos)
+    if videos != prompts:
+        raise ConfigError(f"train.validation_videos has {videos} entries for {prompts} train.validation_prompts: "
+                          f"model.family = {family!r} renders each prompt under a control video (pose, depth ...); "
+                          "give one video file per prompt (the same file may repeat)")
+
+
+def _takes_control_video(family: str) -> bool:
+    from vt.shared.models import get_spec_class  # here, not at the top: the registry imports this module
+
+    try:
+        return get_spec_class(family).control_video
+    except ValueError:  # an unknown family: refused with its own message where the spec is built
+        return False
+
+
+def check_last_images(config: Config) -> None:
+    """`train.validation_last_images` is for model.task = "flf2v" only, one per validation prompt: a list of
+    the wrong length, or one that a task would ignore, stops the run at start-up rather than at validation."""
+    task, train = config.model.task, config.train
+    if task != "flf2v":
+        if train.validation_last_images:
+            raise ConfigError(f"train.validation_last_images = {train.validation_last_images!r}: only model.task = "
+                              f"\"flf2v\" (first and last frame) takes last frames, this run's task is {task!r}; "
+                              "remove it, or set model.task = \"flf2v\"")
+        return
+    prompts, last = len(train.validation_prompts), len(train.validation_last_images)
+    if last != prompts:
+        raise ConfigError(f"train.validation_last_images has {last} entries for {prompts} train.validation_prompts: "
+                          "model.task = \"flf2v\" needs one last-frame image per validation prompt (and one "
+                          "train.validation_images entry for its first frame)")
 
 
 def build(cls: type[BaseModel], tree: dict, prefix: str = "") -> Any:

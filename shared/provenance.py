@@ -6,8 +6,9 @@ the settings that differ (`describe_difference`), so a cache never goes stale si
 
 What goes in: the model family and task, the encoders' weights (a digest of the tokenizer, text
 encoder and VAE files), the processing (frame rate, bucket table, and the processor chain: every
-step's name, version and options, defaults included), the text length, encoder and storage dtypes,
-and the shard format version.
+step's name, version and options, defaults included; for a family that trains on a control video, the
+member it is read from, `data.control`), the text length, encoder and storage dtypes, and the shard
+format version.
 Not in: anything only the trainer uses (transformer, LoRA, learning rate ...).
 
 The weights digest reads files, never loads a model. Files up to FULL_HASH_BYTES are hashed whole.
@@ -59,7 +60,9 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
         "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
                        "buckets": sorted(config.buckets.sizes),
                        "processors": describe_chain(config.precompute.processors),
-                       **({"vae_tiling": True} if config.precompute.vae_tiling else {})},
+                       **({"vae_tiling": True} if config.precompute.vae_tiling else {}),
+                       # which member of each sample holds its control video (a family that trains on one)
+                       **({"control": config.data.control} if spec.control_video else {})},
         "weights": dict(sorted((weights if weights is not None else weights_digests(spec)).items())),
     }
 

@@ -5,7 +5,9 @@ stores each input's conditions in the window (precompute/validation_conditions.p
 
 Inputs: every `train.validation_prompts` entry, the family's negative prompt (what its pipeline encodes
 for `negative_prompt=None`, for classifier-free guidance) and, for an i2v family whose pipeline runs an
-image encoder (Wan 2.1's CLIP), every `train.validation_images` file.
+image encoder (Wan 2.1's CLIP), every `train.validation_images` file and, for first-and-last-frame
+(flf2v), every `train.validation_last_images` file; for a family whose text encoder reads the prompt
+together with the image (HunyuanVideo I2V's Llava), every (prompt, image) pair.
 """
 
 from __future__ import annotations
@@ -20,32 +22,44 @@ from vt.shared.window import validation_key
 
 @dataclass(frozen=True)
 class ValidationInput:
-    kind: str  # "prompt" or "image"
-    value: str  # the prompt's text, or the image's path
+    kind: str  # "prompt", "image" or "pair"
+    value: str  # the prompt's text, or the image's path (a pair's image)
     key: str  # validation_key of its content
+    prompt: str = ""  # a pair's prompt
 
 
 def prompt_input(text: str) -> ValidationInput:
     return ValidationInput("prompt", text, validation_key("prompt", text.encode()))
 
 
-def image_input(path: str) -> ValidationInput:
+def image_input(path: str, key: str = "train.validation_images") -> ValidationInput:
+    """An image by content; `key`: the config list it comes from, named in the error if it cannot be read."""
     try:
         content = Path(path).read_bytes()
     except OSError as err:
-        raise FileNotFoundError(f"train.validation_images: cannot read {path!r} ({err}); give image files "
-                                "both stages can read") from err
+        raise FileNotFoundError(f"{key}: cannot read {path!r} ({err}); give image files both stages can read") from err
     return ValidationInput("image", path, validation_key("image", content))
 
 
-def validation_inputs(train, negative_prompt: str, images: bool) -> list[ValidationInput]:
+def pair_input(prompt: str, path: str) -> ValidationInput:
+    """A prompt read together with an image (`ModelSpec.text_with_image`), by the content of both."""
+    image = image_input(path)
+    return ValidationInput("pair", path, validation_key("pair", prompt.encode() + b"\0" + image.key.encode()), prompt)
+
+
+def validation_inputs(train, negative_prompt: str, images: bool, pairs: bool = False) -> list[ValidationInput]:
     """Every input validation needs conditions of (the config's `train` section; `images`: whether the
-    family encodes its i2v images with a stage-1 encoder), each once."""
+    family encodes its i2v images with a stage-1 encoder; `pairs`: whether its text encoder reads each
+    prompt with its image), each once."""
     if not train.validation_prompts:
         return []
     inputs = [prompt_input(text) for text in dict.fromkeys([*train.validation_prompts, negative_prompt])]
     if images:
         inputs += [image_input(path) for path in dict.fromkeys(train.validation_images)]
+        inputs += [image_input(path, "train.validation_last_images") for path in
+                   dict.fromkeys(train.validation_last_images) if path not in train.validation_images]
+    if pairs:
+        inputs += [pair_input(*pair) for pair in dict.fromkeys(zip(train.validation_prompts, train.validation_images))]
     return inputs
 
 

@@ -62,6 +62,48 @@ def read_video(path: Path) -> np.ndarray:
     return np.stack(frames)
 
 
+def read_fitted(path: str | Path, bucket, fps: float) -> np.ndarray:
+    """The first `bucket.frames` frames of the video at `path` sampled at `fps` (the frame shown at 0,
+    1/fps, ...), scaled to cover the bucket and center-cropped: (F, H, W, 3) uint8, as stage 1 fits a clip
+    (a validation control video; PIL's antialiased bicubic resize where stage 1 has FFmpeg's, and the
+    stored picture, without rotation or pixel-aspect metadata). ValueError if the video ends first."""
+    from PIL import Image
+
+    from vt.shared.buckets import crop_box, resize_for_crop
+
+    times = [k / fps for k in range(bucket.frames)]
+    picked: list = []
+    with av.open(str(path)) as container:
+        if not container.streams.video:
+            raise ValueError(f"{path} has no video stream")
+        stream = container.streams.video[0]
+        origin = stream.start_time or 0
+        shown = None
+        for frame in container.decode(stream):
+            start = float((frame.pts - origin) * stream.time_base) if frame.pts is not None else None
+            while (shown is not None and start is not None and len(picked) < len(times)
+                   and start > times[len(picked)] + 1e-6):
+                picked.append(shown)
+            if len(picked) == len(times):
+                break
+            shown = frame
+        if len(picked) < len(times) and shown is not None:  # the last frame is on screen to the stream's end
+            end = float(stream.duration * stream.time_base) if stream.duration else None
+            while len(picked) < len(times) and end is not None and times[len(picked)] < end - 1e-6:
+                picked.append(shown)
+    if len(picked) < len(times):
+        raise ValueError(f"{path} holds {len(picked)} frames at {fps:g} fps; bucket {bucket.name} needs "
+                         f"{bucket.frames} ({bucket.frames / fps:.3f}s): give a longer video")
+    out = np.empty((bucket.frames, bucket.height, bucket.width, 3), dtype=np.uint8)
+    for index, frame in enumerate(picked):
+        image = frame.to_image()
+        height, width = resize_for_crop(image.height, image.width, bucket)
+        top, left = crop_box(height, width, bucket)
+        image = image.resize((width, height), Image.Resampling.BICUBIC, reducing_gap=None)
+        out[index] = np.asarray(image.crop((left, top, left + bucket.width, top + bucket.height)))
+    return out
+
+
 def _check_frames(frames) -> np.ndarray:
     if not isinstance(frames, np.ndarray):
         raise TypeError(f"frames must be a numpy array (F, H, W, 3) uint8, got {type(frames).__name__}; "

@@ -35,6 +35,10 @@ MODEL_BASES = {
     "HunyuanVideo": ("HunyuanVideo",),  # line 1035, comfy.ldm.hunyuan_video.model.HunyuanVideo
     "HunyuanVideo15": ("HunyuanVideo15", "HunyuanVideo"),  # line 1603: class HunyuanVideo15(HunyuanVideo)
     "GenmoMochi": ("GenmoMochi",),  # line 933, comfy.ldm.genmo.joint_model.asymm_models_joint.AsymmDiTJoint
+    "Kandinsky5": ("Kandinsky5",),  # line 1694, comfy.ldm.kandinsky5.model.Kandinsky5
+    # class WAN21_Vace(WAN21), unet_model comfy.ldm.wan.model.VaceWanModel (read at ComfyUI@01c4fa4c; also
+    # comfy/supported_models.py WAN21_Vace: unet_config model_type "vace", image_model "wan2.1")
+    "WAN21_Vace": ("WAN21_Vace", "WAN21"),
 }
 
 
@@ -86,7 +90,11 @@ def wan_weights(num_layers: int, dim: int, ffn_dim: int, i2v: bool) -> dict[str,
     """WanModel (comfy/ldm/wan/model.py 388-508): `blocks.N` WanAttentionBlock (lines 171-209):
     self_attn and cross_attn WanSelfAttention q/k/v/o (lines 52-55, kv_dim = dim), cross_attn's
     k_img/v_img for model_type "i2v" (WanI2VCrossAttention, lines 113-124; comfy/model_detection.py
-    sets "i2v" when the checkpoint has img_emb: Wan 2.1 I2V), ffn.0 / ffn.2 (lines 204-206)."""
+    sets "i2v" when the checkpoint has img_emb: Wan 2.1 I2V), ffn.0 / ffn.2 (lines 204-206).
+    Wan 2.1 FLF2V is the same WanModel(model_type "i2v"): model_detection.py also reads
+    `flf_pos_embed_token_number` off the checkpoint's `img_emb.emb_pos` (1 x 514 x 1280), the parameter
+    of MLPProj (`img_emb`) that it adds to both images' CLIP tokens before `img_emb.proj` (read at
+    comfyanonymous/ComfyUI@075e1704); the blocks, and so every LoRA key, are I2V's."""
     out: dict[str, Shape] = {}
     for n in range(num_layers):
         for attn in ("self_attn", "cross_attn"):
@@ -97,6 +105,20 @@ def wan_weights(num_layers: int, dim: int, ffn_dim: int, i2v: bool) -> dict[str,
             out[f"blocks.{n}.cross_attn.v_img"] = (dim, dim)
         out[f"blocks.{n}.ffn.0"] = (ffn_dim, dim)
         out[f"blocks.{n}.ffn.2"] = (dim, ffn_dim)
+    return out
+
+
+def wan_vace_weights(num_layers: int, vace_layers: int, dim: int, ffn_dim: int) -> dict[str, Shape]:
+    """VaceWanModel (comfy/ldm/wan/model.py, read at comfyanonymous/ComfyUI@01c4fa4c746a16712ccabac3ce7ff71c48340214):
+    WanModel's t2v `blocks.N` plus `vace_blocks.N` for N < vace_layers (comfy/model_detection.py counts the
+    checkpoint's `vace_blocks.` and reads `vace_in_dim` off `vace_patch_embedding`), each a
+    VaceWanAttentionBlock: a WanAttentionBlock ('t2v_cross_attn': self_attn and cross_attn q/k/v/o, ffn.0 /
+    ffn.2) with `before_proj` (block 0 only) and `after_proj`, both dim x dim. Block N's hint is added after
+    main block N x (num_layers // vace_layers) (`vace_layers_mapping`)."""
+    out = wan_weights(num_layers, dim, ffn_dim, i2v=False)
+    out.update({f"vace_{module}": shape for module, shape in wan_weights(vace_layers, dim, ffn_dim, i2v=False).items()})
+    out["vace_blocks.0.before_proj"] = (dim, dim)
+    out.update({f"vace_blocks.{n}.after_proj": (dim, dim) for n in range(vace_layers)})
     return out
 
 
@@ -148,6 +170,29 @@ def mochi_weights(depth: int, dim_x: int, dim_y: int, mlp_x: int, mlp_y: int) ->
     return out
 
 
+def kandinsky5_weights(num_text_blocks: int, num_visual_blocks: int, model_dim: int, time_dim: int,
+                       ff_dim: int) -> dict[str, Shape]:
+    """Kandinsky5 (comfy/ldm/kandinsky5/model.py 274-...; comfy/model_detection.py 629-641 reads its sizes off
+    the checkpoint): `text_transformer_blocks.N` TransformerEncoderBlock (lines 213-236): text_modulation
+    (Modulation, line 92: time_dim -> 6 x model_dim), self_attention SelfAttention (lines 106-112: to_query,
+    to_key, to_value, out_layer), feed_forward FeedForward (lines 165-167: in_layer, out_layer, no bias);
+    `visual_transformer_blocks.N` TransformerDecoderBlock (lines 239-271): visual_modulation (9 x model_dim),
+    self_attention, cross_attention (CrossAttention(SelfAttention), line 148: keys/values from the text,
+    already at model_dim), feed_forward."""
+    out: dict[str, Shape] = {}
+    for kind, count, params, attentions in (("text", num_text_blocks, 6, ("self_attention",)),
+                                            ("visual", num_visual_blocks, 9, ("self_attention", "cross_attention"))):
+        for n in range(count):
+            block = f"{kind}_transformer_blocks.{n}"
+            out[f"{block}.{kind}_modulation.out_layer"] = (params * model_dim, time_dim)
+            for attention in attentions:
+                for proj in ("to_query", "to_key", "to_value", "out_layer"):
+                    out[f"{block}.{attention}.{proj}"] = (model_dim, model_dim)
+            out[f"{block}.feed_forward.in_layer"] = (ff_dim, model_dim)
+            out[f"{block}.feed_forward.out_layer"] = (model_dim, ff_dim)
+    return out
+
+
 def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[str, str]:
     """comfy/lora.py `model_lora_keys_unet` (lines 175-333) for `model_class` (a key of MODEL_BASES)
     whose diffusion model has `weights` (module names): LoRA name -> `diffusion_model.<module>.weight`.
@@ -172,6 +217,11 @@ def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[st
             key_lora = key_lora[len("diffusion_model."):-len(".weight")]
             key_map[f"transformer.{key_lora}"] = k
             key_map[f"diffusion_model.{key_lora}"] = k  # "Old loras"
+    if "Kandinsky5" in bases:  # lines 326-331: bare and `transformer.` (diffusers) module names
+        for k in keys:
+            key_lora = k[len("diffusion_model."):-len(".weight")]
+            key_map[key_lora] = k
+            key_map[f"transformer.{key_lora}"] = k
     return key_map
 
 

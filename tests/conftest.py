@@ -51,21 +51,29 @@ def pytest_addoption(parser):
                      help="rewrite tests/assets/reference_numbers.json from this run (review the diff)")
 
 
+# Files of many short tests per family, whose fixtures are the cheap tiny presets: spread test by test.
+SPREAD = {"tests/shared/test_models.py", "tests/train/test_plan.py", "tests/shared/test_comfy_keys.py",
+          "tests/shared/test_reference_numbers.py", "tests/shared/test_caption_table.py"}
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(items):
     """`make test` runs the suite on pytest-xdist's workers with `--dist loadgroup`: a test file is one
     unit of work (its module and session fixtures are built once, on one worker), unless its tests
-    name their own groups (the parity rows by family, the shipped configs one by one)."""
+    name their own groups (the parity rows by family, the shipped configs one by one) or the file is
+    in SPREAD (each test a unit)."""
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        path = item.nodeid.split("::")[0]
+        if item.get_closest_marker("xdist_group") is None and path not in SPREAD:
+            item.add_marker(pytest.mark.xdist_group(path))
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session):
     """Fail at once where xdist's groups silently do not apply (pytest 9.2 with xdist 3.8,
     pytest-dev/pytest-xdist#1386): every family's window and reference would be built on each worker."""
-    if session.config.getoption("loadgroup", False) and session.items and "@" not in session.items[0].nodeid:
+    grouped = [item for item in session.items if item.get_closest_marker("xdist_group")]
+    if session.config.getoption("loadgroup", False) and grouped and "@" not in grouped[0].nodeid:
         raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (pytest-dev/pytest-xdist#1386): "
                                 "install the pytest pinned in pyproject.toml (make setup)")
 
@@ -138,4 +146,15 @@ def raw_shards(clips_dir, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("raw")
     make_sample_shards(sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, per_shard=4, max_side=256)
+    return out
+
+
+@pytest.fixture(scope="session")
+def control_shards(clips_dir, tmp_path_factory) -> Path:
+    """`raw_shards` with a control video per sample, `<key>.control.mp4`: the piece's edge map (Sobel of
+    its luma), same frames and timing (scripts/make_sample_shards.py --control edges)."""
+    from make_sample_shards import make_sample_shards
+
+    out = tmp_path_factory.mktemp("raw-control")
+    make_sample_shards(sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, per_shard=4, max_side=256, control="edges")
     return out

@@ -106,6 +106,10 @@ class Trainer:
         self.buckets = parse_buckets(config.buckets.sizes)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
+        if train.caption_dropout > 0 and self.spec.text_with_image:
+            raise ValueError(f"train.caption_dropout = {train.caption_dropout}: {self.spec.family}'s text encoder reads "
+                             "each caption together with its clip's first frame, so the window's empty caption cannot "
+                             "stand in for a sample's text; set train.caption_dropout = 0")
         if self.is_main:
             for line in self.spec.inference_mismatches():
                 log.warning(line)
@@ -285,8 +289,9 @@ class Trainer:
             parts.append(part)
             set_gradient_sync(self.transformer, index == len(micro) - 1)  # sync once, on the last micro-step
             tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
+            levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
             sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
-                                        self.spec.sigma_range())
+                                        self.spec.sigma_range(), levels)
             # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
             generator = step_generator(train.seed, self.step, index, world.dp_rank)
             models = expert_modules(self.transformer)

@@ -23,8 +23,8 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import Config
 from vt.shared.log import get_logger
 from vt.shared.models.spec import ModelSpec
-from vt.shared.validation_inputs import decode_conditions, image_input, prompt_input
-from vt.shared.video_io import load_image, write_video
+from vt.shared.validation_inputs import decode_conditions, image_input, pair_input, prompt_input
+from vt.shared.video_io import load_image, read_fitted, write_video
 
 log = get_logger("vt.train.validation")
 
@@ -46,9 +46,18 @@ class Validator:
         self.extra_parts = extra_parts or dict
         self.prompts = config.train.validation_prompts
         self.images = [load_image(p) for p in config.train.validation_images]
-        if self.prompts and config.model.task == "i2v" and len(self.images) != len(self.prompts):
-            raise ValueError(f"model.task = 'i2v' needs one train.validation_images entry per validation prompt "
+        self.last_images = [load_image(p) for p in config.train.validation_last_images]  # flf2v (config.py checks)
+        task = config.model.task
+        if self.prompts and task in ("i2v", "flf2v") and len(self.images) != len(self.prompts):
+            raise ValueError(f"model.task = {task!r} needs one train.validation_images entry per validation prompt "
                              f"({len(self.prompts)} prompts, {len(self.images)} images)")
+        videos = config.train.validation_videos  # control videos (config.py checks who may set them)
+        if self.prompts and spec.control_video and len(videos) != len(self.prompts):
+            raise ValueError(f"{spec.family} trains on a control video, so each validation prompt needs one: set "
+                             f"train.validation_videos, one video file per prompt ({len(self.prompts)} prompts, "
+                             f"{len(videos)} videos)")
+        # Fitted to the validation bucket as stage 1 fits a sample's control video, once.
+        self.controls = [_read_control(path, bucket, config.buckets.fps) for path in videos] if self.prompts else []
         self._conditions: list[dict[str, torch.Tensor]] | None = None
         self._pipeline = None  # built at the first run, around the training model, and kept
 
@@ -58,11 +67,19 @@ class Validator:
 
     # -- conditions from the window ------------------------------------------------------------------
     def conditions(self) -> list[dict[str, torch.Tensor]]:
-        """Per prompt: its conditions, the negative prompt's (named negative_*) and its image's, read once.
-        MissingConditions, naming every input the window lacks, if any is not there."""
+        """Per prompt: its conditions, the negative prompt's (named negative_*), its image's and (flf2v) its
+        last image's (named last_*), read once. MissingConditions, naming every input the window lacks, if any
+        is not there."""
         if self._conditions is None:
-            images = self.config.train.validation_images if self.spec.image_conditions else []
+            train = self.config.train
+            images = train.validation_images if self.spec.image_conditions else []
+            last_images = train.validation_last_images if self.spec.image_conditions else []
             items = [prompt_input(p) for p in self.prompts] + [image_input(path) for path in images]
+            items += [image_input(path, "train.validation_last_images") for path in last_images]
+            # A text encoder that reads each prompt with its image (`spec.text_with_image`): one input per pair.
+            pairs = [pair_input(*pair) for pair in zip(self.prompts, train.validation_images)] \
+                if self.spec.text_with_image else []
+            items += pairs
             negative = prompt_input(self.spec.negative_prompt)
             stored = {item.key: self.window.validation(self.fingerprint, item.key) for item in [*items, negative]}
             missing = [self._describe(item) for item in [*items, negative] if stored[item.key] is None]
@@ -79,12 +96,18 @@ class Validator:
                           **{f"negative_{k}": v for k, v in decoded[negative.key].items()}}
                 if images:
                     merged.update(decoded[image_input(images[index]).key])
+                if last_images:
+                    merged.update({f"last_{k}": v for k, v in decoded[image_input(last_images[index]).key].items()})
+                if pairs:
+                    merged.update(decoded[pairs[index].key])
                 self._conditions.append(merged)
         return self._conditions
 
     def _describe(self, item) -> str:
         if item.kind == "image":
             return f"validation image {item.value}"
+        if item.kind == "pair":
+            return f"validation prompt {item.prompt!r} with image {item.value}"
         if item.value == self.spec.negative_prompt and item.value not in self.prompts:
             return f"the negative prompt {item.value!r}"
         return f"validation prompt {item.value!r}"
@@ -121,11 +144,14 @@ class Validator:
             for round_index, index in enumerate(self.assignments()):
                 shown = index if index is not None else round_index * self.world.dims.dp  # a stand-in: any prompt
                 image = self.images[shown] if self.images else None
+                extra = {"last_image": self.last_images[shown]} if self.last_images else {}  # flf2v
+                if self.controls:  # the prompt's control video
+                    extra["control"] = self.controls[shown]
                 with torch.autocast(torch.device(device).type, dtype=self.autocast or torch.float32,
                                     enabled=self.autocast is not None):
                     frames = self.spec.generate(pipeline, None, self.bucket, train.validation_steps,
                                                 seed=train.seed + shown, image=image, conditions=conditions[shown],
-                                                decode=index is not None)
+                                                decode=index is not None, **extra)
                 if index is None:
                     continue
                 if writes:
@@ -136,6 +162,15 @@ class Validator:
         if paths:
             log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
         return paths
+
+
+def _read_control(path: str, bucket: Bucket, fps: float):
+    """A validation control video fitted to `bucket`; the error names the config key."""
+    try:
+        return read_fitted(path, bucket, fps)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"train.validation_videos: cannot use {path!r} ({err}); give video files both stages can "
+                         "read") from err
 
 
 def hold_no_gathered_weights(model: torch.nn.Module) -> list:

@@ -5,7 +5,8 @@ by FFmpeg straight to the size that covers the bucket), crop, and adjust the cap
 of small processors (`chain.py`; the configured list `precompute.processors` is resolved by
 vt.shared.chain, the contract in docs/processors.md) that returns plain tensors, so the service
 can run it in worker processes (set up by `worker_init`). Anything wrong with the sample comes out
-as SampleError (reason counted in the report); nothing else escapes for bad data.
+as SampleError (reason counted in the report); an exception that is not bad data is a bug and stops
+the run as ProcessorBug, naming the processor (the error policy, `policy.py`).
 """
 
 from __future__ import annotations
@@ -15,18 +16,19 @@ import torch
 from vt.shared.buckets import Bucket
 
 from ..sources import RawSample
-from .chain import BUILTINS, Chain, build_chain
+from .chain import Chain, build_chain
 from .decode import Clip, VideoInfo, decode_at, probe
 from .errors import SampleError
 from .fit_bucket import fit_pixels, fit_to_bucket, to_model_range
+from .policy import ErrorPolicy, ProcessorBug, bad_data_only
 from .prepared import PreparedSample
 from .sample import Processor, Sample
 from .sample_frames import sample_times, usable_frames
 
 __all__ = [
-    "BUILTINS", "Chain", "Clip", "PreparedSample", "Processor", "Sample", "SampleError", "VideoInfo", "build_chain",
-    "decode_at", "fit_pixels", "fit_to_bucket", "prepare_sample", "probe", "sample_times", "to_model_range",
-    "usable_frames", "worker_init",
+    "Chain", "Clip", "ErrorPolicy", "PreparedSample", "Processor", "ProcessorBug", "Sample", "SampleError",
+    "VideoInfo", "bad_data_only", "build_chain", "decode_at", "fit_pixels", "fit_to_bucket", "prepare_sample", "probe",
+    "sample_times", "to_model_range", "usable_frames", "worker_init",
 ]
 
 

@@ -1,13 +1,18 @@
 """The chain that runs: precompute.processors resolved (vt.shared.chain) into processor objects.
 
 `build_chain(entries)` validates and completes the configured list, and builds each step from its
-options: a built-in from BUILTINS, a user class by its import path. `Chain.prepare(raw, buckets,
-fps)` opens the clip once, runs every step over the sample (a step may yield several samples or
-none) and returns the prepared samples. A Chain pickles, so it runs in the decode workers.
+options: a built-in or a user class alike, by the import path the step names (`Step.implementation`;
+the built-ins' table is vt.shared.chain.BUILTINS). `Chain.prepare(raw, buckets, fps, policy)` opens
+the clip once, runs every step over the sample (a step may yield several samples or none) and returns
+the prepared samples; an exception in a step goes through the error policy (policy.py) with the
+step's name, which rejects bad data and stops the run for anything else. A Chain pickles, so it
+runs in the decode workers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 from vt.shared.buckets import Bucket
@@ -15,15 +20,21 @@ from vt.shared.chain import load_user_class, resolve_chain
 
 from ..sources import RawSample
 from .caption import Caption
-from .crop import Crop
 from .decode import Clip
 from .errors import SampleError
-from .fit_bucket import Decode
+from .fit_bucket import open_control
+from .policy import ErrorPolicy, bad_data_only
 from .prepared import PreparedSample
 from .sample import Sample
-from .sample_frames import SampleFrames
 
-BUILTINS = {"sample_frames": SampleFrames, "crop": Crop, "caption": Caption, "decode": Decode}
+
+@contextmanager
+def _step(name: str, key: str, policy: ErrorPolicy) -> Iterator[None]:
+    """Any exception inside is judged by `policy` as step `name`'s on sample `key`."""
+    try:
+        yield
+    except Exception as err:
+        raise policy(err, name, key) from None
 
 
 @dataclass
@@ -36,21 +47,29 @@ class Chain:
     def _reads_json(self) -> bool:
         return any(isinstance(p, Caption) and p.options.field for p in self.processors)
 
-    def prepare(self, raw: RawSample, buckets: list[Bucket], fps: float) -> list[PreparedSample]:
-        """The samples the chain makes of one raw sample; SampleError if it cannot be used."""
+    def prepare(self, raw: RawSample, buckets: list[Bucket], fps: float,
+                policy: ErrorPolicy = bad_data_only) -> list[PreparedSample]:
+        """The samples the chain makes of one raw sample; SampleError if it cannot be used (as
+        `policy` judges a step's exception; bad_data_only raises ProcessorBug for a bug)."""
         # A .json without "caption" / "text" is fine when a caption step reads another field of it.
         if raw.error and not (raw.error == "missing_caption" and raw.meta is not None and self._reads_json()):
             raise SampleError(raw.error, raw.detail or f"sample {raw.key!r} in {raw.shard}")
         if not buckets:
             raise ValueError("no buckets given; set buckets.sizes, e.g. ['9x64x96']")
-        with Clip(raw.video) as clip:
-            samples = [Sample(key=raw.sample_id, caption=raw.caption or "", clip=clip, fps=fps, buckets=buckets,
-                              meta=raw.meta or {})]
-            for processor in self.processors:
-                samples = [out for sample in samples for out in processor(sample)]
+        key = raw.sample_id
+        with ExitStack() as opened:
+            with _step("decode", key, policy):  # opening probes the clip (and its control video): decode's work
+                clip = opened.enter_context(Clip(raw.video))
+                control = None if raw.control is None else opened.enter_context(open_control(raw.control))
+            samples = [Sample(key=key, caption=raw.caption or "", clip=clip, fps=fps, buckets=buckets,
+                              meta=raw.meta or {}, control=control)]
+            for name, processor in zip(self.names, self.processors):
+                with _step(name, key, policy):
+                    samples = _unique([out for sample in samples for out in processor(sample)])
         if not samples:
             raise SampleError("no_samples", f"the processor chain ({' -> '.join(self.names)}) made no sample of it")
-        return [_prepared(sample, raw) for sample in _unique(samples)]
+        with _step(self.names[-1], key, policy):  # the last step handed them out
+            return [_prepared(sample, raw) for sample in samples]
 
 
 def _unique(samples: list[Sample]) -> list[Sample]:
@@ -62,18 +81,22 @@ def _unique(samples: list[Sample]) -> list[Sample]:
 
 
 def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
-    bucket, pixels = sample.bucket, sample.pixels
+    bucket = sample.bucket
     expected = (3, bucket.frames, bucket.height, bucket.width)
-    if pixels is None or tuple(pixels.shape) != expected or pixels.dtype.is_floating_point:
-        raise ValueError(f"sample {sample.key!r} left the chain with pixels {None if pixels is None else pixels.shape}"
-                         f", not uint8 {expected}; a processor after decode must keep the bucket's shape")
+    for name in ("pixels", "control_pixels") if raw.control is not None else ("pixels",):
+        pixels = getattr(sample, name)
+        if pixels is None or tuple(pixels.shape) != expected or pixels.dtype.is_floating_point:
+            raise ValueError(f"sample {sample.key!r} left the chain with {name} "
+                             f"{None if pixels is None else tuple(pixels.shape)}, not uint8 {expected}; a processor "
+                             "after decode must keep the bucket's shape")
     if not sample.caption:
         raise SampleError(raw.error or "missing_caption", raw.detail or "the sample has no caption")
-    return PreparedSample(key=sample.key, caption=sample.caption, bucket=bucket, pixels=pixels)
+    control = sample.control_pixels if raw.control is not None else None
+    return PreparedSample(key=sample.key, caption=sample.caption, bucket=bucket, pixels=sample.pixels,
+                          control_pixels=control)
 
 
 def build_chain(entries: list[dict]) -> Chain:
     """precompute.processors -> the Chain that runs (validated, core steps added; see vt.shared.chain)."""
     steps = resolve_chain(entries)
-    processors = [(BUILTINS.get(step.name) or load_user_class(step.name))(step.options) for step in steps]
-    return Chain(processors, [step.name for step in steps])
+    return Chain([load_user_class(step.implementation)(step.options) for step in steps], [step.name for step in steps])

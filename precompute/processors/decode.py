@@ -131,7 +131,10 @@ class Clip:
             self._origin = start if start is not None else (_frame_pts(first) or 0)  # time 0, in stream ticks
             self._pending = [first]  # decoded, not yet looked at by frames_at
             self._at_start = True
-            self.info = self._probe(first)
+            try:
+                self.info = self._probe(first)
+            except av.FFmpegError as err:  # a header without frame count or duration: the packets are scanned
+                raise SampleError("corrupt_video", f"cannot read its packets: {err}") from None
         except BaseException:
             self._container.close()
             raise

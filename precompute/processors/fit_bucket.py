@@ -11,7 +11,10 @@ between the decode workers and the encoder, and in the per-bucket buffers. `to_m
 the model's input from them at the last moment.
 
 The `decode` processor is this step in the chain: it decodes the sample's frames (from `start`, at
-buckets.fps) scaled to cover its bucket, and cuts the crop box.
+buckets.fps) scaled to cover its bucket, and cuts the crop box. A sample with a control video gets
+its frames the same way (`decode_control`): the frames shown at the clip's own timestamps, scaled to
+the clip's covering size and cut at the clip's box, so the two line up pixel for pixel (a control
+video of another resolution but the same aspect is scaled to match; another aspect is rejected).
 """
 
 from __future__ import annotations
@@ -25,10 +28,13 @@ import torch.nn.functional as F
 from vt.shared.buckets import Bucket, crop_box, resize_for_crop
 from vt.shared.chain import DecodeOptions
 
+from .decode import Clip, VideoInfo
+from .errors import SampleError
 from .sample import Processor, Sample
-from .sample_frames import sample_times
+from .sample_frames import _EPS, sample_times
 
 _CHUNK = 8  # frames resized per step: bounds peak memory, costs nothing in speed
+_ASPECT_SLACK = 0.02  # a control video's aspect may differ this much (relative) from the clip's: rounded sizes
 
 
 def _check(frames: np.ndarray, bucket: Bucket) -> None:
@@ -79,5 +85,49 @@ class Decode(Processor):
         info, bucket = sample.info, sample.bucket
         assert bucket is not None, "decode runs after sample_frames (vt.shared.chain.resolve_chain orders them)"
         size = resize_for_crop(info.height, info.width, bucket)
-        frames = sample.clip.frames_at(sample_times(info, sample.fps, bucket.frames, sample.start), size=size)
-        yield replace(sample, pixels=fit_pixels(frames, bucket, sample.box))
+        times = sample_times(info, sample.fps, bucket.frames, sample.start)
+        pixels = fit_pixels(sample.clip.frames_at(times, size=size), bucket, sample.box)
+        control = None if sample.control is None else decode_control(sample, times, size)
+        yield replace(sample, pixels=pixels, control_pixels=control)
+
+
+def decode_control(sample: Sample, times: list[float], size: tuple[int, int]) -> torch.Tensor:
+    """The sample's control video at the clip's frame `times`, scaled to the clip's covering `size` and cut
+    at its box: (3, F, H, W) uint8 aligned with `pixels`. Its problems are rejects named `control_<reason>`
+    (`control_too_short`: it ends before the sampled frames do; `control_aspect`: another picture shape)."""
+    clip, info, bucket = sample.control, sample.info, sample.bucket
+    end = times[-1] + 1 / sample.fps
+    if times[-1] >= clip.info.duration - _EPS:  # no control frame on screen at the last time (sample_times' rule)
+        raise SampleError("control_too_short", f"the control video lasts {clip.info.duration:.3f}s; the sampled "
+                                               f"frames run from {times[0]:g}s to {end:.3f}s")
+    try:
+        check_control(clip.info, info)
+        frames = clip.frames_at(times, size=size)
+    except SampleError as err:
+        raise control_error(err) from None
+    return fit_pixels(frames, bucket, sample.box)
+
+
+def check_control(control: VideoInfo, clip: VideoInfo) -> None:
+    """SampleError("control_aspect") unless the control video has the clip's displayed aspect ratio."""
+    ratio = (control.width / control.height) / (clip.width / clip.height)
+    if abs(ratio - 1) > _ASPECT_SLACK:
+        raise SampleError("control_aspect", f"the control video is {control.width}x{control.height} (width x "
+                                            f"height), the clip {clip.width}x{clip.height}: another aspect ratio, so "
+                                            "their pixels cannot line up")
+
+
+def control_error(err: SampleError) -> SampleError:
+    """A problem of the control video, not of the clip: its reason prefixed `control_` (once)."""
+    if err.reason.startswith("control_"):
+        return err
+    return SampleError(f"control_{err.reason}", f"the control video: {err.detail}")
+
+
+def open_control(video: bytes) -> Clip:
+    """The control video opened for decoding; its problems (corrupt, empty, no video stream) are rejects
+    named `control_<reason>`."""
+    try:
+        return Clip(video)
+    except SampleError as err:
+        raise control_error(err) from None

@@ -17,14 +17,21 @@ class PreparedSample:
 
     uint8 is a quarter of float32's bytes to send from a decode worker and to hold in a bucket's
     buffer until the shard is full; `video`, the encoder's input, is made from it when asked for.
+    `control_pixels`: the control video's frames, aligned with `pixels` (families that train on one).
     """
 
     key: str
     caption: str
     bucket: Bucket
     pixels: torch.Tensor
+    control_pixels: torch.Tensor | None = None
 
     @property
     def video(self) -> torch.Tensor:
         """(3, F, H, W) float32 in [-1, 1] (a new tensor each time)."""
         return to_model_range(self.pixels)
+
+    @property
+    def control(self) -> torch.Tensor | None:
+        """The control video as `video` is made, (3, F, H, W) float32 in [-1, 1]; None without one."""
+        return None if self.control_pixels is None else to_model_range(self.control_pixels)

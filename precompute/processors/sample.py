@@ -28,6 +28,11 @@ class Sample:
 
     Before `decode`: `bucket` and `start` are set by `sample_frames`, `box` by `crop`. After it:
     `pixels` (3, F, H, W) uint8 holds the bucket-sized frames. `meta` is the .json member ({} if none).
+    `control` is the opened control video of a family that trains on one (None otherwise); `decode`
+    turns it into `control_pixels`, the same shape as `pixels` and aligned with them frame for frame
+    and pixel for pixel. A processor after `decode` that changes `pixels` (a flip, a colour change)
+    decides what the same change means for `control_pixels`: a flip flips both, a colour change only
+    the clip.
     """
 
     key: str
@@ -40,6 +45,8 @@ class Sample:
     start: float = 0.0  # seconds from the clip's start of the first frame
     box: tuple[int, int] | None = None  # top-left of the crop in the frame scaled to cover the bucket
     pixels: torch.Tensor | None = None
+    control: Clip | None = None
+    control_pixels: torch.Tensor | None = None
 
     @property
     def info(self) -> VideoInfo:

@@ -26,6 +26,9 @@ _REGISTRY: dict[str, str] = {
     "hunyuan-video-1.5": "vt.shared.models.hunyuan_video15:HunyuanVideo15Spec",
     "ltx-2": "vt.shared.models.ltx2:LTX2Spec",
     "mochi": "vt.shared.models.mochi:MochiSpec",
+    "kandinsky5": "vt.shared.models.kandinsky5:Kandinsky5Spec",
+    "skyreels-v2": "vt.shared.models.skyreels_v2:SkyReelsV2Spec",
+    "wan-vace": "vt.shared.models.wan_vace:WanVACESpec",
 }
 FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 

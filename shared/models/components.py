@@ -10,6 +10,9 @@ modules load in `model.dtype` and in eval mode, straight onto their device.
 The trainer builds its transformer without loading it (`empty_component`: the class from its config on
 the meta device, each parameter in the dtype `from_pretrained` would give it) and fills it from the
 component's safetensors files (`weights`), shard by shard, after the parallel layout is applied.
+A transformer may also come from one .safetensors file (`model.components.transformer = "file.safetensors"`),
+in diffusers' layout or the original checkpoint's, fp8-scaled too (single_file.py); its config stays
+model.path's `transformer/config.json`, and every path that reads the transformer reads that file.
 
 Loading errors are one line (`ModelLoadError`) naming the component, where it was looked for, and
 what to do (an offline hub, a missing folder, a key to set).
@@ -57,9 +60,32 @@ class ComponentLoader:
         tokenizers = tuple(f"tokenizer{n[len('text_encoder'):]}" for n in classes if n.startswith("text_encoder"))
         return (*tokenizers, *classes, "scheduler")
 
-    def source(self, name: str) -> tuple[str, str | None]:
-        """(path or hub id, subfolder) of a component; errors name the config key to set."""
+    def single_file(self, name: str) -> str | None:
+        """The .safetensors file `model.components.<name>` names (a local path or a hub file), None for a folder
+        or hub id. Only transformers are read from one file."""
+        from vt.shared.models.single_file import is_single_file
+
         override = self.config.components.get(name)
+        if not is_single_file(override):
+            return None
+        if not name.startswith("transformer"):
+            raise ValueError(f"model.components.{name} = {override!r}: vt reads a single .safetensors file only for a "
+                             f"transformer; point model.components.{name} at a folder or hub id holding the {name}")
+        return override
+
+    def source(self, name: str) -> tuple[str, str | None]:
+        """(path or hub id, subfolder) of a component (for a single-file transformer: where its config is read);
+        errors name the config key to set."""
+        override = self.config.components.get(name)
+        if override and self.single_file(name):
+            root = self.config.path
+            if (Path(root) / name).is_dir() or (not Path(root).exists() and _HUB_ID.match(root)):
+                return root, name
+            raise FileNotFoundError(
+                f"model.components.{name} = {override!r} is one .safetensors file; its config.json is read from "
+                f"model.path's {name!r} folder, and model.path = {root!r} has none. Set model.path to the "
+                f"diffusers-layout folder or hub id of the model the file belongs to (e.g. {self.example_hub_id}); "
+                f"only {name}/config.json is read from there")
         if override:
             if not Path(override).exists() and not _HUB_ID.match(override):
                 raise FileNotFoundError(
@@ -122,6 +148,8 @@ class ComponentLoader:
         cls = self._class_of(name)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             return self._from_pretrained(cls, name)  # tokenizers, image processors
+        if self.single_file(name):
+            return self._load_single_file(name, device, dtype or self.frozen_dtype).requires_grad_(False).eval()
         dtype_key = "dtype" if _is_transformers(cls) else "torch_dtype"
         placement = {} if torch.device(device).type == "cpu" else {"device_map": {"": str(torch.device(device))}}
         model = self._from_pretrained(cls, name, **{dtype_key: dtype or self.frozen_dtype}, **placement)
@@ -146,6 +174,11 @@ class ComponentLoader:
         finds them: the component folder, or the hub cache for a hub id (`model.path` or an override)."""
         from vt.shared.models.weights import Weights
 
+        if self.single_file(name):
+            from vt.shared.models.single_file import SingleFileWeights, resolve_file
+
+            key = f"model.components.{name}"
+            return SingleFileWeights(resolve_file(self.single_file(name), key), self.empty_component(name), key)
         path, subfolder = self.source(name)
         folder = Path(path) / subfolder if subfolder else Path(path)
         if not folder.is_dir():
@@ -167,8 +200,17 @@ class ComponentLoader:
         """The transformer this run trains (`trained_component`, or another by `name`), trainable,
         float32 unless `dtype` is given."""
         name = name or self.trained_component
+        if self.single_file(name):
+            return self._load_single_file(name, device, dtype or torch.float32).eval()
         model = self._from_pretrained(self._class_of(name), name, torch_dtype=dtype or torch.float32)
         return model.to(device)
+
+    def _load_single_file(self, name: str, device, dtype: torch.dtype) -> nn.Module:
+        """A transformer from its single file: built on the meta device, filled tensor by tensor onto `device`
+        (a scaled float8 weight dequantized into `dtype`), as `from_pretrained` would give it."""
+        from vt.shared.models.single_file import load_weights
+
+        return load_weights(self.empty_component(name, dtype), self.weights(name), device)
 
     def load_scheduler(self):
         """The scheduler class named in its own config (a real checkpoint may use another one)."""

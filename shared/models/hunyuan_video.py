@@ -1,5 +1,5 @@
-"""HunyuanVideo (Tencent, text-to-video): Llama + CLIP text encoders, causal video VAE (x4 time, x8
-space), a DiT of double-stream then single-stream blocks with a guidance embedding.
+"""HunyuanVideo (Tencent, text- and image-to-video): Llama (I2V: Llava) + CLIP text encoders, causal video
+VAE (x4 time, x8 space), a DiT of double-stream then single-stream blocks with a guidance embedding.
 
 What is particular to HunyuanVideo:
 - two text encoders: the Llama encoder's third-to-last hidden states of the caption inside a chat
@@ -23,6 +23,23 @@ What is particular to HunyuanVideo:
   ComfyUI export fuses those LoRAs (comfy.Fused) with the scale baked into lora_B, no `.alpha`.
   diffusers' conversion reads double blocks back exactly at any size; it splits `linear1` at a
   hard-coded hidden size 3072, so single blocks read back only at the real model's size.
+Image-to-video (`model.task = "i2v"`, HunyuanVideoImageToVideoPipeline), both transformers it supports
+(`image_condition_type`):
+- the text encoder is Llava-Llama-3: the pipeline puts the image's vision tokens inside the prompt
+  (`<image>` in its chat template), so the caption's embeddings depend on the image. Stage 1 stores
+  them per sample (`text_with_image`, `encode_text_with_image`: the pipeline's `_get_llama_prompt_embeds`
+  on the clip's first frame): every `image_embed_interleave`-th image token (2 for latent_concat, 4 for
+  token_replace, the pipeline's rule), then the caption cropped out of the template, right padded, with
+  its mask. CLIP's pooled output reads the caption alone and stays per caption. Caption dropout is
+  refused (the empty caption would need each sample's frame);
+- stage 1 also stores `image_latents`, the first frame VAE-encoded alone (mode x `scaling_factor`, as
+  `prepare_latents`);
+- "token_replace" (16 channels, guidance embedding; hunyuanvideo-community/HunyuanVideo-I2V): the first
+  latent frame is the clean image latent, which the transformer modulates at timestep 0; its prediction
+  is discarded by the pipeline and weighted 0 in the loss;
+- "latent_concat" (33 channels, no guidance embedding; hunyuanvideo-community/HunyuanVideo-I2V-33ch):
+  [noisy latents, image latents then zeros, mask 1 on the first latent frame] on the channel axis, every
+  frame denoised and trained (the pipeline drops the first 4 decoded frames of its output).
 No TP or CP plan (the base class refuses parallel.tp / parallel.cp > 1): the single blocks' output
 projection `proj_out` takes [attention, MLP] concatenated, so its row-wise shard would be two
 non-contiguous slices; diffusers has no `_cp_plan` for it, and every block's attention is joint over
@@ -39,21 +56,25 @@ from torch import Tensor
 
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.models.tiny import build_clip_tokenizer, build_llama_tokenizer
+from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, bpe_vocab, build_clip_tokenizer, build_llama_tokenizer
 
 # The template for a tokenizer that lacks the Llama-3 chat header tokens: the bare caption, nothing cropped.
 BARE_TEMPLATE: dict[str, Any] = {"template": "{}", "crop_start": 0}
 REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft exclude_modules)
+# I2V: the image tokens the pipeline keeps, every n-th, by the transformer's image_condition_type (its __call__).
+IMAGE_EMBED_INTERLEAVE = {"latent_concat": 2, "token_replace": 4}
+# The Llama-3 chat tokens HunyuanVideoImageToVideoPipeline's template and prompt crop rely on, then Llava's image token.
+LLAVA_CHAT_TOKENS = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<image>")
 
 
 class HunyuanVideoSpec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     # Double-stream blocks, then single-stream ones: every parallel strategy and checkpointing walks both.
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention masks the rest
-    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
-                                                    "vae")
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo"
     # Original (Tencent) module names, which ComfyUI loads; one diffusers module to one original module.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
@@ -83,7 +104,19 @@ class HunyuanVideoSpec(ModelSpec):
                                             "text_encoder_2": "transformers:CLIPTextModel",
                                             "vae": "diffusers:AutoencoderKLHunyuanVideo",
                                             "transformer": "diffusers:HunyuanVideoTransformer3DModel"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideoPipeline"}
+    # I2V: the Llava text encoder (Llama-3 with a CLIP vision tower) and its image processor.
+    task_components: ClassVar[dict[str, dict[str, str]]] = {
+        "i2v": {"text_encoder": "transformers:LlavaForConditionalGeneration",
+                "image_processor": "transformers:CLIPImageProcessor"}}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideoPipeline",
+                                           "i2v": "diffusers:HunyuanVideoImageToVideoPipeline"}
+    tiny_index_names: ClassVar[dict[str, list[str]]] = {"image_processor": ["transformers", "CLIPImageProcessor"]}
+
+    @property
+    def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
+        """Both text encoders and the VAE; i2v also Llava's image processor (the first frame in the prompt)."""
+        base = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
+        return (*base, "image_processor") if self.config.task == "i2v" else base
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")
@@ -91,20 +124,72 @@ class HunyuanVideoSpec(ModelSpec):
         if transformer.get("patch_size_t", 1) != 1:
             raise ValueError(f"HunyuanVideo transformers with patch_size_t {transformer['patch_size_t']} are not "
                              "supported; expected 1")
+        self._check_task_fits(transformer, vae["latent_channels"])
         return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
                            spatial=vae.get("spatial_compression_ratio", 8),
                            channels=vae["latent_channels"], patch=transformer.get("patch_size", 2))
 
+    def _check_task_fits(self, transformer: dict, channels: int) -> None:
+        """i2v needs an I2V transformer (`image_condition_type` latent_concat with 2C + 1 input channels, or
+        token_replace with C), t2v one without."""
+        kind, found = transformer.get("image_condition_type"), transformer.get("in_channels")
+        where = self.source("transformer")[0]
+        if self.config.task != "i2v":
+            if kind is not None:
+                raise ValueError(f"the transformer at {where!r} is an image-to-video one (image_condition_type "
+                                 f"{kind!r}): set model.task = \"i2v\"")
+            return
+        expected = {"latent_concat": 2 * channels + 1, "token_replace": channels}
+        if kind not in expected or found != expected[kind]:
+            raise ValueError(
+                f"model.task = \"i2v\" needs a HunyuanVideo image-to-video transformer (image_condition_type "
+                f"\"token_replace\" with {channels} input channels, hunyuanvideo-community/HunyuanVideo-I2V, or "
+                f"\"latent_concat\" with {2 * channels + 1}, hunyuanvideo-community/HunyuanVideo-I2V-33ch); the one "
+                f"at {where!r} has image_condition_type {kind!r} and in_channels {found}")
+
     # ----------------------------------------------------------------------------- text
     @cached_property
     def prompt_template(self) -> dict[str, Any]:
-        """The pipeline's Llama-3 chat template if the tokenizer has its header tokens, else the bare caption."""
+        """The pipeline's Llama-3 chat template if the tokenizer has its header tokens, else the bare caption;
+        i2v: the I2V pipeline's template with the image token's place measured (`_i2v_template`)."""
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
+        if self.config.task == "i2v":
+            return self._i2v_template()
         tokenizer = self.load_component("tokenizer")
         header = "<|start_header_id|>"
         known = header in tokenizer.get_vocab() or header in getattr(tokenizer, "added_tokens_encoder", {})
         return DEFAULT_PROMPT_TEMPLATE if known else BARE_TEMPLATE
+
+    def _i2v_template(self) -> dict[str, Any]:
+        """HunyuanVideoImageToVideoPipeline's DEFAULT_PROMPT_TEMPLATE for the checkpoint's vision tower (576
+        image tokens); for another (the tiny preset's) the same template with its positions measured as the
+        pipeline's were: `<image>`'s index in the tokenized template, the vision tower's token count, the
+        caption's first index (`crop_start`). The pipeline's crop finds the turns by the Llama-3 header tokens."""
+        from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video_image2video import DEFAULT_PROMPT_TEMPLATE
+
+        tokenizer, config = self.load_component("tokenizer"), self.load_config("text_encoder")
+        vocab = {**tokenizer.get_vocab(), **getattr(tokenizer, "added_tokens_encoder", {})}
+        missing = [token for token in LLAVA_CHAT_TOKENS[:3] if token not in vocab]
+        if missing:
+            raise ValueError(f"HunyuanVideo I2V's prompt crop needs the Llava tokenizer's Llama-3 chat tokens; the "
+                             f"tokenizer at {self.source('tokenizer')[0]!r} lacks {missing}: use the checkpoint's")
+        vision = config.vision_config
+        length = (vision.image_size // vision.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
+        if length == DEFAULT_PROMPT_TEMPLATE["image_emb_len"]:
+            return DEFAULT_PROMPT_TEMPLATE
+        prefix = tokenizer(DEFAULT_PROMPT_TEMPLATE["template"].split("{}")[0]).input_ids
+        if config.image_token_index not in prefix:
+            raise ValueError(f"the tokenizer at {self.source('tokenizer')[0]!r} does not make `<image>` the text "
+                             f"encoder's image token ({config.image_token_index}); use the checkpoint's tokenizer")
+        start = prefix.index(config.image_token_index)
+        return {**DEFAULT_PROMPT_TEMPLATE, "crop_start": len(prefix), "image_emb_start": start,
+                "image_emb_end": start + length, "image_emb_len": length}
+
+    @property
+    def image_embed_interleave(self) -> int:
+        """I2V: every n-th image token is kept (HunyuanVideoImageToVideoPipeline's rule for its transformer)."""
+        return IMAGE_EMBED_INTERLEAVE[self.load_config("transformer")["image_condition_type"]]
 
     @property
     def guidance(self) -> float:
@@ -116,14 +201,60 @@ class HunyuanVideoSpec(ModelSpec):
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L), "pooled_prompt_embeds": (B, P)},
-        L = the spec's max_text_tokens, right padded."""
+        L = the spec's max_text_tokens, right padded. i2v: CLIP's pooled output only (the Llava text reads
+        the first frame too: `encode_text_with_image`)."""
+        if self.config.task == "i2v":
+            pooled = self._text_pipeline(encoders)._get_clip_prompt_embeds(list(captions),
+                                                                           device=encoders["text_encoder_2"].device)
+            return {"pooled_prompt_embeds": pooled.float()}
         embeds, pooled, mask = self._encode_prompt(encoders, captions, prompt_template=self.prompt_template)
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float(),
                 "pooled_prompt_embeds": pooled.float()}
 
+    @property
+    def text_with_image(self) -> bool:
+        """I2V: Llava reads each caption with the clip's first frame (its vision tokens inside the prompt)."""
+        return self.config.task == "i2v"
+
+    @torch.no_grad()
+    def encode_text_with_image(self, encoders, captions: list[str], images: Tensor) -> dict[str, Tensor]:
+        """float32 {"prompt_embeds": (B, N + L - 4, D), "prompt_attention_mask"}: the I2V pipeline's
+        `_get_llama_prompt_embeds` of each caption with its frame (uint8 as decoded), one at a time: N kept
+        image tokens, then the caption cropped out of the chat template (L = max_text_tokens), right padded."""
+        parts = [self._llava_text(encoders, caption, image) for caption, image in zip(captions, frames_to_pil(images))]
+        return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+
+    @torch.no_grad()
+    def encode_validation_pair(self, encoders, prompt: str, image) -> dict[str, Tensor]:
+        """The pipeline's own Llava encoding of a validation prompt with its image (`prompt_embeds`, mask)."""
+        return self._llava_text(encoders, prompt, to_pil_image(image))
+
+    def _llava_text(self, encoders, caption: str, image) -> dict[str, Tensor]:
+        embeds, mask = self._text_pipeline(encoders)._get_llama_prompt_embeds(
+            image, [caption], self.prompt_template, device=encoders["text_encoder"].device,
+            max_sequence_length=self.max_text_tokens, image_embed_interleave=self.image_embed_interleave)
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """Latents = posterior mode x scaling_factor; i2v adds `image_latents` (B, C, 1, H, W), the first frame
+        encoded alone, as the I2V pipeline's `prepare_latents` encodes its image."""
+        out = super().encode_video(encoders, video)
+        if self.config.task == "i2v":
+            vae = encoders["vae"]
+            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+        return out
+
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
-        """Llama's text and mask, and CLIP's pooled embedding."""
-        return {**super().condition_shapes(bucket), "pooled_prompt_embeds": (self.text_width("text_encoder_2"),)}
+        """Llama's text and mask, and CLIP's pooled embedding; i2v: Llava's text (the kept image tokens, then
+        the caption less the 4 assistant-header tokens the crop drops) and the first frame's latents."""
+        shapes = {**super().condition_shapes(bucket), "pooled_prompt_embeds": (self.text_width("text_encoder_2"),)}
+        if self.config.task == "i2v":
+            image_tokens = -(-self.prompt_template["image_emb_len"] // self.image_embed_interleave)
+            length = image_tokens + self.max_text_tokens - 4
+            shapes.update(prompt_embeds=(length, self.text_width()), prompt_attention_mask=(length,),
+                          image_latents=(shapes["latents"][0], 1, *shapes["latents"][2:]))
+        return shapes
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -133,6 +264,9 @@ class HunyuanVideoSpec(ModelSpec):
         guidance = None
         if transformer.config.guidance_embeds:  # as the pipeline: (B,) in the transformer's dtype, scale * 1000
             guidance = torch.full((x0.shape[0],), self.guidance * 1000.0, device=x0.device, dtype=dtype)
+        weight = None
+        if self.config.task == "i2v":
+            noisy, weight = self._image_condition(transformer, batch, noisy)
         prediction = transformer(
             hidden_states=noisy.to(dtype),
             timestep=sigmas * NUM_TRAIN_TIMESTEPS,  # float32, as the pipeline passes it
@@ -142,7 +276,26 @@ class HunyuanVideoSpec(ModelSpec):
             guidance=guidance,
             return_dict=False,
         )[0]
-        return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
+
+    def _image_condition(self, transformer, batch: dict[str, Tensor], noisy: Tensor) -> tuple[Tensor, Tensor | None]:
+        """(transformer input, loss weight) as the I2V pipeline conditions on its image: token_replace puts
+        the clean image latent in place of the first latent frame (weight 0 there: the pipeline discards
+        its prediction); latent_concat appends [image latent then zeros, mask 1 on the first frame] to the
+        noisy latents on the channel axis (every frame trained)."""
+        if "image_latents" not in batch or "prompt_attention_mask" not in batch:
+            raise KeyError("task i2v needs batch['image_latents'] and the Llava text of each sample; precompute the "
+                           "shards with model.task = \"i2v\"")
+        image = batch["image_latents"].to(noisy)
+        if transformer.config.image_condition_type == "token_replace":
+            weight = torch.ones(noisy.shape[0], 1, noisy.shape[2], 1, 1, device=noisy.device)
+            weight[:, :, 0] = 0.0
+            return torch.cat([image, noisy[:, :, 1:]], dim=2), weight
+        condition = torch.zeros_like(noisy)
+        condition[:, :, :1] = image
+        mask = torch.zeros_like(noisy[:, :1])
+        mask[:, :, 0] = 1.0
+        return torch.cat([noisy, condition, mask], dim=1), None
 
     def lora_exclusions(self, transformer) -> str:
         """The text token refiner: its original q/k/v are one fused module ComfyUI's key table lacks."""
@@ -152,8 +305,8 @@ class HunyuanVideoSpec(ModelSpec):
     def inference_settings(self) -> dict[str, Any]:
         """The text length, and the prompt template where it is not the pipeline's (tiny tokenizers)."""
         settings = super().inference_settings()
-        if self.prompt_template is BARE_TEMPLATE:
-            settings["prompt_template"] = dict(BARE_TEMPLATE)
+        if self.prompt_template != self.pipeline_default("prompt_template"):
+            settings["prompt_template"] = dict(self.prompt_template)
         return settings
 
     # ----------------------------------------------------------------------------- tiny preset
@@ -161,30 +314,80 @@ class HunyuanVideoSpec(ModelSpec):
     def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes (1 double + 1 single block, 1 refiner layer, 2 heads x 10), patch 2;
         4-level VAE (x4 time, x8 space), 2-layer Llama and CLIP with locally built BPE tokenizers;
-        HunyuanVideoPipeline layout with the checkpoint's scheduler (flow-match Euler, shift 7)."""
-        from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoTransformer3DModel
-        from transformers import CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+        HunyuanVideoPipeline layout with the checkpoint's scheduler (flow-match Euler, shift 7).
 
-        tokenizer, tokenizer_2 = build_llama_tokenizer(), build_clip_tokenizer()
-        transformer = HunyuanVideoTransformer3DModel(
-            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-            num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
-            text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4),
-        )
+        task "i2v": HunyuanVideoImageToVideoPipeline layout with the token_replace transformer (as
+        hunyuanvideo-community/HunyuanVideo-I2V: 4 input channels, guidance embedding) and a Llava (a 3-layer
+        Llama, a 2-layer CLIP vision tower on 32 x 32 images: 16 image tokens) whose tokenizer has
+        the Llama-3 chat tokens the pipeline's template and crop use (`build_llava_tokenizer`)."""
+        from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler
+        from transformers import CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+
+        i2v = task == "i2v"
+        tokenizer, tokenizer_2 = build_llava_tokenizer() if i2v else build_llama_tokenizer(), build_clip_tokenizer()
+        transformer = tiny_hunyuan_transformer(**({"image_condition_type": "token_replace"} if i2v else {}))
         vae = AutoencoderKLHunyuanVideo(
             in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
             up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
             act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
             temporal_compression_ratio=4, mid_block_add_attention=True,
         )
-        text_encoder = LlamaModel(LlamaConfig(
+        llama = LlamaConfig(
             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id, hidden_size=16, intermediate_size=37, num_attention_heads=4,
-            num_hidden_layers=2, vocab_size=len(tokenizer), hidden_act="gelu"))
+            # i2v: 3 layers, so the pipeline's third-to-last hidden states (not the 2-layer model's input
+            # embeddings) have read the image tokens before the caption
+            num_hidden_layers=3 if i2v else 2, vocab_size=len(tokenizer), hidden_act="gelu")
+        text_encoder = _tiny_llava(llama, tokenizer) if i2v else LlamaModel(llama)
         text_encoder_2 = CLIPTextModel(CLIPTextConfig(
             bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
             pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=4,
             num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=32))
         scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)  # hunyuanvideo-community/HunyuanVideo's
+        parts = {"image_processor": CLIPImageProcessor(crop_size=32, size=32)} if i2v else {}
         return dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae, scheduler=scheduler,
-                    text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+                    text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, **parts)
+
+
+def tiny_hunyuan_transformer(**config):
+    """The tiny preset's transformer; `config` overrides (I2V: image_condition_type, in_channels, ...)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    settings = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
+                    num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
+                    text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4))
+    return HunyuanVideoTransformer3DModel(**{**settings, **config})
+
+
+def _tiny_llava(llama, tokenizer):
+    """I2V's text encoder: a Llava of the tiny Llama and a 2-layer CLIP vision tower (32 x 32 images in 8 x 8
+    patches: 16 image tokens)."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(hidden_size=8, intermediate_size=37, projection_dim=32, num_attention_heads=4,
+                              num_hidden_layers=2, image_size=32, patch_size=8)
+    config = LlavaConfig(vision_config=vision, text_config=llama, pad_token_id=tokenizer.pad_token_id,
+                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
+    return LlavaForConditionalGeneration(config)
+
+
+def build_llava_tokenizer(words: list[str] = TINY_WORDS):
+    """The tiny Llama tokenizer (right padded) with what the I2V pipeline's chat template needs to be
+    tokenized as the real Llama-3 one is: the header, end-of-turn and `<image>` tokens, and "system",
+    "user", "assistant" and "\n\n" as one token each (its crop drops the 4 tokens before the assistant's
+    turn); the template's own words are whole tokens too, so its system turn is about 100 tokens, not 300."""
+    import re
+
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video_image2video import DEFAULT_PROMPT_TEMPLATE
+    from transformers import LlamaTokenizer
+
+    template_words = re.findall(r"[A-Za-z]+", DEFAULT_PROMPT_TEMPLATE["template"].split("<image>")[1])
+    words = list(dict.fromkeys([*words, *template_words]))
+    vocab, merges = bpe_vocab(words, ["<unk>", "<s>", "</s>", "<pad>"], prefix="\u2581")
+    vocab.setdefault("\n", len(vocab))
+    for word in ("system", "user", "assistant", "\n\n"):
+        add_merge_chain(list(word), vocab, merges)
+    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                               pad_token="<pad>", padding_side="right", model_max_length=1024)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(LLAVA_CHAT_TOKENS)})
+    return tokenizer

@@ -1,5 +1,5 @@
-"""HunyuanVideo 1.5 (Tencent, text-to-video): a Qwen2.5-VL text encoder plus a ByT5 glyph encoder, a
-causal video VAE (32 channels, x4 time, x16 space), and a DiT of 54 double-stream blocks (patch 1).
+"""HunyuanVideo 1.5 (Tencent, text- and image-to-video): a Qwen2.5-VL text encoder plus a ByT5 glyph
+encoder, a causal video VAE (32 channels, x4 time, x16 space), and a DiT of 54 double-stream blocks (patch 1).
 
 What is particular to HunyuanVideo 1.5:
 - two text encoders, both through HunyuanVideo15Pipeline's own `encode_prompt`: Qwen2.5-VL's
@@ -14,6 +14,15 @@ What is particular to HunyuanVideo 1.5:
 - the transformer input is [noisy latents, condition latents, mask] on the channel dim (65 = 32 + 32 +
   1); for text-to-video the condition and the mask are zeros. The pipeline also feeds 729 zero image
   tokens and its text padding, all masked out: training leaves them out (the same output, faster);
+- image-to-video (`model.task = "i2v"`, the 480p/720p i2v checkpoints, HunyuanVideo15ImageToVideoPipeline):
+  stage 1 also loads the SigLIP image encoder and its `feature_extractor` and stores, per sample,
+  `image_embeds` (SigLIP's last hidden states of the first frame: the pipeline's `_get_image_embeds`)
+  and `image_latents` (the first frame VAE-encoded alone, mode x `scaling_factor`: `_get_image_latents`).
+  The transformer then takes [noisy latents, image latents then zeros, mask 1 on the first latent
+  frame] and the image tokens, as `prepare_cond_latents_and_mask`; every frame is denoised and trained,
+  as the pipeline denoises every frame. The pipeline picks the output size itself, from the image's
+  aspect ratio and the transformer's `target_size` (its crop-size buckets); meanflow (step-distilled)
+  checkpoints are refused;
 - no guidance embedding: sampling uses classifier-free guidance through the pipeline's `guider`
   component (6.0 for the 480p/720p checkpoints); training sees the caption only;
 - flow matching: latents = posterior mode x `scaling_factor`, timestep = sigma x 1000, target noise - x0;
@@ -44,14 +53,16 @@ from torch import Tensor
 
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, tiny_t5_encoder
+from vt.shared.models.tiny import build_qwen_tokenizer, tiny_t5_encoder
 
 PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
 PROMPT_TEMPLATE_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: tokens cropped
 IMAGE_TOKENS = 729  # HunyuanVideo15Pipeline.vision_num_semantic_tokens: zero image embeddings for t2v
 GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length: the quoted text's tokens
+IMAGE_PARTS = ("image_encoder", "feature_extractor")  # i2v: SigLIP and its processor (stage 1)
 REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft exclude_modules)
 
 # diffusers module -> original (Tencent) module, `{}` the block index (convert_hunyuan_video1_5_to_diffusers.py),
@@ -102,9 +113,8 @@ def _fused_table(reverse: bool = False) -> tuple:
 
 class HunyuanVideo15Spec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video-1.5"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
-    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
-                                                    "vae")
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
     original_names: ClassVar[tuple[tuple[str, str], ...]] = _rename_table(NAMES)
     comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = _fused_table()
@@ -121,7 +131,19 @@ class HunyuanVideo15Spec(ModelSpec):
                                             "vae": "diffusers:AutoencoderKLHunyuanVideo15",
                                             "transformer": "diffusers:HunyuanVideo15Transformer3DModel",
                                             "guider": "diffusers:ClassifierFreeGuidance"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideo15Pipeline"}
+    # i2v adds the SigLIP image encoder and its processor (FLUX.1-Redux's, in the i2v checkpoints).
+    task_components: ClassVar[dict[str, dict[str, str]]] = {
+        "i2v": {"image_encoder": "transformers:SiglipVisionModel",
+                "feature_extractor": "transformers:SiglipImageProcessor"}}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideo15Pipeline",
+                                           "i2v": "diffusers:HunyuanVideo15ImageToVideoPipeline"}
+    tiny_index_names: ClassVar[dict[str, list[str]]] = {"feature_extractor": ["transformers", "SiglipImageProcessor"]}
+
+    @property
+    def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
+        """Both text encoders and the VAE; i2v also SigLIP and its processor (the first frame's image tokens)."""
+        base = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
+        return (*base, *IMAGE_PARTS) if self.config.task == "i2v" else base
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")
@@ -129,6 +151,10 @@ class HunyuanVideo15Spec(ModelSpec):
         if transformer.get("patch_size_t", 1) != 1:
             raise ValueError(f"HunyuanVideo 1.5 transformers with patch_size_t {transformer['patch_size_t']} are not "
                              "supported; expected 1")
+        if transformer.get("use_meanflow"):
+            raise ValueError("this HunyuanVideo 1.5 transformer is a step-distilled (meanflow) one (use_meanflow): it "
+                             "is trained on pairs of timesteps, which vt does not do; use the 480p/720p i2v or t2v "
+                             "checkpoints (e.g. hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v)")
         if transformer.get("in_channels") != 2 * vae["latent_channels"] + 1:
             raise ValueError(f"the HunyuanVideo 1.5 transformer takes {transformer.get('in_channels')} channels, "
                              f"expected 2 x {vae['latent_channels']} latent channels + 1 mask: check model.components")
@@ -149,9 +175,16 @@ class HunyuanVideo15Spec(ModelSpec):
         return pipeline
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
-        """Qwen's text and the glyph encoder's (the pipeline's fixed GLYPH_TOKENS), each with its mask."""
-        return {**super().condition_shapes(bucket), "prompt_embeds_2": (GLYPH_TOKENS, self.text_width("text_encoder_2")),
-                "prompt_attention_mask_2": (GLYPH_TOKENS,)}
+        """Qwen's text and the glyph encoder's (the pipeline's fixed GLYPH_TOKENS), each with its mask; i2v
+        adds the first frame's latents (one latent frame) and SigLIP tokens (one per patch, no class token)."""
+        shapes = {**super().condition_shapes(bucket),
+                  "prompt_embeds_2": (GLYPH_TOKENS, self.text_width("text_encoder_2")),
+                  "prompt_attention_mask_2": (GLYPH_TOKENS,)}
+        if self.config.task == "i2v":
+            vision = self.load_config("image_encoder")
+            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+            shapes["image_embeds"] = ((vision.image_size // vision.patch_size) ** 2, vision.hidden_size)
+        return shapes
 
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
@@ -167,11 +200,32 @@ class HunyuanVideo15Spec(ModelSpec):
     def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
         """{"latents": posterior mode x scaling_factor}, one sample at a time: the VAE's mid-block attention
         builds its causal mask as (B, S, S) against (B, 1, S, S) queries, which fails for a batch > 1
-        (diffusers 0.42.1)."""
+        (diffusers 0.42.1). i2v adds what the pipeline makes of the first frame (`encode_first_frame`)."""
         self._check_video(video)
-        vae = encoders["vae"]
+        out = {"latents": self._encode_latents(encoders["vae"], video)}
+        if self.config.task == "i2v":
+            out.update(self.encode_first_frame(encoders, video))
+        return out
+
+    def _encode_latents(self, vae, video: Tensor) -> Tensor:
         modes = [self._vae_mode(vae, video[i:i + 1]) for i in range(video.shape[0])]
-        return {"latents": (torch.cat(modes) * vae.config.scaling_factor).float()}
+        return (torch.cat(modes) * vae.config.scaling_factor).float()
+
+    @torch.no_grad()
+    def encode_first_frame(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
+        """The first frame as HunyuanVideo15ImageToVideoPipeline's conditioning image, float32:
+        - `image_latents` (B, C, 1, H, W): the frame VAE-encoded alone, mode x scaling_factor
+          (`_get_image_latents`; the condition channels hold it on the first latent frame, `forward`);
+        - `image_embeds` (B, N, D): SigLIP's last hidden states of the frame as a uint8 image through the
+          feature extractor (`_get_image_embeds`).
+        The frame is at the bucket's size, which is the size the pipeline resizes its image to."""
+        from diffusers import HunyuanVideo15ImageToVideoPipeline as I2V
+
+        first = video[:, :, :1]
+        encoder = encoders["image_encoder"]
+        embeds = I2V._get_image_embeds(encoder, encoders["feature_extractor"], frames_to_pil(first[:, :, 0]),
+                                       encoder.device)
+        return {"image_latents": self._encode_latents(encoders["vae"], first), "image_embeds": embeds.float()}
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -182,8 +236,7 @@ class HunyuanVideo15Spec(ModelSpec):
         and are not fed."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
-        b, _, f, h, w = x0.shape
-        condition = torch.zeros(b, x0.shape[1] + 1, f, h, w, device=x0.device)  # t2v: no condition latents, mask 0
+        condition, image_embeds = self._image_condition(transformer, batch, x0)
         text, mask = _trim(batch["prompt_embeds"], batch["prompt_attention_mask"])
         text_2, mask_2 = _trim(batch["prompt_embeds_2"], batch["prompt_attention_mask_2"])
         prediction = transformer(
@@ -193,10 +246,29 @@ class HunyuanVideo15Spec(ModelSpec):
             encoder_attention_mask=mask.to(x0.device, dtype),
             encoder_hidden_states_2=text_2.to(x0.device, dtype),
             encoder_attention_mask_2=mask_2.to(x0.device, dtype),
-            image_embeds=torch.zeros(b, 0, transformer.config.image_embed_dim, device=x0.device, dtype=dtype),
+            image_embeds=image_embeds.to(x0.device, dtype),
             return_dict=False,
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+
+    def _image_condition(self, transformer, batch: dict[str, Tensor], x0: Tensor) -> tuple[Tensor, Tensor]:
+        """(condition channels (B, C + 1, F, H, W), image tokens) as the pipeline feeds them. t2v: zeros
+        and no image tokens (its 729 zero ones are masked out). i2v: the first frame's latents on the
+        first latent frame, zeros on the others, and a mask 1 there (`prepare_cond_latents_and_mask`),
+        with the frame's SigLIP tokens; every frame stays noisy and in the loss, as the pipeline
+        denoises every frame."""
+        b, c, f, h, w = x0.shape
+        if self.config.task != "i2v":
+            return (torch.zeros(b, c + 1, f, h, w, device=x0.device),
+                    torch.zeros(b, 0, transformer.config.image_embed_dim, device=x0.device))
+        if "image_latents" not in batch or "image_embeds" not in batch:
+            raise KeyError("task i2v needs batch['image_latents'] and batch['image_embeds']; precompute the shards "
+                           "with model.task = \"i2v\"")
+        latents = torch.zeros_like(x0)
+        latents[:, :, :1] = batch["image_latents"].to(x0)
+        mask = torch.zeros(b, 1, f, h, w, device=x0.device)
+        mask[:, :, 0] = 1.0
+        return torch.cat([latents, mask], dim=1), batch["image_embeds"]
 
     def lora_exclusions(self, transformer) -> str:
         """The text token refiner (its original q/k/v are one fused module) and what never reaches the
@@ -232,6 +304,57 @@ class HunyuanVideo15Spec(ModelSpec):
         """Nothing: the pipeline takes no text-length argument (build_pipeline sets its attribute instead)."""
         return {}
 
+    def pipeline_inputs(self, prompt, bucket, steps, seed, image=None, **kwargs) -> dict[str, Any]:
+        """i2v: HunyuanVideo15ImageToVideoPipeline takes no height or width; it sizes the video from the
+        image's aspect ratio and the transformer's `target_size` (`output_size`)."""
+        inputs = super().pipeline_inputs(prompt, bucket, steps, seed, image, **kwargs)
+        if self.config.task == "i2v":
+            del inputs["height"], inputs["width"]
+        return inputs
+
+    def output_size(self, image) -> tuple[int, int]:
+        """(height, width) HunyuanVideo15ImageToVideoPipeline generates for `image` (PIL or (H, W, 3) uint8):
+        the crop-size bucket of the transformer's `target_size` nearest the image's aspect ratio."""
+        image = to_pil_image(image)
+        return self._frame_processor().calculate_default_height_width(image.size[1], image.size[0],
+                                                                      self.load_config("transformer")["target_size"])
+
+    def _frame_processor(self):
+        """The pipeline's own image processor (HunyuanVideo15ImageToVideoPipeline.video_processor)."""
+        from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
+
+        return HunyuanVideo15ImageProcessor(vae_scale_factor=self.geometry.spatial, do_resize=False,
+                                            do_convert_rgb=True)
+
+    @property
+    def image_conditions(self) -> bool:
+        """i2v: validation images need SigLIP's tokens, which stage 1 makes."""
+        return self.config.task == "i2v"
+
+    @torch.no_grad()
+    def encode_validation_image(self, encoders, image) -> dict[str, Tensor]:
+        """The pipeline's `encode_image` of a validation image: resized and cropped to `output_size` as the
+        pipeline does first, then SigLIP's last hidden states (`image_embeds`)."""
+        from diffusers import HunyuanVideo15ImageToVideoPipeline as I2V
+
+        if self.config.task != "i2v":
+            return {}
+        height, width = self.output_size(image)
+        resized = self._frame_processor().resize(to_pil_image(image), height=height, width=width, resize_mode="crop")
+        encoder = encoders["image_encoder"]
+        return {"image_embeds": I2V._get_image_embeds(encoder, encoders["feature_extractor"], resized,
+                                                      encoder.device).float()}
+
+    def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The pipeline has no `image_embeds` argument, and runs its image encoder (left out of validation's
+        pipeline) on the image: this pipeline object's `encode_image` hands it the stored tokens instead."""
+        conditions = dict(conditions)
+        embeds = conditions.pop("image_embeds", None)
+        if embeds is not None:
+            pipeline.encode_image = lambda image, batch_size, device, dtype: \
+                embeds.repeat(batch_size, 1, 1).to(device=device, dtype=dtype)
+        return conditions
+
     def pipeline_attributes(self) -> dict[str, Any]:
         return {"tokenizer_max_length": self.max_text_tokens}  # the text length training used
 
@@ -255,16 +378,26 @@ class HunyuanVideo15Spec(ModelSpec):
         geometry (4-level VAE: x4 time, x16 space); 2-layer Qwen2.5-VL text model with a local byte-level
         BPE tokenizer and chat template, 2-layer ByT5-sized T5 encoder; the 480p t2v checkpoint's
         scheduler (flow-match Euler, shift 5); classifier-free guidance off (scale 1.0, one transformer
-        call per step, as diffusers' own test) to keep CPU tests short."""
+        call per step, as diffusers' own test) to keep CPU tests short.
+
+        task "i2v": HunyuanVideo15ImageToVideoPipeline layout with a 2-layer SigLIP on 32 x 32 images
+        (4 x 4 patches: 16 image tokens of width 12) and its processor; the transformer's `target_size` 80
+        makes 64 x 96 (4 x 6 latent pixels) one of its output sizes (the 480p i2v checkpoint: 640)."""
         from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
                                HunyuanVideo15Transformer3DModel)
         from transformers import ByT5Tokenizer, Qwen2_5_VLTextConfig, Qwen2_5_VLTextModel
 
-        tokenizer, tokenizer_2 = build_qwen_tokenizer(), ByT5Tokenizer()
+        from diffusers import HunyuanVideo15Pipeline
+
+        # The pipeline crops its first 108 template tokens: the tiny tokenizer's system turn is that long too.
+        tokenizer = build_qwen_tokenizer(_pipeline_system_message(HunyuanVideo15Pipeline), PROMPT_TEMPLATE_TOKENS)
+        tokenizer_2 = ByT5Tokenizer()
+        i2v = task == "i2v"
         transformer = HunyuanVideo15Transformer3DModel(
             in_channels=9, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=2,
             num_refiner_layers=1, mlp_ratio=2.0, patch_size=1, patch_size_t=1, text_embed_dim=16,
-            text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=16, task_type="t2v",
+            text_embed_2_dim=32, image_embed_dim=12, rope_axes_dim=(2, 2, 4), target_size=80 if i2v else 16,
+            task_type=task,
         )
         vae = AutoencoderKLHunyuanVideo15(
             in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
@@ -277,9 +410,19 @@ class HunyuanVideo15Spec(ModelSpec):
             eos_token_id=tokenizer.pad_token_id, pad_token_id=tokenizer.pad_token_id,
             rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}))
         text_encoder_2 = tiny_t5_encoder(vocab_size=len(tokenizer_2), d_model=32, d_kv=8, d_ff=37)
+        parts = _tiny_siglip(width=12) if i2v else {}
         return dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
                     scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=text_encoder_2,
-                    tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=1.0))
+                    tokenizer_2=tokenizer_2, guider=ClassifierFreeGuidance(guidance_scale=1.0), **parts)
+
+
+def _tiny_siglip(width: int) -> dict[str, Any]:
+    """A 2-layer SigLIP vision encoder on 32 x 32 images in 8 x 8 patches (16 tokens) and its processor."""
+    from transformers import SiglipImageProcessor, SiglipVisionConfig, SiglipVisionModel
+
+    encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+                                                   num_attention_heads=2, image_size=32, patch_size=8))
+    return {"image_encoder": encoder, "feature_extractor": SiglipImageProcessor(size={"height": 32, "width": 32})}
 
 
 def dead_modules(transformer) -> str:
@@ -333,44 +476,6 @@ def load_lora(pipeline, path, adapter_name: str | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------- tiny tokenizer
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['role'] == 'system' %}{{ '<|vision_pad|>' * FILL }}{% endif %}"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
-    """A byte-level BPE Qwen2 tokenizer over `words` (each one token after a space; any other text falls
-    back to bytes) with a ChatML template, right padded. The pipeline's system prompt is one added token
-    and the template pads the system turn with `<|vision_pad|>` so that the system turn plus the user
-    header is exactly 108 tokens, as with the real Qwen2.5-VL tokenizer: the pipeline's fixed crop then
-    leaves the caption, as it does for the real model."""
-    from diffusers import HunyuanVideo15Pipeline
-    from tokenizers import pre_tokenizers
-    from transformers import Qwen2Tokenizer
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_pad|>"]
-    vocab = {token: i for i, token in enumerate(specials)}
-    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
-        vocab.setdefault(char, len(vocab))
-    merges: list[tuple[str, str]] = []
-    # The chat roles, then each word after a space (\u0120): every merge chain starts from its own first
-    # piece, so no chain splits another word (a caption's first word, without the space, is spelt out).
-    for word in ["system", "user", "assistant", *(f"\u0120{w}" for w in words)]:
-        add_merge_chain(word, vocab, merges)
-    system = _pipeline_system_message(HunyuanVideo15Pipeline)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
-    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:] + [system]})
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("FILL", "0")
-    header = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": ""}],
-                                           tokenize=True, return_dict=True)["input_ids"]
-    fill = PROMPT_TEMPLATE_TOKENS - (len(header) - 2)  # less the user turn's "<|im_end|>\n"
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("FILL", str(fill))
-    return tokenizer
-
-
 def _pipeline_system_message(pipeline_class) -> str:
     """The system prompt HunyuanVideo15Pipeline puts before every caption (its encode default)."""
     import inspect

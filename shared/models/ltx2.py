@@ -22,6 +22,14 @@ vt trains the video stream only (the audio branch stays out, docs/families.md):
 - LoRA files: ComfyUI's (Lightricks') names for the video attention are diffusers' own, so the
   ComfyUI file is `diffusion_model.` + the diffusers module name, scale folded into lora_B
   (diffusers' LTX-2 conversion does not read `.alpha` keys).
+Image-to-video (`model.task = "i2v"`, LTX2ImageToVideoPipeline), video stream only as for t2v: the
+pipeline puts the image's normalised latent in the first latent frame and keeps it clean (its
+conditioning mask gives those tokens timestep 0, and it steps only the other frames). Training does
+the same: the causal VAE encodes the clip's first frame alone, so the first latent frame of the
+clip's latents is that image latent (stage 1 stores latents only); it stays clean, its tokens get
+timestep 0 (the per-token `timestep`; `audio_timestep` and `sigma` stay the sample's), and its loss
+weight is 0. The pipeline also re-encodes a still image as H.264 (CRF 33 for LTX-2's Gemma 3) so it
+looks like a video frame; a clip's first frame already is one.
 No TP or CP plan: both would have to split the audio stream and the audio-video cross-attention too.
 """
 
@@ -45,6 +53,7 @@ AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|vide
 
 class LTX2Spec(ModelSpec):
     family: ClassVar[str] = "ltx-2"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
     # Video self- and cross-attention only: suffixes that never match `audio_attn1.to_q` and the like.
@@ -59,7 +68,7 @@ class LTX2Spec(ModelSpec):
         "connectors": "diffusers.pipelines.ltx2:LTX2TextConnectors", "vae": "diffusers:AutoencoderKLLTX2Video",
         "audio_vae": "diffusers:AutoencoderKLLTX2Audio", "vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
         "transformer": "diffusers:LTX2VideoTransformer3DModel"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTX2Pipeline"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTX2Pipeline", "i2v": "diffusers:LTX2ImageToVideoPipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self._vae_without_weights()
@@ -67,8 +76,19 @@ class LTX2Spec(ModelSpec):
         if transformer.get("patch_size_t", 1) != 1:
             raise ValueError(f"LTX-2 transformers with patch_size_t {transformer['patch_size_t']} are not supported; "
                              "expected 1")
+        if self.config.task == "i2v":
+            self._check_image_latent(vae.config)
         return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
                            channels=vae.config.latent_channels, patch=transformer.get("patch_size", 1))
+
+    def _check_image_latent(self, vae) -> None:
+        """i2v takes the clip's first latent frame as the pipeline's image latent: that needs a causal encoder
+        (the first frame encoded alone) and scaling factor 1 (the pipeline normalises the image without it)."""
+        where = self.source("vae")[0]
+        if not vae.encoder_causal or vae.scaling_factor != 1.0:
+            raise ValueError(f"model.task = \"i2v\" on ltx-2 needs a causal video VAE encoder with scaling_factor 1 "
+                             f"(as Lightricks/LTX-2's): the VAE at {where!r} has encoder_causal {vae.encoder_causal}, "
+                             f"scaling_factor {vae.scaling_factor}")
 
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
@@ -98,7 +118,8 @@ class LTX2Spec(ModelSpec):
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """Latents normalised as LTX2Pipeline denormalises them (posterior mode: stage 1 is deterministic)."""
+        """Latents normalised as LTX2Pipeline denormalises them (posterior mode: stage 1 is deterministic);
+        for i2v too: their first frame is the image latent (module docstring)."""
         from diffusers import LTX2Pipeline
 
         self._check_video(video)
@@ -110,7 +131,8 @@ class LTX2Spec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction:
-        """Flow matching on the packed video tokens, audio cross-attention off (see the module docstring)."""
+        """Flow matching on the packed video tokens, audio cross-attention off; i2v: the first latent frame
+        clean, at timestep 0 and out of the loss (see the module docstring)."""
         from diffusers import LTX2Pipeline
 
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
@@ -118,23 +140,40 @@ class LTX2Spec(ModelSpec):
         patch = self.geometry.patch
         grid = (frames, height // patch, width // patch)
         dtype = input_dtype(transformer)
+        i2v = self.config.task == "i2v"
+        weight = None
+        if i2v:  # the image latent, clean, as the pipeline's prepare_latents puts it there
+            noisy = torch.cat([x0[:, :, :1], noisy[:, :, 1:]], dim=2)
+            weight = torch.ones(1, 1, frames, 1, 1, device=x0.device)
+            weight[:, :, 0] = 0
         tokens = LTX2Pipeline._pack_latents(noisy, patch, 1).to(dtype)
         text = batch["prompt_embeds"].to(tokens.device, dtype)
         batch_size = tokens.shape[0]
         timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(tokens.device)  # float32, as the pipeline passes it
+        # i2v: per token, frame-major as the tokens are packed: t * (1 - conditioning mask), 0 on the image
+        video_timestep = self.token_timesteps(timestep, grid) if i2v else timestep
         out = transformer(
             hidden_states=tokens,
             audio_hidden_states=tokens.new_zeros(batch_size, 1, transformer.config.audio_in_channels),
             encoder_hidden_states=text,
             audio_encoder_hidden_states=text.new_zeros(batch_size, 1, text.shape[-1]),
-            timestep=timestep, sigma=timestep,
+            timestep=video_timestep, audio_timestep=timestep, sigma=timestep,
             encoder_attention_mask=batch["prompt_attention_mask"].to(tokens.device),
             num_frames=grid[0], height=grid[1], width=grid[2], fps=self.frame_rate, audio_num_frames=1,
             isolate_modalities=True,  # no audio <-> video cross-attention: the video stream alone
             return_dict=False,
         )[0]
         prediction = LTX2Pipeline._unpack_latents(out, *grid, patch, 1)
-        return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
+
+    @staticmethod
+    def token_timesteps(timestep: Tensor, grid: tuple[int, int, int]) -> Tensor:
+        """LTX2ImageToVideoPipeline's `timestep.unsqueeze(-1) * (1 - conditioning_mask)`: (B, F x H x W), the
+        sample's timestep on every token but the first latent frame's, which get 0."""
+        frames, height, width = grid
+        per_frame = torch.ones(frames, height * width, device=timestep.device)
+        per_frame[0] = 0
+        return timestep[:, None] * per_frame.flatten()[None]
 
     def full_trainable(self, transformer) -> None:
         """A full fine-tune trains the video stream: the audio stream and the audio-video cross-attention
@@ -156,17 +195,19 @@ class LTX2Spec(ModelSpec):
         """RoPE's time positions depend on the frame rate: sample at the rate frames were sampled at."""
         return {**super().inference_settings(), "frame_rate": self.frame_rate}
 
-    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None) -> dict[str, Any]:
+    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
+                        last_image=None) -> dict[str, Any]:
         """Validation samples an LTX-2 (2.0) checkpoint as diffusers documents it: audio-video cross-attention
         modulated by each stream's own timestep (`use_cross_timestep=False`; True is LTX-2.3's)."""
-        return {**super().pipeline_inputs(prompt, bucket, steps, seed, image), "use_cross_timestep": False}
+        return {**super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image), "use_cross_timestep": False}
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
     def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes for the transformer (2 layers, video 2 heads x 8, audio 2 x 4), text
         connectors, audio VAE and vocoder; a 4-level video VAE (x8 time, x32 space, 8 channels); a
-        2-layer Gemma 3 with a locally built tokenizer; LTX2Pipeline layout."""
+        2-layer Gemma 3 with a locally built tokenizer; one preset for both tasks, saved in LTX2Pipeline's
+        layout or (i2v) LTX2ImageToVideoPipeline's."""
         from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
                                LTX2VideoTransformer3DModel)
         from diffusers.pipelines.ltx2 import LTX2TextConnectors

@@ -4,7 +4,8 @@ Mixed into ModelSpec. A family declares its pipelines by task (`ModelSpec.pipeli
 data here too: the call's names for stored conditions (`pipeline_text_names`), constructor settings
 (`pipeline_options`), attributes set on the built pipeline (`pipeline_attributes`), and the call
 arguments that must match training (`inference_settings`, which `inference_mismatches` reports where
-the pipeline's defaults differ). Image-to-video validation takes one image per prompt, checked here once.
+the pipeline's defaults differ). Image-to-video validation takes one image per prompt, first-and-last-frame
+(flf2v) two, checked here once.
 """
 
 from __future__ import annotations
@@ -32,13 +33,30 @@ def to_pil_image(image):
     return Image.fromarray(array)
 
 
+def frames_to_pil(frames: Tensor) -> list:
+    """(B, 3, H, W) frames in [-1, 1], as stage 1 makes them from decoded pixels (p / 127.5 - 1), back to
+    the uint8 RGB images they were decoded from: what an i2v pipeline's image encoder is given."""
+    pixels = ((frames.float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return [to_pil_image(frame) for frame in pixels.permute(0, 2, 3, 1).cpu().numpy()]
+
+
+def _check_control(control, bucket: Bucket) -> np.ndarray:
+    """A control video as (F, H, W, 3) uint8 frames of the bucket's shape, else ValueError saying what it is."""
+    frames = np.asarray(control)
+    expected = (bucket.frames, bucket.height, bucket.width, 3)
+    if frames.shape != expected or frames.dtype != np.uint8:
+        raise ValueError(f"the control video must be {expected} uint8 frames (bucket {bucket.name}), got "
+                         f"{frames.dtype} {frames.shape}")
+    return frames
+
+
 def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
 
 
 class PipelineMixin:
     """Uses the spec's `config`, `family`, `pipeline_class()`, `component_names()`, `load_component()`,
-    `experts()`, `trained_component`, `check_bucket()`, `encode_text()` and `max_text_tokens`."""
+    `experts()`, `trained_component`, `check_bucket()`, `encode_text()`, `max_text_tokens` and `control_video`."""
 
     # encode_text's condition names -> the pipeline call's (`prompt_embeds=`, ...), where they differ; the
     # negative prompt's are the same names with "negative_" in front.
@@ -61,7 +79,7 @@ class PipelineMixin:
     def text_parts(self) -> list[str]:
         """The pipeline parts that turn prompts (and i2v images) into conditions: tokenizers, text and image
         encoders. Stage 1 runs them and stores their output in the window, so validation never loads them."""
-        prefixes = ("tokenizer", "text_encoder", "image_encoder", "image_processor")
+        prefixes = ("tokenizer", "text_encoder", "image_encoder", "image_processor", "feature_extractor")
         return [name for name in self.pipeline_parts() if name.startswith(prefixes)]
 
     # ----------------------------------------------------------------------------- stage 1's text
@@ -93,6 +111,25 @@ class PipelineMixin:
         `image_embeds`), as its call takes them; {} where the VAE alone conditions on the image."""
         return {}
 
+    @property
+    def text_with_image(self) -> bool:
+        """Whether the text encoder reads each caption together with the clip's first frame (HunyuanVideo
+        I2V's Llava: the image's tokens sit inside the prompt), so text conditions belong to a sample, not
+        to a caption: stage 1 stores `encode_text_with_image`'s per sample (`encode_text` then holds only
+        what the caption alone makes), and validation stores `encode_validation_pair`'s per (prompt, image)."""
+        return False
+
+    def encode_text_with_image(self, encoders: dict[str, Any], captions: list[str],
+                               images: Tensor) -> dict[str, Tensor]:
+        """Per-sample conditions (B, ...) of `captions[i]` read with `images[i]` ((B, 3, H, W) first frames in
+        [-1, 1]) where `text_with_image`; {} for families whose text encoder reads the caption alone."""
+        return {}
+
+    def encode_validation_pair(self, encoders: dict[str, Any], prompt: str, image: np.ndarray) -> dict[str, Tensor]:
+        """`encode_text_with_image`'s conditions of one validation prompt with its image, as the pipeline's
+        call takes them; {} where not `text_with_image`."""
+        return {}
+
     # ----------------------------------------------------------------------------- validation
     def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, dtype: torch.dtype | None = None,
                        **loaded):
@@ -117,12 +154,18 @@ class PipelineMixin:
         return pipeline
 
     def generate(self, pipeline, prompt: str | None, bucket: Bucket, steps: int, seed: int, image=None,
-                 conditions: dict[str, Tensor] | None = None, decode: bool = True, **pipeline_kwargs) -> np.ndarray | None:
+                 conditions: dict[str, Tensor] | None = None, decode: bool = True, last_image=None,
+                 control=None, **pipeline_kwargs) -> np.ndarray | None:
         """(F, H, W, 3) uint8 frames of one sample from `pipeline` (extra kwargs go to the pipeline).
-        `conditions`: the prompt's (and negative prompt's) encoded conditions in the pipeline's names, in
-        place of the prompt (a pipeline built without text encoders). `decode=False` stops at the latents
-        (never decoded) and returns None: a validation stand-in that only keeps sharded forwards in step."""
-        kwargs = {**self.pipeline_inputs(prompt, bucket, steps, seed, image), **pipeline_kwargs,
+        `image` / `last_image`: the first (i2v, flf2v) and last (flf2v) frame. `control`: the control video,
+        (F, H, W, 3) uint8 at the bucket's size (families with `control_video`). `conditions`: the prompt's (and
+        negative prompt's, and images') encoded conditions in the pipeline's names, in place of the prompt (a
+        pipeline built without text encoders). `decode=False` stops at the latents (never decoded) and
+        returns None: a validation stand-in that only keeps sharded forwards in step."""
+        last = {"last_image": last_image} if last_image is not None else {}  # only flf2v families take one
+        if control is not None:  # only families that train on a control video take one
+            last["control"] = control
+        kwargs = {**self.pipeline_inputs(prompt, bucket, steps, seed, image, **last), **pipeline_kwargs,
                   "output_type": "np" if decode else "latent"}
         if conditions is not None:
             kwargs.update(prompt=None, **self.pipeline_conditions(pipeline, conditions))
@@ -136,22 +179,47 @@ class PipelineMixin:
         another way arranges that here)."""
         return conditions
 
-    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None) -> dict[str, Any]:
+    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
+                        last_image=None, control=None) -> dict[str, Any]:
         """The pipeline call arguments `generate` uses: the same text length and frame rate as training,
-        and for i2v the conditioning image."""
+        for i2v the conditioning image, for flf2v the first and the last frame (`image=`, `last_image=`), for a
+        family with `control_video` the control video (`control_inputs`)."""
         self.check_bucket(bucket)
         kwargs = dict(prompt=prompt, height=bucket.height, width=bucket.width, num_frames=bucket.frames,
                       num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
                       **self.inference_settings())
-        if self.config.task == "i2v":
+        task = self.config.task
+        if task in ("i2v", "flf2v"):
             if image is None:
-                raise ValueError(f"{self.family} i2v generation needs an image (PIL or (H, W, 3) uint8) for the first "
-                                 "frame; set train.validation_images, one per validation prompt")
+                raise ValueError(f"{self.family} {task} generation needs an image (PIL or (H, W, 3) uint8) for the "
+                                 "first frame; set train.validation_images, one per validation prompt")
             kwargs["image"] = to_pil_image(image)
         elif image is not None:
-            raise ValueError(f"{self.family} with task {self.config.task!r} takes no image; use model.task = \"i2v\" "
+            raise ValueError(f"{self.family} with task {task!r} takes no image; use model.task = \"i2v\" "
                              "for first-frame conditioning")
+        if task == "flf2v":
+            if last_image is None:
+                raise ValueError(f"{self.family} flf2v generation needs a last_image (PIL or (H, W, 3) uint8) for the "
+                                 "last frame; set train.validation_last_images, one per validation prompt")
+            kwargs["last_image"] = to_pil_image(last_image)
+        elif last_image is not None:
+            raise ValueError(f"{self.family} with task {task!r} takes no last image; use model.task = \"flf2v\" "
+                             "for first-and-last-frame conditioning")
+        if self.control_video:
+            if control is None:
+                raise ValueError(f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
+                                 "train.validation_videos, one per validation prompt")
+            kwargs.update(self.control_inputs(_check_control(control, bucket)))
+        elif control is not None:
+            raise ValueError(f"{self.family} takes no control video; pick a family that trains on one "
+                             "(docs/families.md)")
         return kwargs
+
+    def control_inputs(self, control: np.ndarray) -> dict[str, Any]:
+        """The pipeline call's arguments for a control video (F, H, W, 3) uint8 at the bucket's size: how a
+        family with `control_video` hands its pipeline the control (e.g. `video=` as a list of frames)."""
+        raise NotImplementedError(f"{self.family} declares control_video but not how its pipeline takes it "
+                                  "(control_inputs)")
 
     def inference_settings(self) -> dict[str, Any]:
         """Pipeline call arguments that must match how the model was trained (text length; the frame

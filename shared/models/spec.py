@@ -64,6 +64,14 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # Whether i2v training can noise the conditioning frame (`model.first_frame_noise`); families that
     # condition on a clean frame refuse the key rather than ignore it.
     noisy_first_frame: ClassVar[bool] = False
+    # Whether the transformer takes a timestep per latent frame, so `model.diffusion_forcing` can train it
+    # with a noise level per frame (`noise_levels`); the others refuse the key rather than ignore it.
+    per_frame_timesteps: ClassVar[bool] = False
+    # Whether each sample carries a control video (pose, depth, edges ...; `<key>.control.mp4` beside the clip):
+    # stage 1 decodes it at the clip's own frame times, sized and cropped as the clip (docs/processors.md),
+    # rejects a sample without one (`missing_control`), and hands it to `encode_video(..., control=)`;
+    # validation needs `train.validation_videos`, one control video per prompt, passed to the pipeline.
+    control_video: ClassVar[bool] = False
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
@@ -86,6 +94,10 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
             raise ValueError(f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
                              f"task {config.task!r}: " + ("it conditions on a clean first frame" if config.task == "i2v"
                                                           else "it is an i2v setting") + "; remove it")
+        if config.diffusion_forcing and not self.per_frame_timesteps:
+            raise ValueError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
+                             f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
+                             "pick a family with diffusion forcing (docs/families.md)")
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
@@ -128,9 +140,11 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         if bucket.frames == 1 and not self.single_frame:
             raise ValueError(f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
                              "remove 1xHxW sizes from buckets.sizes")
-        if bucket.frames == 1 and self.config.task == "i2v":
-            raise ValueError(f"bucket {bucket.name}: i2v conditions on the first frame, so a one-frame bucket leaves "
-                             "nothing to learn; remove 1xHxW sizes from buckets.sizes or use model.task = \"t2v\"")
+        if bucket.frames == 1 and self.config.task in ("i2v", "flf2v"):
+            frames = "first and last frames" if self.config.task == "flf2v" else "first frame"
+            raise ValueError(f"bucket {bucket.name}: {self.config.task} conditions on the {frames}, so a one-frame "
+                             "bucket leaves nothing to learn; remove 1xHxW sizes from buckets.sizes or use "
+                             "model.task = \"t2v\"")
         g = self.geometry
         pixels = g.spatial * g.patch
         if bucket.frames % g.temporal != 1 % g.temporal:
@@ -186,7 +200,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
 
         This default is diffusers' most common convention: {"latents": the posterior mode times the
         VAE's `scaling_factor`} (the pipeline divides by it before decoding); families that normalise
-        otherwise, or condition on pixels, override it.
+        otherwise, or condition on pixels, override it. A family with `control_video` takes it as
+        `encode_video(encoders, video, control=...)`: the control clip (B, 3, F, H, W) in [-1, 1], aligned
+        with `video` frame for frame and pixel for pixel; stage 1 passes `control` to no other family.
         """
         self._check_video(video)
         vae = encoders["vae"]
@@ -203,6 +219,12 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         return vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
 
     # ----------------------------------------------------------------------------- stage 2
+    def noise_levels(self, latent_shape: tuple[int, ...]) -> int:
+        """How many independent sigmas the trainer draws per sample of latents (C, F, H, W), all from the
+        sample's keyed generator (train/parallel/batching.py): 1, or under diffusion forcing one per latent
+        frame or causal block (`forward` then gets sigmas (B, levels))."""
+        return 1
+
     @abstractmethod
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction: ...

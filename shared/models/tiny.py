@@ -5,7 +5,7 @@ demo load them through the very `from_pretrained` code path a real checkpoint us
 is a SentencePiece-style Unigram model (what T5 and UMT5 use) made with the `tokenizers` library
 from a small word list: each listed word is one piece, anything else falls back to single
 characters, so no caption ever fails to tokenize. `bpe_vocab` is the same idea for the byte-pair
-tokenizers (Llama, CLIP, Gemma) the other families' presets build.
+tokenizers (Llama, CLIP, Gemma, Qwen) the other families' presets build.
 
 A family's `tiny_parts` builds its pipeline's arguments from these (and its own transformer and VAE at
 a tiny config); `ModelSpec.make_tiny` seeds the build and saves the pipeline (`save_tiny`).
@@ -138,6 +138,42 @@ def build_gemma_tokenizer(words: list[str] = TINY_WORDS):
 
     vocab, merges = bpe_vocab(words, ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>"], prefix="\u2581")
     return GemmaTokenizer(vocab=vocab, merges=merges, padding_side="left", model_max_length=1024)
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'system' %}{{ '<|vision_pad|>' * FILL }}{% endif %}"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_qwen_tokenizer(system: str, header_tokens: int, words: list[str] = TINY_WORDS):
+    """A byte-level BPE Qwen2 tokenizer over `words` (each one token after a space; any other text falls
+    back to bytes) with a ChatML template, right padded. The `system` prompt is one added token and the
+    template pads the system turn with `<|vision_pad|>` so that the system turn plus the user header is
+    exactly `header_tokens` long, as with the real Qwen2.5-VL tokenizer: a pipeline's fixed crop of that
+    many tokens (HunyuanVideo 1.5's 108) then leaves the caption, as it does for the real model."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_pad|>"]
+    vocab = {token: i for i, token in enumerate(specials)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab.setdefault(char, len(vocab))
+    merges: list[tuple[str, str]] = []
+    # The chat roles, then each word after a space (\u0120): every merge chain starts from its own first
+    # piece, so no chain splits another word (a caption's first word, without the space, is spelt out).
+    for word in ["system", "user", "assistant", *(f"\u0120{w}" for w in words)]:
+        add_merge_chain(word, vocab, merges)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:] + [system]})
+    tokenizer.chat_template = CHATML_TEMPLATE.replace("FILL", "0")
+    header = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": ""}],
+                                           tokenize=True, return_dict=True)["input_ids"]
+    fill = header_tokens - (len(header) - 2)  # less the user turn's "<|im_end|>\n"
+    tokenizer.chat_template = CHATML_TEMPLATE.replace("FILL", str(fill))
+    return tokenizer
 
 
 def tiny_t5_encoder(umt5: bool = False, vocab_size: int = 1000, d_model: int = 64, d_kv: int = 16, d_ff: int = 128,

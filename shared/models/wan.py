@@ -18,6 +18,14 @@ WanImageToVideoPipeline conditions on the first frame:
   embeddings, which it prepends to the text; the target is flow matching on all frames as for t2v;
 - the text is exactly 512 tokens: diffusers' Wan attention takes everything before the last 512
   context tokens to be image tokens.
+
+First-and-last-frame to video (`model.task = "flf2v"`, Wan 2.1 FLF2V-14B-720P), as
+WanImageToVideoPipeline does with `last_image=`: the clip's first and last frames are the two images.
+- `image_embeds` holds both images' CLIP tokens per sample, (2, N, D) as [first, last]; `forward` passes
+  them as the pipeline does, (2B, N, D), and the FLF2V transformer's image embedder views them as B
+  pairs and adds its learned position embedding over the 2N tokens (`pos_embed_seq_len`, 514);
+- `condition_latents` encodes [first frame, zeros, last frame]; the mask marks the first latent frame
+  and, in the last latent frame, the slot of the last pixel frame (`condition_mask`).
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ from torch import Tensor
 
 from vt.shared.config import ModelConfig
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
-from vt.shared.models.pipeline import to_pil_image
+from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
@@ -38,11 +46,12 @@ from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 # the text and everything before them the image.
 I2V_TEXT_TOKENS = 512
 IMAGE_PARTS = ("image_encoder", "image_processor")
+IMAGE_TASKS = ("i2v", "flf2v")  # the tasks that condition on the clip's own frames
 
 
 class WanSpec(ModelSpec):
     family: ClassVar[str] = "wan"
-    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v", "flf2v")
     block_lists: ClassVar[tuple[str, ...]] = ("blocks",)
     # Original (Wan-AI) module names, which ComfyUI uses; diffusers' Wan LoRA conversion reads them back.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
@@ -58,11 +67,12 @@ class WanSpec(ModelSpec):
     components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:UMT5EncoderModel",
                                             "vae": "diffusers:AutoencoderKLWan",
                                             "transformer": "diffusers:WanTransformer3DModel"}
-    # Wan 2.1 i2v adds the CLIP image encoder and its processor (Wan 2.2's I2V models have none).
+    # Wan 2.1 i2v and flf2v add the CLIP image encoder and its processor (Wan 2.2's I2V models have none).
     task_components: ClassVar[dict[str, dict[str, str]]] = {
-        "i2v": {"image_encoder": "transformers:CLIPVisionModelWithProjection",
-                "image_processor": "transformers:CLIPImageProcessor"}}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:WanPipeline", "i2v": "diffusers:WanImageToVideoPipeline"}
+        task: {"image_encoder": "transformers:CLIPVisionModelWithProjection",
+               "image_processor": "transformers:CLIPImageProcessor"} for task in IMAGE_TASKS}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:WanPipeline", "i2v": "diffusers:WanImageToVideoPipeline",
+                                           "flf2v": "diffusers:WanImageToVideoPipeline"}
     tiny_index_names: ClassVar[dict[str, list[str]]] = {"image_processor": ["transformers", "CLIPImageProcessor"]}
     # Wan 2.1 I2V also conditions on CLIP image embeddings; Wan 2.2's I2V models only on the encoded frame.
     clip_image_conditioning: ClassVar[bool] = True
@@ -78,18 +88,18 @@ class WanSpec(ModelSpec):
 
     @property
     def image_tokens(self) -> bool:
-        """Whether this run feeds CLIP image embeddings (Wan 2.1 i2v) beside the encoded first frame."""
-        return self.config.task == "i2v" and self.clip_image_conditioning
+        """Whether this run feeds CLIP image embeddings (Wan 2.1 i2v, flf2v) beside the encoded frames."""
+        return self.config.task in IMAGE_TASKS and self.clip_image_conditioning
 
     @property
     def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
-        """i2v also encodes the first frame with the image encoder."""
+        """i2v and flf2v also encode the conditioning frames with the image encoder."""
         base = ModelSpec.stage1_components
         return (*base, *IMAGE_PARTS) if self.image_tokens else base
 
     @property
     def default_lora_targets(self) -> list[str]:  # type: ignore[override]
-        """Attention q/k/v/out; i2v also the cross-attention's image keys and values (`add_k_proj`,
+        """Attention q/k/v/out; i2v and flf2v also the cross-attention's image keys and values (`add_k_proj`,
         `add_v_proj`; peft matches by suffix, so `to_k` does not cover them)."""
         extra = ["add_k_proj", "add_v_proj"] if self.image_tokens else []
         return [*ModelSpec.default_lora_targets, *extra]
@@ -107,26 +117,51 @@ class WanSpec(ModelSpec):
         return geometry
 
     def _check_task_fits(self, transformer: dict, g: VaeGeometry) -> None:
-        """An i2v run needs a Wan 2.1 I2V transformer (36 input channels, image projections), and a
+        """An i2v run needs a Wan 2.1 I2V transformer (36 input channels, image projections), an flf2v run
+        one whose image embedder also holds a position embedding over two images' tokens (FLF2V), and a
         t2v run a transformer without them (Wan 2.2 I2V: 36 channels, no image projections)."""
         where = self.source("transformer")[0]
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim", "added_kv_proj_dim")}
+        task = self.config.task
         if self.config.task == "i2v" and not self.clip_image_conditioning:
             if found["in_channels"] != 2 * g.channels + g.temporal or found["image_dim"]:
                 raise ValueError(
                     f"model.task = \"i2v\" on {self.family} needs a Wan 2.2 image-to-video transformer (in_channels "
                     f"{2 * g.channels + g.temporal}, no image_dim, e.g. Wan-AI/Wan2.2-I2V-A14B-Diffusers); the one at "
                     f"{where!r} has {found}")
-        elif self.config.task == "i2v":
-            expected = 2 * g.channels + g.temporal  # latents, first-frame mask, condition latents
+        elif task in IMAGE_TASKS:
+            expected = 2 * g.channels + g.temporal  # latents, condition mask, condition latents
             if found["in_channels"] != expected or not found["image_dim"] or not found["added_kv_proj_dim"]:
+                example = "FLF2V-14B-720P-diffusers" if task == "flf2v" else "I2V-14B-480P-Diffusers"
                 raise ValueError(
-                    f"model.task = \"i2v\" needs a Wan 2.1 image-to-video transformer (in_channels {expected}, "
-                    f"image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-I2V-14B-480P-Diffusers); the one "
-                    f"at {where!r} has {found}")
+                    f"model.task = \"{task}\" needs a Wan 2.1 image-to-video transformer (in_channels {expected}, "
+                    f"image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-{example}); the one at {where!r} "
+                    f"has {found}")
+            self._check_image_positions(transformer.get("pos_embed_seq_len"), where)
         elif found["image_dim"] or found["in_channels"] != g.channels:
             raise ValueError(f"the transformer at {where!r} is an image-to-video one ({found}): "
-                             "set model.task = \"i2v\"")
+                             "set model.task = \"i2v\"" + (" (or \"flf2v\": it takes two images)"
+                                                           if transformer.get("pos_embed_seq_len") else ""))
+
+    def _check_image_positions(self, positions: int | None, where: str) -> None:
+        """FLF2V's image embedder adds a learned position embedding over the first and the last image's
+        tokens (`pos_embed_seq_len` = 2 x the image encoder's tokens) and so takes the images in pairs;
+        I2V's has none and takes one. The task must be the transformer's."""
+        if self.config.task == "flf2v":
+            wanted = 2 * self.image_embeds_shape()[0]
+            if positions != wanted:
+                raise ValueError(
+                    f"model.task = \"flf2v\" needs a Wan 2.1 first-and-last-frame transformer (pos_embed_seq_len "
+                    f"{wanted}: both images' {wanted // 2} CLIP tokens, e.g. Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers); "
+                    f"the one at {where!r} has pos_embed_seq_len {positions}")
+        elif positions:
+            raise ValueError(f"the transformer at {where!r} is a first-and-last-frame one (pos_embed_seq_len "
+                             f"{positions}): set model.task = \"flf2v\"")
+
+    def image_embeds_shape(self) -> tuple[int, int]:
+        """(tokens, width) of one image's CLIP embeddings: its patches plus the class token, from the config."""
+        vision = self.load_config("image_encoder")
+        return (vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size
 
     # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
@@ -138,83 +173,96 @@ class WanSpec(ModelSpec):
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Normalised latents from the posterior mode (deterministic, as WanImageToVideoPipeline encodes);
-        i2v adds what the pipeline makes of the first frame (`encode_first_frame`)."""
+        i2v and flf2v add what the pipeline makes of the conditioning frames (`encode_condition_frames`)."""
         self._check_video(video)
         vae = encoders["vae"]
         latents = self._vae_mode(vae, video)
         mean, std = _latent_stats(vae, latents)
         out = {"latents": ((latents - mean) / std).float()}
-        if self.config.task == "i2v":
-            out.update(self.encode_first_frame(encoders, video))
+        if self.config.task in IMAGE_TASKS:
+            out.update(self.encode_condition_frames(encoders, video))
         return out
 
     @torch.no_grad()
-    def encode_first_frame(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """The first frame as WanImageToVideoPipeline's conditioning image, float32:
-        - `image_embeds` (B, N, D) (Wan 2.1 only): the image encoder's second-to-last hidden states of
-          the frame as a uint8 image through the image processor (`encode_image`);
-        - `condition_latents` (B, C, F, H, W): [the frame, zeros for the other F - 1 frames] VAE-encoded
-          (mode) and normalised (`prepare_latents`). The mask it concatenates is `first_frame_mask`.
+    def encode_condition_frames(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """The first frame (flf2v: and the last) as WanImageToVideoPipeline's conditioning images, float32:
+        - `image_embeds` (Wan 2.1 only): the image encoder's second-to-last hidden states of each frame as a
+          uint8 image through the image processor (`encode_image`): (B, N, D), for flf2v (B, 2, N, D) as
+          [first, last] (the pipeline encodes `[image, last_image]`);
+        - `condition_latents` (B, C, F, H, W): [the first frame, zeros for the other frames (flf2v: the
+          last frame last)] VAE-encoded (mode) and normalised (`prepare_latents`). The mask it concatenates
+          is `condition_mask`.
         """
         vae = encoders["vae"]
-        first = video[:, :, :1]
-        condition = torch.cat([first, torch.zeros_like(video[:, :, 1:])], dim=2)
+        frames = [video[:, :, :1], video[:, :, -1:]] if self.config.task == "flf2v" else [video[:, :, :1]]
+        zeros = video.new_zeros(*video.shape[:2], video.shape[2] - len(frames), *video.shape[3:])
+        condition = torch.cat([frames[0], zeros, *frames[1:]], dim=2)
         latents = self._vae_mode(vae, condition).float()
         mean, std = _latent_stats(vae, latents)
         condition_latents = {"condition_latents": ((latents - mean) / std).float()}
         if not self.image_tokens:
             return condition_latents
+        # The frames as the uint8 images they were decoded from, sample by sample: first, (last,) of sample 0 ...
+        images = frames_to_pil(torch.stack([frame[:, :, 0] for frame in frames], dim=1).flatten(0, 1))
+        hidden = self._image_hidden_states(encoders, images)
+        embeds = hidden.unflatten(0, (video.shape[0], 2)) if len(frames) == 2 else hidden
+        return {"image_embeds": embeds, **condition_latents}
+
+    @staticmethod
+    def _image_hidden_states(encoders, images: list) -> Tensor:
+        """WanImageToVideoPipeline.encode_image of `images`: the image encoder's second-to-last hidden
+        states of the processed images, (len(images), N, D) float32."""
         encoder = encoders["image_encoder"]
-        # The frame back to the uint8 pixels it was decoded from (stage 1 maps them to p / 127.5 - 1).
-        pixels = ((first[:, :, 0].float() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
-        images = [to_pil_image(frame) for frame in pixels.permute(0, 2, 3, 1).cpu().numpy()]
         inputs = encoders["image_processor"](images=images, return_tensors="pt")
-        hidden = encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
-                         output_hidden_states=True).hidden_states[-2]
-        return {"image_embeds": hidden.float(), **condition_latents}
+        return encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
+                       output_hidden_states=True).hidden_states[-2].float()
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
-        """i2v adds the encoded first-frame condition and, for Wan 2.1, the CLIP image tokens."""
+        """i2v and flf2v add the encoded condition frames and, for Wan 2.1, the CLIP image tokens (two
+        images' for flf2v)."""
         shapes = super().condition_shapes(bucket)
-        if self.config.task == "i2v":
+        if self.config.task in IMAGE_TASKS:
             shapes["condition_latents"] = shapes["latents"]
         if self.image_tokens:
-            vision = self.load_config("image_encoder")
-            shapes["image_embeds"] = ((vision.image_size // vision.patch_size) ** 2 + 1, vision.hidden_size)
+            pair = (2,) if self.config.task == "flf2v" else ()
+            shapes["image_embeds"] = (*pair, *self.image_embeds_shape())
         return shapes
 
     @property
     def image_conditions(self) -> bool:
-        """Wan 2.1 i2v: validation images need the CLIP image encoder's embeddings (stage 1 makes them)."""
+        """Wan 2.1 i2v, flf2v: validation images need the CLIP image encoder's embeddings (stage 1 makes them)."""
         return self.image_tokens
 
     @torch.no_grad()
     def encode_validation_image(self, encoders, image) -> dict[str, Tensor]:
-        """WanImageToVideoPipeline.encode_image of the validation image: the image encoder's second-to-last
-        hidden states of the processed image, as its call's `image_embeds`."""
+        """WanImageToVideoPipeline.encode_image of one validation image (a first or a last frame), as its
+        call's `image_embeds`: (1, N, D)."""
         if not self.image_tokens:
             return {}
-        encoder = encoders["image_encoder"]
-        inputs = encoders["image_processor"](images=to_pil_image(image), return_tensors="pt")
-        hidden = encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
-                         output_hidden_states=True).hidden_states[-2]
-        return {"image_embeds": hidden.float()}
+        return {"image_embeds": self._image_hidden_states(encoders, [to_pil_image(image)])}
 
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
         """WanImageToVideoPipeline refuses `image` together with `image_embeds` (its check_inputs), yet needs
-        the image for the VAE condition: this pipeline object's `encode_image` hands it the stored embeddings."""
+        the image for the VAE condition: this pipeline object's `encode_image` hands it the stored embeddings.
+        flf2v: the last image's (`last_image_embeds`) follow the first's, as it encodes `[image, last_image]`."""
         conditions = dict(conditions)
         embeds = conditions.pop("image_embeds", None)
+        last = conditions.pop("last_image_embeds", None)
         if embeds is not None:
-            pipeline.encode_image = lambda image, device: embeds.to(device)
+            both = embeds if last is None else torch.cat([embeds, last])
+            pipeline.encode_image = lambda image, device: both.to(device)
         return conditions
 
-    def first_frame_mask(self, latents: Tensor) -> Tensor:
-        """WanImageToVideoPipeline's mask for latents (B, C, F, H, W): (B, T, F, H, W) with T the VAE's
-        time compression, 1 on the first latent frame (the given image) and 0 on the others."""
+    def condition_mask(self, latents: Tensor) -> Tensor:
+        """WanImageToVideoPipeline's mask for latents (B, C, F, H, W): (B, T, F, H, W) with T the VAE's time
+        compression. The pipeline marks the given pixel frames and folds T of them into each latent frame,
+        the first latent frame standing for the first frame alone (T copies): so 1 on all of latent frame
+        0, for flf2v also on the last slot of the last latent frame (the last pixel frame), 0 elsewhere."""
         batch, _, frames, height, width = latents.shape
         mask = latents.new_zeros(batch, self.geometry.temporal, frames, height, width)
         mask[:, :, 0] = 1
+        if self.config.task == "flf2v":
+            mask[:, -1, -1] = 1
         return mask
 
     # ----------------------------------------------------------------------------- stage 2
@@ -223,13 +271,17 @@ class WanSpec(ModelSpec):
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
         image = {}
-        if self.config.task == "i2v":  # [noisy, mask, condition] and the image tokens, as the pipeline
+        task = self.config.task
+        if task in IMAGE_TASKS:  # [noisy, mask, condition] and the image tokens, as the pipeline
             needed = ("condition_latents", "image_embeds") if self.image_tokens else ("condition_latents",)
             if any(name not in batch for name in needed):
-                raise KeyError(f"task i2v needs batch{[*needed]}; precompute the shards with model.task = \"i2v\"")
-            noisy = torch.cat([noisy, self.first_frame_mask(x0), batch["condition_latents"].to(x0)], dim=1)
-            if self.image_tokens:
-                image["encoder_hidden_states_image"] = batch["image_embeds"].to(x0.device, dtype)
+                raise KeyError(f"task {task} needs batch{[*needed]}; precompute the shards with "
+                               f"model.task = \"{task}\"")
+            noisy = torch.cat([noisy, self.condition_mask(x0), batch["condition_latents"].to(x0)], dim=1)
+            if self.image_tokens:  # flf2v: (B, 2, N, D) -> [first, last] of each sample, (2B, N, D), as the pipeline
+                embeds = batch["image_embeds"]
+                embeds = embeds.flatten(0, 1) if task == "flf2v" else embeds
+                image["encoder_hidden_states_image"] = embeds.to(x0.device, dtype)
         prediction = transformer(
             hidden_states=noisy.to(dtype),
             timestep=sigmas * NUM_TRAIN_TIMESTEPS,  # float32, as the pipeline passes it
@@ -260,7 +312,7 @@ class WanSpec(ModelSpec):
 
     def cp_plan(self) -> ContextParallelPlan:
         """Split the tokens where the first block receives them (Wan patchifies inside its forward)
-        and per-token timesteps (Wan 2.2 style) at the input; gather after proj_out. i2v: the image
+        and per-token timesteps (Wan 2.2 style) at the input; gather after proj_out. i2v, flf2v: the image
         tokens are prepended to the text, which is not split, so the plan is the same."""
         return ContextParallelPlan(
             split_inputs={"": {"timestep": 1}, "blocks.0": {"hidden_states": 1}},
@@ -275,14 +327,21 @@ class WanSpec(ModelSpec):
 
         task "i2v": WanImageToVideoPipeline layout, as Wan 2.1 I2V: the transformer takes 36 channels
         and has image projections (image_dim, added_kv_proj_dim = heads x head dim), plus a 2-layer
-        CLIP vision encoder on 32 x 32 crops (17 image tokens) and its CLIPImageProcessor.
+        CLIP vision encoder on 32 x 32 crops (17 image tokens) and its CLIPImageProcessor. Task "flf2v":
+        the same with FLF2V's image position embedding over two images' tokens (pos_embed_seq_len 34),
+        drawn non-zero (diffusers starts it at zeros), so the order of the two images shows.
         """
-        i2v = task == "i2v"
+        i2v = task in IMAGE_TASKS
         heads, head_dim, z_dim, image_dim = 4, 16, 16, 32
         vae = tiny_wan_vae(z_dim)
         image = dict(in_channels=2 * z_dim + 4, image_dim=image_dim, added_kv_proj_dim=heads * head_dim) if i2v \
             else dict(in_channels=z_dim)
+        if task == "flf2v":
+            image["pos_embed_seq_len"] = 2 * 17
         transformer = tiny_wan_transformer(out_channels=z_dim, **image)
+        if task == "flf2v":
+            with torch.no_grad():
+                transformer.condition_embedder.image_embedder.pos_embed.normal_(0.0, 0.5)
         text_encoder = tiny_t5_encoder(umt5=True)
         parts = _tiny_image_parts(image_dim) if i2v else {}
         # Wan2.1-T2V-1.3B-Diffusers' (and I2V-480P's) scheduler: UniPC on flow sigmas with shift 3.

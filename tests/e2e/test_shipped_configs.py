@@ -4,7 +4,9 @@ The config keeps what makes it itself: family, dtypes, text length, frame rate, 
 size, accumulation, LoRA settings, activation checkpointing, trackers, validation prompts. Only
 what would take hours on 2 cores is lowered with --set: bucket sizes (same aspects, the family's
 smallest frame count), intervals, validation steps, worker count; an image-to-video config's
-validation images (the user's files) become one test image per prompt. Both CLIs run as processes at
+validation images (the user's files) become one test image per prompt, and a config whose family trains
+on a control video reads the raw shards with one per sample (`control_shards`) and validates under a
+test control video. Both CLIs run as processes at
 once and the trainer must finish with every sample trained once per epoch. For the configs in KILLED
 (one per kind of training state: the default, one expert of two, both experts, a full fine-tune, two
 block lists, an audio-video transformer) the trainer is SIGKILLed right after its second checkpoint
@@ -24,7 +26,7 @@ from cli_runs import finish, raw_keys, start
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import load_config
-from vt.shared.models import build_spec
+from vt.shared.models import build_spec, get_spec_class
 from vt.shared.models.lora import lora_weight_name
 from vt.train.trackers import read_metrics
 
@@ -65,19 +67,39 @@ def overrides(config_path: Path, tmp_path: Path, model: Path, raw: Path) -> list
         "train.checkpoint_every=2", "train.validate_every=2", f"train.validation_steps={min(train.validation_steps, 2)}",
         "log.every_steps=1", "log.progress=false", "log.samples=true",
     ]
-    if config.model.task == "i2v" and train.validation_prompts:
+    if config.model.task in ("i2v", "flf2v") and train.validation_prompts:
         image = validation_image(tmp_path / "first_frame.png")
         sets.append(f"train.validation_images={json.dumps([str(image)] * len(train.validation_prompts))}")
+    if config.model.task == "flf2v" and train.validation_prompts:
+        last = validation_image(tmp_path / "last_frame.png", mirrored=True)
+        sets.append(f"train.validation_last_images={json.dumps([str(last)] * len(train.validation_prompts))}")
+    if spec.control_video and train.validation_prompts:
+        control = validation_video(tmp_path / "control.mp4")
+        sets.append(f"train.validation_videos={json.dumps([str(control)] * len(train.validation_prompts))}")
     return sets
 
 
-def validation_image(path: Path) -> Path:
-    """A 96 x 64 PNG (colour gradients) to condition i2v validation videos on."""
+def validation_video(path: Path) -> Path:
+    """A 3 s, 24 fps, 96 x 64 control video (a bar sweeping left to right) for validation under a control video."""
+    import numpy as np
+
+    from vt.shared.video_io import write_video
+
+    frames = np.zeros((72, 64, 96, 3), dtype=np.uint8)
+    for index, frame in enumerate(frames):
+        frame[:, index + 8:index + 20] = 255
+    return write_video(frames, path, fps=24.0)
+
+
+def validation_image(path: Path, mirrored: bool = False) -> Path:
+    """A 96 x 64 PNG (colour gradients) to condition i2v validation videos on (`mirrored`: left-right, a
+    first-and-last-frame config's last frame)."""
     import numpy as np
     from PIL import Image
 
     y, x = np.mgrid[0:64, 0:96]
-    Image.fromarray(np.stack([x * 255 // 95, y * 255 // 63, (x + y) * 255 // 158], axis=-1).astype(np.uint8)).save(path)
+    pixels = np.stack([x * 255 // 95, y * 255 // 63, (x + y) * 255 // 158], axis=-1).astype(np.uint8)
+    Image.fromarray(np.ascontiguousarray(pixels[:, ::-1]) if mirrored else pixels).save(path)
     return path
 
 
@@ -93,9 +115,11 @@ def trained(run_dir: Path) -> Counter:
 @pytest.mark.parametrize("config_path", [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(f"config-{p.stem}"))
                                          for p in CONFIGS])  # one config a unit of work under pytest-xdist
 def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_factory,
-                                                                  raw_shards):
+                                                                  raw_shards, request):
     model = load_config(config_path).model  # the preset of the config's family and task
-    sets = overrides(config_path, tmp_path, tiny_model_factory(model.family, task=model.task), raw_shards)
+    # A family that trains on a control video reads one per sample: the same pieces with their edge maps.
+    raw = request.getfixturevalue("control_shards") if get_spec_class(model.family).control_video else raw_shards
+    sets = overrides(config_path, tmp_path, tiny_model_factory(model.family, task=model.task), raw)
     config = load_config(config_path, sets)
     run_dir = config.run_dir
     logs = {name: tmp_path / f"{name}.log" for name in ("precompute", "killed", "train")}
@@ -115,7 +139,7 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
     assert ("resumed from" in logs["train"].read_text()) == (config_path.stem in KILLED)
 
     epochs = config.train.epochs
-    assert trained(run_dir) == Counter({(e, key): 1 for e in range(epochs) for key in raw_keys(raw_shards)})
+    assert trained(run_dir) == Counter({(e, key): 1 for e in range(epochs) for key in raw_keys(raw)})
     metrics = {m["step"]: m for m in read_metrics(run_dir / "metrics.jsonl")}
     assert all(math.isfinite(m["loss"]) for m in metrics.values())
     warmup, lr = config.train.warmup_steps, config.train.lr

@@ -31,11 +31,17 @@ FAMILY_TRAIN = {
     "cogvideox": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]},
     "wan-i2v": {"mode": "lora", "max_grad_norm": 0.05},  # default targets: attention and the image keys/values
     "hunyuan-video": {"mode": "lora"},  # double and single blocks' attention (the default targets)
+    # HunyuanVideo I2V (token_replace): Llava's text of each sample read with its first frame (stage 1, per
+    # sample), the clean first latent frame modulated at timestep 0 and weighted 0 in the loss.
+    "hunyuan-video-i2v": {"mode": "lora"},
     "mochi": {"mode": "lora"},  # the blocks' video attention (the default targets)
     "cogvideox-i2v": {"mode": "lora"},  # 32 input channels: the image latents on the channel axis
     # LoRA on both streams' attention and FFNs, so tensor parallel splits adapters of every kind it splits.
     "hunyuan-video-1.5": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
                                                            "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
+    # HunyuanVideo 1.5 I2V: the same targets, with the first frame's SigLIP tokens in the joint attention.
+    "hunyuan-video-1.5-i2v": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
+                                                               "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},
     # Wan 2.2 TI2V-5B in i2v: per-token timesteps, the clean first latent frame weighted 0 in the loss.
@@ -43,13 +49,26 @@ FAMILY_TRAIN = {
     # bf16 weights on a CPU: the frozen layers stored in bf16 and computed in float32 (per layer in one
     # process, by FSDP2's all-gather when sharded), as a real checkpoint trains there.
     "wan-bf16": {"mode": "lora"},
+    # SkyReels V2 diffusion forcing: a sigma per latent frame from each sample's keyed generator, fed as
+    # the transformer's (B, F) timestep.
+    "skyreels-v2-df": {"mode": "lora"},
+    # Kandinsky 5 I2V (VARIANTS): one transformer call per sample (no text mask), channel-last input
+    # with the image latents as the first frame (weight 0) and its mask channel; LoRA on all blocks' attention.
+    "kandinsky5-i2v": {"mode": "lora"},
+    # Wan VACE: the default control LoRA on the VACE blocks, which FSDP2 shards as blocks of their own ahead of
+    # the main blocks; every sample's control latents split over data-parallel ranks like its latents.
+    "wan-vace": {"mode": "lora"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
             "cogvideox-i2v": {"family": "cogvideox", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "wan2.2-all": {"family": "wan2.2", "expert": "all", "max_text_tokens": TEXT_TOKENS},
             "wan2.2-ti2v-i2v": {"family": "wan2.2-ti2v", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-            "wan-bf16": {"family": "wan", "dtype": "bfloat16", "max_text_tokens": TEXT_TOKENS}}
+            "wan-bf16": {"family": "wan", "dtype": "bfloat16", "max_text_tokens": TEXT_TOKENS},
+            "hunyuan-video-i2v": {"family": "hunyuan-video", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+            "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+            "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
+            "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS}}
 
 
 def model_section(key: str) -> dict:
@@ -58,12 +77,14 @@ def model_section(key: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
-    """kept_window(family or variant key) -> (window folder, model folder), precomputed once per session."""
+def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
+    """kept_window(family or variant key) -> (window folder, model folder), precomputed once per session; a
+    family that trains on a control video reads the same samples with one each (`control_shards`)."""
     from cli_runs import write_config
 
     from vt.precompute.service import Precompute
     from vt.shared.config import load_config
+    from vt.shared.models import get_spec_class
 
     built = {}
 
@@ -72,7 +93,9 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
             root = tmp_path_factory.mktemp(f"window-{family}")
             section = model_section(family)
             model = tiny_model_factory(section["family"], task=section.get("task", "t2v"))
-            config = write_config(root / "pre.toml", model, raw_shards, root / "pre", str(root / "window"),
+            raw = request.getfixturevalue("control_shards") if get_spec_class(section["family"]).control_video \
+                else raw_shards
+            config = write_config(root / "pre.toml", model, raw, root / "pre", str(root / "window"),
                                   model=section,
                                   buckets={"sizes": [BUCKETS.get(family, BUCKET)]}, window={"size": "keep"},
                                   precompute={"workers": 0})

@@ -54,9 +54,15 @@ FAMILY_LAYOUTS = {
     "cogvideox": ["fsdp-2", "tp-2"],
     # No TP or CP plan (fused single-block projections; joint text + video attention with a text mask).
     "hunyuan-video": ["fsdp-2"],
+    # HunyuanVideo I2V (conftest VARIANTS; token_replace): other block classes (each block modulates the
+    # first frame's tokens at timestep 0), the per-sample Llava text and the first frame's zero loss weight.
+    "hunyuan-video-i2v": ["fsdp-2"],
     # TP splits both streams' heads of its double blocks; no CP plan (joint video + image + glyph + text
-    # attention, its padding mask built in the processor). The ltx/wan rows cover the TP compositions.
-    "hunyuan-video-1.5": ["fsdp-2", "tp-2"],
+    # attention, its padding mask built in the processor). The ltx/wan rows cover the TP compositions. TP
+    # runs on i2v (conftest VARIANTS), whose joint attention also holds the first frame's image tokens: the
+    # same blocks and plan as t2v, whose image tokens are none.
+    "hunyuan-video-1.5": ["fsdp-2"],
+    "hunyuan-video-1.5-i2v": ["tp-2"],
     # No TP or CP plan: both would have to split its audio stream and audio-video cross-attention too.
     "ltx-2": ["fsdp-2"],
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
@@ -71,6 +77,17 @@ FAMILY_LAYOUTS = {
     # Wan with bf16 frozen weights computed in float32 (conftest VARIANTS): sharded storage upcast by the
     # all-gather against one process's per-layer casting.
     "wan-bf16": ["fsdp-2"],
+    # SkyReels V2 with diffusion forcing (conftest VARIANTS): per-frame sigmas drawn per sample, so every
+    # data-parallel slicing draws what one process draws; its transformer's blocks are Wan's (TP as the wan
+    # rows), its DF CP plan (per-frame modulations split per block) is checked in tests/shared/test_skyreels_v2.py.
+    "skyreels-v2-df": ["fsdp-2"],
+    # Kandinsky 5 I2V (conftest VARIANTS): no TP or CP plan (docs/parallel.md); FSDP2 over its text and visual
+    # block lists, the transformer called once per sample of each rank's slice (several forwards before
+    # one backward), the image latents and the first frame's zero loss weight split like the latents.
+    "kandinsky5-i2v": ["fsdp-2"],
+    # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
+    # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
+    "wan-vace": ["fsdp-2"],
 }
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))

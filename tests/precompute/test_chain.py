@@ -20,13 +20,12 @@ from cli_runs import raw_keys, write_config
 from vt.precompute.processors import (Processor, SampleError, build_chain, decode_at, fit_pixels, probe,
                                       sample_times)
 from vt.precompute.processors.caption import strip_boilerplate
-from vt.precompute.processors.chain import BUILTINS
 from vt.precompute.processors.decode import Clip
 from vt.precompute.processors.sample import Sample
 from vt.precompute.service import Precompute
 from vt.precompute.sources import RawSample, iter_raw_samples
 from vt.shared.buckets import Bucket, crop_box, resize_for_crop
-from vt.shared.chain import BUILTIN_OPTIONS, ProcessorOptions, describe_chain, resolve_chain
+from vt.shared.chain import BUILTINS, ProcessorOptions, describe_chain, load_user_class, resolve_chain
 from vt.shared.config import ConfigError, load_config
 from vt.shared.window import Window
 
@@ -71,7 +70,8 @@ def bikes(clips_dir) -> bytes:
 def test_the_default_chain_is_the_fixed_pipeline(raw_tars):
     """[] resolves to sample_frames(start) -> crop(center) -> decode, and prepares what it always did."""
     assert [s.name for s in resolve_chain([])] == ["sample_frames", "crop", "decode"]
-    assert set(BUILTINS) == set(BUILTIN_OPTIONS)
+    for name, builtin in BUILTINS.items():  # the one table: each built-in's class, with the table's options
+        assert load_user_class(builtin.implementation).Options is builtin.options, name
     raw = next(iter_raw_samples(str(raw_tars[0])))
     (prepared,) = build_chain([]).prepare(raw, [Bucket(9, 64, 96), Bucket(9, 64, 64)], 8.0)
     assert prepared.key == raw.sample_id and prepared.caption == raw.caption

@@ -112,6 +112,22 @@ EXPECTED = {
                   text_padding=_has_padding_mask, denormalize=_mochi_denormalize, target=_inverted_flow_target,
                   comfy_key="diffusion_model.blocks.0.attn.qkv_x.lora_A.weight", comfy_in_diffusers=False,
                   bucket=Bucket(7, 64, 96)),
+    # Text blocks run before the visual ones (video_block: the first block fed the video tokens); the
+    # output projection is `out_layer.out_layer`; each caption's rows are masked, zeros after them.
+    "kandinsky5": dict(frames_step=4, side=16, latent=(4, 3, 8, 12), text_dim=16, text_tokens=512, patch=2,
+                       text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
+                       comfy_key="diffusion_model.visual_transformer_blocks.0.self_attention.to_query.lora_A.weight",
+                       video_block=1, output_layer="out_layer.out_layer"),
+    # Wan 2.1's encoders and layout on SkyReelsV2Transformer3DModel (t2v; diffusion forcing: test_skyreels_v2.py).
+    "skyreels-v2": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
+                        text_padding=_zero_past_caption, denormalize=_wan_denormalize,
+                        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+    # Wan 2.1 t2v plus two VACE blocks (blocks: 2 VACE + 2 main) fed each sample's control video (test
+    # inputs pass one: `with_control`, `control_frames`); the LoRA sits on the VACE blocks, and diffusers'
+    # Wan LoRA converter reads no `vace_blocks` (its ComfyUI file: tests/shared/test_comfy_keys.py).
+    "wan-vace": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
+                     text_padding=_zero_past_caption, denormalize=_wan_denormalize, blocks=4,
+                     comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight", comfy_in_diffusers=False),
 }
 
 
@@ -132,15 +148,36 @@ def video(batch=2, seed=0, bucket=BUCKET):
                       generator=torch.Generator().manual_seed(seed)) * 2 - 1
 
 
+def with_control(spec, clip):
+    """`encode_video`'s `control=` for a family that trains on a control video (`ModelSpec.control_video`):
+    a clip of another seed, the shape of `clip`; {} for the others."""
+    if not spec.control_video:
+        return {}
+    return {"control": video(clip.shape[0], seed=1, bucket=Bucket(*clip.shape[2:]))}
+
+
+def control_frames(spec, bucket=BUCKET):
+    """A pipeline call's `control=` (uint8 frames (F, H, W, 3)) for a family that trains on a control video;
+    {} for the others."""
+    if not spec.control_video:
+        return {}
+    frames = torch.randint(0, 256, (bucket.frames, bucket.height, bucket.width, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(1))
+    return {"control": frames.numpy()}
+
+
 def stage1(spec, batch=2):
     encoders = spec.load_stage1()
+    clip = video(batch, bucket=bucket_of(spec.family))
     return {**spec.encode_text(encoders, CAPTIONS[:batch]),
-            **spec.encode_video(encoders, video(batch, bucket=bucket_of(spec.family)))}
+            **spec.encode_video(encoders, clip, **with_control(spec, clip))}
 
 
 def pipeline_latents(spec, pipeline, image=None):
     """The denoised latents of a 2-step run: finer than uint8 frames for comparing transformers."""
-    inputs = spec.pipeline_inputs("a rabbit in a meadow", bucket_of(spec.family), steps=2, seed=0, image=image)
+    bucket = bucket_of(spec.family)
+    inputs = spec.pipeline_inputs("a rabbit in a meadow", bucket, steps=2, seed=0, image=image,
+                                  **control_frames(spec, bucket))
     return pipeline(**inputs, output_type="latent").frames.float()
 
 
@@ -164,3 +201,9 @@ def uint8_video(batch=2, seed=0):
     pixels = torch.randint(0, 256, (batch, BUCKET.frames, BUCKET.height, BUCKET.width, 3), dtype=torch.uint8,
                            generator=torch.Generator().manual_seed(seed))
     return pixels.permute(0, 4, 1, 2, 3).float() / 127.5 - 1, pixels
+
+
+def encode_clip(spec, clip):
+    """Stage 1 on a given clip (B, 3, F, H, W) with the first B captions."""
+    encoders = spec.load_stage1()
+    return {**spec.encode_text(encoders, CAPTIONS[:len(clip)]), **spec.encode_video(encoders, clip)}

@@ -63,9 +63,14 @@ def test_each_caption_is_stored_once_trimmed_and_the_transformer_sees_the_same(f
     transformer = spec.load_transformer()
     sigmas = torch.tensor([0.2, 0.4, 0.6, 0.8])
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
+    # A family that trains on a control video also reads what stage 1 stores of it (per sample, not text).
+    side = g.spatial * g.patch * 2
+    control = {name: torch.randn(4, *shape, generator=torch.Generator().manual_seed(2))
+               for name, shape in spec.condition_shapes(Bucket(1, side, side)).items()
+               if name != "latents" and name not in expected} if spec.control_video else {}
     with torch.no_grad():
-        before = spec.forward(transformer, {"latents": latents, **expected}, sigmas, noise).prediction
-        after = spec.forward(transformer, decoded, sigmas, noise).prediction
+        before = spec.forward(transformer, {"latents": latents, **expected, **control}, sigmas, noise).prediction
+        after = spec.forward(transformer, {**decoded, **control}, sigmas, noise).prediction
     # Bit-identical; NaN where it was NaN before (HunyuanVideo's empty caption keeps no token after its template).
     torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True)
     assert torch.isfinite(before[:3]).all()  # the real captions' predictions are numbers

@@ -21,18 +21,34 @@ from vt.shared.models import build_spec
 
 # (family, task) -> the ComfyUI model class (comfy/model_base.py) its checkpoints load as:
 # comfy/supported_models.py WAN21_T2V / WAN21_I2V (Wan 2.1, Wan 2.2 A14B) build model_base.WAN21,
-# WAN22_T2V (48 latent channels: TI2V-5B) model_base.WAN22, HunyuanVideo15 model_base.HunyuanVideo15.
+# WAN22_T2V (48 latent channels: TI2V-5B) model_base.WAN22, HunyuanVideo15 model_base.HunyuanVideo15 (t2v and
+# i2v: one class, `vision_in_dim` 1152). HunyuanVideo I2V: the tiny preset is the 16-channel token_replace model,
+# which ComfyUI detects as HunyuanVideo (supported_models.py HunyuanVideoI2V takes in_channels 33 only); the
+# 33-channel latent_concat model loads as model_base.HunyuanVideoI2V, a HunyuanVideo subclass (line 1068)
+# whose LoRA keys come from the same `isinstance(model, HunyuanVideo)` branch.
 CASES = {
     ("ltx-video", "t2v"): "LTXV",
     ("wan", "t2v"): "WAN21",
     ("wan", "i2v"): "WAN21",
+    # FLF2V: model_detection reads flf_pos_embed_token_number off img_emb.emb_pos; the same WAN21 i2v blocks.
+    ("wan", "flf2v"): "WAN21",
     ("wan2.2", "t2v"): "WAN21",
     ("wan2.2", "i2v"): "WAN21",
     ("wan2.2-ti2v", "t2v"): "WAN22",
     ("hunyuan-video", "t2v"): "HunyuanVideo",
+    ("hunyuan-video", "i2v"): "HunyuanVideo",
     ("hunyuan-video-1.5", "t2v"): "HunyuanVideo15",
+    ("hunyuan-video-1.5", "i2v"): "HunyuanVideo15",
     ("ltx-2", "t2v"): "LTXAV",
+    ("ltx-2", "i2v"): "LTXAV",  # the same transformer; ComfyUI conditions on the image in its own nodes
     ("mochi", "t2v"): "GenmoMochi",
+    ("kandinsky5", "t2v"): "Kandinsky5",  # supported_models.py Kandinsky5 -> model_base.Kandinsky5
+    # SkyReels V2's checkpoints are Wan 2.1's module layout (model_detection: image_model "wan2.1", i2v when
+    # the checkpoint has img_emb): WAN21_T2V / WAN21_I2V; DF-1.3B's extra fps_embedding is outside the blocks.
+    ("skyreels-v2", "t2v"): "WAN21",
+    ("skyreels-v2", "i2v"): "WAN21",
+    # Wan 2.1 VACE: supported_models.py WAN21_Vace (a `vace_patch_embedding` in the checkpoint) -> WAN21_Vace.
+    ("wan-vace", "t2v"): "WAN21_Vace",
 }
 
 _ATTN = r"(to_q|to_k|to_v|to_out\.0)"
@@ -53,9 +69,14 @@ WIDE = {
     "wan": _WAN,
     "wan2.2": _WAN,
     "wan2.2-ti2v": _WAN,
+    "skyreels-v2": _WAN,
+    # The VACE blocks' attention, FFN and their input/output projections, and the main blocks'.
+    "wan-vace": rf"(vace_)?{_WAN}|vace_blocks\.\d+\.(proj_in|proj_out)",
     "hunyuan-video": _double("attn") + r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
     "hunyuan-video-1.5": _double("attn"),
     "mochi": _double("attn1"),
+    "kandinsky5": r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
+                  r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
 }
 
 # ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's
@@ -86,13 +107,17 @@ def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
     """The ComfyUI model's block weights at the tiny preset's sizes (diffusers config -> ComfyUI's
     constructor arguments, as comfy/model_detection.py reads them off a checkpoint)."""
     c = transformer.config
+    if family == "kandinsky5":  # no head count in its config: widths are model_dim
+        return ref.kandinsky5_weights(c.num_text_blocks, c.num_visual_blocks, c.model_dim, c.time_dim, c.ff_dim)
     inner = c.num_attention_heads * c.attention_head_dim
     if family == "ltx-video":
         return ref.ltxv_weights(c.num_layers, inner, c.cross_attention_dim)
     if family == "ltx-2":
         audio = c.audio_num_attention_heads * c.audio_attention_head_dim
         return ref.ltxav_weights(c.num_layers, inner, audio, c.cross_attention_dim, c.audio_cross_attention_dim)
-    if family.startswith("wan"):
+    if family == "wan-vace":  # vace_layers: the count ComfyUI reads off the checkpoint
+        return ref.wan_vace_weights(c.num_layers, len(c.vace_layers), inner, c.ffn_dim)
+    if family.startswith("wan") or family == "skyreels-v2":
         return ref.wan_weights(c.num_layers, inner, c.ffn_dim, i2v=c.image_dim is not None)
     if family.startswith("hunyuan-video"):
         return ref.hunyuan_video_weights(c.num_layers, getattr(c, "num_single_layers", 0), inner,

@@ -118,7 +118,8 @@ def test_shipped_configs_are_valid_and_their_buckets_fit_the_family(path):
     assert get_spec_class(config.model.family).family == config.model.family
     # (frames = k * step + 1, sides a multiple of): each family's real VAE compression x patch.
     rule = {"ltx-video": (8, 32), "wan": (4, 16), "wan2.2": (4, 16), "wan2.2-ti2v": (4, 32), "cogvideox": (4, 16),
-            "hunyuan-video": (4, 16), "hunyuan-video-1.5": (4, 16), "mochi": (6, 16), "ltx-2": (8, 32)}[config.model.family]
+            "hunyuan-video": (4, 16), "hunyuan-video-1.5": (4, 16), "mochi": (6, 16), "ltx-2": (8, 32),
+            "skyreels-v2": (4, 16), "wan-vace": (4, 16), "kandinsky5": (4, 16)}[config.model.family]
     for bucket in parse_buckets(config.buckets.sizes):
         assert (bucket.frames - 1) % rule[0] == 0 and bucket.height % rule[1] == 0 and bucket.width % rule[1] == 0
 

@@ -90,3 +90,120 @@ def test_lora_stays_on_the_video_stream(tiny_model_factory):
     assert "transformer_blocks.1.attn2.to_out.0" in lora and not any(AUDIO_PARAMETERS.search(n) for n in lora)
     with pytest.raises(ValueError, match=r"reach the audio stream \(transformer_blocks\.0\.audio_attn1\.to_q"):
         spec.add_lora(spec.load_transformer(), rank=2, alpha=2.0, targets=["to_q"])
+
+
+# ----------------------------------------------------------------------------- image-to-video
+# One pass per step, video and audio: no classifier-free, spatio-temporal or modality guidance batch.
+NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
+                   modality_scale=1.0, audio_modality_scale=1.0)
+
+
+def make_i2v_spec(tiny_model_factory):
+    return make_spec(tiny_model_factory("ltx-2", task="i2v"), task="i2v")
+
+
+def uint8_clip(seed=0):
+    """(video in [-1, 1] as stage 1 makes it, its uint8 frames (F, H, W, 3))."""
+    pixels = torch.randint(0, 256, (BUCKET.frames, BUCKET.height, BUCKET.width, 3), dtype=torch.uint8,
+                           generator=torch.Generator().manual_seed(seed))
+    return pixels.permute(3, 0, 1, 2)[None].float() / 127.5 - 1, pixels
+
+
+def test_i2v_first_latent_frame_is_the_pipelines_image_latent(tiny_model_factory):
+    """The clip's first latent frame equals what LTX2ImageToVideoPipeline.prepare_latents makes of the first
+    frame as an image (causal VAE, normalised as it normalises), and the pipeline's conditioning mask covers
+    exactly the tokens training keeps clean."""
+    from diffusers import LTX2ImageToVideoPipeline
+    from PIL import Image
+
+    folder = tiny_model_factory("ltx-2", task="i2v")
+    spec = make_i2v_spec(tiny_model_factory)
+    assert spec.pipeline_class() is LTX2ImageToVideoPipeline and spec.condition_shapes(BUCKET).keys() == {
+        "prompt_embeds", "prompt_attention_mask", "latents"}  # latents only: the image is their first frame
+    clip, pixels = uint8_clip()
+    latents = spec.encode_video(spec.load_stage1(), clip)["latents"]
+    pipeline = LTX2ImageToVideoPipeline.from_pretrained(folder)
+    image = pipeline.video_processor.preprocess(Image.fromarray(pixels[0].numpy()), height=BUCKET.height,
+                                                width=BUCKET.width)
+    packed, mask = pipeline.prepare_latents(image, 1, 8, BUCKET.height, BUCKET.width, BUCKET.frames, 0.0,
+                                            torch.float32, "cpu", torch.Generator().manual_seed(0))
+    tokens = LTX2ImageToVideoPipeline._pack_latents(latents, 1, 1)
+    image_tokens = int(mask.sum())
+    assert image_tokens == 2 * 3 and mask[0, :image_tokens].eq(1).all()  # the first latent frame's 2 x 3 tokens
+    torch.testing.assert_close(packed[:, :image_tokens], tokens[:, :image_tokens], atol=1e-5, rtol=1e-5)
+    timestep = spec.token_timesteps(torch.tensor([700.0]), (2, 2, 3))
+    torch.testing.assert_close(timestep, 700.0 * (1 - mask))  # the pipeline's per-token timestep
+
+
+def test_i2v_forward_feeds_what_the_pipeline_feeds(tiny_model_factory):
+    """At the pipeline's first step (sigma 1) training on the clip whose first frame is the image feeds the
+    transformer exactly the pipeline's tokens (clean image latent, then its noise), per-token timesteps,
+    audio timestep and text; the image frame is left out of the loss and only the LoRA trains."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    spec = make_i2v_spec(tiny_model_factory)
+    encoders = spec.load_stage1()
+    clip, pixels = uint8_clip()
+    batch = {**spec.encode_text(encoders, [PROMPT]), **spec.encode_video(encoders, clip)}
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=2, alpha=2.0, targets=None)
+    seen = capture(transformer)
+    pipeline = spec.build_pipeline(transformer, **encoders)
+    inputs = spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0, image=pixels[0].numpy())
+    pipeline(**inputs, **NO_GUIDANCE, image_crf=0, output_type="latent")  # crf 0: the frame as it is
+    inference = seen[0]
+    assert inference["timestep"].shape == (1, 12) and float(inference["audio_timestep"]) == 1000.0
+
+    noise = LTX2ImageToVideoPipeline._unpack_latents(inference["hidden_states"], 2, 2, 3, 1, 1)  # sigma 1: noise
+    out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
+    training = seen[-1]
+    torch.testing.assert_close(training["hidden_states"], inference["hidden_states"], atol=1e-5, rtol=1e-5)
+    for name in ("timestep", "audio_timestep", "sigma", "encoder_hidden_states"):
+        torch.testing.assert_close(training[name], inference[name], msg=name)
+    assert training["fps"] == inference["fps"] == 12.0 and training["isolate_modalities"] is True
+    assert out.weight.flatten().tolist() == [0.0, 1.0]  # the image frame, whose prediction the pipeline drops
+    ((out.weight * (out.prediction - out.target) ** 2).mean()).backward()
+    with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None}
+    assert with_grad and with_grad == {n for n, p in transformer.named_parameters() if "lora_" in n}
+
+
+def test_i2v_exports_load_back_and_generate_from_the_image(tiny_model_factory, tmp_path):
+    """The LoRA file and the full weights give LTX2ImageToVideoPipeline the in-memory model (the ComfyUI file
+    is t2v's: test_comfy_keys.py), and the image conditions the video it renders."""
+    import numpy as np
+    from diffusers import LTX2ImageToVideoPipeline
+    from lora_init import randomise_lora
+    from peft.utils import get_peft_model_state_dict
+
+    folder = tiny_model_factory("ltx-2", task="i2v")
+    spec = make_i2v_spec(tiny_model_factory)
+    image = uint8_clip()[1][0].numpy()
+
+    def latents(pipeline, picture=image):
+        inputs = spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0, image=picture)
+        return pipeline(**inputs, **NO_GUIDANCE, output_type="latent").frames.float()
+
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
+    randomise_lora(transformer, seed=3)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
+    in_memory = latents(spec.build_pipeline(transformer))
+    fresh = LTX2ImageToVideoPipeline.from_pretrained(folder)
+    fresh.set_progress_bar_config(disable=True)
+    assert (latents(fresh) - in_memory).abs().max() > 1e-2
+    spec.load_lora(fresh, tmp_path / "lora")
+    torch.testing.assert_close(latents(fresh), in_memory, atol=1e-4, rtol=1e-4)
+
+    full = spec.load_transformer()
+    with torch.no_grad():
+        full.proj_out.weight.add_(0.5)
+    override = make_spec(folder, task="i2v", components={"transformer": str(spec.save_full(full, tmp_path / "full"))})
+    loaded = override.load_transformer()
+    assert all(torch.equal(v, full.state_dict()[k]) for k, v in loaded.state_dict().items())
+    pipeline = override.build_pipeline(loaded)
+    frames = override.generate(pipeline, PROMPT, BUCKET, steps=2, seed=0, image=image, **NO_GUIDANCE)
+    assert frames.shape == (9, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
+    other = override.generate(pipeline, PROMPT, BUCKET, steps=2, seed=0, image=255 - image, **NO_GUIDANCE)
+    assert np.abs(frames.astype(int) - other).mean() > 1, "the image did not condition the video"
+    with pytest.raises(ValueError, match="ltx-2 i2v generation needs an image"):
+        override.generate(pipeline, PROMPT, BUCKET, steps=2, seed=0)

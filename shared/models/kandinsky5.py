@@ -1,0 +1,375 @@
+"""Kandinsky 5.0 video (Kandinsky Lab, text- and image-to-video; Lite 2B and Pro 19B differ in config only):
+Qwen2.5-VL + CLIP text encoders, HunyuanVideo's causal VAE (x4 time, x8 space), a DiT of text blocks then
+visual blocks (cross-attention to the text), patch (1, 2, 2), channel-last latents.
+
+What is particular to Kandinsky 5:
+- two text encoders, through Kandinsky5T2VPipeline's own `encode_prompt`: Qwen2.5-VL's last hidden states
+  of the caption inside the pipeline's prompt template, its first 128 template tokens cropped
+  (`prompt_embeds`), and CLIP's pooled output (`pooled_prompt_embeds`). The pipeline encodes one prompt
+  without padding and the transformer takes no text mask: it attends to every text row it is given. So
+  stage 1 encodes each caption alone (exactly the rows the pipeline feeds for it), zero-pads it to
+  `model.max_text_tokens` (512, the pipeline's default) and stores the rows it has
+  (`prompt_attention_mask`); training calls the transformer once per sample with its own rows
+  (`caption_lengths`) and text RoPE positions 0..n-1, as the pipeline's `text_rope_pos`. Validation hands
+  the pipeline the unpadded rows and their `cu_seqlens`;
+- latents are the VAE posterior mode x `scaling_factor` (the pipeline divides by it to decode), stored
+  (C, F, H, W); the transformer takes and returns them channel-last (B, F, H, W, C). With `visual_cond`
+  (every released checkpoint) it also takes [zeros (C), first-frame mask (1)] on the channel axis;
+- RoPE: visual positions over (latent frames, H / 2, W / 2) and the pipeline's resolution rule for the
+  spatial scale (`_get_scale_factor`: 2 when both sides are in [480, 854] pixels, else 3.16);
+- NABLA sparse attention (a transformer config with `attention_type = "nabla"`, e.g. the 10 s models):
+  training passes the pipeline's own `get_sparse_params`, which needs FlexAttention
+  (`train.attention_backend = "flex"`, checked) and latent sides in multiples of 16 (buckets of 128 px);
+- flow matching: timestep = sigma x 1000 in the transformer's dtype (as the pipeline), target noise - x0.
+Image-to-video (`model.task = "i2v"`, Kandinsky5I2VPipeline, e.g. Kandinsky-5.0-I2V-Pro-sft-5s): stage 1
+also stores `image_latents` (B, C, 1, H, W), the first frame VAE-encoded alone (mode; the pipeline samples
+it) x `scaling_factor`. Training replaces the first noisy latent frame with it, marks it 1 in the mask
+channel (the condition channels stay zero, as in the pipeline and Kandinsky's own sampler), feeds every
+token the sample's timestep, and weights the first frame 0 in the loss: the pipeline never updates it.
+LoRA and ComfyUI: ComfyUI's Kandinsky5 model uses diffusers' module names (comfy/ldm/kandinsky5/model.py),
+so the ComfyUI file is the LoRA under `diffusion_model.` with the scale in lora_B; diffusers' loader reads
+`transformer.` keys only, so `load_lora` renames a ComfyUI file back. No TP or CP plan (docs/parallel.md).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from functools import cached_property
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig
+from vt.shared.models import comfy
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.lora import lora_weight_name
+from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, build_clip_tokenizer
+
+PROMPT_TEMPLATE_TOKENS = 128  # Kandinsky5T2VPipeline.prompt_template_encode_start_idx: template tokens cropped
+PIPELINE_TEXT_LIMIT = 1024  # the pipeline's check_inputs limit (the text RoPE table has 1024 positions)
+NABLA_GROUP = 8  # NABLA's fractal flattening groups 8 x 8 tokens
+I2V_NORMALISED_FRAMES = 4  # Kandinsky5I2VPipeline.normalize_first_frame rescales these latent frames by the next
+_WARNED: set[str] = set()  # buckets the i2v validation warning was given for
+log = logging.getLogger(__name__)
+NEGATIVE_PROMPT = ("Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, "
+                   "ugly, deformed, walking backwards")  # what both pipelines encode for negative_prompt=None
+
+
+class Kandinsky5Spec(ModelSpec):
+    family: ClassVar[str] = "kandinsky5"
+    tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
+    # Text blocks run first, then the visual blocks: FSDP keeps the last visual block gathered for backward.
+    block_lists: ClassVar[tuple[str, ...]] = ("text_transformer_blocks", "visual_transformer_blocks")
+    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
+                                                    "vae")
+    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # rows past it never fed
+    example_hub_id: ClassVar[str] = "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"
+    negative_prompt: ClassVar[str] = NEGATIVE_PROMPT
+    # Attention q/k/v/out of every block (peft matches by suffix: `out_layer` alone would reach the FFNs,
+    # modulations and the output layer too).
+    default_lora_targets: ClassVar[list[str]] = ["to_query", "to_key", "to_value", "self_attention.out_layer",
+                                                 "cross_attention.out_layer"]
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"((?:text|visual)_transformer_blocks\.\d+\..+)",
+                                                              r"\1"),)
+    comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: ComfyUI and `load_lora` then apply 1
+
+    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
+                                            "text_encoder_2": "transformers:CLIPTextModel",
+                                            "vae": "diffusers:AutoencoderKLHunyuanVideo",
+                                            "transformer": "diffusers:Kandinsky5Transformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:Kandinsky5T2VPipeline",
+                                           "i2v": "diffusers:Kandinsky5I2VPipeline"}
+
+    def __init__(self, config: ModelConfig, frame_rate: float):
+        super().__init__(config, frame_rate)
+        if self.max_text_tokens > PIPELINE_TEXT_LIMIT:
+            raise ValueError(f"model.max_text_tokens = {self.max_text_tokens}, but {self.pipeline_class().__name__} "
+                             f"takes at most {PIPELINE_TEXT_LIMIT} text tokens (its text RoPE table); set it to "
+                             f"{PIPELINE_TEXT_LIMIT} or less, or unset it (512, the pipeline's default)")
+
+    def _geometry_from_config(self) -> VaeGeometry:
+        vae, transformer = self.load_config("vae"), self.load_config("transformer")
+        patch = tuple(transformer.get("patch_size", (1, 2, 2)))
+        if patch != (1, 2, 2):  # the pipelines' RoPE positions divide the latent sides by 2, frames by 1
+            raise ValueError(f"Kandinsky 5 transformers with patch_size {patch} are not supported; expected (1, 2, 2)")
+        if transformer.get("in_visual_dim") != vae["latent_channels"]:
+            raise ValueError(f"the Kandinsky 5 transformer takes {transformer.get('in_visual_dim')} latent channels, "
+                             f"the VAE makes {vae['latent_channels']}: check model.components")
+        return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
+                           spatial=vae.get("spatial_compression_ratio", 8), channels=vae["latent_channels"], patch=2)
+
+    @cached_property
+    def sparse_attention(self) -> bool:
+        """Whether the transformer's config asks for NABLA sparse attention (the pipeline then builds it)."""
+        return self.load_config("transformer").get("attention_type") == "nabla"
+
+    def check_bucket(self, bucket: Bucket) -> None:
+        """As the base; NABLA also needs latent sides (after the patch) in whole groups of 8 x 8 tokens."""
+        super().check_bucket(bucket)
+        if not self.sparse_attention:
+            return
+        unit = self.geometry.spatial * self.geometry.patch * NABLA_GROUP
+        for side, value in (("height", bucket.height), ("width", bucket.width)):
+            if value % unit:
+                raise ValueError(f"bucket {bucket.name}: this {self.family} transformer uses NABLA sparse attention "
+                                 f"(attention_type \"nabla\"), which groups 8 x 8 tokens: {side} must be a multiple of "
+                                 f"{unit}; change buckets.sizes (e.g. {max(unit, value // unit * unit)})")
+
+    @cached_property
+    def _rules(self):
+        """The family pipeline without parts: its own rules (template, RoPE scale, sparse attention) to call."""
+        cls = self.pipeline_class()
+        return cls(**{name: None for name in list(inspect.signature(cls.__init__).parameters)[1:]})
+
+    # ----------------------------------------------------------------------------- stage 1
+    @torch.no_grad()
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
+        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L), "pooled_prompt_embeds": (B, P)},
+        L = the spec's max_text_tokens: each caption encoded alone, as the pipeline encodes one prompt, its
+        rows first and zeros after them."""
+        pipeline = self._text_pipeline(encoders)
+        device = encoders["text_encoder"].device
+        embeds, mask, pooled = [], torch.zeros(len(captions), self.max_text_tokens, device=device), []
+        for row, caption in enumerate(captions):
+            qwen, clip, _ = pipeline.encode_prompt([caption], max_sequence_length=self.max_text_tokens, device=device,
+                                                   dtype=torch.float32)
+            padded = qwen.new_zeros(self.max_text_tokens, qwen.shape[-1])
+            padded[:qwen.shape[1]] = qwen[0]
+            mask[row, :qwen.shape[1]] = 1
+            embeds.append(padded)
+            pooled.append(clip[0])
+        return {"prompt_embeds": torch.stack(embeds).float(), "prompt_attention_mask": mask,
+                "pooled_prompt_embeds": torch.stack(pooled).float()}
+
+    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
+        """Qwen's text and its mask, CLIP's pooled embedding; i2v the first frame's latents."""
+        shapes = {**super().condition_shapes(bucket), "pooled_prompt_embeds": (self.text_width("text_encoder_2"),)}
+        if self.config.task == "i2v":
+            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+        return shapes
+
+    @torch.no_grad()
+    def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
+        """The pipeline call's `prompt_embeds_qwen` (1, n, D) unpadded, `prompt_embeds_clip` and
+        `prompt_cu_seqlens` ([0, n]): what its own encode_prompt returns for the prompt."""
+        stored = self.encode_text(encoders, [prompt])
+        rows = int(stored["prompt_attention_mask"].sum())
+        return {"prompt_embeds_qwen": stored["prompt_embeds"][:, :rows],
+                "prompt_embeds_clip": stored["pooled_prompt_embeds"],
+                "prompt_cu_seqlens": torch.tensor([0, rows], dtype=torch.int32)}
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """{"latents": mode x scaling_factor}; i2v adds `image_latents`, the first frame encoded alone (the
+        VAE's group norms span all frames, so the clip's first latent frame is not the image's)."""
+        out = super().encode_video(encoders, video)
+        if self.config.task == "i2v":
+            vae = encoders["vae"]
+            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+        return out
+
+    # ----------------------------------------------------------------------------- stage 2
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """The pipeline's transformer call for one prompt, once per sample with its own text rows, stacked
+        back as (B, C, F, H, W). One call per sample, not per caption length: each sample's prediction then
+        is the same computation in every data-parallel slicing (the attention rounds q and k to bfloat16,
+        so a call over two samples may round a few elements unlike two calls over one)."""
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
+        weight = None
+        if self.config.task == "i2v":
+            noisy, weight = self._condition_first_frame(batch, noisy)
+        dtype = input_dtype(transformer)
+        hidden = self._visual_input(transformer, noisy).to(dtype)
+        _, frames, height, width, _ = hidden.shape
+        g, device = self.geometry, x0.device
+        shared = dict(  # as the pipeline: RoPE positions, its resolution rule, its sparse attention
+            visual_rope_pos=[torch.arange(n, device=device) for n in (frames, height // g.patch, width // g.patch)],
+            scale_factor=self._rules._get_scale_factor(height * g.spatial, width * g.spatial),
+            sparse_params=self._sparse_params(transformer, hidden), return_dict=False)
+        timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(dtype)  # the pipeline's timestep, in the transformer's dtype
+        outputs = []
+        for row, length in enumerate(caption_lengths(batch["prompt_attention_mask"])):
+            one = slice(row, row + 1)
+            outputs.append(transformer(
+                hidden_states=hidden[one], timestep=timestep[one],
+                encoder_hidden_states=batch["prompt_embeds"][one, :length].to(device, dtype),
+                pooled_projections=batch["pooled_prompt_embeds"][one].to(device, dtype),
+                text_rope_pos=torch.arange(length, device=device), **shared))  # return_dict=False: the tensor
+        prediction = torch.cat(outputs)
+        return Prediction(prediction=prediction.permute(0, 4, 1, 2, 3).float(), target=noise - x0, weight=weight)
+
+    def _condition_first_frame(self, batch, noisy: Tensor) -> tuple[Tensor, Tensor]:
+        """The first latent frame becomes the clean image latents, left out of the loss (weight 0)."""
+        if "image_latents" not in batch:
+            raise KeyError("task i2v needs batch['image_latents']; precompute the shards with model.task = \"i2v\"")
+        noisy = torch.cat([batch["image_latents"].to(noisy), noisy[:, :, 1:]], dim=2)
+        weight = noisy.new_ones(noisy.shape[0], 1, noisy.shape[2], 1, 1)
+        weight[:, :, 0] = 0.0
+        return noisy, weight
+
+    def _visual_input(self, transformer, latents: Tensor) -> Tensor:
+        """(B, C, F, H, W) -> the pipelines' channel-last input: with `visual_cond`, [latents, zeros, mask]
+        (mask 1 on the first frame for i2v, 0 everywhere for t2v)."""
+        latents = latents.permute(0, 2, 3, 4, 1)
+        if not transformer.config.visual_cond:
+            return latents
+        mask = latents.new_zeros(*latents.shape[:-1], 1)
+        if self.config.task == "i2v":
+            mask[:, 0] = 1.0
+        return torch.cat([latents, torch.zeros_like(latents), mask], dim=-1)
+
+    def _sparse_params(self, transformer, hidden: Tensor) -> dict[str, Any] | None:
+        """The pipeline's own `get_sparse_params` for this input (None unless the config says "nabla")."""
+        if transformer.config.attention_type != "nabla":
+            return None
+        backends = {getattr(m.processor, "_attention_backend", None) for m in transformer.modules()
+                    if hasattr(m, "to_query") and hasattr(m, "processor")}
+        if {getattr(b, "value", b) for b in backends} != {"flex"}:
+            raise ValueError(f"this {self.family} transformer uses NABLA sparse attention (attention_type \"nabla\"), "
+                             "whose block mask only FlexAttention runs: set train.attention_backend = \"flex\" (and "
+                             "train.validation_attention_backend, if set) and parallel.compile = true on a CUDA GPU")
+        rules = SimpleNamespace(transformer=transformer, fast_sta_nabla=self._rules.fast_sta_nabla)
+        return type(self._rules).get_sparse_params(rules, hidden, hidden.device)
+
+    # ----------------------------------------------------------------------------- validation
+    def build_pipeline(self, transformer, *args, **kwargs):
+        """As the base; for i2v the VAE in the transformer's dtype: Kandinsky5I2VPipeline casts the image to
+        the transformer's dtype before encoding it (a CPU run keeps the VAE in float32 and a bf16 transformer)."""
+        pipeline = super().build_pipeline(transformer, *args, **kwargs)
+        vae = getattr(pipeline, "vae", None)
+        if self.config.task == "i2v" and vae is not None and vae.dtype != pipeline.transformer.dtype:
+            vae.to(pipeline.transformer.dtype)
+        return pipeline
+
+    def pipeline_inputs(self, prompt: str, bucket: Bucket, *args, **kwargs) -> dict[str, Any]:
+        """As the base; warns (once per bucket) where Kandinsky5I2VPipeline's first-frame normalisation
+        (`normalize_first_frame`: the first 4 latent frames rescaled to the statistics of the next ones)
+        has no later frames to read and turns the video into NaN: i2v validation needs 17 frames or more."""
+        latent_frames = self.latent_shape(bucket)[1]
+        if self.config.task == "i2v" and latent_frames <= I2V_NORMALISED_FRAMES and bucket.name not in _WARNED:
+            _WARNED.add(bucket.name)
+            log.warning("%s i2v validation at %s: Kandinsky5I2VPipeline normalises the first %d latent frames "
+                        "against the later ones, and %d latent frames leave none (NaN video); validate at %d+ "
+                        "frames", self.family, bucket.name, I2V_NORMALISED_FRAMES, latent_frames,
+                        I2V_NORMALISED_FRAMES * self.geometry.temporal + 1)
+        return super().pipeline_inputs(prompt, bucket, *args, **kwargs)
+
+    # ----------------------------------------------------------------------------- export
+    def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
+        """The pipeline's `load_lora_weights`; a ComfyUI file (`diffusion_model.` keys, which that loader
+        skips) is renamed to the diffusers keys first, its `.alpha` scales (other writers') folded in."""
+        from safetensors.torch import load_file
+
+        path = Path(folder) / (weight_name or lora_weight_name(expert))
+        state = load_file(str(path))
+        if not state or not all(key.startswith(comfy.PREFIX) for key in state):
+            return super().load_lora(pipeline, folder, weight_name, expert)
+        renamed = {}
+        for key, value in state.items():
+            module, _, kind = key[len(comfy.PREFIX):].partition(".lora_")
+            if kind == "B.weight" and f"{comfy.PREFIX}{module}.alpha" in state:
+                value = value * state[f"{comfy.PREFIX}{module}.alpha"] / value.shape[1]
+            if kind:
+                renamed[f"transformer.{module}.lora_{kind}"] = value
+        pipeline.load_lora_weights(renamed)
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
+        """diffusers' test sizes: 1 text + 1 visual block of 2 heads x 8 (axes 2, 2, 4), visual_cond on (as
+        every release), modulations drawn (the class zeroes them, which would leave every block an identity);
+        4-level HunyuanVideo VAE (x4 time, x8 space, 4 channels); 2-layer Qwen2.5-VL and CLIP with locally
+        built tokenizers (`build_qwen_tokenizer`); flow-match Euler with Lite's shift 5. One preset for both
+        tasks, saved in the task's pipeline layout."""
+        from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5Transformer3DModel
+        from transformers import CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+        tokenizer, tokenizer_2 = build_qwen_tokenizer(), build_clip_tokenizer()
+        transformer = Kandinsky5Transformer3DModel(
+            in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
+            model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=1, axes_dims=(2, 2, 4), visual_cond=True)
+        for name, module in transformer.named_modules():
+            if name.endswith("modulation"):
+                module.out_layer.reset_parameters()
+        vae = AutoencoderKLHunyuanVideo(
+            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+            temporal_compression_ratio=4, mid_block_add_attention=True)
+        ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKENS.items()}
+        text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id,
+                             rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                               fullatt_block_indexes=[0]), **ids))
+        text_encoder_2 = CLIPTextModel(CLIPTextConfig(
+            bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
+            pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=2,
+            num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=8))
+        return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                    text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
+                    scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+
+
+def caption_lengths(mask: Tensor) -> list[int]:
+    """Each sample's text rows (B, L masks -> B counts: the last nonzero entry + 1): the transformer takes no
+    text mask, so it is fed exactly these rows, as the pipeline feeds one prompt's."""
+    used = mask.flatten(1).ne(0)  # ops on the mask alone: `vt-train plan` runs this with a real mask, fake rest
+    lengths = ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
+    empty = [row for row, length in enumerate(lengths) if length == 0]
+    if empty:
+        raise ValueError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
+                         "at least the template's closing token per caption; re-run stage 1 for these shards")
+    return lengths
+
+
+# ----------------------------------------------------------------------------- tiny tokenizer
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+
+
+def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
+    """A byte-level BPE Qwen2 tokenizer (Qwen's own pre-tokenizer) over the pipeline's prompt template and
+    `words`, right padded, whose template before the caption is exactly the 128 tokens the pipeline crops,
+    as with the real Qwen2.5-VL tokenizer: each of its pre-tokens is one token (a merge chain), except the
+    few longest once-only words, which stop one merge short (two tokens each) until the count is 128."""
+    import regex
+    from diffusers import Kandinsky5T2VPipeline
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
+
+    prefix = Kandinsky5T2VPipeline(*([None] * 7)).prompt_template.split("{}")[0]
+    specials = [*SPECIAL_TOKENS, *VISION_TOKENS.values()]
+    vocab = {token: index for index, token in enumerate(specials)}
+    for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab.setdefault(char, len(vocab))
+    to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    pieces = [to_bytes.pre_tokenize_str(piece)[0][0] for text in regex.split(r"<\|im_start\|>|<\|im_end\|>", prefix)
+              for piece in regex.findall(PRETOKENIZE_REGEX, text)]
+    split = PROMPT_TEMPLATE_TOKENS - len(pieces) - prefix.count("<|im_")
+    once = sorted({p for p in pieces if pieces.count(p) == 1 and len(p) > 3}, key=lambda p: (-len(p), p))
+    if split < 0 or split > len(once):
+        raise AssertionError(f"the prompt template has {len(pieces)} pre-tokens: no 128-token tiny tokenizer")
+    merges: list[tuple[str, str]] = []
+    for piece in pieces:
+        if len(piece) > 1:
+            add_merge_chain(list(piece[:-1] if piece in once[:split] else piece), vocab, merges)
+    for word in words:
+        add_merge_chain(list(f"\u0120{word}"), vocab, merges)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
+    tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
+    count = len(tokenizer(prefix)["input_ids"])
+    if count != PROMPT_TEMPLATE_TOKENS:
+        raise AssertionError(f"the tiny Qwen tokenizer makes {count} template tokens, not {PROMPT_TEMPLATE_TOKENS}")
+    return tokenizer
