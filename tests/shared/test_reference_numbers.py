@@ -69,7 +69,7 @@ def run(spec) -> dict[str, list[float]]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if prediction is None:
             prediction = out.prediction.detach().flatten()[:SLICE].tolist()
     return {"losses": losses, "prediction": prediction}
