@@ -51,7 +51,9 @@ def seeded_batch(spec, bucket: Bucket, generator: torch.Generator) -> dict[str, 
     return batch
 
 
-def run(spec) -> dict[str, list[float]]:
+def run(spec, draw=None) -> dict[str, list[float]]:
+    """The seeded LoRA run; `draw(step, batch) -> (sigmas, noise)` replaces its sigma and noise draws (which
+    come from the batch's generator, after the batch)."""
     world = setup_world(ParallelConfig(), "cpu")
     transformer = build_transformer(
         spec, spec.trained_component, world, mode="lora", lora={"rank": 4, "alpha": 4.0, "targets": []},
@@ -61,10 +63,14 @@ def run(spec) -> dict[str, list[float]]:
     generator = torch.Generator().manual_seed(0)
     batch = seeded_batch(spec, smallest_bucket(spec), generator)
     low, high = spec.sigma_range()
-    losses, prediction = [], None
-    for _ in range(STEPS):
+
+    def seeded_draw(step, batch):
         sigmas = low + (high - low) * sample_sigmas(BATCH, "logit_normal", 1.0, generator)
-        out = spec.forward(transformer, batch, sigmas, sample_noise(batch["latents"], generator))
+        return sigmas, sample_noise(batch["latents"], generator)
+
+    losses, prediction = [], None
+    for step in range(STEPS):
+        out = spec.forward(transformer, batch, *(draw or seeded_draw)(step, batch))
         loss = flow_matching_loss(out)
         loss.backward()
         optimizer.step()
@@ -87,8 +93,11 @@ def pinned(request):
 @pytest.mark.parametrize("family, task", CASES, ids=[f"{f}-{t}" for f, t in CASES])
 def test_seeded_lora_run_gives_the_pinned_numbers(tiny_model_factory, pinned, request, family, task):
     spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family, task=task)), task=task), 16.0)
-    got = run(spec)
-    key = f"{family}-{task}"
+    check_pinned(pinned, request, f"{family}-{task}", run(spec))
+
+
+def check_pinned(pinned: dict, request, key: str, got: dict[str, list[float]]) -> None:
+    """`got` equals the pinned numbers of `key`, or replaces them under --update-reference-numbers."""
     if request.config.getoption("update_reference_numbers"):
         pinned[key] = got
         return

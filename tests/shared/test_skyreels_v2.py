@@ -12,10 +12,10 @@ import pytest
 import torch
 from family_cases import BUCKET, CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 from lora_init import randomise_lora
-from test_reference_numbers import ATOL, BATCH, RTOL, SLICE, STEPS, pinned, seeded_batch, smallest_bucket  # noqa: F401
+from test_reference_numbers import BATCH, check_pinned, pinned, run  # noqa: F401
 
 from vt.shared.buckets import Bucket
-from vt.shared.config import ConfigError, ModelConfig, ParallelConfig, load_config
+from vt.shared.config import ConfigError, ModelConfig, load_config
 from vt.shared.models import build_spec
 
 IMAGE = np.random.default_rng(2).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
@@ -255,42 +255,19 @@ def test_what_diffusion_forcing_refuses(tiny_model_factory, df13b, tmp_path):
 def test_diffusion_forcing_gives_the_pinned_numbers(tiny_model_factory, pinned, request):  # noqa: F811
     """Three seeded AdamW steps of a DF LoRA with per-frame sigmas from the trainer's own keyed draws,
     pinned beside the families' numbers (tests/shared/test_reference_numbers.py's set-up and flag)."""
-    from vt.train.model_build import build_transformer
-    from vt.train.objectives import flow_matching_loss
-    from vt.train.parallel import parallelize
     from vt.train.parallel.batching import Slice, draw_inputs
-    from vt.train.parallel.world import setup_world
 
     spec = build_spec(ModelConfig(family="skyreels-v2", path=str(tiny_model_factory("skyreels-v2")),
                                   diffusion_forcing=True), 16.0)
-    world = setup_world(ParallelConfig(), "cpu")
-    transformer = build_transformer(
-        spec, spec.trained_component, world, mode="lora", lora={"rank": 4, "alpha": 4.0, "targets": []},
-        storage_dtype=None, compute_dtype=torch.float32, frozen_dtype=torch.float32, seed=0,
-        parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill))
-    optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
-    batch = seeded_batch(spec, smallest_bucket(spec), torch.Generator().manual_seed(0))
-    part = Slice("bucket", 0, [str(i) for i in range(BATCH)], batch, first_index=0, count=BATCH)
-    losses, prediction = [], None
-    for step in range(STEPS):
-        sigmas, noise = draw_inputs(part, 0, step, "logit_normal", 1.0, levels=spec.noise_levels(
-            batch["latents"].shape[1:]))
+
+    def keyed_draw(step, batch):
+        part = Slice("bucket", 0, [str(i) for i in range(BATCH)], batch, first_index=0, count=BATCH)
+        sigmas, noise = draw_inputs(part, 0, step, "logit_normal", 1.0,
+                                    levels=spec.noise_levels(batch["latents"].shape[1:]))
         assert sigmas.shape == (BATCH, batch["latents"].shape[2])
-        out = spec.forward(transformer, batch, sigmas, noise)
-        loss = flow_matching_loss(out)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        if prediction is None:
-            prediction = out.prediction.detach().flatten()[:SLICE].tolist()
-    key = "skyreels-v2-df-t2v"
-    if request.config.getoption("update_reference_numbers"):
-        pinned[key] = {"losses": losses, "prediction": prediction}
-        return
-    assert key in pinned, "no pinned numbers: run this test with --update-reference-numbers"
-    for name, got in (("losses", losses), ("prediction", prediction)):
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(pinned[key][name]), rtol=RTOL, atol=ATOL)
+        return sigmas, noise
+
+    check_pinned(pinned, request, "skyreels-v2-df-t2v", run(spec, draw=keyed_draw))
 
 
 def test_the_trainer_draws_the_per_frame_sigmas(tiny_model_factory, raw_shards, tmp_path):
