@@ -50,6 +50,16 @@ def _check_control(control, bucket: Bucket) -> np.ndarray:
     return frames
 
 
+# Image call arguments of conditioning tasks: (tasks that take it, its name in errors, the frame it is, the
+# config key giving it, its name when refused, the task to set instead, what it is for).
+IMAGE_ARGUMENTS = {
+    "image": (("i2v", "flf2v"), "an image", "first frame", "train.validation_images", "image", "i2v",
+              "first-frame conditioning"),
+    "last_image": (("flf2v",), "a last_image", "last frame", "train.validation_last_images", "last image", "flf2v",
+                   "first-and-last-frame conditioning"),
+}
+
+
 def _shown(value) -> str:
     return f"{value:g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else repr(value)
 
@@ -189,22 +199,16 @@ class PipelineMixin:
                       num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
                       **self.inference_settings())
         task = self.config.task
-        if task in ("i2v", "flf2v"):
-            if image is None:
-                raise ValueError(f"{self.family} {task} generation needs an image (PIL or (H, W, 3) uint8) for the "
-                                 "first frame; set train.validation_images, one per validation prompt")
-            kwargs["image"] = to_pil_image(image)
-        elif image is not None:
-            raise ValueError(f"{self.family} with task {task!r} takes no image; use model.task = \"i2v\" "
-                             "for first-frame conditioning")
-        if task == "flf2v":
-            if last_image is None:
-                raise ValueError(f"{self.family} flf2v generation needs a last_image (PIL or (H, W, 3) uint8) for the "
-                                 "last frame; set train.validation_last_images, one per validation prompt")
-            kwargs["last_image"] = to_pil_image(last_image)
-        elif last_image is not None:
-            raise ValueError(f"{self.family} with task {task!r} takes no last image; use model.task = \"flf2v\" "
-                             "for first-and-last-frame conditioning")
+        for name, value in (("image", image), ("last_image", last_image)):
+            tasks, noun, frame, key, shown, wanted, purpose = IMAGE_ARGUMENTS[name]
+            if task in tasks:
+                if value is None:
+                    raise ValueError(f"{self.family} {task} generation needs {noun} (PIL or (H, W, 3) uint8) for the "
+                                     f"{frame}; set {key}, one per validation prompt")
+                kwargs[name] = to_pil_image(value)
+            elif value is not None:
+                raise ValueError(f"{self.family} with task {task!r} takes no {shown}; use model.task = \"{wanted}\" "
+                                 f"for {purpose}")
         if self.control_video:
             if control is None:
                 raise ValueError(f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
