@@ -100,6 +100,8 @@ class HunyuanVideoSpec(ModelSpec):
     # The guidance scale the transformer is trained at (fed as guidance * 1000); None: the pipeline's default.
     train_guidance: ClassVar[float | None] = 1.0
 
+    # Both text encoders and the VAE; i2v adds its image parts (task_components).
+    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
     components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:LlamaModel",
                                             "text_encoder_2": "transformers:CLIPTextModel",
                                             "vae": "diffusers:AutoencoderKLHunyuanVideo",
@@ -112,11 +114,6 @@ class HunyuanVideoSpec(ModelSpec):
                                            "i2v": "diffusers:HunyuanVideoImageToVideoPipeline"}
     tiny_index_names: ClassVar[dict[str, list[str]]] = {"image_processor": ["transformers", "CLIPImageProcessor"]}
 
-    @property
-    def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
-        """Both text encoders and the VAE; i2v also Llava's image processor (the first frame in the prompt)."""
-        base = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
-        return (*base, "image_processor") if self.config.task == "i2v" else base
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")

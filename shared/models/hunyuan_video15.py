@@ -126,6 +126,8 @@ class HunyuanVideo15Spec(ModelSpec):
     pipeline_text_names: ClassVar[dict[str, str]] = {"prompt_attention_mask": "prompt_embeds_mask",
                                                      "prompt_attention_mask_2": "prompt_embeds_mask_2"}
 
+    # Both text encoders and the VAE; i2v adds its image parts (task_components).
+    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
     components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:Qwen2_5_VLTextModel",
                                             "text_encoder_2": "transformers:T5EncoderModel",
                                             "vae": "diffusers:AutoencoderKLHunyuanVideo15",
@@ -139,11 +141,6 @@ class HunyuanVideo15Spec(ModelSpec):
                                            "i2v": "diffusers:HunyuanVideo15ImageToVideoPipeline"}
     tiny_index_names: ClassVar[dict[str, list[str]]] = {"feature_extractor": ["transformers", "SiglipImageProcessor"]}
 
-    @property
-    def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
-        """Both text encoders and the VAE; i2v also SigLIP and its processor (the first frame's image tokens)."""
-        base = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
-        return (*base, *IMAGE_PARTS) if self.config.task == "i2v" else base
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self.load_config("vae")

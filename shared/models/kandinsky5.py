@@ -66,7 +66,7 @@ class Kandinsky5Spec(ModelSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     # Text blocks run first, then the visual blocks: FSDP keeps the last visual block gathered for backward.
     block_lists: ClassVar[tuple[str, ...]] = ("text_transformer_blocks", "visual_transformer_blocks")
-    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
+    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
                                                     "vae")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # rows past it never fed
     example_hub_id: ClassVar[str] = "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"

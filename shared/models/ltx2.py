@@ -55,7 +55,7 @@ class LTX2Spec(ModelSpec):
     family: ClassVar[str] = "ltx-2"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
-    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
+    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
     # Video self- and cross-attention only: suffixes that never match `audio_attn1.to_q` and the like.
     default_lora_targets: ClassVar[list[str]] = [f"{attn}.{proj}" for attn in ("attn1", "attn2")
                                                  for proj in ("to_q", "to_k", "to_v", "to_out.0")]

@@ -51,7 +51,8 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     pipelines: ClassVar[dict[str, str]]  # task -> "module:Class" of the family's diffusers pipeline
     # What stage 1 loads, fingerprints (provenance) and hands to encode_text / encode_video, by name
     # (a family whose parts depend on the task, e.g. an image encoder for i2v, makes it a property).
-    stage1_components: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
+    # (the task's added components are loaded beside them: `stage1_components`).
+    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
     # Attributes of the transformer holding its ModuleLists of repeated blocks, in the order they run: the
     # one list that FSDP, TP, CP, activation checkpointing and compile all walk (`named_blocks`).
     block_lists: ClassVar[tuple[str, ...]]
@@ -113,6 +114,13 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def pipeline_class(self) -> type:
         """The diffusers pipeline for this config's task (validation, LoRA format)."""
         return load_class(self.pipelines[self.config.task])
+
+    @property
+    def stage1_components(self) -> tuple[str, ...]:
+        """`stage1_base`, then the image encoders and processors this task adds (`task_components`)."""
+        added = [name for name in self.task_components.get(self.config.task, {})
+                 if name not in self.stage1_base and not name.startswith("transformer")]
+        return (*self.stage1_base, *added)
 
     def load_stage1(self, device="cpu") -> dict[str, Any]:
         """The stage-1 components this family declares (`stage1_components`), loaded and frozen, in the

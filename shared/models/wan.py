@@ -91,11 +91,6 @@ class WanSpec(ModelSpec):
         """Whether this run feeds CLIP image embeddings (Wan 2.1 i2v, flf2v) beside the encoded frames."""
         return self.config.task in IMAGE_TASKS and self.clip_image_conditioning
 
-    @property
-    def stage1_components(self) -> tuple[str, ...]:  # type: ignore[override]
-        """i2v and flf2v also encode the conditioning frames with the image encoder."""
-        base = ModelSpec.stage1_components
-        return (*base, *IMAGE_PARTS) if self.image_tokens else base
 
     @property
     def default_lora_targets(self) -> list[str]:  # type: ignore[override]
