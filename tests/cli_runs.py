@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
+
+from forkserver import Forked, launch
 
 BIN = Path(sys.executable).parent
 
@@ -40,18 +40,16 @@ def write_config(path: Path, model_path: Path, raw: Path | str, run_dir: Path, w
     return path
 
 
-def start(stage: str, config: Path, *overrides: str, log: Path | None = None,
-          env: dict | None = None) -> subprocess.Popen:
-    """Start `vt-<stage> run CONFIG` as its own process (stdout+stderr to `log`)."""
-    args = [str(BIN / f"vt-{stage}"), "run", str(config)]
+def start(stage: str, config: Path, *overrides: str, log: Path | None = None, env: dict | None = None) -> Forked:
+    """Start `vt-<stage> run CONFIG` as its own process (stdout+stderr to `log`), forked from the warm
+    interpreter of tests/forkserver.py."""
+    args = ["run", str(config)]
     for text in overrides:
         args += ["--set", text]
-    out = open(log, "wb") if log else subprocess.DEVNULL
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return launch(f"vt-{stage}", *args, env=env, log=log)
 
 
-def finish(proc: subprocess.Popen, log: Path | None = None, timeout: float = 300) -> None:
+def finish(proc: Forked, log: Path | None = None, timeout: float = 300) -> None:
     code = proc.wait(timeout=timeout)
     if code != 0:
         text = log.read_text()[-4000:] if log and log.exists() else ""

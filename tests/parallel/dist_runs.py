@@ -1,56 +1,51 @@
-"""Helpers for multi-process tests: launch `vt.train` under torchrun, read what the runs left behind."""
+"""Helpers for multi-process tests: launch `vt-train` ranks as torchrun does, read what the runs left behind."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from forkserver import BASE_ENV, Forked, launch, launch_ranks
+from forkserver import free_port as free_port  # the tests' one way to pick a port
 
 BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def child_env(extra: dict | None = None) -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "PYTHONFAULTHANDLER": "1",
-            **(extra or {})}
+    return {**os.environ, **BASE_ENV, **(extra or {})}
 
 
 def torchrun(config: Path, nproc: int, *overrides: str, log: Path, env: dict | None = None,
-             nnodes: int = 1, endpoint: str | None = None, script: Path | None = None) -> subprocess.Popen:
-    """Start `torchrun ... -m vt.train run CONFIG --set ...` (one node, or one of `nnodes` nodes); `script`:
-    a Python file taking vt-train's arguments, in place of `-m vt.train`."""
+             nnodes: int = 1, endpoint: str | None = None, script: Path | None = None):
+    """The ranks of `torchrun ... vt-train run CONFIG --set ...`; `script`: a Python file taking vt-train's
+    arguments, in place of vt-train. One node: the ranks are forked from the warm interpreter of
+    tests/forkserver.py with torchrun's environment (a Popen-like group); one of `nnodes` nodes: the real
+    torchrun with c10d rendezvous (its own processes, as test_multinode wants)."""
+    args = ["run", str(config)]
+    for text in overrides:
+        args += ["--set", text]
+    entry = str(script) if script else "vt-train"
     if nnodes == 1:
-        launch = ["--standalone", f"--nproc-per-node={nproc}"]
-    else:
-        launch = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint={endpoint}", "--rdzv-id=vt-test"]
-    entry = [str(script)] if script else ["-m", "vt.train"]
-    args = [str(BIN / "torchrun"), *launch, *entry, "run", str(config)]
+        return launch_ranks(entry, nproc, *args, log=log, env=child_env(env))
+    launch = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
+              f"--rdzv-endpoint={endpoint}", "--rdzv-id=vt-test"]
+    command = [str(BIN / "torchrun"), *launch, *([str(script)] if script else ["-m", "vt.train"]), *args]
+    return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env(env))
+
+
+def single(config: Path, *overrides: str, log: Path, env: dict | None = None) -> Forked:
+    """One plain process (`vt-train run`), no torchrun: the reference layout (forked, tests/forkserver.py)."""
+    args = ["run", str(config)]
     for text in overrides:
         args += ["--set", text]
-    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env(env))
+    return launch("vt-train", *args, env=child_env(env), log=log)
 
 
-def single(config: Path, *overrides: str, log: Path, env: dict | None = None) -> subprocess.Popen:
-    """One plain process (`vt-train run`), no torchrun: the reference layout."""
-    args = [str(BIN / "vt-train"), "run", str(config)]
-    for text in overrides:
-        args += ["--set", text]
-    return subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env(env))
-
-
-def finish(proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+def finish(proc, log: Path, timeout: float = 300) -> None:
     code = proc.wait(timeout=timeout)
     if code != 0:
         raise AssertionError(f"{' '.join(map(str, proc.args[:6]))} ... exited with {code}:\n{log.read_text()[-6000:]}")
