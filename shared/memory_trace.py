@@ -98,6 +98,8 @@ class KnownValues(TorchDispatchMode):
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         known = all(not isinstance(t, FakeTensor) and t.numel() <= SMALL for t in tensors) if tensors else (
             func in self.CONSTANTS and math.prod(args[0]) <= SMALL)
+        if known and tensors and not _small_result(func, args, kwargs):
+            known = False  # small inputs, large output (a mask's outer product at 50k tokens): an activation
         if known:
             with _disable_current_modes():
                 return func(*args, **kwargs)
@@ -107,6 +109,23 @@ class KnownValues(TorchDispatchMode):
                 positions = [i.nonzero(as_tuple=True) if _known_mask(i) else (i,) for i in args[1]]
             return func(args[0], [p for group in positions for p in group], *args[2:], **kwargs)
         return func(*args, **kwargs)
+
+
+def _small_result(func, args, kwargs) -> bool:
+    """Whether `func`'s outputs on these real inputs have at most SMALL elements, found on meta copies (no
+    compute); an op whose output size depends on the values (nonzero, masked_select) counts as small."""
+    from torch.utils._python_dispatch import _disable_current_modes
+    from torch.utils._pytree import tree_map
+
+    def meta(value):
+        return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+    with _disable_current_modes():
+        try:
+            out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
+        except (NotImplementedError, RuntimeError):
+            return True
+    return all(t.numel() <= SMALL for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def _known_mask(index) -> bool:

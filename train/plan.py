@@ -255,14 +255,14 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
             for bucket in buckets:
                 batch = _batch(shapes[bucket], plan.micro_batch)
                 with KnownValues(), peak_bytes() as step:
-                    with torch.autocast(device_type, dtype=amp or torch.float32, enabled=amp is not None):
+                    with _autocast(amp):
                         out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
                                            torch.zeros_like(batch["latents"]))
                     flow_matching_loss(out).backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
         if train.validation_prompts:
             plan.rank.validation = _validation_bytes(spec, fake_parameters(validation_vae).eval(), shapes,
-                                                     models[False], amp, device_type)
+                                                     models[False], amp)
 
 
 def _batch(shapes: dict[str, tuple[int, ...]], size: int) -> dict[str, torch.Tensor]:
@@ -279,15 +279,21 @@ def _batch(shapes: dict[str, tuple[int, ...]], size: int) -> dict[str, torch.Ten
     return out
 
 
-def _validation_bytes(spec, vae, shapes, model, amp, device_type) -> int:
+def _autocast(amp: torch.dtype | None):
+    """The run's autocast on the trace's fake tensors, which live on the CPU whatever the target: CUDA's
+    autocast would be disabled there (no CUDA on the planning host), so the trace casts with the CPU's, which
+    casts the same matmuls, convolutions and attention to `amp` (and keeps a few more ops in float32)."""
+    return torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None)
+
+
+def _validation_bytes(spec, vae, shapes, model, amp) -> int:
     """The VAE's weights plus the most validation holds at once: a denoising step (classifier-free guidance:
     batch 2, no gradients) or decoding the largest bucket's latents."""
     weights = sum(p.numel() * p.element_size() for p in vae.parameters())
     largest = max(shapes, key=lambda b: b.frames * b.height * b.width)
     batch = _batch(shapes[largest], 2)
-    with KnownValues(), peak_bytes() as step, torch.no_grad():
-        with torch.autocast(device_type, dtype=amp or torch.float32, enabled=amp is not None):
-            spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))
+    with KnownValues(), peak_bytes() as step, torch.no_grad(), _autocast(amp):
+        spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))
     with peak_bytes() as decode, torch.no_grad():
         try:
             vae.decode(batch["latents"][:1].to(vae.dtype))
