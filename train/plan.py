@@ -241,10 +241,14 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
             plan.stage1[name] = sum(p.numel() * p.element_size() for p in part.parameters())
         vae = parts["vae"]
         for bucket in buckets:  # the VAE's working memory while stage 1 encodes a clip of each bucket
-            video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=vae.dtype)
-            with peak_bytes() as encoding, torch.no_grad():
-                spec._vae_mode(vae, video)
-            plan.stage1["working"] = max(plan.stage1.get("working", 0), encoding.peak)
+            def encode(bucket=bucket) -> int:
+                video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=vae.dtype)
+                with peak_bytes() as encoding, torch.no_grad():
+                    spec._vae_mode(vae, video)
+                return encoding.peak
+
+            working = _vae_peak(config, bucket.name, vae, "encode", encode)
+            plan.stage1["working"] = max(plan.stage1.get("working", 0), working)
         for checkpointing, model in models.items():
             fake_parameters(model)
             for param in model.parameters():  # gradients leave as soon as they exist (FSDP2 frees them per block)
@@ -261,7 +265,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
                     flow_matching_loss(out).backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
         if train.validation_prompts:
-            plan.rank.validation = _validation_bytes(spec, fake_parameters(validation_vae).eval(), shapes,
+            plan.rank.validation = _validation_bytes(config, spec, fake_parameters(validation_vae).eval(), shapes,
                                                      models[False], amp)
 
 
@@ -286,7 +290,7 @@ def _autocast(amp: torch.dtype | None):
     return torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None)
 
 
-def _validation_bytes(spec, vae, shapes, model, amp) -> int:
+def _validation_bytes(config: Config, spec, vae, shapes, model, amp) -> int:
     """The VAE's weights plus the most validation holds at once: a denoising step (classifier-free guidance:
     batch 2, no gradients) or decoding the largest bucket's latents."""
     weights = sum(p.numel() * p.element_size() for p in vae.parameters())
@@ -294,12 +298,29 @@ def _validation_bytes(spec, vae, shapes, model, amp) -> int:
     batch = _batch(shapes[largest], 2)
     with KnownValues(), peak_bytes() as step, torch.no_grad(), _autocast(amp):
         spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))
-    with peak_bytes() as decode, torch.no_grad():
-        try:
-            vae.decode(batch["latents"][:1].to(vae.dtype))
-        except (TypeError, RuntimeError, ValueError, NotImplementedError):  # a decode that needs more than latents
-            pass
-    return weights + max(step.peak, decode.peak)
+
+    def decode() -> int:
+        with peak_bytes() as decoding, torch.no_grad():
+            try:
+                vae.decode(batch["latents"][:1].to(vae.dtype))
+            except (TypeError, RuntimeError, ValueError, NotImplementedError):  # a decode needing more than latents
+                pass
+        return decoding.peak
+
+    return weights + max(step.peak, _vae_peak(config, largest.name, vae, "decode", decode))
+
+
+def _vae_peak(config: Config, bucket: str, vae: nn.Module, what: str, measure) -> int:
+    """`measure()` (the VAE's peak while it encodes or decodes a clip of `bucket`), traced once per model and
+    VAE dtype: the training alternatives of a plan share it (HunyuanVideo 1.5's VAE builds its attention
+    masks in a Python loop over 49k positions at 480p, minutes on fake tensors)."""
+    key = (config.model.model_dump_json(), bucket, str(vae.dtype), what)
+    if key not in _VAE_PEAKS:
+        _VAE_PEAKS[key] = measure()
+    return _VAE_PEAKS[key]
+
+
+_VAE_PEAKS: dict[tuple, int] = {}
 
 
 # -- what makes it fit ---------------------------------------------------------------------------------

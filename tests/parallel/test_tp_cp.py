@@ -1,6 +1,6 @@
 """Tensor parallel and context parallel (Ulysses) match one process, for both families, with LoRA.
 
-Real processes over gloo (mp.spawn, FileStore), the real tiny transformers of the presets, fixed
+Real processes over gloo (this file's ranks forked by tests/forkserver.py, FileStore), the real tiny transformers of the presets, fixed
 random inputs through the spec's own `forward`: the loss and the LoRA gradients of the first step,
 the losses of 3 AdamW steps and the LoRA weights after them must match a single-process run
 within relative 1e-4. Layouts: TP 2 and CP 2 (world 2); CP 2 x TP 2, FSDP2 (dp_shard 2) x TP 2 and
@@ -13,7 +13,8 @@ gradient is non-trivial. One world per family and size runs all its layouts: sta
 from __future__ import annotations
 
 import os
-import time
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -182,16 +183,20 @@ def reference(tiny_model_factory):
 
 
 def _spawn(world: int, args: tuple, tmp_path) -> None:
-    import torch.multiprocessing as mp
+    """Run `world` ranks of `_worker(rank, world, store, *args)`: this file as a script, one process a rank."""
+    from forkserver import launch_ranks
 
-    context = mp.start_processes(_worker, args=(world, str(tmp_path / "store"), *args), nprocs=world,
-                                 join=False, start_method="spawn")
-    deadline = time.monotonic() + WORLD_TIMEOUT_S
-    while not context.join(timeout=1.0):  # raises ProcessRaisedException with the worker's traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError(f"world of {world} processes did not finish in {WORLD_TIMEOUT_S}s")
+    family, model_dir, layouts, out_dir = args
+    log = tmp_path / "world.log"
+    group = launch_ranks(__file__, world, str(world), str(tmp_path / "store"), family, model_dir, ",".join(layouts),
+                         out_dir, log=log)
+    try:
+        code = group.wait(timeout=WORLD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        group.kill()
+        raise AssertionError(f"world of {world} processes did not finish in {WORLD_TIMEOUT_S}s:\n"
+                             f"{log.read_text()[-4000:]}") from None
+    assert code == 0, f"a rank of the world of {world} failed:\n{log.read_text()[-6000:]}"
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -217,8 +222,7 @@ CASES = {"ltx-video-world2": ("ltx-video", *WORLD2), "ltx-video-world4": ("ltx-v
 
 
 @pytest.mark.parametrize("family, world, layouts", list(CASES.values()), ids=list(CASES))
-def test_parallel_layouts_match_single_process(family, world, layouts, reference, tmp_path, monkeypatch):
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+def test_parallel_layouts_match_single_process(family, world, layouts, reference, tmp_path):
     model_dir, expected = reference(family)
     _spawn(world, (family, str(model_dir), layouts, str(tmp_path)), tmp_path)
     for layout in (name for name in layouts if name != "misuse"):
@@ -247,3 +251,8 @@ def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
         plan = spec.tp_plan()
         for name in (*plan.colwise, *plan.rowwise, *plan.attention, *plan.head_norms):
             block.get_submodule(name)
+
+
+if __name__ == "__main__":  # one rank of a world (`_spawn`): RANK from the environment, as torchrun sets it
+    world, store, family, model_dir, layouts, out_dir = sys.argv[1:]
+    _worker(int(os.environ["RANK"]), int(world), store, family, model_dir, layouts.split(","), out_dir)
