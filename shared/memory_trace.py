@@ -80,11 +80,12 @@ class PeakLive(TorchDispatchMode):
         return self.live
 
 
-SMALL = 1 << 20  # elements: a mask or an index, not an activation
+SMALL = 1 << 20  # elements: a constant a mask or an index is made of, not an activation
+KNOWN_OUTPUT = 1 << 24  # elements: the most an op on real inputs may make and still run for real
 
 
 class KnownValues(TorchDispatchMode):
-    """Run an op on real tensors when all its tensor inputs are real and small, or when it makes a small
+    """Run an op on real tensors when all its tensor inputs are real and its outputs small, or when it makes a small
     constant tensor (zeros, ones, full: e.g. a family's empty image tokens); enter it inside the fake mode.
     Their values stay known, so data-dependent code (nonzero, item, `if torch.all(x == 0)`) works."""
 
@@ -96,10 +97,9 @@ class KnownValues(TorchDispatchMode):
 
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        known = all(not isinstance(t, FakeTensor) and t.numel() <= SMALL for t in tensors) if tensors else (
-            func in self.CONSTANTS and math.prod(args[0]) <= SMALL)
-        if known and tensors and not _small_result(func, args, kwargs):
-            known = False  # small inputs, large output (a mask's outer product at 50k tokens): an activation
+        known = all(not isinstance(t, FakeTensor) for t in tensors) and _small_result(func, args, kwargs) if tensors \
+            else func in self.CONSTANTS and math.prod(args[0]) <= SMALL
+        # (real inputs with a large output, a mask's outer product at 50k tokens, make an activation: fake)
         if known:
             with _disable_current_modes():
                 return func(*args, **kwargs)
@@ -112,7 +112,7 @@ class KnownValues(TorchDispatchMode):
 
 
 def _small_result(func, args, kwargs) -> bool:
-    """Whether `func`'s outputs on these real inputs have at most SMALL elements, found on meta copies (no
+    """Whether `func`'s outputs on these real inputs have at most KNOWN_OUTPUT elements, found on meta copies (no
     compute); an op whose output size depends on the values (nonzero, masked_select) counts as small."""
     from torch.utils._python_dispatch import _disable_current_modes
     from torch.utils._pytree import tree_map
@@ -125,7 +125,7 @@ def _small_result(func, args, kwargs) -> bool:
             out = func(*tree_map(meta, args), **tree_map(meta, kwargs))
         except (NotImplementedError, RuntimeError):
             return True
-    return all(t.numel() <= SMALL for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+    return all(t.numel() <= KNOWN_OUTPUT for t in tree_leaves(out) if isinstance(t, torch.Tensor))
 
 
 def _known_mask(index) -> bool:

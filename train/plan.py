@@ -269,13 +269,18 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
                                                      models[False], amp)
 
 
+REAL_CONDITION = 1 << 22  # elements: a condition up to this size is a real tensor in the trace
+
+
 def _batch(shapes: dict[str, tuple[int, ...]], size: int) -> dict[str, torch.Tensor]:
-    """A micro-batch of what stage 1 stores (`spec.condition_shapes`): fake tensors, but masks real (all ones)."""
+    """A micro-batch of what stage 1 stores (`spec.condition_shapes`): the latents fake; masks, and conditions
+    up to REAL_CONDITION elements (text and image embeddings), real and all ones, so that a family's forward
+    branches on their values as on real data (HunyuanVideo 1.5 takes all-zero image embeddings for t2v)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     out = {}
     for name, shape in shapes.items():
-        if "mask" in name:
-            from torch.utils._python_dispatch import _disable_current_modes
-
+        if "mask" in name or (name != "latents" and size * math.prod(shape) <= REAL_CONDITION):
             with _disable_current_modes():
                 out[name] = torch.ones(size, *shape)
         else:

@@ -78,16 +78,18 @@ def test_peak_counter_counts_what_ops_allocate_not_views_of_weights():
         assert tracker.peak == 8_000_000  # the previous output and the new one, at the moment both exist
 
 
-@pytest.mark.parametrize("family", ["wan", "hunyuan-video-1.5"])
-def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family):
+@pytest.mark.parametrize("family, task", [("wan", "t2v"), ("hunyuan-video-1.5", "t2v"), ("hunyuan-video-1.5", "i2v")])
+def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family, task):
     """The trace's fake tensors live on the CPU whatever the target; a CUDA plan still casts as the run
     casts under bf16 autocast (HunyuanVideo 1.5's bmm of fp32 and bf16 failed when CUDA autocast was off),
+    and a forward that branches on a condition's values (HunyuanVideo 1.5 I2V: all-zero image embeddings
+    mean t2v) reads real ones,
     so its activations are smaller than the float32 ones of a CPU plan (at tiny widths the norms and
     positional tables autocast keeps in float32 weigh much: Wan's are 13% smaller, HunyuanVideo 1.5's 30%)."""
     from vt.train.plan import make_plan
 
-    config = config_for(tiny_model_factory(family), family)
-    config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": "bfloat16"})})
+    config = config_for(tiny_model_factory(family, task=task), family)
+    config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": "bfloat16", "task": task})})
     gpu, cpu = make_plan(config, 1, "cuda"), make_plan(config, 1, "cpu")
     for bucket, sizes in gpu.activations.items():
         assert sizes["none"] < 0.95 * cpu.activations[bucket]["none"], (bucket, sizes, cpu.activations[bucket])
@@ -95,15 +97,15 @@ def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family):
 
 
 def test_known_values_leave_a_large_product_of_small_masks_fake():
-    """A mask's outer product at 4096 tokens is 16M booleans: an activation, traced fake (no memory, no
+    """A mask's outer product at 8192 tokens is 67M booleans: an activation, traced fake (no memory, no
     compute), while the mask's own small ops still run for real."""
     from torch._subclasses.fake_tensor import FakeTensor
 
     from vt.shared.memory_trace import KnownValues
 
     with fake_mode(), KnownValues():
-        mask = torch.ones(1, 4096, dtype=torch.bool)  # a small constant: made for real
+        mask = torch.ones(1, 8192, dtype=torch.bool)  # a small constant: made for real
         pairs = mask[:, :, None] & mask[:, None, :]
         kept = int(mask.sum())
-    assert isinstance(pairs, FakeTensor) and pairs.shape == (1, 4096, 4096)
-    assert kept == 4096
+    assert isinstance(pairs, FakeTensor) and pairs.shape == (1, 8192, 8192)
+    assert kept == 8192
