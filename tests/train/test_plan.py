@@ -78,14 +78,14 @@ def test_peak_counter_counts_what_ops_allocate_not_views_of_weights():
         assert tracker.peak == 8_000_000  # the previous output and the new one, at the moment both exist
 
 
-@pytest.mark.parametrize("family, task", [("wan", "t2v"), ("hunyuan-video-1.5", "t2v"), ("hunyuan-video-1.5", "i2v")])
+@pytest.mark.parametrize("family, task", [("wan", "t2v"), ("hunyuan-video-1.5", "i2v")])
 def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family, task):
     """The trace's fake tensors live on the CPU whatever the target; a CUDA plan still casts as the run
     casts under bf16 autocast (HunyuanVideo 1.5's bmm of fp32 and bf16 failed when CUDA autocast was off),
     and a forward that branches on a condition's values (HunyuanVideo 1.5 I2V: all-zero image embeddings
     mean t2v) reads real ones,
     so its activations are smaller than the float32 ones of a CPU plan (at tiny widths the norms and
-    positional tables autocast keeps in float32 weigh much: Wan's are 13% smaller, HunyuanVideo 1.5's 30%)."""
+    positional tables autocast keeps in float32 weigh much: Wan's are 13% smaller, HunyuanVideo 1.5's half)."""
     from vt.train.plan import make_plan
 
     config = config_for(tiny_model_factory(family, task=task), family)
