@@ -8,9 +8,10 @@ dispatch mode, records each storage an op creates and drops it once nothing refe
 `vt-train plan` uses for activations (a forward and backward) and for the stage-1 encoders' working
 memory, from config files alone.
 
-Masks and indices are small and their values matter (a family's forward may drop the tokens a mask
-drops): `KnownValues` runs an op for real when every tensor it reads is a real, small tensor, so code
-that branches on a mask's contents runs as it would, while everything the weights touch stays fake.
+Masks, indices and small conditions have values that matter (a family's forward may drop the tokens a
+mask drops, or take all-zero image embeddings for text-to-video): `KnownValues` runs an op for real when
+every tensor it reads is real and what it makes is small, so code that branches on their contents runs
+as it would, while everything the weights touch, and any large product of real inputs, stays fake.
 """
 
 from __future__ import annotations

@@ -142,6 +142,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def journal_entries(text: str) -> list[dict]:
+    """The records of moto's journal, read as a stream of JSON objects: moto writes a record and its newline
+    in two calls, so a record over its 8 KiB file buffer and another thread's record can share a line. A
+    last record cut short (being written, or the server killed while writing it) is left out."""
+    decoder, entries, at = json.JSONDecoder(), [], 0
+    while True:
+        while at < len(text) and text[at].isspace():
+            at += 1
+        if at == len(text):
+            return entries
+        try:
+            entry, at = decoder.raw_decode(text, at)
+        except json.JSONDecodeError:
+            if "\n{" in text[at:]:  # a whole record follows: this one is damaged, not cut short
+                raise
+            return entries
+        entries.append(entry)
+
+
 class RecordedMoto:
     """A moto_server process that journals every request, so a new process can take over its state."""
 
@@ -166,15 +185,15 @@ class RecordedMoto:
 
     def requests(self) -> int:
         """Requests the server has handled so far (journal lines)."""
-        return len(self.journal.read_text().splitlines()) if self.journal.exists() else 0
+        return len(journal_entries(self.journal.read_text())) if self.journal.exists() else 0
 
     def crash_and_restart(self) -> None:
         """SIGKILL the server, start a new one and replay the journal's writes into it."""
         self.proc.kill()
         self.proc.wait(timeout=10)
-        writes = [line for line in self.journal.read_text().splitlines()
-                  if line.strip() and json.loads(line)["method"] in ("PUT", "POST", "DELETE")]
-        self.journal.write_text("".join(line + "\n" for line in writes))
+        writes = [entry for entry in journal_entries(self.journal.read_text())
+                  if entry["method"] in ("PUT", "POST", "DELETE")]
+        self.journal.write_text("".join(json.dumps(entry) + "\n" for entry in writes))  # replay reads lines
         self.start()
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}/moto-api/recorder/replay-recording",
                                          method="POST")
