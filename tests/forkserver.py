@@ -187,6 +187,7 @@ class ForkServer:
         self.pids: dict[int, int] = {}
         self.codes: dict[int, int] = {}
         self.next_id = 0
+        self.dead = False  # the server is gone: no child will be reported again
         first = json.loads(self.proc.stdout.readline() or b'{"ready": null}')
         if not first.get("ready"):
             raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()}); see the test's stderr")
@@ -202,11 +203,9 @@ class ForkServer:
                 else:
                     self.pids[message["id"]] = message["pid"]
                 self.changed.notify_all()
-        with self.changed:  # the server died: no child will be reported again
+        with self.changed:
             self.dead = True
             self.changed.notify_all()
-
-    dead = False
 
     def fork(self, script: Path, args: list[str], env: dict, log: Path | None, append: bool = False) -> int:
         with self.lock:
@@ -270,9 +269,6 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
 
 def launch(command: str, *args: str, env: dict | None = None, log: Path | None = None,
            append: bool = False) -> Forked:
@@ -331,10 +327,6 @@ class RankGroup:
     def kill(self) -> None:
         for rank in self.ranks:
             rank.kill()
-
-    def send_signal(self, sig: int) -> None:
-        for rank in self.ranks:
-            rank.send_signal(sig)
 
 
 def launch_ranks(command: str, nproc: int, *args: str, log: Path, env: dict | None = None) -> RankGroup:
