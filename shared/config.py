@@ -67,6 +67,11 @@ class ModelConfig(_Section):
     # causal block), fed to a transformer that takes a timestep per frame, and validation with the family's
     # diffusion-forcing pipeline; families whose transformer takes one timestep per sample refuse it.
     diffusion_forcing: bool = False
+    # Families with a sound stream (ModelSpec.audio_stream: LTX-2, MiniMax H3): train video and audio together,
+    # one sigma per sample for both, loss = video loss + audio_weight * audio loss. false: the video stream
+    # alone (the audio parameters frozen, out of the optimizer and the checkpoints). Part of the provenance.
+    audio: bool = False
+    audio_weight: float = Field(1.0, ge=0)
 
 
 class DataConfig(_Section):
@@ -75,6 +80,9 @@ class DataConfig(_Section):
     # `<key>.<control>.mp4` in a tar (`<stem>.<control>.mp4` beside a media file); e.g. "pose" or "depth"
     # where the data holds several. Part of the shards' provenance.
     control: str = "control"
+    # model.audio: a clip without a sound track is skipped (listed in rejects.jsonl as `missing_audio`) or
+    # trained on silence. Part of the shards' provenance.
+    missing_audio: Literal["skip", "silence"] = "skip"
 
     @field_validator("control")
     @classmethod

@@ -40,6 +40,14 @@ def sample_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
 
+def joint_loss(out: Prediction, audio_weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, audio loss or None): the video loss plus `audio_weight` x the audio stream's (model.audio)."""
+    if out.audio is None:
+        return flow_matching_loss(out), None
+    audio = flow_matching_loss(out.audio)
+    return flow_matching_loss(out) + audio_weight * audio, audio
+
+
 def flow_matching_loss(out: Prediction) -> torch.Tensor:
     """Mean squared error over the elements the spec keeps (weight > 0), in fp32."""
     error = (out.prediction.float() - out.target.float()) ** 2

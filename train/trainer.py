@@ -40,9 +40,9 @@ from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
 from vt.train.model_build import Dtypes, build_transformer
-from vt.train.objectives import flow_matching_loss, step_generator
+from vt.train.objectives import joint_loss, step_generator
 from vt.train.parallel import parallelize
-from vt.train.parallel.batching import Slice, draw_inputs, take_slice
+from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
@@ -281,6 +281,7 @@ class Trainer:
         total = sum(len(b) for b in micro)  # samples in this optimizer step, all ranks
         scale = world.dims.dp / total  # see parallel/batching.py: N ranks x B/N == 1 rank x B
         loss_sum = torch.zeros((), dtype=torch.float64)
+        audio_sum = torch.zeros((), dtype=torch.float64)  # model.audio: the audio stream's share, logged
         offset, parts = 0, []
         for index, batch in enumerate(micro):
             batch = self._drop_captions(batch, offset)  # on the global batch: every rank drops the same
@@ -292,6 +293,8 @@ class Trainer:
             levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
             sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
                                         self.spec.sigma_range(), levels)
+            if "audio_latents" in tensors:
+                tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
             # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
             generator = step_generator(train.seed, self.step, index, world.dp_rank)
             models = expert_modules(self.transformer)
@@ -302,10 +305,14 @@ class Trainer:
                     out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
                                             sigmas[rows].to(self.device), noise[rows].to(self.device),
                                             generator=generator)
-                sample_losses = flow_matching_loss(out) * route.count  # sum of these rows' per-sample losses
+                loss, audio_loss = joint_loss(out, self.config.model.audio_weight)
+                sample_losses = loss * route.count  # sum of these rows' per-sample losses
                 (sample_losses * scale).backward()
                 loss_sum += sample_losses.detach().double().cpu()
-        loss = float(world.sum(loss_sum.to(world.comm_device)).item()) / total
+                if audio_loss is not None:
+                    audio_sum += (audio_loss.detach() * route.count).double().cpu()
+        summed = world.sum(torch.stack([loss_sum, audio_sum]).to(world.comm_device)).tolist()
+        loss = summed[0] / total
         if not math.isfinite(loss):  # the same global value on every rank: all stop together
             raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr or check the data")
         grad_norm = clip_grad_norm(self.params, train.max_grad_norm)
@@ -316,8 +323,10 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._log_samples(micro, parts)
-        return {"loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "epoch": micro[-1].epoch, "batch": total}
+        metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": micro[-1].epoch, "batch": total}
+        if self.config.model.audio:
+            metrics["audio_loss"] = summed[1] / total
+        return metrics
 
     def _drop_captions(self, batch: Batch, first: int) -> Batch:
         """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global

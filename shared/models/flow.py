@@ -18,6 +18,9 @@ class Prediction:
     prediction: Tensor  # model output, same shape as target
     target: Tensor
     weight: Tensor | None  # broadcastable to target; 0 leaves an element out; None = all ones
+    # model.audio: the audio stream's own terms (same sigma per sample); the trainer adds
+    # model.audio_weight x its loss to the video loss and logs it as `audio_loss`.
+    audio: Prediction | None = None
 
 
 def flow_match_noisy(x0: Tensor, noise: Tensor, sigmas: Tensor) -> Tensor:

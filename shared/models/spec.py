@@ -33,6 +33,14 @@ from vt.shared.runtime import DTYPES, encoder_dtype
 
 
 @dataclass(frozen=True)
+class AudioFormat:
+    """What the family's audio encoder takes: stage 1 resamples each clip's sound track to it."""
+
+    sample_rate: int  # Hz
+    channels: int  # 1 mono, 2 stereo
+
+
+@dataclass(frozen=True)
 class VaeGeometry:
     temporal: int  # frames per latent frame (after the first)
     spatial: int  # pixels per latent pixel
@@ -73,6 +81,12 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # rejects a sample without one (`missing_control`), and hands it to `encode_video(..., control=)`;
     # validation needs `train.validation_videos`, one control video per prompt, passed to the pipeline.
     control_video: ClassVar[bool] = False
+    # Whether the family generates sound with the picture and can train it (`model.audio`): stage 1 then
+    # decodes each clip's sound over its sampled frames' time span, resampled to `audio_format()`, and
+    # stores `encode_audio`'s tensors (`audio_latents`) beside the latents; `forward` returns the audio
+    # stream's terms in `Prediction.audio`. `audio_components` are what stage 1 loads for it.
+    audio_stream: ClassVar[bool] = False
+    audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
@@ -99,6 +113,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
             raise ValueError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
                              f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
                              "pick a family with diffusion forcing (docs/families.md)")
+        if config.audio and not self.audio_stream:
+            raise ValueError(f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
+                             "only. Remove it, or pick a family that trains audio (docs/families.md)")
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
@@ -120,6 +137,8 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         """`stage1_base`, then the image encoders and processors this task adds (`task_components`)."""
         added = [name for name in self.task_components.get(self.config.task, {})
                  if name not in self.stage1_base and not name.startswith("transformer")]
+        if self.config.audio:
+            added += [name for name in self.audio_components if name not in self.stage1_base]
         return (*self.stage1_base, *added)
 
     def load_stage1(self, device="cpu") -> dict[str, Any]:
@@ -183,6 +202,8 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         for embeds, mask in self.text_masks.items():
             if embeds in shapes:
                 shapes[mask] = shapes[embeds][:1]
+        if self.config.audio:
+            shapes["audio_latents"] = self.audio_latent_shape(bucket)
         return shapes
 
     def text_width(self, name: str = "text_encoder") -> int:
@@ -225,6 +246,24 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def _vae_mode(vae, video: Tensor) -> Tensor:
         """The VAE posterior's mode for `video` (stage 1 is deterministic), in the VAE's dtype."""
         return vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
+
+    # ----------------------------------------------------------------------------- audio (audio_stream)
+    def audio_format(self) -> AudioFormat:
+        """The rate and channels `encode_audio` takes, from the audio encoder's config."""
+        raise NotImplementedError(f"family {self.family!r} has no audio stream")
+
+    def audio_samples(self, bucket: Bucket) -> int:
+        """Audio samples of a clip of `bucket`: the frames' time span at the sampled frame rate."""
+        return round(bucket.frames / self.frame_rate * self.audio_format().sample_rate)
+
+    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        """Per-sample shape of `audio_latents` for a clip of `bucket` (from configs alone)."""
+        raise NotImplementedError(f"family {self.family!r} has no audio stream")
+
+    def encode_audio(self, encoders: dict[str, Any], audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, ...)} for `audio` (B, channels, audio_samples(bucket)) float32 in [-1, 1] at
+        `audio_format().sample_rate`, from the loaded stage-1 components (`audio_components`)."""
+        raise NotImplementedError(f"family {self.family!r} has no audio stream")
 
     # ----------------------------------------------------------------------------- stage 2
     def noise_levels(self, latent_shape: tuple[int, ...]) -> int:

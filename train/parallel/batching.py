@@ -85,3 +85,11 @@ def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float,
         sigmas.append(drawn if levels == 1 else drawn[None])
         noise.append(sample_noise(latents[row:row + 1], generator))
     return torch.cat(sigmas), torch.cat(noise)
+
+
+def draw_audio_noise(part: Slice, seed: int, step: int) -> torch.Tensor:
+    """Noise like `audio_latents` for the rows of `part` (model.audio), one generator per sample on a key
+    of its own, so the video's sigmas and noise are drawn exactly as without audio."""
+    audio = part.tensors["audio_latents"]
+    return torch.cat([sample_noise(audio[row:row + 1], keyed_generator(seed, step, "audio", part.first_index + row))
+                      for row in range(audio.shape[0])])
