@@ -8,6 +8,7 @@ under a temporary name and renamed, so a viewer polling the folder never opens h
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
@@ -22,8 +23,23 @@ def load_image(path: str | Path) -> np.ndarray:
         return frame.to_ndarray(format="rgb24")
 
 
-def write_video(frames: np.ndarray, path: Path, fps: float = 8.0) -> Path:
-    """Encode (F, H, W, 3) uint8 RGB frames as an h264 mp4 at `path`; returns `path`."""
+@dataclass(frozen=True)
+class Sound:
+    """A sound track: (channels, samples) float32 in [-1, 1] at `sample_rate` Hz."""
+
+    waveform: np.ndarray
+    sample_rate: int
+
+    def __post_init__(self):
+        if self.waveform.ndim != 2 or self.waveform.shape[0] not in (1, 2):
+            raise ValueError(f"a sound track is (channels 1 or 2, samples), got shape {self.waveform.shape}")
+        if not self.sample_rate > 0:
+            raise ValueError(f"sample_rate must be > 0, got {self.sample_rate}")
+
+
+def write_video(frames: np.ndarray, path: Path, fps: float = 8.0, sound: Sound | None = None) -> Path:
+    """Encode (F, H, W, 3) uint8 RGB frames as an h264 mp4 at `path`, with `sound` as an AAC track beside
+    them; returns `path`."""
     frames = _check_frames(frames)
     if not fps > 0:
         raise ValueError(f"fps must be > 0, got {fps}")
@@ -37,15 +53,48 @@ def write_video(frames: np.ndarray, path: Path, fps: float = 8.0) -> Path:
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
             stream.options = {"crf": "18", "preset": "medium"}
+            audio = _sound_stream(container, sound) if sound is not None else None  # every stream before muxing
             for frame in frames:
                 for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                     container.mux(packet)
             for packet in stream.encode():  # flush the encoder's delayed frames
                 container.mux(packet)
+            if audio is not None:
+                _mux_sound(container, audio, sound)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def _sound_stream(container, sound: Sound):
+    return container.add_stream("aac", rate=sound.sample_rate, layout="stereo" if len(sound.waveform) == 2 else "mono")
+
+
+def _mux_sound(container, stream, sound: Sound) -> None:
+    """`sound` encoded into the AAC `stream` of `container` (PyAV cuts it to the encoder's frame size)."""
+    samples = np.ascontiguousarray(np.clip(sound.waveform, -1.0, 1.0).astype(np.float32))
+    frame = av.AudioFrame.from_ndarray(samples, format="fltp", layout=stream.layout.name)
+    frame.sample_rate = sound.sample_rate
+    frame.pts = 0
+    for packet in stream.encode(frame):
+        container.mux(packet)
+    for packet in stream.encode():
+        container.mux(packet)
+
+
+def read_sound(path: Path) -> Sound | None:
+    """The first audio stream of a media file as a Sound (None without one)."""
+    with av.open(str(path)) as container:
+        if not container.streams.audio:
+            return None
+        stream = container.streams.audio[0]
+        planar = av.AudioResampler(format="fltp", layout=stream.layout.name, rate=stream.rate)
+        chunks = [out.to_ndarray() for frame in container.decode(stream) for out in planar.resample(frame)]
+        chunks += [out.to_ndarray() for out in planar.resample(None)]
+        rate = stream.rate
+    waveform = np.concatenate(chunks, axis=1) if chunks else np.zeros((stream.channels, 0), np.float32)
+    return Sound(waveform.astype(np.float32), rate)
 
 
 def read_video(path: Path) -> np.ndarray:

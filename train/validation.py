@@ -149,13 +149,15 @@ class Validator:
                     extra["control"] = self.controls[shown]
                 with torch.autocast(torch.device(device).type, dtype=self.autocast or torch.float32,
                                     enabled=self.autocast is not None):
-                    frames = self.spec.generate(pipeline, None, self.bucket, train.validation_steps,
-                                                seed=train.seed + shown, image=image, conditions=conditions[shown],
-                                                decode=index is not None, **extra)
+                    frames, sound = self.spec.generate_clip(pipeline, None, self.bucket, train.validation_steps,
+                                                            seed=train.seed + shown, image=image,
+                                                            conditions=conditions[shown], decode=index is not None,
+                                                            **extra)
                 if index is None:
                     continue
                 if writes:
-                    paths.append(write_video(frames, out_dir / f"{index:02d}.mp4", fps=self.config.buckets.fps))
+                    paths.append(write_video(frames, out_dir / f"{index:02d}.mp4", fps=self.config.buckets.fps,
+                                             sound=sound))
         finally:
             transformer.train(was_training)
             reshard(transformer, held)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
+from vt.shared.video_io import Sound
 
 
 def to_pil_image(image):
@@ -172,6 +173,14 @@ class PipelineMixin:
         negative prompt's, and images') encoded conditions in the pipeline's names, in place of the prompt (a
         pipeline built without text encoders). `decode=False` stops at the latents (never decoded) and
         returns None: a validation stand-in that only keeps sharded forwards in step."""
+        return self.generate_clip(pipeline, prompt, bucket, steps, seed, image, conditions, decode, last_image,
+                                  control, **pipeline_kwargs)[0]
+
+    def generate_clip(self, pipeline, prompt: str | None, bucket: Bucket, steps: int, seed: int, image=None,
+                      conditions: dict[str, Tensor] | None = None, decode: bool = True, last_image=None,
+                      control=None, **pipeline_kwargs) -> tuple[np.ndarray | None, Sound | None]:
+        """`generate`'s frames and, for a run that trains audio (`model.audio`), the sample's sound track
+        (`output_sound`); (None, None) with `decode=False`."""
         last = {"last_image": last_image} if last_image is not None else {}  # only flf2v families take one
         if control is not None:  # only families that train on a control video take one
             last["control"] = control
@@ -179,10 +188,16 @@ class PipelineMixin:
                   "output_type": "np" if decode else "latent"}
         if conditions is not None:
             kwargs.update(prompt=None, **self.pipeline_conditions(pipeline, conditions))
-        frames = pipeline(**kwargs).frames[0]
+        output = pipeline(**kwargs)
         if not decode:
-            return None
-        return (np.clip(np.asarray(frames, dtype=np.float32), 0.0, 1.0) * 255).round().astype(np.uint8)
+            return None, None
+        frames = np.asarray(output.frames[0], dtype=np.float32)
+        sound = self.output_sound(pipeline, output) if self.config.audio else None
+        return (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8), sound
+
+    def output_sound(self, pipeline, output) -> Sound | None:
+        """The first sample's sound track from the pipeline's output (families with `audio_stream`)."""
+        return None
 
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
         """The stored conditions as call arguments of `pipeline` (a family whose pipeline takes one of them

@@ -6,7 +6,7 @@ import av
 import numpy as np
 import pytest
 
-from vt.shared.video_io import read_video, write_video
+from vt.shared.video_io import Sound, read_sound, read_video, write_video
 
 
 def _moving_gradient(frames: int, height: int, width: int) -> np.ndarray:
@@ -78,3 +78,19 @@ def test_read_missing_or_broken_file(tmp_path):
     broken.write_bytes(b"not a video at all")
     with pytest.raises((av.error.InvalidDataError, ValueError)):
         read_video(broken)
+
+
+@pytest.mark.parametrize("channels", [1, 2])
+def test_a_sound_track_is_muxed_beside_the_frames(tmp_path, channels):
+    rate = 16000
+    time = np.arange(rate) / rate
+    tones = np.stack([np.sin(2 * np.pi * 220 * time), np.sin(2 * np.pi * 330 * time)])[:channels] * 0.5
+    path = write_video(_moving_gradient(8, 32, 32), tmp_path / "clip.mp4", fps=8,
+                       sound=Sound(tones.astype(np.float32), rate))
+    assert read_video(path).shape == (8, 32, 32, 3)
+    sound = read_sound(path)
+    assert sound.sample_rate == rate and sound.waveform.shape[0] == channels
+    assert sound.waveform.shape[1] >= rate  # AAC pads to whole frames, never cuts
+    for heard, played in zip(sound.waveform, tones):
+        assert np.corrcoef(heard[:8000], played[:8000])[0, 1] > 0.98  # the same tone, not noise or silence
+    assert read_sound(write_video(_moving_gradient(8, 32, 32), tmp_path / "silent.mp4")) is None
