@@ -136,3 +136,36 @@ def test_audio_latents_have_the_pipelines_shape_and_decode_through_its_own_path(
     torch.testing.assert_close(raw, mode[:, :, :shape[1]], atol=1e-5, rtol=1e-5)
     waveform = pipeline.vocoder(vae.decode(raw).sample)
     assert waveform.shape[:2] == (2, 2) and waveform.shape[2] > 0 and waveform.isfinite().all()
+
+
+def test_real_audio_vae_config_gives_the_pipelines_length(tiny_model_factory, tmp_path):
+    """At LTX-2's real audio VAE config (scripts/real_models.json: 16 kHz stereo, 64 mels, x4 in time and mel
+    bins, 8 latent channels; random weights) a 25-frame clip at 24 fps is stored as (8, 26, 16): the
+    pipeline's round(25 / 24 x 25), one latent frame fewer than the causal encoder makes of it; 121 frames
+    (LTX-2's default) give 126."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from diffusers import AutoencoderKLLTX2Audio
+
+    real = json.loads((Path(__file__).parents[2] / "scripts" / "real_models.json").read_text())["ltx2"]
+    config = real["components"]["audio_vae"]["config"]
+    folder = tmp_path / "ltx-2"
+    shutil.copytree(tiny_model_factory("ltx-2"), folder)
+    saved = json.loads((folder / "audio_vae" / "config.json").read_text())
+    (folder / "audio_vae" / "config.json").write_text(json.dumps({**saved, **config}))
+    spec = make_spec(folder, fps=24.0)
+    bucket = Bucket(25, 512, 768)
+    assert (spec.audio_format().sample_rate, spec.audio_format().channels) == (16000, 2)
+    shape = spec.audio_latent_shape(bucket)
+    assert shape == (8, 26, 16) and spec.audio_latent_shape(Bucket(121, 512, 768)) == (8, 126, 16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = AutoencoderKLLTX2Audio(**config).eval()
+    encoded = []
+    vae.encoder.register_forward_hook(lambda module, args, out: encoded.append(tuple(out.shape)))
+    sound = tone(440, spec.audio_samples(bucket)).float().expand(1, 2, -1)
+    stored = spec.encode_audio({"audio_vae": vae}, sound)["audio_latents"]
+    assert stored.shape == (1, *shape) and stored.isfinite().all()
+    assert encoded == [(1, 2 * 8, 27, 16)]  # mean and log-variance of the causal encoder's 27 frames: one more
