@@ -1,7 +1,10 @@
-"""LTX-2, video stream only: stage 1 stores the text LTX2Pipeline feeds the video stream, training runs
-the video stream without the audio cross-attention (so the unused audio input cannot matter), a full
-fine-tune leaves exactly the gradient-less audio parameters frozen, and LoRA stays off the audio
-stream (tiny real models throughout)."""
+"""LTX-2 (tiny real models throughout). Video stream only: stage 1 stores the text LTX2Pipeline feeds the
+video stream, training runs the video stream without the audio cross-attention (so the unused audio input
+cannot matter), a full fine-tune leaves exactly the gradient-less audio parameters frozen, and LoRA stays off
+the audio stream. With model.audio (LTX-2.0 and LTX-2.3 presets): training feeds the transformer what the
+pipeline's first denoising step feeds it, video and audio (t2v and i2v), one sigma for both streams, every
+parameter and default adapter trains, both LoRA files load back with the audio modules, and validation's
+clip carries the vocoder's sound."""
 
 from __future__ import annotations
 
@@ -319,7 +322,7 @@ def test_audio_training_shares_the_sigma_and_trains_both_streams(av_folder):
     assert not torch.allclose(other, same), "the audio does not reach the video"
 
     loss, audio_loss = joint_loss(out, audio_weight=0.5)
-    assert torch.isfinite(loss) and torch.isfinite(audio_loss) and float(audio_loss) > 0
+    assert torch.isfinite(loss) and torch.isfinite(audio_loss) and float(audio_loss.detach()) > 0
     loss.backward()
     trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
     with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
@@ -411,3 +414,40 @@ def test_audio_validation_clip_carries_the_vocoders_sound(av_folder, tmp_path):
     heard = read_sound(write_video(frames, tmp_path / "00.mp4", fps=12.0, sound=sound))
     assert heard is not None and heard.sample_rate == rate and heard.waveform.shape[0] == 2
     assert abs(heard.waveform.shape[1] - sound.waveform.shape[1]) <= 2048  # AAC frames of 1024 samples
+
+
+def test_i2v_audio_forward_feeds_what_the_pipeline_feeds(tiny_model_factory):
+    """i2v with model.audio at LTX2ImageToVideoPipeline's first step: the clean image latent, per-token video
+    timesteps, the audio noised whole at the sample's timestep, and both streams' text, as the pipeline feeds."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    spec = make_spec(tiny_model_factory("ltx-2", task="i2v"), task="i2v", audio=True)
+    encoders = spec.load_stage1()
+    clip, pixels = uint8_clip()
+    transformer = spec.load_transformer()
+    seen = capture(transformer)
+    pipeline = spec.build_pipeline(transformer, **encoders)
+    pipeline(**spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0, image=pixels[0].numpy()), **NO_GUIDANCE,
+             image_crf=0, output_type="latent")
+    inference = seen[0]
+    frames = inference["audio_num_frames"]
+    audio_noise = LTX2ImageToVideoPipeline._unpack_audio_latents(inference["audio_hidden_states"], frames, 2)
+    batch = {**spec.encode_text(encoders, [PROMPT]), **spec.encode_video(encoders, clip),
+             "audio_latents": torch.randn(audio_noise.shape), "audio_noise": audio_noise}
+    noise = LTX2ImageToVideoPipeline._unpack_latents(inference["hidden_states"], 2, 2, 3, 1, 1)
+    out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
+    training = seen[-1]
+    for name in ("hidden_states", "audio_hidden_states", "timestep", "audio_timestep", "sigma",
+                 "encoder_hidden_states", "audio_encoder_hidden_states"):
+        torch.testing.assert_close(training[name], inference[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert training["isolate_modalities"] is inference["isolate_modalities"] is False
+    assert out.weight.flatten().tolist() == [0.0, 1.0] and out.audio.weight is None  # the sound is generated whole
+
+
+def test_context_parallel_is_refused_with_the_reason(av_folder):
+    """No CP plan, with or without audio; with audio the error says why the joint attention does not split."""
+    _, folder = av_folder
+    with pytest.raises(NotImplementedError, match=r"video_to_audio_attn.*set parallel.cp = 1"):
+        av_spec(folder).cp_plan()
+    with pytest.raises(NotImplementedError, match=r"no CP plan: its rotary tables.*set parallel.cp = 1"):
+        make_spec(folder).cp_plan()
