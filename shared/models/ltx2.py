@@ -16,8 +16,14 @@ Two modes (docs/families.md):
   (`attn1`, `attn2`: q/k/v/out); a full fine-tune trains every parameter except the audio stream and
   the audio-video cross-attention (`full_trainable`), which receive no gradient without audio.
 - `model.audio = true`, video and audio together, as LTX2Pipeline's denoising step runs them: stage 1
-  also stores the connectors' audio text embedding (`audio_prompt_embeds`) and the clip's normalised
-  audio latents (`audio_latents`, (C, L, M) as the pipeline unpacks them); stage 2 noises both streams
+  also stores the connectors' audio text embedding (`audio_prompt_embeds`) and the clip's sound as the
+  audio stream takes it (`encode_audio`): the waveform (16 kHz stereo for LTX-2, the audio VAE's
+  `sample_rate` and `in_channels`) as the log-mel spectrogram Lightricks' trainer feeds the audio VAE
+  (shared/models/mel.py: n_fft 1024, the VAE's hop and mel bins), the posterior mode, its first
+  `audio_latent_shape` frames (the causal encoder gives one more than LTX2Pipeline generates for the
+  clip's duration: the last, which only sees the span's last mel frame, goes), normalised as the
+  pipeline denormalises audio latents before its audio VAE decodes them (packed per frame,
+  `(z - mean) / std`); stored unpacked (`audio_latents`, (channels, frames, mel bins / 4)). Stage 2 noises both streams
   with the sample's one sigma (audio noise drawn on a key of its own), packs the audio latents as the
   pipeline packs them ((B, L, C x M) tokens), runs the transformer with the cross-attention on
   (`isolate_modalities=False`), the audio timestep the video's, the audio text mask the video's, and
@@ -60,12 +66,16 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
-from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.video_io import Sound
+from vt.shared.models.mel import log_mel
+from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_gemma_tokenizer, save_tiny, seeded
+from vt.shared.video_io import Sound
 
 # Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
 # in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
+# The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
+# preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
+AUDIO_N_FFT = 1024
 AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
 _PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 # Default LoRA targets (suffixes): the video self- and cross-attention, which never match `audio_attn1.to_q`
@@ -169,9 +179,10 @@ class LTX2Spec(ModelSpec):
         width = connectors["video_connector_num_attention_heads"] * connectors["video_connector_attention_head_dim"]
         shapes = {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
                   "latents": self.latent_shape(bucket)}
-        if self.config.audio:  # the audio connector's width
+        if self.config.audio:  # the audio connector's width; the clip's audio latents
             shapes["audio_prompt_embeds"] = (self.max_text_tokens, connectors["audio_connector_num_attention_heads"]
                                              * connectors["audio_connector_attention_head_dim"])
+            shapes["audio_latents"] = self.audio_latent_shape(bucket)
         return shapes
 
     @torch.no_grad()
@@ -192,6 +203,40 @@ class LTX2Spec(ModelSpec):
         latents = self._vae_mode(vae, video)
         latents = LTX2Pipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         return {"latents": latents.float()}
+
+    def audio_format(self) -> AudioFormat:
+        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
+        config = self.load_config("audio_vae")
+        return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
+
+    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
+        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
+        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
+
+        config = self.load_config("audio_vae")
+        per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
+        return config["latent_channels"], round(bucket.frames / self.frame_rate * per_second), config["mel_bins"] // DOWN
+
+    @torch.no_grad()
+    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
+        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
+        from diffusers import LTX2Pipeline
+
+        vae = encoders["audio_vae"]
+        config = vae.config
+        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
+                      config.mel_bins)
+        latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
+        frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
+        if latents.shape[2] < frames:
+            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
+                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
+        latents = latents[:, :, :frames]
+        packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
+        packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())
+        return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -322,7 +367,9 @@ class LTX2Spec(ModelSpec):
     @classmethod
     def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes for the transformer (2 layers, video 2 heads x 8, audio 2 x 4), text
-        connectors, audio VAE and vocoder; a 4-level video VAE (x8 time, x32 space, 8 channels); a
+        connectors and vocoder; the audio VAE at diffusers' test widths but with LTX-2's three levels (its
+        encoder downsamples x4 in time and mel bins, as the pipeline's audio latent shape assumes); a
+        4-level video VAE (x8 time, x32 space, 8 channels); a
         2-layer Gemma 3 with a locally built tokenizer; one preset for both tasks, saved in LTX2Pipeline's
         layout or (i2v) LTX2ImageToVideoPipeline's."""
         from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
@@ -364,10 +411,12 @@ class LTX2Spec(ModelSpec):
             qk_norm="rms_norm_across_heads", caption_channels=text_hidden, rope_double_precision=False,
             rope_type="split")
         audio_vae = AutoencoderKLLTX2Audio(
-            base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+            base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None,
             in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
             dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
             mel_bins=8)
+        audio_vae.latents_mean.copy_(torch.randn(4) * 0.1)  # per (channel, mel bin) of a latent frame, as for video
+        audio_vae.latents_std.copy_(torch.rand(4) + 0.5)
         vocoder = LTX2Vocoder(
             in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
             upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
