@@ -12,10 +12,12 @@ What vt trains (text-to-video-and-audio, diffusers' MiniMaxH3ModularPipeline `t2
 - stage 2 builds each sample's packed sequence with the pipeline's own layout (`build_packed_sequence`: positions,
   modality tags, row indices) and calls the transformer once per sample (the structural inputs are shared by the
   whole batch, and text lengths differ). The pipeline's timestep convention: t = 1 - sigma (t = 1 clean), the
-  transformer predicts the data-ward velocity, so the target is x0 - noise. Video and audio rows share the sample's
-  sigma (the trainer's one draw; text rows take the video timestep, as in the pipeline), so the sequence holds one
-  timestep. Without `model.audio` the sequence has no audio rows (the transformer takes zero of them) and the audio
-  heads (`audio_proj_in`, `audio_proj_out`) stay frozen and out of LoRA;
+  transformer predicts the data-ward velocity, so the target is x0 - noise (for both streams). One sigma is drawn
+  per sample (the trainer's); the video rows (and text rows, as in the pipeline) take it, the audio rows the audio
+  schedule's sigma at the same point of the base grid (`audio_sigmas`: shift 12 video, 3 audio), which is how every
+  step of the pipeline (and ComfyUI's sampler) pairs the two streams. Without `model.audio` the sequence has no audio
+  rows (the transformer takes zero of them) and the audio heads (`audio_proj_in`, `audio_proj_out`) stay frozen and
+  out of LoRA;
 - validation runs the modular pipeline itself (`MiniMaxH3Pipeline` below is a thin handle on it: the same blocks, fed
   stored text embeddings) and returns its stereo sound track.
 Not covered: `fl2va` (first/last keyframes) and `ref2va` (references, `transformer_ref`), docs/families.md.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -210,12 +213,15 @@ class MiniMaxH3Spec(ModelSpec):
         sigma, targets x0 - noise (the data-ward velocity)."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         audio = "audio_latents" in batch
+        audio_sigmas = self.audio_sigmas(sigmas)
         if audio:
             audio_x0 = batch["audio_latents"].float().to(x0.device)
             audio_noise = batch["audio_noise"].to(audio_x0)
-            audio_noisy = flow_match_noisy(audio_x0, audio_noise, sigmas)
+            audio_noisy = flow_match_noisy(audio_x0, audio_noise, audio_sigmas)
         rows = caption_rows(batch["prompt_attention_mask"])
         patch = (1, self.geometry.patch, self.geometry.patch)
         video_out, audio_out = [], []
@@ -226,11 +232,14 @@ class MiniMaxH3Spec(ModelSpec):
             video_rows = patchify_video_latents(noisy[b:b + 1], patch)
             audio_rows = (audio_noisy[b].permute(0, 2, 1).reshape(-1, audio_noisy.shape[2]) if audio
                           else x0.new_zeros(0, transformer.config.audio_in_channels))
-            timestep = (1 - sigmas[b:b + 1]).float()  # t = 1 - sigma, one value for every row
+            # t = 1 - sigma per row (text rows at the video's), as the pipeline's set-timesteps step reduces them
+            timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+                video_indices.cpu(), audio_indices.cpu(), 0, 0, rows[b], float(1 - sigmas[b]),
+                float(1 - audio_sigmas[b]), 0.0, 0.0)
             video, sound = transformer(
                 hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
                 encoder_hidden_states=batch["prompt_embeds"][b:b + 1, :rows[b]].to(x0.device),
-                timestep=timestep, timestep_indices=torch.zeros_like(token_tags), token_tags=token_tags,
+                timestep=timestep.to(x0.device), timestep_indices=timestep_indices.to(x0.device), token_tags=token_tags,
                 position_ids=position_ids, video_indices=video_indices, audio_indices=audio_indices,
                 text_indices=text_indices, return_dict=False)
             video_out.append(unpatchify(video[0].float(), x0.shape[1:], patch))
@@ -240,6 +249,18 @@ class MiniMaxH3Spec(ModelSpec):
         if audio:
             out.audio = Prediction(prediction=torch.stack(audio_out), target=audio_x0 - audio_noise, weight=None)
         return out
+
+    @cached_property
+    def schedule_shifts(self) -> tuple[float, float]:
+        """(video, audio) shifts of the pipeline's two schedulers (12 and 3 in the release)."""
+        return float(self.load_config("scheduler")["shift"]), float(self.load_config("audio_scheduler")["shift"])
+
+    def audio_sigmas(self, sigmas: Tensor) -> Tensor:
+        """The audio rows' sigma for each video sigma: the audio schedule's value at the same point of the base grid
+        (`sigma' = s b / (1 + (s - 1) b)` with each scheduler's shift), the pair every step of the pipeline feeds."""
+        video, audio = self.schedule_shifts
+        base = sigmas / (video - (video - 1) * sigmas)
+        return audio * base / (1 + (audio - 1) * base)
 
     def full_trainable(self, transformer) -> None:
         """Without `model.audio` the audio heads get no gradient (no audio rows): frozen, out of the optimizer."""

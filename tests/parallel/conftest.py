@@ -16,7 +16,8 @@ import pytest
 from dist_runs import finish, single
 
 BUCKET = "9x64x64"
-BUCKETS = {"mochi": "7x64x64"}  # keys whose VAE takes other frame counts (Mochi: 6k+1)
+# keys whose VAE takes other frame counts (Mochi: 6k+1, MiniMax H3: 17k+5)
+BUCKETS = {"mochi": "7x64x64", "minimax-h3": "5x64x64"}
 # Text of 64 tokens, not Wan's 512: parity compares float sums in other orders, and 512 mostly zero
 # keys add rounding to no purpose here (the shipped-config tests run the families' own lengths).
 TEXT_TOKENS = 64
@@ -58,6 +59,8 @@ FAMILY_TRAIN = {
     # Wan VACE: the default control LoRA on the VACE blocks, which FSDP2 shards as blocks of their own ahead of
     # the main blocks; every sample's control latents split over data-parallel ranks like its latents.
     "wan-vace": {"mode": "lora"},
+    # MiniMax H3, video only: a full fine-tune with the audio heads frozen, one packed sequence per sample.
+    "minimax-h3": {"mode": "full"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512

@@ -63,6 +63,41 @@ def test_training_feeds_the_transformer_what_the_pipeline_feeds_it_first(tiny_mo
     torch.testing.assert_close(out.audio.target, batch["audio_latents"] - audio_noise)
 
 
+def test_audio_rows_take_the_audio_schedules_sigma_at_every_step(tiny_model_factory):
+    """The pipeline steps video on its shift-12 schedule and audio on its shift-3 one; training pairs a video sigma
+    with the audio sigma of the same step, so each step's rows and timesteps are the pipeline's."""
+    spec = make_spec(tiny_model_factory("minimax-h3"), audio=True)
+    assert spec.schedule_shifts == (12.0, 3.0)
+    transformer = spec.load_transformer()
+    pipeline = spec.build_pipeline(transformer, text_encoders=False)
+    conditions = spec.encode_validation_text(spec.load_stage1(), PROMPT)
+    seen = capture(transformer)
+    pipeline(**spec.pipeline_inputs(None, SHORTEST, steps=4, seed=0), **conditions, output_type="latent")
+    assert len(seen) == 3
+    batch = {**conditions, "latents": torch.zeros(1, *spec.latent_shape(SHORTEST)),
+             "audio_latents": torch.zeros(1, *spec.audio_latent_shape(SHORTEST))}
+    for step in seen[1:]:
+        video_t, audio_t = step["timestep"][step["timestep_indices"][step["video_indices"][0]]], \
+            step["timestep"][step["timestep_indices"][step["audio_indices"][0]]]
+        assert audio_t > video_t  # the audio schedule is ahead: less noise at the same step
+        # the step's rows as the noise itself (x0 = 0, so the noisy rows are sigma x noise): rows / sigma
+        noise = unpatchified(spec, step["hidden_states"][0]) / (1 - video_t)
+        audio_noise = step["audio_hidden_states"][0].reshape(2, -1, 4).permute(0, 2, 1)[None] / (1 - audio_t)
+        out = spec.forward(transformer, {**batch, "audio_noise": audio_noise}, (1 - video_t)[None], noise[None])
+        training = seen[-1]
+        torch.testing.assert_close(training["timestep"], step["timestep"], atol=1e-6, rtol=0)
+        assert torch.equal(training["timestep_indices"], step["timestep_indices"])
+        torch.testing.assert_close(training["hidden_states"], step["hidden_states"], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(training["audio_hidden_states"], step["audio_hidden_states"], atol=1e-5, rtol=1e-5)
+        assert out.audio is not None
+
+
+def unpatchified(spec, rows):
+    from vt.shared.models.minimax_h3 import unpatchify
+
+    return unpatchify(rows, spec.latent_shape(SHORTEST), (1, 2, 2))
+
+
 def test_audio_latents_are_the_pipelines_soundtrack_encoding(tiny_model_factory):
     """Each stereo channel through the mono audio VAE (posterior mode), normalised as the audio decode step
     denormalises; the length is the clip's time span in whole hops."""
