@@ -293,6 +293,10 @@ class MiniMaxH3Spec(ModelSpec):
         kwargs = super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image, control)
         return {**kwargs, "num_frames": self.validation_frames(bucket)}
 
+    def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The prompt's conditions only: the checkpoint is guidance-distilled (no negative prompt, one pass a step)."""
+        return {name: value for name, value in conditions.items() if not name.startswith("negative_")}
+
     def output_sound(self, pipeline, output) -> Sound | None:
         return Sound(np.ascontiguousarray(output.audio[0].float().cpu().numpy()).clip(-1, 1), int(output.sampling_rate))
 
@@ -313,8 +317,8 @@ class MiniMaxH3Spec(ModelSpec):
     @classmethod
     def tiny_parts(cls, task: str) -> dict[str, Any]:
         """Tiny real classes: a 51-layer Qwen3-VL of width 16 (the pipeline reads hidden state 50), a 4-level video VAE
-        (x16 space, x4 time, 17-frame chunks, 4 channels), a 2-level audio VAE (hop 4 at 160 Hz: 40 latents/s as the
-        real one), a 2-block DiT of width 32, the pipeline's two schedulers (shift 12 video, 3 audio)."""
+        (x16 space, x4 time, 17-frame chunks, 4 channels), a 4-level audio VAE (hop 200 at 8 kHz, a rate AAC writes: 40
+        latents/s as the real one), a 2-block DiT of width 32, the pipeline's two schedulers (shift 12 video, 3 audio)."""
         from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
                                MiniMaxH3Transformer3DModel)
         from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -339,9 +343,9 @@ class MiniMaxH3Spec(ModelSpec):
             decoder_num_register_tokens=1, decoder_ffn_mult=1,
             latents_mean=[0.1 * i for i in range(latent)], latents_std=[0.5 + 0.25 * i for i in range(latent)])
         audio_vae = AutoencoderKLMiniMaxH3Audio(
-            encoder_dim=4, encoder_rates=(2, 2), latent_dim=8, latent_channels=latent, num_attention_heads=2,
-            decoder_dim=8, decoder_rates=(2, 2), decoder_kernel_sizes=(4, 4), resblock_kernel_sizes=(3,),
-            resblock_dilation_sizes=((1,),), sampling_rate=160,
+            encoder_dim=2, encoder_rates=(2, 4, 5, 5), latent_dim=8, latent_channels=latent, num_attention_heads=2,
+            decoder_dim=16, decoder_rates=(5, 5, 4, 2), decoder_kernel_sizes=(10, 10, 8, 4), resblock_kernel_sizes=(3,),
+            resblock_dilation_sizes=((1,),), sampling_rate=8000,
             latents_mean=[-0.05 * i for i in range(latent)], latents_std=[0.4 + 0.2 * i for i in range(latent)])
         transformer = MiniMaxH3Transformer3DModel(
             num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1, ffn_dim=32,
@@ -474,7 +478,7 @@ class MiniMaxH3Pipeline:
             blocks.sub_blocks.pop(name)
         pipe = blocks.init_pipeline()
         pipe.update_components(**{name: getattr(self.modular, name) for name in self._parts
-                                  if getattr(self.modular, name, None) is not None})
+                                  if name in pipe._component_specs and getattr(self.modular, name, None) is not None})
         if self._progress:
             pipe.set_progress_bar_config(**self._progress)
         state = pipe(**inputs, output=outputs)
