@@ -21,6 +21,11 @@ whole raw shard list before the per-rank split. The processor chain (`precompute
 the decode workers) may make several samples of one raw sample, keyed `<sample_id>#<suffix>`; each
 is committed once on its own, and a restart drops the parts of a re-decoded clip already committed. Every rejected sample is listed with its reason in
 the run folder's rejects.jsonl (precompute/rejects.py), each once across restarts.
+
+A family that trains audio (model.audio): the decode workers also decode each sample's sound over its
+frames' time span at the family's rate and channels (processors/sound.py; a clip without sound follows
+data.missing_audio), and the shard stores `spec.encode_audio`'s `audio_latents` beside the latents, one
+row per sample key as every tensor. Without model.audio no sound is read and shards are as before.
 """
 
 from __future__ import annotations
@@ -31,9 +36,9 @@ from dataclasses import dataclass
 
 import torch
 
-from vt.precompute.encoders import encode_texts_with_images, encode_videos, load_encoders, text_phase
-from vt.precompute.processors import (Chain, ErrorPolicy, PreparedSample, ProcessorBug, SampleError, bad_data_only,
-                                      build_chain, worker_init)
+from vt.precompute.encoders import encode_sounds, encode_texts_with_images, encode_videos, load_encoders, text_phase
+from vt.precompute.processors import (Chain, ErrorPolicy, PreparedSample, ProcessorBug, SampleError, SoundRequest,
+                                      bad_data_only, build_chain, worker_init)
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
@@ -56,6 +61,12 @@ log = get_logger("vt.precompute")
 
 class TooManyFailures(RuntimeError):
     pass
+
+
+def sound_request(spec, config: Config) -> SoundRequest:
+    """What the decode workers decode of each clip's sound: the family's rate and channels, data.missing_audio."""
+    audio = spec.audio_format()
+    return SoundRequest(audio.sample_rate, audio.channels, config.data.missing_audio)
 
 
 @dataclass
@@ -83,25 +94,28 @@ class ShardEnd:
     index: int
 
 
-def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy) -> Outcome:
-    """Runs in a decode worker: a sample in, its prepared samples or the reason it was rejected out.
+def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
+                  sound: SoundRequest | None = None) -> Outcome:
+    """Runs in a decode worker: a sample in, its prepared samples (with their sound when `sound` asks for
+    it) or the reason it was rejected out.
 
     Only what `policy` judged bad data arrives here as SampleError; what it raises (ProcessorBug)
     goes back to the service through the pool and stops the run.
     """
     start = time.perf_counter()
     try:
-        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy), seconds=time.perf_counter() - start)
+        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy, sound), seconds=time.perf_counter() - start)
     except SampleError as err:
         return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
 
 
 class _Prepare:
-    """Picklable `prepare_timed` bound to the chain, bucket table and error policy; (raw index, sample) ->
-    (raw index, Outcome)."""
+    """Picklable `prepare_timed` bound to the chain, bucket table, error policy and sound request; (raw index,
+    sample) -> (raw index, Outcome)."""
 
-    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy):
-        self.chain, self.buckets, self.fps, self.policy = chain, buckets, fps, policy
+    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
+                 sound: SoundRequest | None = None):
+        self.chain, self.buckets, self.fps, self.policy, self.sound = chain, buckets, fps, policy, sound
 
     def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
         if isinstance(item, ShardEnd):
@@ -112,7 +126,7 @@ class _Prepare:
             need = "a one-frame bucket (1xHxW)" if raw.still else "a bucket of more than one frame"
             kind = "an image" if raw.still else "a clip"
             return index, Outcome.of(raw, None, "no_bucket", f"{kind} needs {need} in buckets.sizes")
-        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy)
+        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy, self.sound)
 
     @staticmethod
     def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
@@ -140,6 +154,8 @@ class Precompute:
         self.shards_id = shards_digest(self.raw_shards)
         # The member each sample's control video is read from, for a family that trains on one (else none).
         self.control = config.data.control if self.spec.control_video else None
+        # Each sample's sound at the family's rate and channels, for a run that trains audio (else none is read).
+        self.sound = sound_request(self.spec, config) if config.model.audio else None
         self.device = pick_device(pre.device)
         self.storage_dtype = DTYPES[pre.storage_dtype]
         self.provenance = provenance(config, spec=self.spec)
@@ -235,7 +251,7 @@ class Precompute:
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
         # Bad data is rejected and counted; a processor's bug stops the run (processors/policy.py).
-        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only)
+        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
@@ -306,6 +322,9 @@ class Precompute:
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,
                                 bucket.name, pre.vae_tiling, controls)
+        if self.sound is not None:  # model.audio: `audio_latents`, one row per sample as the latents
+            latents.update(encode_sounds(self.spec, self.encoders, [s.sound for s in samples], bucket,
+                                         pre.encode_batch, self.device))
         self.report.seconds["vae_encode"] += time.perf_counter() - started
         tensors = self._stored({name: torch.cat(parts) for name, parts in {**latents, **sample_text}.items()})
         captions.conditions = self._stored(captions.conditions)

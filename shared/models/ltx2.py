@@ -6,7 +6,14 @@ vt trains the video stream only (the audio branch stays out, docs/families.md):
   left-padded caption (`encode_prompt`) passed through the frozen `connectors`, i.e. their video
   text embedding and mask (`prompt_embeds`, `prompt_attention_mask`; diffusers' connectors mark
   every row valid, their output fills the padding), plus latents normalised as
-  the pipeline denormalises them (`(z - mean) * scaling_factor / std`). No audio is encoded;
+  the pipeline denormalises them (`(z - mean) * scaling_factor / std`). With `model.audio` it also
+  stores the clip's sound as the audio stream takes it (`encode_audio`): the waveform (16 kHz stereo
+  for LTX-2, the audio VAE's `sample_rate` and `in_channels`) as the log-mel spectrogram Lightricks'
+  trainer feeds the audio VAE (shared/models/mel.py: n_fft 1024, the VAE's hop and mel bins), the
+  posterior mode, its first `audio_latent_shape` frames (the causal encoder gives one more than
+  LTX2Pipeline generates for the clip's duration: the last, which only sees the span's last mel frame,
+  goes), normalised as the pipeline denormalises audio latents before its audio VAE decodes them
+  (packed per frame, `(z - mean) / std`); stored unpacked, (channels, frames, mel bins / 4);
 - stage 2 calls the transformer the way Lightricks' own trainer trains video without audio (its
   model takes `audio=None` and skips the audio blocks): `isolate_modalities=True` turns off the
   audio-to-video and video-to-audio cross-attention, so the video prediction depends on the video
@@ -43,11 +50,15 @@ from torch import Tensor
 
 from vt.shared.buckets import Bucket
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
-from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.models.mel import log_mel
+from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_gemma_tokenizer
 
 # Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
 # in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
+# The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
+# preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
+AUDIO_N_FFT = 1024
 AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
 
 
@@ -62,6 +73,7 @@ class LTX2Spec(ModelSpec):
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
     comfy_alpha: ClassVar[bool] = False
     example_hub_id: ClassVar[str] = "Lightricks/LTX-2"
+    audio_stream: ClassVar[bool] = True
 
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:Gemma3ForConditionalGeneration",
@@ -106,8 +118,11 @@ class LTX2Spec(ModelSpec):
         """The connectors' video text embedding (heads x head dim wide) and its mask."""
         connectors = self.load_config("connectors")
         width = connectors["video_connector_num_attention_heads"] * connectors["video_connector_attention_head_dim"]
-        return {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
-                "latents": self.latent_shape(bucket)}
+        shapes = {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
+                  "latents": self.latent_shape(bucket)}
+        if self.config.audio:
+            shapes["audio_latents"] = self.audio_latent_shape(bucket)
+        return shapes
 
     @torch.no_grad()
     def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
@@ -127,6 +142,40 @@ class LTX2Spec(ModelSpec):
         latents = self._vae_mode(vae, video)
         latents = LTX2Pipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         return {"latents": latents.float()}
+
+    def audio_format(self) -> AudioFormat:
+        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
+        config = self.load_config("audio_vae")
+        return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
+
+    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
+        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
+        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
+
+        config = self.load_config("audio_vae")
+        per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
+        return config["latent_channels"], round(bucket.frames / self.frame_rate * per_second), config["mel_bins"] // DOWN
+
+    @torch.no_grad()
+    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
+        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
+        from diffusers import LTX2Pipeline
+
+        vae = encoders["audio_vae"]
+        config = vae.config
+        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
+                      config.mel_bins)
+        latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
+        frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
+        if latents.shape[2] < frames:
+            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
+                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
+        latents = latents[:, :, :frames]
+        packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
+        packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())
+        return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -205,7 +254,9 @@ class LTX2Spec(ModelSpec):
     @classmethod
     def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes for the transformer (2 layers, video 2 heads x 8, audio 2 x 4), text
-        connectors, audio VAE and vocoder; a 4-level video VAE (x8 time, x32 space, 8 channels); a
+        connectors and vocoder; the audio VAE at diffusers' test widths but with LTX-2's three levels (its
+        encoder downsamples x4 in time and mel bins, as the pipeline's audio latent shape assumes); a
+        4-level video VAE (x8 time, x32 space, 8 channels); a
         2-layer Gemma 3 with a locally built tokenizer; one preset for both tasks, saved in LTX2Pipeline's
         layout or (i2v) LTX2ImageToVideoPipeline's."""
         from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
@@ -247,10 +298,12 @@ class LTX2Spec(ModelSpec):
             qk_norm="rms_norm_across_heads", caption_channels=text_hidden, rope_double_precision=False,
             rope_type="split")
         audio_vae = AutoencoderKLLTX2Audio(
-            base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+            base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None,
             in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
             dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
             mel_bins=8)
+        audio_vae.latents_mean.copy_(torch.randn(4) * 0.1)  # per (channel, mel bin) of a latent frame, as for video
+        audio_vae.latents_std.copy_(torch.rand(4) + 0.5)
         vocoder = LTX2Vocoder(
             in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
             upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
