@@ -28,6 +28,7 @@ from vt.shared.buckets import parse_buckets
 from vt.shared.config import load_config
 from vt.shared.models import build_spec, get_spec_class
 from vt.shared.models.lora import lora_weight_name
+from vt.shared.video_io import read_sound
 from vt.train.trackers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -118,7 +119,9 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
                                                                   raw_shards, request):
     model = load_config(config_path).model  # the preset of the config's family and task
     # A family that trains on a control video reads one per sample: the same pieces with their edge maps.
-    raw = request.getfixturevalue("control_shards") if get_spec_class(model.family).control_video else raw_shards
+    # A config that trains audio reads clips with a sound track (the same pieces with a tone).
+    raw = request.getfixturevalue("control_shards") if get_spec_class(model.family).control_video else \
+        request.getfixturevalue("sound_shards") if model.audio else raw_shards
     sets = overrides(config_path, tmp_path, tiny_model_factory(model.family, task=model.task), raw)
     config = load_config(config_path, sets)
     run_dir = config.run_dir
@@ -159,3 +162,6 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
         rounds = sorted((run_dir / "validation").iterdir())  # every validate_every steps and at the end
         assert {"step-000002", f"step-{max(metrics):06d}"} <= {r.name for r in rounds}
         assert all(sorted(p.name for p in r.glob("*.mp4")) == videos for r in rounds)
+        if config.model.audio:  # the sound the run trained, with the frames
+            assert all(read_sound(p) is not None for r in rounds for p in r.glob("*.mp4"))
+            assert all(math.isfinite(m["audio_loss"]) for m in metrics.values())
