@@ -418,8 +418,10 @@ class LTX2Spec(ModelSpec):
         audio_vae.latents_mean.copy_(torch.randn(4) * 0.1)  # per (channel, mel bin) of a latent frame, as for video
         audio_vae.latents_std.copy_(torch.rand(4) + 0.5)
         vocoder = LTX2Vocoder(
-            in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
-            upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+            # x160 in all: one waveform sample per mel hop of the audio VAE (16 kHz / 160), so the sound lasts
+            # as long as the frames, as the real vocoder's x240 to 24 kHz does
+            in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[10, 8, 8, 4],
+            upsample_factors=[5, 4, 4, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
             leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
         scheduler = FlowMatchEulerDiscreteScheduler(  # LTX's token-count shift (LTX2Pipeline's mu defaults)
             use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
@@ -455,8 +457,8 @@ class LTX2Spec(ModelSpec):
                 connector_rope_base_seq_len=32, rope_double_precision=False, rope_type="split",
                 per_modality_projections=True, video_hidden_dim=16, audio_hidden_dim=8, proj_bias=True)
             parts["vocoder"] = LTX2VocoderWithBWE(
-                in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
-                upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], bwe_in_channels=2 * 8,
+                in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[10, 8, 8, 4],
+                upsample_factors=[5, 4, 4, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], bwe_in_channels=2 * 8,
                 bwe_hidden_channels=16, bwe_out_channels=2, bwe_upsample_kernel_sizes=[8, 4], bwe_upsample_factors=[4, 2],
                 bwe_resnet_kernel_sizes=[3], bwe_resnet_dilations=[[1, 3, 5]], filter_length=32, hop_length=4,
                 window_length=32, num_mel_channels=8, input_sampling_rate=16000, output_sampling_rate=32000)
