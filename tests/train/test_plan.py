@@ -16,7 +16,7 @@ from vt.shared.memory_trace import fake_mode, peak_bytes
 from vt.shared.models import FAMILIES, spec_for
 
 BIN = Path(sys.executable).parent
-BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96"}
+BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96", "minimax-h3": "5x64x96"}
 
 
 def config_for(model: Path, family: str, **train) -> Config:
