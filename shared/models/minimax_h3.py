@@ -19,7 +19,8 @@ What vt trains (text-to-video-and-audio, diffusers' MiniMaxH3ModularPipeline `t2
   rows (the transformer takes zero of them) and the audio heads (`audio_proj_in`, `audio_proj_out`) stay frozen and
   out of LoRA;
 - validation runs the modular pipeline itself (`MiniMaxH3Pipeline` below is a thin handle on it: the same blocks, fed
-  stored text embeddings) and returns its stereo sound track.
+  stored text embeddings) and returns its stereo sound track;
+- LoRA files: the pipeline's own format, and the ComfyUI file under the original checkpoint's names (q/k/v fused).
 Not covered: `fl2va` (first/last keyframes) and `ref2va` (references, `transformer_ref`), docs/families.md.
 """
 
@@ -457,8 +458,9 @@ class MiniMaxH3Pipeline:
         self._progress = {}
 
     def __getattr__(self, name):
-        if name in MiniMaxH3Pipeline._parts:
-            return getattr(self.__dict__["modular"], name, None)
+        modular = self.__dict__.get("modular")
+        if name in MiniMaxH3Pipeline._parts and modular is not None:
+            return getattr(modular, name, None)
         raise AttributeError(name)
 
     @classmethod
