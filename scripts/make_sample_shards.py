@@ -244,11 +244,12 @@ def cut_stills(clip: Path, count: int, max_side: int, start: int = 0) -> list[tu
 
 def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_side: int = 256,
                       stills_per_clip: int = 3, pieces_per_clip: int | None = None,
-                      control: str | None = None) -> list[Path]:
+                      control: str | None = None, sound: str = "none") -> list[Path]:
     """A raw folder as the peers take it: `<clip>-<n>.mp4` pieces (at most `pieces_per_clip`) and
     `<clip>-still-<n>.jpg` / `.png` / `.webp` cut from the clips, each with a `.txt` caption (the
     clip's, plus "a still of" for images); returns the media files. `control` ("edges" or "gray") also
-    writes each piece's control video beside it, `<clip>-<n>.control.mp4`."""
+    writes each piece's control video beside it, `<clip>-<n>.control.mp4`; `sound` ("tone" or "noise") muxes a
+    sound track into every piece (`with_sound`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written, stills = [], 0
@@ -256,7 +257,7 @@ def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_si
         caption = CAPTIONS.get(clip.stem)
         if caption is None:
             raise ValueError(f"no caption for clip {clip.name}; add it to CAPTIONS")
-        media = [(f"{clip.stem}-{n:03d}.mp4", video, caption)
+        media = [(f"{clip.stem}-{n:03d}.mp4", with_sound(video, sound, len(written) + n), caption)
                  for n, video in enumerate(cut_clip(clip, seconds, max_side)[:pieces_per_clip])]
         media += [(f"{clip.stem}-still-{n:03d}.{ext}", image, f"a still of {caption}")
                   for n, (ext, image) in enumerate(cut_stills(clip, stills_per_clip, max_side, start=stills))]
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}")
     if args.stills:
         written = make_media_folder(clips, args.out, args.seconds, args.max_side, stills_per_clip=args.stills,
-                                    control=args.control)
+                                    control=args.control, sound=args.sound)
     else:
         written = make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
                                      caption_format="json" if args.json else "txt", control=args.control,

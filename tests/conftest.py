@@ -151,8 +151,8 @@ def raw_shards(clips_dir, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def sound_shards(clips_dir, tmp_path_factory) -> Path:
-    """`raw_shards` with a sound track in every piece (a tone, 44.1 kHz stereo AAC as long as the piece:
-    scripts/make_sample_shards.py --sound tone), for configs that train audio (model.audio)."""
+    """`raw_shards` with a sound track in every sample (a tone; scripts/make_sample_shards.py --sound tone):
+    the same keys, for runs with model.audio."""
     from make_sample_shards import make_sample_shards
 
     out = tmp_path_factory.mktemp("raw-sound")

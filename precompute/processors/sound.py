@@ -55,15 +55,13 @@ def decode_sound(video: bytes, begin: float, seconds: float, request: SoundReque
     (seconds on the container's timeline) for `seconds`, resampled to the request's rate and channels.
     SampleError("missing_audio") for a clip without sound under "skip", ("corrupt_audio") for a broken track."""
     count = request.samples(seconds)
-    try:
-        with av.open(io.BytesIO(video), mode="r") as container:
-            stream = container.streams.audio[0] if container.streams.audio else None
-            decoded = None if stream is None else _decode_span(container, stream, begin, begin + seconds, request)
-    except (av.FFmpegError, ValueError, OSError) as err:  # ValueError: PyAV's resampler on a frame it cannot take
-        raise SampleError("corrupt_audio", f"the sound track cannot be decoded: {err}") from None
+    seek = begin > _SEEK_AFTER
+    has_track, decoded = _open_and_decode(video, begin, seconds, request, seek)
+    if seek and decoded is not None and decoded[1] > begin:  # the seek landed past the span (an index quirk)
+        has_track, decoded = _open_and_decode(video, begin, seconds, request, seek=False)
     if decoded is None:
         if request.missing == "skip":
-            what = "no audio stream" if stream is None else "an audio stream without a decodable frame"
+            what = "an audio stream without a decodable frame" if has_track else "no audio stream"
             raise SampleError("missing_audio", f"the clip has {what}; the family trains sound with the picture "
                                                "(set data.missing_audio = \"silence\" to train it on silence)")
         return torch.zeros(request.channels, count)
@@ -80,12 +78,27 @@ def decode_sound(video: bytes, begin: float, seconds: float, request: SoundReque
     return torch.from_numpy(np.clip(piece, -1.0, 1.0).astype(np.float32, copy=False))
 
 
-def _decode_span(container, stream, begin: float, end: float, request: SoundRequest) -> tuple[np.ndarray, float] | None:
+def _open_and_decode(video: bytes, begin: float, seconds: float, request: SoundRequest,
+                     seek: bool) -> tuple[bool, tuple[np.ndarray, float] | None]:
+    """(whether the file has an audio stream, `_decode_span`'s result or None); FFmpeg's failures are
+    `corrupt_audio`."""
+    try:
+        with av.open(io.BytesIO(video), mode="r") as container:
+            if not container.streams.audio:
+                return False, None
+            return True, _decode_span(container, container.streams.audio[0], begin, begin + seconds, request, seek)
+    except (av.FFmpegError, ValueError, OSError) as err:  # ValueError: PyAV's resampler on a frame it cannot take
+        raise SampleError("corrupt_audio", f"the sound track cannot be decoded: {err}") from None
+
+
+def _decode_span(container, stream, begin: float, end: float, request: SoundRequest,
+                 seek: bool) -> tuple[np.ndarray, float] | None:
     """(waveform (channels, n) at the request's rate, time in seconds of its first sample) covering [begin, end)
-    as far as the track reaches; None when the stream yields no frame."""
+    as far as the track reaches, decoded from a seek to just before `begin` or from the start; None when the
+    stream yields no frame."""
     stream.codec_context.thread_count = 1  # one clip per worker process (see decode.py)
     base = stream.time_base
-    if begin > _SEEK_AFTER:
+    if seek:
         container.seek(int((begin - _SEEK_MARGIN) / base), stream=stream, backward=True)
     source_channels = stream.codec_context.channels or 0
     layout = "mono" if request.channels == 1 or source_channels == 1 else "stereo"

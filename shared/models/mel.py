@@ -5,7 +5,8 @@ with torchaudio's MelSpectrogram: a centered STFT with reflect padding and a per
 as the FFT, magnitude (power 1), a Slaney-scale mel filterbank with Slaney (area) normalisation from 0 Hz
 to half the sample rate, then log(max(x, 1e-5)). diffusers ships the audio VAE but not this front end
 (its LTX-2 pipelines only decode), and torchaudio is not a dependency here, so the same arithmetic is
-written out below; tests/shared/test_ltx2_audio.py checks its filterbank and scaling against the definitions.
+written out below; tests/shared/test_ltx2_audio.py checks its filterbank and scaling against the definitions
+and against numbers from librosa (whose Slaney filters torchaudio reproduces).
 
 Slaney's mel scale is linear below 1 kHz (3 mels per 200 Hz) and logarithmic above it (27 mels per
 factor 6.4), so 1 kHz is mel 15 and 6.4 kHz mel 42.

@@ -47,6 +47,9 @@ FAMILY_TRAIN = {
                                                                "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},
+    # LTX-2 with model.audio (VARIANTS): a full fine-tune of both streams (every parameter gets a gradient, so
+    # DDP's reducer waits on all), each sample's audio latents and audio noise split with its latents.
+    "ltx-2-audio": {"mode": "full"},
     # Wan 2.2 TI2V-5B in i2v: per-token timesteps, the clean first latent frame weighted 0 in the loss.
     "wan2.2-ti2v-i2v": {"mode": "lora"},
     # bf16 weights on a CPU: the frozen layers stored in bf16 and computed in float32 (per layer in one
@@ -75,6 +78,7 @@ VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},
             "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
             "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+            "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
             "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS}}
 
 
@@ -91,7 +95,8 @@ def model_section(key: str) -> dict:
 @pytest.fixture(scope="session")
 def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
     """kept_window(family or variant key) -> (window folder, model folder), precomputed once per session; a
-    family that trains on a control video reads the same samples with one each (`control_shards`)."""
+    family that trains on a control video reads the same samples with one each (`control_shards`), a run that
+    trains sound (`model.audio`) with a sound track each (`sound_shards`)."""
     from cli_runs import write_config
 
     from vt.precompute.service import Precompute
@@ -106,7 +111,8 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
             section = model_section(family)
             model = tiny_model_factory(section["family"], task=section.get("task", "t2v"))
             raw = request.getfixturevalue("control_shards") if get_spec_class(section["family"]).control_video \
-                else request.getfixturevalue("sound_shards") if section.get("audio") else raw_shards
+                else raw_shards
+            raw = request.getfixturevalue("sound_shards") if section.get("audio") else raw
             config = write_config(root / "pre.toml", model, raw, root / "pre", str(root / "window"),
                                   model=section,
                                   buckets=bucket_section(family), window={"size": "keep"},

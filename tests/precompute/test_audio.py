@@ -31,12 +31,13 @@ STEREO_16K = SoundRequest(16000, 2, "skip")
 SIZES = ["9x32x64", "9x32x32", "9x64x32"]
 
 
-def clip_with_sound(wave: np.ndarray, rate: int, seconds: float = 4.0, fps: int = 8,
-                    layout: str = "stereo", video_start: int = 0) -> bytes:
-    """An mp4 of gray frames (`seconds` at `fps`, a keyframe a second) with `wave` (channels, samples) as its
-    AAC track; `video_start`: the first frame's pts (in 1/fps), so the video starts after the sound."""
+def clip_with_sound(wave: np.ndarray, rate: int, seconds: float = 4.0, fps: int = 8, layout: str = "stereo",
+                    video_start: int = 0, container_format: str = "mp4") -> bytes:
+    """An mp4 (or `container_format`) of gray frames (`seconds` at `fps`, a keyframe a second) with `wave`
+    (channels, samples) as its AAC track; `video_start`: the first frame's pts (in 1/fps), so the video starts
+    after the sound."""
     out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
+    with av.open(out, mode="w", format=container_format) as container:
         video = container.add_stream("libx264", rate=fps)
         video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
         video.codec_context.gop_size = fps
@@ -46,10 +47,12 @@ def clip_with_sound(wave: np.ndarray, rate: int, seconds: float = 4.0, fps: int 
             frame.pts, frame.time_base = video_start + index, Fraction(1, fps)
             container.mux(video.encode(frame))
         container.mux(video.encode(None))
-        sound = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave, dtype=np.float32), format="fltp", layout=layout)
-        sound.sample_rate, sound.pts = rate, 0
-        container.mux(audio.encode(sound))
-        container.mux(audio.encode(None))
+        if wave.shape[1]:  # else an audio stream without a frame
+            sound = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave, dtype=np.float32), format="fltp",
+                                               layout=layout)
+            sound.sample_rate, sound.pts = rate, 0
+            container.mux(audio.encode(sound))
+            container.mux(audio.encode(None))
     return out.getvalue()
 
 
@@ -96,13 +99,17 @@ def test_frames_and_sound_stay_in_sync_when_the_video_starts_late():
 
 
 def test_missing_and_broken_sound_tracks_are_rejects(media):
-    """No audio stream: `missing_audio` under "skip", 16 kHz silence under "silence"; an audio stream whose
-    packets are garbage: `corrupt_audio`; a track shorter than the span is padded with silence."""
+    """No audio stream, or one without a frame: `missing_audio` under "skip", 16 kHz silence under "silence";
+    an audio stream whose packets are garbage: `corrupt_audio`; a track shorter than the span is padded with
+    silence."""
     silent = media.encode_clip(media.gray_frames(24))
     with pytest.raises(SampleError) as caught:
         decode_sound(silent, 0.0, 1.125, STEREO_16K)
     assert caught.value.reason == "missing_audio" and "data.missing_audio" in caught.value.detail
     assert torch.equal(decode_sound(silent, 0.0, 1.125, SoundRequest(16000, 2, "silence")), torch.zeros(2, 18000))
+    with pytest.raises(SampleError, match="missing_audio: the clip has an audio stream without a decodable frame"):
+        decode_sound(clip_with_sound(np.zeros((2, 0), np.float32), 16000, container_format="matroska"), 0.0, 1.0,
+                     STEREO_16K)  # mp4 drops a track without packets; Matroska keeps it
     short = clip_with_sound(np.full((2, 8000), 0.4, np.float32), 16000, seconds=3.0)  # 0.5 s of sound
     padded = decode_sound(short, 0.0, 1.0, STEREO_16K)
     assert padded[:, 2000:7000].abs().min() > 0.2 and padded[:, 9000:].abs().max() < 0.01

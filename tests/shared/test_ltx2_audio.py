@@ -1,5 +1,5 @@
 """LTX-2's stage-1 audio encoder: the log-mel front end against its definition (torchaudio's MelSpectrogram
-with Slaney mels, as Lightricks' AudioProcessor builds it), and `encode_audio` against LTX2Pipeline itself:
+with Slaney mels, as Lightricks' AudioProcessor builds it) and against numbers from librosa, and `encode_audio` against LTX2Pipeline itself:
 the stored audio latents have the shape the pipeline generates for the clip's duration, and the pipeline's
 own decode path (denormalise, unpack, audio VAE, vocoder) gives back what the audio VAE makes of the sound
 (tiny real models)."""
@@ -44,6 +44,33 @@ def test_slaney_mel_scale_and_filterbank_follow_their_definitions():
     wide = (centres > 400)  # filters spanning many bins: the bin sum approximates the area
     torch.testing.assert_close(bank.sum(0)[wide] * step, torch.ones(int(wide.sum()), dtype=torch.float64),
                                atol=0.03, rtol=0)
+
+
+# librosa 0.11's mel filters (htk=False, norm="slaney": torchaudio's mel_scale / norm "slaney" are the same) and
+# log(max(mel @ |stft|, 1e-5)) of 0.3 sin(440 Hz) + 0.1 sin(3100 Hz), 18000 samples at 16 kHz (n_fft 1024, hop 160,
+# periodic Hann, centred, reflect padding), computed once outside the suite (librosa is not a dependency).
+LIBROSA_PEAK_BINS = [21, 43, 64, 91, 129, 182, 257, 362]
+LIBROSA_PEAKS = [0.00292115, 0.00296892, 0.00261983, 0.00199282, 0.00139908, 0.000993727, 0.000704303, 0.00049915]
+LIBROSA_FRAMES = {0: [-0.280174, -0.986958, -3.09019, -4.45224, -4.66967, -2.17107, -3.25396, -4.75947],
+                  50: [-1.12166, -1.91322, -10.6677, -11.5129, -11.5129, -3.16993, -4.75252, -11.5129],
+                  112: [-0.293029, -0.974535, -2.89239, -3.64185, -4.06316, -2.6745, -4.24075, -8.40525]}
+
+
+def test_log_mel_matches_librosas_slaney_mel_spectrogram():
+    """The 8-mel filterbank of the tiny preset peaks where librosa's does, as high; the log-mel of two tones
+    matches librosa's at the first frame, one inside and the last (the centred, reflect-padded edges)."""
+    bank = mel_filterbank(RATE, 1024, 8)
+    assert bank.argmax(0).tolist() == LIBROSA_PEAK_BINS
+    torch.testing.assert_close(bank.max(0).values.double(), torch.tensor(LIBROSA_PEAKS, dtype=torch.float64),
+                               atol=0, rtol=1e-5)
+    wave = (tone(440, 18000, 0.3) + tone(3100, 18000, 0.1)).float()
+    mel = log_mel(wave[None, None], RATE, 1024, 160, 8)[0, 0]
+    assert mel.shape == (113, 8)
+    for frame, expected in LIBROSA_FRAMES.items():
+        expected = torch.tensor(expected)
+        loud = expected > -9  # near the floor, float32 rounding of a tiny magnitude moves the log
+        torch.testing.assert_close(mel[frame][loud], expected[loud], atol=1e-4, rtol=0)
+        assert (mel[frame][~loud] < -9).all()
 
 
 def test_log_mel_of_a_tone_is_its_stft_magnitude_through_the_filters():
@@ -109,3 +136,36 @@ def test_audio_latents_have_the_pipelines_shape_and_decode_through_its_own_path(
     torch.testing.assert_close(raw, mode[:, :, :shape[1]], atol=1e-5, rtol=1e-5)
     waveform = pipeline.vocoder(vae.decode(raw).sample)
     assert waveform.shape[:2] == (2, 2) and waveform.shape[2] > 0 and waveform.isfinite().all()
+
+
+def test_real_audio_vae_config_gives_the_pipelines_length(tiny_model_factory, tmp_path):
+    """At LTX-2's real audio VAE config (scripts/real_models.json: 16 kHz stereo, 64 mels, x4 in time and mel
+    bins, 8 latent channels; random weights) a 25-frame clip at 24 fps is stored as (8, 26, 16): the
+    pipeline's round(25 / 24 x 25), one latent frame fewer than the causal encoder makes of it; 121 frames
+    (LTX-2's default) give 126."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from diffusers import AutoencoderKLLTX2Audio
+
+    real = json.loads((Path(__file__).parents[2] / "scripts" / "real_models.json").read_text())["ltx2"]
+    config = real["components"]["audio_vae"]["config"]
+    folder = tmp_path / "ltx-2"
+    shutil.copytree(tiny_model_factory("ltx-2"), folder)
+    saved = json.loads((folder / "audio_vae" / "config.json").read_text())
+    (folder / "audio_vae" / "config.json").write_text(json.dumps({**saved, **config}))
+    spec = make_spec(folder, fps=24.0)
+    bucket = Bucket(25, 512, 768)
+    assert (spec.audio_format().sample_rate, spec.audio_format().channels) == (16000, 2)
+    shape = spec.audio_latent_shape(bucket)
+    assert shape == (8, 26, 16) and spec.audio_latent_shape(Bucket(121, 512, 768)) == (8, 126, 16)
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        vae = AutoencoderKLLTX2Audio(**config).eval()
+    encoded = []
+    vae.encoder.register_forward_hook(lambda module, args, out: encoded.append(tuple(out.shape)))
+    sound = tone(440, spec.audio_samples(bucket)).float().expand(1, 2, -1)
+    stored = spec.encode_audio({"audio_vae": vae}, sound)["audio_latents"]
+    assert stored.shape == (1, *shape) and stored.isfinite().all()
+    assert encoded == [(1, 2 * 8, 27, 16)]  # mean and log-variance of the causal encoder's 27 frames: one more
