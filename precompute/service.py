@@ -49,6 +49,7 @@ from vt.shared.models import spec_for
 from vt.shared.provenance import fingerprint, provenance
 from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
 from vt.shared.shards import CommitRecord, encode_shard
+from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
 
 log = get_logger("vt.precompute")
@@ -125,6 +126,8 @@ class _Prepare:
 
 class Precompute:
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1):
+        self.startup = StartupTimeline()
+        self.startup.mark("imports")  # the interpreter and the CLI's imports, up to here
         map_large_allocations()  # decoded clips and encoder activations go back to the OS when freed
         self.config = config
         self.rank, self.world_size = rank, world_size
@@ -134,6 +137,7 @@ class Precompute:
         self.spec = spec_for(config)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
+        self.startup.mark("model_spec")
         every_shard = list_raw_shards(config.data.raw)
         self.shard_names = shard_names(every_shard)  # from the whole list: every rank names shards alike
         self.raw_shards = split_for_rank(every_shard, rank, world_size)
@@ -144,9 +148,10 @@ class Precompute:
         self.storage_dtype = DTYPES[pre.storage_dtype]
         self.provenance = provenance(config, spec=self.spec)
         self.fingerprint = fingerprint(self.provenance)
+        self.startup.mark("raw_list_and_weight_digests")
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
-        self.report = Report(rank=rank)
+        self.report = Report(rank=rank, startup=self.startup)
         self.progress: ProgressBar | None = None
         self.rejects: RejectLog | None = None
         self.seq = 0
@@ -194,15 +199,21 @@ class Precompute:
                      state.epoch, len(state.complete))
         tracker = Tracker(state)
         passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
+        self.startup.mark("window")
         pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 and state.epoch < passes else None
+        if pool is not None:
+            pool.warm_up()
+        self.startup.mark("decode_workers_spawned")
         self.progress = ProgressBar(self.report, enabled=self.config.log.progress)
         try:
             self._load_encoders()  # while the workers start
+            self.startup.mark("encoders_loaded")
             with torch.inference_mode():
                 self._write_empty_caption()
                 with text_phase(self.encoders, self.spec, self.device, pre.text_encoder_offload):
                     write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
                                                 self.storage_dtype)
+                self.startup.mark("empty_caption_and_validation_prompts")
                 for epoch in range(state.epoch, passes):
                     tracker.start_epoch(epoch)
                     self._run_epoch(epoch, pool, tracker)
@@ -246,6 +257,7 @@ class Precompute:
                 tracker.end_of_shard(item.index)
                 continue
             index, outcome = item
+            self.startup.mark("first_decoded_sample")
             self.report.seen += 1
             self.report.seconds["decode"] += outcome.seconds
             if outcome.samples is None:
