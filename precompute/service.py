@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from vt.precompute.encoders import encode_texts_with_images, encode_videos, load_encoders, text_phase
-from vt.precompute.processors import (Chain, ErrorPolicy, PreparedSample, ProcessorBug, SampleError, bad_data_only,
-                                      build_chain, worker_init)
+from vt.precompute.prepare import Prepare, ShardEnd
+from vt.precompute.processors import PreparedSample, ProcessorBug, bad_data_only, build_chain, worker_init
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
@@ -41,7 +40,7 @@ from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, 
 from vt.precompute.text_cache import TextCache
 from vt.precompute.validation_conditions import write_validation_conditions
 from vt.precompute.workers import DecodePool
-from vt.shared.buckets import Bucket, buckets_for, parse_buckets
+from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.caption_table import Captions, encode_caption
 from vt.shared.config import Config
 from vt.shared.log import get_logger
@@ -59,71 +58,6 @@ class TooManyFailures(RuntimeError):
     pass
 
 
-@dataclass
-class Outcome:
-    """What became of one raw sample: the `samples` the chain made of it, or `reason` and `detail`."""
-
-    key: str  # the raw sample's key in shards and logs (RawSample.sample_id)
-    shard: str  # the raw shard it came from
-    position: int  # its ordinal in that shard
-    samples: list[PreparedSample] | None  # several with a chain that splits clips (keys <key>#w<i>)
-    reason: str | None
-    detail: str
-    seconds: float
-
-    @classmethod
-    def of(cls, raw: RawSample, samples: list[PreparedSample] | None, reason: str | None = None, detail: str = "",
-           seconds: float = 0.0) -> "Outcome":
-        return cls(raw.sample_id, raw.shard, raw.position, samples, reason, detail, seconds)
-
-
-@dataclass(frozen=True)
-class ShardEnd:
-    """Follows the last sample of raw shard `index` through the pipeline: that shard is read to the end."""
-
-    index: int
-
-
-def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy) -> Outcome:
-    """Runs in a decode worker: a sample in, its prepared samples or the reason it was rejected out.
-
-    Only what `policy` judged bad data arrives here as SampleError; what it raises (ProcessorBug)
-    goes back to the service through the pool and stops the run.
-    """
-    start = time.perf_counter()
-    try:
-        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy), seconds=time.perf_counter() - start)
-    except SampleError as err:
-        return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
-
-
-class _Prepare:
-    """Picklable `prepare_timed` bound to the chain, bucket table and error policy; (raw index, sample) ->
-    (raw index, Outcome)."""
-
-    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy):
-        self.chain, self.buckets, self.fps, self.policy = chain, buckets, fps, policy
-
-    def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
-        if isinstance(item, ShardEnd):
-            return item
-        index, raw = item
-        buckets = buckets_for(self.buckets, raw.still)  # a still image: one-frame buckets only
-        if not buckets and raw.error is None:
-            need = "a one-frame bucket (1xHxW)" if raw.still else "a bucket of more than one frame"
-            kind = "an image" if raw.still else "a clip"
-            return index, Outcome.of(raw, None, "no_bucket", f"{kind} needs {need} in buckets.sizes")
-        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy)
-
-    @staticmethod
-    def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
-        """The outcome of a sample whose decode killed its worker process."""
-        if isinstance(item, ShardEnd):
-            return item
-        index, raw = item
-        return index, Outcome.of(raw, None, "decoder_crashed", "the decode worker process died on this clip")
-
-
 class Precompute:
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1):
         self.startup = StartupTimeline()
@@ -131,6 +65,26 @@ class Precompute:
         map_large_allocations()  # decoded clips and encoder activations go back to the OS when freed
         self.config = config
         self.rank, self.world_size = rank, world_size
+        pre = config.precompute
+        # The decode workers start first: a spawned worker spends seconds importing torch and PyAV, which then
+        # overlaps this process's imports of the encoders' libraries and its model loads (closed by run()).
+        self.pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 else None
+        if self.pool is not None:
+            self.pool.warm_up()
+        self.startup.mark("decode_workers_spawned")
+        try:
+            self._set_up(config, rank, world_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the decode workers (run() does this when it ends)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def _set_up(self, config: Config, rank: int, world_size: int) -> None:
         pre = config.precompute
         self.buckets = parse_buckets(config.buckets.sizes)
         self.chain = build_chain(pre.processors)
@@ -178,6 +132,7 @@ class Precompute:
             self.report.status = f"failed: {type(err).__name__}: {err}"
             raise
         finally:
+            self.close()
             self._write_report()
         return self.report
 
@@ -200,10 +155,9 @@ class Precompute:
         tracker = Tracker(state)
         passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
         self.startup.mark("window")
-        pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 and state.epoch < passes else None
-        if pool is not None:
-            pool.warm_up()
-        self.startup.mark("decode_workers_spawned")
+        if state.epoch >= passes:  # every pass is done: nothing to decode
+            self.close()
+        pool = self.pool
         self.progress = ProgressBar(self.report, enabled=self.config.log.progress)
         try:
             self._load_encoders()  # while the workers start
@@ -220,8 +174,7 @@ class Precompute:
         finally:
             self.progress.close()
             self.rejects.close()
-            if pool is not None:
-                pool.close()
+            self.close()
         self.window.finish_producer(self.rank, self.seq)
 
     def _raw_items(self, tracker: Tracker) -> Iterator[tuple[int, RawSample] | ShardEnd]:
@@ -246,7 +199,7 @@ class Precompute:
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
         # Bad data is rejected and counted; a processor's bug stops the run (processors/policy.py).
-        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only)
+        prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)

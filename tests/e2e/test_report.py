@@ -111,3 +111,16 @@ def test_vt_train_report_rebuilds_the_page_from_the_run_files(demo, tmp_path):
     missing = subprocess.run([str(BIN / "vt-train"), "report", str(tmp_path / "nothing")], stdin=subprocess.DEVNULL,
                              capture_output=True, text=True, timeout=120)
     assert missing.returncode == 1 and "no run folder" in missing.stderr
+
+
+def test_both_stages_record_their_start_up_up_to_their_first_work(demo):
+    run_dir, _ = demo
+    pre = json.loads((run_dir / "precompute_report.json").read_text())["startup"]
+    train = json.loads((run_dir / "startup.json").read_text())
+    for timeline, last in ((pre, "first_decoded_sample"), (train, "first_step")):
+        marks = list(timeline["marks_s"].values())
+        assert marks == sorted(marks) and list(timeline["marks_s"])[-1] == last, timeline
+        assert sum(timeline["parts_s"].values()) == pytest.approx(marks[-1], abs=0.01)
+        assert list(timeline["marks_s"])[0] == "imports" and 0 < marks[0] < marks[-1] < 300
+    # the decode workers are started before the model spec and encoders are set up
+    assert list(pre["marks_s"])[:3] == ["imports", "decode_workers_spawned", "model_spec"]
