@@ -15,6 +15,6 @@ if [ "$(id -u)" = 0 ]; then sudo=(); elif sudo -n true 2>/dev/null; then sudo=(s
   echo "no Chromium found and no root to install it: run 'apt-get install -y chromium' as root" >&2; exit 1
 fi
 export DEBIAN_FRONTEND=noninteractive
-timeout 600 "${sudo[@]}" apt-get update -q </dev/null >&2
-timeout 900 "${sudo[@]}" apt-get install -y -q --no-install-recommends chromium </dev/null >&2
+timeout 300 "${sudo[@]}" apt-get update -q </dev/null >&2
+timeout 480 "${sudo[@]}" apt-get install -y -q chromium </dev/null >&2
 find_browser || { echo "apt-get installed chromium but no chromium binary is on PATH" >&2; exit 1; }

@@ -33,7 +33,7 @@ FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "-
 def chromium() -> str:
     """The browser binary; scripts/ensure_browser.sh installs Debian's chromium where there is none."""
     out = subprocess.run([str(ROOT / "scripts" / "ensure_browser.sh")], stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, timeout=1800)
+                         capture_output=True, text=True, timeout=850)  # under pytest-timeout's 900 s
     if out.returncode != 0:
         raise RuntimeError(f"no Chromium: {out.stderr.strip()[-2000:]}")
     return out.stdout.strip().splitlines()[-1]
@@ -93,10 +93,11 @@ def _wait_for_port(profile: Path, proc: subprocess.Popen, timeout: float) -> int
 
 def render(page: Path, script: str, screenshot: Path, timeout: float = 90.0) -> tuple[object, list[dict]]:
     """Open `page` (a local file), evaluate `script` after load; returns (its value, requests seen)."""
+    binary = chromium()
     deadline = time.monotonic() + timeout
     profile = Path(tempfile.mkdtemp(prefix="vt-chromium-"))
     log = open(profile.parent / f"{profile.name}.log", "wb")
-    proc = subprocess.Popen([chromium(), *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+    proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
                             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     tools = None
     try:
