@@ -203,7 +203,7 @@ class LogConfig(_Section):
     # "debug" also shows vt's debug lines and the libraries' own progress bars and notices (transformers'
     # "Loading weights", diffusers' pipeline loading ...), hidden otherwise (vt.shared.log.quiet_libraries)
     level: Literal["info", "debug"] = "info"
-    report_every_seconds: float = Field(15.0, ge=0)  # <run.dir>/report.html at a log interval, at most this often
+    report_every_seconds: float = Field(30.0, ge=0)  # <run.dir>/report.html at a log interval, at most this often
 
 
 class ParallelConfig(_Section):

@@ -14,6 +14,7 @@ from vt.train.plots import moving_average
 
 __all__ = ["curve_figures", "loss_keys"]
 HEIGHT = 320  # pixels per figure
+MAX_POINTS = 4000  # per curve: a long run's curves are thinned to this many points (the page stays small)
 
 
 def loss_keys(records: list[dict]) -> list[str]:
@@ -26,6 +27,17 @@ def loss_keys(records: list[dict]) -> list[str]:
 def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
     pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
     return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _thin(steps: list, values: list) -> tuple[list, list]:
+    """Every k-th point, and always the last, so a curve has at most about MAX_POINTS points."""
+    stride = -(-len(values) // MAX_POINTS)
+    if stride <= 1:
+        return steps, values
+    keep = list(range(0, len(values), stride))
+    if keep[-1] != len(values) - 1:
+        keep.append(len(values) - 1)
+    return [steps[i] for i in keep], [values[i] for i in keep]
 
 
 def _window(points: int) -> int:
@@ -55,11 +67,12 @@ def loss_figure(records: list[dict]):
     fig = _figure("loss", "loss")
     for key in loss_keys(records):
         steps, values = _series(records, key)
-        fig.add_trace(go.Scatter(x=steps, y=values, mode="lines", name=key, opacity=0.35))
+        x, y = _thin(steps, values)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=key, opacity=0.35))
         window = _window(len(values))
-        if window > 1 and len(values) >= window:
-            fig.add_trace(go.Scatter(x=steps[window - 1:], y=moving_average(np.array(values), window).tolist(),
-                                     mode="lines", name=f"{key} (mean of {window})", line=dict(width=3)))
+        if window > 1 and len(values) >= window:  # the average over every point, then thinned
+            x, y = _thin(steps[window - 1:], moving_average(np.array(values), window).tolist())
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=f"{key} (mean of {window})", line=dict(width=3)))
     return fig
 
 
@@ -70,7 +83,8 @@ def _single(records: list[dict], key: str, title: str, y_title: str, from_zero: 
     if not values:
         return None
     fig = _figure(title, y_title)
-    fig.add_trace(go.Scatter(x=steps, y=values, mode="lines+markers" if len(values) < 50 else "lines", name=key))
+    x, y = _thin(steps, values)
+    fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers" if len(values) < 50 else "lines", name=key))
     if from_zero:
         _from_zero(fig, values)
     return fig
@@ -88,7 +102,8 @@ def memory_figure(records: list[dict]):
     for key in ranks:
         steps, values = _series(records, key)
         peaks += values
-        fig.add_trace(go.Scatter(x=steps, y=values, mode="lines", name=key.split("/", 1)[1]))
+        x, y = _thin(steps, values)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=key.split("/", 1)[1]))
     _from_zero(fig, peaks)
     return fig
 

@@ -75,3 +75,15 @@ def test_the_trainers_writer_waits_its_interval_and_a_failure_is_a_warning(run_d
     (run_dir / "metrics.jsonl").write_text('{"broken\n{"step": 1}\n')  # a broken line inside the file
     assert writer.update(final=True) is None
     assert "could not write" in capsys.readouterr().err  # vt's logger writes to stderr
+
+
+def test_a_long_runs_curves_are_thinned_keeping_the_last_step(monkeypatch):
+    import vt.train.report_plots as plots
+
+    monkeypatch.setattr(plots, "MAX_POINTS", 100)
+    records = [{"step": s, "loss": float(s % 7), "lr": 1e-4} for s in range(1, 1002)]
+    figures = {fig.layout.title.text: fig for fig in curve_figures(records)}
+    raw, average = figures["loss"].data
+    assert len(raw.x) <= 101 and raw.x[0] == 1 and raw.x[-1] == 1001
+    assert average.name == "loss (mean of 50)" and average.x[-1] == 1001 and len(average.y) <= 101
+    assert average.y[-1] == pytest.approx(np.mean([s % 7 for s in range(952, 1002)]))  # the mean over every point
