@@ -17,6 +17,11 @@ slowest and stop all of them when one dies. The choice keeps each producer self-
 `precompute.vae_tiling` encodes clips in overlapping tiles (diffusers' `enable_tiling`), so long or
 high-resolution clips fit; it changes the latents slightly, so it is part of the shards' provenance.
 A clip that still cannot be encoded stops the run with what to change (`VaeOutOfMemory`).
+
+A family that trains audio (model.audio) also loads its audio encoder (`spec.audio_components`) beside the
+VAE, on the device and in float32 whatever model.dtype says (as reference trainers encode audio: a mel
+spectrogram's log range suffers in bf16, and audio encoders are small), and `encode_sounds` encodes each
+shard's sounds, cut or padded to the bucket's length (`spec.audio_samples`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from vt.shared.log import get_logger
@@ -38,8 +44,9 @@ class VaeOutOfMemory(RuntimeError):
 
 
 def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) -> dict:
-    """The stage-1 components, each loaded once: the VAE on `device`, the text parts per `offload`."""
-    text_parts = [name for name in spec.stage1_components if name != "vae"]
+    """The stage-1 components, each loaded once: the VAE (and audio encoder) on `device`, the text parts per
+    `offload`."""
+    text_parts = text_components(spec)
     dtype = encoder_dtype(device, spec.frozen_dtype)
     if dtype != spec.frozen_dtype:
         log.info("stage 1 on a CPU: the encoders compute in float32, not model.dtype %s (their reduced-precision "
@@ -47,7 +54,8 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) ->
     encoders = {}
     for name in spec.stage1_components:
         on_cpu = name in text_parts and offload != "none"
-        encoders[name] = spec.load_component(name, "cpu" if on_cpu else device, dtype)
+        audio = name in spec.audio_components and spec.config.audio
+        encoders[name] = spec.load_component(name, "cpu" if on_cpu else device, torch.float32 if audio else dtype)
     if offload == "blocks":
         from diffusers.hooks import apply_group_offloading
 
@@ -68,6 +76,13 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) ->
     return encoders
 
 
+def text_components(spec) -> list[str]:
+    """The stage-1 components the text phase moves (text and image encoders): all but the VAE and the audio
+    encoder, which stay on the device."""
+    audio = spec.audio_components if spec.config.audio else ()
+    return [name for name in spec.stage1_components if name != "vae" and name not in audio]
+
+
 def layer_paths(module: nn.Module) -> list[str]:
     """The child names leading to the module's lists of layers (UMT5's `encoder` above `encoder.block`,
     Gemma 3's `model`, `language_model`): group offloading descends through them to stream each layer."""
@@ -80,7 +95,7 @@ def layer_paths(module: nn.Module) -> list[str]:
 def text_phase(encoders: dict, spec, device: torch.device, offload: str) -> Iterator[None]:
     """Around text encoding: with "model" offload the text parts are on `device` inside the block and back
     in CPU memory (the device memory freed) after it; otherwise nothing moves."""
-    modules = [encoders[n] for n in spec.stage1_components if n != "vae" and isinstance(encoders[n], nn.Module)]
+    modules = [encoders[n] for n in text_components(spec) if isinstance(encoders[n], nn.Module)]
     if offload != "model" or device.type == "cpu":
         yield
         return
@@ -123,6 +138,21 @@ def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, 
         for part in parts:
             for name, tensor in part.items():
                 out.setdefault(name, []).append(tensor.cpu())
+    return out
+
+
+def encode_sounds(spec, encoders: dict, sounds: list[torch.Tensor], bucket, batch: int,
+                  device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """`spec.encode_audio` over the samples' `sounds` (channels, samples) in batches of `batch`, each cut or
+    padded with silence to `spec.audio_samples(bucket)` (the decoder's rounding is the spec's; this keeps
+    the family's length the one truth)."""
+    length = spec.audio_samples(bucket)
+    fitted = [F.pad(s[:, :length], (0, max(0, length - s.shape[1]))) for s in sounds]
+    out: dict[str, list[torch.Tensor]] = {}
+    for start in range(0, len(fitted), batch):
+        group = torch.stack(fitted[start:start + batch]).to(device, torch.float32)
+        for name, tensor in spec.encode_audio(encoders, group).items():
+            out.setdefault(name, []).append(tensor.cpu())
     return out
 
 

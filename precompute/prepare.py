@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from vt.precompute.processors import Chain, ErrorPolicy, PreparedSample, SampleError
+from vt.precompute.processors import Chain, ErrorPolicy, PreparedSample, SampleError, SoundRequest
 from vt.precompute.sources import RawSample
 from vt.shared.buckets import Bucket, buckets_for
 
@@ -43,25 +43,28 @@ class ShardEnd:
     index: int
 
 
-def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy) -> Outcome:
-    """Runs in a decode worker: a sample in, its prepared samples or the reason it was rejected out.
+def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
+                  sound: SoundRequest | None = None) -> Outcome:
+    """Runs in a decode worker: a sample in, its prepared samples (with their sound when `sound` asks for
+    it) or the reason it was rejected out.
 
     Only what `policy` judged bad data arrives here as SampleError; what it raises (ProcessorBug)
     goes back to the service through the pool and stops the run.
     """
     start = time.perf_counter()
     try:
-        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy), seconds=time.perf_counter() - start)
+        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy, sound), seconds=time.perf_counter() - start)
     except SampleError as err:
         return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
 
 
 class Prepare:
-    """Picklable `prepare_timed` bound to the chain, bucket table and error policy; (raw index, sample) ->
-    (raw index, Outcome)."""
+    """Picklable `prepare_timed` bound to the chain, bucket table, error policy and sound request; (raw index,
+    sample) -> (raw index, Outcome)."""
 
-    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy):
-        self.chain, self.buckets, self.fps, self.policy = chain, buckets, fps, policy
+    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
+                 sound: SoundRequest | None = None):
+        self.chain, self.buckets, self.fps, self.policy, self.sound = chain, buckets, fps, policy, sound
 
     def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
         if isinstance(item, ShardEnd):
@@ -72,7 +75,7 @@ class Prepare:
             need = "a one-frame bucket (1xHxW)" if raw.still else "a bucket of more than one frame"
             kind = "an image" if raw.still else "a clip"
             return index, Outcome.of(raw, None, "no_bucket", f"{kind} needs {need} in buckets.sizes")
-        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy)
+        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy, self.sound)
 
     @staticmethod
     def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:

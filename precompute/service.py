@@ -21,6 +21,11 @@ whole raw shard list before the per-rank split. The processor chain (`precompute
 the decode workers) may make several samples of one raw sample, keyed `<sample_id>#<suffix>`; each
 is committed once on its own, and a restart drops the parts of a re-decoded clip already committed. Every rejected sample is listed with its reason in
 the run folder's rejects.jsonl (precompute/rejects.py), each once across restarts.
+
+A family that trains audio (model.audio): the decode workers also decode each sample's sound over its
+frames' time span at the family's rate and channels (processors/sound.py; a clip without sound follows
+data.missing_audio), and the shard stores `spec.encode_audio`'s `audio_latents` beside the latents, one
+row per sample key as every tensor. Without model.audio no sound is read and shards are as before.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from collections.abc import Iterator
 
 import torch
 
-from vt.precompute.encoders import encode_texts_with_images, encode_videos, load_encoders, text_phase
+from vt.precompute.encoders import encode_sounds, encode_texts_with_images, encode_videos, load_encoders, text_phase
 from vt.precompute.prepare import Prepare, ShardEnd
-from vt.precompute.processors import PreparedSample, ProcessorBug, bad_data_only, build_chain, worker_init
+from vt.precompute.processors import (PreparedSample, ProcessorBug, SoundRequest, bad_data_only, build_chain,
+                                      worker_init)
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
@@ -56,6 +62,12 @@ log = get_logger("vt.precompute")
 
 class TooManyFailures(RuntimeError):
     pass
+
+
+def sound_request(spec, config: Config) -> SoundRequest:
+    """What the decode workers decode of each clip's sound: the family's rate and channels, data.missing_audio."""
+    audio = spec.audio_format()
+    return SoundRequest(audio.sample_rate, audio.channels, config.data.missing_audio)
 
 
 class Precompute:
@@ -98,6 +110,8 @@ class Precompute:
         self.shards_id = shards_digest(self.raw_shards)
         # The member each sample's control video is read from, for a family that trains on one (else none).
         self.control = config.data.control if self.spec.control_video else None
+        # Each sample's sound at the family's rate and channels, for a run that trains audio (else none is read).
+        self.sound = sound_request(self.spec, config) if config.model.audio else None
         self.device = pick_device(pre.device)
         self.storage_dtype = DTYPES[pre.storage_dtype]
         self.provenance = provenance(config, spec=self.spec)
@@ -199,7 +213,7 @@ class Precompute:
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
         # Bad data is rejected and counted; a processor's bug stops the run (processors/policy.py).
-        prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only)
+        prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
@@ -271,6 +285,9 @@ class Precompute:
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,
                                 bucket.name, pre.vae_tiling, controls)
+        if self.sound is not None:  # model.audio: `audio_latents`, one row per sample as the latents
+            latents.update(encode_sounds(self.spec, self.encoders, [s.sound for s in samples], bucket,
+                                         pre.encode_batch, self.device))
         self.report.seconds["vae_encode"] += time.perf_counter() - started
         tensors = self._stored({name: torch.cat(parts) for name, parts in {**latents, **sample_text}.items()})
         captions.conditions = self._stored(captions.conditions)

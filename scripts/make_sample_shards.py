@@ -12,6 +12,10 @@ images per clip as .jpg / .png / .webp, each with <key>.txt): the mixed raw inpu
 With `--control edges` (or `gray`) every piece also gets a control video, `<key>.control.mp4`: the same
 frames, timing and size as an edge map (Sobel magnitude of the luma) or as grayscale, what a family that
 trains on a control video (pose, depth, edges) reads beside each clip.
+With `--sound tone` (or `noise`) every piece gets a sound track muxed beside its frames (stream copy of the
+video): a sine whose pitch differs from piece to piece, or seeded white noise, 44.1 kHz stereo AAC as long
+as the piece, what a family that trains audio (LTX-2) reads; the default (`none`) writes no sound, as
+before.
 """
 
 from __future__ import annotations
@@ -96,6 +100,43 @@ def cut_clip(clip: Path, seconds: float, max_side: int) -> list[bytes]:
 
 
 CONTROLS = ("edges", "gray")
+SOUNDS = ("tone", "noise", "none")
+SOUND_RATE = 44100  # Hz: not a family's rate, so stage 1's resampling is always exercised
+
+
+def sound_wave(kind: str, seconds: float, index: int = 0, rate: int = SOUND_RATE) -> np.ndarray:
+    """(2, samples) float32 stereo: a sine at 220 Hz x (1 + index % 4) with amplitude 0.5 (`tone`), or white noise
+    of standard deviation 0.1 seeded by `index` (`noise`)."""
+    count = round(seconds * rate)
+    if kind == "tone":
+        wave = 0.5 * np.sin(2 * np.pi * 220.0 * (1 + index % 4) * np.arange(count) / rate)
+        return np.stack([wave, wave]).astype(np.float32)
+    if kind == "noise":
+        return np.clip(np.random.default_rng(index).normal(0, 0.1, (2, count)), -1, 1).astype(np.float32)
+    raise ValueError(f"sound kind must be one of {SOUNDS[:-1]}, got {kind!r}")
+
+
+def with_sound(video: bytes, kind: str, index: int = 0) -> bytes:
+    """The mp4 piece with a sound track of `kind` (`sound_wave`) as long as its video, AAC beside the frames
+    (the video stream copied, not re-encoded); `none` returns it unchanged."""
+    if kind == "none":
+        return video
+    out = io.BytesIO()
+    with av.open(io.BytesIO(video)) as source, av.open(out, mode="w", format="mp4") as target:
+        stream = source.streams.video[0]
+        seconds = float(stream.duration * stream.time_base) if stream.duration else float(source.duration) / av.time_base
+        copy = target.add_stream_from_template(stream)
+        audio = target.add_stream("aac", rate=SOUND_RATE, layout="stereo")
+        for packet in source.demux(stream):
+            if packet.dts is None:  # the demuxer's empty flush packet
+                continue
+            packet.stream = copy
+            target.mux(packet)
+        frame = av.AudioFrame.from_ndarray(sound_wave(kind, seconds, index), format="fltp", layout="stereo")
+        frame.sample_rate, frame.pts = SOUND_RATE, 0
+        target.mux(audio.encode(frame))
+        target.mux(audio.encode(None))
+    return out.getvalue()
 
 
 def control_video(video: bytes, kind: str = "edges") -> bytes:
@@ -130,13 +171,15 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
 
 def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_shard: int = 8,
                        max_side: int = 480, captions: dict[str, str] | None = None,
-                       caption_format: str = "txt", interleave: bool = False, control: str | None = None) -> list[Path]:
+                       caption_format: str = "txt", interleave: bool = False, control: str | None = None,
+                       sound: str = "none") -> list[Path]:
     """Write raw shards out/raw-000000.tar ... and return their paths.
 
     `captions` maps a clip's file stem to its caption (defaults cover the four sample clips);
     `caption_format` "txt" writes <key>.txt, "json" writes <key>.json {"caption": ...};
     `interleave` takes the clips' pieces round-robin (as a crawl mixes sources) instead of clip by clip;
-    `control` ("edges" or "gray") also writes each piece's control video as <key>.control.mp4.
+    `control` ("edges" or "gray") also writes each piece's control video as <key>.control.mp4;
+    `sound` ("tone" or "noise") muxes a sound track into every piece (`with_sound`).
     """
     if caption_format not in ("txt", "json"):
         raise ValueError(f"caption_format must be 'txt' or 'json', got {caption_format!r}")
@@ -148,7 +191,7 @@ def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_s
         caption = known.get(clip.stem)
         if caption is None:
             raise ValueError(f"no caption for clip {clip.name}; pass captions={{'{clip.stem}': '...'}}")
-        per_clip.append([(f"{clip.stem}-{number:03d}", video, caption)
+        per_clip.append([(f"{clip.stem}-{number:03d}", with_sound(video, sound, len(per_clip) + number), caption)
                          for number, video in enumerate(cut_clip(clip, seconds, max_side))])
     if interleave:
         rounds = itertools.zip_longest(*per_clip)
@@ -201,11 +244,12 @@ def cut_stills(clip: Path, count: int, max_side: int, start: int = 0) -> list[tu
 
 def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_side: int = 256,
                       stills_per_clip: int = 3, pieces_per_clip: int | None = None,
-                      control: str | None = None) -> list[Path]:
+                      control: str | None = None, sound: str = "none") -> list[Path]:
     """A raw folder as the peers take it: `<clip>-<n>.mp4` pieces (at most `pieces_per_clip`) and
     `<clip>-still-<n>.jpg` / `.png` / `.webp` cut from the clips, each with a `.txt` caption (the
     clip's, plus "a still of" for images); returns the media files. `control` ("edges" or "gray") also
-    writes each piece's control video beside it, `<clip>-<n>.control.mp4`."""
+    writes each piece's control video beside it, `<clip>-<n>.control.mp4`; `sound` ("tone" or "noise") muxes a
+    sound track into every piece (`with_sound`)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written, stills = [], 0
@@ -213,7 +257,7 @@ def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_si
         caption = CAPTIONS.get(clip.stem)
         if caption is None:
             raise ValueError(f"no caption for clip {clip.name}; add it to CAPTIONS")
-        media = [(f"{clip.stem}-{n:03d}.mp4", video, caption)
+        media = [(f"{clip.stem}-{n:03d}.mp4", with_sound(video, sound, len(written) + n), caption)
                  for n, video in enumerate(cut_clip(clip, seconds, max_side)[:pieces_per_clip])]
         media += [(f"{clip.stem}-still-{n:03d}.{ext}", image, f"a still of {caption}")
                   for n, (ext, image) in enumerate(cut_stills(clip, stills_per_clip, max_side, start=stills))]
@@ -239,16 +283,19 @@ def main(argv: list[str] | None = None) -> None:
                         help="write a media folder instead of tars: the pieces plus this many stills per clip")
     parser.add_argument("--control", choices=CONTROLS, default=None,
                         help="also write each piece's control video (<key>.control.mp4): its edges or its grayscale")
+    parser.add_argument("--sound", choices=SOUNDS, default="none",
+                        help="mux a sound track into every piece (a tone or noise, 44.1 kHz stereo AAC); default none")
     args = parser.parse_args(argv)
     clips = sorted(args.clips.glob("*.mp4"))
     if not clips:
         raise SystemExit(f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}")
     if args.stills:
         written = make_media_folder(clips, args.out, args.seconds, args.max_side, stills_per_clip=args.stills,
-                                    control=args.control)
+                                    control=args.control, sound=args.sound)
     else:
         written = make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
-                                     caption_format="json" if args.json else "txt", control=args.control)
+                                     caption_format="json" if args.json else "txt", control=args.control,
+                                     sound=args.sound)
     for path in written:
         print(path)
 

@@ -7,8 +7,10 @@ the settings that differ (`describe_difference`), so a cache never goes stale si
 What goes in: the model family and task, the encoders' weights (a digest of the tokenizer, text
 encoder and VAE files), the processing (frame rate, bucket table, and the processor chain: every
 step's name, version and options, defaults included; for a family that trains on a control video, the
-member it is read from, `data.control`), the text length, encoder and storage dtypes, and the shard
-format version.
+member it is read from, `data.control`; for a run that trains audio, `model.audio`, the sound's rate and
+channels and `data.missing_audio`, and the audio encoder among the weights), the text length, encoder
+and storage dtypes, and the shard format version. A run without audio records none of it, so its
+shards and fingerprint are what they were before audio existed.
 Not in: anything only the trainer uses (transformer, LoRA, learning rate ...).
 
 The weights digest reads files, never loads a model, and remembers each big file's digest by its path,
@@ -66,9 +68,17 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
                        "processors": describe_chain(config.precompute.processors),
                        **({"vae_tiling": True} if config.precompute.vae_tiling else {}),
                        # which member of each sample holds its control video (a family that trains on one)
-                       **({"control": config.data.control} if spec.control_video else {})},
+                       **({"control": config.data.control} if spec.control_video else {}),
+                       # model.audio: the sound stored beside the latents (shards without it are refused)
+                       **({"audio": audio_settings(config, spec)} if config.model.audio else {})},
         "weights": dict(sorted((weights if weights is not None else weights_digests(spec)).items())),
     }
+
+
+def audio_settings(config: Config, spec) -> dict:
+    """What decides a shard's `audio_latents`: the family's sound format and what a clip without sound gets."""
+    audio = spec.audio_format()
+    return {"sample_rate": audio.sample_rate, "channels": audio.channels, "missing": config.data.missing_audio}
 
 
 def fingerprint(prov: dict) -> str:

@@ -71,7 +71,8 @@ def ltxv_weights(num_layers: int, dim: int, cross_attention_dim: int) -> dict[st
 def ltxav_weights(num_layers: int, v_dim: int, a_dim: int, v_context: int, a_context: int) -> dict[str, Shape]:
     """LTXAVModel (comfy/ldm/lightricks/av_model.py 322-464): `transformer_blocks.N`
     BasicAVTransformerBlock (lines 14-117); the audio-video cross-attention runs at the audio width
-    (heads a_heads x ad_head: inner a_dim)."""
+    (heads a_heads x ad_head: inner a_dim). Re-read for the audio modules at
+    comfyanonymous/ComfyUI@2fb2e7567fc2a6a2752c7055e47f8f9f24976134: the same names and sizes."""
     out: dict[str, Shape] = {}
     for n in range(num_layers):
         block = f"transformer_blocks.{n}"

@@ -151,6 +151,17 @@ def raw_shards(clips_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sound_shards(clips_dir, tmp_path_factory) -> Path:
+    """`raw_shards` with a sound track in every sample (a tone; scripts/make_sample_shards.py --sound tone):
+    the same keys, for runs with model.audio."""
+    from make_sample_shards import make_sample_shards
+
+    out = tmp_path_factory.mktemp("raw-sound")
+    make_sample_shards(sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, per_shard=4, max_side=256, sound="tone")
+    return out
+
+
+@pytest.fixture(scope="session")
 def control_shards(clips_dir, tmp_path_factory) -> Path:
     """`raw_shards` with a control video per sample, `<key>.control.mp4`: the piece's edge map (Sobel of
     its luma), same frames and timing (scripts/make_sample_shards.py --control edges)."""

@@ -209,7 +209,7 @@ def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torc
 def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None) -> None:
     """Activations per bucket (one micro-batch's forward and backward, with and without checkpointing),
     validation's working memory and stage 1's encoders, all on fake tensors."""
-    from vt.train.objectives import flow_matching_loss
+    from vt.train.objectives import joint_loss
     from vt.train.parallel import apply_ac
 
     config, train = plan.config, plan.config.train
@@ -262,7 +262,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
                     with _autocast(amp):
                         out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
                                            torch.zeros_like(batch["latents"]))
-                    flow_matching_loss(out).backward()
+                    joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
         if train.validation_prompts:
             plan.rank.validation = _validation_bytes(config, spec, fake_parameters(validation_vae).eval(), shapes,
@@ -279,6 +279,8 @@ def _batch(shapes: dict[str, tuple[int, ...]], size: int) -> dict[str, torch.Ten
     from torch.utils._python_dispatch import _disable_current_modes
 
     out = {}
+    if "audio_latents" in shapes:  # model.audio: the trainer draws noise like them (draw_audio_noise)
+        shapes = {**shapes, "audio_noise": shapes["audio_latents"]}
     for name, shape in shapes.items():
         if "mask" in name or (name != "latents" and size * math.prod(shape) <= REAL_CONDITION):
             with _disable_current_modes():

@@ -2,11 +2,12 @@
 
 `build_chain(entries)` validates and completes the configured list, and builds each step from its
 options: a built-in or a user class alike, by the import path the step names (`Step.implementation`;
-the built-ins' table is vt.shared.chain.BUILTINS). `Chain.prepare(raw, buckets, fps, policy)` opens
+the built-ins' table is vt.shared.chain.BUILTINS). `Chain.prepare(raw, buckets, fps, policy, sound)` opens
 the clip once, runs every step over the sample (a step may yield several samples or none) and returns
 the prepared samples; an exception in a step goes through the error policy (policy.py) with the
-step's name, which rejects bad data and stops the run for anything else. A Chain pickles, so it
-runs in the decode workers.
+step's name, which rejects bad data and stops the run for anything else. `sound` (a SoundRequest, for
+a family that trains audio) makes `decode` also decode each sample's sound over its frames' time span.
+A Chain pickles, so it runs in the decode workers.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+
+import torch
 
 from vt.shared.buckets import Bucket
 from vt.shared.chain import load_user_class, resolve_chain
@@ -26,6 +29,7 @@ from .fit_bucket import open_control
 from .policy import ErrorPolicy, bad_data_only
 from .prepared import PreparedSample
 from .sample import Sample
+from .sound import SoundRequest
 
 
 @contextmanager
@@ -48,9 +52,10 @@ class Chain:
         return any(isinstance(p, Caption) and p.options.field for p in self.processors)
 
     def prepare(self, raw: RawSample, buckets: list[Bucket], fps: float,
-                policy: ErrorPolicy = bad_data_only) -> list[PreparedSample]:
+                policy: ErrorPolicy = bad_data_only, sound: SoundRequest | None = None) -> list[PreparedSample]:
         """The samples the chain makes of one raw sample; SampleError if it cannot be used (as
-        `policy` judges a step's exception; bad_data_only raises ProcessorBug for a bug)."""
+        `policy` judges a step's exception; bad_data_only raises ProcessorBug for a bug). `sound`: each
+        sample also carries its sound (model.audio), decoded as the request says."""
         # A .json without "caption" / "text" is fine when a caption step reads another field of it.
         if raw.error and not (raw.error == "missing_caption" and raw.meta is not None and self._reads_json()):
             raise SampleError(raw.error, raw.detail or f"sample {raw.key!r} in {raw.shard}")
@@ -62,7 +67,7 @@ class Chain:
                 clip = opened.enter_context(Clip(raw.video))
                 control = None if raw.control is None else opened.enter_context(open_control(raw.control))
             samples = [Sample(key=key, caption=raw.caption or "", clip=clip, fps=fps, buckets=buckets,
-                              meta=raw.meta or {}, control=control)]
+                              meta=raw.meta or {}, control=control, sound_request=sound)]
             for name, processor in zip(self.names, self.processors):
                 with _step(name, key, policy):
                     samples = _unique([out for sample in samples for out in processor(sample)])
@@ -89,11 +94,18 @@ def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
             raise ValueError(f"sample {sample.key!r} left the chain with {name} "
                              f"{None if pixels is None else tuple(pixels.shape)}, not uint8 {expected}; a processor "
                              "after decode must keep the bucket's shape")
+    request = sample.sound_request
+    if request is not None:
+        expected = (request.channels, request.samples(bucket.frames / sample.fps))
+        if sample.sound is None or tuple(sample.sound.shape) != expected or sample.sound.dtype != torch.float32:
+            found = None if sample.sound is None else f"{tuple(sample.sound.shape)} {sample.sound.dtype}"
+            raise ValueError(f"sample {sample.key!r} left the chain with sound {found}, not float32 {expected} (the "
+                             "frames' time span at the family's rate); a processor after decode must keep it")
     if not sample.caption:
         raise SampleError(raw.error or "missing_caption", raw.detail or "the sample has no caption")
     control = sample.control_pixels if raw.control is not None else None
     return PreparedSample(key=sample.key, caption=sample.caption, bucket=bucket, pixels=sample.pixels,
-                          control_pixels=control)
+                          control_pixels=control, sound=sample.sound if request is not None else None)
 
 
 def build_chain(entries: list[dict]) -> Chain:

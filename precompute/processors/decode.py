@@ -139,6 +139,16 @@ class Clip:
             self._container.close()
             raise
 
+    @property
+    def data(self) -> bytes:
+        """The file's bytes (the sound decoder opens them again, processors/sound.py)."""
+        return self._video
+
+    @property
+    def origin_seconds(self) -> float:
+        """Where the clip's time 0 (its video stream's start) is on the container's timeline, in seconds."""
+        return float(self._origin * self._stream.time_base)
+
     def __enter__(self) -> "Clip":
         return self
 

@@ -15,6 +15,8 @@ buckets.fps) scaled to cover its bucket, and cuts the crop box. A sample with a 
 its frames the same way (`decode_control`): the frames shown at the clip's own timestamps, scaled to
 the clip's covering size and cut at the clip's box, so the two line up pixel for pixel (a control
 video of another resolution but the same aspect is scaled to match; another aspect is rejected).
+A family that trains audio (model.audio) gets the clip's sound over the same frames' time span
+(`decode_sound`, sound.py): the sample's `sound_request` asks for it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .decode import Clip, VideoInfo
 from .errors import SampleError
 from .sample import Processor, Sample
 from .sample_frames import _EPS, sample_times
+from .sound import decode_sound
 
 _CHUNK = 8  # frames resized per step: bounds peak memory, costs nothing in speed
 _ASPECT_SLACK = 0.02  # a control video's aspect may differ this much (relative) from the clip's: rounded sizes
@@ -88,7 +91,10 @@ class Decode(Processor):
         times = sample_times(info, sample.fps, bucket.frames, sample.start)
         pixels = fit_pixels(sample.clip.frames_at(times, size=size), bucket, sample.box)
         control = None if sample.control is None else decode_control(sample, times, size)
-        yield replace(sample, pixels=pixels, control_pixels=control)
+        sound = None if sample.sound_request is None else decode_sound(
+            sample.clip.data, sample.clip.origin_seconds + sample.start, bucket.frames / sample.fps,
+            sample.sound_request)
+        yield replace(sample, pixels=pixels, control_pixels=control, sound=sound)
 
 
 def decode_control(sample: Sample, times: list[float], size: tuple[int, int]) -> torch.Tensor:

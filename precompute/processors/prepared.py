@@ -18,6 +18,8 @@ class PreparedSample:
     uint8 is a quarter of float32's bytes to send from a decode worker and to hold in a bucket's
     buffer until the shard is full; `video`, the encoder's input, is made from it when asked for.
     `control_pixels`: the control video's frames, aligned with `pixels` (families that train on one).
+    `sound`: (channels, samples) float32 in [-1, 1], the clip's sound over the frames' time span at the
+    family's rate (model.audio; sound.py), None otherwise.
     """
 
     key: str
@@ -25,6 +27,7 @@ class PreparedSample:
     bucket: Bucket
     pixels: torch.Tensor
     control_pixels: torch.Tensor | None = None
+    sound: torch.Tensor | None = None
 
     @property
     def video(self) -> torch.Tensor:

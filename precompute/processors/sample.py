@@ -20,6 +20,7 @@ from vt.shared.chain import ProcessorOptions
 from vt.shared.runtime import keyed_generator
 
 from .decode import Clip, VideoInfo
+from .sound import SoundRequest
 
 
 @dataclass
@@ -32,7 +33,8 @@ class Sample:
     turns it into `control_pixels`, the same shape as `pixels` and aligned with them frame for frame
     and pixel for pixel. A processor after `decode` that changes `pixels` (a flip, a colour change)
     decides what the same change means for `control_pixels`: a flip flips both, a colour change only
-    the clip.
+    the clip. `sound_request` is set when the family trains audio (model.audio); `decode` then also decodes
+    `sound` (channels, samples) float32, the clip's sound over the frames' time span (sound.py).
     """
 
     key: str
@@ -47,6 +49,8 @@ class Sample:
     pixels: torch.Tensor | None = None
     control: Clip | None = None
     control_pixels: torch.Tensor | None = None
+    sound_request: SoundRequest | None = None
+    sound: torch.Tensor | None = None
 
     @property
     def info(self) -> VideoInfo:

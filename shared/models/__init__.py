@@ -29,6 +29,7 @@ _REGISTRY: dict[str, str] = {
     "kandinsky5": "vt.shared.models.kandinsky5:Kandinsky5Spec",
     "skyreels-v2": "vt.shared.models.skyreels_v2:SkyReelsV2Spec",
     "wan-vace": "vt.shared.models.wan_vace:WanVACESpec",
+    "minimax-h3": "vt.shared.models.minimax_h3:MiniMaxH3Spec",
 }
 FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 

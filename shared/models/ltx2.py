@@ -1,54 +1,91 @@
-"""LTX-2 (Lightricks, audio + video): Gemma 3 text encoder with text connectors, causal video VAE
-(x8 time, x32 space), a DiT with a video and an audio stream joined by cross-attention.
+"""LTX-2 (Lightricks, audio + video; 2.0 and 2.3 checkpoints in diffusers' layout): Gemma 3 text encoder
+with text connectors, causal video VAE (x8 time, x32 space), a DiT with a video and an audio stream
+joined by cross-attention, an audio VAE and a vocoder.
 
-vt trains the video stream only (the audio branch stays out, docs/families.md):
-- stage 1 stores what LTX2Pipeline feeds the video stream: Gemma's stacked hidden states of the
-  left-padded caption (`encode_prompt`) passed through the frozen `connectors`, i.e. their video
-  text embedding and mask (`prompt_embeds`, `prompt_attention_mask`; diffusers' connectors mark
-  every row valid, their output fills the padding), plus latents normalised as
-  the pipeline denormalises them (`(z - mean) * scaling_factor / std`). No audio is encoded;
-- stage 2 calls the transformer the way Lightricks' own trainer trains video without audio (its
-  model takes `audio=None` and skips the audio blocks): `isolate_modalities=True` turns off the
+Two modes (docs/families.md):
+- `model.audio = false`, the video stream alone. Stage 1 stores what LTX2Pipeline feeds the video
+  stream: Gemma's stacked hidden states of the left-padded caption (`encode_prompt`) passed through
+  the frozen `connectors`, i.e. their video text embedding and mask (`prompt_embeds`,
+  `prompt_attention_mask`; diffusers' connectors mark every row valid, their output fills the
+  padding), plus latents normalised as the pipeline denormalises them (`(z - mean) * scaling_factor
+  / std`). Stage 2 calls the transformer the way Lightricks' own trainer trains video without audio
+  (its model takes `audio=None` and skips the audio blocks): `isolate_modalities=True` turns off the
   audio-to-video and video-to-audio cross-attention, so the video prediction depends on the video
-  tokens and text alone, and a one-token zero audio input (which the diffusers class requires)
-  only runs through the audio stream, whose output is dropped. Flow matching on the packed video
-  tokens: timestep 1000 sigma, target noise - x0, RoPE at the bucket frame rate (`fps`, as the
-  pipeline's `frame_rate`);
-- what trains: LoRA defaults to the video attention (`attn1`, `attn2`: q/k/v/out); a full
-  fine-tune trains every parameter except the audio stream and the audio-video cross-attention
-  (`full_trainable`), which receive no gradient without audio. Those stay as the checkpoint has
-  them, and LTX2Pipeline still generates audio with them in validation (its audio VAE and vocoder
-  load frozen, the pipeline needs them to run);
-- LoRA files: ComfyUI's (Lightricks') names for the video attention are diffusers' own, so the
-  ComfyUI file is `diffusion_model.` + the diffusers module name, scale folded into lora_B
-  (diffusers' LTX-2 conversion does not read `.alpha` keys).
-Image-to-video (`model.task = "i2v"`, LTX2ImageToVideoPipeline), video stream only as for t2v: the
-pipeline puts the image's normalised latent in the first latent frame and keeps it clean (its
-conditioning mask gives those tokens timestep 0, and it steps only the other frames). Training does
-the same: the causal VAE encodes the clip's first frame alone, so the first latent frame of the
-clip's latents is that image latent (stage 1 stores latents only); it stays clean, its tokens get
-timestep 0 (the per-token `timestep`; `audio_timestep` and `sigma` stay the sample's), and its loss
-weight is 0. The pipeline also re-encodes a still image as H.264 (CRF 33 for LTX-2's Gemma 3) so it
-looks like a video frame; a clip's first frame already is one.
-No TP or CP plan: both would have to split the audio stream and the audio-video cross-attention too.
+  tokens and text alone, and a one-token zero audio input (which the diffusers class requires) only
+  runs through the audio stream, whose output is dropped. LoRA defaults to the video attention
+  (`attn1`, `attn2`: q/k/v/out); a full fine-tune trains every parameter except the audio stream and
+  the audio-video cross-attention (`full_trainable`), which receive no gradient without audio.
+- `model.audio = true`, video and audio together, as LTX2Pipeline's denoising step runs them: stage 1
+  also stores the connectors' audio text embedding (`audio_prompt_embeds`) and the clip's sound as the
+  audio stream takes it (`encode_audio`): the waveform (16 kHz stereo for LTX-2, the audio VAE's
+  `sample_rate` and `in_channels`) as the log-mel spectrogram Lightricks' trainer feeds the audio VAE
+  (shared/models/mel.py: n_fft 1024, the VAE's hop and mel bins), the posterior mode, its first
+  `audio_latent_shape` frames (the causal encoder gives one more than LTX2Pipeline generates for the
+  clip's duration: the last, which only sees the span's last mel frame, goes), normalised as the
+  pipeline denormalises audio latents before its audio VAE decodes them (packed per frame,
+  `(z - mean) / std`); stored unpacked (`audio_latents`, (channels, frames, mel bins / 4)). Stage 2 noises both streams
+  with the sample's one sigma (audio noise drawn on a key of its own), packs the audio latents as the
+  pipeline packs them ((B, L, C x M) tokens), runs the transformer with the cross-attention on
+  (`isolate_modalities=False`), the audio timestep the video's, the audio text mask the video's, and
+  returns the audio stream's flow-matching terms in `Prediction.audio`. Everything trains in a full
+  fine-tune; LoRA defaults add the audio attention and both cross-attention directions
+  (`audio_attn1`, `audio_attn2`, `audio_to_video_attn`, `video_to_audio_attn`). Validation writes the
+  pipeline's sound (its vocoder's waveform) into the mp4.
+Flow matching in both: timestep 1000 sigma, target noise - x0, RoPE at the bucket frame rate (`fps`, as
+the pipeline's `frame_rate`). LTX-2.3 (per-modality connector projections, gated attention, prompt
+modulation, a vocoder with bandwidth extension) loads the same way; it samples, and with audio trains,
+with the cross-attention modulated by the other stream's sigma (`use_cross_timestep=True`, diffusers'
+2.3 setting; 2.0 uses each stream's own).
+LoRA files: ComfyUI's (Lightricks') names for the block modules are diffusers' own (LTXAVModel's
+`attn1`, `audio_attn1`, `audio_to_video_attn`, `video_to_audio_attn`, `ff`, `audio_ff` ...), so the
+ComfyUI file is `diffusion_model.` + the diffusers module name, scale folded into lora_B (diffusers'
+LTX-2 conversion does not read `.alpha` keys).
+Image-to-video (`model.task = "i2v"`, LTX2ImageToVideoPipeline): the pipeline puts the image's normalised
+latent in the first latent frame and keeps it clean (its conditioning mask gives those tokens timestep 0,
+and it steps only the other frames). Training does the same: the causal VAE encodes the clip's first frame
+alone, so the first latent frame of the clip's latents is that image latent (stage 1 stores latents only);
+it stays clean, its tokens get timestep 0 (the per-token `timestep`; `audio_timestep` and `sigma` stay the
+sample's), and its loss weight is 0; the audio, as in the pipeline, is noised whole. The pipeline also
+re-encodes a still image as H.264 (CRF 33 for LTX-2's Gemma 3) so it looks like a video frame; a clip's
+first frame already is one.
+No TP or CP plan: both would have to split the audio stream and the audio-video cross-attention too
+(docs/parallel.md).
 """
 
 from __future__ import annotations
 
+import functools
 import re
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
-from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.models.tiny import build_gemma_tokenizer
+from vt.shared.config import ModelConfig
+from vt.shared.models.components import load_class
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
+from vt.shared.models.mel import log_mel
+from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
+from vt.shared.models.tiny import build_gemma_tokenizer, save_tiny, seeded
+from vt.shared.video_io import Sound
 
 # Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
 # in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
+# The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
+# preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
+AUDIO_N_FFT = 1024
 AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
+_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+# Default LoRA targets (suffixes): the video self- and cross-attention, which never match `audio_attn1.to_q`
+# and the like; with model.audio also the audio stream's and both audio-video cross-attention directions'.
+VIDEO_LORA_TARGETS = [f"{attn}.{proj}" for attn in ("attn1", "attn2") for proj in _PROJECTIONS]
+AUDIO_LORA_TARGETS = [f"{attn}.{proj}" for attn in ("audio_attn1", "audio_attn2", "audio_to_video_attn",
+                                                    "video_to_audio_attn") for proj in _PROJECTIONS]
+# The vocoder classes a checkpoint's vocoder/config.json may name: LTX-2.0's, LTX-2.3's with bandwidth extension.
+VOCODERS = {"LTX2Vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
+            "LTX2VocoderWithBWE": "diffusers.pipelines.ltx2.vocoder:LTX2VocoderWithBWE"}
 
 
 class LTX2Spec(ModelSpec):
@@ -56,9 +93,9 @@ class LTX2Spec(ModelSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
-    # Video self- and cross-attention only: suffixes that never match `audio_attn1.to_q` and the like.
-    default_lora_targets: ClassVar[list[str]] = [f"{attn}.{proj}" for attn in ("attn1", "attn2")
-                                                 for proj in ("to_q", "to_k", "to_v", "to_out.0")]
+    audio_stream: ClassVar[bool] = True
+    default_lora_targets: ClassVar[list[str]] = VIDEO_LORA_TARGETS  # with model.audio: + AUDIO_LORA_TARGETS
+    _vocoder: type | None = None  # the vocoder class the checkpoint names (component_classes)
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
     comfy_alpha: ClassVar[bool] = False
     example_hub_id: ClassVar[str] = "Lightricks/LTX-2"
@@ -69,6 +106,36 @@ class LTX2Spec(ModelSpec):
         "audio_vae": "diffusers:AutoencoderKLLTX2Audio", "vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
         "transformer": "diffusers:LTX2VideoTransformer3DModel"}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTX2Pipeline", "i2v": "diffusers:LTX2ImageToVideoPipeline"}
+
+    def __init__(self, config: ModelConfig, frame_rate: float):
+        super().__init__(config, frame_rate)
+        if config.audio:
+            self.default_lora_targets = VIDEO_LORA_TARGETS + AUDIO_LORA_TARGETS
+
+    def component_classes(self) -> dict[str, type]:
+        """The declared classes, the vocoder's as its config.json names it (LTX-2.3's has bandwidth extension)."""
+        classes = super().component_classes()
+        if self._vocoder is None:
+            from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+            path, subfolder = self.source("vocoder")
+            try:
+                name = dict(LTX2Vocoder.load_config(path, **({"subfolder": subfolder} if subfolder else {})))
+            except (OSError, ValueError) as err:
+                raise self.load_error("vocoder", path, err) from err
+            if name.get("_class_name") not in VOCODERS:
+                raise ValueError(f"the vocoder at {path!r} is a {name.get('_class_name')!r}; ltx-2 loads "
+                                 f"{' or '.join(VOCODERS)}. Set model.components.vocoder to an LTX-2 vocoder")
+            self._vocoder = load_class(VOCODERS[name["_class_name"]])
+        classes["vocoder"] = self._vocoder
+        return classes
+
+    @functools.cached_property
+    def cross_timestep(self) -> bool:
+        """diffusers' `use_cross_timestep`: LTX-2.3 (prompt and cross-attention modulation, `cross_attn_mod`)
+        modulates each stream's audio-video cross-attention by the other stream's sigma, LTX-2.0 by its own."""
+        transformer = self.load_config("transformer")
+        return bool(transformer.get("cross_attn_mod") or transformer.get("audio_cross_attn_mod"))
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self._vae_without_weights()
@@ -94,20 +161,29 @@ class LTX2Spec(ModelSpec):
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)}: the connectors' video
-        text embedding of the pipeline's Gemma encoding, L = the spec's max_text_tokens."""
+        text embedding of the pipeline's Gemma encoding, L = the spec's max_text_tokens; with model.audio
+        also their audio text embedding, "audio_prompt_embeds" (B, L, D audio)."""
         embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
         connectors = encoders["connectors"]
         padding_side = getattr(encoders["tokenizer"], "padding_side", "left")  # the pipeline's: left
-        video, _audio, video_mask = connectors(embeds.to(connectors.device, connectors.dtype),
-                                               mask.to(connectors.device), padding_side=padding_side)
-        return {"prompt_embeds": video.float(), "prompt_attention_mask": video_mask.float()}
+        video, audio, video_mask = connectors(embeds.to(connectors.device, connectors.dtype),
+                                              mask.to(connectors.device), padding_side=padding_side)
+        out = {"prompt_embeds": video.float(), "prompt_attention_mask": video_mask.float()}
+        if self.config.audio:
+            out["audio_prompt_embeds"] = audio.float()
+        return out
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         """The connectors' video text embedding (heads x head dim wide) and its mask."""
         connectors = self.load_config("connectors")
         width = connectors["video_connector_num_attention_heads"] * connectors["video_connector_attention_head_dim"]
-        return {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
-                "latents": self.latent_shape(bucket)}
+        shapes = {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
+                  "latents": self.latent_shape(bucket)}
+        if self.config.audio:  # the audio connector's width; the clip's audio latents
+            shapes["audio_prompt_embeds"] = (self.max_text_tokens, connectors["audio_connector_num_attention_heads"]
+                                             * connectors["audio_connector_attention_head_dim"])
+            shapes["audio_latents"] = self.audio_latent_shape(bucket)
+        return shapes
 
     @torch.no_grad()
     def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
@@ -128,11 +204,46 @@ class LTX2Spec(ModelSpec):
         latents = LTX2Pipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         return {"latents": latents.float()}
 
+    def audio_format(self) -> AudioFormat:
+        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
+        config = self.load_config("audio_vae")
+        return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
+
+    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
+        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
+        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
+
+        config = self.load_config("audio_vae")
+        per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
+        return config["latent_channels"], round(bucket.frames / self.frame_rate * per_second), config["mel_bins"] // DOWN
+
+    @torch.no_grad()
+    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
+        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
+        from diffusers import LTX2Pipeline
+
+        vae = encoders["audio_vae"]
+        config = vae.config
+        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
+                      config.mel_bins)
+        latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
+        frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
+        if latents.shape[2] < frames:
+            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
+                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
+        latents = latents[:, :, :frames]
+        packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
+        packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())
+        return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
+
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generator: torch.Generator | None = None) -> Prediction:
-        """Flow matching on the packed video tokens, audio cross-attention off; i2v: the first latent frame
-        clean, at timestep 0 and out of the loss (see the module docstring)."""
+        """Flow matching on the packed video tokens; video-only: audio cross-attention off; model.audio: the
+        audio tokens noised with the same sigma and their terms in `Prediction.audio`; i2v: the first latent
+        frame clean, at timestep 0 and out of the loss (see the module docstring)."""
         from diffusers import LTX2Pipeline
 
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
@@ -148,23 +259,51 @@ class LTX2Spec(ModelSpec):
             weight[:, :, 0] = 0
         tokens = LTX2Pipeline._pack_latents(noisy, patch, 1).to(dtype)
         text = batch["prompt_embeds"].to(tokens.device, dtype)
-        batch_size = tokens.shape[0]
+        mask = batch["prompt_attention_mask"].to(tokens.device)
         timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(tokens.device)  # float32, as the pipeline passes it
         # i2v: per token, frame-major as the tokens are packed: t * (1 - conditioning mask), 0 on the image
         video_timestep = self.token_timesteps(timestep, grid) if i2v else timestep
-        out = transformer(
-            hidden_states=tokens,
-            audio_hidden_states=tokens.new_zeros(batch_size, 1, transformer.config.audio_in_channels),
-            encoder_hidden_states=text,
-            audio_encoder_hidden_states=text.new_zeros(batch_size, 1, text.shape[-1]),
-            timestep=video_timestep, audio_timestep=timestep, sigma=timestep,
-            encoder_attention_mask=batch["prompt_attention_mask"].to(tokens.device),
-            num_frames=grid[0], height=grid[1], width=grid[2], fps=self.frame_rate, audio_num_frames=1,
-            isolate_modalities=True,  # no audio <-> video cross-attention: the video stream alone
-            return_dict=False,
-        )[0]
+        audio = (self._audio_inputs(batch, sigmas, mask, dtype) if self.config.audio
+                 else self._silent_audio(text, transformer.config.audio_in_channels))
+        out, audio_out = transformer(
+            hidden_states=tokens, encoder_hidden_states=text, timestep=video_timestep, audio_timestep=timestep,
+            sigma=timestep, encoder_attention_mask=mask, num_frames=grid[0], height=grid[1], width=grid[2],
+            fps=self.frame_rate, return_dict=False, **audio.pop("inputs"))
         prediction = LTX2Pipeline._unpack_latents(out, *grid, patch, 1)
-        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
+        sound = None
+        if self.config.audio:
+            x0_audio = audio["x0"]
+            sound = Prediction(prediction=LTX2Pipeline._unpack_audio_latents(audio_out, *x0_audio.shape[2:]).float(),
+                               target=audio["noise"] - x0_audio, weight=None)
+        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight, audio=sound)
+
+    @staticmethod
+    def _silent_audio(text: Tensor, channels: int) -> dict[str, Any]:
+        """Video-only: a one-token zero audio input (the diffusers class needs one) that only runs through the
+        audio stream, the cross-attention off (`isolate_modalities`), so the video prediction ignores it."""
+        batch_size = text.shape[0]
+        return {"inputs": dict(audio_hidden_states=text.new_zeros(batch_size, 1, channels),
+                               audio_encoder_hidden_states=text.new_zeros(batch_size, 1, text.shape[-1]),
+                               audio_num_frames=1, isolate_modalities=True)}
+
+    def _audio_inputs(self, batch: dict[str, Tensor], sigmas: Tensor, mask: Tensor, dtype) -> dict[str, Any]:
+        """model.audio: the audio latents (B, C, L, M) noised with the sample's sigma, packed as LTX2Pipeline
+        packs them ((B, L, C x M): every mel bin of a latent frame in one token), with the connectors' audio
+        text embedding and the video's text mask (the pipeline passes that mask to both), the audio-video
+        cross-attention on, modulated as validation samples (`cross_timestep`)."""
+        from diffusers import LTX2Pipeline
+
+        if "audio_noise" not in batch:
+            raise ValueError("model.audio: the batch has audio_latents but no audio_noise; the trainer draws it "
+                             "(train/parallel/batching.py draw_audio_noise)")
+        x0 = batch["audio_latents"].float().to(mask.device)
+        noise = batch["audio_noise"].to(x0)
+        noisy = flow_match_noisy(x0, noise, sigmas)
+        inputs = dict(audio_hidden_states=LTX2Pipeline._pack_audio_latents(noisy).to(dtype),
+                      audio_encoder_hidden_states=batch["audio_prompt_embeds"].to(mask.device, dtype),
+                      audio_encoder_attention_mask=mask, audio_num_frames=x0.shape[2], isolate_modalities=False,
+                      use_cross_timestep=self.cross_timestep)
+        return {"inputs": inputs, "x0": x0, "noise": noise}
 
     @staticmethod
     def token_timesteps(timestep: Tensor, grid: tuple[int, int, int]) -> Tensor:
@@ -176,19 +315,35 @@ class LTX2Spec(ModelSpec):
         return timestep[:, None] * per_frame.flatten()[None]
 
     def full_trainable(self, transformer) -> None:
-        """A full fine-tune trains the video stream: the audio stream and the audio-video cross-attention
-        get no gradient without audio, so they stay frozen (DDP would otherwise wait for their gradients)."""
+        """A full fine-tune trains both streams with model.audio; video-only, the video stream: the audio
+        stream and the audio-video cross-attention get no gradient without audio, so they stay frozen (DDP
+        would otherwise wait for their gradients)."""
         for name, param in transformer.named_parameters():
-            param.requires_grad_(not AUDIO_PARAMETERS.search(name))
+            param.requires_grad_(self.config.audio or not AUDIO_PARAMETERS.search(name))
 
     def check_lora(self, transformer, targets) -> None:
-        """Targets that reach the audio stream are refused: video-only training never trains them."""
+        """Video-only: targets that reach the audio stream are refused, it never trains them (with
+        model.audio every module trains)."""
+        if self.config.audio:
+            return
         audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
                         if "lora_" in n and AUDIO_PARAMETERS.search(n)})
         if audio:
             raise ValueError(f"train.lora_targets {targets} reach the audio stream ({audio[0]}, ...), which vt does "
-                             "not train for ltx-2 (video only); name video modules, e.g. \"attn1.to_q\" or "
-                             "\"ff.net.2\" (suffixes), or leave train.lora_targets unset")
+                             "not train for ltx-2 without model.audio (video only); set model.audio = true to "
+                             "train the sound, or name video modules, e.g. \"attn1.to_q\" or \"ff.net.2\" "
+                             "(suffixes), or leave train.lora_targets unset")
+
+    def cp_plan(self):
+        """None: Ulysses splits one token sequence per attention, and LTX-2's blocks hold two that attend to
+        each other (docs/parallel.md); with model.audio, video-to-audio cross-attention would see one rank's
+        share of the video only."""
+        why = ("with model.audio each audio token attends to every video token (video_to_audio_attn), so splitting "
+               "the video tokens over ranks would need the whole video's keys on every rank and the audio stream "
+               "replicated; " if self.config.audio else "")
+        raise NotImplementedError(f"family 'ltx-2' has no CP plan: {why}its rotary tables and the audio stream "
+                                  "would need LTX-2-specific splitting (docs/parallel.md); set parallel.cp = 1 and "
+                                  "scale out with data parallelism (parallel.dp_shard)")
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:
@@ -197,15 +352,24 @@ class LTX2Spec(ModelSpec):
 
     def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
                         last_image=None) -> dict[str, Any]:
-        """Validation samples an LTX-2 (2.0) checkpoint as diffusers documents it: audio-video cross-attention
-        modulated by each stream's own timestep (`use_cross_timestep=False`; True is LTX-2.3's)."""
-        return {**super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image), "use_cross_timestep": False}
+        """Validation samples a checkpoint as diffusers documents it: LTX-2.0's audio-video cross-attention
+        modulated by each stream's own timestep (`use_cross_timestep=False`), LTX-2.3's by the other's (True)."""
+        return {**super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image),
+                "use_cross_timestep": self.cross_timestep}
+
+    def output_sound(self, pipeline, output) -> Sound:
+        """The first sample's waveform from LTX2Pipeline's vocoder (2.0: 24 kHz, 2.3 with bandwidth
+        extension: 48 kHz), at the rate the vocoder's config gives."""
+        waveform = output.audio[0].float().cpu().numpy()
+        return Sound(waveform.reshape(-1, waveform.shape[-1]), int(pipeline.vocoder.config.output_sampling_rate))
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
     def tiny_parts(cls, task: str) -> dict[str, Any]:
         """diffusers' test sizes for the transformer (2 layers, video 2 heads x 8, audio 2 x 4), text
-        connectors, audio VAE and vocoder; a 4-level video VAE (x8 time, x32 space, 8 channels); a
+        connectors and vocoder; the audio VAE at diffusers' test widths but with LTX-2's three levels (its
+        encoder downsamples x4 in time and mel bins, as the pipeline's audio latent shape assumes); a
+        4-level video VAE (x8 time, x32 space, 8 channels); a
         2-layer Gemma 3 with a locally built tokenizer; one preset for both tasks, saved in LTX2Pipeline's
         layout or (i2v) LTX2ImageToVideoPipeline's."""
         from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
@@ -247,16 +411,55 @@ class LTX2Spec(ModelSpec):
             qk_norm="rms_norm_across_heads", caption_channels=text_hidden, rope_double_precision=False,
             rope_type="split")
         audio_vae = AutoencoderKLLTX2Audio(
-            base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+            base_channels=4, output_channels=2, ch_mult=(1, 1, 1), num_res_blocks=1, attn_resolutions=None,
             in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
             dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True,
             mel_bins=8)
+        audio_vae.latents_mean.copy_(torch.randn(4) * 0.1)  # per (channel, mel bin) of a latent frame, as for video
+        audio_vae.latents_std.copy_(torch.rand(4) + 0.5)
         vocoder = LTX2Vocoder(
-            in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
-            upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+            # x160 in all: one waveform sample per mel hop of the audio VAE (16 kHz / 160), so the sound lasts
+            # as long as the frames, as the real vocoder's x240 to 24 kHz does
+            in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[10, 8, 8, 4],
+            upsample_factors=[5, 4, 4, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
             leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
         scheduler = FlowMatchEulerDiscreteScheduler(  # LTX's token-count shift (LTX2Pipeline's mu defaults)
             use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
             max_image_seq_len=4096, shift_terminal=0.1)
         return dict(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder, tokenizer=tokenizer,
                     connectors=connectors, transformer=transformer, vocoder=vocoder)
+
+    @classmethod
+    def make_tiny_23(cls, out_dir, seed: int = 0, task: str = "t2v"):
+        """An LTX-2.3 tiny preset: `tiny_parts` with 2.3's transformer (gated attention, prompt and
+        cross-attention modulation, no caption projection: the connectors project per modality), text
+        connectors (`per_modality_projections`, the video and audio embeddings at each stream's width) and
+        vocoder with bandwidth extension (16 -> 32 kHz), as diffusers' conversion configures LTX-2.3."""
+        from diffusers import LTX2VideoTransformer3DModel
+        from diffusers.pipelines.ltx2 import LTX2TextConnectors
+        from diffusers.pipelines.ltx2.vocoder import LTX2VocoderWithBWE
+
+        with seeded(seed):
+            parts = cls.tiny_parts(task)
+            parts["transformer"] = LTX2VideoTransformer3DModel(
+                in_channels=8, out_channels=8, patch_size=1, patch_size_t=1, num_attention_heads=2,
+                attention_head_dim=8, cross_attention_dim=16, gated_attn=True, cross_attn_mod=True,
+                audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2, audio_attention_head_dim=4,
+                audio_cross_attention_dim=8, audio_gated_attn=True, audio_cross_attn_mod=True, num_layers=2,
+                qk_norm="rms_norm_across_heads", caption_channels=16, rope_double_precision=False,
+                rope_type="split", use_prompt_embeddings=False, perturbed_attn=True)
+            parts["connectors"] = LTX2TextConnectors(
+                caption_channels=16, text_proj_in_factor=2 + 1, video_connector_num_attention_heads=2,
+                video_connector_attention_head_dim=8, video_connector_num_layers=1,
+                video_connector_num_learnable_registers=None, video_gated_attn=True,
+                audio_connector_num_attention_heads=2, audio_connector_attention_head_dim=4,
+                audio_connector_num_layers=1, audio_connector_num_learnable_registers=None, audio_gated_attn=True,
+                connector_rope_base_seq_len=32, rope_double_precision=False, rope_type="split",
+                per_modality_projections=True, video_hidden_dim=16, audio_hidden_dim=8, proj_bias=True)
+            parts["vocoder"] = LTX2VocoderWithBWE(
+                in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[10, 8, 8, 4],
+                upsample_factors=[5, 4, 4, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]], bwe_in_channels=2 * 8,
+                bwe_hidden_channels=16, bwe_out_channels=2, bwe_upsample_kernel_sizes=[8, 4], bwe_upsample_factors=[4, 2],
+                bwe_resnet_kernel_sizes=[3], bwe_resnet_dilations=[[1, 3, 5]], filter_length=32, hop_length=4,
+                window_length=32, num_mel_channels=8, input_sampling_rate=16000, output_sampling_rate=32000)
+        return save_tiny(cls.tiny_pipeline(task)(**parts), Path(out_dir), cls.tiny_index_names)

@@ -6,7 +6,8 @@ what would take hours on 2 cores is lowered with --set: bucket sizes (same aspec
 smallest frame count), intervals, validation steps, worker count; an image-to-video config's
 validation images (the user's files) become one test image per prompt, and a config whose family trains
 on a control video reads the raw shards with one per sample (`control_shards`) and validates under a
-test control video. Both CLIs run as processes at
+test control video, and one that trains sound (`model.audio`) reads them with a sound track in every sample
+(`sound_shards`) and logs the audio loss, its validation videos carrying a sound track. Both CLIs run as processes at
 once and the trainer must finish with every sample trained once per epoch. For the configs in KILLED
 (one per kind of training state: the default, one expert of two, both experts, a full fine-tune, two
 block lists, an audio-video transformer) the trainer is SIGKILLed right after its second checkpoint
@@ -28,6 +29,7 @@ from vt.shared.buckets import parse_buckets
 from vt.shared.config import load_config
 from vt.shared.models import build_spec, get_spec_class
 from vt.shared.models.lora import lora_weight_name
+from vt.shared.video_io import read_sound
 from vt.train.trackers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -117,8 +119,10 @@ def trained(run_dir: Path) -> Counter:
 def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_factory,
                                                                   raw_shards, request):
     model = load_config(config_path).model  # the preset of the config's family and task
-    # A family that trains on a control video reads one per sample: the same pieces with their edge maps.
+    # A family that trains on a control video reads one per sample: the same pieces with their edge maps; a
+    # run that trains sound reads them with a sound track.
     raw = request.getfixturevalue("control_shards") if get_spec_class(model.family).control_video else raw_shards
+    raw = request.getfixturevalue("sound_shards") if model.audio else raw
     sets = overrides(config_path, tmp_path, tiny_model_factory(model.family, task=model.task), raw)
     config = load_config(config_path, sets)
     run_dir = config.run_dir
@@ -142,6 +146,8 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
     assert trained(run_dir) == Counter({(e, key): 1 for e in range(epochs) for key in raw_keys(raw)})
     metrics = {m["step"]: m for m in read_metrics(run_dir / "metrics.jsonl")}
     assert all(math.isfinite(m["loss"]) for m in metrics.values())
+    if config.model.audio:
+        assert all(math.isfinite(m["audio_loss"]) and 0 < m["audio_loss"] for m in metrics.values())
     warmup, lr = config.train.warmup_steps, config.train.lr
     assert all(m["lr"] == pytest.approx(lr * min(1.0, step / warmup) if warmup else lr) for step, m in metrics.items())
     spec = build_spec(config.model, config.buckets.fps)
@@ -159,3 +165,6 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
         rounds = sorted((run_dir / "validation").iterdir())  # every validate_every steps and at the end
         assert {"step-000002", f"step-{max(metrics):06d}"} <= {r.name for r in rounds}
         assert all(sorted(p.name for p in r.glob("*.mp4")) == videos for r in rounds)
+        if config.model.audio:  # the sound the run trained, with the frames
+            assert all(read_sound(p) is not None for r in rounds for p in r.glob("*.mp4"))
+            assert all(math.isfinite(m["audio_loss"]) for m in metrics.values())

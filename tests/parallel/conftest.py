@@ -16,7 +16,10 @@ import pytest
 from dist_runs import finish, single
 
 BUCKET = "9x64x64"
-BUCKETS = {"mochi": "7x64x64"}  # keys whose VAE takes other frame counts (Mochi: 6k+1)
+# keys whose VAE takes other frame counts (Mochi: 6k+1, MiniMax H3: 17k+5)
+BUCKETS = {"mochi": "7x64x64", "minimax-h3": "5x64x64", "minimax-h3-audio": "5x64x64"}
+# Keys sampled at another frame rate than the default 8 fps (MiniMax H3 with audio: its fixed 24 fps).
+FPS = {"minimax-h3-audio": 24.0}
 # Text of 64 tokens, not Wan's 512: parity compares float sums in other orders, and 512 mostly zero
 # keys add rounding to no purpose here (the shipped-config tests run the families' own lengths).
 TEXT_TOKENS = 64
@@ -44,6 +47,9 @@ FAMILY_TRAIN = {
                                                                "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},
+    # LTX-2 with model.audio (VARIANTS): a full fine-tune of both streams (every parameter gets a gradient, so
+    # DDP's reducer waits on all), each sample's audio latents and audio noise split with its latents.
+    "ltx-2-audio": {"mode": "full"},
     # Wan 2.2 TI2V-5B in i2v: per-token timesteps, the clean first latent frame weighted 0 in the loss.
     "wan2.2-ti2v-i2v": {"mode": "lora"},
     # bf16 weights on a CPU: the frozen layers stored in bf16 and computed in float32 (per layer in one
@@ -58,6 +64,9 @@ FAMILY_TRAIN = {
     # Wan VACE: the default control LoRA on the VACE blocks, which FSDP2 shards as blocks of their own ahead of
     # the main blocks; every sample's control latents split over data-parallel ranks like its latents.
     "wan-vace": {"mode": "lora"},
+    # MiniMax H3 with audio (VARIANTS): a full fine-tune of both streams, one packed sequence per sample, each
+    # sample's audio latents and audio noise (drawn on a key of its own) split over ranks like its latents.
+    "minimax-h3-audio": {"mode": "full"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
@@ -68,7 +77,14 @@ VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},
             "hunyuan-video-i2v": {"family": "hunyuan-video", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
-            "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS}}
+            "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+            "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
+            "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS}}
+
+
+def bucket_section(key: str) -> dict:
+    """The config's buckets section for a FAMILY_TRAIN key: its one bucket, at its frame rate."""
+    return {"sizes": [BUCKETS.get(key, BUCKET)], **({"fps": FPS[key]} if key in FPS else {})}
 
 
 def model_section(key: str) -> dict:
@@ -79,7 +95,8 @@ def model_section(key: str) -> dict:
 @pytest.fixture(scope="session")
 def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
     """kept_window(family or variant key) -> (window folder, model folder), precomputed once per session; a
-    family that trains on a control video reads the same samples with one each (`control_shards`)."""
+    family that trains on a control video reads the same samples with one each (`control_shards`), a run that
+    trains sound (`model.audio`) with a sound track each (`sound_shards`)."""
     from cli_runs import write_config
 
     from vt.precompute.service import Precompute
@@ -95,9 +112,10 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
             model = tiny_model_factory(section["family"], task=section.get("task", "t2v"))
             raw = request.getfixturevalue("control_shards") if get_spec_class(section["family"]).control_video \
                 else raw_shards
+            raw = request.getfixturevalue("sound_shards") if section.get("audio") else raw
             config = write_config(root / "pre.toml", model, raw, root / "pre", str(root / "window"),
                                   model=section,
-                                  buckets={"sizes": [BUCKETS.get(family, BUCKET)]}, window={"size": "keep"},
+                                  buckets=bucket_section(family), window={"size": "keep"},
                                   precompute={"workers": 0})
             Precompute(load_config(config)).run()
             built[family] = (root / "window", model)
@@ -115,7 +133,7 @@ def run_config(kept_window, raw_shards):
         window, model = kept_window(family)
         settings = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2, **FAMILY_TRAIN[family], **train}
         return write_config(folder / f"{name}.toml", model, raw_shards, folder / name, str(window),
-                            model=model_section(family), buckets={"sizes": [BUCKETS.get(family, BUCKET)]},
+                            model=model_section(family), buckets=bucket_section(family),
                             window={"size": "keep"},
                             train=settings, log={"progress": False, "samples": True})
 

@@ -92,7 +92,8 @@ def sample_log(run_dir: Path) -> list[dict]:
 
 
 def assert_same_training(run_dir: Path, reference_dir: Path, rel: float = 1e-4) -> None:
-    """Losses and gradient norms per step, and the exported trainable weights, match the reference."""
+    """Losses (and audio losses) and gradient norms per step, and the exported trainable weights, match the
+    reference."""
     import pytest
 
     from vt.train.trackers import read_metrics
@@ -104,6 +105,8 @@ def assert_same_training(run_dir: Path, reference_dir: Path, rel: float = 1e-4) 
         assert got[step]["batch"] == expected[step]["batch"], f"step {step} trained a different global batch"
         assert got[step]["loss"] == pytest.approx(expected[step]["loss"], rel=rel), f"loss at step {step}"
         assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=rel), f"grad norm at {step}"
+        if "audio_loss" in expected[step]:  # model.audio: the audio stream's share, all-reduced like the loss
+            assert got[step]["audio_loss"] == pytest.approx(expected[step]["audio_loss"], rel=rel), f"audio at {step}"
     weights, reference = trained_weights(run_dir), trained_weights(reference_dir)
     assert weights.keys() == reference.keys()
     worst = max((relative_difference(weights[k], reference[k]), k) for k in reference)

@@ -65,6 +65,9 @@ FAMILY_LAYOUTS = {
     "hunyuan-video-1.5-i2v": ["tp-2"],
     # No TP or CP plan: both would have to split its audio stream and audio-video cross-attention too.
     "ltx-2": ["fsdp-2"],
+    # LTX-2 training video and sound (conftest VARIANTS): both streams and the cross-attention train; the audio
+    # latents and their noise split over data-parallel ranks with the samples. No CP (LTX2Spec.cp_plan says why).
+    "ltx-2-audio": ["ddp-2", "fsdp-2"],
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
     # tokens join the text, which is not split); the wan rows cover the combined layouts.
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],
@@ -88,6 +91,9 @@ FAMILY_LAYOUTS = {
     # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
     # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
     "wan-vace": ["fsdp-2"],
+    # MiniMax H3 with audio (conftest VARIANTS): no TP or CP plan (docs/parallel.md); FSDP2 over its blocks, the
+    # transformer called once per sample, the audio latents and audio noise split over ranks with the latents.
+    "minimax-h3-audio": ["fsdp-2"],
 }
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))
@@ -109,6 +115,10 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
         check_uneven_last_step(tmp_path / layout, dims)
     log = (tmp_path / "run.log").read_text()
     assert EXPECTED_LOG[layout] in log, f"the run did not use {EXPECTED_LOG[layout]}"
+    if family.endswith("-audio"):  # the audio stream trained and its loss was compared
+        from vt.train.trackers import read_metrics
+
+        assert all(m["audio_loss"] > 0 for m in read_metrics(reference(family) / "metrics.jsonl"))
 
 
 # Accumulation 2 x batch 2 against the reference's batch 4, on a different layout per family.

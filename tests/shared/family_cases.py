@@ -60,6 +60,17 @@ def _ltx2_connector_text(batch):  # LTX2Pipeline's connectors: every row is vali
     return bool((batch["prompt_attention_mask"] == 1).all() and (batch["prompt_embeds"].abs().sum(-1) > 0).all())
 
 
+def _h3_denormalize(latents, vae):  # MiniMaxH3VideoDecodeStep: latents * std + mean
+    shape = (1, -1, 1, 1, 1)
+    return latents * torch.tensor(vae.config.latents_std).view(shape) + torch.tensor(vae.config.latents_mean).view(shape)
+
+
+def _h3_pixels(clip):  # the H3 video VAE's input: [0, 1] pixels, ImageNet-normalised
+    from vt.shared.models.minimax_h3 import normalise_pixels
+
+    return normalise_pixels(clip)
+
+
 def _t5_unmasked(batch):  # no mask, no zeroing: padded positions carry T5's outputs (CogVideoXPipeline)
     return "prompt_attention_mask" not in batch and (batch["prompt_embeds"][:, -1].abs().sum(-1) > 0).all()
 
@@ -128,6 +139,13 @@ EXPECTED = {
     "wan-vace": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
                      text_padding=_zero_past_caption, denormalize=_wan_denormalize, blocks=4,
                      comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight", comfy_in_diffusers=False),
+    # One packed sequence [text | audio | video] per sample (text rows reach the blocks: `other_rows`); frames 17k+5,
+    # pixels ImageNet-normalised over [0, 1] (`pixels`); the pipeline predicts x0 - noise (t = 1 - sigma) and
+    # generates at least 5 s at 24 fps (`generated_frames`); no ComfyUI model.
+    "minimax-h3": dict(frames_step=17, frames_rule="17k+5", side=32, latent=(4, 2, 4, 6), text_dim=16, text_tokens=512,
+                       patch=2, text_padding=_has_padding_mask, denormalize=_h3_denormalize, pixels=_h3_pixels,
+                       target=_inverted_flow_target, comfy_key=None, bucket=Bucket(5, 64, 96), generated_frames=124,
+                       other_rows=lambda batch: int(batch["prompt_attention_mask"][0].sum())),
 }
 
 

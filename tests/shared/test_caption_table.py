@@ -37,7 +37,8 @@ def test_each_caption_is_stored_once_trimmed_and_the_transformer_sees_the_same(f
     assert table.index == [0, 1, 0, 2]
     expected = {name: tensor[table.index] for name, tensor in table.conditions.items()}  # v1: per sample, padded
     g = spec.geometry
-    latents = torch.randn(4, *spec.latent_shape(Bucket(1, g.spatial * g.patch * 2, g.spatial * g.patch * 2)),
+    frames = 1 if spec.single_frame else g.temporal + 1  # the shortest clip the VAE takes (MiniMax H3: 17k+5)
+    latents = torch.randn(4, *spec.latent_shape(Bucket(frames, g.spatial * g.patch * 2, g.spatial * g.patch * 2)),
                           generator=torch.Generator().manual_seed(0))
     keys = [f"k{i}" for i in range(4)]
 
@@ -66,7 +67,7 @@ def test_each_caption_is_stored_once_trimmed_and_the_transformer_sees_the_same(f
     # A family that trains on a control video also reads what stage 1 stores of it (per sample, not text).
     side = g.spatial * g.patch * 2
     control = {name: torch.randn(4, *shape, generator=torch.Generator().manual_seed(2))
-               for name, shape in spec.condition_shapes(Bucket(1, side, side)).items()
+               for name, shape in spec.condition_shapes(Bucket(frames, side, side)).items()
                if name != "latents" and name not in expected} if spec.control_video else {}
     with torch.no_grad():
         before = spec.forward(transformer, {"latents": latents, **expected, **control}, sigmas, noise).prediction

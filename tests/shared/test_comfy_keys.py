@@ -153,15 +153,37 @@ def spec_of(tiny_model_factory):
 @pytest.mark.parametrize("targets", ["default", "wide"])
 @pytest.mark.parametrize("case", list(CASES), ids=lambda case: "-".join(case))
 def test_comfyui_loads_every_key_at_its_size(spec_of, tmp_path, case, targets):
+    family, task = case
+    check_comfy_file(spec_of(family, task), CASES[case], None if targets == "default" else WIDE[family], tmp_path)
+
+
+# LTX-2 with model.audio: the audio stream's attention and FFN and both audio-video cross-attention directions
+# (LTXAVModel's BasicAVTransformerBlock: audio_attn1/2, audio_to_video_attn, video_to_audio_attn, audio_ff).
+_LTX_AV = (rf"transformer_blocks\.\d+\.((attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+           rf"\.{_ATTN}|(ff|audio_ff)\.net\.(0\.proj|2))")
+
+
+@pytest.mark.parametrize("targets", ["default", "wide"])
+def test_comfyui_loads_ltx2_audio_modules(tiny_model_factory, tmp_path, targets):
+    """model.audio: LoRAs on LTX-2's audio stream and audio-video cross-attention load into LTXAV at their sizes."""
+    spec = build_spec(ModelConfig(family="ltx-2", path=str(tiny_model_factory("ltx-2")), audio=True), frame_rate=8.0)
+    modules = check_comfy_file(spec, "LTXAV", None if targets == "default" else _LTX_AV, tmp_path)
+    assert {"transformer_blocks.0.audio_to_video_attn.to_q", "transformer_blocks.1.video_to_audio_attn.to_out.0",
+            "transformer_blocks.0.audio_attn2.to_k"} <= modules
+    assert targets == "default" or "transformer_blocks.1.audio_ff.net.0.proj" in modules
+
+
+def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
+    """Every key of the ComfyUI file vt writes for a random LoRA on `targets` is loaded by ComfyUI's key map for
+    `model_class` at its module's size, fused modules stack their parts, and the total change is vt's; returns
+    the ComfyUI modules the file patches."""
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    family, task = case
-    model_class = CASES[case]
-    spec = spec_of(family, task)
+    family = spec.family
     transformer = spec.load_transformer()
     sizes = {n: tuple(m.weight.shape) for n, m in transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    spec.add_lora(transformer, rank=2, alpha=3.0, targets=None if targets == "default" else WIDE[family])
+    spec.add_lora(transformer, rank=2, alpha=3.0, targets=targets)
     randomise_lora(transformer, seed=5)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)
     files = sorted(tmp_path.glob("lora_comfyui*.safetensors"))
@@ -175,7 +197,7 @@ def test_comfyui_loads_every_key_at_its_size(spec_of, tmp_path, case, targets):
     deltas = {module: ref.weight_delta(patch, weights[module]) for module, patch in comfy.items()}
 
     ours = lora_deltas(transformer)
-    assert len(ours) > (4 if targets == "wide" else 1)
+    assert len(ours) > (4 if targets is not None else 1)
     for pattern, parts in FUSED.get(model_class, {}).items():
         for module, delta in deltas.items():
             if hit := re.fullmatch(pattern, module):
@@ -186,6 +208,7 @@ def test_comfyui_loads_every_key_at_its_size(spec_of, tmp_path, case, targets):
     # and Mochi's w1 halves swap, neither of which changes the total.
     total = sum(d.square().sum() for d in deltas.values())
     torch.testing.assert_close(total, sum(d.square().sum() for d in ours.values()), rtol=1e-5, atol=0)
+    return set(comfy)
 
 
 def test_cogvideox_writes_no_comfy_file(spec_of, tmp_path):

@@ -1,7 +1,10 @@
-"""LTX-2, video stream only: stage 1 stores the text LTX2Pipeline feeds the video stream, training runs
-the video stream without the audio cross-attention (so the unused audio input cannot matter), a full
-fine-tune leaves exactly the gradient-less audio parameters frozen, and LoRA stays off the audio
-stream (tiny real models throughout)."""
+"""LTX-2 (tiny real models throughout). Video stream only: stage 1 stores the text LTX2Pipeline feeds the
+video stream, training runs the video stream without the audio cross-attention (so the unused audio input
+cannot matter), a full fine-tune leaves exactly the gradient-less audio parameters frozen, and LoRA stays off
+the audio stream. With model.audio (LTX-2.0 and LTX-2.3 presets): training feeds the transformer what the
+pipeline's first denoising step feeds it, video and audio (t2v and i2v), one sigma for both streams, every
+parameter and default adapter trains, both LoRA files load back with the audio modules, and validation's
+clip carries the vocoder's sound."""
 
 from __future__ import annotations
 
@@ -207,3 +210,244 @@ def test_i2v_exports_load_back_and_generate_from_the_image(tiny_model_factory, t
     assert np.abs(frames.astype(int) - other).mean() > 1, "the image did not condition the video"
     with pytest.raises(ValueError, match="ltx-2 i2v generation needs an image"):
         override.generate(pipeline, PROMPT, BUCKET, steps=2, seed=0)
+
+
+# ----------------------------------------------------------------------------- video and audio (model.audio)
+@pytest.fixture(scope="module", params=["2.0", "2.3"])
+def av_folder(request, tiny_model_factory, tmp_path_factory):
+    """(version, tiny preset folder): LTX-2.0's (the family preset) and LTX-2.3's (`make_tiny_23`)."""
+    from vt.shared.models.ltx2 import LTX2Spec
+
+    if request.param == "2.0":
+        return "2.0", tiny_model_factory("ltx-2")
+    return "2.3", LTX2Spec.make_tiny_23(tmp_path_factory.mktemp("ltx23-tiny"))
+
+
+def av_spec(folder, **kw):
+    return make_spec(folder, audio=True, **kw)
+
+
+def first_step(spec, transformer, encoders) -> tuple[list[dict], tuple]:
+    """(every call's inputs from now on, the outputs of the first): LTX2Pipeline's first denoising step (sigma
+    1, one pass) is the first call."""
+    seen, outputs = capture(transformer), []
+    transformer.register_forward_hook(lambda module, args, out: outputs.append(out))
+    pipeline = spec.build_pipeline(transformer, **encoders)
+    pipeline(**spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0), **NO_GUIDANCE, output_type="latent")
+    return seen, outputs[0]
+
+
+def test_audio_forward_feeds_what_the_pipeline_feeds(av_folder):
+    """At the pipeline's first step (sigma 1) training on a clip feeds the transformer exactly the pipeline's
+    video and audio tokens, both text embeddings and masks, timesteps and cross-attention settings, and gets
+    its predictions back: stage 1's `audio_prompt_embeds` is the connectors' audio embedding the pipeline
+    makes, the audio latents are packed and unpacked as it packs them (LTX-2.0 and LTX-2.3 checkpoints)."""
+    from diffusers import LTX2Pipeline
+
+    version, folder = av_folder
+    spec = av_spec(folder)
+    assert spec.cross_timestep is (version == "2.3")
+    assert type(spec.load_component("vocoder")).__name__ == ("LTX2VocoderWithBWE" if version == "2.3" else "LTX2Vocoder")
+    encoders = spec.load_stage1()
+    text = spec.encode_text(encoders, [PROMPT])
+    transformer = spec.load_transformer()
+    seen, (video_out, audio_out) = first_step(spec, transformer, encoders)
+    inference = seen[0]
+    audio_frames = inference["audio_num_frames"]
+    bins = inference["audio_hidden_states"].shape[-1] // 2  # 2 latent channels x mel bins per token
+    noise = LTX2Pipeline._unpack_latents(inference["hidden_states"], 2, 2, 3, 1, 1)
+    audio_noise = LTX2Pipeline._unpack_audio_latents(inference["audio_hidden_states"], audio_frames, bins)
+    generator = torch.Generator().manual_seed(3)
+    batch = {**text, "latents": torch.randn(noise.shape, generator=generator),
+             "audio_latents": torch.randn(audio_noise.shape, generator=generator), "audio_noise": audio_noise}
+    out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
+    training = seen[-1]
+
+    for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states",
+                 "timestep", "sigma"):
+        torch.testing.assert_close(training[name], inference[name], msg=name)
+    torch.testing.assert_close(training["audio_timestep"], inference["timestep"])  # the pipeline's default: the same
+    for name in ("encoder_attention_mask", "audio_encoder_attention_mask"):
+        torch.testing.assert_close(training[name].float(), inference[name].float(), msg=name)
+    for name in ("audio_num_frames", "fps", "isolate_modalities", "use_cross_timestep", "num_frames", "height", "width"):
+        assert training[name] == inference[name], name
+    assert training["isolate_modalities"] is False and training["use_cross_timestep"] is (version == "2.3")
+    torch.testing.assert_close(transformer.audio_rope.prepare_audio_coords(1, audio_frames, "cpu"),
+                               inference["audio_coords"])  # what the transformer builds from audio_num_frames
+    torch.testing.assert_close(out.prediction, LTX2Pipeline._unpack_latents(video_out.float(), 2, 2, 3, 1, 1))
+    torch.testing.assert_close(out.audio.prediction, LTX2Pipeline._unpack_audio_latents(audio_out.float(),
+                                                                                        audio_frames, bins))
+    torch.testing.assert_close(out.audio.target, audio_noise - batch["audio_latents"])
+
+
+def audio_batch(spec, encoders, size=2, seed=0):
+    """A training batch of `size` random clips with random audio latents of the pipeline's audio length for
+    BUCKET (19 latent frames: 9 frames at 12 fps, 16 kHz, hop 160, x4) and their audio noise."""
+    generator = torch.Generator().manual_seed(seed)
+    video = torch.rand(size, 3, BUCKET.frames, BUCKET.height, BUCKET.width, generator=generator) * 2 - 1
+    batch = {**spec.encode_text(encoders, [PROMPT, "people riding bikes"][:size]), **spec.encode_video(encoders, video)}
+    batch["audio_latents"] = torch.randn(size, 2, 19, 2, generator=generator)
+    batch["audio_noise"] = torch.randn(size, 2, 19, 2, generator=generator)
+    return batch
+
+
+def test_audio_training_shares_the_sigma_and_trains_both_streams(av_folder):
+    """One sigma per sample noises both streams and is the video, audio and cross-attention timestep; the video
+    prediction depends on the audio (cross-attention on); the joint loss is finite and a full fine-tune trains
+    every parameter, each of which gets a gradient (the audio stream and both cross-attention directions too)."""
+    from diffusers import LTX2Pipeline
+
+    from vt.train.objectives import joint_loss
+
+    _, folder = av_folder
+    spec = av_spec(folder)
+    encoders = spec.load_stage1()
+    batch = audio_batch(spec, encoders)
+    transformer = spec.load_transformer()
+    spec.full_trainable(transformer)
+    seen = capture(transformer)
+    sigmas = torch.tensor([0.3, 0.8])
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(1))
+    out = spec.forward(transformer, batch, sigmas, noise)
+    inputs = seen.pop()
+    for name in ("timestep", "audio_timestep", "sigma"):
+        torch.testing.assert_close(inputs[name], sigmas * 1000, msg=name)
+    noisy_audio = (1 - sigmas.view(2, 1, 1, 1)) * batch["audio_latents"] + sigmas.view(2, 1, 1, 1) * batch["audio_noise"]
+    torch.testing.assert_close(inputs["audio_hidden_states"], LTX2Pipeline._pack_audio_latents(noisy_audio))
+    assert out.audio.prediction.shape == out.audio.target.shape == (2, 2, 19, 2)
+
+    with torch.no_grad():  # cross-attention on: other audio, other video prediction
+        same = transformer(**inputs)[0]
+        other = transformer(**{**inputs, "audio_hidden_states": torch.randn_like(inputs["audio_hidden_states"])})[0]
+    assert not torch.allclose(other, same), "the audio does not reach the video"
+
+    loss, audio_loss = joint_loss(out, audio_weight=0.5)
+    assert torch.isfinite(loss) and torch.isfinite(audio_loss) and float(audio_loss.detach()) > 0
+    loss.backward()
+    trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
+    with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert trainable == {n for n, _ in transformer.named_parameters()} == with_grad
+    assert {"audio_proj_out.weight", "transformer_blocks.0.audio_to_video_attn.to_q.weight",
+            "transformer_blocks.1.video_to_audio_attn.to_out.0.weight", "audio_time_embed.linear.weight"} <= with_grad
+
+
+def test_audio_lora_defaults_reach_the_audio_stream_and_train(av_folder):
+    """With model.audio the default LoRA targets add the audio attention and both cross-attention directions,
+    targets reaching the audio stream are allowed, and every adapter gets a gradient from the joint loss."""
+    from vt.shared.models.ltx2 import AUDIO_LORA_TARGETS, VIDEO_LORA_TARGETS
+    from vt.train.objectives import joint_loss
+
+    _, folder = av_folder
+    spec = av_spec(folder)
+    assert spec.default_lora_targets == VIDEO_LORA_TARGETS + AUDIO_LORA_TARGETS
+    assert make_spec(folder).default_lora_targets == VIDEO_LORA_TARGETS  # video-only: unchanged
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=2, alpha=2.0, targets=None)
+    lora = {n.split(".lora_")[0] for n, _ in transformer.named_parameters() if "lora_" in n}
+    for attn in ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn"):
+        assert f"transformer_blocks.1.{attn}.to_out.0" in lora, attn
+    assert not any(".ff." in n or "audio_ff" in n for n in lora)
+    from lora_init import randomise_lora
+
+    randomise_lora(transformer, seed=1)  # lora_B non-zero, so lora_A gets a gradient too
+    out = spec.forward(transformer, audio_batch(spec, spec.load_stage1()), torch.tensor([0.4, 0.9]),
+                       torch.randn(2, 8, 2, 2, 3, generator=torch.Generator().manual_seed(2)))
+    joint_loss(out, audio_weight=1.0)[0].backward()
+    with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert with_grad == {n for n, p in transformer.named_parameters() if "lora_" in n}
+    spec.add_lora(spec.load_transformer(), rank=2, alpha=2.0, targets=["to_q", "audio_ff.net.2"])  # allowed with audio
+
+
+def test_audio_lora_exports_load_back_with_the_audio_modules(av_folder, tmp_path):
+    """A LoRA on both streams and the cross-attention: the diffusers file and the ComfyUI file (LTXAV's module
+    names, scale in lora_B) each give a fresh LTX2Pipeline the in-memory model, video and audio alike."""
+    from diffusers import LTX2Pipeline
+    from lora_init import randomise_lora
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    _, folder = av_folder
+    spec = av_spec(folder)
+
+    def latents(pipeline):
+        output = pipeline(**spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0), **NO_GUIDANCE, output_type="latent")
+        return output.frames.float(), output.audio.float()
+
+    transformer = spec.load_transformer()
+    spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
+    randomise_lora(transformer, seed=3)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)
+    comfy = load_file(tmp_path / "lora_comfyui.safetensors")
+    assert "diffusion_model.transformer_blocks.0.video_to_audio_attn.to_k.lora_A.weight" in comfy
+    assert "diffusion_model.transformer_blocks.1.audio_attn2.to_out.0.lora_B.weight" in comfy
+    video, audio = latents(spec.build_pipeline(transformer))
+    for weight_name in ("pytorch_lora_weights.safetensors", "lora_comfyui.safetensors"):
+        fresh = LTX2Pipeline.from_pretrained(folder)
+        fresh.set_progress_bar_config(disable=True)
+        if weight_name.startswith("pytorch"):  # the LoRA moves both streams
+            base_video, base_audio = latents(fresh)
+            assert (base_video - video).abs().max() > 1e-2 and (base_audio - audio).abs().max() > 1e-2
+        spec.load_lora(fresh, tmp_path, weight_name=weight_name)
+        got_video, got_audio = latents(fresh)
+        torch.testing.assert_close(got_video, video, atol=1e-4, rtol=1e-4, msg=weight_name)
+        torch.testing.assert_close(got_audio, audio, atol=1e-4, rtol=1e-4, msg=weight_name)
+
+
+def test_audio_validation_clip_carries_the_vocoders_sound(av_folder, tmp_path):
+    """generate_clip returns the pipeline's own vocoder output as a Sound at the vocoder's rate (2.0: 16 kHz in
+    the tiny preset, 2.3's bandwidth extension: 32 kHz; the tiny vocoders' lengths are not a clip's duration),
+    and the mp4 validation writes carries it."""
+    import numpy as np
+
+    from vt.shared.video_io import read_sound, write_video
+
+    version, folder = av_folder
+    spec = av_spec(folder)
+    pipeline = spec.build_pipeline(spec.load_transformer())
+    vocoded = []
+    pipeline.vocoder.register_forward_hook(lambda module, args, out: vocoded.append(out))
+    frames, sound = spec.generate_clip(pipeline, PROMPT, BUCKET, steps=2, seed=0, **NO_GUIDANCE)
+    rate = 32000 if version == "2.3" else 16000
+    assert frames.shape == (9, 64, 96, 3) and sound.sample_rate == rate and sound.waveform.shape[0] == 2
+    np.testing.assert_array_equal(sound.waveform, vocoded[0][0].float().numpy())
+    assert np.abs(sound.waveform).max() > 1e-3
+    heard = read_sound(write_video(frames, tmp_path / "00.mp4", fps=12.0, sound=sound))
+    assert heard is not None and heard.sample_rate == rate and heard.waveform.shape[0] == 2
+    assert abs(heard.waveform.shape[1] - sound.waveform.shape[1]) <= 2048  # AAC frames of 1024 samples
+
+
+def test_i2v_audio_forward_feeds_what_the_pipeline_feeds(tiny_model_factory):
+    """i2v with model.audio at LTX2ImageToVideoPipeline's first step: the clean image latent, per-token video
+    timesteps, the audio noised whole at the sample's timestep, and both streams' text, as the pipeline feeds."""
+    from diffusers import LTX2ImageToVideoPipeline
+
+    spec = make_spec(tiny_model_factory("ltx-2", task="i2v"), task="i2v", audio=True)
+    encoders = spec.load_stage1()
+    clip, pixels = uint8_clip()
+    transformer = spec.load_transformer()
+    seen = capture(transformer)
+    pipeline = spec.build_pipeline(transformer, **encoders)
+    pipeline(**spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0, image=pixels[0].numpy()), **NO_GUIDANCE,
+             image_crf=0, output_type="latent")
+    inference = seen[0]
+    frames = inference["audio_num_frames"]
+    audio_noise = LTX2ImageToVideoPipeline._unpack_audio_latents(inference["audio_hidden_states"], frames, 2)
+    batch = {**spec.encode_text(encoders, [PROMPT]), **spec.encode_video(encoders, clip),
+             "audio_latents": torch.randn(audio_noise.shape), "audio_noise": audio_noise}
+    noise = LTX2ImageToVideoPipeline._unpack_latents(inference["hidden_states"], 2, 2, 3, 1, 1)
+    out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
+    training = seen[-1]
+    for name in ("hidden_states", "audio_hidden_states", "timestep", "audio_timestep", "sigma",
+                 "encoder_hidden_states", "audio_encoder_hidden_states"):
+        torch.testing.assert_close(training[name], inference[name], atol=1e-5, rtol=1e-5, msg=name)
+    assert training["isolate_modalities"] is inference["isolate_modalities"] is False
+    assert out.weight.flatten().tolist() == [0.0, 1.0] and out.audio.weight is None  # the sound is generated whole
+
+
+def test_context_parallel_is_refused_with_the_reason(av_folder):
+    """No CP plan, with or without audio; with audio the error says why the joint attention does not split."""
+    _, folder = av_folder
+    with pytest.raises(NotImplementedError, match=r"video_to_audio_attn.*set parallel.cp = 1"):
+        av_spec(folder).cp_plan()
+    with pytest.raises(NotImplementedError, match=r"no CP plan: its rotary tables.*set parallel.cp = 1"):
+        make_spec(folder).cp_plan()

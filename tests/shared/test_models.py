@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -85,7 +87,8 @@ def test_check_bucket_rejects_what_the_vae_cannot_encode(tiny_model_factory, fam
     spec = make_spec(tiny_model_factory(family), family)
     spec.check_bucket(bucket_of(family))
     step = EXPECTED[family]["frames_step"]
-    with pytest.raises(ValueError, match=rf"frames must be {step}k\+1"):
+    rule = re.escape(EXPECTED[family].get("frames_rule", f"{step}k+1"))
+    with pytest.raises(ValueError, match=rf"frames must be {rule}"):
         spec.check_bucket(Bucket(step + 2, 64, 96))
     side = EXPECTED[family]["side"]
     with pytest.raises(ValueError, match=rf"height must be a multiple of {side}"):
@@ -112,7 +115,7 @@ def test_latents_are_normalised_as_the_pipeline_denormalises(tiny_model_factory,
     vae = spec.load_component("vae")
     clip = video(1, bucket=bucket_of(family))
     latents = spec.encode_video({"vae": vae}, clip, **with_control(spec, clip))["latents"]
-    raw = vae.encode(clip).latent_dist.mode()
+    raw = vae.encode(EXPECTED[family].get("pixels", lambda pixels: pixels)(clip)).latent_dist.mode()
     back = EXPECTED[family]["denormalize"](latents, vae)
     assert not torch.allclose(latents, raw, atol=1e-3)  # the tiny presets have non-trivial statistics
     torch.testing.assert_close(back, raw, atol=1e-5, rtol=1e-5)
@@ -194,7 +197,7 @@ def test_lora_export_loads_into_a_fresh_pipeline(tiny_model_factory, tmp_path, f
 
     bucket = bucket_of(family)
     frames = spec.generate(fresh, "a rabbit in a meadow", bucket, steps=2, seed=0, **control_frames(spec, bucket))
-    assert frames.shape == (bucket.frames, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
+    assert frames.shape == (EXPECTED[family].get("generated_frames", bucket.frames), 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
 
     # The ComfyUI file: original module names under diffusion_model., read back by diffusers' own
     # conversion of non-diffusers LoRA files into the same model (by the family's own loader where
@@ -300,6 +303,7 @@ def test_tokens_per_sample_counts_transformer_tokens(tiny_model_factory, family)
     spec.blocks(transformer)[video_block].register_forward_pre_hook(first_block_input, with_kwargs=True)
     batch = stage1(spec, batch=1)
     spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
-    assert spec.tokens_per_sample(latent) == seen["tokens"]
+    # (a family packing text rows into the blocks' sequence: those come on top)
+    assert spec.tokens_per_sample(latent) + EXPECTED[family].get("other_rows", lambda batch: 0)(batch) == seen["tokens"]
     patch = EXPECTED[family]["patch"]
     assert spec.tokens_per_sample(latent) == latent[1] * latent[2] * latent[3] // patch**2

@@ -16,7 +16,7 @@ from vt.shared.memory_trace import fake_mode, peak_bytes
 from vt.shared.models import FAMILIES, spec_for
 
 BIN = Path(sys.executable).parent
-BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96"}
+BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96", "minimax-h3": "5x64x96"}
 
 
 def config_for(model: Path, family: str, **train) -> Config:
@@ -109,3 +109,16 @@ def test_known_values_leave_a_large_product_of_small_masks_fake():
         kept = int(mask.sum())
     assert isinstance(pairs, FakeTensor) and pairs.shape == (1, 8192, 8192)
     assert kept == 8192
+
+
+def test_ltx2_plans_a_run_that_trains_sound(tiny_model_factory):
+    """model.audio: the traced step feeds the audio latents, their noise and the audio text, and holds more
+    than the video-only step (the audio tokens and the cross-attention run with gradients)."""
+    from vt.train.plan import make_plan
+
+    model = tiny_model_factory("ltx-2")
+    video = make_plan(config_for(model, "ltx-2", mode="full"), 1, "cpu")
+    config = config_for(model, "ltx-2", mode="full")
+    sound = make_plan(config.model_copy(update={"model": config.model.model_copy(update={"audio": True})}), 1, "cpu")
+    (name, steps), = sound.activations.items()
+    assert steps["none"] > video.activations[name]["none"] > 0

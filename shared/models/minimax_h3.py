@@ -1,0 +1,512 @@
+"""MiniMax H3 (MiniMax, audio + video): Qwen3-VL conditioner (hidden state 50), a video VAE of ImageNet-normalised
+pixels (17n+5 frames -> 5n+2 latent frames, x16 space, 24 channels), a mono audio VAE (32 kHz, 40 latents/s, stereo
+as two channels) and one DiT over a single packed sequence [text | audio | video] (no cross-attention).
+
+What vt trains (text-to-video-and-audio, diffusers' MiniMaxH3ModularPipeline `t2va` workflow):
+- stage 1 stores what the pipeline's text block feeds the transformer: the prompt tokenized verbatim (no template,
+  no special tokens), Qwen3-VL's `hidden_states[50]` (`get_qwen3vl_prompt_embeds`), zero-padded to
+  `model.max_text_tokens` with a mask marking the caption's rows; video latents = the posterior mode of the pixels
+  ImageNet-normalised over [0, 1], `(z - latents_mean) / latents_std` (the pipeline's decode step inverts it);
+  with `model.audio`, audio latents = the audio VAE's posterior mode of each stereo channel (two batch items of the
+  mono VAE, as the pipeline encodes a soundtrack), normalised likewise, stored (2, C, N);
+- stage 2 builds each sample's packed sequence with the pipeline's own layout (`build_packed_sequence`: positions,
+  modality tags, row indices) and calls the transformer once per sample (the structural inputs are shared by the
+  whole batch, and text lengths differ). The pipeline's timestep convention: t = 1 - sigma (t = 1 clean), the
+  transformer predicts the data-ward velocity, so the target is x0 - noise (for both streams). One sigma is drawn
+  per sample (the trainer's); the video rows (and text rows, as in the pipeline) take it, the audio rows the audio
+  schedule's sigma at the same point of the base grid (`audio_sigmas`: shift 12 video, 3 audio), which is how every
+  step of the pipeline (and ComfyUI's sampler) pairs the two streams. Without `model.audio` the sequence has no audio
+  rows (the transformer takes zero of them) and the audio heads (`audio_proj_in`, `audio_proj_out`) stay frozen and
+  out of LoRA;
+- validation runs the modular pipeline itself (`MiniMaxH3Pipeline` below is a thin handle on it: the same blocks, fed
+  stored text embeddings) and returns its stereo sound track.
+Not covered: `fl2va` (first/last keyframes) and `ref2va` (references, `transformer_ref`), docs/families.md.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from vt.shared.buckets import Bucket
+from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
+from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
+from vt.shared.video_io import Sound
+
+# The audio stream's own parameters: without `model.audio` no gradient reaches them.
+AUDIO_PARAMETERS = re.compile(r"(^|\.)audio_proj_(in|out)\b")
+TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
+STEREO = 2  # MiniMaxH3ModularPipeline.audio_channels: stereo rows, channel-major
+
+
+def _pipeline_constants():
+    from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as h3
+
+    return h3
+
+
+def packed_layout(text_rows: int, latent_shape: tuple[int, ...], audio_latents: int, patch: tuple[int, int, int]):
+    """The pipeline's t2va layout (`MiniMaxH3PrepareLayoutStep.build_packed_sequence`) of one sample: position_ids,
+    token_tags, video_indices, audio_indices, text_indices."""
+    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
+    h3 = _pipeline_constants()
+    _, frames, height, width = latent_shape
+    out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
+        torch.full((text_rows,), h3.MINIMAX_H3_TEXT_TAG, dtype=torch.long), frames, height, width, audio_latents,
+        patch, STEREO, h3.MINIMAX_H3_AUDIO_TAG, h3.MINIMAX_H3_VIDEO_TAG)
+    return out[:5]
+
+
+def caption_rows(mask: Tensor) -> list[int]:
+    """Each sample's text rows: the mask's last nonzero entry + 1 (0 for an empty caption)."""
+    used = mask.flatten(1).ne(0)
+    return ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
+
+
+class MiniMaxH3Spec(ModelSpec):
+    family: ClassVar[str] = "minimax-h3"
+    example_hub_id: ClassVar[str] = "MiniMaxAI/MiniMax-H3"
+    block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
+    # No `processor`: t2va text holds no vision tokens, so its token types are all text (`TextTokenTypes`), and
+    # Qwen3VLProcessor needs torchvision.
+    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
+    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}
+    single_frame: ClassVar[bool] = False  # frames 17n+5
+    audio_stream: ClassVar[bool] = True
+    audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
+    default_lora_targets: ClassVar[list[str]] = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ()  # no ComfyUI model (docs/families.md)
+    components: ClassVar[dict[str, str]] = {
+        "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
+        "vae": "diffusers:AutoencoderKLMiniMaxH3", "audio_vae": "diffusers:AutoencoderKLMiniMaxH3Audio",
+        "audio_scheduler": "diffusers:MiniMaxH3Scheduler", "transformer": "diffusers:MiniMaxH3Transformer3DModel"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "vt.shared.models.minimax_h3:MiniMaxH3Pipeline"}
+
+    def __init__(self, config, frame_rate: float):
+        super().__init__(config, frame_rate)
+        fps = _pipeline_constants().MINIMAX_H3_FPS
+        if config.audio and frame_rate != fps:
+            raise ValueError(f"model.audio with {self.family} needs buckets.fps = {fps}: its audio and video rows share "
+                             f"one rotary clock at {fps} fps (40 audio latents per second), got {frame_rate:g}")
+
+    # ----------------------------------------------------------------------------- geometry
+    def _geometry_from_config(self) -> VaeGeometry:
+        vae = self._vae_without_weights()
+        patch = tuple(self.load_config("transformer").get("patch_size", (1, 2, 2)))
+        if patch[0] != 1 or patch[1] != patch[2]:
+            raise ValueError(f"MiniMax H3 transformers with patch_size {patch} are not supported; expected (1, p, p)")
+        self._chunk = (vae.config.clip_length, vae.tokens_chunk_size)
+        return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
+                           channels=vae.config.latent_channels, patch=patch[1])
+
+    @property
+    def frame_chunk(self) -> tuple[int, int]:
+        """(pixel frames per VAE chunk, latent frames it keeps): 17n+5 frames encode to 5n+2 latent frames."""
+        self.geometry
+        return self._chunk
+
+    def check_bucket(self, bucket: Bucket) -> None:
+        chunk, kept = self.frame_chunk
+        if bucket.frames % chunk != kept:
+            raise ValueError(f"bucket {bucket.name}: {self.family} frames must be {chunk}k+{kept} (e.g. {kept} or "
+                             f"{chunk + kept}; the pipeline generates 5 to 15 s at 24 fps, e.g. 124); change "
+                             "buckets.sizes")
+        pixels = self.geometry.spatial * self.geometry.patch
+        for side, value in (("height", bucket.height), ("width", bucket.width)):
+            if value % pixels:
+                raise ValueError(f"bucket {bucket.name}: {self.family} {side} must be a multiple of {pixels}; change "
+                                 f"buckets.sizes (e.g. {max(pixels, value // pixels * pixels)})")
+
+    def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        self.check_bucket(bucket)
+        chunk, kept = self.frame_chunk
+        g = self.geometry
+        return (g.channels, (bucket.frames - kept) // chunk * kept + 2, bucket.height // g.spatial,
+                bucket.width // g.spatial)
+
+    def tokens_per_sample(self, latent_shape: tuple[int, ...]) -> int:
+        """Video rows only (text and audio rows come on top: the packed sequence)."""
+        return super().tokens_per_sample(latent_shape)
+
+    def text_width(self, name: str = "text_encoder") -> int:
+        return self.load_config(name).text_config.hidden_size
+
+    # ----------------------------------------------------------------------------- stage 1
+    @torch.no_grad()
+    def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
+        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)}: each caption encoded alone as
+        MiniMaxH3TextEncoderStep encodes a prompt, at most L = max_text_tokens rows, zeros after them."""
+        from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
+
+        text_encoder, width = encoders["text_encoder"], text_encoder_width(encoders["text_encoder"])
+        embeds = torch.zeros(len(captions), self.max_text_tokens, width)
+        mask = torch.zeros(len(captions), self.max_text_tokens)
+        for row, caption in enumerate(captions):
+            ids = encoders["tokenizer"](caption, add_special_tokens=False)["input_ids"][:self.max_text_tokens]
+            if not ids:  # an empty caption (caption dropout): no text rows
+                continue
+            hidden = get_qwen3vl_prompt_embeds(text_encoder, TextTokenTypes(), ids, {}, text_encoder_layer=TEXT_LAYER,
+                                               device=text_encoder.device, dtype=torch.float32)
+            embeds[row, :len(ids)] = hidden[0].cpu()
+            mask[row, :len(ids)] = 1
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def condition_shapes(self, bucket: Bucket) -> dict[str, tuple[int, ...]]:
+        shapes = {"prompt_embeds": (self.max_text_tokens, self.text_width()),
+                  "prompt_attention_mask": (self.max_text_tokens,), "latents": self.latent_shape(bucket)}
+        if self.config.audio:
+            shapes["audio_latents"] = self.audio_latent_shape(bucket)
+        return shapes
+
+    @torch.no_grad()
+    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
+        """Latents normalised as the pipeline's decode step denormalises them; pixels as its VAE takes them
+        (ImageNet-normalised over [0, 1]); the posterior mode (stage 1 is deterministic)."""
+        self._check_video(video)
+        vae = encoders["vae"]
+        pixels = normalise_pixels(video.to(vae.device, torch.float32))
+        latents = vae.encode(pixels.to(vae.dtype)).latent_dist.mode().float()
+        mean, std = (torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1, 1, 1)
+                     for k in ("latents_mean", "latents_std"))
+        return {"latents": ((latents - mean) / std).cpu()}
+
+    # ----------------------------------------------------------------------------- audio
+    def audio_format(self) -> AudioFormat:
+        return AudioFormat(sample_rate=int(self.load_config("audio_vae")["sampling_rate"]), channels=STEREO)
+
+    def audio_hop(self) -> int:
+        return math.prod(self.load_config("audio_vae")["encoder_rates"])
+
+    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        """(2 stereo channels, latent channels, N): the VAE pads the waveform to whole hops."""
+        self.check_bucket(bucket)
+        return (STEREO, self.load_config("audio_vae")["latent_channels"],
+                math.ceil(self.audio_samples(bucket) / self.audio_hop()))
+
+    @torch.no_grad()
+    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, 2, C, N)}: each stereo channel through the mono audio VAE (posterior mode), normalised
+        as the pipeline's audio decode step denormalises them."""
+        if audio.ndim != 3 or audio.shape[1] != STEREO:
+            raise ValueError(f"audio must be (B, {STEREO}, samples) in [-1, 1], got shape {tuple(audio.shape)}")
+        vae = encoders["audio_vae"]
+        batch, channels, samples = audio.shape
+        mono = audio.reshape(batch * channels, 1, samples).to(vae.device, torch.float32)
+        latents = vae.encode(mono).latent_dist.mode().float()
+        mean, std = (torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1)
+                     for k in ("latents_mean", "latents_std"))
+        latents = (latents - mean) / std
+        return {"audio_latents": latents.reshape(batch, channels, *latents.shape[1:]).cpu()}
+
+    # ----------------------------------------------------------------------------- stage 2
+    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
+                generator: torch.Generator | None = None) -> Prediction:
+        """One transformer call per sample over its packed sequence (module docstring); both streams at the sample's
+        sigma, targets x0 - noise (the data-ward velocity)."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
+
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+
+        x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
+        audio = "audio_latents" in batch
+        audio_sigmas = self.audio_sigmas(sigmas)
+        if audio:
+            audio_x0 = batch["audio_latents"].float().to(x0.device)
+            audio_noise = batch["audio_noise"].to(audio_x0)
+            audio_noisy = flow_match_noisy(audio_x0, audio_noise, audio_sigmas)
+        rows = caption_rows(batch["prompt_attention_mask"])
+        patch = (1, self.geometry.patch, self.geometry.patch)
+        video_out, audio_out = [], []
+        for b in range(x0.shape[0]):
+            frames = audio_x0.shape[-1] if audio else 0
+            position_ids, token_tags, video_indices, audio_indices, text_indices = (
+                t.to(x0.device) for t in packed_layout(rows[b], x0.shape[1:], frames, patch))
+            video_rows = patchify_video_latents(noisy[b:b + 1], patch)
+            audio_rows = (audio_noisy[b].permute(0, 2, 1).reshape(-1, audio_noisy.shape[2]) if audio
+                          else x0.new_zeros(0, transformer.config.audio_in_channels))
+            # t = 1 - sigma per row (text rows at the video's), as the pipeline's set-timesteps step reduces them
+            timestep, timestep_indices = MiniMaxH3SetTimestepsStep.build_row_timesteps(
+                video_indices.cpu(), audio_indices.cpu(), 0, 0, rows[b], float(1 - sigmas[b]),
+                float(1 - audio_sigmas[b]), 0.0, 0.0)
+            video, sound = transformer(
+                hidden_states=video_rows[None], audio_hidden_states=audio_rows[None],
+                encoder_hidden_states=batch["prompt_embeds"][b:b + 1, :rows[b]].to(x0.device),
+                timestep=timestep.to(x0.device), timestep_indices=timestep_indices.to(x0.device), token_tags=token_tags,
+                position_ids=position_ids, video_indices=video_indices, audio_indices=audio_indices,
+                text_indices=text_indices, return_dict=False)
+            video_out.append(unpatchify(video[0].float(), x0.shape[1:], patch))
+            if audio:
+                audio_out.append(sound[0].float().reshape(STEREO, frames, -1).permute(0, 2, 1))
+        out = Prediction(prediction=torch.stack(video_out), target=x0 - noise, weight=None)
+        if audio:
+            out.audio = Prediction(prediction=torch.stack(audio_out), target=audio_x0 - audio_noise, weight=None)
+        return out
+
+    @cached_property
+    def schedule_shifts(self) -> tuple[float, float]:
+        """(video, audio) shifts of the pipeline's two schedulers (12 and 3 in the release)."""
+        return float(self.load_config("scheduler")["shift"]), float(self.load_config("audio_scheduler")["shift"])
+
+    def audio_sigmas(self, sigmas: Tensor) -> Tensor:
+        """The audio rows' sigma for each video sigma: the audio schedule's value at the same point of the base grid
+        (`sigma' = s b / (1 + (s - 1) b)` with each scheduler's shift), the pair every step of the pipeline feeds."""
+        video, audio = self.schedule_shifts
+        base = sigmas / (video - (video - 1) * sigmas)
+        return audio * base / (1 + (audio - 1) * base)
+
+    def full_trainable(self, transformer) -> None:
+        """Without `model.audio` the audio heads get no gradient (no audio rows): frozen, out of the optimizer."""
+        for name, param in transformer.named_parameters():
+            param.requires_grad_(self.config.audio or not AUDIO_PARAMETERS.search(name))
+
+    def check_lora(self, transformer, targets) -> None:
+        """Targets on the audio heads are refused without `model.audio` (they would never train)."""
+        if self.config.audio:
+            return
+        audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
+                        if "lora_" in n and AUDIO_PARAMETERS.search(n)})
+        if audio:
+            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({audio[0]}), which trains only with "
+                             "model.audio = true; set it, or name other modules (e.g. \"attn.to_q\"), or leave "
+                             "train.lora_targets unset")
+
+    # ----------------------------------------------------------------------------- validation
+    def validation_frames(self, bucket: Bucket) -> int:
+        """The frames validation generates: the bucket's, or the pipeline's shortest video (5 s at 24 fps, 124 frames)
+        for a shorter bucket, which the pipeline refuses."""
+        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline as P
+
+        h3 = _pipeline_constants()
+        shortest = math.ceil(P.min_duration.fget(None) * h3.MINIMAX_H3_FPS)
+        return h3.align_num_frames(max(bucket.frames, shortest), *self.frame_chunk)
+
+    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None, last_image=None,
+                        control=None) -> dict[str, Any]:
+        kwargs = super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image, control)
+        return {**kwargs, "num_frames": self.validation_frames(bucket)}
+
+    def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The prompt's conditions only: the checkpoint is guidance-distilled (no negative prompt, one pass a step)."""
+        return {name: value for name, value in conditions.items() if not name.startswith("negative_")}
+
+    def output_sound(self, pipeline, output) -> Sound | None:
+        return Sound(np.ascontiguousarray(output.audio[0].float().cpu().numpy()).clip(-1, 1), int(output.sampling_rate))
+
+    # ----------------------------------------------------------------------------- tiny preset
+    @classmethod
+    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v"):
+        from pathlib import Path
+
+        from vt.shared.models.tiny import seeded
+
+        if task not in cls.tasks:
+            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
+        with seeded(seed):
+            parts = cls.tiny_parts(task)
+        MiniMaxH3Pipeline(**parts).save_pretrained(Path(out_dir))
+        return Path(out_dir)
+
+    @classmethod
+    def tiny_parts(cls, task: str) -> dict[str, Any]:
+        """Tiny real classes: a 51-layer Qwen3-VL of width 16 (the pipeline reads hidden state 50), a 4-level video VAE
+        (x16 space, x4 time, 17-frame chunks, 4 channels), a 4-level audio VAE (hop 200 at 8 kHz, a rate AAC writes: 40
+        latents/s as the real one), a 2-block DiT of width 32, the pipeline's two schedulers (shift 12 video, 3 audio)."""
+        from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
+                               MiniMaxH3Transformer3DModel)
+        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+        tokenizer = build_h3_tokenizer()
+        ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in (
+            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+        text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
+            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
+                             num_hidden_layers=TEXT_LAYER + 1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                             rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
+                             pad_token_id=tokenizer.pad_token_id),
+            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
+                               patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[]),
+            **ids))
+        latent = 4
+        vae = AutoencoderKLMiniMaxH3(
+            latent_channels=latent, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+            spatial_downsample_factors=(2, 2, 2, 2), temporal_downsample_factors=(1, 2, 2, 1), norm_num_groups=4,
+            decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8,
+            decoder_num_register_tokens=1, decoder_ffn_mult=1,
+            latents_mean=[0.1 * i for i in range(latent)], latents_std=[0.5 + 0.25 * i for i in range(latent)])
+        audio_vae = AutoencoderKLMiniMaxH3Audio(
+            encoder_dim=2, encoder_rates=(2, 4, 5, 5), latent_dim=8, latent_channels=latent, num_attention_heads=2,
+            decoder_dim=16, decoder_rates=(5, 5, 4, 2), decoder_kernel_sizes=(10, 10, 8, 4), resblock_kernel_sizes=(3,),
+            resblock_dilation_sizes=((1,),), sampling_rate=8000,
+            latents_mean=[-0.05 * i for i in range(latent)], latents_std=[0.4 + 0.2 * i for i in range(latent)])
+        transformer = MiniMaxH3Transformer3DModel(
+            num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1, ffn_dim=32,
+            in_channels=latent, audio_in_channels=latent, patch_size=(1, 2, 2), text_dim=16, freq_dim=16,
+            time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
+        return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                    tokenizer=tokenizer, scheduler=MiniMaxH3Scheduler(shift=12.0),
+                    audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
+
+
+def text_encoder_width(text_encoder) -> int:
+    return text_encoder.config.text_config.hidden_size
+
+
+def normalise_pixels(video: Tensor) -> Tensor:
+    """[-1, 1] pixels as the H3 video VAE takes them: [0, 1], then ImageNet's mean and std (the pipeline's)."""
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline as P
+
+    mean, std = (torch.tensor(v, device=video.device).view(1, -1, 1, 1, 1)
+                 for v in (P.pixel_mean.fget(None), P.pixel_std.fget(None)))
+    return ((video + 1) / 2 - mean) / std
+
+
+def unpatchify(rows: Tensor, latent_shape: tuple[int, ...], patch: tuple[int, int, int]) -> Tensor:
+    """(rows, C x p) -> (C, F, H, W): MiniMaxH3AfterDenoiseStep's inverse of the patchify."""
+    channels, frames, height, width = latent_shape
+    pt, ph, pw = patch
+    x = rows.reshape(frames // pt, height // ph, width // pw, channels, pt, ph, pw)
+    return x.permute(3, 0, 4, 1, 5, 2, 6).reshape(channels, frames, height, width)
+
+
+def build_h3_tokenizer():
+    """A byte-level Qwen2 tokenizer over the tiny words with Qwen3-VL's vision tokens (the processor needs them)."""
+    from vt.shared.models.tiny import build_qwen_tokenizer
+
+    tokenizer = build_qwen_tokenizer(system="<|h3_system|>", header_tokens=8)
+    tokenizer.add_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"], special_tokens=True)
+    return tokenizer
+
+
+class TextTokenTypes:
+    """Qwen3VLProcessor's `create_mm_token_type_ids` for text without vision tokens (t2va): all 0 (text). It stands in
+    for the processor, which the t2va presentation uses for nothing else and which needs torchvision to load."""
+
+    @staticmethod
+    def create_mm_token_type_ids(input_ids: list) -> list[list[int]]:
+        return [[0] * len(ids) for ids in input_ids]
+
+
+@dataclass
+class H3Output:
+    """What the handle returns: `frames` (decoded video, or the latents with output_type "latent"), and the sound."""
+
+    frames: Any
+    audio: Tensor | None = None
+    sampling_rate: int | None = None
+
+
+class MiniMaxH3Pipeline:
+    """vt's handle on diffusers' MiniMaxH3ModularPipeline (the `t2va` workflow): built from components like a
+    DiffusionPipeline (validation passes the trained transformer), loaded with `from_pretrained` from the modular
+    layout, called like one. It runs the pipeline's own blocks; given `prompt_embeds` (stage 1's, unpadded) it runs
+    them without the text encoder block, and `output_type="latent"` stops before the decode blocks."""
+
+    _parts = ("transformer", "vae", "audio_vae", "scheduler", "audio_scheduler", "text_encoder", "tokenizer",
+              "processor")
+
+    def __init__(self, transformer=None, vae=None, audio_vae=None, scheduler=None, audio_scheduler=None,
+                 text_encoder=None, tokenizer=None, processor=None):
+        from diffusers.modular_pipelines import MiniMaxH3Blocks
+
+        self.modular = MiniMaxH3Blocks().init_pipeline()
+        self.modular.update_components(**{name: value for name, value in dict(
+            transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=scheduler, audio_scheduler=audio_scheduler,
+            text_encoder=text_encoder, tokenizer=tokenizer, processor=processor or TextTokenTypes()).items()
+            if value is not None})
+        self._progress = {}
+
+    def __getattr__(self, name):
+        if name in MiniMaxH3Pipeline._parts:
+            return getattr(self.__dict__["modular"], name, None)
+        raise AttributeError(name)
+
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        """The t2va components of a MiniMax H3 folder or hub id (modular_model_index.json)."""
+        from diffusers.modular_pipelines import ModularPipeline
+
+        modular = ModularPipeline.from_pretrained(str(path), workflow="t2va")
+        modular.load_components(**kwargs)
+        if getattr(modular, "processor", None) is None:
+            modular.update_components(processor=TextTokenTypes())
+        pipeline = cls.__new__(cls)
+        pipeline.modular, pipeline._progress = modular, {}
+        return pipeline
+
+    def save_pretrained(self, out):
+        """The modular layout; the processor entry names the real class without files (vt's stand-in is not saved)."""
+        import json
+        from pathlib import Path
+
+        self.modular.save_pretrained(str(out), overwrite_modular_index=True)
+        index_path = Path(out) / "modular_model_index.json"
+        index = json.loads(index_path.read_text())
+        if isinstance(self.modular.processor, TextTokenTypes):
+            index["processor"] = ["transformers", "Qwen3VLProcessor", {
+                "pretrained_model_name_or_path": None, "revision": None, "subfolder": "processor",
+                "type_hint": ["transformers", "Qwen3VLProcessor"], "variant": None}]
+        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+    def set_progress_bar_config(self, **kwargs):
+        self._progress = kwargs
+        self.modular.set_progress_bar_config(**kwargs)
+
+    @staticmethod
+    def save_lora_weights(*args, **kwargs):
+        """The modular pipeline's own LoRA writer (MiniMaxH3LoraLoaderMixin), which its `load_lora_weights` reads."""
+        from diffusers.loaders import MiniMaxH3LoraLoaderMixin
+
+        return MiniMaxH3LoraLoaderMixin.save_lora_weights(*args, **kwargs)
+
+    def load_lora_weights(self, *args, **kwargs):
+        return self.modular.load_lora_weights(*args, **kwargs)
+
+    def _run(self, drop: tuple[str, ...], outputs: list[str], **inputs):
+        from diffusers.modular_pipelines import MiniMaxH3Blocks
+
+        blocks = MiniMaxH3Blocks()
+        for name in drop:
+            blocks.sub_blocks.pop(name)
+        pipe = blocks.init_pipeline()
+        pipe.update_components(**{name: getattr(self.modular, name) for name in self._parts
+                                  if name in pipe._component_specs and getattr(self.modular, name, None) is not None})
+        if self._progress:
+            pipe.set_progress_bar_config(**self._progress)
+        state = pipe(**inputs, output=outputs)
+        return [state[name] for name in outputs]
+
+    @torch.no_grad()
+    def __call__(self, prompt=None, height=None, width=None, num_frames=None, num_inference_steps=30, generator=None,
+                 max_sequence_length: int = 512, prompt_embeds=None, prompt_attention_mask=None,
+                 output_type: str = "np", **kwargs) -> H3Output:
+        """One video and its sound (`frames`, `audio` (1, 2, samples), `sampling_rate`); `max_sequence_length`
+        truncates the prompt's tokens as stage 1 does (the modular pipeline itself never truncates)."""
+        drop = ["decode"] if output_type == "latent" else []
+        inputs = dict(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
+                      generator=generator, **kwargs)
+        if prompt_embeds is None:
+            ids = self.modular.tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_sequence_length]
+            prompt = self.modular.tokenizer.decode(ids) if len(ids) == max_sequence_length else prompt
+            inputs["prompt"] = prompt
+        else:
+            rows = caption_rows(prompt_attention_mask)[0] if prompt_attention_mask is not None else prompt_embeds.shape[1]
+            drop.append("text_encoder")
+            device = self.modular.transformer.device
+            inputs.update(prompt_embeds=prompt_embeds[:, :rows].to(device, self.modular.transformer.dtype),
+                          text_token_tags=torch.full((rows,), _pipeline_constants().MINIMAX_H3_TEXT_TAG,
+                                                     dtype=torch.long))
+        if output_type == "latent":
+            latents, audio = self._run(tuple(drop), ["latents", "audio_latents"], **inputs)
+            return H3Output(frames=latents, audio=audio)
+        videos, audio, rate = self._run(tuple(drop), ["videos", "audio", "sampling_rate"], output_type=output_type,
+                                        **inputs)
+        return H3Output(frames=videos, audio=audio, sampling_rate=rate)
