@@ -111,6 +111,10 @@ def format_state(state: dict) -> str:
     lines.append(f"shard fingerprints: {', '.join(state['fingerprints']) or '-'}")
     if state["orphans"]:
         lines.append(f"orphan data files (uncommitted or left by a crash): {len(state['orphans'])}")
+    if state["leftovers"]:
+        lines.append(f"unfinished writes (temp files or S3 uploads; a killed writer's are cleaned by its role's "
+                     f"next start): {len(state['leftovers'])}")
+        lines += [f"  {rel}  {age}s old" for rel, age in state["leftovers"].items()]
     return "\n".join(lines)
 
 

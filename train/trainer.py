@@ -242,6 +242,8 @@ class Trainer:
 
     def _run(self) -> dict:
         self.resume()
+        if self.is_main:  # consumer.json's writer cleans what an earlier trainer, killed mid-write, left
+            self.window.clean_consumer_debris()
         train = self.config.train
         progress = Progress(train.max_steps or None, "train", enabled=self.config.log.progress and self.is_main)
         progress.update(self.step)
