@@ -38,11 +38,10 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     from vt.shared.runtime import rank, world_size
 
     try:
-        report = Precompute(cfg, rank(), world_size()).run()
+        Precompute(cfg, rank(), world_size()).run()  # logs its summary line (every rank its own), once
     except (TooManyFailures, ProcessorBug, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
             ProducerConflict, StorageUnavailable, WindowTimeout, VaeOutOfMemory) as err:
         raise fail(str(err)) from err
-    typer.echo(report.summary_line())
 
 
 @app.command()

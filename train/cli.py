@@ -30,13 +30,12 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     from vt.train.trainer import Trainer
 
     try:
-        summary = Trainer(cfg).run()
+        Trainer(cfg).run()  # rank 0 logs the summary line ("done: ..."), printed once, not once per rank
     except (StaleShardError, ModelLoadError, FileNotFoundError, ValueError) as err:
         raise fail(str(err)) from err
     # The trainer's model, optimizer and mesh form reference cycles holding gloo work objects: free them now,
     # not at interpreter exit, where freeing their tensors aborts the process ("terminate called ...").
     gc.collect()
-    typer.echo(f"trained {summary['steps']} steps, last loss {summary['last_loss']:.4f}, weights in {summary['export']}")
 
 
 def _note_accelerate_cpu() -> None:
@@ -76,6 +75,19 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
     except (ModelLoadError, FileNotFoundError, ParallelConfigError, ValueError) as err:
         raise fail(str(err)) from err
     typer.echo(json.dumps(plan_json(result), indent=1) if as_json else format_plan(result, gpu_memory, options))
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="a run's run.dir, e.g. runs/demo (finished or running)"),
+           out: Path = typer.Option(None, "--out", help="where to write the page (default RUN_DIR/report.html)")) -> None:
+    """Rebuild RUN_DIR/report.html from the run's files: curves, validation videos, window, precompute, config."""
+    from vt.train.report import write_report
+
+    try:
+        path = write_report(run_dir, out)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    typer.echo(f"report: {path}")
 
 
 @app.command()
