@@ -1,4 +1,4 @@
-"""report.html from a run folder's files, without a browser (tests/e2e/test_report.py renders a real run's)."""
+"""report.html from a run folder's files, without a browser (tests/e2e/test_run_report_page.py renders a real run's)."""
 
 from __future__ import annotations
 
