@@ -85,6 +85,7 @@ class MiniMaxH3Spec(ModelSpec):
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}
     single_frame: ClassVar[bool] = False  # frames 17n+5
     audio_stream: ClassVar[bool] = True
+    audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
     audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
     default_lora_targets: ClassVar[list[str]] = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
     # The original checkpoint's module names, which ComfyUI's MiniMaxH3Model (comfy/ldm/minimax/model.py) has and
@@ -294,22 +295,6 @@ class MiniMaxH3Spec(ModelSpec):
 
         return {key: swapped(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
                 for key, value in tensors.items()}
-
-    def full_trainable(self, transformer) -> None:
-        """Without `model.audio` the audio heads get no gradient (no audio rows): frozen, out of the optimizer."""
-        for name, param in transformer.named_parameters():
-            param.requires_grad_(self.config.audio or not AUDIO_PARAMETERS.search(name))
-
-    def check_lora(self, transformer, targets) -> None:
-        """Targets on the audio heads are refused without `model.audio` (they would never train)."""
-        if self.config.audio:
-            return
-        audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
-                        if "lora_" in n and AUDIO_PARAMETERS.search(n)})
-        if audio:
-            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({audio[0]}), which trains only with "
-                             "model.audio = true; set it, or name other modules (e.g. \"attn.to_q\"), or leave "
-                             "train.lora_targets unset")
 
     # ----------------------------------------------------------------------------- validation
     def validation_frames(self, bucket: Bucket) -> int:
