@@ -2,7 +2,9 @@
 
 One bucket per step, no padding. The same loop runs as one process or under torchrun: every rank
 reads the same global batches and trains on its data-parallel slice (parallel/batching.py); the
-model is wrapped by `parallelize` (TP, CP, activation checkpointing, compile, FSDP2/HSDP or DDP).
+model is wrapped by `parallelize` (pipeline stages, TP, CP, activation checkpointing, compile,
+FSDP2/HSDP or DDP); with pipeline stages a rank's slice runs through torch.distributed.pipelining's
+schedule one sample per microbatch (`_pipeline_micro_step`, parallel/pp.py).
 Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
 DCP checkpoint, so a resumed run, at any world size with the same global batch, repeats the
 uninterrupted run's losses. Rank 0 alone writes metrics, window consumer state, exports and plots.

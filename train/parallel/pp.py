@@ -51,6 +51,8 @@ class _Baton:
 class Relay(nn.Module):
     """In place of a block another stage owns: returns the hidden state the pipeline hands over."""
 
+    pipeline_relay = True  # spec.named_blocks skips it, so no layout (TP, FSDP2, checkpointing) wraps it
+
     def __init__(self, baton: _Baton, name: str):
         super().__init__()
         self._baton = baton
@@ -193,6 +195,16 @@ class Pipeline:
         self.schedule_class = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
         self._schedules: dict[tuple, object] = {}
         self.params = [(name, p) for name, p in transformer.named_parameters() if p.requires_grad]
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(transformer, FSDPModule):
+            # Each microbatch's backward is a backward of its own, and FSDP2 reshards the root's parameters
+            # at the end of every backward; it gathers them again only in a pre-backward hook on the root's
+            # output, which a sending stage never backpropagates through (it sends a block's output). Keep
+            # the root (embedders, head: small) gathered until the step's last backward, then reshard it
+            # (`run`), so the next forward gathers the weights the optimizer stepped.
+            transformer.set_reshard_after_backward(False, recurse=False)
+        self.fsdp_root = transformer if isinstance(transformer, FSDPModule) else None
 
     def _schedule(self, key: tuple, microbatches: int):
         """One stage and schedule per shape of the microbatches: pipelining fixes the shapes it sends at
@@ -215,6 +227,8 @@ class Pipeline:
         args = (index,) if self.split.is_first else ()
         target = index.float() if self.split.is_last else None
         schedule.step(*args, target=target, return_outputs=False, index=index)
+        if self.fsdp_root is not None:
+            self.fsdp_root.reshard()
 
     def sum_replicated_grads(self) -> None:
         """Sum the gradients of the parameters outside the blocks (every stage holds them) over the stages.
@@ -240,7 +254,7 @@ def gather_stages(state: dict[str, torch.Tensor], split: PipelineSplit) -> dict[
     """Every stage's (full, CPU) `state` merged on global rank 0; {} on the other ranks. Object collectives
     over the pp group: each stage's part travels whole, so this is for exports (adapters, or a model that
     fits in rank 0's CPU memory), not for checkpoints (DCP writes each rank's part itself)."""
-    parts = [None] * split.stages if dist.get_rank() == 0 else None
+    parts = [None] * split.stages if dist.get_rank(split.group) == 0 else None  # each pp group's first stage
     dist.gather_object(state, parts, group=split.group, group_dst=0)
     if dist.get_rank() != 0:
         return {}
