@@ -59,3 +59,21 @@ def test_pipeline_checkpoint_resumes_in_one_process(tmp_path, run_config, refere
     assert "resumed from" in (tmp_path / "resumed.log").read_text()
     assert_same_training(run_dir, reference("wan"))  # steps 1-2 from two stages, 3-4 from one process
 
+
+
+def test_pipeline_refuses_sound_and_several_experts():
+    """model.audio and all-experts runs stop at start-up with pp > 1, saying what to set (no processes needed:
+    the check reads the config and the spec only)."""
+    from types import SimpleNamespace
+
+    from vt.train.trainer import Trainer
+
+    def trainer(audio: bool, experts: dict):
+        config = SimpleNamespace(parallel=SimpleNamespace(pp=2), model=SimpleNamespace(audio=audio))
+        return SimpleNamespace(config=config, spec=SimpleNamespace(trained_experts=experts))
+
+    with pytest.raises(ValueError, match="set parallel.pp = 1 to train sound"):
+        Trainer._check_pipeline(trainer(True, {}))
+    with pytest.raises(ValueError, match="train one expert per run"):
+        Trainer._check_pipeline(trainer(False, {"high_noise": "transformer", "low_noise": "transformer_2"}))
+    Trainer._check_pipeline(trainer(False, {}))  # video alone, one transformer: runs
