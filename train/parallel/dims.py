@@ -60,8 +60,8 @@ class ParallelDims:
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ParallelConfigError(
-                    f"parallel.pp x dp_replicate x cp x tp = {self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = {others} "
-                    f"does not divide the world size {self.world_size}, so parallel.dp_shard = -1 cannot "
+                    f"parallel.pp x dp_replicate x cp x tp = {self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = "
+                    f"{others} does not divide the world size {self.world_size}, so parallel.dp_shard = -1 cannot "
                     f"fill the rest. Launch a multiple of {others} processes or lower those degrees.")
             object.__setattr__(self, "dp_shard", self.world_size // others)
         elif self.dp_shard < 1:

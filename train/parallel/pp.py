@@ -175,7 +175,8 @@ class _StageModule(nn.Module):
         zero = sum((r.sum() * 0 for r in received if r.is_floating_point()), torch.zeros((), device=index.device))
 
         def tie(t: torch.Tensor) -> torch.Tensor:
-            return (t.detach() + zero.to(t.dtype)).requires_grad_(True) if self.split.is_first else t.detach() + zero.to(t.dtype)
+            tied = t.detach() + zero.to(t.dtype)
+            return tied.requires_grad_(True) if self.split.is_first else tied  # the first stage has no input grads
 
         return tuple(tie(t) for t in out) if isinstance(out, tuple) else tie(out)
 
