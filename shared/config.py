@@ -211,6 +211,10 @@ class ParallelConfig(_Section):
     dp_shard: int = -1  # -1: whatever is left of the world size
     cp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
+    # Pipeline parallel: the transformer's blocks split into `pp` stages (train/parallel/pp.py), run by
+    # torch.distributed.pipelining's GPipe or 1F1B schedule over one-sample microbatches.
+    pp: int = Field(1, ge=1)
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory
     compile: bool = False  # torch.compile each transformer block
     # FSDP2 keeps parameters, gradients and optimizer state in CPU memory and the optimizer steps on

@@ -26,6 +26,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from vt.train.parallel.pp import gather_stages, pipeline_split
+
 STATE_FILE = "state.json"
 warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
 _OPTIONS = StateDictOptions(ignore_frozen_params=True)
@@ -92,6 +94,11 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict
     if not dist.is_initialized():
         state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=trainable_only))
         return {k: v.detach().cpu() for k, v in state.items()}
+    split = pipeline_split(model)
+    if split is not None:  # pipeline stages: each stage's ranks gather their part, rank 0 merges them
+        options = StateDictOptions(full_state_dict=True, ignore_frozen_params=trainable_only)
+        state = {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
+        return gather_stages(state, split)
     options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
     state = get_model_state_dict(model, options=options)
     return state if _is_main() else {}

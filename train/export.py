@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from vt.shared.models.weights import DTYPES
 from vt.train.checkpoint import gather_full_state_dict
+from vt.train.parallel.pp import pipeline_split
 
 SAFETENSORS_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_FILE_BYTES = 5 * 2**30  # per safetensors file; a larger model is split over several, with an index
@@ -56,6 +57,8 @@ def write_full_weights(model: nn.Module, out_dir: Path, dtype_of, max_file_bytes
     `dtype_of(name, tensor)` is the dtype each floating tensor is written in."""
     out = Path(out_dir)
     state = model.state_dict()  # plain names (wrappers strip theirs); sharded tensors stay DTensors
+    if pipeline_split(model) is not None:  # pipeline stages: the whole model gathered on rank 0 first
+        state = gather_full_state_dict(model, trainable_only=False)
     entries = []
     for name, tensor in state.items():
         dtype = dtype_of(name, tensor) if tensor.is_floating_point() else tensor.dtype

@@ -2,7 +2,9 @@
 
 One bucket per step, no padding. The same loop runs as one process or under torchrun: every rank
 reads the same global batches and trains on its data-parallel slice (parallel/batching.py); the
-model is wrapped by `parallelize` (TP, CP, activation checkpointing, compile, FSDP2/HSDP or DDP).
+model is wrapped by `parallelize` (pipeline stages, TP, CP, activation checkpointing, compile,
+FSDP2/HSDP or DDP); with pipeline stages a rank's slice runs through torch.distributed.pipelining's
+schedule one sample per microbatch (`_pipeline_micro_step`, parallel/pp.py).
 Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
 DCP checkpoint, so a resumed run, at any world size with the same global batch, repeats the
 uninterrupted run's losses. Rank 0 alone writes metrics, window consumer state, exports and plots.
@@ -45,6 +47,7 @@ from vt.train.objectives import joint_loss, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
+from vt.train.parallel.pp import Pipeline, one_sample_microbatches
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
 from vt.train.report import ReportWriter
@@ -123,7 +126,10 @@ class Trainer:
         self.fingerprint = fingerprint(self.provenance)
         self.startup.mark("weight_digests")
 
+        self._check_pipeline()
         self.transformer = self._build_model()
+        self.pipeline = Pipeline(self.transformer, self.world, config.parallel.pp_schedule) \
+            if self.world.dims.pp > 1 else None
         self.startup.mark("model_built")
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
@@ -144,6 +150,9 @@ class Trainer:
         self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
                                    autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
                                    extra_parts=self._untrained_experts)
+        if self.pipeline is not None and self.validator.enabled:
+            raise ValueError("validation renders with the whole transformer, which parallel.pp > 1 splits over "
+                             "stages; set parallel.pp = 1 for a run with validation prompts, or remove them")
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
         self._checkpointed = -1
@@ -161,6 +170,18 @@ class Trainer:
                           key="train.validation_attention_backend")
         check_fp8_training(train, self.device)
         check_fp8_base(train)
+
+    def _check_pipeline(self) -> None:
+        """parallel.pp > 1 (train/parallel/pp.py): what pipeline stages cannot run yet stops the run here."""
+        pp = self.config.parallel.pp
+        if pp == 1:
+            return
+        if self.config.model.audio:
+            raise ValueError(f"parallel.pp = {pp} with model.audio: the audio stream's loss is not carried through "
+                             "the pipeline stages; set parallel.pp = 1 to train sound")
+        if self.spec.trained_experts:
+            raise ValueError(f"parallel.pp = {pp} with several experts in one run: each expert would need its own "
+                             "pipeline; train one expert per run (model.expert) or set parallel.pp = 1")
 
     def _build_transformer(self, component: str, mode: str) -> torch.nn.Module:
         """Transformer `component` built on the meta device, laid out by the run's parallel plan and filled
@@ -311,6 +332,9 @@ class Trainer:
             offset += len(batch)
             parts.append(part)
             set_gradient_sync(self.transformer, index == len(micro) - 1)  # sync once, on the last micro-step
+            if self.pipeline is not None:
+                loss_sum += self._pipeline_micro_step(part, index, scale)
+                continue
             tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
             levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
             sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
@@ -333,11 +357,15 @@ class Trainer:
                 loss_sum += sample_losses.detach().double().cpu()
                 if audio_loss is not None:
                     audio_sum += (audio_loss.detach() * route.count).double().cpu()
-        summed = world.sum(torch.stack([loss_sum, audio_sum]).to(world.comm_device)).tolist()
+        summed = torch.stack([loss_sum, audio_sum]).to(world.comm_device)
+        if self.pipeline is not None:  # the loss is known on the last stage only (the others add 0)
+            summed = world.sum(summed, over="pp")
+            self.pipeline.sum_replicated_grads()
+        summed = world.sum(summed).tolist()
         loss = summed[0] / total
         if not math.isfinite(loss):  # the same global value on every rank: all stop together
             raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr or check the data")
-        grad_norm = clip_grad_norm(self.params, train.max_grad_norm)
+        grad_norm = clip_grad_norm(self.params, train.max_grad_norm, pipeline=self.pipeline)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (the scheduler then moves on)
         self.optimizer.step()
         if train.fp8_training != "none":
@@ -349,6 +377,40 @@ class Trainer:
         if self.config.model.audio:
             metrics["audio_loss"] = summed[1] / total
         return metrics
+
+    def _pipeline_micro_step(self, part: Slice, index: int, scale: float) -> torch.Tensor:
+        """Forward and backward of this rank's slice through the pipeline stages (parallel.pp > 1), one sample
+        per microbatch; returns the sum of its per-sample losses on the last stage (0 on the others)."""
+        train = self.config.train
+        per_rank = -(-train.batch_size // self.world.dims.dp)  # fixed across steps: stand-ins pad a smaller one
+        microbatches = one_sample_microbatches(part, max(per_rank, self.world.dims.pp))
+        generator = step_generator(train.seed, self.step, index, self.world.dp_rank)
+        losses: dict[int, torch.Tensor] = {}
+
+        def run(m: int, transformer: torch.nn.Module) -> torch.Tensor:
+            mb = microbatches[m]
+            tensors = {k: v.to(self.device) for k, v in mb.tensors.items()}
+            levels = self.spec.noise_levels(mb.tensors["latents"].shape[1:])
+            sigmas, noise = draw_inputs(mb, train.seed, self.step, train.sigma_sampling, train.shift,
+                                        self.spec.sigma_range(), levels)
+            total = None
+            for route in routes(self.spec, sigmas, mb.count):
+                rows = slice(None) if route.expert is None else route.rows
+                with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                                    enabled=self.amp_dtype is not None):
+                    out = self.spec.forward(transformer, {k: v[rows] for k, v in tensors.items()},
+                                            sigmas[rows].to(self.device), noise[rows].to(self.device),
+                                            generator=generator)
+                loss, _ = joint_loss(out, self.config.model.audio_weight)
+                total = loss * route.count if total is None else total + loss * route.count
+            losses[m] = total.detach().double().cpu()
+            return total * scale
+
+        key = (part.bucket, *(tuple(t.shape[1:]) for t in part.tensors.values()))
+        self.pipeline.run(key, len(microbatches), run)
+        if not self.pipeline.split.is_last:
+            return torch.zeros((), dtype=torch.float64)
+        return sum(losses[m] for m in range(len(microbatches)))
 
     def _drop_captions(self, batch: Batch, first: int) -> Batch:
         """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global

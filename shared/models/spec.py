@@ -277,14 +277,17 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
                 generator: torch.Generator | None = None) -> Prediction: ...
 
     def named_blocks(self, transformer) -> list[tuple[str, nn.Module]]:
-        """("transformer_blocks.3", block) for every block of every list in `block_lists`, in running order."""
+        """("transformer_blocks.3", block) for every block of every list in `block_lists`, in running order;
+        under pipeline parallel only this stage's blocks (the others' are parameterless relays, which every
+        layout skips: train/parallel/pp.py)."""
         named = []
         for attr in self.block_lists:
             blocks = getattr(transformer, attr, None)
             if not isinstance(blocks, nn.ModuleList):
                 raise TypeError(f"{type(transformer).__name__}.{attr} is not a ModuleList of blocks; fix block_lists "
                                 f"of the {self.family} spec")
-            named += [(f"{attr}.{index}", block) for index, block in enumerate(blocks)]
+            named += [(f"{attr}.{index}", block) for index, block in enumerate(blocks)
+                      if not getattr(block, "pipeline_relay", False)]
         return named
 
     def blocks(self, transformer) -> list[nn.Module]:

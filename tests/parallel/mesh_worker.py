@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from vt.train.parallel.dims import ParallelDims
+from vt.train.parallel.dims import MESH_DIMS, ParallelDims
 
-LAYOUTS = (dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2), dict(cp=2, tp=2, dp_shard=1))
+LAYOUTS = (dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2), dict(cp=2, tp=2, dp_shard=1),
+           dict(pp=2, dp_shard=2))
 
 
 def check_mesh(rank: int, world: int, store_path: str, queue) -> None:
@@ -17,7 +18,7 @@ def check_mesh(rank: int, world: int, store_path: str, queue) -> None:
         for kwargs in LAYOUTS:
             dims = ParallelDims(**kwargs, world_size=world)
             meshes = dims.build_mesh("cpu")
-            coords = {name: meshes[name].get_local_rank() for name in ("dp_replicate", "dp_shard", "cp", "tp")}
+            coords = {name: meshes[name].get_local_rank() for name in MESH_DIMS}
             sizes = {name: meshes[name].size() for name in ("dp", "dp_shard_cp")}
             fsdp = meshes[dims.fsdp_mesh_dims()] if dims.fsdp_enabled else None
             # all-reduce over "dp": ranks of one cp/tp group contribute once per data slice

@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 
 from dist_runs import sample_log
 
-from vt.train.parallel.dims import ParallelDims
+from vt.train.parallel.dims import MESH_DIMS, ParallelDims
 
 
 def check_slices(run_dir, dims: ParallelDims) -> Counter:
@@ -32,8 +32,8 @@ def check_slices(run_dir, dims: ParallelDims) -> Counter:
         slices = {}
         for e in ranks:
             assert e["dp_rank"] == dims.dp_rank(e["rank"])
-            assert {k: e[k] for k in ("dp_replicate", "dp_shard", "cp", "tp")} == dims.coordinate(e["rank"])
-            # ranks of one cp/tp group (same dp rank) train on identical samples
+            assert {k: e[k] for k in MESH_DIMS} == dims.coordinate(e["rank"])
+            # ranks of one pp/cp/tp group (same dp rank) train on identical samples
             assert slices.setdefault(e["dp_rank"], e["keys"]) == e["keys"], f"step {step}: a cp/tp group disagrees"
         assert sorted(slices) == list(range(dims.dp))
         flat = [k for d in range(dims.dp) for k in slices[d]]

@@ -35,9 +35,9 @@ def test_a_wrong_product_stops_with_the_fix(kwargs, fix):
 
 def test_coordinates_are_row_major_and_cp_tp_peers_share_a_data_slice():
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2, world_size=16)
-    assert dims.coordinate(0) == {"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
-    assert dims.coordinate(1) == {"dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}  # tp peers are neighbours
-    assert dims.coordinate(13) == {"dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 1}
+    assert dims.coordinate(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
+    assert dims.coordinate(1) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}  # tp peers are neighbours
+    assert dims.coordinate(13) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 1}
     groups = {}
     for rank in range(16):
         groups.setdefault(dims.dp_rank(rank), []).append(rank)

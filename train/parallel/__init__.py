@@ -1,7 +1,7 @@
 """Parallel training: one small function per strategy, composed in one fixed order.
 
     parallelize(model, spec, world, ...):
-        TP (tp.py) -> CP (cp.py) -> activation checkpointing per block (ac.py)
+        pipeline stages (pp.py: the blocks other stages own become relays) -> TP (tp.py) -> CP (cp.py) -> activation checkpointing per block (ac.py)
         -> torch.compile per block (compile.py) -> FSDP2/HSDP per block then root (fsdp.py)
         -> materialize (the caller's: storage + weights for the shards that now exist) -> DDP (ddp.py)
 
@@ -26,6 +26,7 @@ from vt.train.parallel.cp import apply_cp
 from vt.train.parallel.ddp import apply_ddp
 from vt.train.parallel.dims import ParallelConfigError, ParallelDims
 from vt.train.parallel.fsdp import apply_fsdp
+from vt.train.parallel.pp import keep_last_output, split_blocks
 from vt.train.parallel.tp import apply_tp
 
 __all__ = ["ParallelDims", "ParallelConfigError", "parallelize", "apply_ac", "apply_compile", "apply_cp", "apply_ddp",
@@ -41,6 +42,13 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
     `materialize(model)`, if given, runs once the shards exist and before DDP replicates the weights."""
     dims: ParallelDims = world.dims
     mesh = world.mesh
+    split = None
+    if dims.pp > 1:
+        if dims.cp > 1:
+            raise ParallelConfigError("parallel.pp > 1 with parallel.cp > 1 is not supported: context parallel splits "
+                                      "the sequence at the first block and gathers it after the last, which pipeline "
+                                      "stages own separately; set parallel.cp = 1 or parallel.pp = 1")
+        split = split_blocks(model, spec, dims.coordinate(world.rank)["pp"], dims.pp, world.group("pp"))
     if dims.tp > 1:
         apply_tp(model, spec, mesh["tp"])
     if dims.cp > 1:
@@ -56,6 +64,8 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
         materialize(model)
     if dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
+    if split is not None:
+        keep_last_output(model, spec, split)
     log.info("parallel layout: %s%s%s%s", dims.describe(), ", activation checkpointing" if activation_checkpointing else "",
              ", compiled blocks" if compile else "", ", CPU offload" if cpu_offload and dims.fsdp_enabled else "")
     return model

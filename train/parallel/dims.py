@@ -1,12 +1,13 @@
 """ParallelDims: the parallel degrees of a run, checked once, and the one DeviceMesh built from them.
 
-The world is laid out row-major over four named dimensions, outermost first:
+The world is laid out row-major over five named dimensions, outermost first:
 
-    dp_replicate x dp_shard x cp x tp        (rank = ((r * dp_shard + s) * cp + c) * tp + t)
+    pp x dp_replicate x dp_shard x cp x tp   (rank = (((p * dp_replicate + r) * dp_shard + s) * cp + c) * tp + t)
 
-so tensor-parallel peers are neighbours (one node, fastest links) and replicas are farthest apart.
+so tensor-parallel peers are neighbours (one node, fastest links), replicas are far apart and pipeline
+stages farthest (they exchange one activation per microbatch, point to point).
 Every other module asks this object, never the environment: which strategies are on, a rank's
-coordinates, and the (sub)meshes by name. The mesh always has all four dimensions (size 1 where a
+coordinates, and the (sub)meshes by name. The mesh always has all five dimensions (size 1 where a
 strategy is off) plus two flattened ones, so no caller ever has to assume a 1-D mesh:
 
     "dp"           dp_replicate x dp_shard   ranks that see different samples (loss all-reduce)
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
 
 
@@ -41,25 +42,26 @@ class ParallelDims:
     # FSDP2's CPU offload: shard (FSDP2) even over one rank, so a one-GPU run can keep its
     # parameters, gradients and optimizer state in CPU memory.
     cpu_offload: bool = False
+    pp: int = 1  # pipeline stages (the outermost mesh dimension)
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            if f.name == "cpu_offload":
+            if f.name in ("cpu_offload",):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ParallelConfigError(f"parallel.{f.name} must be an integer, got {value!r}")
         if self.world_size < 1:
             raise ParallelConfigError(f"world size must be >= 1, got {self.world_size}")
-        for name in ("dp_replicate", "cp", "tp"):
+        for name in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, name) < 1:
                 raise ParallelConfigError(f"parallel.{name} must be >= 1, got {getattr(self, name)}")
-        others = self.dp_replicate * self.cp * self.tp
+        others = self.pp * self.dp_replicate * self.cp * self.tp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ParallelConfigError(
-                    f"parallel.dp_replicate x cp x tp = {self.dp_replicate} x {self.cp} x {self.tp} = {others} "
-                    f"does not divide the world size {self.world_size}, so parallel.dp_shard = -1 cannot "
+                    f"parallel.pp x dp_replicate x cp x tp = {self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = "
+                    f"{others} does not divide the world size {self.world_size}, so parallel.dp_shard = -1 cannot "
                     f"fill the rest. Launch a multiple of {others} processes or lower those degrees.")
             object.__setattr__(self, "dp_shard", self.world_size // others)
         elif self.dp_shard < 1:
@@ -67,17 +69,17 @@ class ParallelDims:
         product = others * self.dp_shard
         if product != self.world_size:
             raise ParallelConfigError(
-                f"parallel degrees dp_replicate x dp_shard x cp x tp = {self.dp_replicate} x {self.dp_shard} x "
-                f"{self.cp} x {self.tp} = {product}, but {self.world_size} processes were launched "
+                f"parallel degrees pp x dp_replicate x dp_shard x cp x tp = {self.pp} x {self.dp_replicate} x "
+                f"{self.dp_shard} x {self.cp} x {self.tp} = {product}, but {self.world_size} processes were launched "
                 f"(torchrun --nnodes x --nproc-per-node). Launch {product} processes, or set degrees whose "
                 f"product is {self.world_size}, e.g. --set parallel.dp_shard=-1 to let data-parallel "
                 f"sharding take the rest.")
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
-        """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp, cpu_offload)."""
+        """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp, cpu_offload, pp)."""
         return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, world_size,
-                   parallel.cpu_offload)
+                   parallel.cpu_offload, parallel.pp)
 
     # -- what is on ----------------------------------------------------------------------------------
     @property
@@ -108,7 +110,8 @@ class ParallelDims:
     def describe(self) -> str:
         strategy = "HSDP" if self.hsdp_enabled else "FSDP2" if self.fsdp_enabled else \
             "DDP" if self.ddp_enabled else "no data parallelism"
-        return (f"world {self.world_size} = dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
+        stages = f"pp {self.pp} x " if self.pp > 1 else ""
+        return (f"world {self.world_size} = {stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
                 f"cp {self.cp} x tp {self.tp} ({strategy})")
 
     # -- coordinates (pure, no process group needed) -------------------------------------------------
@@ -116,7 +119,7 @@ class ParallelDims:
         """rank -> index along each mesh dimension, in the mesh's row-major layout."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size}")
-        sizes = dict(zip(MESH_DIMS, (self.dp_replicate, self.dp_shard, self.cp, self.tp)))
+        sizes = dict(zip(MESH_DIMS, (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)))
         coords: dict[str, int] = {}
         for name in reversed(MESH_DIMS):
             coords[name] = rank % sizes[name]
@@ -124,16 +127,16 @@ class ParallelDims:
         return {name: coords[name] for name in MESH_DIMS}
 
     def dp_rank(self, rank: int) -> int:
-        """Which data-parallel slice `rank` trains on (ranks of one cp/tp group share it)."""
+        """Which data-parallel slice `rank` trains on (ranks of one pp/cp/tp group share it)."""
         c = self.coordinate(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     # -- the mesh ------------------------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> "Meshes":
-        """The 4-D DeviceMesh named MESH_DIMS plus the flattened dims; needs an initialised process group."""
+        """The 5-D DeviceMesh named MESH_DIMS plus the flattened dims; needs an initialised process group."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        shape = (self.dp_replicate, self.dp_shard, self.cp, self.tp)
+        shape = (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
         root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
         return Meshes(root, {flat: root[parts]._flatten(flat) for flat, parts in FLATTENED.items()})
 

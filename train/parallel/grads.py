@@ -13,6 +13,7 @@ import math
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -29,7 +30,27 @@ def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
             set_gradient_sync(module, enabled)
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
+def _by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
+    """Parameters grouped by their gradients' layout (plain; DTensors per mesh and placements), in order."""
+    groups: dict[object, list[nn.Parameter]] = {}
+    for p in params:
+        layout = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
+        groups.setdefault(layout, []).append(p)
+    return list(groups.values())
+
+
+def _total_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """The 2-norm of the gradients of `params` over all their shards (a float32 CPU scalar)."""
+    norms = [torch.zeros(())]
+    for group in _by_layout(params):
+        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
+        if isinstance(norm, DTensor):  # a partial norm: complete it across the shards
+            norm = norm.full_tensor()
+        norms.append(norm.float().cpu())
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, pipeline=None) -> float:
     """Clip to `max_norm` (0: no clipping) by the global 2-norm; returns that norm (before clipping).
 
     Gradients are grouped by layout (plain tensors; DTensors per mesh and placements, e.g. FSDP
@@ -37,21 +58,19 @@ def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float) -> float:
     groups combine as a root of summed squares. Groups come in parameter order, the same on every
     rank, so the collectives line up.
     """
-    groups: dict[object, list[nn.Parameter]] = {}
-    for p in params:
-        if p.grad is not None:
-            layout = (p.grad.device_mesh, tuple(p.grad.placements)) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(layout, []).append(p)
-    if not groups:
-        return 0.0
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
-        if isinstance(norm, DTensor):  # a partial norm: complete it across the shards
-            norm = norm.full_tensor()
-        norms.append(norm.float().cpu())
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    with_grads = [p for p in params if p.grad is not None]
+    if pipeline is None:
+        if not with_grads:
+            return 0.0
+        total = _total_norm(with_grads)
+    else:  # each block's parameters live on one stage, the rest (their gradients summed) on all of them
+        names = {id(p): name for name, p in pipeline.params}
+        staged = [p for p in with_grads if pipeline.staged(names[id(p)])]
+        replicated = [p for p in with_grads if not pipeline.staged(names[id(p)])]
+        squares = (_total_norm(staged) ** 2).to(pipeline.world.comm_device)
+        dist.all_reduce(squares, group=pipeline.group)
+        total = (squares.cpu() + _total_norm(replicated) ** 2).sqrt()
     if max_norm and max_norm > 0 and math.isfinite(float(total)):
-        for group in groups.values():
+        for group in _by_layout(with_grads):
             torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return float(total)
