@@ -39,7 +39,19 @@ MODEL_BASES = {
     # class WAN21_Vace(WAN21), unet_model comfy.ldm.wan.model.VaceWanModel (read at ComfyUI@01c4fa4c; also
     # comfy/supported_models.py WAN21_Vace: unet_config model_type "vace", image_model "wan2.1")
     "WAN21_Vace": ("WAN21_Vace", "WAN21"),
+    # comfy/model_base.py class MiniMaxH3(BaseModel), unet_model comfy.ldm.minimax.model.MiniMaxH3Model (MINIMAX_H3).
+    "MiniMaxH3": ("MiniMaxH3",),
 }
+
+# MiniMax H3 was read from Comfy-Org/ComfyUI (the stored versions of each file, 2026): comfy/ldm/minimax/model.py
+# @2c64d4aa3cc63920c1a2875d6fe6ab2d24ff074f, comfy/lora.py @17358c8f73b581a0d22facc3c385822f09b8bfb1,
+# comfy/lora_convert.py @2bffe2f4ce5763dcb83df6a670657b6d5c8f85a5, comfy/model_base.py
+# @094c74c1b7f9cd5cdd9015741e8eb26acff1142a, comfy/ops.py @0271a469fe29524fafe5872b737123d65a63e5fc. There
+# `model_lora_keys_unet` keeps the generic `diffusion_model.<module>` name for every weight and adds the bare module
+# name for MiniMaxH3; `convert_lora`'s rules (BFL control, Wan Fun, USO, and Krea2's fused `attn.to_qkv`, split per
+# projection) match none of H3's names (`attn.qkv_proj`); `load_lora` reads `.alpha` and the adapters' keys as above
+# (weight_adapter/lora.py not re-read).
+MINIMAX_H3 = "Comfy-Org/ComfyUI@2c64d4aa (comfy/ldm/minimax/model.py), @17358c8f (comfy/lora.py)"
 
 
 def _attention(out: dict[str, Shape], name: str, query_dim: int, context_dim: int, inner: int) -> None:
@@ -194,6 +206,36 @@ def kandinsky5_weights(num_text_blocks: int, num_visual_blocks: int, model_dim: 
     return out
 
 
+def minimax_h3_weights(num_layers: int, refiner_layers: int, hidden: int, inner: int, ffn: int, t_dim: int,
+                       t_hidden: int, freq_dim: int, video_patch_dim: int, audio_dim: int,
+                       text_dim: int) -> dict[str, Shape]:
+    """MiniMaxH3Model (comfy/ldm/minimax/model.py, `MiniMaxH3Model.__init__`; MINIMAX_H3 above), the dense form (no
+    `adaln_curve_grid`: `time_embedder` present) with one output head each (no PDD head bank).
+    `blocks.N` DiTBlock and `token_refiner.blocks.N` RefinerBlock share `Attention` (`qkv_proj`: hidden -> 3 x inner,
+    its output split q, k, v in that order in `Attention.forward`; `out_proj`: inner -> hidden) and `MLP` (`fc1`:
+    hidden -> 2 x ffn, `fc2`: ffn -> hidden; `MLP.forward` is comfy.ops.linear_input_act(fc2, fc1(x), "swiglu"),
+    whose `_swiglu_eager` (comfy/ops.py) takes silu of fc1's FIRST half times its second: fc1 = [gate; value]).
+    DiTBlock's `adaln_proj.linear` (AdalnProj(t_dim, hidden, 6, 3): 6 x hidden x 3 modalities); FinalLayer's
+    `adaln_proj.linear` (2 x hidden), `video_out`, `audio_out`; `video_patch_proj`, `audio_patch_proj`,
+    `condition_proj`; TimeEmbedder `proj_in` (freq_dim -> t_hidden), `proj_out` (t_hidden -> t_dim)."""
+    out: dict[str, Shape] = {
+        "video_patch_proj": (hidden, video_patch_dim), "audio_patch_proj": (hidden, audio_dim),
+        "condition_proj": (hidden, text_dim), "time_embedder.proj_in": (t_hidden, freq_dim),
+        "time_embedder.proj_out": (t_dim, t_hidden), "final_layer.adaln_proj.linear": (2 * hidden, t_dim),
+        "final_layer.video_out": (video_patch_dim, hidden), "final_layer.audio_out": (audio_dim, hidden),
+    }
+    for prefix, count in (("blocks", num_layers), ("token_refiner.blocks", refiner_layers)):
+        for n in range(count):
+            block = f"{prefix}.{n}"
+            out[f"{block}.attn.qkv_proj"] = (3 * inner, hidden)
+            out[f"{block}.attn.out_proj"] = (hidden, inner)
+            out[f"{block}.mlp.fc1"] = (2 * ffn, hidden)
+            out[f"{block}.mlp.fc2"] = (hidden, ffn)
+            if prefix == "blocks":
+                out[f"{block}.adaln_proj.linear"] = (6 * hidden * 3, t_dim)
+    return out
+
+
 def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[str, str]:
     """comfy/lora.py `model_lora_keys_unet` (lines 175-333) for `model_class` (a key of MODEL_BASES)
     whose diffusion model has `weights` (module names): LoRA name -> `diffusion_model.<module>.weight`.
@@ -218,6 +260,9 @@ def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[st
             key_lora = key_lora[len("diffusion_model."):-len(".weight")]
             key_map[f"transformer.{key_lora}"] = k
             key_map[f"diffusion_model.{key_lora}"] = k  # "Old loras"
+    if "MiniMaxH3" in bases:  # MINIMAX_H3's comfy/lora.py: the bare module name (vt writes the generic form)
+        for k in keys:
+            key_map[k[len("diffusion_model."):-len(".weight")]] = k
     if "Kandinsky5" in bases:  # lines 326-331: bare and `transformer.` (diffusers) module names
         for k in keys:
             key_lora = k[len("diffusion_model."):-len(".weight")]

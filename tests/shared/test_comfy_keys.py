@@ -1,10 +1,11 @@
 """vt's ComfyUI LoRA file against ComfyUI's own loading (tests/comfy_reference.py, re-implemented from
-comfyanonymous/ComfyUI@3cd7b32f): on each family's tiny preset, every key of lora_comfyui.safetensors
-is one ComfyUI's key map takes (none "lora key not loaded"), each LoRA makes a weight of the size of the
-ComfyUI model's module, a fused module's LoRA stacks the parts in the order ComfyUI's forward splits its
-output, and the whole LoRA reaches the model (the same total change as vt's in-memory adapters, with
-ComfyUI's alpha / rank scale). Default targets and attention + FFN of every block; plus vt's own
-HunyuanVideo 1.5 loader reading back both the fused file and the separate q/k/v one vt wrote before."""
+comfyanonymous/ComfyUI@3cd7b32f; MiniMax H3 from Comfy-Org/ComfyUI, ref.MINIMAX_H3): on each family's tiny preset,
+every key of lora_comfyui.safetensors is one ComfyUI's key map takes (none "lora key not loaded"), each LoRA makes a
+weight of the size of the ComfyUI model's module, a fused module's LoRA stacks the parts in the order ComfyUI's
+forward splits its output (H3's SwiGLU halves in ComfyUI's order), and the whole LoRA reaches the model (the same
+total change as vt's in-memory adapters, with ComfyUI's alpha / rank scale). Default targets and attention + FFN of
+every block; plus vt's own HunyuanVideo 1.5 loader reading back both the fused file and the separate q/k/v one vt
+wrote before."""
 
 from __future__ import annotations
 
@@ -49,6 +50,8 @@ CASES = {
     ("skyreels-v2", "i2v"): "WAN21",
     # Wan 2.1 VACE: supported_models.py WAN21_Vace (a `vace_patch_embedding` in the checkpoint) -> WAN21_Vace.
     ("wan-vace", "t2v"): "WAN21_Vace",
+    # MiniMax H3: comfy/model_base.py MiniMaxH3 (tests/comfy_reference.py MINIMAX_H3), one class for every workflow.
+    ("minimax-h3", "t2v"): "MiniMaxH3",
 }
 
 _ATTN = r"(to_q|to_k|to_v|to_out\.0)"
@@ -75,6 +78,8 @@ WIDE = {
     "hunyuan-video": _double("attn") + r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
     "hunyuan-video-1.5": _double("attn"),
     "mochi": _double("attn1"),
+    "minimax-h3": r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
+                  r"|ff\.net\.(0\.proj|2))",
     "kandinsky5": r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
                   r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
 }
@@ -100,6 +105,22 @@ FUSED = {
         r"blocks\.(\d+)\.attn\.qkv_y": tuple(f"transformer_blocks.{{}}.attn1.{p}"
                                              for p in ("add_q_proj", "add_k_proj", "add_v_proj")),
     },
+    # comfy/ldm/minimax/model.py Attention.forward: qkv_proj(x).split(heads * head_dim) -> q, k, v.
+    "MiniMaxH3": {
+        r"blocks\.(\d+)\.attn\.qkv_proj": tuple(f"transformer_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")),
+        r"token_refiner\.blocks\.(\d+)\.attn\.qkv_proj": tuple(f"token_refiner.refiner_blocks.{{}}.attn.{p}"
+                                                            for p in ("to_q", "to_k", "to_v")),
+    },
+}
+
+# SwiGLU inputs whose halves ComfyUI holds in the other order: ComfyUI module -> the diffusers module. H3's `mlp.fc1`
+# is [gate; value] (comfy/ops.py `_swiglu_eager`: silu(first half) x second half), diffusers' `ff.net.0.proj` is
+# [value; gate] (diffusers.models.activations.SwiGLU: value, gate = chunk(2); value x silu(gate)).
+SWAPPED_HALVES = {
+    "MiniMaxH3": {
+        r"blocks\.(\d+)\.mlp\.fc1": "transformer_blocks.{}.ff.net.0.proj",
+        r"token_refiner\.blocks\.(\d+)\.mlp\.fc1": "token_refiner.refiner_blocks.{}.ff.net.0.proj",
+    },
 }
 
 
@@ -122,6 +143,11 @@ def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
     if family.startswith("hunyuan-video"):
         return ref.hunyuan_video_weights(c.num_layers, getattr(c, "num_single_layers", 0), inner,
                                          int(inner * c.mlp_ratio))
+    if family == "minimax-h3":  # MiniMaxH3Model's constructor arguments from diffusers' names
+        video_patch_dim = c.in_channels * c.patch_size[0] * c.patch_size[1] * c.patch_size[2]
+        return ref.minimax_h3_weights(c.num_layers, c.num_refiner_layers, c.hidden_size, inner, c.ffn_dim,
+                                      c.time_embed_dim, c.time_embed_hidden_dim, c.freq_dim, video_patch_dim,
+                                      c.audio_in_channels, c.text_dim)
     if family == "mochi":  # the FFN widths as the checkpoint has them (ComfyUI rounds them to 256)
         block = transformer.transformer_blocks[0]
         return ref.mochi_weights(c.num_layers, inner, c.pooled_projection_dim, block.ff.net[2].in_features,
@@ -173,6 +199,30 @@ def test_comfyui_loads_ltx2_audio_modules(tiny_model_factory, tmp_path, targets)
     assert targets == "default" or "transformer_blocks.1.audio_ff.net.0.proj" in modules
 
 
+# MiniMax H3 with model.audio: every module vt's key table names, the audio stream's own heads included (they train
+# only with model.audio): attention, FFN and AdaLN of the blocks and the refiner, the patch, text, time and output
+# projections.
+_H3_EVERY = (r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
+             r"|ff\.net\.(0\.proj|2)|adaln_proj\.linear)|proj_in|audio_proj_in|context_embedder|proj_out"
+             r"|audio_proj_out|norm_out\.linear|time_embedder\.linear_(1|2)")
+
+
+@pytest.mark.parametrize("targets", ["default", "wide", "every"])
+def test_comfyui_loads_minimax_h3_audio_modules(tiny_model_factory, tmp_path, targets):
+    """model.audio: H3's file, with LoRAs on attention, FFN and (every) the audio heads, loads into ComfyUI's
+    MiniMaxH3Model at its sizes: q/k/v fused into qkv_proj, fc1's SwiGLU halves in ComfyUI's order."""
+    spec = build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True),
+                      frame_rate=24.0)
+    pattern = {"default": None, "wide": WIDE["minimax-h3"], "every": _H3_EVERY}[targets]
+    modules = check_comfy_file(spec, "MiniMaxH3", pattern, tmp_path)
+    assert {"blocks.0.attn.qkv_proj", "token_refiner.blocks.0.attn.qkv_proj", "blocks.1.attn.out_proj"} <= modules
+    if targets != "default":
+        assert {"blocks.1.mlp.fc1", "token_refiner.blocks.0.mlp.fc2"} <= modules
+    if targets == "every":
+        assert {"final_layer.audio_out", "audio_patch_proj", "time_embedder.proj_in", "blocks.0.adaln_proj.linear",
+                "final_layer.adaln_proj.linear", "condition_proj"} <= modules
+
+
 def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
     """Every key of the ComfyUI file vt writes for a random LoRA on `targets` is loaded by ComfyUI's key map for
     `model_class` at its module's size, fused modules stack their parts, and the total change is vt's; returns
@@ -204,6 +254,11 @@ def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
                 names = [part.format(hit[1]) for part in parts]
                 expected = torch.cat([ours.get(n, torch.zeros(sizes[n])) for n in names])
                 torch.testing.assert_close(delta, expected, msg=f"{module} = {names} stacked")
+    for pattern, part in SWAPPED_HALVES.get(model_class, {}).items():
+        for module, delta in deltas.items():
+            if hit := re.fullmatch(pattern, module):
+                first, second = ours[part.format(hit[1])].chunk(2)
+                torch.testing.assert_close(delta, torch.cat([second, first]), msg=f"{module} = {part}, halves swapped")
     # Nothing lost or doubled, at ComfyUI's scale (alpha / rank, or 1 without .alpha): fused parts stack
     # and Mochi's w1 halves swap, neither of which changes the total.
     total = sum(d.square().sum() for d in deltas.values())
