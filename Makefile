@@ -40,7 +40,7 @@ demo: assets
 	rm -rf runs/demo
 	$(VENV)/bin/vt-precompute --help >/dev/null
 	scripts/pipeline.sh $(CONFIG) $(SET)
-	@echo "demo finished: see runs/demo (loss.png, lora/, validation/, metrics.jsonl)"
+	@echo "demo finished: open runs/demo/report.html (also loss.png, lora/, validation/, metrics.jsonl)"
 
 pipeline: assets
 	scripts/pipeline.sh $(CONFIG) $(SET)

@@ -38,11 +38,10 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     from vt.shared.runtime import rank, world_size
 
     try:
-        report = Precompute(cfg, rank(), world_size()).run()
+        Precompute(cfg, rank(), world_size()).run()  # logs its summary line (every rank its own), once
     except (TooManyFailures, ProcessorBug, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
             ProducerConflict, StorageUnavailable, WindowTimeout, VaeOutOfMemory) as err:
         raise fail(str(err)) from err
-    typer.echo(report.summary_line())
 
 
 @app.command()
@@ -112,6 +111,10 @@ def format_state(state: dict) -> str:
     lines.append(f"shard fingerprints: {', '.join(state['fingerprints']) or '-'}")
     if state["orphans"]:
         lines.append(f"orphan data files (uncommitted or left by a crash): {len(state['orphans'])}")
+    if state["leftovers"]:
+        lines.append(f"unfinished writes (temp files or S3 uploads; a killed writer's are cleaned by its role's "
+                     f"next start): {len(state['leftovers'])}")
+        lines += [f"  {rel}  {age}s old" for rel, age in state["leftovers"].items()]
     return "\n".join(lines)
 
 

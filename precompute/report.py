@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from vt.shared.progress import Progress
+from vt.shared.startup import StartupTimeline
 
 STAGES = ("read", "decode", "text_encode", "vae_encode", "write", "wait")
 
@@ -41,6 +42,7 @@ class Report:
     rejected: Counter = field(default_factory=Counter)
     seconds: Counter = field(default_factory=lambda: Counter({stage: 0.0 for stage in STAGES}))
     started: float = field(default_factory=time.perf_counter)
+    startup: StartupTimeline | None = None  # seconds since launch at which each start-up part ended
 
     def reject(self, reason: str) -> None:
         self.rejected[reason] += 1
@@ -53,7 +55,8 @@ class Report:
                 "shards": self.shards, "bytes": self.bytes, "generation": self.generation,
                 "resumed_at": self.resumed_at, "rejects_file": self.rejects_file,
                 "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())},
-                "elapsed_s": round(elapsed, 3), "samples_per_s": round(self.committed / max(elapsed, 1e-9), 3)}
+                "elapsed_s": round(elapsed, 3), "samples_per_s": round(self.committed / max(elapsed, 1e-9), 3),
+                **({"startup": self.startup.to_dict()} if self.startup else {})}
 
     def summary_line(self) -> str:
         d = self.to_dict()

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 
 from vt.precompute.encoders import encode_sounds, encode_texts_with_images, encode_videos, load_encoders, text_phase
-from vt.precompute.processors import (Chain, ErrorPolicy, PreparedSample, ProcessorBug, SampleError, SoundRequest,
-                                      bad_data_only, build_chain, worker_init)
+from vt.precompute.prepare import Prepare, ShardEnd
+from vt.precompute.processors import (PreparedSample, ProcessorBug, SoundRequest, bad_data_only, build_chain,
+                                      worker_init)
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
@@ -46,7 +46,7 @@ from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, 
 from vt.precompute.text_cache import TextCache
 from vt.precompute.validation_conditions import write_validation_conditions
 from vt.precompute.workers import DecodePool
-from vt.shared.buckets import Bucket, buckets_for, parse_buckets
+from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.caption_table import Captions, encode_caption
 from vt.shared.config import Config
 from vt.shared.log import get_logger
@@ -54,6 +54,7 @@ from vt.shared.models import spec_for
 from vt.shared.provenance import fingerprint, provenance
 from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
 from vt.shared.shards import CommitRecord, encode_shard
+from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
 
 log = get_logger("vt.precompute")
@@ -69,85 +70,40 @@ def sound_request(spec, config: Config) -> SoundRequest:
     return SoundRequest(audio.sample_rate, audio.channels, config.data.missing_audio)
 
 
-@dataclass
-class Outcome:
-    """What became of one raw sample: the `samples` the chain made of it, or `reason` and `detail`."""
-
-    key: str  # the raw sample's key in shards and logs (RawSample.sample_id)
-    shard: str  # the raw shard it came from
-    position: int  # its ordinal in that shard
-    samples: list[PreparedSample] | None  # several with a chain that splits clips (keys <key>#w<i>)
-    reason: str | None
-    detail: str
-    seconds: float
-
-    @classmethod
-    def of(cls, raw: RawSample, samples: list[PreparedSample] | None, reason: str | None = None, detail: str = "",
-           seconds: float = 0.0) -> "Outcome":
-        return cls(raw.sample_id, raw.shard, raw.position, samples, reason, detail, seconds)
-
-
-@dataclass(frozen=True)
-class ShardEnd:
-    """Follows the last sample of raw shard `index` through the pipeline: that shard is read to the end."""
-
-    index: int
-
-
-def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
-                  sound: SoundRequest | None = None) -> Outcome:
-    """Runs in a decode worker: a sample in, its prepared samples (with their sound when `sound` asks for
-    it) or the reason it was rejected out.
-
-    Only what `policy` judged bad data arrives here as SampleError; what it raises (ProcessorBug)
-    goes back to the service through the pool and stops the run.
-    """
-    start = time.perf_counter()
-    try:
-        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy, sound), seconds=time.perf_counter() - start)
-    except SampleError as err:
-        return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
-
-
-class _Prepare:
-    """Picklable `prepare_timed` bound to the chain, bucket table, error policy and sound request; (raw index,
-    sample) -> (raw index, Outcome)."""
-
-    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
-                 sound: SoundRequest | None = None):
-        self.chain, self.buckets, self.fps, self.policy, self.sound = chain, buckets, fps, policy, sound
-
-    def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
-        if isinstance(item, ShardEnd):
-            return item
-        index, raw = item
-        buckets = buckets_for(self.buckets, raw.still)  # a still image: one-frame buckets only
-        if not buckets and raw.error is None:
-            need = "a one-frame bucket (1xHxW)" if raw.still else "a bucket of more than one frame"
-            kind = "an image" if raw.still else "a clip"
-            return index, Outcome.of(raw, None, "no_bucket", f"{kind} needs {need} in buckets.sizes")
-        return index, prepare_timed(raw, self.chain, buckets, self.fps, self.policy, self.sound)
-
-    @staticmethod
-    def crashed(item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
-        """The outcome of a sample whose decode killed its worker process."""
-        if isinstance(item, ShardEnd):
-            return item
-        index, raw = item
-        return index, Outcome.of(raw, None, "decoder_crashed", "the decode worker process died on this clip")
-
-
 class Precompute:
     def __init__(self, config: Config, rank: int = 0, world_size: int = 1):
+        self.startup = StartupTimeline()
+        self.startup.mark("imports")  # the interpreter and the CLI's imports, up to here
         map_large_allocations()  # decoded clips and encoder activations go back to the OS when freed
         self.config = config
         self.rank, self.world_size = rank, world_size
+        pre = config.precompute
+        # The decode workers start first: a spawned worker spends seconds importing torch and PyAV, which then
+        # overlaps this process's imports of the encoders' libraries and its model loads (closed by run()).
+        self.pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 else None
+        if self.pool is not None:
+            self.pool.warm_up()
+        self.startup.mark("decode_workers_spawned")
+        try:
+            self._set_up(config, rank, world_size)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the decode workers (run() does this when it ends)."""
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None
+
+    def _set_up(self, config: Config, rank: int, world_size: int) -> None:
         pre = config.precompute
         self.buckets = parse_buckets(config.buckets.sizes)
         self.chain = build_chain(pre.processors)
         self.spec = spec_for(config)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
+        self.startup.mark("model_spec")
         every_shard = list_raw_shards(config.data.raw)
         self.shard_names = shard_names(every_shard)  # from the whole list: every rank names shards alike
         self.raw_shards = split_for_rank(every_shard, rank, world_size)
@@ -160,9 +116,10 @@ class Precompute:
         self.storage_dtype = DTYPES[pre.storage_dtype]
         self.provenance = provenance(config, spec=self.spec)
         self.fingerprint = fingerprint(self.provenance)
+        self.startup.mark("raw_list_and_weight_digests")
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
-        self.report = Report(rank=rank)
+        self.report = Report(rank=rank, startup=self.startup)
         self.progress: ProgressBar | None = None
         self.rejects: RejectLog | None = None
         self.seq = 0
@@ -189,6 +146,7 @@ class Precompute:
             self.report.status = f"failed: {type(err).__name__}: {err}"
             raise
         finally:
+            self.close()
             self._write_report()
         return self.report
 
@@ -210,23 +168,27 @@ class Precompute:
                      state.epoch, len(state.complete))
         tracker = Tracker(state)
         passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
-        pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 and state.epoch < passes else None
+        self.startup.mark("window")
+        if state.epoch >= passes:  # every pass is done: nothing to decode
+            self.close()
+        pool = self.pool
         self.progress = ProgressBar(self.report, enabled=self.config.log.progress)
         try:
             self._load_encoders()  # while the workers start
+            self.startup.mark("encoders_loaded")
             with torch.inference_mode():
                 self._write_empty_caption()
                 with text_phase(self.encoders, self.spec, self.device, pre.text_encoder_offload):
                     write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
                                                 self.storage_dtype)
+                self.startup.mark("empty_caption_and_validation_prompts")
                 for epoch in range(state.epoch, passes):
                     tracker.start_epoch(epoch)
                     self._run_epoch(epoch, pool, tracker)
         finally:
             self.progress.close()
             self.rejects.close()
-            if pool is not None:
-                pool.close()
+            self.close()
         self.window.finish_producer(self.rank, self.seq)
 
     def _raw_items(self, tracker: Tracker) -> Iterator[tuple[int, RawSample] | ShardEnd]:
@@ -251,7 +213,7 @@ class Precompute:
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
         # Bad data is rejected and counted; a processor's bug stops the run (processors/policy.py).
-        prepare = _Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
+        prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
         inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
@@ -262,6 +224,7 @@ class Precompute:
                 tracker.end_of_shard(item.index)
                 continue
             index, outcome = item
+            self.startup.mark("first_decoded_sample")
             self.report.seen += 1
             self.report.seconds["decode"] += outcome.seconds
             if outcome.samples is None:

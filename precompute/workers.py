@@ -10,6 +10,7 @@ in a fresh one: the item that kills a worker alone is the culprit, and it become
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -31,6 +32,12 @@ class DecodePool:
         self.close()
         self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
                                              initializer=self.initializer)
+
+    def warm_up(self) -> None:
+        """Start every worker process now (the executor starts them at the first tasks): a spawned worker
+        spends seconds importing torch and PyAV, which then overlaps the encoders' loading."""
+        for _ in range(self.workers):
+            self._executor.submit(os.getpid)  # a no-op task: its only effect is a started worker
 
     def close(self) -> None:
         """Stop at once: queued work is dropped and running workers are terminated."""

@@ -4,7 +4,9 @@
 2. stored bytes per sample in the window against fp32 torch.save files, one per sample;
 3. trainer step time against a bare PyTorch loop doing the same work (alternating rounds);
 4. seconds from launching `vt-train run` to its first step, against a bare script's launch.
-5. precompute samples/s in steady state against a naive one-at-a-time loop and against encoding
+5. seconds from launch to vt-precompute's first decoded sample and to vt-train's first step, each
+   against a bare `python -c "import torch, diffusers"` (scripts/bench_startup.py);
+6. precompute samples/s in steady state against a naive one-at-a-time loop and against encoding
    alone (scripts/bench_precompute_throughput.py).
 
 Prints one table (benchmark, vt, baseline, ratio, goal, ok?) and writes it with every raw
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="optimizer steps per side per round (7: one pass over the demo window's batches)")
     parser.add_argument("--launches", type=int, default=5, help="alternating launch pairs (vt-train, bare)")
     parser.add_argument("--precompute-runs", type=int, default=3, help="vt-precompute processes")
+    parser.add_argument("--startup-rounds", type=int, default=3,
+                        help="rounds of (bare import, vt-precompute, vt-train) processes for the start-up rows")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads on both sides (0: torch's default); 1 is steadier on a shared CPU")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a row misses its goal")
@@ -50,7 +54,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=64, help="bench transformer: head size")
     parser.add_argument("--layers", type=int, default=4, help="bench transformer: blocks")
     args = parser.parse_args(argv)
-    for name in ("rounds", "steps", "launches", "precompute_runs", "heads", "head_dim", "layers"):
+    for name in ("rounds", "steps", "launches", "precompute_runs", "startup_rounds", "heads", "head_dim", "layers"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1")
     missing = [str(p) for p in (args.model / "model_index.json", args.raw) if not p.exists()]
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from bench_precompute import bench_precompute
     from bench_precompute_throughput import bench_throughput
+    from bench_startup import bench_startup
     from bench_storage import bench_storage
     from bench_train import bench_launch, bench_steps, make_bench_transformer
 
@@ -92,12 +97,15 @@ def run(args: argparse.Namespace) -> dict:
     stage(f"launch: {args.launches} alternating vt-train run / bare script processes")
     launch = bench_launch(args.config, args.model, transformer, pre["window"], work, args.launches,
                           max_steps=2 * args.steps + 2, threads=args.threads, batch_size=steps["batch_size"])
+    stage(f"start-up: {args.startup_rounds} rounds x bare import / vt-precompute / vt-train processes")
+    startup = bench_startup(args.config, args.model, args.raw, pre["window"], work / "startup", args.startup_rounds,
+                            args.threads)
     stage(f"precompute throughput: {args.precompute_runs} rounds x service / naive loop / encode-only processes")
     throughput = bench_throughput(args.config, args.model, args.raw, work / "throughput", args.precompute_runs,
                                   args.threads)
     stage("done")
     info["load_avg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    rows = steps["rows"] + launch["rows"] + pre["rows"] + storage["rows"] + throughput["rows"]
+    rows = steps["rows"] + launch["rows"] + startup["rows"] + pre["rows"] + storage["rows"] + throughput["rows"]
     return {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "machine": info,
@@ -110,6 +118,7 @@ def run(args: argparse.Namespace) -> dict:
             "storage": {k: v for k, v in storage.items() if k != "rows"},
             "train_steps": {k: v for k, v in steps.items() if k != "rows"},
             "launch": {k: v for k, v in launch.items() if k != "rows"},
+            "startup": {k: v for k, v in startup.items() if k != "rows"},
             "precompute_throughput": {k: v for k, v in throughput.items() if k != "rows"},
         },
     }

@@ -33,10 +33,10 @@ def make_tiny_model(family: str, out: Path, seed: int = 0, task: str = "t2v") ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vt.shared.log import get_logger
+    from vt.shared.log import apply_level
     from vt.shared.models import FAMILIES
 
-    get_logger()  # vt's logging set-up, which also quiets third-party import chatter
+    apply_level("info")  # vt's logging set-up; the libraries' bars ("Writing model shards") and notices hidden
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=FAMILIES, help="model family")

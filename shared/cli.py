@@ -7,16 +7,19 @@ from pathlib import Path
 import typer
 
 from vt.shared.config import Config, ConfigError, load_config
+from vt.shared.log import apply_level
 
 SET_HELP = "Override a config key, e.g. --set window.size=8 (repeatable; value read as TOML)."
 
 
 def load_or_exit(config: Path, overrides: list[str]) -> Config:
     try:
-        return load_config(config, overrides)
+        loaded = load_config(config, overrides)
     except ConfigError as err:
         typer.echo(f"config error: {err}", err=True)
         raise typer.Exit(2) from err
+    apply_level(loaded.log.level)  # before the CLI imports the model libraries: their bars and notices
+    return loaded
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:

@@ -200,6 +200,10 @@ class LogConfig(_Section):
     tensorboard: bool = False
     progress: bool = True
     samples: bool = False  # write every step's sample keys to <run.dir>/samples.jsonl (data audits)
+    # "debug" also shows vt's debug lines and the libraries' own progress bars and notices (transformers'
+    # "Loading weights", diffusers' pipeline loading ...), hidden otherwise (vt.shared.log.quiet_libraries)
+    level: Literal["info", "debug"] = "info"
+    report_every_seconds: float = Field(30.0, ge=0)  # <run.dir>/report.html at a log interval, at most this often
 
 
 class ParallelConfig(_Section):

@@ -57,3 +57,27 @@ def get_logger(name: str = "vt") -> logging.Logger:
             logging.getLogger(logger).addFilter(_DropMessage(prefix))
         _CONFIGURED = True
     return logging.getLogger(name if name.startswith("vt") else f"vt.{name}")
+
+
+# What the libraries read when they are imported (both CLIs import them after the config is loaded).
+QUIET_ENVIRONMENT = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                     "DIFFUSERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+
+
+def apply_level(level: str) -> None:
+    """log.level: "info" hides the libraries' progress bars and notices (transformers' "Loading weights",
+    diffusers' "Loading pipeline components", huggingface_hub's downloads), so the terminal holds vt's own
+    progress line per stage and its summary lines; "debug" shows them all, and vt's debug lines too.
+    An environment variable the user set wins; a library imported already is told directly."""
+    get_logger().setLevel(logging.DEBUG if level == "debug" else os.environ.get("VT_LOG_LEVEL", "INFO"))
+    if level == "debug":
+        return
+    for name, value in QUIET_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+    if "huggingface_hub" in sys.modules:
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
+    for library in ("transformers", "diffusers"):
+        if library in sys.modules:
+            library_logging = __import__(f"{library}.utils.logging", fromlist=["logging"])
+            library_logging.disable_progress_bar()
+            library_logging.set_verbosity_error()

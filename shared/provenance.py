@@ -13,7 +13,9 @@ and storage dtypes, and the shard format version. A run without audio records no
 shards and fingerprint are what they were before audio existed.
 Not in: anything only the trainer uses (transformer, LoRA, learning rate ...).
 
-The weights digest reads files, never loads a model. Files up to FULL_HASH_BYTES are hashed whole.
+The weights digest reads files, never loads a model, and remembers each big file's digest by its path,
+size and modification time (cached_file_digest), so a start of either stage hashes nothing it has hashed
+before. Files up to FULL_HASH_BYTES are hashed whole.
 Bigger ones (a 10 GB text encoder would take seconds to hash at every start of both stages) are
 hashed by their size, their first HEAD_BYTES (for safetensors: the whole header, which names every
 tensor with its dtype, shape and offsets) and SAMPLE_COUNT blocks of SAMPLE_BYTES spread evenly over
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -44,6 +47,7 @@ FULL_HASH_BYTES = 64 * 2**20
 HEAD_BYTES = 2**20
 SAMPLE_COUNT = 64
 SAMPLE_BYTES = 64 * 2**10
+CACHE_MIN_BYTES = 2**20  # smaller files are hashed at every start (see cached_file_digest)
 
 
 def provenance(config: Config, weights: dict[str, str] | None = None, spec=None) -> dict:
@@ -108,8 +112,42 @@ def folder_digest(folder: Path) -> str:
     digest = hashlib.sha256()
     for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
         digest.update(f"{path.relative_to(folder).as_posix()}\0{path.stat().st_size}\0".encode())
-        digest.update(file_digest(path).encode())
+        digest.update(cached_file_digest(path).encode())
     return digest.hexdigest()[:16]
+
+
+def digest_cache_path() -> Path:
+    """Where file digests are kept between runs: $VT_CACHE_DIR or ~/.cache/vt, file_digests.json."""
+    return Path(os.environ.get("VT_CACHE_DIR") or Path.home() / ".cache" / "vt") / "file_digests.json"
+
+
+def cached_file_digest(path: Path) -> str:
+    """file_digest, remembered by (absolute path, size, mtime, inode): both stages hash the same encoder
+    weights at every start, and a file that kept its size and modification time is taken as unchanged.
+    Files under CACHE_MIN_BYTES are hashed each time (faster than the cache). A cache that cannot be
+    read or written is ignored."""
+    stat = path.stat()
+    if stat.st_size < CACHE_MIN_BYTES:
+        return file_digest(path)
+    cache_file = digest_cache_path()
+    key = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{stat.st_ino}"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if isinstance(cache, dict) and isinstance(cache.get(key), str):
+        return cache[key]
+    digest = file_digest(path)
+    cache = cache if isinstance(cache, dict) else {}
+    cache[key] = digest
+    try:  # atomically: two processes starting at once each write a whole file, the later one wins
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+    return digest
 
 
 def file_digest(path: Path) -> str:

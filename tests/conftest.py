@@ -17,6 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+os.environ.setdefault("VT_CACHE_DIR", str(ROOT / ".cache" / "tests"))  # weight digests: not the user's ~/.cache
 
 
 @pytest.fixture(scope="session")

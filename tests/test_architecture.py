@@ -46,3 +46,58 @@ def test_a_stage_imports_the_other_stage_never(stage):
             names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
                 [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
             assert not any(n.startswith(f"vt.{other}") for n in names), f"{path.relative_to(ROOT)} imports vt.{other}"
+
+
+PACKAGES = ("shared/window", "shared/storage")  # split by role: each module's imports stay inside the rules below
+
+
+def package_imports(folder: str) -> dict[str, set[str]]:
+    """module -> the names of its package's modules it imports (relative imports, `from . import x` included)."""
+    modules = {path.stem for path in (ROOT / folder).glob("*.py")}
+    out = {}
+    for module in modules:
+        found = set()
+        for node in ast.walk(ast.parse((ROOT / folder / f"{module}.py").read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module} if node.module else {alias.name for alias in node.names}
+        out[module] = found & modules
+    return out
+
+
+@pytest.mark.parametrize("folder", PACKAGES)
+def test_a_package_by_role_has_no_import_cycle_and_no_module_imports_its_front(folder):
+    """The modules import one another only downward: a cycle is an error, and so is a module importing the
+    package's `__init__` (the front that composes them)."""
+    graph = package_imports(folder)
+    assert not any("__init__" in names for module, names in graph.items() if module != "__init__")
+    visiting, done = set(), set()
+
+    def visit(module, path):
+        assert module not in visiting, f"import cycle in {folder}: {' -> '.join(path + [module])}"
+        if module in done:
+            return
+        visiting.add(module)
+        for name in sorted(graph[module]):
+            visit(name, path + [module])
+        visiting.discard(module)
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+@pytest.mark.parametrize("folder", PACKAGES)
+def test_a_package_by_role_reads_no_private_name_across_its_modules(folder):
+    """No `from .x import _private`, no `x._private` on a sibling module, and no `obj._private` on an object
+    of another module (a leading underscore is that module's own business)."""
+    found = []
+    for path in sorted((ROOT / folder).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level >= 1:
+                found += [f"{path.name}: from .{node.module or ''} import {a.name}" for a in node.names
+                          if a.name.startswith("_") and a.name != "__version__"]
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found.append(f"{path.name}:{node.lineno}: .{node.attr}")
+    assert not found, "private names read across modules:\n" + "\n".join(found)
+

@@ -30,13 +30,12 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     from vt.train.trainer import Trainer
 
     try:
-        summary = Trainer(cfg).run()
+        Trainer(cfg).run()  # rank 0 logs the summary line ("done: ..."), printed once, not once per rank
     except (StaleShardError, ModelLoadError, FileNotFoundError, ValueError) as err:
         raise fail(str(err)) from err
     # The trainer's model, optimizer and mesh form reference cycles holding gloo work objects: free them now,
     # not at interpreter exit, where freeing their tensors aborts the process ("terminate called ...").
     gc.collect()
-    typer.echo(f"trained {summary['steps']} steps, last loss {summary['last_loss']:.4f}, weights in {summary['export']}")
 
 
 def _note_accelerate_cpu() -> None:
@@ -103,6 +102,19 @@ def auto_layout_for_plan(cfg, gpus: int, device: str, gpu_memory: float):
              for degrees in ((data_parallel, 1), (1, data_parallel))]
     choice = choose(*peaks, int(gpu_memory * GIB), data_parallel)
     return with_degrees(choice.dp_replicate, choice.dp_shard), choice.reason
+
+
+@app.command()
+def report(run_dir: Path = typer.Argument(..., help="a run's run.dir, e.g. runs/demo (finished or running)"),
+           out: Path = typer.Option(None, "--out", help="where to write the page (default RUN_DIR/report.html)")) -> None:
+    """Rebuild RUN_DIR/report.html from the run's files: curves, validation videos, window, precompute, config."""
+    from vt.train.report import write_report
+
+    try:
+        path = write_report(run_dir, out)
+    except (FileNotFoundError, ValueError, OSError) as err:
+        raise fail(str(err)) from err
+    typer.echo(f"report: {path}")
 
 
 @app.command()

@@ -30,6 +30,7 @@ from vt.shared.progress import Progress
 from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.runtime import map_large_allocations
 from vt.shared.shards import CommitRecord, decode_shard
+from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
 from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.caption_dropout import drop_captions, dropped
@@ -46,6 +47,7 @@ from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, tak
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
+from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator
 
@@ -86,10 +88,13 @@ class StepStats:
 
 class Trainer:
     def __init__(self, config: Config):
+        self.startup = StartupTimeline()  # <run.dir>/startup.json at the first step
+        self.startup.mark("imports")
         self.config = config
         map_large_allocations()  # freed tensors go back to the OS, not to heap free lists
         train = config.train
         self.world = setup_world(config.parallel, train.device, auto_layout=self._auto_layout)
+        self.startup.mark("world")
         self.device = self.world.device
         self.is_main = self.world.is_main
         self.run_dir = config.run_dir
@@ -113,10 +118,13 @@ class Trainer:
         if self.is_main:
             for line in self.spec.inference_mismatches():
                 log.warning(line)
+        self.startup.mark("model_spec")
         self.provenance = provenance(config, spec=self.spec)
         self.fingerprint = fingerprint(self.provenance)
+        self.startup.mark("weight_digests")
 
         self.transformer = self._build_model()
+        self.startup.mark("model_built")
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
         warmup = max(train.warmup_steps, 0)
@@ -132,6 +140,7 @@ class Trainer:
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
+        self.report = ReportWriter(self.run_dir, config.log.report_every_seconds, enabled=self.is_main)
         self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
                                    autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
                                    extra_parts=self._untrained_experts)
@@ -140,6 +149,7 @@ class Trainer:
         self._checkpointed = -1
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
+        self.startup.mark("window_and_validator")
 
     # -- set-up --------------------------------------------------------------------------------------
     def _auto_layout(self, device: torch.device):
@@ -240,6 +250,8 @@ class Trainer:
 
     def _run(self) -> dict:
         self.resume()
+        if self.is_main:  # consumer.json's writer cleans what an earlier trainer, killed mid-write, left
+            self.window.clean_consumer_debris()
         train = self.config.train
         progress = Progress(train.max_steps or None, "train", enabled=self.config.log.progress and self.is_main)
         progress.update(self.step)
@@ -253,11 +265,14 @@ class Trainer:
             stats.data_wait += time.perf_counter() - waited
             if not micro:
                 break
+            self.startup.mark("first_batch")
             if self.validator.enabled:
                 self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
             metrics = self.train_step(micro)
             self.step += 1
             last_loss = metrics["loss"]
+            if "first_step" not in self.startup.marks:
+                self._write_startup()
             stats.samples += sum(len(b) for b in micro)
             stats.tokens += sum(len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:])
                                 for b in micro)  # transformer tokens of the whole job
@@ -276,12 +291,19 @@ class Trainer:
             self._log_step(*unlogged)
         return self.finish(last_loss)
 
+    def _write_startup(self) -> None:
+        """<run.dir>/startup.json: seconds from launch at which each start-up part ended, up to the first step."""
+        self.startup.mark("first_step")
+        if self.is_main:
+            (self.run_dir / "startup.json").write_text(json.dumps(self.startup.to_dict(), indent=1))
+
     def _log_step(self, metrics: dict, stats: StepStats, memory: list[float]) -> None:
         """The step's metrics plus rates since the last log (samples, transformer tokens) and peak memory."""
         elapsed = max(time.perf_counter() - stats.started, 1e-9)
         metrics.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed, data_wait_s=stats.data_wait)
         metrics.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
         self.tracker.log(self.step, metrics, force=True)
+        self.report.update()  # report.html, at most every log.report_every_seconds
 
     def train_step(self, micro: list[Batch]) -> dict:
         """One optimizer step over `micro` (global micro-batches); returns global metrics."""
@@ -409,7 +431,9 @@ class Trainer:
             self.tracker.close()
             plot = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
             summary["loss_plot"] = str(plot)
-            log.info("done: %d steps, last loss %.4f; weights in %s; loss plot %s", self.step, last_loss, export, plot)
+            summary["report"] = str(self.report.update(final=True))
+            log.info("done: %d steps, last loss %.4f; weights in %s; loss plot %s; report %s", self.step, last_loss,
+                     export, plot, summary["report"])
         self.world.barrier()
         return summary
 

@@ -14,6 +14,7 @@ run would otherwise ship a LoRA that renders black videos.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from pathlib import Path
 from typing import Any, ClassVar
@@ -56,6 +57,10 @@ class LoraMixin:
     # only (an exclusion there just makes peft warn that nothing was excluded).
     exclusions_in_metadata: ClassVar[bool] = True
     excluded_modules_named: ClassVar[str] = "the modules no LoRA may reach"  # `lora_exclusions`, in errors
+    # Families with a sound stream: a regular expression (searched in parameter names) of what only the audio
+    # stream trains. Without model.audio those get no gradient: a full fine-tune leaves them frozen (DDP would
+    # otherwise wait for their gradients) and LoRA targets reaching them are refused.
+    audio_parameters: ClassVar[str | None] = None
     _lora_metadata: dict[str, Any] | None = None
 
     def lora_exclusions(self, transformer) -> str | None:
@@ -63,7 +68,18 @@ class LoraMixin:
         return None
 
     def check_lora(self, transformer, targets) -> None:
-        """Called after the adapters are added: refuse targets that reach modules the run never trains."""
+        """Called after the adapters are added: refuse targets that reach modules the run never trains (the
+        audio stream's, `audio_parameters`, in a video-only run)."""
+        if self.audio_parameters is None or self.config.audio:
+            return
+        audio = re.compile(self.audio_parameters)
+        reached = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
+                          if "lora_" in n and audio.search(n)})
+        if reached:
+            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
+                             f"{self.family} trains only with model.audio = true; set it to train the sound, or name "
+                             f"other modules (suffixes such as {self.default_lora_targets[0]!r}), or leave "
+                             "train.lora_targets unset")
 
     def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None) -> None:
         """Freeze the transformer and inject peft LoRA layers on `targets` (names matched by suffix, or one
@@ -92,9 +108,13 @@ class LoraMixin:
             self._lora_metadata["exclude_modules"] = excluded
 
     def full_trainable(self, transformer) -> None:
-        """Mark what a full fine-tune trains: every parameter, unless the family leaves some out (LTX-2's
-        audio stream, which video-only training gives no gradient)."""
+        """Mark what a full fine-tune trains: every parameter, but the audio stream's (`audio_parameters`) in
+        a video-only run, and what else a family leaves out."""
         transformer.requires_grad_(True)
+        if self.audio_parameters is not None and not self.config.audio:
+            audio = re.compile(self.audio_parameters)
+            for name, param in transformer.named_parameters():
+                param.requires_grad_(not audio.search(name))
 
     # ----------------------------------------------------------------------------- export
     def save_lora(self, lora_state_dict: dict[str, Tensor], out_dir, lora_config: dict | None = None,

@@ -71,11 +71,11 @@ from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_gemma_tokenizer, save_tiny, seeded
 from vt.shared.video_io import Sound
 
-# Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
-# in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
 # The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
 # preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
 AUDIO_N_FFT = 1024
+# Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
+# in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
 AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
 _PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 # Default LoRA targets (suffixes): the video self- and cross-attention, which never match `audio_attn1.to_q`
@@ -94,6 +94,7 @@ class LTX2Spec(ModelSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
     audio_stream: ClassVar[bool] = True
+    audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
     default_lora_targets: ClassVar[list[str]] = VIDEO_LORA_TARGETS  # with model.audio: + AUDIO_LORA_TARGETS
     _vocoder: type | None = None  # the vocoder class the checkpoint names (component_classes)
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
@@ -313,37 +314,6 @@ class LTX2Spec(ModelSpec):
         per_frame = torch.ones(frames, height * width, device=timestep.device)
         per_frame[0] = 0
         return timestep[:, None] * per_frame.flatten()[None]
-
-    def full_trainable(self, transformer) -> None:
-        """A full fine-tune trains both streams with model.audio; video-only, the video stream: the audio
-        stream and the audio-video cross-attention get no gradient without audio, so they stay frozen (DDP
-        would otherwise wait for their gradients)."""
-        for name, param in transformer.named_parameters():
-            param.requires_grad_(self.config.audio or not AUDIO_PARAMETERS.search(name))
-
-    def check_lora(self, transformer, targets) -> None:
-        """Video-only: targets that reach the audio stream are refused, it never trains them (with
-        model.audio every module trains)."""
-        if self.config.audio:
-            return
-        audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
-                        if "lora_" in n and AUDIO_PARAMETERS.search(n)})
-        if audio:
-            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({audio[0]}, ...), which vt does "
-                             "not train for ltx-2 without model.audio (video only); set model.audio = true to "
-                             "train the sound, or name video modules, e.g. \"attn1.to_q\" or \"ff.net.2\" "
-                             "(suffixes), or leave train.lora_targets unset")
-
-    def cp_plan(self):
-        """None: Ulysses splits one token sequence per attention, and LTX-2's blocks hold two that attend to
-        each other (docs/parallel.md); with model.audio, video-to-audio cross-attention would see one rank's
-        share of the video only."""
-        why = ("with model.audio each audio token attends to every video token (video_to_audio_attn), so splitting "
-               "the video tokens over ranks would need the whole video's keys on every rank and the audio stream "
-               "replicated; " if self.config.audio else "")
-        raise NotImplementedError(f"family 'ltx-2' has no CP plan: {why}its rotary tables and the audio stream "
-                                  "would need LTX-2-specific splitting (docs/parallel.md); set parallel.cp = 1 and "
-                                  "scale out with data parallelism (parallel.dp_shard)")
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:

@@ -19,7 +19,8 @@ What vt trains (text-to-video-and-audio, diffusers' MiniMaxH3ModularPipeline `t2
   rows (the transformer takes zero of them) and the audio heads (`audio_proj_in`, `audio_proj_out`) stay frozen and
   out of LoRA;
 - validation runs the modular pipeline itself (`MiniMaxH3Pipeline` below is a thin handle on it: the same blocks, fed
-  stored text embeddings) and returns its stereo sound track.
+  stored text embeddings) and returns its stereo sound track;
+- LoRA files: the pipeline's own format, and the ComfyUI file under the original checkpoint's names (q/k/v fused).
 Not covered: `fl2va` (first/last keyframes) and `ref2va` (references, `transformer_ref`), docs/families.md.
 """
 
@@ -36,6 +37,7 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
+from vt.shared.models import comfy
 from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
 from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
@@ -43,6 +45,8 @@ from vt.shared.video_io import Sound
 # The audio stream's own parameters: without `model.audio` no gradient reaches them.
 AUDIO_PARAMETERS = re.compile(r"(^|\.)audio_proj_(in|out)\b")
 TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
+_BLOCKS, _REFINER = r"transformer_blocks\.(\d+)", r"token_refiner\.refiner_blocks\.(\d+)"
+SWIGLU_INPUTS = rf"({_BLOCKS}|{_REFINER})\.ff\.net\.0\.proj"
 STEREO = 2  # MiniMaxH3ModularPipeline.audio_channels: stereo rows, channel-major
 
 
@@ -81,9 +85,30 @@ class MiniMaxH3Spec(ModelSpec):
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}
     single_frame: ClassVar[bool] = False  # frames 17n+5
     audio_stream: ClassVar[bool] = True
+    audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
     audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
     default_lora_targets: ClassVar[list[str]] = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
-    original_names: ClassVar[tuple[tuple[str, str], ...]] = ()  # no ComfyUI model (docs/families.md)
+    # The original checkpoint's module names, which ComfyUI's MiniMaxH3Model (comfy/ldm/minimax/model.py) has and
+    # diffusers' own H3 LoRA reader converts back (`_convert_non_diffusers_minimax_h3_lora_to_diffusers`): q/k/v
+    # fused into `qkv_proj` ([q; k; v]), `fc1` holding SwiGLU's halves as [gate; value] (`comfy_tensors`).
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = (
+        (rf"{_BLOCKS}\.attn\.to_out\.0", r"blocks.\1.attn.out_proj"),
+        (rf"{_BLOCKS}\.ff\.net\.0\.proj", r"blocks.\1.mlp.fc1"),
+        (rf"{_BLOCKS}\.ff\.net\.2", r"blocks.\1.mlp.fc2"),
+        (rf"{_BLOCKS}\.adaln_proj\.linear", r"blocks.\1.adaln_proj.linear"),
+        (rf"{_REFINER}\.attn\.to_out\.0", r"token_refiner.blocks.\1.attn.out_proj"),
+        (rf"{_REFINER}\.ff\.net\.0\.proj", r"token_refiner.blocks.\1.mlp.fc1"),
+        (rf"{_REFINER}\.ff\.net\.2", r"token_refiner.blocks.\1.mlp.fc2"),
+        (r"proj_in", "video_patch_proj"), (r"audio_proj_in", "audio_patch_proj"),
+        (r"context_embedder", "condition_proj"), (r"proj_out", "final_layer.video_out"),
+        (r"audio_proj_out", "final_layer.audio_out"), (r"norm_out\.linear", "final_layer.adaln_proj.linear"),
+        (r"time_embedder\.linear_1", "time_embedder.proj_in"), (r"time_embedder\.linear_2", "time_embedder.proj_out"),
+    )
+    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = (
+        comfy.Fused(rf"{_BLOCKS}\.attn", ("to_q", "to_k", "to_v"), r"blocks.\1.attn.qkv_proj"),
+        comfy.Fused(rf"{_REFINER}\.attn", ("to_q", "to_k", "to_v"), r"token_refiner.blocks.\1.attn.qkv_proj"),
+    )
+    comfy_alpha: ClassVar[bool] = False  # published H3 LoRAs carry none; the scale goes into lora_B
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
         "vae": "diffusers:AutoencoderKLMiniMaxH3", "audio_vae": "diffusers:AutoencoderKLMiniMaxH3Audio",
@@ -262,21 +287,14 @@ class MiniMaxH3Spec(ModelSpec):
         base = sigmas / (video - (video - 1) * sigmas)
         return audio * base / (1 + (audio - 1) * base)
 
-    def full_trainable(self, transformer) -> None:
-        """Without `model.audio` the audio heads get no gradient (no audio rows): frozen, out of the optimizer."""
-        for name, param in transformer.named_parameters():
-            param.requires_grad_(self.config.audio or not AUDIO_PARAMETERS.search(name))
+    def comfy_tensors(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+        """SwiGLU's lora_B halves in the original order: diffusers' [value; gate], the checkpoint's [gate; value]."""
+        def swapped(value: Tensor) -> Tensor:
+            first, second = value.chunk(2, dim=0)
+            return torch.cat([second, first], dim=0)
 
-    def check_lora(self, transformer, targets) -> None:
-        """Targets on the audio heads are refused without `model.audio` (they would never train)."""
-        if self.config.audio:
-            return
-        audio = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
-                        if "lora_" in n and AUDIO_PARAMETERS.search(n)})
-        if audio:
-            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({audio[0]}), which trains only with "
-                             "model.audio = true; set it, or name other modules (e.g. \"attn.to_q\"), or leave "
-                             "train.lora_targets unset")
+        return {key: swapped(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
+                for key, value in tensors.items()}
 
     # ----------------------------------------------------------------------------- validation
     def validation_frames(self, bucket: Bucket) -> int:
@@ -425,8 +443,9 @@ class MiniMaxH3Pipeline:
         self._progress = {}
 
     def __getattr__(self, name):
-        if name in MiniMaxH3Pipeline._parts:
-            return getattr(self.__dict__["modular"], name, None)
+        modular = self.__dict__.get("modular")
+        if name in MiniMaxH3Pipeline._parts and modular is not None:
+            return getattr(modular, name, None)
         raise AttributeError(name)
 
     @classmethod

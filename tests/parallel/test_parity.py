@@ -98,9 +98,9 @@ FAMILY_LAYOUTS = {
     # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
     # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
     "wan-vace": ["fsdp-2"],
-    # MiniMax H3 with audio (conftest VARIANTS): no TP or CP plan (docs/parallel.md); FSDP2 over its blocks, the
-    # transformer called once per sample, the audio latents and audio noise split over ranks with the latents.
-    "minimax-h3-audio": ["fsdp-2"],
+    # MiniMax H3 with audio (conftest VARIANTS): no TP or CP plan (docs/parallel.md); DDP, and FSDP2 over its
+    # blocks, the transformer called once per sample, the audio latents and noise split over ranks with the latents.
+    "minimax-h3-audio": ["ddp-2", "fsdp-2"],
 }
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))

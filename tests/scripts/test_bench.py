@@ -106,3 +106,22 @@ def test_bare_launch_script_trains_on_the_window_shard_files(tiny_model_factory,
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(result["step_done"]) == 3 and result["step_done"] == sorted(result["step_done"])
     assert all(0 < loss < 100 for loss in result["losses"])
+
+
+def test_start_up_rows_time_both_stages_from_launch_against_a_bare_import(tmp_path, tiny_model_factory, raw_shards,
+                                                                        kept_window):
+    from bench_startup import bench_startup
+
+    window, _ = kept_window
+    result = bench_startup(DEMO, tiny_model_factory("ltx-video"), raw_shards, window, tmp_path, rounds=1, threads=1)
+    pre_row, train_row = result["rows"]
+    assert len(result["bare_s"]) == 2 and pre_row.baseline == train_row.baseline == pytest.approx(
+        sum(result["bare_s"]) / 2)
+    for row, side, last in ((pre_row, "precompute", "first_decoded_sample"), (train_row, "train", "first_step")):
+        run = result[side][0]
+        assert row.vt == run["first_s"] and row.max_ratio == 1.5 and row.ratio == row.vt / row.baseline
+        assert list(run["parts_s"])[0] == "imports" and list(run["parts_s"])[-1] == last
+        # the launch as the bench saw it and as the process recorded it agree: the parts add up to first_s
+        assert sum(run["parts_s"].values()) == pytest.approx(run["first_s"], abs=0.5)
+        assert run["first_s"] < run["process_s"]
+        assert "parts: imports" in row.note

@@ -141,10 +141,11 @@ EXPECTED = {
                      comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight", comfy_in_diffusers=False),
     # One packed sequence [text | audio | video] per sample (text rows reach the blocks: `other_rows`); frames 17k+5,
     # pixels ImageNet-normalised over [0, 1] (`pixels`); the pipeline predicts x0 - noise (t = 1 - sigma) and
-    # generates at least 5 s at 24 fps (`generated_frames`); no ComfyUI model.
+    # generates at least 5 s at 24 fps (`generated_frames`); the ComfyUI file has the original names (q/k/v fused).
     "minimax-h3": dict(frames_step=17, frames_rule="17k+5", side=32, latent=(4, 2, 4, 6), text_dim=16, text_tokens=512,
                        patch=2, text_padding=_has_padding_mask, denormalize=_h3_denormalize, pixels=_h3_pixels,
-                       target=_inverted_flow_target, comfy_key=None, bucket=Bucket(5, 64, 96), generated_frames=124,
+                       target=_inverted_flow_target, comfy_key="diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight",
+                       bucket=Bucket(5, 64, 96), generated_frames=124,
                        other_rows=lambda batch: int(batch["prompt_attention_mask"][0].sum())),
 }
 

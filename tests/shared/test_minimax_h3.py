@@ -168,3 +168,41 @@ def test_validation_generates_the_pipelines_shortest_video_with_its_sound(tiny_m
     assert frames.shape == (124, 32, 64, 3) and frames.dtype == np.uint8 and frames.std() > 0
     assert sound.sample_rate == 8000 and sound.waveform.shape[0] == 2
     assert sound.waveform.shape[1] >= 124 / 24 * 8000 and np.abs(sound.waveform).max() > 0
+
+
+def test_comfy_file_with_every_kind_of_target_loads_back_through_diffusers(tiny_model_factory, tmp_path):
+    """The original-name file (ComfyUI's MiniMaxH3Model names: fused qkv_proj, SwiGLU fc1 as [gate; value], the
+    refiner, AdaLN and the patch/output projections) read by diffusers' own H3 LoRA conversion gives the in-memory
+    model's denoised latents."""
+    from lora_init import randomise_lora
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from vt.shared.models.minimax_h3 import MiniMaxH3Pipeline
+
+    folder = tiny_model_factory("minimax-h3")
+    spec = make_spec(folder, audio=True)
+    transformer = spec.load_transformer()
+    targets = r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2)" \
+              r"|adaln_proj\.linear)|proj_in|audio_proj_in|context_embedder|proj_out|audio_proj_out|norm_out\.linear"
+    spec.add_lora(transformer, rank=4, alpha=8.0, targets=targets)
+    randomise_lora(transformer, seed=3)
+    spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
+    comfy = load_file(tmp_path / "lora" / "lora_comfyui.safetensors")
+    for name in ("blocks.1.mlp.fc1", "token_refiner.blocks.0.attn.qkv_proj", "final_layer.audio_out",
+                 "video_patch_proj", "blocks.0.adaln_proj.linear", "final_layer.adaln_proj.linear"):
+        assert f"diffusion_model.{name}.lora_A.weight" in comfy, name
+    assert comfy["diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight"].shape == (3 * 32, 3 * 4)
+
+    def latents(pipeline):
+        inputs = spec.pipeline_inputs("a rabbit in a meadow", Bucket(5, 32, 32), steps=2, seed=0)
+        out = pipeline(**inputs, output_type="latent")
+        return torch.cat([out.frames.flatten(), out.audio.flatten()])
+
+    in_memory = latents(spec.build_pipeline(transformer))
+    fresh = MiniMaxH3Pipeline.from_pretrained(folder)
+    fresh.set_progress_bar_config(disable=True)
+    base = latents(fresh)
+    spec.load_lora(fresh, tmp_path / "lora", weight_name="lora_comfyui.safetensors")
+    assert (base - in_memory).abs().max() > 1e-2
+    torch.testing.assert_close(latents(fresh), in_memory, atol=1e-4, rtol=1e-4)

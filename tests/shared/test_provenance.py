@@ -7,6 +7,7 @@ refuse the old shards with a message naming the setting that differs.
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,23 @@ def flip(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
     data[offset] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_a_big_files_digest_is_kept_by_size_and_mtime_and_made_again_when_they_change(tmp_path, monkeypatch):
+    monkeypatch.setenv("VT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(prov, "CACHE_MIN_BYTES", 1024)
+    path = tmp_path / "w.safetensors"
+    save_file({"a": torch.arange(64 * 1024, dtype=torch.float32)}, str(path))
+    first = prov.cached_file_digest(path)
+    assert first == prov.file_digest(path) and prov.digest_cache_path().is_file()
+    stat = path.stat()
+    flip(path, 5000)  # same size; the modification time put back: taken as unchanged (the documented trade-off)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert prov.cached_file_digest(path) == first != prov.file_digest(path)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # touched: hashed again
+    assert prov.cached_file_digest(path) == prov.file_digest(path) != first
+    prov.digest_cache_path().write_text("{torn")  # a broken cache is ignored, then rewritten
+    assert prov.cached_file_digest(path) == prov.file_digest(path)
 
 
 def test_file_digest_samples_big_files(tmp_path, monkeypatch):

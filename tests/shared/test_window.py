@@ -168,14 +168,15 @@ def test_order_ends_when_done(uri):
     assert all(p["done"] for p in state["producers"].values())
 
 
-class CountingWindow(Window):
-    """A real Window that counts its backpressure polls (each poll of wait_for_room evicts)."""
+class PollCountingStorage(Storage):
+    """Real storage that counts a producer's backpressure polls: each poll of wait_for_room evicts, and
+    eviction lists the rank's data folder once."""
 
     polls = 0
 
-    def evict(self, rank=None):
-        self.polls += 1
-        return super().evict(rank)
+    def sizes(self, prefix=""):
+        self.polls += prefix == "data/p0"
+        return super().sizes(prefix)
 
 
 def test_backpressure(uri):
@@ -189,11 +190,12 @@ def test_backpressure(uri):
     with pytest.raises(WindowTimeout, match="2 committed shards .* are unread"):
         impatient.wait_for_room(0)
 
-    blocked = CountingWindow(uri, size=4, **FAST)
+    counting = PollCountingStorage(uri)
+    blocked = Window(uri, size=4, storage=counting, **FAST)
     room = threading.Event()
     thread = threading.Thread(target=lambda: (blocked.wait_for_room(0), room.set()))
     thread.start()
-    wait_for(lambda: blocked.polls >= 2, what="the producer to poll while the window is full")
+    wait_for(lambda: counting.polls >= 2, what="the producer to poll while the window is full")
     assert not room.is_set()
     Window(uri, size=4).publish_read(1)  # position 0 = producer 0 shard 0
     thread.join(30)
@@ -338,3 +340,64 @@ def test_a_restart_with_other_settings_is_refused(uri):
     with pytest.raises(ValueError, match=r"other settings \(fingerprint fp, now other\).*fresh window.uri"):
         restarted.register_producer(0, 1, fingerprint="other")
     assert restarted.register_producer(0, 1, fingerprint="fp")  # the same settings continue
+
+
+KILLED_WRITE = r"""
+import sys
+from vt.shared.window import Window
+
+uri, role = sys.argv[1:]
+window = Window(uri)
+if role == "consumer":
+    window.publish_read(1)  # killed inside consumer.json's write
+else:
+    window.acquire(0)
+    window.write_progress(0, {"samples": 4})  # killed inside progress/p0's write
+"""
+
+
+def killed_inside_a_write(uri: str, role: str, point: str) -> None:
+    """A real process SIGKILLed with half of its atomic write in a temp file (shared/faults.py)."""
+    import os
+
+    env = {**os.environ, "VT_FAULT_AT": point}
+    done = subprocess.run([sys.executable, "-c", KILLED_WRITE, uri, role], env=env, capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()
+
+
+def test_killed_writers_temp_files_are_shown_and_cleaned_by_the_role_that_owns_them(tmp_path):
+    """A trainer killed inside its consumer.json write and a producer killed inside its progress write leave
+    hidden temp files: `inspect` lists them, each role's cleaner removes its own and not the other's, and a
+    temp file whose writer cannot be checked (another host) goes once older than STALE_TEMP_SECONDS."""
+    import os
+    import time
+
+    from vt.precompute.cli import format_state
+    from vt.shared.storage import STALE_TEMP_SECONDS
+
+    uri = str(tmp_path / "window")
+    w = Window(uri, **FAST)
+    w.acquire(0)
+    w.register_producer(0, 1)
+    commit(w, 0, 0)
+    killed_inside_a_write(uri, "consumer", "storage.put.mid_write:consumer.json")
+    killed_inside_a_write(uri, "producer", "storage.put.mid_write:progress")
+    leftovers = w.state()["leftovers"]
+    consumer_tmp = [rel for rel in leftovers if rel.startswith(".consumer.json.vt-tmp-")]
+    progress_tmp = [rel for rel in leftovers if rel.startswith("progress/p0/.")]
+    assert len(consumer_tmp) == 1 and len(progress_tmp) == 1 and len(leftovers) == 2, leftovers
+    assert all(0 <= age < 600 for age in leftovers.values())
+    assert consumer_tmp[0] in format_state(w.state()) and "unfinished writes" in format_state(w.state())
+    assert not any(".vt-tmp-" in rel for rel in Storage(uri).list(""))  # listings never show temp files
+
+    assert Window(uri).clean_orphans(0) == progress_tmp  # the producer cleans its own folders only
+    assert list(w.state()["leftovers"]) == consumer_tmp
+    assert Window(uri).clean_consumer_debris() == consumer_tmp  # the trainer's rank 0, at its start
+    assert w.state()["leftovers"] == {}
+
+    foreign = tmp_path / "window" / ".consumer.json.vt-tmp-otherhost-1-abcdef012345"
+    foreign.write_bytes(b"half")  # another host's writer: its pid cannot be checked, only its age
+    assert w.clean_consumer_debris() == []
+    old = time.time() - STALE_TEMP_SECONDS - 60
+    os.utime(foreign, (old, old))
+    assert w.clean_consumer_debris() == [foreign.name] and not foreign.exists()

@@ -20,6 +20,17 @@ CPU offload (`parallel.cpu_offload`): FSDP2's CPUOffloadPolicy keeps the sharded
 gradients and the optimizer state in CPU memory (pinned when the compute is on a GPU); each block's
 parameters are copied to the GPU for its all-gather and the optimizer steps on the CPU. GPU memory
 then holds little more than activations (still checkpointed per block when asked).
+
+Outputs that are views: FSDP2 hooks a sharded module's outputs to all-gather its parameters before
+their backward, and an in-place op on an output that is a view would skip that hook (torch warns
+"FSDP2-wrapped module ... returned a view tensor"). Every family's sharded modules return views: a
+unit ending in an `nn.Linear` on a contiguous 3-D input (attention's `to_out`, the FFN's last
+projection), which torch computes as one matmul over the flattened rows and `.view`s back to 3-D; a
+unit splitting one tensor into several outputs (a joint attention slicing text and video
+apart, a norm's `chunk`ed gates); and the root's unpatchify (reshape, permute, flatten), ending in a
+view. `_own_outputs`, run just before FSDP2's post-forward hook, copies exactly those outputs (the
+ones that need a gradient and are views: what torch warns about), so each owns its storage: one
+activation-sized copy per unit, whose backward passes the gradient through untouched.
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = N
                split_blocks: bool = True) -> nn.Module:
     """Shard each block (its large parts first, with `split_blocks`), then the root, over `mesh` (1-D: FSDP,
     2-D (replicate, shard): HSDP)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if mesh.ndim not in (1, 2):
         raise ValueError(f"FSDP needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh.mesh_dim_names}")
@@ -57,6 +68,9 @@ def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = N
         if id(child) not in lists and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT:
             fully_shard(child, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
     fully_shard(model, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):  # runs before FSDP2's own post-forward hook, which registers on the output
+            module.register_forward_hook(_own_outputs, prepend=True)
     for module in kept:
         module._vt_keep_after_forward = True  # what inference (validation) turns off for its forwards
     return model
@@ -72,3 +86,29 @@ def units(block: nn.Module) -> list[nn.Module]:
     total = sum(p.numel() for p in inner.parameters())
     large = [child for child in inner.children() if 8 * sum(p.numel() for p in child.parameters()) >= total]
     return large if len(large) > 1 else []
+
+
+def _own_outputs(module: nn.Module, args, output):
+    """The output with each tensor that needs a gradient and is a view replaced by a copy (see the module's
+    docstring); tuples, lists and dicts walked, a dict (diffusers' BaseOutput) updated in place so that its
+    attributes follow. None (keep the output) when nothing needed a copy, or without gradients."""
+    if not torch.is_grad_enabled():
+        return None
+    owned = _owned(output)
+    return None if owned is output else owned
+
+
+def _owned(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.requires_grad and value._base is not None else value
+    if isinstance(value, (tuple, list)):
+        items = [_owned(item) for item in value]
+        if all(new is old for new, old in zip(items, value)):
+            return value
+        return type(value)(items) if not hasattr(value, "_fields") else type(value)(*items)
+    if isinstance(value, dict):
+        changed = {key: new for key, item in value.items() if (new := _owned(item)) is not item}
+        for key, new in changed.items():
+            value[key] = new  # BaseOutput's __setitem__ sets the attribute too
+        return value
+    return value

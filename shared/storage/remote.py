@@ -1,0 +1,120 @@
+"""fsspec stores: S3 (one PUT is atomic, conditional PUTs create exclusively) and memory:// (one
+process, for tests). Listings are never served from a cache: a producer and a trainer in different
+processes must see each other's commits on the next poll."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import fsspec
+
+from ..faults import fault_point
+
+_MEMORY_LOCK = threading.Lock()
+
+
+class FsspecBackend:
+    """Full paths are the filesystem's own ("bucket/prefix/rel" on S3, "/name/rel" in memory)."""
+
+    def __init__(self, fs, root: str, retrying):
+        self.fs = fs
+        self.root = root
+        self.retrying = retrying  # Storage._retrying: for the calls made here beyond one per operation
+
+    def read(self, full: str) -> bytes:
+        return self.fs.cat_file(full)
+
+    def exists(self, full: str) -> bool:
+        return self.fs.isfile(full)
+
+    def size(self, full: str) -> int:
+        return int(self.fs.size(full))
+
+    def find(self, base: str) -> dict[str, int]:
+        found = self.fs.find(base, detail=True)
+        return {p: int(info.get("size") or 0) for p, info in found.items()
+                if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")}
+
+    def put(self, full: str, data: bytes, point: str) -> None:
+        fault_point(point)  # a killed client's PUT never completes: the store keeps nothing of it
+        self.fs.pipe_file(full, bytes(data))
+
+    def delete(self, full: str) -> None:
+        self.fs.rm_file(full)
+
+    def incomplete(self, base: str) -> dict[str, float]:
+        return {}
+
+    def clean_incomplete(self, base: str, name: str | None, started_before: float | None) -> list[str]:
+        return []
+
+
+class MemoryBackend(FsspecBackend):
+    """memory:// (one process only): an exclusive create is check-then-put under a lock."""
+
+    def __init__(self, root: str, retrying):
+        super().__init__(fsspec.filesystem("memory"), root, retrying)
+
+    @staticmethod
+    def root_of(uri: str, rest: str) -> str:
+        return "/" + rest.strip("/")
+
+    def create(self, full: str, data: bytes) -> bool:
+        with _MEMORY_LOCK:
+            if self.fs.exists(full):
+                return False
+            self.fs.pipe_file(full, bytes(data))
+            return True
+
+
+class S3Backend(FsspecBackend):
+    """S3: an exclusive create is a PUT with `If-None-Match: *` (s3fs `pipe_file(mode="create")`,
+    FileExistsError on a 412). AWS S3 honours it since 2024, as do moto and MinIO; a store that ignores
+    the header would silently overwrite, so use one that supports conditional writes. A killed writer's
+    debris is a multipart upload never completed."""
+
+    def __init__(self, root: str, retrying):
+        # Own instance (not fsspec's shared one) so that switching off s3fs's retry loop touches no one else.
+        fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True,
+                               config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})
+        fs.retries = 1
+        super().__init__(fs, root, retrying)
+
+    @staticmethod
+    def root_of(uri: str, rest: str) -> str:
+        if not rest.strip("/").split("/")[0]:
+            raise ValueError(f"{uri!r} names no bucket; use s3://bucket/prefix")
+        return rest.strip("/")
+
+    def create(self, full: str, data: bytes) -> bool:
+        try:
+            self.fs.pipe_file(full, bytes(data), mode="create")
+            return True
+        except FileExistsError:
+            return False
+
+    def _uploads(self, base: str, name: str | None) -> list[dict]:
+        bucket, _, key = base.partition("/")
+        prefix = f"{key.rstrip('/')}/" if key else ""
+        listing = self.retrying("list uploads", base, lambda: self.fs.call_s3(
+            "list_multipart_uploads", Bucket=bucket, Prefix=prefix + (name or "")))
+        uploads = listing.get("Uploads", []) or []
+        return [u for u in uploads if name is None or u["Key"] == prefix + name]
+
+    def incomplete(self, base: str) -> dict[str, float]:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        bucket = base.partition("/")[0]
+        return {f"{bucket}/{u['Key']}": (now - u["Initiated"]).total_seconds() for u in self._uploads(base, None)}
+
+    def clean_incomplete(self, base: str, name: str | None, started_before: float | None) -> list[str]:
+        bucket = base.partition("/")[0]
+        cutoff = datetime.datetime.fromtimestamp(started_before or time.time(), datetime.timezone.utc)
+        removed = []
+        for upload in self._uploads(base, name):
+            if upload["Initiated"] < cutoff:
+                self.retrying("abort upload", upload["Key"], lambda u=upload: self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]))
+                removed.append(f"{bucket}/{upload['Key']}")
+        return removed

@@ -1,0 +1,67 @@
+"""Transient failures (connection refused or reset, timeouts, HTTP 5xx, throttling), told apart from
+the protocol's answers (404, 412, 403), and the one bounded backoff that retries them."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestTimeout",
+                    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "ProvisionedThroughputExceeded"}
+
+
+class StorageUnavailable(OSError):
+    """A storage operation kept failing with transient errors until the retry budget was spent."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Bounded retries with exponential backoff: wait ~base * 2**n (capped), half of it jittered.
+
+    The defaults ride out a store restart or a brown-out of ~20 s; VT_STORAGE_RETRIES sets `attempts`.
+    """
+
+    attempts: int = 10  # tries per operation, the first included
+    base_seconds: float = 0.1
+    max_seconds: float = 5.0
+
+    def delay(self, failures: int) -> float:
+        ceiling = min(self.max_seconds, self.base_seconds * 2 ** (failures - 1))
+        return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    @classmethod
+    def from_env(cls) -> "RetryPolicy":
+        raw = os.environ.get("VT_STORAGE_RETRIES", "")
+        if not raw:
+            return cls()
+        if not raw.isdigit() or int(raw) < 1:
+            raise ValueError(f"VT_STORAGE_RETRIES={raw!r} must be a positive integer (attempts per operation)")
+        return cls(attempts=int(raw))
+
+
+def is_transient(err: BaseException) -> bool:
+    """True for failures a retry can cure (network, timeouts, 5xx, throttling); False for answers."""
+    if isinstance(err, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                        NotADirectoryError)):
+        return False
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, (ConnectionError, TimeoutError)):  # refused, reset, broken pipe, socket timeouts
+            return True
+        module = type(err).__module__
+        if module.startswith("aiohttp"):  # connection-level errors of s3fs's HTTP client
+            return True
+        if module.startswith("botocore"):
+            response = getattr(err, "response", None)
+            if response is None:  # BotoCoreError: endpoint connection, read timeout, parse error ...
+                return type(err).__name__ not in ("NoCredentialsError", "ParamValidationError",
+                                                  "PartialCredentialsError", "ProfileNotFound")
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            code = response.get("Error", {}).get("Code", "")
+            return status >= 500 or status == 429 or code in _TRANSIENT_CODES
+        if type(err).__name__ == "FSTimeoutError":
+            return True
+        err = err.__cause__ or err.__context__
+    return False

@@ -1,0 +1,75 @@
+"""Where each file of a window lives, and the window's errors: names only, no storage access.
+
+    data/p<rank>/<seq:08d>-g<gen>-<sha16>.safetensors  shard data, written first (atomically)
+    commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
+    producers/p<rank>.json               {"rank", "world_size", "size", "done", "num_shards", "fingerprint"}
+    leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
+    progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
+    consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
+    text/validation-<fingerprint>/<key>.safetensors  a validation input's conditions as the family
+                                         pipeline takes them: the trainer loads no text encoder
+    text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+CONSUMER = "consumer.json"
+_SEQ = re.compile(r"(\d+)")
+
+
+class WindowTimeout(TimeoutError):
+    """A producer or reader waited longer than window.timeout_seconds for the other side."""
+
+
+class ShardCorruptError(ValueError):
+    """A committed shard's data does not match its commit record (size or sha256)."""
+
+
+class ProducerConflict(RuntimeError):
+    """A commit record for this seq already exists with other content: two producers of one rank."""
+
+
+def data_path(rank: int, seq: int, sha256: str, generation: int = 0) -> str:
+    """Named by seq, writer generation and content: two writers never share a name, so neither can
+    overwrite or delete the other's bytes."""
+    return f"data/p{rank}/{seq:08d}-g{generation}-{sha256[:16]}.safetensors"
+
+
+def commit_path(rank: int, seq: int) -> str:
+    return f"commits/p{rank}/{seq:08d}.json"
+
+
+def producer_path(rank: int) -> str:
+    return f"producers/p{rank}.json"
+
+
+def empty_caption_path(fingerprint: str) -> str:
+    return f"text/empty-{fingerprint}.safetensors"
+
+
+def validation_path(fingerprint: str, key: str) -> str:
+    """A validation prompt's (or i2v image's) encoded conditions for shards of `fingerprint`; `key` names
+    the content (`validation_key`)."""
+    return f"text/validation-{fingerprint}/{key}.safetensors"
+
+
+def validation_key(kind: str, content: bytes) -> str:
+    """"prompt-<sha256 of the text>" or "image-<sha256 of the file>", shortened: the same input, the same key."""
+    return f"{kind}-{hashlib.sha256(content).hexdigest()[:16]}"
+
+
+def seq_of(rel: str) -> int:
+    """The seq in a data or record path ("data/p0/00000003-ab...safetensors" -> 3)."""
+    return int(_SEQ.match(rel.rsplit("/", 1)[-1]).group(1))
+
+
+def rank_of(rel: str) -> int:
+    """The producer rank in a per-rank path ("commits/p1/00000003.json" -> 1)."""
+    return int(rel.split("/")[1][1:])
+
+
+def seqs(paths: list[str]) -> set[int]:
+    return {seq_of(p) for p in paths}

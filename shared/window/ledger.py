@@ -1,0 +1,75 @@
+"""The window's small shared records, read and written by both sides: producer registrations, the
+consumer's positions (consumer.json), commit records and `next_seq`, which needs all three.
+
+Functions over a Storage, not a class: the writer, the reader, cleaning and state each hold their own
+state and read these records the same way."""
+
+from __future__ import annotations
+
+import json
+
+from ..shards import CommitRecord
+from ..storage import Storage
+from .layout import CONSUMER, commit_path, producer_path, seqs
+
+
+def producers(storage: Storage) -> dict[int, dict]:
+    """rank -> registration (producers/p<rank>.json) of every registered producer."""
+    out = {}
+    for rel in storage.list("producers"):
+        info = json.loads(storage.read(rel))
+        out[int(info["rank"])] = info
+    return out
+
+
+def producer(storage: Storage, rank: int) -> dict | None:
+    try:
+        return json.loads(storage.read(producer_path(rank)))
+    except FileNotFoundError:
+        return None
+
+
+def world_size(storage: Storage) -> int | None:
+    """The producers' world size from their registrations (None before any registered)."""
+    sizes = {info["world_size"] for info in producers(storage).values()}
+    if len(sizes) > 1:
+        raise RuntimeError(f"producers of {storage.uri} registered different world sizes {sorted(sizes)}; "
+                           "all ranks of one vt-precompute run must agree; use a fresh window")
+    return sizes.pop() if sizes else None
+
+
+def consumer(storage: Storage) -> dict:
+    """consumer.json with its ranks as ints and every field present (an empty window: all zero)."""
+    try:
+        state = json.loads(storage.read(CONSUMER))
+    except FileNotFoundError:
+        state = {}
+    return {"read": {int(k): v for k, v in state.get("read", {}).items()},
+            "watermark": {int(k): v for k, v in state.get("watermark", {}).items()},
+            "read_position": state.get("read_position", 0),
+            "watermark_position": state.get("watermark_position", 0)}
+
+
+def write_consumer(storage: Storage, state: dict) -> None:
+    """Only the trainer's rank 0 writes consumer.json; producers only read it."""
+    storage.put_atomic(CONSUMER, json.dumps(state, sort_keys=True).encode())
+
+
+def next_seq(storage: Storage, rank: int, positions: dict | None = None) -> int:
+    """First seq of `rank` with no commit record: where a restarted producer resumes.
+
+    Seqs below this rank's watermark were committed even if eviction removed their records."""
+    positions = positions if positions is not None else consumer(storage)
+    committed = seqs(storage.list(f"commits/p{rank}"))
+    seq = positions["watermark"].get(rank, 0)
+    while seq in committed:
+        seq += 1
+    return seq
+
+
+def record(storage: Storage, rank: int, seq: int) -> CommitRecord | None:
+    """The commit record of (rank, seq), or None if it is not committed (or was evicted)."""
+    try:
+        return CommitRecord.from_json(storage.read(commit_path(rank, seq)))
+    except FileNotFoundError:
+        return None

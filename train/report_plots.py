@@ -1,0 +1,122 @@
+"""The report's training curves as plotly figures (train/report.py puts them on the page).
+
+One figure per quantity, each from metrics.jsonl alone: every loss-like metric (loss, audio_loss, any
+key ending in `loss`) raw and as a moving average, the learning rate, the gradient norm, samples/s,
+transformer tokens/s, the wait for data, and the peak memory of every rank. plotly writes the HTML and
+the JavaScript that draws it; vt writes none.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from vt.train.plots import moving_average
+
+__all__ = ["curve_figures", "loss_keys"]
+HEIGHT = 320  # pixels per figure
+MAX_POINTS = 4000  # per curve: a long run's curves are thinned to this many points (the page stays small)
+
+
+def loss_keys(records: list[dict]) -> list[str]:
+    """The loss-like metrics present: `loss` first, then the others (`audio_loss` ...) by name."""
+    keys = {key for record in records for key, value in record.items()
+            if key.endswith("loss") and isinstance(value, (int, float))}
+    return sorted(keys, key=lambda key: (key != "loss", key))
+
+
+def _series(records: list[dict], key: str) -> tuple[list[float], list[float]]:
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _thin(steps: list, values: list) -> tuple[list, list]:
+    """Every k-th point, and always the last, so a curve has at most about MAX_POINTS points."""
+    stride = -(-len(values) // MAX_POINTS)
+    if stride <= 1:
+        return steps, values
+    keep = list(range(0, len(values), stride))
+    if keep[-1] != len(values) - 1:
+        keep.append(len(values) - 1)
+    return [steps[i] for i in keep], [values[i] for i in keep]
+
+
+def _window(points: int) -> int:
+    """The moving average's width: 1/20 of the points, at least 5, at most a quarter (as loss.png)."""
+    return max(1, min(points // 4, max(5, points // 20)))
+
+
+def _figure(title: str, y_title: str):
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    fig.update_layout(title=title, height=HEIGHT, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
+                      legend=dict(orientation="h", y=-0.25), xaxis_title="step", yaxis_title=y_title)
+    return fig
+
+
+def _from_zero(fig, values: list[float]) -> None:
+    """The y axis from 0 to a little above the largest value: a constant (a flat learning rate) would
+    otherwise sit on plotly's default range around itself and look like noise."""
+    top = max(values, default=0.0)
+    fig.update_yaxes(range=[0, top * 1.15 if top > 0 else 1.0])
+
+
+def loss_figure(records: list[dict]):
+    import plotly.graph_objects as go
+
+    fig = _figure("loss", "loss")
+    for key in loss_keys(records):
+        steps, values = _series(records, key)
+        x, y = _thin(steps, values)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=key, opacity=0.35))
+        window = _window(len(values))
+        if window > 1 and len(values) >= window:  # the average over every point, then thinned
+            x, y = _thin(steps[window - 1:], moving_average(np.array(values), window).tolist())
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=f"{key} (mean of {window})", line=dict(width=3)))
+    return fig
+
+
+def _single(records: list[dict], key: str, title: str, y_title: str, from_zero: bool = False):
+    import plotly.graph_objects as go
+
+    steps, values = _series(records, key)
+    if not values:
+        return None
+    fig = _figure(title, y_title)
+    x, y = _thin(steps, values)
+    fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers" if len(values) < 50 else "lines", name=key))
+    if from_zero:
+        _from_zero(fig, values)
+    return fig
+
+
+def memory_figure(records: list[dict]):
+    import plotly.graph_objects as go
+
+    ranks = sorted({key for r in records for key in r if key.startswith("peak_mem_gb/")},
+                   key=lambda key: int(key.rsplit("rank", 1)[-1]) if key.rsplit("rank", 1)[-1].isdigit() else 0)
+    if not ranks:
+        return None
+    fig = _figure("peak memory per rank", "GiB")
+    peaks = []
+    for key in ranks:
+        steps, values = _series(records, key)
+        peaks += values
+        x, y = _thin(steps, values)
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=key.split("/", 1)[1]))
+    _from_zero(fig, peaks)
+    return fig
+
+
+def curve_figures(records: list[dict]) -> list:
+    """The figures that have data, in page order (an empty list for a run that has logged nothing)."""
+    if not records:
+        return []
+    figures = [loss_figure(records) if loss_keys(records) else None,
+               _single(records, "lr", "learning rate", "lr", from_zero=True),
+               _single(records, "grad_norm", "gradient norm (before clipping)", "norm"),
+               _single(records, "samples_s", "samples/s", "samples/s", from_zero=True),
+               _single(records, "tokens_s", "transformer tokens/s", "tokens/s", from_zero=True),
+               _single(records, "data_wait_s", "data wait per log interval", "s", from_zero=True),
+               memory_figure(records)]
+    return [fig for fig in figures if fig is not None]
