@@ -112,7 +112,7 @@ def write_config(path: Path, model: Path, raw: Path, window: Path, run: Path, tr
         # slower), the frozen bf16 layers upcast one at a time, as the trainer does there.
         "train": {"mode": "lora", "batch_size": 4, "max_steps": 1, "lr": 1e-4, "checkpoint_every": 0,
                   "validation_prompts": [PROMPT], "validation_steps": 1, **train},
-        "parallel": {"activation_checkpointing": True},
+        "parallel": {"activation_checkpointing": True, "dp_shard": -1},  # FSDP2, as `vt-train plan` plans it
         "log": {"progress": False},
     }
     path.write_text(to_toml(build(Config, tree)))

@@ -208,7 +208,9 @@ class LogConfig(_Section):
 
 class ParallelConfig(_Section):
     dp_replicate: int = Field(1, ge=1)
-    dp_shard: int = -1  # -1: whatever is left of the world size
+    # "auto": replicate (DDP) when the memory plan says the whole model fits each device, else -1
+    # (train/parallel/layout.py); -1: whatever is left of the world size; an integer: that degree.
+    dp_shard: Union[int, Literal["auto"]] = "auto"
     cp: int = Field(1, ge=1)
     tp: int = Field(1, ge=1)
     # Pipeline parallel: the transformer's blocks split into `pp` stages (train/parallel/pp.py), run by
@@ -221,12 +223,13 @@ class ParallelConfig(_Section):
     # the CPU (CPUOffloadPolicy); one process shards over a group of one, so a single GPU can use it.
     cpu_offload: bool = False
 
-    @field_validator("dp_shard")
+    @field_validator("dp_shard", mode="before")
     @classmethod
-    def _rest_or_positive(cls, value: int) -> int:
-        if value != -1 and value < 1:
-            raise ValueError("must be -1 (the rest of the world size) or >= 1")
-        return value
+    def _auto_rest_or_positive(cls, value: Any) -> Any:
+        if value == "auto" or (type(value) is int and (value == -1 or value >= 1)):
+            return value
+        raise ValueError('must be "auto" (replicate if the model fits each device, else shard), '
+                         "-1 (the rest of the world size) or >= 1")
 
 
 class Config(_Section):

@@ -31,6 +31,11 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """How many processes the launcher started on this node (torchrun's LOCAL_WORLD_SIZE); 1 when launched directly."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def world_size() -> int:
     """How many processes the launcher started (torchrun's WORLD_SIZE); 1 when launched directly."""
     return int(os.environ.get("WORLD_SIZE", "1"))

@@ -70,11 +70,38 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
     if device not in ("cuda", "cpu"):
         raise fail(f"--device must be cuda or cpu, got {device!r}")
     try:
+        cfg, picked = auto_layout_for_plan(cfg, gpus, device, gpu_memory)
         result = make_plan(cfg, gpus, device)
         options = alternatives(cfg, gpus, device) if gpu_memory and not as_json else []
     except (ModelLoadError, FileNotFoundError, ParallelConfigError, ValueError) as err:
         raise fail(str(err)) from err
+    if picked and not as_json:
+        typer.echo(picked)
     typer.echo(json.dumps(plan_json(result), indent=1) if as_json else format_plan(result, gpu_memory, options))
+
+
+def auto_layout_for_plan(cfg, gpus: int, device: str, gpu_memory: float):
+    """`parallel.dp_shard = "auto"` as the trainer would resolve it with `gpu_memory` GiB per rank: the config with
+    the picked degrees and the line saying why; without --gpu-memory (or with nothing to choose) the sharded
+    layout, as -1."""
+    from vt.train.parallel.layout import GIB, choose, unplanned_reason
+    from vt.train.plan import make_plan
+
+    parallel = cfg.parallel
+    if parallel.dp_shard != "auto" or unplanned_reason(parallel, gpus) is not None:
+        return cfg, ""
+    if not gpu_memory:
+        return cfg, "parallel.dp_shard = auto: planned sharded (FSDP2); --gpu-memory GiB shows what auto picks"
+    data_parallel = gpus // (parallel.cp * parallel.tp)
+
+    def with_degrees(dp_replicate: int, dp_shard: int):
+        return cfg.model_copy(update={"parallel": parallel.model_copy(update={"dp_replicate": dp_replicate,
+                                                                               "dp_shard": dp_shard})})
+
+    peaks = [make_plan(with_degrees(*degrees), gpus, device).rank.device_total
+             for degrees in ((data_parallel, 1), (1, data_parallel))]
+    choice = choose(*peaks, int(gpu_memory * GIB), data_parallel)
+    return with_degrees(choice.dp_replicate, choice.dp_shard), choice.reason
 
 
 @app.command()

@@ -119,8 +119,10 @@ def run_dtypes(config: Config, device: str) -> Dtypes:
     return Dtypes(amp, DTYPES[config.model.dtype], config.train.mode, config.train.fp8_base_weights)
 
 
-def make_plan(config: Config, gpus: int, device: str = "cuda") -> Plan:
-    """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs)."""
+def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = True) -> Plan:
+    """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs);
+    `stage1=False` leaves out what stage 1's encoding works in (the trainer's own plans need none of it, and
+    tracing a large VAE's encode takes minutes)."""
     spec = spec_for(config)
     dims = ParallelDims.from_config(config.parallel, gpus)
     train, parallel = config.train, config.parallel
@@ -187,9 +189,9 @@ def make_plan(config: Config, gpus: int, device: str = "cuda") -> Plan:
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro)
+           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
-        _trace(plan, spec, dtypes, lora, gathered)
+        _trace(plan, spec, dtypes, lora, gathered, stage1)
         _TRACES[key] = (plan.activations, plan.stage1, rank.validation)
     plan.activations, plan.stage1, rank.validation = _TRACES[key]
     worst = max(plan.activations.values(), key=lambda a: a["none"])
@@ -206,7 +208,7 @@ def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torc
     return layout.gathered().local(name, param, size)
 
 
-def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None) -> None:
+def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None, stage1: bool = True) -> None:
     """Activations per bucket (one micro-batch's forward and backward, with and without checkpointing),
     validation's working memory and stage 1's encoders, all on fake tensors."""
     from vt.train.objectives import joint_loss
@@ -240,7 +242,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None)
             fake_parameters(part).eval().requires_grad_(False)
             plan.stage1[name] = sum(p.numel() * p.element_size() for p in part.parameters())
         vae = parts["vae"]
-        for bucket in buckets:  # the VAE's working memory while stage 1 encodes a clip of each bucket
+        for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
             def encode(bucket=bucket) -> int:
                 video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=vae.dtype)
                 with peak_bytes() as encoding, torch.no_grad():

@@ -96,7 +96,7 @@ class Trainer:
         self.config = config
         map_large_allocations()  # freed tensors go back to the OS, not to heap free lists
         train = config.train
-        self.world = setup_world(config.parallel, train.device)
+        self.world = setup_world(config.parallel, train.device, auto_layout=self._auto_layout)
         self.startup.mark("world")
         self.device = self.world.device
         self.is_main = self.world.is_main
@@ -161,6 +161,14 @@ class Trainer:
         self.startup.mark("window_and_validator")
 
     # -- set-up --------------------------------------------------------------------------------------
+    def _auto_layout(self, device: torch.device):
+        """parallel.dp_shard = "auto" on rank 0: replicate or shard, from the memory plan or run.dir's layout.json."""
+        from vt.shared import runtime
+        from vt.train.parallel.layout import cached_layout
+
+        return cached_layout(self.config, runtime.world_size(), device, runtime.local_world_size(),
+                             self.config.run_dir)
+
     def _check_kernels(self) -> None:
         """Attention backends, fp8 and CPU offload: stop at start-up when this machine cannot run them."""
         train = self.config.train

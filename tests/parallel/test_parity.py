@@ -10,6 +10,8 @@ all-reduced), and after the run the exported trainable weights (gathered from th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from cli_runs import raw_keys
@@ -20,17 +22,22 @@ from vt.train.parallel.dims import ParallelDims
 
 LAYOUTS = {
     "ddp-2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-    "fsdp-2": (2, []),
+    "fsdp-2": (2, ["parallel.dp_shard=-1"]),
+    # The default, dp_shard = "auto": a tiny LoRA fits each rank's share of the host, so it replicates (DDP).
+    "auto-2": (2, []),
     # HSDP also checkpoints activations: the wrapped blocks must train and export like plain ones.
     "hsdp-2x2": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2", "parallel.activation_checkpointing=true"]),
     "tp-2": (2, ["parallel.dp_shard=1", "parallel.tp=2"]),
     "cp-2": (2, ["parallel.dp_shard=1", "parallel.cp=2"]),
     "fsdp-cp-tp-2x2x2": (8, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2"]),
 }
-EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "hsdp-2x2": "(HSDP), activation checkpointing",
+EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "auto-2": "dp_shard 1 x cp 1 x tp 1 (DDP)",
+                "hsdp-2x2": "(HSDP), activation checkpointing",
                 "tp-2": "cp 1 x tp 2 (no data parallelism)", "cp-2": "dp_shard 1 x cp 2 x tp 1",
                 "fsdp-cp-tp-2x2x2": "dp_shard 2 x cp 2 x tp 2 (FSDP2)"}
 
+# What dp_shard = "auto" picks for a tiny model on a CPU host: replication.
+AUTO_PICKS = {"auto-2": {"dp_replicate": "2", "dp_shard": "1"}}
 
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
 # family adds its line, FSDP2 at least. DDP wraps the model whole, so its rows add nothing per family
@@ -45,7 +52,7 @@ FAMILY_LAYOUTS = {
     "wan": ["fsdp-2", "hsdp-2x2", "fsdp-cp-tp-2x2x2"],
     # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
     # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
-    "wan2.2-all": ["ddp-2", "fsdp-2"],
+    "wan2.2-all": ["auto-2", "fsdp-2"],  # auto-2: DDP picked by dp_shard = "auto" (two reducers)
     # TI2V-5B as i2v (conftest VARIANTS): its per-token timesteps and first-frame loss weights split over
     # data-parallel ranks like the latents; its transformer is Wan's, whose TP/CP plans the wan rows cover.
     "wan2.2-ti2v-i2v": ["fsdp-2"],
@@ -108,6 +115,7 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
 
     assert_same_training(tmp_path / layout, reference(family))
     degrees = dict(o.removeprefix("parallel.").split("=") for o in overrides if "activation" not in o)
+    degrees = AUTO_PICKS.get(layout, degrees)
     dims = ParallelDims(**{k: int(v) for k, v in degrees.items()}, world_size=nproc)
     trained = check_slices(tmp_path / layout, dims)  # disjoint dp slices, identical cp/tp groups, one bucket
     assert set(trained) == raw_keys(raw_shards) and set(trained.values()) == {1}, "every sample once in the epoch"
@@ -115,6 +123,11 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
         check_uneven_last_step(tmp_path / layout, dims)
     log = (tmp_path / "run.log").read_text()
     assert EXPECTED_LOG[layout] in log, f"the run did not use {EXPECTED_LOG[layout]}"
+    if layout in AUTO_PICKS:  # rank 0 planned both layouts, logged the pick and kept it for a resume
+        assert "parallel.dp_shard = auto: replicate (DDP); planned peak per rank" in log
+        assert "GiB host memory available / 2 ranks" in log
+        kept = json.loads((tmp_path / layout / "layout.json").read_text())["choice"]
+        assert (kept["dp_replicate"], kept["dp_shard"]) == (2, 1)
     if family.endswith("-audio"):  # the audio stream trained and its loss was compared
         from vt.train.trackers import read_metrics
 
@@ -122,7 +135,7 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
 
 
 # Accumulation 2 x batch 2 against the reference's batch 4, on a different layout per family.
-ACCUMULATION = {"ltx-video": (2, []), "wan": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"])}
+ACCUMULATION = {"ltx-video": (2, ["parallel.dp_shard=-1"]), "wan": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"])}
 
 
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group(f"parity-{f}")) for f in ACCUMULATION])

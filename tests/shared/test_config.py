@@ -61,7 +61,9 @@ def test_bad_values_name_the_key_and_what_is_allowed(override, message):
     ("precompute.workers=-1", "precompute.workers = -1: must be >= 0"),
     ("log.every_steps=0", "log.every_steps = 0: must be >= 1"),
     ("parallel.tp=0", "parallel.tp = 0: must be >= 1"),
-    ("parallel.dp_shard=0", "parallel.dp_shard = 0: must be -1 (the rest of the world size) or >= 1"),
+    ("parallel.dp_shard=0", "parallel.dp_shard = 0: must be \"auto\" (replicate if the model fits each device, "
+                            "else shard), -1 (the rest of the world size) or >= 1"),
+    ("parallel.dp_shard=\"all\"", "parallel.dp_shard = 'all': must be \"auto\""),
     ("model.first_frame_noise=2", "model.first_frame_noise = 2: must be >= 0 and <= 1"),
     ("model.max_text_tokens=0", "model.max_text_tokens = 0: must be >= 1"),
     ("run.dir=\"s3://b/x\"", "run.dir = 's3://b/x': the run folder (checkpoints, metrics, exports, videos) must be "

@@ -59,6 +59,14 @@ def test_plan_command_says_what_fits(tiny_model_factory, tmp_path):
                           "--device", "cpu"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(FSDP2)" in out.stdout and "does NOT fit" in out.stdout and "what fits" in out.stdout
+    assert "parallel.dp_shard = auto: shard (FSDP2); planned peak per rank" in out.stdout  # the default, planned
+    from vt.shared.config import load_config
+    from vt.train.cli import auto_layout_for_plan
+
+    roomy, line = auto_layout_for_plan(load_config(path), 2, "cpu", 100.0)  # what `--gpu-memory 100` would plan
+    assert (roomy.parallel.dp_replicate, roomy.parallel.dp_shard) == (2, 1)
+    assert line.startswith("parallel.dp_shard = auto: replicate (DDP); planned peak per rank")
+    assert "budget 100.00 GiB" in line
     plan = json.loads(subprocess.run([str(BIN / "vt-train"), "plan", str(path), "--json"], capture_output=True,
                                      text=True, timeout=300, check=True).stdout)
     rank = plan["per_rank_bytes"]

@@ -77,9 +77,12 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
-        """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp, cpu_offload, pp)."""
-        return cls(parallel.dp_replicate, parallel.dp_shard, parallel.cp, parallel.tp, world_size,
-                   parallel.cpu_offload, parallel.pp)
+        """From the config's [parallel] section (dp_replicate, dp_shard, cp, tp, cpu_offload, pp). An unresolved
+        `dp_shard = "auto"` counts as -1 (the sharded layout): the trainer resolves it before it builds the
+        world (parallel/layout.py), `vt-train plan` plans what it would pick."""
+        dp_shard = -1 if parallel.dp_shard == "auto" else parallel.dp_shard
+        return cls(parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp, world_size, parallel.cpu_offload,
+                   parallel.pp)
 
     # -- what is on ----------------------------------------------------------------------------------
     @property

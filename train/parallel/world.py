@@ -17,7 +17,11 @@ import torch
 import torch.distributed as dist
 
 from vt.shared import runtime
+from vt.shared.log import get_logger
 from vt.train.parallel.dims import Meshes, ParallelDims
+from vt.train.parallel.layout import needs_plan, unplanned_reason
+
+log = get_logger("vt.train.parallel")
 
 
 @dataclass
@@ -67,13 +71,32 @@ class World:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
 
-def setup_world(parallel, device_name: str = "auto") -> World:
-    """Check the degrees against torchrun's WORLD_SIZE, join the process group, build the mesh."""
+def setup_world(parallel, device_name: str = "auto", auto_layout=None) -> World:
+    """Check the degrees against torchrun's WORLD_SIZE, join the process group, build the mesh.
+
+    `parallel.dp_shard = "auto"`: where there is a choice (parallel/layout.py), rank 0 calls
+    `auto_layout(device)` -> LayoutChoice and every rank takes its degrees; without `auto_layout`, or
+    where there is no choice, auto shards as -1 does."""
     world_size = runtime.world_size()
-    dims = ParallelDims.from_config(parallel, world_size)  # a bad product stops here, on every rank
     device = runtime.pick_device(device_name)
+    dims = ParallelDims.from_config(parallel, world_size)  # a bad product stops here, on every rank
+    unplanned = unplanned_reason(parallel, world_size) if parallel.dp_shard == "auto" else None
+    if unplanned and world_size > 1 and runtime.rank() == 0:
+        log.info("parallel.dp_shard = auto: shard (the rest of the world), not planned: %s", unplanned)
+    if auto_layout is not None and needs_plan(parallel, world_size):
+        _join(device, world_size)
+        dp_replicate, dp_shard = _agree_on_layout(device, auto_layout)
+        picked = parallel.model_copy(update={"dp_replicate": dp_replicate, "dp_shard": dp_shard})
+        dims = ParallelDims.from_config(picked, world_size)
     if not dims.distributed:
         return World(dims, 0, 0, device, None)
+    _join(device, world_size)
+    mesh = dims.build_mesh(device.type)
+    return World(dims, dist.get_rank(), runtime.local_rank(), device, mesh)
+
+
+def _join(device: torch.device, world_size: int) -> None:
+    """Initialise the default process group once (gloo on CPU, NCCL for CUDA tensors plus gloo for CPU ones)."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if not dist.is_initialized():
@@ -84,8 +107,26 @@ def setup_world(parallel, device_name: str = "auto") -> World:
             dist.init_process_group(backend=backend)
     if dist.get_world_size() != world_size:
         raise RuntimeError(f"the process group has {dist.get_world_size()} ranks but WORLD_SIZE says {world_size}")
-    mesh = dims.build_mesh(device.type)
-    return World(dims, dist.get_rank(), runtime.local_rank(), device, mesh)
+
+
+def _agree_on_layout(device: torch.device, auto_layout) -> tuple[int, int]:
+    """Rank 0's `auto_layout(device)` degrees on every rank (a broadcast); a failure there stops every rank."""
+    degrees = torch.zeros(2, dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            choice = auto_layout(device)
+            degrees[0], degrees[1] = choice.dp_replicate, choice.dp_shard
+        except Exception as err:  # the others must not wait for a choice that never comes
+            failure = err
+    dist.broadcast(degrees, src=0)
+    if failure is not None:
+        raise failure
+    dp_replicate, dp_shard = (int(v) for v in degrees.tolist())
+    if dp_replicate < 1:
+        raise RuntimeError("rank 0 could not plan parallel.dp_shard = auto (its log says why); "
+                           "set parallel.dp_shard to -1 or a degree to skip planning")
+    return dp_replicate, dp_shard
 
 
 def shutdown_world() -> None:
