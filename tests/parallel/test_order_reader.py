@@ -11,11 +11,10 @@ reference like a parity row; docs/scale.md quotes the numbers printed here.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from dist_runs import assert_same_training, finish, torchrun
-
-from pathlib import Path
 
 HERE = Path(__file__).parent
 FAMILY = "ltx-video"
