@@ -58,7 +58,8 @@ class BatchReader:
 
     def __init__(self, window: Window, batch_size: int, passes: int = 1,
                  check_record: Callable[[CommitRecord, bytes], None] | None = None,
-                 on_read: Callable[[int], None] | None = None):
+                 on_read: Callable[[int], None] | None = None,
+                 order: Callable[[int], Iterator[tuple[int, CommitRecord]]] | None = None):
         if batch_size < 1:
             raise ValueError("train.batch_size must be at least 1")
         self.window = window
@@ -66,6 +67,9 @@ class BatchReader:
         self.passes = passes
         self.check_record = check_record
         self.on_read = on_read or window.publish_read
+        # Where (position, record) come from: the window's own order, or in a distributed trainer rank 0's,
+        # broadcast (train/parallel/order.py)
+        self.order = order or window.order
         self.cursor = Cursor()
         self._shards: dict[int, tuple[dict[str, torch.Tensor], list[str]]] = {}
 
@@ -94,7 +98,7 @@ class BatchReader:
         cursor = self.cursor
         while cursor.pass_index < self.passes:
             yield from self._full_batches()  # a resumed cursor's
-            for position, record in self.window.order(start=cursor.position):
+            for position, record in self.order(cursor.position):
                 epoch = cursor.pass_index + record.epoch
                 if epoch != cursor.epoch:
                     yield from self._flush()
@@ -136,7 +140,7 @@ class BatchReader:
 
     def _row(self, position: int, row: int) -> dict[str, torch.Tensor]:
         if position not in self._shards:  # a pending sample from before a resume
-            _, record = next(iter(self.window.order(start=position)))
+            _, record = next(iter(self.order(position)))
             self._load(position, record)
         tensors, _ = self._shards[position]
         return {name: t[row] for name, t in tensors.items()}

@@ -47,6 +47,7 @@ from vt.train.objectives import joint_loss, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
+from vt.train.parallel.order import OrderFromRankZero
 from vt.train.parallel.pp import Pipeline, one_sample_microbatches
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
@@ -142,7 +143,8 @@ class Trainer:
                              config.window.timeout_seconds)
         self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
                                   check_record=self._check_record,
-                                  on_read=None if self.is_main else (lambda position: None))
+                                  on_read=None if self.is_main else (lambda position: None),
+                                  order=OrderFromRankZero(self.window, self.world))  # rank 0 lists, the rest receive
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)

@@ -315,6 +315,17 @@ class LTX2Spec(ModelSpec):
         per_frame[0] = 0
         return timestep[:, None] * per_frame.flatten()[None]
 
+    def cp_plan(self):
+        """None: Ulysses splits one token sequence per attention, and LTX-2's blocks hold two that attend to
+        each other (docs/parallel.md); with model.audio, video-to-audio cross-attention would see one rank's
+        share of the video only."""
+        why = ("with model.audio each audio token attends to every video token (video_to_audio_attn), so splitting "
+               "the video tokens over ranks would need the whole video's keys on every rank and the audio stream "
+               "replicated; " if self.config.audio else "")
+        raise NotImplementedError(f"family 'ltx-2' has no CP plan: {why}its rotary tables and the audio stream "
+                                  "would need LTX-2-specific splitting (docs/parallel.md); set parallel.cp = 1 and "
+                                  "scale out with data parallelism (parallel.dp_shard)")
+
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:
         """RoPE's time positions depend on the frame rate: sample at the rate frames were sampled at."""

@@ -38,6 +38,9 @@ class Reader:
         # (rank, seq) of every position resolved so far: walks of the order (publish_read per shard,
         # order(start) on resume) replay it instead of starting over
         self.resolved: list[tuple[int, int]] = []
+        # Called before each sleep while waiting for the next slot: the trainer's rank 0, the one reader
+        # of the order, tells the other ranks it is still waiting (train/parallel/order.py)
+        self.on_poll = None
 
     def slots(self, block: bool) -> Iterator[tuple[int, int, int]]:
         """(position, rank, seq) of the fixed order. block=False raises NotYet instead of waiting."""
@@ -88,6 +91,8 @@ class Reader:
             if time.monotonic() > deadline:
                 raise WindowTimeout(f"waited {self.timeout_seconds:.0f}s in {self.storage.uri} for {what}; "
                                     "is vt-precompute running for that rank?")
+            if self.on_poll is not None:
+                self.on_poll()
             time.sleep(self.poll_seconds)
 
     def order(self, start: int = 0) -> Iterator[tuple[int, CommitRecord]]:

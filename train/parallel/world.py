@@ -61,6 +61,15 @@ class World:
         dist.all_gather(out, local)
         return [float(t.item()) for t in out]
 
+    def broadcast_object(self, value, src: int = 0):
+        """Rank `src`'s `value` (any picklable object) on every rank; `value` is ignored elsewhere. Over the CPU
+        backend (gloo), in a CUDA job too: small host-side objects, no GPU copy or sync."""
+        if self.mesh is None:
+            return value
+        box = [value if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))
+        return box[0]
+
     def barrier(self) -> None:
         if self.mesh is not None:
             dist.barrier()
