@@ -136,9 +136,9 @@ class _Decoded:
                     except SampleError as err:
                         self.prepared[ident] = err
 
-    def prepare(self, raw, buckets, fps, policy):
+    def prepare(self, raw, buckets, fps, policy, sound=None):
         """`Chain.prepare`'s signature: the samples of one raw sample (decoded beforehand: nothing for the
-        error policy to judge here)."""
+        error policy to judge here; no sound: the bench trains video)."""
         found = self.prepared[_clip_id(raw)]
         if isinstance(found, Exception):
             raise found
