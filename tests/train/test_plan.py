@@ -94,14 +94,32 @@ def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family, t
     mean t2v) reads real ones,
     so its activations are smaller than the float32 ones of a CPU plan (at tiny widths the norms and
     positional tables autocast keeps in float32 weigh much: Wan's are 13% smaller, HunyuanVideo 1.5's half)."""
-    from vt.train.plan import make_plan
-
     config = config_for(tiny_model_factory(family, task=task), family)
     config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": "bfloat16", "task": task})})
-    gpu, cpu = make_plan(config, 1, "cuda"), make_plan(config, 1, "cpu")
-    for bucket, sizes in gpu.activations.items():
-        assert sizes["none"] < 0.95 * cpu.activations[bucket]["none"], (bucket, sizes, cpu.activations[bucket])
-    assert gpu.rank.validation > 0
+    gpu, cpu = (_plan_in_a_fresh_process(config, device) for device in ("cuda", "cpu"))
+    for bucket, sizes in gpu["activations"].items():
+        assert sizes["none"] < 0.95 * cpu["activations"][bucket]["none"], (bucket, sizes, cpu["activations"][bucket])
+    assert gpu["validation"] > 0
+
+
+def _plan_in_a_fresh_process(config, device: str) -> dict:
+    """make_plan in its own interpreter, as `vt-train plan` and the trainer's start-up run it: in this test
+    process the HunyuanVideo 1.5 I2V activations once came out twice as large after other tests (a state this
+    process's earlier tests leave, not found yet), so the plan is measured where nothing ran before it."""
+    import json
+    import subprocess
+    import sys
+
+    from vt.shared.config import to_toml
+
+    code = ("import json, sys; from vt.shared.config import Config, build; import tomllib; "
+            "from vt.train.plan import make_plan; "
+            "plan = make_plan(build(Config, tomllib.loads(sys.stdin.read()), ''), 1, sys.argv[1]); "
+            "print(json.dumps({'activations': plan.activations, 'validation': plan.rank.validation}))")
+    result = subprocess.run([sys.executable, "-c", code, device], input=to_toml(config), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_known_values_leave_a_large_product_of_small_masks_fake():
