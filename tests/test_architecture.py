@@ -101,3 +101,12 @@ def test_a_package_by_role_reads_no_private_name_across_its_modules(folder):
                 found.append(f"{path.name}:{node.lineno}: .{node.attr}")
     assert not found, "private names read across modules:\n" + "\n".join(found)
 
+
+
+def test_every_test_module_has_a_basename_of_its_own():
+    """tests/ has no __init__.py files, so pytest imports each test module by its basename: two files of one
+    name in different folders stop the collection of the second (the whole suite fails)."""
+    names: dict[str, list[str]] = {}
+    for path in python_files("tests"):
+        names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: paths for name, paths in names.items() if len(paths) > 1 and name != "conftest.py"}

@@ -41,8 +41,9 @@ def test_replicates_when_the_replicated_peak_fits_the_budget_else_shards():
     ({"dp_shard": -1}, 4, None),  # explicit: setup_world never asks (dp_shard != "auto"); auto would plan here
     ({"cpu_offload": True}, 4, "CPU offload"),
     ({"dp_replicate": 2}, 4, "dp_replicate = 2 is set"),
-    ({"cp": 2}, 4, "without cp and tp"),
-    ({"tp": 2}, 2, "without cp and tp"),
+    ({"cp": 2}, 4, "without cp, tp and pp"),
+    ({"tp": 2}, 2, "without cp, tp and pp"),
+    ({"pp": 2}, 4, "without cp, tp and pp"),
     ({}, 1, "one data-parallel rank"),
     ({}, 2, None),
 ])
