@@ -345,28 +345,14 @@ class Trainer:
             if self.pipeline is not None:
                 loss_sum += self._pipeline_micro_step(part, index, scale)
                 continue
-            tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
-            levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
-            sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
-                                        self.spec.sigma_range(), levels)
-            if "audio_latents" in tensors:
-                tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
             # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
             generator = step_generator(train.seed, self.step, index, world.dp_rank)
-            models = expert_modules(self.transformer)
-            for route in routes(self.spec, sigmas, part.count):  # the one transformer, or each expert's rows
-                rows = slice(None) if route.expert is None else route.rows
-                with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                    enabled=self.amp_dtype is not None):
-                    out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
-                                            sigmas[rows].to(self.device), noise[rows].to(self.device),
-                                            generator=generator)
-                loss, audio_loss = joint_loss(out, self.config.model.audio_weight)
-                sample_losses = loss * route.count  # sum of these rows' per-sample losses
+            for loss, audio_loss, count in self._route_losses(self.transformer, part, generator):
+                sample_losses = loss * count  # sum of these rows' per-sample losses
                 (sample_losses * scale).backward()
                 loss_sum += sample_losses.detach().double().cpu()
                 if audio_loss is not None:
-                    audio_sum += (audio_loss.detach() * route.count).double().cpu()
+                    audio_sum += (audio_loss.detach() * count).double().cpu()
         summed = torch.stack([loss_sum, audio_sum]).to(world.comm_device)
         if self.pipeline is not None:  # the loss is known on the last stage only (the others add 0)
             summed = world.sum(summed, over="pp")
@@ -388,6 +374,28 @@ class Trainer:
             metrics["audio_loss"] = summed[1] / total
         return metrics
 
+    def _route_losses(self, model: torch.nn.Module, part: Slice, generator: torch.Generator):
+        """(loss, audio loss or None, real rows) of each route of `part` (the one transformer, or each expert's
+        rows), lazily: a caller's backward of one route runs before the next route's forward. Sigmas and noise
+        (and with model.audio the audio noise) come from each sample's key (parallel/batching.py)."""
+        train = self.config.train
+        tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
+        levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
+        sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
+                                    self.spec.sigma_range(), levels)
+        if "audio_latents" in tensors:
+            tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
+        models = expert_modules(model)
+        for route in routes(self.spec, sigmas, part.count):
+            rows = slice(None) if route.expert is None else route.rows
+            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                                enabled=self.amp_dtype is not None):
+                out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
+                                        sigmas[rows].to(self.device), noise[rows].to(self.device),
+                                        generator=generator)
+            loss, audio_loss = joint_loss(out, self.config.model.audio_weight)
+            yield loss, audio_loss, route.count
+
     def _pipeline_micro_step(self, part: Slice, index: int, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's slice through the pipeline stages (parallel.pp > 1), one sample
         per microbatch; returns the sum of its per-sample losses on the last stage (0 on the others)."""
@@ -398,21 +406,7 @@ class Trainer:
         losses: dict[int, torch.Tensor] = {}
 
         def run(m: int, transformer: torch.nn.Module) -> torch.Tensor:
-            mb = microbatches[m]
-            tensors = {k: v.to(self.device) for k, v in mb.tensors.items()}
-            levels = self.spec.noise_levels(mb.tensors["latents"].shape[1:])
-            sigmas, noise = draw_inputs(mb, train.seed, self.step, train.sigma_sampling, train.shift,
-                                        self.spec.sigma_range(), levels)
-            total = None
-            for route in routes(self.spec, sigmas, mb.count):
-                rows = slice(None) if route.expert is None else route.rows
-                with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                    enabled=self.amp_dtype is not None):
-                    out = self.spec.forward(transformer, {k: v[rows] for k, v in tensors.items()},
-                                            sigmas[rows].to(self.device), noise[rows].to(self.device),
-                                            generator=generator)
-                loss, _ = joint_loss(out, self.config.model.audio_weight)
-                total = loss * route.count if total is None else total + loss * route.count
+            total = sum(loss * count for loss, _, count in self._route_losses(transformer, microbatches[m], generator))
             losses[m] = total.detach().double().cpu()
             return total * scale
 
