@@ -162,6 +162,9 @@ class TrainConfig(_Section):
     max_grad_norm: float = Field(1.0, ge=0)  # 0: no clipping
     epochs: int = Field(1, ge=1)  # rolling window: the producer streams the data this many times; "keep": re-read
     max_steps: int = Field(0, ge=0)  # 0: until the data ends
+    # Batches read and decoded in the background while the model steps, at most this many MiB of this rank's
+    # rows (and 4 x grad_accum batches) ahead of the one in use; 0: read each batch when it is needed
+    read_ahead_mb: int = Field(256, ge=0)
     seed: int = Field(0, ge=0)
     sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
     # Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample).

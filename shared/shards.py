@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -42,6 +42,7 @@ def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict,
     from safetensors.torch import save
 
     from .caption_table import is_text, pack
+    from .shard_rows import digests_of
 
     if not keys or not all(isinstance(k, str) for k in keys):
         raise ValueError(f"a shard needs a non-empty list of string sample keys, got {keys!r}")
@@ -66,8 +67,11 @@ def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict,
         raise ValueError(f"shard meta must be JSON-serializable: {err}") from err
     metadata = {"format": "vt-latent-shard", "format_version": str(FORMAT_VERSION),
                 "keys": json.dumps(keys), "meta": meta_json, "text_lengths": json.dumps(lengths, sort_keys=True)}
-    stored = {**tensors, **text}
-    return save({n: t.detach().cpu().contiguous() for n, t in stored.items()}, metadata=metadata)
+    stored = {n: t.detach().cpu().contiguous() for n, t in {**tensors, **text}.items()}
+    # The row digests hash the tensors' bytes as stored, so the file is laid out once without them; the
+    # metadata does not move any tensor's bytes within the data, only the header's length.
+    metadata.update(digests_of(save(stored, metadata=metadata)))
+    return save(stored, metadata=metadata)
 
 
 def decode_shard(data: bytes) -> tuple[dict[str, "Tensor"], list[str], dict]:
@@ -130,6 +134,10 @@ class CommitRecord:
     nbytes: int
     sha256: str
     fingerprint: str
+    # The header's size and sha256 (shard_rows.py): a reader of some rows checks the header against these and
+    # each row against the header's digests. 0 and "" in records of shards without row digests (read whole).
+    header_bytes: int = 0
+    header_sha256: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps({"format_version": FORMAT_VERSION, **asdict(self)}, sort_keys=True).encode()
@@ -147,7 +155,7 @@ class CommitRecord:
             raise ShardFormatError(f"commit record format version {version} is not {FORMAT_VERSION}; "
                                    "re-run vt-precompute with this vt version")
         names = [f.name for f in fields(cls)]
-        missing = [n for n in names if n not in obj]
+        missing = [f.name for f in fields(cls) if f.name not in obj and f.default is MISSING]
         if missing:
             raise ShardFormatError(f"commit record lacks {', '.join(missing)}")
-        return cls(**{n: obj[n] for n in names})
+        return cls(**{n: obj[n] for n in names if n in obj})

@@ -31,14 +31,14 @@ from vt.shared.models import spec_for
 from vt.shared.progress import Progress
 from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.runtime import map_large_allocations
-from vt.shared.shards import CommitRecord, decode_shard
+from vt.shared.shards import CommitRecord
 from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
 from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.caption_dropout import drop_captions, dropped
 from vt.shared.models.components import keeps_float32
 from vt.train.checkpoint import Checkpointer
-from vt.train.data import Batch, BatchReader, StaleShardError
+from vt.train.data import Batch, BatchReader, StaleShardError, watermark
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
@@ -51,6 +51,7 @@ from vt.train.parallel.order import OrderFromRankZero
 from vt.train.parallel.pp import Pipeline, one_sample_microbatches
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
+from vt.train.read_ahead import ReadAhead
 from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator
@@ -144,7 +145,9 @@ class Trainer:
         self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
                                   check_record=self._check_record,
                                   on_read=None if self.is_main else (lambda position: None),
-                                  order=OrderFromRankZero(self.window, self.world))  # rank 0 lists, the rest receive
+                                  order=OrderFromRankZero(self.window, self.world),  # rank 0 lists, the rest receive
+                                  dp_rank=self.world.dp_rank, dp_size=self.world.dims.dp)  # each reads its rows
+        self.data_state: dict | None = None  # the reader's cursor after the last batch trained (checkpoints)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
@@ -244,11 +247,10 @@ class Trainer:
                                     for component in others}
         return self._frozen_experts
 
-    def _check_record(self, record: CommitRecord, data: bytes) -> None:
+    def _check_record(self, record: CommitRecord) -> None:
         if record.fingerprint == self.fingerprint:
             return
-        _, _, meta = decode_shard(data)
-        found = meta.get("provenance", {})
+        found = self.window.shard_meta(record).get("provenance", {})
         raise StaleShardError(
             f"shard {record.data} was made with other settings than this config "
             f"({describe_difference(self.provenance, found)}). Re-run vt-precompute into a fresh window "
@@ -261,6 +263,7 @@ class Trainer:
         state = self.checkpointer.load(path, self.transformer, self.optimizer, self.scheduler)
         self.step = self._checkpointed = state["step"]
         self.reader.load_state_dict(state["data"])
+        self.data_state = state["data"]
         log.info("resumed from %s at step %d (%s)", path, self.step, self.world.dims.describe())
         return True
 
@@ -278,20 +281,24 @@ class Trainer:
         train = self.config.train
         progress = Progress(train.max_steps or None, "train", enabled=self.config.log.progress and self.is_main)
         progress.update(self.step)
-        batches = iter(self.reader)
+        read_ahead = ReadAhead(self.reader, train.read_ahead_mb * 2**20, max_batches=4 * train.grad_accum,
+                               pin=self.device.type == "cuda")
+        batches = iter(read_ahead)
         stats = StepStats()
         last_loss = math.nan
         unlogged: tuple[dict, StepStats, list[float]] | None = None  # the latest step, if not logged yet
         while not train.max_steps or self.step < train.max_steps:
             waited = time.perf_counter()
-            micro = list(islice(batches, train.grad_accum))  # every rank reads the same global batches
+            micro = list(islice(batches, train.grad_accum))  # every rank plans the same global batches
             stats.data_wait += time.perf_counter() - waited
             if not micro:
                 break
+            read_ahead.top_up()  # the next batches load while this step runs
             self.startup.mark("first_batch")
             if self.validator.enabled:
                 self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
             metrics = self.train_step(micro)
+            self.data_state = micro[-1].state  # what a checkpoint of this step resumes from
             self.step += 1
             last_loss = metrics["loss"]
             if "first_step" not in self.startup.marks:
@@ -310,6 +317,7 @@ class Trainer:
             if train.validate_every and self.step % train.validate_every == 0:
                 self.validate()
         progress.close()
+        read_ahead.close()
         if unlogged is not None:  # the last step always reaches the metrics, whatever the interval
             self._log_step(*unlogged)
         return self.finish(last_loss)
@@ -379,7 +387,7 @@ class Trainer:
         rows), lazily: a caller's backward of one route runs before the next route's forward. Sigmas and noise
         (and with model.audio the audio noise) come from each sample's key (parallel/batching.py)."""
         train = self.config.train
-        tensors = {k: v.to(self.device) for k, v in part.tensors.items()}
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
         levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
         sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
                                     self.spec.sigma_range(), levels)
@@ -420,7 +428,8 @@ class Trainer:
         """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global
         index of its first sample in this step (see train/caption_dropout.py)."""
         train = self.config.train
-        rows = [row for row in range(len(batch)) if dropped(train.seed, self.step, first + row, train.caption_dropout)]
+        held = range(batch.first, batch.first + next(iter(batch.tensors.values())).shape[0])  # the rows this rank read
+        rows = [row - batch.first for row in held if dropped(train.seed, self.step, first + row, train.caption_dropout)]
         if not rows:
             return batch
         if self._empty_caption is None:
@@ -451,10 +460,10 @@ class Trainer:
         if self._checkpointed == self.step:  # the periodic checkpoint already holds this step
             return self.checkpointer.latest()
         self._checkpointed = self.step
-        path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler,
-                                      {"data": self.reader.state_dict()})
+        data = self.data_state if self.data_state is not None else self.reader.state_dict()  # the last batch trained
+        path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler, {"data": data})
         if self.is_main:  # the single writer of the window's consumer state
-            self.window.publish_watermark(self.reader.watermark())
+            self.window.publish_watermark(watermark(data))
             evicted = self.window.evict()
             log.info("checkpoint %s (evicted %d shards)", path, len(evicted))
         fault_point("train.after_checkpoint")

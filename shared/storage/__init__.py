@@ -100,6 +100,14 @@ class Storage:
         except FileNotFoundError:
             raise FileNotFoundError(f"{rel} not found under {self.uri}") from None
 
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """The bytes [start, stop) of each range of `rel` (local: seeks in one open file; S3: ranged GETs,
+        concurrently); a range past the end of the file comes back short, as a read does."""
+        try:
+            return self._retrying("read ranges of", rel, self.backend.read_ranges, self.path(rel), list(ranges))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{rel} not found under {self.uri}") from None
+
     def exists(self, rel: str) -> bool:
         return self._retrying("exists", rel, self.backend.exists, self.path(rel))
 

@@ -26,6 +26,12 @@ class FsspecBackend:
     def read(self, full: str) -> bytes:
         return self.fs.cat_file(full)
 
+    def read_ranges(self, full: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        if not ranges:
+            return []
+        starts, stops = zip(*ranges)
+        return list(self.fs.cat_ranges([full] * len(ranges), list(starts), list(stops), on_error="raise"))
+
     def exists(self, full: str) -> bool:
         return self.fs.isfile(full)
 

@@ -30,6 +30,7 @@ from typing import Iterator
 
 from .. import lease
 from ..lease import ProducerFenced
+from ..shard_rows import ShardLayout
 from ..shards import CommitRecord
 from ..storage import Storage
 from . import cleaning, ledger
@@ -127,8 +128,20 @@ class Window:
     def order(self, start: int = 0) -> Iterator[tuple[int, CommitRecord]]:
         return self.reader.order(start)
 
+    def record_at(self, position: int, block: bool = True) -> CommitRecord | None:
+        return self.reader.record_at(position, block)
+
     def read_shard(self, record: CommitRecord) -> bytes:
         return self.reader.read_shard(record)
+
+    def read_header(self, record: CommitRecord) -> ShardLayout:
+        return self.reader.read_header(record)
+
+    def read_rows(self, record: CommitRecord, layout: ShardLayout, rows: list[int]) -> dict:
+        return self.reader.read_rows(record, layout, rows)
+
+    def shard_meta(self, record: CommitRecord) -> dict:
+        return self.reader.shard_meta(record)
 
     def validation(self, fingerprint: str, key: str) -> bytes | None:
         return self.reader.validation(fingerprint, key)

@@ -14,11 +14,13 @@ only read it. Fault points: window.publish_read, window.publish_watermark.
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from typing import Iterator
 
 from ..faults import fault_point
-from ..shards import CommitRecord
+from ..shard_rows import RowsCorrupt, ShardLayout
+from ..shards import CommitRecord, read_shard_metadata
 from ..storage import Storage
 from . import ledger
 from .layout import ShardCorruptError, WindowTimeout, commit_path, empty_caption_path, validation_path
@@ -38,46 +40,63 @@ class Reader:
         # (rank, seq) of every position resolved so far: walks of the order (publish_read per shard,
         # order(start) on resume) replay it instead of starting over
         self.resolved: list[tuple[int, int]] = []
+        self.ended = False  # every producer is done and every slot resolved
         # Called before each sleep while waiting for the next slot: the trainer's rank 0, the one reader
         # of the order, tells the other ranks it is still waiting (train/parallel/order.py)
         self.on_poll = None
+        # What the walk knows of each producer, kept between calls: both only grow
+        self._world: int | None = None
+        self._committed: dict[int, int] = {}  # rank -> all seqs below are committed (monotonic)
+        self._done: dict[int, int] = {}  # rank -> num_shards once its done marker is seen
+        self._next = (0, 0)  # (seq, rank): the next candidate slot after the last resolved one
+        self._counts: tuple[int, dict[int, int]] = (0, {})  # seqs_at's last answer, continued from
+
+    def slot(self, position: int, block: bool) -> tuple[int, int] | None:
+        """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet
+        where the walk would have to wait for a commit."""
+        while position >= len(self.resolved):
+            if self.ended or not self._resolve_next(block):
+                return None
+        return self.resolved[position]
+
+    def _resolve_next(self, block: bool) -> bool:
+        """Resolve one more slot into `resolved`; False once the order has ended."""
+        if self._world is None:
+            self._world = self.wait(lambda: ledger.world_size(self.storage), block, "a producer registration")
+            self._committed = {k: 0 for k in range(self._world)}
+        while True:
+            seq, rank = self._next
+            if len(self._done) == self._world and seq >= max(self._done.values()):
+                self.ended = True
+                return False
+            what = f"producer {rank} shard {seq} ({commit_path(rank, seq)}) or its done marker"
+            present = self.wait(lambda: self._slot_state(rank, seq), block, what)
+            self._next = (seq, rank + 1) if rank + 1 < self._world else (seq + 1, 0)
+            if present:
+                self.resolved.append((rank, seq))
+                return True
+
+    def _slot_state(self, rank: int, seq: int) -> bool | None:
+        """True: (rank, seq) is committed; False: its producer finished with fewer shards; None: not yet."""
+        done, committed = self._done, self._committed
+        if rank in done and seq >= done[rank]:
+            return False
+        if seq < committed[rank]:
+            return True
+        info = ledger.producer(self.storage, rank)  # done marker first: commits never follow it
+        if info is not None and info.get("done"):
+            done[rank] = info["num_shards"]
+        committed[rank] = ledger.next_seq(self.storage, rank)
+        if rank in done and seq >= done[rank]:
+            return False
+        return True if seq < committed[rank] else None
 
     def slots(self, block: bool) -> Iterator[tuple[int, int, int]]:
         """(position, rank, seq) of the fixed order. block=False raises NotYet instead of waiting."""
         position = 0
-        while position < len(self.resolved):
-            rank, seq = self.resolved[position]
-            yield position, rank, seq
+        while (slot := self.slot(position, block)) is not None:
+            yield position, *slot
             position += 1
-        world = self.wait(lambda: ledger.world_size(self.storage), block, "a producer registration")
-        committed = {k: 0 for k in range(world)}  # all seqs below are committed (monotonic)
-        done: dict[int, int] = {}  # rank -> num_shards once its done marker is seen
-
-        def resolve(rank: int, seq: int) -> bool | None:
-            if rank in done and seq >= done[rank]:
-                return False
-            if seq < committed[rank]:
-                return True
-            info = ledger.producer(self.storage, rank)  # done marker first: commits never follow it
-            if info is not None and info.get("done"):
-                done[rank] = info["num_shards"]
-            committed[rank] = ledger.next_seq(self.storage, rank)
-            if rank in done and seq >= done[rank]:
-                return False
-            return True if seq < committed[rank] else None
-
-        # Resolve on from the slot after the last known one.
-        first_seq, first_rank = (self.resolved[-1][1], self.resolved[-1][0] + 1) if self.resolved else (0, 0)
-        seq = first_seq
-        while not (len(done) == world and seq >= max(done.values())):
-            for rank in range(first_rank if seq == first_seq else 0, world):
-                what = f"producer {rank} shard {seq} ({commit_path(rank, seq)}) or its done marker"
-                if self.wait(lambda: resolve(rank, seq), block, what):
-                    if position == len(self.resolved):
-                        self.resolved.append((rank, seq))
-                    yield position, rank, seq
-                    position += 1
-            seq += 1
 
     def wait(self, probe, block: bool, what: str):
         """Poll `probe()` until it is not None; WindowTimeout after timeout_seconds."""
@@ -97,17 +116,25 @@ class Reader:
 
     def order(self, start: int = 0) -> Iterator[tuple[int, CommitRecord]]:
         """(position, record) in the fixed order from `start`; ends when every producer is done."""
-        for position, rank, seq in self.slots(block=True):
-            if position < start:
-                continue
-            try:
-                record = CommitRecord.from_json(self.storage.read(commit_path(rank, seq)))
-            except FileNotFoundError:
-                raise RuntimeError(
-                    f"position {position} (producer {rank} shard {seq}) was evicted from {self.storage.uri}: "
-                    "the watermark is past it. Resume from the newest checkpoint, or use "
-                    "window.size='keep' to read a window more than once") from None
+        position = start
+        while (record := self.record_at(position)) is not None:
             yield position, record
+            position += 1
+
+    def record_at(self, position: int, block: bool = True) -> CommitRecord | None:
+        """The commit record at `position` of the fixed order; None past its end; with block=False,
+        NotYet where it is not committed yet."""
+        slot = self.slot(position, block)
+        if slot is None:
+            return None
+        rank, seq = slot
+        try:
+            return CommitRecord.from_json(self.storage.read(commit_path(rank, seq)))
+        except FileNotFoundError:
+            raise RuntimeError(
+                f"position {position} (producer {rank} shard {seq}) was evicted from {self.storage.uri}: "
+                "the watermark is past it. Resume from the newest checkpoint, or use "
+                "window.size='keep' to read a window more than once") from None
 
     def read_shard(self, record: CommitRecord) -> bytes:
         """The data bytes of a committed shard, checked against the record's size and sha256."""
@@ -127,6 +154,37 @@ class Reader:
                                     f"commit record says {record.sha256[:12]}...: changed after commit; "
                                     "re-run vt-precompute into a fresh window")
         return data
+
+    def read_header(self, record: CommitRecord) -> ShardLayout:
+        """The layout of a shard committed with row digests, its header checked against the record."""
+        header = self._ranges(record, [(0, record.header_bytes)])[0]
+        digest = hashlib.sha256(header).hexdigest()
+        if len(header) != record.header_bytes or digest != record.header_sha256:
+            raise ShardCorruptError(f"{record.data} in {self.storage.uri}: its header ({len(header)} bytes, sha256 "
+                                    f"{digest[:12]}...) is not the one its commit record pins; changed after "
+                                    "commit: re-run vt-precompute into a fresh window")
+        return ShardLayout.parse(header)
+
+    def read_rows(self, record: CommitRecord, layout: ShardLayout, rows: list[int]) -> dict:
+        """name -> tensor of `rows` of a shard (shard_rows.py): only their bytes are read, each piece checked."""
+        try:
+            return layout.read_rows(rows, lambda ranges: self._ranges(record, ranges))
+        except RowsCorrupt as err:
+            raise ShardCorruptError(f"{record.data} in {self.storage.uri}: {err}; changed after commit: re-run "
+                                    "vt-precompute into a fresh window") from None
+
+    def _ranges(self, record: CommitRecord, ranges: list[tuple[int, int]]) -> list[bytes]:
+        try:
+            return self.storage.read_ranges(record.data, ranges)
+        except FileNotFoundError:
+            raise ShardCorruptError(f"{record.data} is missing from {self.storage.uri} although it is committed: "
+                                    "evicted while being read, or deleted by hand") from None
+
+    def shard_meta(self, record: CommitRecord) -> dict:
+        """The `meta` a committed shard carries (provenance, ...): from its header alone where it can."""
+        if record.header_bytes:
+            return self.read_header(record).meta
+        return json.loads(read_shard_metadata(self.read_shard(record))["meta"])
 
     def validation(self, fingerprint: str, key: str) -> bytes | None:
         """The stored conditions of validation input `key`, None if there are none."""
@@ -150,16 +208,20 @@ class Reader:
             raise ValueError(f"positions start at 0, got {position}")
         if position == 0:
             return {}
-        counts: dict[int, int] = {}
         try:
-            for pos, rank, seq in self.slots(block=False):
-                counts[rank] = seq + 1
-                if pos + 1 == position:
-                    return counts
+            known = self.slot(position - 1, block=False) is not None
         except NotYet:
-            pass
-        raise ValueError(f"position {position} is past the shards committed to {self.storage.uri} so far; "
-                         "publish only positions the reader has reached")
+            known = False
+        if not known:
+            raise ValueError(f"position {position} is past the shards committed to {self.storage.uri} so far; "
+                             "publish only positions the reader has reached")
+        # Counted on from the last answer when the position moved forward (publish_read: one shard at a time)
+        last, counts = self._counts if self._counts[0] <= position else (0, {})
+        counts = dict(counts)
+        for rank, seq in self.resolved[last:position]:
+            counts[rank] = seq + 1
+        self._counts = (position, counts)
+        return dict(counts)
 
     def publish_read(self, position: int) -> None:
         """Positions < `position` have been read (drives backpressure). Single writer: trainer rank 0."""

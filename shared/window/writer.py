@@ -22,6 +22,7 @@ import time
 from .. import lease
 from ..faults import fault_point
 from ..lease import ProducerFenced
+from ..shard_rows import header_size
 from ..shards import CommitRecord, read_shard_metadata
 from ..storage import Storage
 from . import cleaning, ledger
@@ -132,11 +133,13 @@ class Writer:
             raise ValueError(f"producer {rank} must commit seq {expected} next, got {seq}: seqs are "
                              "contiguous so the reader never waits on a gap; a restarted producer "
                              "resumes at Window.next_seq(rank)")
-        read_shard_metadata(data)  # refuse bytes that are not a shard before they become visible
+        metadata = read_shard_metadata(data)  # refuse bytes that are not a shard before they become visible
         sha256 = hashlib.sha256(data).hexdigest()
+        header = header_size(data) if "row_sha256" in metadata else 0  # readable by rows (shard_rows.py)
         return CommitRecord(producer=rank, seq=seq, epoch=epoch, bucket=bucket, keys=list(keys),
                             data=data_path(rank, seq, sha256, self.generation.get(rank, 0)),
-                            nbytes=len(data), sha256=sha256, fingerprint=fingerprint)
+                            nbytes=len(data), sha256=sha256, fingerprint=fingerprint, header_bytes=header,
+                            header_sha256=hashlib.sha256(data[:header]).hexdigest() if header else "")
 
     def publish(self, record: CommitRecord, data: bytes) -> CommitRecord:
         """Write the shard data fully, then create its commit record exclusively (visible from then)."""

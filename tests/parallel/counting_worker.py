@@ -32,7 +32,22 @@ class CountingBackend(LocalBackend):
         COUNTS["reads"] += 1
         COUNTS["bytes_read"] += len(data)
         COUNTS[f"reads:{self._folder(full)}"] += 1
+        COUNTS[f"bytes:{self._folder(full)}"] += len(data)
         return data
+
+    def read_ranges(self, full: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """A shard's header (the range from byte 0) or some of its rows: requests and bytes by folder, the
+        header's bytes apart (what a rank reads besides its rows)."""
+        out = super().read_ranges(full, ranges)
+        folder = self._folder(full)
+        for (start, _), data in zip(ranges, out):
+            COUNTS["reads"] += 1
+            COUNTS["bytes_read"] += len(data)
+            COUNTS[f"reads:{folder}"] += 1
+            COUNTS[f"bytes:{folder}"] += len(data)
+            if start == 0:
+                COUNTS[f"header_bytes:{folder}"] += len(data)
+        return out
 
     def find(self, base: str) -> dict[str, int]:
         COUNTS["lists"] += 1

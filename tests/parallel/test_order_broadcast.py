@@ -1,6 +1,7 @@
 """The broadcast order (train/parallel/order.py) on its own, two real gloo processes on a local window:
-rank 1 gets rank 0's records without ever listing the window, hears rank 0's heartbeats while rank 0
-waits for a shard, and stops with rank 0's WindowTimeout when the shard never comes.
+rank 1 gets rank 0's records without ever listing the window, hears "not yet" for a look ahead past the
+commits, hears rank 0's heartbeats while rank 0 waits for a shard, and stops with rank 0's WindowTimeout
+when the shard never comes.
 
 Run as a script, this file is one rank (tests/forkserver.py starts it with torchrun's environment).
 """
@@ -16,10 +17,9 @@ SHARDS = 2  # committed before the world starts; the third never comes
 
 def rank_main(window_uri: str, out: str) -> None:
     """One rank: walk the order through OrderFromRankZero past its committed shards; write what happened."""
-    from itertools import islice
-
     from vt.shared.config import ParallelConfig
     from vt.shared.window import Window, WindowTimeout
+    from vt.shared.window.reader import NotYet
     from vt.train.parallel.order import OrderFromRankZero
     from vt.train.parallel.world import setup_world, shutdown_world
 
@@ -34,11 +34,14 @@ def rank_main(window_uri: str, out: str) -> None:
     order = OrderFromRankZero(window, world)
     result = {"rank": world.rank}
     try:
-        walk = order(0)
-        result["records"] = [[position, record.data] for position, record in islice(walk, SHARDS)]
-        result["again"] = [[position, record.data] for position, record in islice(order(1), 1)]  # a resume's re-read
+        result["records"] = [[position, order(position).data] for position in range(SHARDS)]
+        result["again"] = [[1, order(1).data]]  # a resume's re-read
         try:
-            next(walk)
+            order(SHARDS, block=False)  # a read-ahead's look: every rank hears "not yet"
+        except NotYet:
+            result["not_yet"] = True
+        try:
+            order(SHARDS)
         except WindowTimeout as err:
             result["error"] = str(err)
     finally:
@@ -66,6 +69,7 @@ def test_rank_one_receives_the_order_and_rank_zeros_timeout(tmp_path):
     first, second = (json.loads((tmp_path / f"out.{rank}").read_text()) for rank in range(2))
     assert first["records"] == second["records"] and [p for p, _ in first["records"]] == [0, 1]
     assert first["again"] == second["again"] == [first["records"][1]]
+    assert first.get("not_yet") and second.get("not_yet"), "a look ahead past the commits is 'not yet' on every rank"
     assert first["lists"] > 0 and second["lists"] == 0, (first, second)
     assert second["waits"] > 1 and second["waits"] == first["waits"], "rank 1 heard rank 0 wait, poll by poll"
     assert "waited" in first["error"] and second["error"].startswith("rank 0, the reader of the window's order")

@@ -49,8 +49,7 @@ def check_one_reader(per_rank: list[dict]) -> None:
         assert counts.get("lists", 0) == 0, f"rank {rank} listed the window: {counts}"
         order_reads = {f: counts[f"reads:{f}"] for f in ORDER_FOLDERS if counts.get(f"reads:{f}")}
         assert not order_reads, f"rank {rank} read the order's records itself: {order_reads}"
-        # every rank still reads every shard of the global batch (issue 17, part 1 changes that)
-        assert counts.get("reads:data") == first.get("reads:data") > 0, (rank, counts, first)
+        assert counts.get("reads:data", 0) > 0, (rank, counts)  # its rows of the shards
 
 
 @pytest.mark.parametrize("nproc, overrides", [

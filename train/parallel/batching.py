@@ -23,12 +23,15 @@ different samples), and identical for any world size, slicing or accumulation of
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from vt.shared.runtime import keyed_generator
-from vt.train.data import Batch
 from vt.train.objectives import sample_noise, sample_sigmas
+
+if TYPE_CHECKING:
+    from vt.train.data import Batch
 
 
 @dataclass
@@ -52,12 +55,20 @@ def slice_bounds(n: int, dp_rank: int, dp_size: int) -> tuple[int, int]:
     return start, start + base + (dp_rank < extra)
 
 
-def take_slice(batch: Batch, dp_rank: int, dp_size: int, offset: int = 0) -> Slice:
-    """This rank's rows of `batch`; `offset` = samples of the step's earlier micro-batches."""
+def take_slice(batch: "Batch", dp_rank: int, dp_size: int, offset: int = 0) -> Slice:
+    """This rank's rows of `batch`; `offset` = samples of the step's earlier micro-batches.
+
+    `batch.tensors` hold the batch's rows from `batch.first` on: all of them, or (the trainer's reader)
+    only this rank's slice, or the batch's row 0 where the slice is empty."""
     start, stop = slice_bounds(len(batch), dp_rank, dp_size)
     count = stop - start
-    rows = slice(start, stop) if count else slice(0, 1)  # stand-in: any real row, weight 0
-    tensors = {name: t[rows] for name, t in batch.tensors.items()}
+    rows = slice(start, stop) if count else slice(0, 1)  # stand-in: the batch's first row, weight 0
+    held = next(iter(batch.tensors.values())).shape[0]
+    if rows.start < batch.first or rows.stop > batch.first + held:
+        raise ValueError(f"batch rows {rows.start}..{rows.stop - 1} were not read: it holds rows "
+                         f"{batch.first}..{batch.first + held - 1} (another rank's slice?)")
+    local = slice(rows.start - batch.first, rows.stop - batch.first)
+    tensors = {name: t[local] for name, t in batch.tensors.items()}
     return Slice(batch.bucket, batch.epoch, batch.keys[start:stop], tensors, offset + rows.start, count)
 
 
