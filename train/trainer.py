@@ -8,6 +8,8 @@ schedule one sample per microbatch (`_pipeline_micro_step`, parallel/pp.py).
 Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
 DCP checkpoint, so a resumed run, at any world size with the same global batch, repeats the
 uninterrupted run's losses. Rank 0 alone writes metrics, window consumer state, exports and plots.
+A step reads nothing back to the host: losses and the gradient norm stay device tensors until a step is
+logged (every rank decides that alike, `_log_due`), which is also when a non-finite loss stops the run.
 """
 
 from __future__ import annotations
@@ -76,6 +78,16 @@ def host_peak_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+def host_values(metrics: dict) -> dict:
+    """`metrics` with its tensors read to Python floats, in one host read (one sync on a GPU)."""
+    names = [name for name, value in metrics.items() if isinstance(value, torch.Tensor)]
+    if not names:
+        return dict(metrics)
+    device = metrics[names[0]].device
+    read = torch.stack([metrics[name].detach().to(device, torch.float64).reshape(()) for name in names]).tolist()
+    return {**metrics, **dict(zip(names, read))}
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """This process's peak memory: allocated GPU memory on CUDA, peak resident set on the CPU."""
     if device.type == "cuda":
@@ -89,6 +101,29 @@ class StepStats:
     tokens: int = 0
     data_wait: float = 0.0
     started: float = field(default_factory=time.perf_counter)
+
+
+class LossWatch:
+    """The first non-finite loss of the run and its step, kept on the device so a step needs no host read.
+
+    `see` is called each step with the global loss (the same on every rank, summed over the data-parallel
+    and pipeline ranks), so `check`, one host read and no collective, raises on every rank together."""
+
+    def __init__(self, device: torch.device):
+        self._step = torch.full((), -1, dtype=torch.float64, device=device)  # -1: every loss finite so far
+        self._loss = torch.zeros((), dtype=torch.float64, device=device)
+
+    def see(self, step: int, loss: torch.Tensor) -> None:
+        """Remember `loss` of `step` (as numbered in metrics.jsonl) if it is the first non-finite one."""
+        first = (self._step < 0) & ~torch.isfinite(loss)
+        self._step = torch.where(first, float(step), self._step)
+        self._loss = torch.where(first, loss.to(self._loss.dtype), self._loss)
+
+    def check(self) -> None:
+        """Raise FloatingPointError if any loss seen so far was NaN or infinite."""
+        step, loss = torch.stack([self._step, self._loss]).tolist()
+        if step >= 0:
+            raise FloatingPointError(f"loss is {loss} at step {int(step)}; lower train.lr or check the data")
 
 
 class Trainer:
@@ -160,6 +195,7 @@ class Trainer:
                              "stages; set parallel.pp = 1 for a run with validation prompts, or remove them")
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
+        self.losses = LossWatch(self.world.comm_device)  # where the step's global loss is summed
         self._checkpointed = -1
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
@@ -286,7 +322,7 @@ class Trainer:
         batches = iter(read_ahead)
         stats = StepStats()
         last_loss = math.nan
-        unlogged: tuple[dict, StepStats, list[float]] | None = None  # the latest step, if not logged yet
+        unlogged: tuple[dict, StepStats] | None = None  # the latest step, if not logged yet
         while not train.max_steps or self.step < train.max_steps:
             waited = time.perf_counter()
             micro = list(islice(batches, train.grad_accum))  # every rank plans the same global batches
@@ -300,18 +336,18 @@ class Trainer:
             metrics = self.train_step(micro)
             self.data_state = micro[-1].state  # what a checkpoint of this step resumes from
             self.step += 1
-            last_loss = metrics["loss"]
             if "first_step" not in self.startup.marks:
                 self._write_startup()
             stats.samples += sum(len(b) for b in micro)
             stats.tokens += sum(len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:])
                                 for b in micro)  # transformer tokens of the whole job
-            memory = self.world.gather_floats(peak_memory_gb(self.device))  # a collective: every step, every rank
-            unlogged = (metrics, stats, memory)
-            if self.tracker.due(self.step):
-                self._log_step(*unlogged)
+            unlogged = (metrics, stats)
+            if self._log_due():  # the only host reads of a step, on every rank alike
+                last_loss = self._log_step(*unlogged)
                 unlogged, stats = None, StepStats()
-            progress.update(1, loss=last_loss)
+                progress.update(1, loss=last_loss)
+            else:
+                progress.update(1)
             if train.checkpoint_every and self.step % train.checkpoint_every == 0:
                 self.checkpoint()
             if train.validate_every and self.step % train.validate_every == 0:
@@ -319,7 +355,7 @@ class Trainer:
         progress.close()
         read_ahead.close()
         if unlogged is not None:  # the last step always reaches the metrics, whatever the interval
-            self._log_step(*unlogged)
+            last_loss = self._log_step(*unlogged)
         return self.finish(last_loss)
 
     def _write_startup(self) -> None:
@@ -328,21 +364,43 @@ class Trainer:
         if self.is_main:
             (self.run_dir / "startup.json").write_text(json.dumps(self.startup.to_dict(), indent=1))
 
-    def _log_step(self, metrics: dict, stats: StepStats, memory: list[float]) -> None:
-        """The step's metrics plus rates since the last log (samples, transformer tokens) and peak memory."""
+    def _log_due(self) -> bool:
+        """Whether this step is logged, the same answer on every rank: `_log_step` holds collectives.
+
+        By steps every rank computes it; by seconds rank 0's tracker decides (the others' are disabled)
+        and, in a distributed run, broadcasts it over the CPU backend (no GPU sync)."""
+        every_steps, every_seconds = self.config.log.every_steps, self.config.log.every_seconds
+        if every_steps and self.step % every_steps == 0:
+            return True
+        if not every_seconds:
+            return False
+        return bool(self.world.broadcast_object(self.tracker.due(self.step)))
+
+    def _log_step(self, metrics: dict, stats: StepStats) -> float:
+        """The step's metrics plus rates since the last log (samples, transformer tokens) and peak memory;
+        returns its loss. Every rank calls it at the same steps (`_log_due`): it checks the losses since
+        the last log (a NaN stops every rank here) and gathers each rank's peak memory."""
+        self.losses.check()
+        values = host_values(metrics)  # the one read of the step's device tensors
         elapsed = max(time.perf_counter() - stats.started, 1e-9)
-        metrics.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed, data_wait_s=stats.data_wait)
-        metrics.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
-        self.tracker.log(self.step, metrics, force=True)
+        values.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed, data_wait_s=stats.data_wait)
+        memory = self.world.gather_floats(peak_memory_gb(self.device))
+        values.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
+        self.tracker.log(self.step, values, force=True)
         self.report.update()  # report.html, at most every log.report_every_seconds
+        return values["loss"]
 
     def train_step(self, micro: list[Batch]) -> dict:
-        """One optimizer step over `micro` (global micro-batches); returns global metrics."""
+        """One optimizer step over `micro` (global micro-batches); returns global metrics.
+
+        loss, grad_norm (and audio_loss) are 0-d device tensors: nothing is read to the host here, so the
+        host queues the next step while the device still runs this one. `_log_step` reads them, and the
+        loss watch (`self.losses`) stops the run at the next logged step or checkpoint after a NaN loss."""
         train, world = self.config.train, self.world
         total = sum(len(b) for b in micro)  # samples in this optimizer step, all ranks
         scale = world.dims.dp / total  # see parallel/batching.py: N ranks x B/N == 1 rank x B
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        audio_sum = torch.zeros((), dtype=torch.float64)  # model.audio: the audio stream's share, logged
+        loss_sum = torch.zeros((), dtype=torch.float64, device=world.comm_device)  # the GPU on CUDA: no syncs
+        audio_sum = torch.zeros_like(loss_sum)  # model.audio: the audio stream's share, logged
         offset, parts = 0, []
         for index, batch in enumerate(micro):
             batch = self._drop_captions(batch, offset)  # on the global batch: every rank drops the same
@@ -358,17 +416,16 @@ class Trainer:
             for loss, audio_loss, count in self._route_losses(self.transformer, part, generator):
                 sample_losses = loss * count  # sum of these rows' per-sample losses
                 (sample_losses * scale).backward()
-                loss_sum += sample_losses.detach().double().cpu()
+                loss_sum += sample_losses.detach().double().to(loss_sum.device)
                 if audio_loss is not None:
-                    audio_sum += (audio_loss.detach() * count).double().cpu()
-        summed = torch.stack([loss_sum, audio_sum]).to(world.comm_device)
+                    audio_sum += (audio_loss.detach() * count).double().to(audio_sum.device)
+        summed = torch.stack([loss_sum, audio_sum])
         if self.pipeline is not None:  # the loss is known on the last stage only (the others add 0)
             summed = world.sum(summed, over="pp")
             self.pipeline.sum_replicated_grads()
-        summed = world.sum(summed).tolist()
-        loss = summed[0] / total
-        if not math.isfinite(loss):  # the same global value on every rank: all stop together
-            raise FloatingPointError(f"loss is {loss} at step {self.step}; lower train.lr or check the data")
+        summed = world.sum(summed) / total  # a device collective: the host does not wait for it
+        loss = summed[0]
+        self.losses.see(self.step + 1, loss)  # checked when logged and before a checkpoint (LossWatch)
         grad_norm = clip_grad_norm(self.params, train.max_grad_norm, pipeline=self.pipeline)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (the scheduler then moves on)
         self.optimizer.step()
@@ -379,7 +436,7 @@ class Trainer:
         self._log_samples(micro, parts)
         metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "epoch": micro[-1].epoch, "batch": total}
         if self.config.model.audio:
-            metrics["audio_loss"] = summed[1] / total
+            metrics["audio_loss"] = summed[1]
         return metrics
 
     def _route_losses(self, model: torch.nn.Module, part: Slice, generator: torch.Generator):
@@ -415,13 +472,13 @@ class Trainer:
 
         def run(m: int, transformer: torch.nn.Module) -> torch.Tensor:
             total = sum(loss * count for loss, _, count in self._route_losses(transformer, microbatches[m], generator))
-            losses[m] = total.detach().double().cpu()
+            losses[m] = total.detach().double()
             return total * scale
 
         key = (part.bucket, *(tuple(t.shape[1:]) for t in part.tensors.values()))
         self.pipeline.run(key, len(microbatches), run)
         if not self.pipeline.split.is_last:
-            return torch.zeros((), dtype=torch.float64)
+            return torch.zeros((), dtype=torch.float64, device=self.device)
         return sum(losses[m] for m in range(len(microbatches)))
 
     def _drop_captions(self, batch: Batch, first: int) -> Batch:
@@ -457,6 +514,9 @@ class Trainer:
                                         "keys": part.keys, "dp_rank": self.world.dp_rank, **coordinate}) + "\n")
 
     def checkpoint(self) -> Path:
+        """Save the step's state (every rank writes its part). A NaN or infinite loss since the last check
+        raises FloatingPointError here first, on every rank, so no checkpoint holds the weights after one."""
+        self.losses.check()
         if self._checkpointed == self.step:  # the periodic checkpoint already holds this step
             return self.checkpointer.latest()
         self._checkpointed = self.step

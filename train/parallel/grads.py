@@ -5,11 +5,12 @@ Gradient accumulation: on inner micro-steps DDP skips its all-reduce and FSDP2 i
 once per optimizer step on the synced gradients. Under FSDP2 a gradient is a DTensor shard; the
 norm of DTensors is a partial result that `full_tensor()` completes, so every rank gets the norm of
 the whole model and scales its shard by the same factor.
+The norm is computed, combined and applied on the device and returned as a tensor: nothing here reads
+a value to the host, so a step does not wait for the GPU (the trainer reads the norm when it logs).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -39,38 +40,44 @@ def _by_layout(params: list[nn.Parameter]) -> list[list[nn.Parameter]]:
     return list(groups.values())
 
 
-def _total_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """The 2-norm of the gradients of `params` over all their shards (a float32 CPU scalar)."""
-    norms = [torch.zeros(())]
+def _total_norm(params: list[nn.Parameter], device: torch.device) -> torch.Tensor:
+    """The 2-norm of the gradients of `params` over all their shards, a float32 scalar on `device`.
+
+    The groups' norms meet on one device (not the host: a `.cpu()` here would wait for the backward)."""
+    norms = [torch.zeros((), device=device)]
     for group in _by_layout(params):
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type=2.0)
         if isinstance(norm, DTensor):  # a partial norm: complete it across the shards
             norm = norm.full_tensor()
-        norms.append(norm.float().cpu())
+        norms.append(norm.float().to(device))
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, pipeline=None) -> float:
-    """Clip to `max_norm` (0: no clipping) by the global 2-norm; returns that norm (before clipping).
+def clip_grad_norm(params: Iterable[nn.Parameter], max_norm: float, pipeline=None) -> torch.Tensor:
+    """Clip to `max_norm` (0: no clipping) by the global 2-norm; returns that norm (before clipping) as a
+    0-d float32 tensor on the device, without reading it to the host.
 
     Gradients are grouped by layout (plain tensors; DTensors per mesh and placements, e.g. FSDP
     shards vs tensor-parallel splits), each group's norm is completed across its ranks, and the
     groups combine as a root of summed squares. Groups come in parameter order, the same on every
-    rank, so the collectives line up.
+    rank, so the collectives line up. A non-finite norm clips nothing (the factor becomes 1 on the
+    device, as the host-side check did before); the trainer stops at its next loss check.
     """
     with_grads = [p for p in params if p.grad is not None]
     if pipeline is None:
         if not with_grads:
-            return 0.0
-        total = _total_norm(with_grads)
+            return torch.zeros(())
+        total = _total_norm(with_grads, with_grads[0].grad.device)
     else:  # each block's parameters live on one stage, the rest (their gradients summed) on all of them
+        device = pipeline.world.comm_device
         names = {id(p): name for name, p in pipeline.params}
         staged = [p for p in with_grads if pipeline.staged(names[id(p)])]
         replicated = [p for p in with_grads if not pipeline.staged(names[id(p)])]
-        squares = (_total_norm(staged) ** 2).to(pipeline.world.comm_device)
+        squares = _total_norm(staged, device) ** 2
         dist.all_reduce(squares, group=pipeline.group)
-        total = (squares.cpu() + _total_norm(replicated) ** 2).sqrt()
-    if max_norm and max_norm > 0 and math.isfinite(float(total)):
+        total = (squares + _total_norm(replicated, device) ** 2).sqrt()
+    if max_norm and max_norm > 0:
+        clipping = torch.where(torch.isfinite(total), total, torch.zeros_like(total))  # 0: a factor of 1
         for group in _by_layout(with_grads):
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
-    return float(total)
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, clipping.to(group[0].grad.device))
+    return total
