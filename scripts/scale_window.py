@@ -68,8 +68,8 @@ def regroup(source: Path, dest: Path, samples: int = 16, per_shard: int = 4) -> 
         rows = [row for _, row in chosen]
         # One caption per distinct text (samples cut from one clip share it), as precompute stores them.
         distinct: dict[bytes, int] = {}
-        index = [distinct.setdefault(b"".join(row[n].contiguous().flatten().view(torch.uint8).numpy().tobytes() for n in sorted(text_names)), len(distinct))
-                 for row in rows]
+        text = [b"".join(_raw(row[n]) for n in sorted(text_names)) for row in rows]
+        index = [distinct.setdefault(t, len(distinct)) for t in text]
         firsts = [index.index(c) for c in range(len(distinct))]
         conditions = {n: torch.stack([rows[i][n] for i in firsts]) for n in text_names}
         tensors = {n: torch.stack([row[n] for row in rows]) for n in rows[0] if n not in text_names}
@@ -77,6 +77,13 @@ def regroup(source: Path, dest: Path, samples: int = 16, per_shard: int = 4) -> 
         out.append(new.commit(0, seq, 0, data, bucket, keys, fingerprint))
     new.finish_producer(0, len(out))
     return out
+
+
+def _raw(tensor) -> bytes:
+    """A tensor's bytes as stored (bf16 included, which numpy lacks)."""
+    import torch
+
+    return tensor.contiguous().flatten().view(torch.uint8).numpy().tobytes()
 
 
 @dataclass
@@ -141,9 +148,11 @@ def shard_bytes(data: bytes) -> ShardBytes:
     lengths = layout.text_lengths
     if not lengths:
         return ShardBytes(layout.size, 0, [rows] * n, list(range(n)), [0] * n)
-    as_ints = lambda name: torch.frombuffer(bytearray(data[slice(*table[name])]), dtype=torch.int64).tolist()  # noqa: E731
-    index = as_ints("text_index")
-    kept = {name: as_ints(ROWS_PREFIX + name) for name in lengths}
+    def ints(name: str) -> list[int]:
+        return torch.frombuffer(bytearray(data[slice(*table[name])]), dtype=torch.int64).tolist()
+
+    index = ints("text_index")
+    kept = {name: ints(ROWS_PREFIX + name) for name in lengths}
     captions = len(next(iter(kept.values())))
     caption_bytes = [sum(kept[name][c] * layout.tensors[TEXT_PREFIX + name].row_bytes for name in lengths)
                      for c in range(captions)]

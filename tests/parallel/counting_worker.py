@@ -3,8 +3,8 @@
 It registers the URI scheme counted:// (a local folder, as file:// is) whose backend counts every request
 this process makes: listings, reads and bytes read, existence and size checks, writes; reads also by the
 window folder they fall in (commits, producers, data, ...), and a shard's header (a range from byte 0)
-apart: `headers:<folder>` requests, `header_bytes:<folder>` bytes; listings by folder too (`lists:<folder>`). At exit the counts go to
-$VT_STORAGE_COUNTS.<rank> as JSON, so a test can show which rank asked storage for what.
+apart: `headers:<folder>` requests, `header_bytes:<folder>` bytes; listings by folder too (`lists:<folder>`).
+At exit the counts go to $VT_STORAGE_COUNTS.<rank> as JSON, so a test can show which rank asked storage for what.
 """
 
 from __future__ import annotations
