@@ -8,6 +8,8 @@
    against a bare `python -c "import torch, diffusers"` (scripts/bench_startup.py);
 6. precompute samples/s in steady state against a naive one-at-a-time loop and against encoding
    alone (scripts/bench_precompute_throughput.py).
+Then FSDP2 scaling (scripts/bench_parallel.py) and the bytes each data-parallel trainer rank reads per
+step at 1, 2, 4 and 8 ranks (scripts/bench_scale.py), each with a table of its own.
 
 Prints one table (benchmark, vt, baseline, ratio, goal, ok?) and writes it with every raw
 measurement to <out>/results.json. Working files go to <out>/work and are replaced each run.
@@ -145,6 +147,9 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"over goal: {', '.join(failed)}")
     failed += ["FSDP2 scaling"] * __import__("bench_parallel").main(["--out", str(args.out), "--strict"])  # bench_parallel.py
+    # bench_scale.py: bytes read per trainer rank at 1, 2, 4 and 8 ranks (context rows, no goal)
+    __import__("bench_scale").main(["--out", str(args.out), "--config", str(args.config), "--model", str(args.model),
+                                    "--raw", str(args.raw), "--threads", str(args.threads or 1)])
     return 1 if failed and args.strict else 0
 
 

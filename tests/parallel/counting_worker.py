@@ -2,8 +2,9 @@
 
 It registers the URI scheme counted:// (a local folder, as file:// is) whose backend counts every request
 this process makes: listings, reads and bytes read, existence and size checks, writes; reads also by the
-window folder they fall in (commits, producers, data, ...). At exit the counts go to
-$VT_STORAGE_COUNTS.<rank> as JSON, so a test can show which rank asked storage for what.
+window folder they fall in (commits, producers, data, ...), and a shard's header (a range from byte 0)
+apart: `headers:<folder>` requests, `header_bytes:<folder>` bytes; listings by folder too (`lists:<folder>`).
+At exit the counts go to $VT_STORAGE_COUNTS.<rank> as JSON, so a test can show which rank asked storage for what.
 """
 
 from __future__ import annotations
@@ -46,11 +47,13 @@ class CountingBackend(LocalBackend):
             COUNTS[f"reads:{folder}"] += 1
             COUNTS[f"bytes:{folder}"] += len(data)
             if start == 0:
+                COUNTS[f"headers:{folder}"] += 1
                 COUNTS[f"header_bytes:{folder}"] += len(data)
         return out
 
     def find(self, base: str) -> dict[str, int]:
         COUNTS["lists"] += 1
+        COUNTS[f"lists:{os.path.relpath(base, self.root).split(os.sep, 1)[0]}"] += 1  # the folder listed
         return super().find(base)
 
     def exists(self, full: str) -> bool:

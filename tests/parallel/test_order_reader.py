@@ -4,7 +4,7 @@ broadcast records name, and the run trains what one process trains.
 
 The ranks run vt-train through counting_worker.py, which counts every storage request per rank (the
 window is reached as counted://, a local folder whose backend counts). The run is the parity suite's
-LTX-Video run (13 samples in batches of 4: 4 optimizer steps, 4 shards), compared with its one-process
+LTX-Video run (13 samples in batches of 4: 4 optimizer steps, 7 shards of 2), compared with its one-process
 reference like a parity row; docs/scale.md quotes the numbers printed here.
 """
 

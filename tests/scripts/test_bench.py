@@ -125,3 +125,26 @@ def test_start_up_rows_time_both_stages_from_launch_against_a_bare_import(tmp_pa
         assert sum(run["parts_s"].values()) == pytest.approx(run["first_s"], abs=0.5)
         assert run["first_s"] < run["process_s"]
         assert "parts: imports" in row.note
+
+
+def test_scale_rows_compare_each_world_with_one_process_and_its_share():
+    """bench_scale.py's rows from counts: the largest rank per step against one process, and its rows and
+    captions (less headers and caption tables) against 1/D of the global batch's bytes."""
+    from bench_scale import parse_args as scale_args
+    from bench_scale import rows_for
+    from scale_window import RunBytes, ShardBytes
+
+    shard = ShardBytes(header=100, table=16, rows=[50] * 4, caption=[0, 0, 1, 1], caption_bytes=[30, 40])
+    run = RunBytes([shard, shard], batch_size=8, batches=[[(s, r) for s in range(2) for r in range(4)]])
+    assert run.global_bytes == 8 * 50 + 4 * 30 + 4 * 40
+    assert run.rank_reads(0, 1)["data"] == 2 * (100 + 16) + 8 * 50 + 2 * (30 + 40)
+    assert run.rank_reads(1, 2) == {"shards": 1, "headers": 100, "tables": 16, "rows": 200, "captions": 70,
+                                    "data": 386}
+    counts = {1: {"steps": 1, "ranks": [{"bytes:data": 772, "header_bytes:data": 200, "reads:data": 6,
+                                         "headers:data": 2}]},
+              2: {"steps": 1, "ranks": [{"bytes:data": 386, "header_bytes:data": 100, "reads:data": 3,
+                                         "headers:data": 1}] * 2}}
+    rows = rows_for(counts, run)
+    assert [round(r.ratio, 3) for r in rows] == [1.0, round(540 / 680, 3), 0.5, round(270 / 340, 3)]
+    with pytest.raises(SystemExit):
+        scale_args(["--worlds", "1", "3"])  # 3 does not divide the batch of 8
