@@ -50,6 +50,10 @@ class Reader:
         self._done: dict[int, int] = {}  # rank -> num_shards once its done marker is seen
         self._next = (0, 0)  # (seq, rank): the next candidate slot after the last resolved one
         self._counts: tuple[int, dict[int, int]] = (0, {})  # seqs_at's last answer, continued from
+        # consumer.json as this process last wrote it: the trainer's rank 0 is its one writer, so once it has
+        # written it, it keeps it instead of a GET before each per-shard write and each poll (a process that
+        # only reads the window, or has not written yet, reads it each time: another process may write it)
+        self._consumer: dict | None = None
 
     def slot(self, position: int, block: bool) -> tuple[int, int] | None:
         """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet
@@ -86,7 +90,7 @@ class Reader:
         info = ledger.producer(self.storage, rank)  # done marker first: commits never follow it
         if info is not None and info.get("done"):
             done[rank] = info["num_shards"]
-        committed[rank] = ledger.next_seq(self.storage, rank)
+        committed[rank] = ledger.next_seq(self.storage, rank, self.consumer())
         if rank in done and seq >= done[rank]:
             return False
         return True if seq < committed[rank] else None
@@ -223,18 +227,23 @@ class Reader:
         self._counts = (position, counts)
         return dict(counts)
 
+    def consumer(self) -> dict:
+        """consumer.json's positions: as this process wrote them last, or read (see `_consumer`)."""
+        return self._consumer if self._consumer is not None else ledger.consumer(self.storage)
+
     def publish_read(self, position: int) -> None:
         """Positions < `position` have been read (drives backpressure). Single writer: trainer rank 0."""
-        positions = ledger.consumer(self.storage)
-        positions.update(read=self.seqs_at(position), read_position=position)
+        positions = dict(self.consumer(), read=self.seqs_at(position), read_position=position)
         ledger.write_consumer(self.storage, positions)
+        self._consumer = positions
         fault_point("window.publish_read")
 
     def publish_watermark(self, position: int) -> None:
         """After a checkpoint: positions < `position` may be evicted. Never moves back."""
-        positions = ledger.consumer(self.storage)
+        positions = self.consumer()
         if position <= positions["watermark_position"]:
             return
-        positions.update(watermark=self.seqs_at(position), watermark_position=position)
+        positions = dict(positions, watermark=self.seqs_at(position), watermark_position=position)
         ledger.write_consumer(self.storage, positions)
+        self._consumer = positions
         fault_point("window.publish_watermark")
