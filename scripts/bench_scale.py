@@ -75,6 +75,70 @@ def rows_for(per_world: dict[int, dict], run) -> list[Row]:
     return rows
 
 
+# A Wan 2.1 480p sample as the window holds it: 81 frames -> 21 x 60 x 104 latents of 16 channels, bf16
+# (4.2 MB), and umT5's 512 x 4096 text rows, bf16, of which a caption keeps its tokens (caption_table.py)
+REAL_LATENTS, REAL_TEXT = (16, 21, 60, 104), (512, 4096)
+
+
+def real_size_rows(work: Path, worlds: list[int], batch: int = 8, shards: int = 4, per_shard: int = 8) -> list[Row]:
+    """Bytes per rank per step at a real sample size, the trainer's reader alone (no model: a real transformer
+    does not train on this machine). A window of `shards` x `per_shard` Wan 2.1 480p-size samples (random
+    latents, a distinct caption each of 60-250 tokens); for each D every rank's reader (train/data.py, rank r of
+    D) plans and loads every batch, each storage byte counted. Headers stay a small share here, so the rows
+    show what the tiny-model rows above cannot: ~1/D."""
+    import torch
+
+    from vt.shared.caption_table import Captions
+    from vt.shared.shards import encode_shard
+    from vt.shared.window import Window
+    from vt.train.data import BatchReader
+
+    uri = work / "real-size-window"
+    shutil.rmtree(uri, ignore_errors=True)
+    window = Window(str(uri), size="keep")
+    window.register_producer(0, 1)
+    generator = torch.Generator().manual_seed(0)
+    for seq in range(shards):
+        keys = [f"s{seq}-{i}" for i in range(per_shard)]
+        latents = torch.randn(per_shard, *REAL_LATENTS, generator=generator).to(torch.bfloat16)
+        text = torch.zeros(per_shard, *REAL_TEXT, dtype=torch.bfloat16)
+        for i in range(per_shard):
+            tokens = int(torch.randint(60, 250, (1,), generator=generator))
+            text[i, :tokens] = torch.randn(tokens, REAL_TEXT[1], generator=generator).to(torch.bfloat16)
+        captions = Captions({"prompt_embeds": text}, list(range(per_shard)))
+        window.commit(0, seq, 0, encode_shard({"latents": latents}, keys, {"bucket": "81x480x832"}, captions),
+                      "81x480x832", keys, "fp")
+    window.finish_producer(0, shards)
+    steps = shards * per_shard // batch
+    rows, one = [], None
+    for world in sorted(worlds):
+        per_rank = []
+        for rank in range(world):
+            counted = Window(str(uri), size="keep")
+            read_ranges, got = counted.storage.read_ranges, [0, 0]
+
+            def counting(rel, ranges, read_ranges=read_ranges, got=got):
+                data = read_ranges(rel, ranges)
+                got[0] += sum(len(d) for d in data)
+                got[1] += len(ranges)
+                return data
+
+            counted.storage.read_ranges = counting
+            reader = BatchReader(counted, batch, on_read=lambda position: None, dp_rank=rank, dp_size=world)
+            for _ in reader:
+                pass
+            per_rank.append(tuple(got))
+        worst, requests = max(per_rank)
+        per_step = worst / steps
+        one = per_step if world == 1 else one
+        rows.append(Row(f"bytes read per rank per step, Wan 480p-size samples, {world} rank{'s' * (world > 1)}",
+                        per_step / 2**20, "MiB", baseline=one / 2**20,
+                        note=f"the reader alone; largest rank; 1/D = {1 / world:.3f}; {requests / steps:.1f} "
+                             f"requests per step; {shards} shards of {per_shard}, global batch {batch}"))
+    shutil.rmtree(uri, ignore_errors=True)
+    return rows
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.toml", help="base run config")
@@ -113,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench_scale {time.perf_counter() - started:6.1f}s] vt-train at {world} rank(s)", flush=True)
         per_world[world] = measure(args, work, window, world)
     rows = rows_for(per_world, run)
+    print(f"[bench_scale {time.perf_counter() - started:6.1f}s] the reader alone on Wan 480p-size samples", flush=True)
+    rows += real_size_rows(work, sorted(set(args.worlds)), args.batch)
     table = format_table(rows)
     captions = sorted({len(shard.caption_bytes) for shard in run.shards})
     print(f"\nBytes read per trainer rank ({args.samples} samples in shards of {args.per_shard}, global batch "
