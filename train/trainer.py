@@ -179,7 +179,8 @@ class Trainer:
                              config.window.timeout_seconds)
         self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
                                   check_record=self._check_record,
-                                  on_read=None if self.is_main else (lambda position: None),
+                                  # rank 0 writes the read position once a step (or before it waits for a commit)
+                                  on_read=self.window.note_read if self.is_main else (lambda position: None),
                                   order=OrderFromRankZero(self.window, self.world),  # rank 0 lists, the rest receive
                                   dp_rank=self.world.dp_rank, dp_size=self.world.dims.dp)  # each reads its rows
         self.data_state: dict | None = None  # the reader's cursor after the last batch trained (checkpoints)
@@ -330,6 +331,8 @@ class Trainer:
             if not micro:
                 break
             read_ahead.top_up()  # the next batches load while this step runs
+            if self.is_main:
+                self.window.flush_read()  # backpressure: what this step's batches and the read-ahead read
             self.startup.mark("first_batch")
             if self.validator.enabled:
                 self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
@@ -523,6 +526,7 @@ class Trainer:
         data = self.data_state if self.data_state is not None else self.reader.state_dict()  # the last batch trained
         path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler, {"data": data})
         if self.is_main:  # the single writer of the window's consumer state
+            self.window.flush_read()
             self.window.publish_watermark(watermark(data))
             evicted = self.window.evict()
             log.info("checkpoint %s (evicted %d shards)", path, len(evicted))
@@ -549,6 +553,8 @@ class Trainer:
         if self.step == 0:
             raise RuntimeError("the window had no data to train on: did vt-precompute commit any shards? "
                                "See its precompute_report.json")
+        if self.is_main:
+            self.window.flush_read()  # the last read position, also when the final checkpoint is already there
         self.checkpoint()
         export = self.export()
         videos = self.validate()

@@ -152,6 +152,12 @@ class Window:
     def publish_read(self, position: int) -> None:
         self.reader.publish_read(position)
 
+    def note_read(self, position: int) -> None:
+        self.reader.note_read(position)
+
+    def flush_read(self) -> None:
+        self.reader.flush_read()
+
     def publish_watermark(self, position: int) -> None:
         self.reader.publish_watermark(position)
 

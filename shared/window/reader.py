@@ -54,6 +54,7 @@ class Reader:
         # written it, it keeps it instead of a GET before each per-shard write and each poll (a process that
         # only reads the window, or has not written yet, reads it each time: another process may write it)
         self._consumer: dict | None = None
+        self._unpublished: int | None = None  # a read position noted (`note_read`), not written yet
 
     def slot(self, position: int, block: bool) -> tuple[int, int] | None:
         """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet
@@ -114,6 +115,7 @@ class Reader:
             if time.monotonic() > deadline:
                 raise WindowTimeout(f"waited {self.timeout_seconds:.0f}s in {self.storage.uri} for {what}; "
                                     "is vt-precompute running for that rank?")
+            self.flush_read()  # a producer waiting for room waits on it: never both wait on each other
             if self.on_poll is not None:
                 self.on_poll()
             time.sleep(self.poll_seconds)
@@ -237,6 +239,17 @@ class Reader:
         ledger.write_consumer(self.storage, positions)
         self._consumer = positions
         fault_point("window.publish_read")
+
+    def note_read(self, position: int) -> None:
+        """Like publish_read, written later: at `flush_read` (the trainer's rank 0 calls it once a step) or
+        before this reader waits for a commit. One consumer.json write a step instead of one a shard."""
+        self._unpublished = position
+
+    def flush_read(self) -> None:
+        """Write the read position noted last, if it moved."""
+        if self._unpublished is not None:
+            position, self._unpublished = self._unpublished, None
+            self.publish_read(position)
 
     def publish_watermark(self, position: int) -> None:
         """After a checkpoint: positions < `position` may be evicted. Never moves back."""

@@ -401,3 +401,26 @@ def test_killed_writers_temp_files_are_shown_and_cleaned_by_the_role_that_owns_t
     old = time.time() - STALE_TEMP_SECONDS - 60
     os.utime(foreign, (old, old))
     assert w.clean_consumer_debris() == [foreign.name] and not foreign.exists()
+
+
+def test_a_noted_read_position_is_written_once_flushed_or_before_the_reader_waits(tmp_path):
+    """The trainer's rank 0 notes the read position per shard and writes it once a step (`flush_read`); it
+    must also write it before it waits for a commit, or a producer waiting for room and the reader would
+    wait on each other."""
+    from vt.shared.window import ledger
+
+    w = Window(str(tmp_path / "w"), size=2, poll_seconds=0.01, timeout_seconds=0.2)
+    w.register_producer(0, 1)
+    commit(w, 0, 0)
+    commit(w, 0, 1)
+    read = lambda: ledger.consumer(w.storage)["read_position"]  # noqa: E731
+    assert w.record_at(0) is not None
+    w.note_read(1)
+    assert read() == 0, "noted, not written yet"
+    w.flush_read()
+    assert read() == 1
+    assert w.record_at(1) is not None
+    w.note_read(2)
+    with pytest.raises(WindowTimeout):
+        w.record_at(2)  # shard 2 never comes: the reader waits, and writes its position first
+    assert read() == 2
