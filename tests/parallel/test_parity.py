@@ -102,6 +102,11 @@ FAMILY_LAYOUTS = {
     # blocks, the transformer called once per sample, the audio latents and noise split over ranks with the latents.
     "minimax-h3-audio": ["ddp-2", "fsdp-2"],
 }
+# Exported weights compared within more than 1e-4 (losses and gradient norms stay at 1e-4): SkyReels V2 DF's
+# block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out
+# 1.04e-4 from one process's under FSDP2 on some CPUs (its gradient summed over 2 ranks in another order; the
+# same before and after issue 17's data path, and 1e-4 on others).
+WEIGHTS_REL = {"skyreels-v2-df": 2e-4}
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))
          for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
@@ -113,7 +118,7 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
     config = run_config(tmp_path, family, layout)
     finish(torchrun(config, nproc, *overrides, log=tmp_path / "run.log"), tmp_path / "run.log")
 
-    assert_same_training(tmp_path / layout, reference(family))
+    assert_same_training(tmp_path / layout, reference(family), weights_rel=WEIGHTS_REL.get(family))
     degrees = dict(o.removeprefix("parallel.").split("=") for o in overrides if "activation" not in o)
     degrees = AUTO_PICKS.get(layout, degrees)
     dims = ParallelDims(**{k: int(v) for k, v in degrees.items()}, world_size=nproc)
