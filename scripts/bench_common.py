@@ -129,13 +129,15 @@ def child_env(threads: int) -> dict:
     return env
 
 
-def run_timed(args: list[str], log: Path, threads: int, timeout: float = 300) -> tuple[float, float, str]:
-    """Run a child process; returns (wall-clock start, seconds it ran, its output). Fails loudly."""
+def run_timed(args: list[str], log: Path, threads: int, timeout: float = 300,
+              env: dict[str, str] | None = None) -> tuple[float, float, str]:
+    """Run a child process (`env`: variables on top of `child_env`); returns (wall-clock start, seconds it ran,
+    its output). Fails loudly."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     clock = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env=child_env(threads),
+        proc = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env={**child_env(threads), **(env or {})},
                               cwd=ROOT, timeout=timeout)
     seconds = time.perf_counter() - clock
     text = log.read_text(errors="replace")

@@ -33,6 +33,7 @@ import torch
 
 from bench_bare import BareLoop, BareSettings
 from bench_common import BIN, Row, median, run_timed, toml_string, write_run_config
+from vt.shared.runtime import MMAP_THRESHOLD
 
 
 def make_bench_transformer(model: Path, out: Path, heads: int, head_dim: int, layers: int, seed: int = 0) -> Path:
@@ -182,14 +183,23 @@ def _launch_times(started: float, stamps: list[float]) -> dict:
     return {"first_step_s": stamps[0] - started, "steady_step_s": median(intervals) if intervals else float("nan")}
 
 
+# The malloc policy of each side (glibc's mmap threshold, bytes): vt's processes map allocations above 64 KiB
+# (runtime.map_large_allocations: host memory at real size); the bare loop runs under the same policy, so the
+# steady-step row compares what its name says, and a third side, vt under glibc's default policy, shows what
+# the policy costs on a CPU.
+SAME_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
+GLIBC_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}  # glibc's dynamic threshold's ceiling on 64-bit
+
+
 def launch_vt(base_config: Path, model: Path, transformer: Path, window: Path, work: Path, name: str,
-              max_steps: int, threads: int) -> dict:
+              max_steps: int, threads: int, env: dict[str, str] | None = None) -> dict:
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: no checkpoint to resume, no old metrics
     config = write_run_config(base_config, work / f"{name}.toml",
                               train_overrides(model, transformer, window, run_dir)
                               + [f"train.max_steps={max_steps}", "train.epochs=1000"])
-    started, seconds, _ = run_timed([str(BIN / "vt-train"), "run", str(config)], work / f"{name}.log", threads)
+    started, seconds, _ = run_timed([str(BIN / "vt-train"), "run", str(config)], work / f"{name}.log", threads,
+                                    env=env)
     metrics = _metrics(run_dir)
     if len(metrics) != max_steps:
         raise RuntimeError(f"vt-train logged {len(metrics)} steps, expected {max_steps}; see {work / name}.log")
@@ -202,29 +212,35 @@ def launch_bare(transformer: Path, window: Path, work: Path, name: str, max_step
     args = [sys.executable, str(Path(__file__).with_name("bench_bare.py")), "--transformer", str(transformer),
             "--window", str(window), "--batch-size", str(batch_size), "--steps", str(max_steps),
             "--threads", str(threads)]
-    started, seconds, out = run_timed(args, work / f"{name}.log", threads)
+    started, seconds, out = run_timed(args, work / f"{name}.log", threads, env=SAME_MALLOC)
     result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     return {**_launch_times(started, result["step_done"]), "process_s": seconds}
 
 
 def bench_launch(base_config: Path, model: Path, transformer: Path, window: Path, work: Path, rounds: int,
                  max_steps: int, threads: int, batch_size: int) -> dict:
-    """Alternating vt-train / bare processes of `max_steps` steps: launch -> first step, and steady steps."""
-    runs: dict[str, list[dict]] = {"vt": [], "bare": []}
+    """Alternating vt-train / bare / vt-train under glibc's malloc policy, processes of `max_steps` steps:
+    launch -> first step, and steady steps (the order rotates each round)."""
+    sides = ("vt", "bare", "vt_glibc")
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     for index in range(rounds):
-        for side in (("vt", "bare") if index % 2 == 0 else ("bare", "vt")):
-            if side == "vt":
-                runs["vt"].append(launch_vt(base_config, model, transformer, window, work, f"launch-vt-{index}",
-                                            max_steps, threads))
+        for side in sides[index % 3:] + sides[:index % 3]:
+            name = f"launch-{side}-{index}"
+            if side == "bare":
+                runs[side].append(launch_bare(transformer, window, work, name, max_steps, batch_size, threads))
             else:
-                runs["bare"].append(launch_bare(transformer, window, work, f"launch-bare-{index}", max_steps,
-                                                batch_size, threads))
+                runs[side].append(launch_vt(base_config, model, transformer, window, work, name, max_steps, threads,
+                                            env=GLIBC_MALLOC if side == "vt_glibc" else None))
     first = {side: median([r["first_step_s"] for r in runs[side]]) for side in runs}
     steady = {side: median([r["steady_step_s"] for r in runs[side]]) * 1e3 for side in runs}
     rows = [
         Row("launch -> first step: vt-train run vs bare script", first["vt"], "s", baseline=first["bare"],
             note=f"median of {rounds} alternating process pairs"),
         Row("  Trainer.run steady step (data + logging) vs bare", steady["vt"], "ms", baseline=steady["bare"],
-            note=f"the same processes: median interval between step ends, steps 3..{max_steps}"),
+            max_ratio=1.02, note=f"the same processes: median interval between step ends, steps 3..{max_steps}; "
+                                 "both under vt's malloc policy (64 KiB mmap threshold)"),
+        Row("  vt-train steady step: vt's malloc policy vs glibc's default", steady["vt"], "ms",
+            baseline=steady["vt_glibc"], note="what mapping allocations above 64 KiB (host memory at real size) "
+                                               "costs a CPU-bound step; MALLOC_MMAP_THRESHOLD_ overrides it"),
     ]
-    return {"rows": rows, "vt_runs": runs["vt"], "bare_runs": runs["bare"]}
+    return {"rows": rows, "vt_runs": runs["vt"], "bare_runs": runs["bare"], "vt_glibc_runs": runs["vt_glibc"]}

@@ -57,7 +57,10 @@ def pick_device(setting: str = "auto") -> torch.device:
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 
 
-def map_large_allocations(threshold: int = 64 << 10) -> bool:
+MMAP_THRESHOLD = 64 << 10  # bytes: what vt's processes map (and unmap when freed) instead of keeping in the heap
+
+
+def map_large_allocations(threshold: int = MMAP_THRESHOLD) -> bool:
     """Have glibc's malloc map every allocation above `threshold` bytes, and unmap it when freed.
 
     By default glibc raises its mmap threshold to the largest chunk freed so far (up to 32 MiB), after

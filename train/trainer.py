@@ -332,7 +332,7 @@ class Trainer:
                 break
             read_ahead.top_up()  # the next batches load while this step runs
             if self.is_main:
-                self.window.flush_read()  # backpressure: what this step's batches and the read-ahead read
+                self.window.flush_read()  # backpressure: what the step and the read-ahead read (at most every poll)
             self.startup.mark("first_batch")
             if self.validator.enabled:
                 self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
@@ -526,7 +526,7 @@ class Trainer:
         data = self.data_state if self.data_state is not None else self.reader.state_dict()  # the last batch trained
         path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler, {"data": data})
         if self.is_main:  # the single writer of the window's consumer state
-            self.window.flush_read()
+            self.window.flush_read(force=True)
             self.window.publish_watermark(watermark(data))
             evicted = self.window.evict()
             log.info("checkpoint %s (evicted %d shards)", path, len(evicted))
@@ -554,7 +554,7 @@ class Trainer:
             raise RuntimeError("the window had no data to train on: did vt-precompute commit any shards? "
                                "See its precompute_report.json")
         if self.is_main:
-            self.window.flush_read()  # the last read position, also when the final checkpoint is already there
+            self.window.flush_read(force=True)  # the last read position, also when the final checkpoint is there
         self.checkpoint()
         export = self.export()
         videos = self.validate()

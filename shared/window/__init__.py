@@ -155,8 +155,8 @@ class Window:
     def note_read(self, position: int) -> None:
         self.reader.note_read(position)
 
-    def flush_read(self) -> None:
-        self.reader.flush_read()
+    def flush_read(self, force: bool = False) -> None:
+        self.reader.flush_read(force)
 
     def publish_watermark(self, position: int) -> None:
         self.reader.publish_watermark(position)

@@ -55,6 +55,7 @@ class Reader:
         # only reads the window, or has not written yet, reads it each time: another process may write it)
         self._consumer: dict | None = None
         self._unpublished: int | None = None  # a read position noted (`note_read`), not written yet
+        self._published_at = float("-inf")  # time.monotonic() of the last read position written
 
     def slot(self, position: int, block: bool) -> tuple[int, int] | None:
         """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet
@@ -115,7 +116,7 @@ class Reader:
             if time.monotonic() > deadline:
                 raise WindowTimeout(f"waited {self.timeout_seconds:.0f}s in {self.storage.uri} for {what}; "
                                     "is vt-precompute running for that rank?")
-            self.flush_read()  # a producer waiting for room waits on it: never both wait on each other
+            self.flush_read(force=True)  # a producer waiting for room waits on it: never both wait on each other
             if self.on_poll is not None:
                 self.on_poll()
             time.sleep(self.poll_seconds)
@@ -242,14 +243,20 @@ class Reader:
 
     def note_read(self, position: int) -> None:
         """Like publish_read, written later: at `flush_read` (the trainer's rank 0 calls it once a step) or
-        before this reader waits for a commit. One consumer.json write a step instead of one a shard."""
+        before this reader waits for a commit."""
         self._unpublished = position
 
-    def flush_read(self) -> None:
-        """Write the read position noted last, if it moved."""
-        if self._unpublished is not None:
-            position, self._unpublished = self._unpublished, None
-            self.publish_read(position)
+    def flush_read(self, force: bool = False) -> None:
+        """Write the read position noted last, if it moved: at most once per `poll_seconds` (a producer looks
+        no more often; each write is an fsync'd file or a PUT), always with `force` (before a wait, at a
+        checkpoint, at the end)."""
+        if self._unpublished is None:
+            return
+        if not force and time.monotonic() - self._published_at < self.poll_seconds:
+            return
+        position, self._unpublished = self._unpublished, None
+        self.publish_read(position)
+        self._published_at = time.monotonic()
 
     def publish_watermark(self, position: int) -> None:
         """After a checkpoint: positions < `position` may be evicted. Never moves back."""
