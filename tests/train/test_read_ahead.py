@@ -1,14 +1,15 @@
-"""The trainer's read-ahead (train/read_ahead.py) on storage that delays every read, as object storage
-does: while a step computes, the next batches are read, so a step takes about max(compute, read), not
-their sum; the bytes held ahead stay within the budget; and the batches are the synchronous reader's.
+"""The trainer's read-ahead (train/read_ahead.py): while a step computes, the next batch is read, so a step
+takes max(compute, read), not their sum; the bytes held ahead stay within the budget; and the batches are
+the synchronous reader's.
 
-The delays are sleeps on purpose: they stand for a store's latency and a GPU's step, which is what is
-measured, and a sleeping thread needs no core, so the figures hold on a loaded machine."""
+No clock: every storage read is counted, and the test's "step" waits (on that count, with a timeout) until
+the next batch's reads are done, without asking the reader for anything. Only reads running beside the
+step can end that wait; the synchronous reader, which reads inside `next()`, reads nothing during a step.
+"""
 
 from __future__ import annotations
 
-import time
-from statistics import median
+import threading
 
 import pytest
 import torch
@@ -19,8 +20,6 @@ from vt.train.data import BatchReader
 from vt.train.read_ahead import ReadAhead
 
 SHARDS, ROWS = 8, 2  # one shard a batch
-READ_S = 0.03  # per request: a shard's rows are a header and a range per tensor, ~4 requests
-COMPUTE_S = 0.12  # per step
 
 
 @pytest.fixture(scope="module")
@@ -36,51 +35,67 @@ def window_uri(tmp_path_factory) -> str:
     return uri
 
 
-def slow_window(uri: str) -> Window:
-    window = Window(uri, size="keep")
-    read_ranges = window.storage.read_ranges
+class CountedReads:
+    """A window whose storage requests are counted; a test can wait for the count to reach a number."""
 
-    def delayed(rel, ranges):
-        time.sleep(READ_S)
-        return read_ranges(rel, ranges)
+    def __init__(self, uri: str):
+        self.window = Window(uri, size="keep")
+        self.count = 0
+        self._changed = threading.Condition()
+        read_ranges = self.window.storage.read_ranges
 
-    window.storage.read_ranges = delayed
-    return window
+        def counted(rel, ranges):
+            data = read_ranges(rel, ranges)
+            with self._changed:
+                self.count += 1
+                self._changed.notify_all()
+            return data
+
+        self.window.storage.read_ranges = counted
+
+    def reach(self, count: int, timeout: float = 30.0) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.count >= count, timeout=timeout)
 
 
-def step_times(uri: str, max_bytes: int) -> tuple[list[float], list[list[str]], ReadAhead]:
-    """Seconds of each step of a loop over the window's batches with `max_bytes` of read-ahead (0: none)."""
-    ahead = ReadAhead(BatchReader(slow_window(uri), ROWS, on_read=lambda p: None), max_bytes)
-    times, keys = [], []
-    started = time.perf_counter()
-    for batch in ahead:
-        ahead.top_up()  # as the trainer does, once it holds the step's batches
-        time.sleep(COMPUTE_S)  # the model's step
+def run(uri: str, max_bytes: int, step=None) -> tuple[list[int], list[list[str]], ReadAhead]:
+    """Loop over the window's batches with `max_bytes` of read-ahead (0: none); `step(reads, index)` is the
+    model's step of batch `index`. Returns the reads made by each batch's hand-over, the keys, the read-ahead."""
+    reads = CountedReads(uri)
+    ahead = ReadAhead(BatchReader(reads.window, ROWS, on_read=lambda p: None), max_bytes)
+    handed, keys = [], []
+    for index, batch in enumerate(ahead):
+        handed.append(reads.count)
         keys.append(batch.keys)
-        now = time.perf_counter()
-        times.append(now - started)
-        started = now
-    return times, keys, ahead
+        ahead.top_up()  # as the trainer does, once it holds the step's batches
+        if step is not None:
+            step(reads, index)
+    return handed, keys, ahead
 
 
-def test_a_step_takes_about_the_longer_of_compute_and_read_not_their_sum(window_uri):
-    serial, serial_keys, _ = step_times(window_uri, 0)
-    ahead, ahead_keys, reader = step_times(window_uri, 64 * 2**20)
-    assert ahead_keys == serial_keys and len(serial_keys) == SHARDS
-    read = median(serial[1:]) - COMPUTE_S  # what reading one batch costs on this storage
-    assert read > 2 * READ_S, f"the delayed storage should cost several requests a batch, measured {read:.3f}s"
-    steady = median(ahead[2:])
-    assert steady < COMPUTE_S + 0.35 * read, (f"with read-ahead a step took {steady:.3f}s: compute {COMPUTE_S}s, "
-                                              f"read {read:.3f}s, their sum {median(serial[1:]):.3f}s")
-    assert reader.peak_held > 0
+def test_the_next_batch_is_read_while_a_step_computes(window_uri):
+    serial, serial_keys, _ = run(window_uri, 0)
+    assert len(serial_keys) == SHARDS and serial == sorted(serial) and serial[1] > serial[0] > 0
+
+    def serial_step(reads, index):  # the synchronous reader reads only inside next(): nothing during a step
+        assert reads.count == serial[index]
+
+    run(window_uri, 0, serial_step)
+
+    def step(reads, index):  # ends once the next batch's reads are done, with the reader left alone
+        if index + 1 < SHARDS:
+            assert reads.reach(serial[index + 1]), f"batch {index + 1} was not read during step {index}"
+
+    handed, keys, ahead = run(window_uri, 64 * 2**20, step)
+    assert keys == serial_keys
+    assert all(h >= s for h, s in zip(handed, serial)) and ahead.peak_held > 0
 
 
 def test_the_bytes_held_ahead_stay_within_the_budget(window_uri):
-    one = ReadAhead(BatchReader(Window(window_uri, size="keep"), ROWS, on_read=lambda p: None), 1)
-    batches = list(one)  # a budget below one batch: one batch ahead at a time, never two
-    assert len(batches) == SHARDS
+    _, keys, one = run(window_uri, 1)  # a budget below one batch: one batch ahead at a time, never two
+    assert len(keys) == SHARDS
     per_batch = one.peak_held
     assert per_batch > 0
     budget = int(2.5 * per_batch)
-    _, _, ahead = step_times(window_uri, budget)
+    _, _, ahead = run(window_uri, budget)
     assert per_batch < ahead.peak_held <= budget, (ahead.peak_held, budget)
