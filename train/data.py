@@ -132,9 +132,6 @@ class BatchReader:
         self.cursor = Cursor.from_state(state)
         self._records.clear()
 
-    def watermark(self) -> int:
-        return watermark(self.cursor.state_dict())
-
     # -- planning ------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         """Loaded batches, one after the other (no read-ahead)."""
@@ -237,11 +234,13 @@ class _ShardCache:
     """Reads rows of committed shards: each header once (a few recent ones kept), then the rows' byte ranges.
 
     A shard committed without row digests (an older vt) is read whole and checked against its record,
-    and kept decoded while it is among the recent ones. Thread-safe: a read-ahead's threads share it."""
+    and kept decoded while it is among the `keep_whole` most recent of those (a whole shard can be large).
+    Thread-safe: a read-ahead's threads share it."""
 
-    def __init__(self, window: Window, keep: int = 64):
+    def __init__(self, window: Window, keep: int = 64, keep_whole: int = 4):
         self.window = window
         self.keep = keep
+        self.keep_whole = keep_whole
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, ShardLayout | tuple[dict, list]] = OrderedDict()
 
@@ -271,3 +270,6 @@ class _ShardCache:
             self._recent[record.data] = known
             while len(self._recent) > self.keep:
                 self._recent.popitem(last=False)
+            whole = [path for path, entry in self._recent.items() if not isinstance(entry, ShardLayout)]
+            for path in whole[:-self.keep_whole]:
+                del self._recent[path]

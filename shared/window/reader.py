@@ -97,13 +97,6 @@ class Reader:
             return False
         return True if seq < committed[rank] else None
 
-    def slots(self, block: bool) -> Iterator[tuple[int, int, int]]:
-        """(position, rank, seq) of the fixed order. block=False raises NotYet instead of waiting."""
-        position = 0
-        while (slot := self.slot(position, block)) is not None:
-            yield position, *slot
-            position += 1
-
     def wait(self, probe, block: bool, what: str):
         """Poll `probe()` until it is not None; WindowTimeout after timeout_seconds."""
         deadline = time.monotonic() + self.timeout_seconds
