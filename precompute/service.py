@@ -51,7 +51,7 @@ from vt.shared.caption_table import Captions, encode_caption
 from vt.shared.config import Config
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
-from vt.shared.provenance import fingerprint, provenance
+from vt.shared.provenance import component_records, fingerprint, provenance
 from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
 from vt.shared.shards import CommitRecord, encode_shard
 from vt.shared.startup import StartupTimeline
@@ -114,8 +114,10 @@ class Precompute:
         self.sound = sound_request(self.spec, config) if config.model.audio else None
         self.device = pick_device(pre.device)
         self.storage_dtype = DTYPES[pre.storage_dtype]
-        self.provenance = provenance(config, spec=self.spec)
+        components = component_records(self.spec)  # each encoder's digest, and where it came from
+        self.provenance = provenance(config, {name: c.pop("digest") for name, c in components.items()}, self.spec)
         self.fingerprint = fingerprint(self.provenance)
+        self.sources = components  # beside the provenance in every shard: what a trainer checks unloaded encoders by
         self.startup.mark("raw_list_and_weight_digests")
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
@@ -292,8 +294,8 @@ class Precompute:
         tensors = self._stored({name: torch.cat(parts) for name, parts in {**latents, **sample_text}.items()})
         captions.conditions = self._stored(captions.conditions)
         keys = [s.key for s in samples]
-        data = encode_shard(tensors, keys, {"provenance": self.provenance, "bucket": bucket.name, "epoch": epoch},
-                            captions)
+        meta = {"provenance": self.provenance, "sources": self.sources, "bucket": bucket.name, "epoch": epoch}
+        data = encode_shard(tensors, keys, meta, captions)
         started = time.perf_counter()
         unread, share = self.window.wait_for_room(self.rank)
         self.report.seconds["wait"] += time.perf_counter() - started

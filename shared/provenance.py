@@ -13,6 +13,9 @@ and storage dtypes, and the shard format version. A run without audio records no
 shards and fingerprint are what they were before audio existed.
 Not in: anything only the trainer uses (transformer, LoRA, learning rate ...).
 
+Stage 1 computes the fingerprint; a trainer takes it from the window's shards and checks the encoders it
+never loads by what stage 1 recorded of them beside it (`component_records`, train/window_match.py).
+
 The weights digest reads files, never loads a model, and remembers each big file's digest by its path,
 size and modification time (cached_file_digest), so a start of either stage hashes nothing it has hashed
 before. Files up to FULL_HASH_BYTES are hashed whole.
@@ -87,10 +90,28 @@ def fingerprint(prov: dict) -> str:
 
 def weights_digests(spec) -> dict[str, str]:
     """component -> digest of its files, for the components stage 1 runs (no weights are loaded)."""
-    return {name: folder_digest(_local_folder(spec, name)) for name in spec.stage1_components}
+    return {name: record["digest"] for name, record in component_records(spec).items()}
 
 
-def _local_folder(spec, name: str) -> Path:
+def component_records(spec) -> dict[str, dict]:
+    """component -> {"digest", "source", "files", and "revision" for a hub snapshot}, for the components
+    stage 1 runs: the digest goes into the provenance (the fingerprint); the rest is stored beside it in every
+    shard (`meta["sources"]`), so a trainer that never loads a component can still check it without reading
+    a byte of it: by its files' names and sizes where they are on its disk, else by where they came from
+    (train/window_match.py)."""
+    return {name: component_record(spec, name) for name in spec.stage1_components}
+
+
+def component_record(spec, name: str) -> dict:
+    path, subfolder = spec.source(name)
+    folder = local_folder(spec, name)
+    record = {"digest": folder_digest(folder), "source": source_name(path, subfolder), "files": folder_files(folder)}
+    if not Path(path).exists():  # a hub snapshot: <cache>/models--org--name/snapshots/<revision>[/<subfolder>]
+        record["revision"] = (folder.parent if subfolder else folder).name
+    return record
+
+
+def local_folder(spec, name: str) -> Path:
     """The folder holding a component's files: local as given, or the hub snapshot (downloaded if needed)."""
     path, subfolder = spec.source(name)
     local = Path(path)
@@ -105,12 +126,26 @@ def _local_folder(spec, name: str) -> Path:
     return folder / subfolder if subfolder else folder
 
 
+def source_name(path: str, subfolder: str | None) -> str:
+    """A component's source as the config names it: "<folder or hub id>[/<subfolder>]"."""
+    return f"{path.rstrip('/')}/{subfolder}" if subfolder else path
+
+
+def folder_files(folder: Path) -> dict[str, int]:
+    """relative name -> size of every file under `folder` that its digest covers (a stat each, no read)."""
+    return {path.relative_to(folder).as_posix(): path.stat().st_size for path in _digested_files(folder)}
+
+
+def _digested_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith("."))
+
+
 def folder_digest(folder: Path) -> str:
     """sha256 over every file under `folder` (relative name, size, content or sampled content)."""
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder of model files; check model.path / model.components")
     digest = hashlib.sha256()
-    for path in sorted(p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".")):
+    for path in _digested_files(folder):
         digest.update(f"{path.relative_to(folder).as_posix()}\0{path.stat().st_size}\0".encode())
         digest.update(cached_file_digest(path).encode())
     return digest.hexdigest()[:16]

@@ -31,16 +31,14 @@ from vt.shared.faults import fault_point
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
 from vt.shared.progress import Progress
-from vt.shared.provenance import describe_difference, fingerprint, provenance
 from vt.shared.runtime import map_large_allocations
-from vt.shared.shards import CommitRecord
 from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
 from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.caption_dropout import drop_captions, dropped
 from vt.shared.models.components import keeps_float32
 from vt.train.checkpoint import Checkpointer
-from vt.train.data import Batch, BatchReader, StaleShardError, watermark
+from vt.train.data import Batch, BatchReader, watermark
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
@@ -56,7 +54,8 @@ from vt.train.plots import plot_loss
 from vt.train.read_ahead import ReadAhead
 from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
-from vt.train.validation import Validator
+from vt.train.validation import Validator, validation_loads
+from vt.train.window_match import WindowMatch
 
 __all__ = ["Trainer", "autocast_dtype"]
 log = get_logger("vt.train")
@@ -159,9 +158,6 @@ class Trainer:
             for line in self.spec.inference_mismatches():
                 log.warning(line)
         self.startup.mark("model_spec")
-        self.provenance = provenance(config, spec=self.spec)
-        self.fingerprint = fingerprint(self.provenance)
-        self.startup.mark("weight_digests")
 
         self._check_pipeline()
         self.transformer = self._build_model()
@@ -177,8 +173,10 @@ class Trainer:
         keep = config.window.size == "keep"
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
+        # The window's shards this run takes: checked against the config without reading an encoder it never loads.
+        self.shards = WindowMatch(config, self.spec, self.window, loads=validation_loads(self.spec, config))
         self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
-                                  check_record=self._check_record,
+                                  check_record=self.shards.check,
                                   # rank 0 writes the read position once a step (or before it waits for a commit)
                                   on_read=self.window.note_read if self.is_main else (lambda position: None),
                                   order=OrderFromRankZero(self.window, self.world),  # rank 0 lists, the rest receive
@@ -188,7 +186,7 @@ class Trainer:
         self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
                                wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
         self.report = ReportWriter(self.run_dir, config.log.report_every_seconds, enabled=self.is_main)
-        self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
+        self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.shards,
                                    autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
                                    extra_parts=self._untrained_experts)
         if self.pipeline is not None and self.validator.enabled:
@@ -284,14 +282,10 @@ class Trainer:
                                     for component in others}
         return self._frozen_experts
 
-    def _check_record(self, record: CommitRecord) -> None:
-        if record.fingerprint == self.fingerprint:
-            return
-        found = self.window.shard_meta(record).get("provenance", {})
-        raise StaleShardError(
-            f"shard {record.data} was made with other settings than this config "
-            f"({describe_difference(self.provenance, found)}). Re-run vt-precompute into a fresh window "
-            f"(window.uri) or point the trainer at a config that matches.")
+    @property
+    def fingerprint(self) -> str:
+        """The fingerprint of the window's shards this run trains on (taken from the first one read)."""
+        return self.shards.fingerprint
 
     def resume(self) -> bool:
         path = self.checkpointer.latest() if self.config.train.resume else None

@@ -33,15 +33,24 @@ class MissingConditions(FileNotFoundError):
     """The window holds no conditions for a validation input; the message says how to add them."""
 
 
+def validation_loads(spec: ModelSpec, config: Config) -> set[str]:
+    """The components validation loads from model.path: none without validation prompts, else the pipeline's
+    parts but its text and image encoders (stage 1 stored their output); the transformers are the trainer's."""
+    if not config.train.validation_prompts:
+        return set()
+    return {name for name in set(spec.pipeline_parts()) - set(spec.text_parts()) if not name.startswith("transformer")}
+
+
 class Validator:
-    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, world, window, fingerprint: str,
+    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, world, window, shards,
                  autocast: torch.dtype | None = None, parts_dtype: torch.dtype | None = None, extra_parts=None):
         """`autocast`: the training's autocast dtype, which validation runs in too (None: float32, as training).
         `parts_dtype`: what the pipeline parts it loads are in (`Dtypes.pipeline_parts`; None: model.dtype).
         `extra_parts()`: pipeline parts the trainer already holds besides the trained transformer (a
-        two-expert family's other expert), asked for at the first run."""
+        two-expert family's other expert), asked for at the first run. `shards.fingerprint`: the window's shards
+        this run takes (train/window_match.py), under which stage 1 stored the validation conditions."""
         self.spec, self.config, self.bucket, self.world = spec, config, bucket, world
-        self.window, self.fingerprint = window, fingerprint
+        self.window, self.shards = window, shards
         self.autocast, self.parts_dtype = autocast, parts_dtype
         self.extra_parts = extra_parts or dict
         self.prompts = config.train.validation_prompts
@@ -81,12 +90,12 @@ class Validator:
                 if self.spec.text_with_image else []
             items += pairs
             negative = prompt_input(self.spec.negative_prompt)
-            stored = {item.key: self.window.validation(self.fingerprint, item.key) for item in [*items, negative]}
+            stored = {item.key: self.window.validation(self.shards.fingerprint, item.key) for item in [*items, negative]}
             missing = [self._describe(item) for item in [*items, negative] if stored[item.key] is None]
             if missing:
                 raise MissingConditions(
                     f"the window {self.window.uri} holds no conditions for {', '.join(dict.fromkeys(missing))} "
-                    f"(shards {self.fingerprint}): stage 1 encodes train.validation_prompts (and i2v images), so the "
+                    f"(shards {self.shards.fingerprint}): stage 1 encodes train.validation_prompts (and i2v images), so the "
                     "trainer needs no text encoder. Encode them with `vt-precompute prompts CONFIG` (it loads only "
                     "the text encoders), or remove them from the config")
             decoded = {key: decode_conditions(data) for key, data in stored.items()}

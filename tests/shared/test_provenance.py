@@ -2,11 +2,14 @@
 
 The stale-cache test precomputes a window with the tiny LTX model, then starts the real trainer
 with a changed bucket table, and with a copy of the model whose VAE has one weight changed: both
-refuse the old shards with a message naming the setting that differs.
+refuse the old shards with a message naming the setting that differs. A trainer reads no byte of an
+encoder it does not load: it trains and validates with the text encoder's files gone (the hub offline),
+and checks an encoder it does not load by the names and sizes of its files, or by where it came from.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from pathlib import Path
@@ -23,6 +26,7 @@ from vt.train.data import StaleShardError
 from vt.train.trainer import Trainer
 
 BUCKETS = ["9x64x96", "9x64x64", "9x64x128"]
+PROMPTS = ["a rabbit in a meadow"]
 
 
 def flip(path: Path, offset: int) -> None:
@@ -104,7 +108,7 @@ def stale_setup(tmp_path_factory, tiny_model_factory, raw_shards):
     model = tiny_model_factory("ltx-video")
     raw = sorted(raw_shards.glob("*.tar"))[0]
     config = write_config(root / "pre.toml", model, raw, root / "pre", str(root / "window"),
-                          window={"size": "keep"}, precompute={"workers": 0})
+                          window={"size": "keep"}, precompute={"workers": 0}, train={"validation_prompts": PROMPTS})
     Precompute(load_config(config)).run()
     return root, model, raw
 
@@ -133,6 +137,7 @@ def test_trainer_refuses_shards_of_another_processor_chain(stale_setup):
 
 
 def test_trainer_refuses_shards_of_another_vae(stale_setup, tmp_path):
+    """Validation decodes with the VAE, so the trainer loads it and checks it by digest: one weight changed."""
     root, model, raw = stale_setup
     changed = tmp_path / "model"
     shutil.copytree(model, changed)
@@ -142,5 +147,32 @@ def test_trainer_refuses_shards_of_another_vae(stale_setup, tmp_path):
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += 0.001  # one weight of the VAE
     save_file(tensors, str(vae_file), metadata={"format": "pt"})
-    message = refusal(root, changed, raw, "vae")
+    message = refusal(root, changed, raw, "vae", train={"validation_prompts": PROMPTS})
     assert message.count("weights.") == 1 and "weights.vae: shard has '" in message
+
+
+def test_trainer_trains_and_validates_with_the_text_encoder_absent(stale_setup, tmp_path):
+    """Only what the trainer loads is on disk (transformer, VAE, scheduler), the hub offline: it never
+    reads the text encoder or tokenizer, so it neither hashes nor downloads them."""
+    root, model, raw = stale_setup
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+    trimmed = tmp_path / "model"
+    shutil.copytree(model, trimmed, ignore=lambda folder, names: [n for n in names if n in ("text_encoder", "tokenizer")])
+    config = write_config(root / "trimmed.toml", trimmed, raw, tmp_path / "run", str(root / "window"),
+                          window={"size": "keep"}, train={"validation_prompts": PROMPTS, "max_steps": 2})
+    trainer = Trainer(load_config(config))
+    summary = trainer.run()
+    assert summary["steps"] == 2 and math.isfinite(summary["last_loss"]) and summary["videos"] == 1
+    assert sorted(p.name for p in (tmp_path / "run" / "validation").rglob("*.mp4")) == ["00.mp4"]
+    # the fingerprint stage 1 computed from every encoder's files, taken from the window
+    assert trainer.fingerprint == prov.fingerprint(prov.provenance(load_config(root / "pre.toml")))
+
+
+def test_trainer_checks_an_encoder_it_does_not_load_by_the_sizes_of_its_files(stale_setup, tmp_path):
+    root, model, raw = stale_setup
+    other = tmp_path / "model"
+    shutil.copytree(model, other)
+    weights = other / "text_encoder" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes() + b"\0" * 8)  # another text encoder on this disk: another size
+    message = refusal(root, other, raw, "te-size")
+    assert message.count("weights.") == 1 and "weights.text_encoder: " in message and "model.safetensors" in message
