@@ -17,13 +17,18 @@ the Model Spec's forward (flow-matching loss, AdamW), in one process on one GPU:
   same clip, activation checkpointing on, its peak GPU memory over the training steps next to what
   `vt-train plan` estimates for that run from the real configs (scripts/real_models.json).
 
+- run: `vt-train run` itself under torchrun on every GPU here, at real size from random-weight real
+  configs, start-up to validation and export: a Wan 2.1 14B LoRA at 81x480x832 and a HunyuanVideo 1.5
+  LoRA at 121x480x848, each with its measured peak beside the plan's, step time and MFU
+  (scripts/gpu_real_run.py; ~75 GB of disk for the random weights, freed after each row).
+
 MFU counts model FLOPs (forward + backward = 3 x forward; recomputation not counted) against the
 GPU's dense bf16 peak (H100/H200: 989 TFLOP/s), also for the fp8 rows; LoRA rows show none. A row
 that runs out of memory or cannot run here says so and the table goes on.
 
     scripts/gpu_check.sh                 # one GPU, real sizes (estimated 6-8 min on an H200)
     scripts/gpu_check.sh --dry           # CPU, tiny shapes, one step: proves every row's path runs
-    scripts/gpu_check.sh --only full     # one group (full, fp8, lora)
+    scripts/gpu_check.sh --only full     # one group (full, fp8, lora, plan, run)
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "A800": 312.0, "L40S": 362.0}
-GROUPS = ("full", "fp8", "lora", "plan")
+GROUPS = ("full", "fp8", "lora", "plan", "run")
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak per GPU (0: look it up)")
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument("--work", type=Path, default=Path("runs/gpu_check"), help="the run rows' models and runs")
     args = parser.parse_args(argv)
     if args.dry:
         args.steps = 1
@@ -311,13 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
     started = time.perf_counter()
     rows = [measure(case, args, device) for case in cases(args, backends)]
+    if "run" in (args.only or GROUPS):
+        from gpu_real_run import run_rows
+
+        rows += run_rows(args.dry, args.work, peak_tflops(args, device))
     print(f"vt gpu check on {name}: torch {torch.__version__}, attention backends {', '.join(backends)}, "
           f"peak {peak_tflops(args, device) or 'unknown'} TFLOP/s bf16, {args.steps} timed step(s) per row, "
           f"{time.perf_counter() - started:.0f} s")
     print(format_rows(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    return 1 if any(r.get("note") == "loss not finite" for r in rows) else 0
+    failed = [r for r in rows if r.get("note") == "loss not finite" or r.get("note", "").startswith("vt-train exited")]
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

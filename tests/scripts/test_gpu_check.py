@@ -1,6 +1,8 @@
 """scripts/gpu_check.py's CPU dry run: every row of the GPU table (each attention backend this
 machine trains with, no activation checkpointing, fp8 tensorwise/rowwise against bf16, LoRA on an
-fp8 against a bf16 base, the plan row) trains a tiny model through vt's own pieces and lands in one table."""
+fp8 against a bf16 base, the plan row) trains a tiny model through vt's own pieces and lands in one table;
+the run rows take `vt-train run` itself under torchrun, on the tiny presets of the families they run at
+real size on a GPU, from start-up through validation."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ import gpu_check
 
 def test_dry_run_trains_every_row_and_prints_one_table(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert gpu_check.main(["--dry", "--json", str(out)]) == 0
+    groups = [arg for group in ("full", "fp8", "lora", "plan") for arg in ("--only", group)]
+    assert gpu_check.main(["--dry", "--json", str(out), *groups]) == 0
     rows = json.loads(out.read_text())
     labels = [r["case"] for r in rows]
     assert labels == ["full, native, AC", "full, native_math, AC", "full, native, no AC",
@@ -42,3 +45,16 @@ def test_model_flops_count_six_per_weight_per_token_plus_attention():
     attention = 3 * (4 * s * s * d + 4 * s * t * d)
     blocks = shape.layers * (linear + attention)
     assert blocks < gpu_check.model_flops_per_sample(shape) < blocks * 1.01
+
+
+def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
+    out = tmp_path / "rows.json"
+    assert gpu_check.main(["--dry", "--only", "run", "--json", str(out), "--work", str(tmp_path / "work")]) == 0
+    rows = json.loads(out.read_text())
+    assert [r["case"] for r in rows] == ["run, Wan 2.1 14B LoRA", "run, HunyuanVideo 1.5 480p LoRA"]
+    for row in rows:
+        assert row["note"].startswith("plan ") and row["videos"] == 1, row  # vt-train exited 0 and validated
+        assert len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
+        assert row["plan_gib"] > 0 and row["tokens"] > 0 and row["step_ms"] > 0
+    table = capsys.readouterr().out
+    assert table.count("| run, ") == 2
