@@ -107,7 +107,7 @@ class BatchReader:
     """
 
     def __init__(self, window: Window, batch_size: int, passes: int = 1,
-                 check_record: Callable[[CommitRecord], None] | None = None,
+                 check_record: Callable[[CommitRecord, Callable[[CommitRecord], dict]], None] | None = None,
                  on_read: Callable[[int], None] | None = None,
                  order: Callable[..., CommitRecord | None] | None = None, dp_rank: int = 0, dp_size: int = 1):
         if batch_size < 1:
@@ -205,8 +205,8 @@ class BatchReader:
                     nbytes=-(-share // self.dp_size))
 
     def _add(self, position: int, record: CommitRecord) -> None:
-        if self.check_record is not None:
-            self.check_record(record)
+        if self.check_record is not None:  # given a way to read the shard's meta through the header cache
+            self.check_record(record, self._shards.meta)
         self._records[position] = record
 
     # -- reading -------------------------------------------------------------------------------------
@@ -253,6 +253,14 @@ class _ShardCache:
             return self.window.read_rows(record, known, rows)
         tensors, _ = known
         return {name: t[rows] for name, t in tensors.items()}
+
+    def meta(self, record: CommitRecord) -> dict:
+        """The shard's `meta` (provenance ...): from its header, cached for the rows read after it."""
+        known = self._get(record)
+        if known is None and record.header_bytes:
+            known = self.window.read_header(record)
+            self._put(record, known)
+        return known.meta if isinstance(known, ShardLayout) else self.window.shard_meta(record)
 
     def _whole(self, record: CommitRecord) -> tuple[dict, list]:
         tensors, keys, _ = decode_shard(self.window.read_shard(record))

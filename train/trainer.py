@@ -174,7 +174,7 @@ class Trainer:
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
         # The window's shards this run takes: checked against the config without reading an encoder it never loads.
-        self.shards = WindowMatch(config, self.spec, self.window, loads=validation_loads(self.spec, config))
+        self.shards = WindowMatch(config, self.spec, self.world, loads=validation_loads(self.spec, config))
         self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
                                   check_record=self.shards.check,
                                   # rank 0 writes the read position once a step (or before it waits for a commit)
@@ -294,6 +294,7 @@ class Trainer:
         state = self.checkpointer.load(path, self.transformer, self.optimizer, self.scheduler)
         self.step = self._checkpointed = state["step"]
         self.reader.load_state_dict(state["data"])
+        self.shards.load_state_dict(state.get("shards", {}))  # a checkpoint of an older vt has none
         self.data_state = state["data"]
         log.info("resumed from %s at step %d (%s)", path, self.step, self.world.dims.describe())
         return True
@@ -518,7 +519,8 @@ class Trainer:
             return self.checkpointer.latest()
         self._checkpointed = self.step
         data = self.data_state if self.data_state is not None else self.reader.state_dict()  # the last batch trained
-        path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler, {"data": data})
+        path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler,
+                                      {"data": data, "shards": self.shards.state_dict()})
         if self.is_main:  # the single writer of the window's consumer state
             self.window.flush_read(force=True)
             self.window.publish_watermark(watermark(data))

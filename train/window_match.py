@@ -23,6 +23,7 @@ Every later shard must carry that same fingerprint. A refusal names each differe
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 from vt.shared.log import get_logger
 from vt.shared.provenance import (
@@ -34,53 +35,77 @@ from vt.shared.provenance import (
     provenance,
 )
 from vt.shared.shards import CommitRecord
-from vt.shared.window import Window
 from vt.train.data import StaleShardError
 
 log = get_logger("vt.train")
 
 
 class WindowMatch:
-    """`check(record)` for the batch reader; `fingerprint` once a shard was taken (validation conditions
-    and the empty caption are stored under it)."""
+    """`check(record, read_meta)` for the batch reader; `fingerprint` once a shard was taken (validation
+    conditions and the empty caption are stored under it), kept in checkpoints (`state_dict`).
 
-    def __init__(self, config, spec, window: Window, loads: set[str]):
-        self.config, self.spec, self.window = config, spec, window
+    Distributed, rank 0 decides and broadcasts its verdict: `check` and `load_state_dict` are called on
+    every rank at the same records (the reader plans in lock-step), so no other rank reads a shard's header
+    for it, and rank 0 reads it through the reader's own header cache (`read_meta`)."""
+
+    def __init__(self, config, spec, world, loads: set[str]):
+        self.config, self.spec, self.world = config, spec, world
         self.loads = loads  # the stage-1 components this run loads (checked by digest)
         self.settings = provenance(config, weights={}, spec=spec)
-        self._fingerprint: str | None = None
-        self._taken: dict | None = None
-        self.unseen: list[str] = []  # encoders not loaded and not on this disk: taken as stage 1 recorded them
+        self._taken: dict = {}  # {"fingerprint", "provenance", "sources"} of the shards this run takes
 
     @property
     def fingerprint(self) -> str:
-        if self._fingerprint is None:
+        if not self._taken:
             raise RuntimeError("no shard was read yet: the window's fingerprint is taken from its first shard")
-        return self._fingerprint
+        return self._taken["fingerprint"]
 
-    def check(self, record: CommitRecord) -> None:
-        if record.fingerprint == self._fingerprint:
+    def check(self, record: CommitRecord, read_meta: Callable[[CommitRecord], dict]) -> None:
+        if self._taken and record.fingerprint == self._taken["fingerprint"]:
             return
-        meta = self.window.shard_meta(record)
-        found = meta.get("provenance", {})
-        if self._taken is not None:  # a second fingerprint in one window: its shards were made otherwise
-            self._refuse(record, describe_difference(self._taken, found))
-        problems = self._differences(found, meta.get("sources"))
+        verdict = None
+        if self.world.is_main:
+            meta = read_meta(record)
+            found = {"fingerprint": record.fingerprint, "provenance": meta.get("provenance", {}),
+                     "sources": meta.get("sources")}
+            verdict = self._verdict(found, f"shard {record.data}")
+        self._apply(self.world.broadcast_object(verdict))
+
+    def state_dict(self) -> dict:
+        return dict(self._taken)
+
+    def load_state_dict(self, state: dict) -> None:
+        """A resumed run takes the checkpoint's shards again, checked against this (maybe changed) config."""
+        if state:
+            self._apply(self.world.broadcast_object(
+                self._verdict(state, "the checkpoint's shards") if self.world.is_main else None))
+
+    def _verdict(self, found: dict, what: str) -> dict:
+        """{"refused": message} or the shards taken, with the encoders not on this disk (rank 0)."""
+        prov = found["provenance"]
+        if self._taken:  # a second fingerprint in one window: its shards were made otherwise
+            problems = [describe_difference(self._taken["provenance"], prov)]
+        else:
+            unseen: list[str] = []
+            problems = self._differences(prov, found["sources"], unseen)
+            if fingerprint(prov) != found["fingerprint"]:
+                problems.append("its provenance does not give the fingerprint its commit record names (edited?)")
         if problems:
-            self._refuse(record, "; ".join(problems))
-        if fingerprint(found) != record.fingerprint:
-            self._refuse(record, "its provenance does not give the fingerprint its commit record names (edited by hand?)")
-        self._fingerprint, self._taken = record.fingerprint, found
-        checked = sorted(self.loads & set(found["weights"]))
+            return {"refused": f"{what} was made with other settings than this config ({'; '.join(problems)}). "
+                               "Re-run vt-precompute into a fresh window (window.uri) or point the trainer at a "
+                               "config that matches."}
+        checked = sorted(self.loads & set(prov["weights"]))
         log.info("window shards %s taken; encoders checked by digest: %s; not on this disk, as stage 1 recorded "
-                 "them: %s", record.fingerprint, ", ".join(checked) or "none (none loaded)", "; ".join(self.unseen) or "none")
+                 "them: %s", found["fingerprint"], ", ".join(checked) or "none (none loaded)",
+                 "; ".join(unseen) or "none")
+        return found
 
-    def _refuse(self, record: CommitRecord, why: str) -> None:
-        raise StaleShardError(
-            f"shard {record.data} was made with other settings than this config ({why}). Re-run vt-precompute "
-            f"into a fresh window (window.uri) or point the trainer at a config that matches.")
+    def _apply(self, verdict: dict) -> None:
+        if "refused" in verdict:
+            raise StaleShardError(verdict["refused"])
+        self._taken = verdict
 
-    def _differences(self, found: dict, sources: dict | None) -> list[str]:
+    def _differences(self, found: dict, sources: dict | None, unseen: list[str]) -> list[str]:
         recorded = found.get("weights", {})
         problems = [describe_difference(self.settings, {**found, "weights": {}})] \
             if {**found, "weights": {}} != self.settings else []
@@ -93,16 +118,16 @@ class WindowMatch:
                 if ours != recorded[name]:
                     problems.append(f"weights.{name}: shard has {recorded[name]!r}, config wants {ours!r}")
             elif sources is not None:
-                problems += self._identity(name, sources.get(name, {}))
+                problems += self._identity(name, sources.get(name, {}), unseen)
         return problems
 
-    def _identity(self, name: str, source: dict) -> list[str]:
+    def _identity(self, name: str, source: dict, unseen: list[str]) -> list[str]:
         """An encoder this run does not load, against stage 1's record of it: a difference only where this disk
         shows one (its files' names and sizes; a stat each). Absent, it is taken as recorded (logged)."""
         here = self._on_disk(name, source.get("revision"))
         if here is None:
             revision = f", revision {source['revision']}" if "revision" in source else ""
-            self.unseen.append(f"{name} (from {source.get('source')!r}{revision})")
+            unseen.append(f"{name} (from {source.get('source')!r}{revision})")
             return []
         ours, theirs = folder_files(here), source.get("files", {})
         if ours == theirs:

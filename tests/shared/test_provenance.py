@@ -167,6 +167,12 @@ def test_trainer_trains_and_validates_with_the_text_encoder_absent(stale_setup, 
     # the fingerprint stage 1 computed from every encoder's files, taken from the window
     assert trainer.fingerprint == prov.fingerprint(prov.provenance(load_config(root / "pre.toml")))
 
+    # the checkpoint keeps the shards taken; a resume checks them against its own (here changed) config
+    changed = write_config(root / "trimmed-resume.toml", trimmed, raw, tmp_path / "run", str(root / "window"),
+                           window={"size": "keep"}, buckets={"sizes": BUCKETS + ["17x64x64"]}, train={"max_steps": 3})
+    with pytest.raises(StaleShardError, match="the checkpoint's shards .*processing.buckets: shard has"):
+        Trainer(load_config(changed)).run()
+
 
 def test_trainer_checks_an_encoder_it_does_not_load_by_the_sizes_of_its_files(stale_setup, tmp_path):
     root, model, raw = stale_setup
