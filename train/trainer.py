@@ -191,9 +191,6 @@ class Trainer:
         self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.fingerprint,
                                    autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
                                    extra_parts=self._untrained_experts)
-        if self.pipeline is not None and self.validator.enabled:
-            raise ValueError("validation renders with the whole transformer, which parallel.pp > 1 splits over "
-                             "stages; set parallel.pp = 1 for a run with validation prompts, or remove them")
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
         self.losses = LossWatch(self.world.comm_device)  # where the step's global loss is summed
