@@ -223,6 +223,9 @@ class Trainer:
         pp = self.config.parallel.pp
         if pp == 1:
             return
+        if self.spec.pipeline_refusal:
+            raise ValueError(f"parallel.pp = {pp} with {self.spec.family}: {self.spec.pipeline_refusal}; set "
+                             "parallel.pp = 1")
         if self.config.model.audio:
             raise ValueError(f"parallel.pp = {pp} with model.audio: the audio stream's loss is not carried through "
                              "the pipeline stages; set parallel.pp = 1 to train sound")

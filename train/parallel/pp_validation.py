@@ -75,7 +75,8 @@ class _StagedForward:
         shared = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                leaf = leaf.contiguous() if split.is_last else torch.empty_like(leaf, memory_format=torch.contiguous_format)
+                leaf = leaf.contiguous() if split.is_last else \
+                    torch.empty_like(leaf, memory_format=torch.contiguous_format)
                 dist.broadcast(leaf, src=self._peer(split.stages - 1), group=split.group)
             shared.append(leaf)
         return pytree.tree_unflatten(shared, spec)
