@@ -4,7 +4,8 @@ JOBS is a JSON list of {"name", "config", "sets", "export"}. For each, the train
 pipeline-stage checks, model laid out over the stages, validator). A start-up refused with a ValueError is
 recorded with its message; one that starts runs one transformer forward of the family (`spec.forward` on a
 batch of the config's first bucket) through the stages as validation runs it (`staged_inference`), and the
-same forward on the same model built without stages (the trainer's own build, pp = 1): the largest
+same forward on the same model built without stages (the trainer's own build, pp = 1), for the trained
+transformer and, in a one-expert run, the frozen other expert validation renders with: the largest
 difference and the prediction's scale are recorded; both models' full weights are exported (`export/pp`,
 `export/one` under the job's "export" folder) for the test to compare file by file. Rank 0 writes OUT
 (JSON, name -> record); any other exception fails the run.
@@ -35,16 +36,17 @@ def batch_for(spec, bucket) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return batch, sigmas, noise
 
 
-def unstaged(trainer):
-    """The trainer's transformer as one process builds it (same weights and adapters), without stages."""
+def unstaged(trainer, component: str, mode: str):
+    """Transformer `component` as the trainer builds it in one process (same weights and adapters), without
+    stages; `mode` "lora", "full" or "frozen" (a one-expert run's other expert)."""
     from vt.train.attention import set_backend
     from vt.train.model_build import build_transformer
 
     train = trainer.config.train
     world = SimpleNamespace(dims=SimpleNamespace(fsdp_enabled=False), device=trainer.device, is_main=False)
     lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
-    model = build_transformer(trainer.spec, trainer.spec.trained_component, world, mode=train.mode, lora=lora,
-                              storage_dtype=trainer.dtypes.storage(train.mode), compute_dtype=trainer.dtypes.compute,
+    model = build_transformer(trainer.spec, component, world, mode=mode, lora=lora,
+                              storage_dtype=trainer.dtypes.storage(mode), compute_dtype=trainer.dtypes.compute,
                               frozen_dtype=trainer.dtypes.frozen, parallelize=lambda m, fill: fill(m), seed=train.seed)
     set_backend(model, train.attention_backend)
     return model.eval()
@@ -80,14 +82,22 @@ def compare(trainer, export_to: str) -> dict:
         with torch.autocast(trainer.device.type, dtype=amp or torch.float32, enabled=amp is not None):
             return spec.forward(model, batch, sigmas, noise, generator=torch.Generator().manual_seed(0)).prediction
 
-    trainer.transformer.eval()
-    with staged_inference([trainer.transformer], trainer.device):
-        staged = predict(trainer.transformer)
-    reference = unstaged(trainer)
-    alone = predict(reference)
-    export_both(trainer, reference, export_to)
-    return {"max_diff": float((staged - alone).abs().max()), "scale": float(alone.abs().max()),
-            "finite": bool(torch.isfinite(staged).all())}
+    # The trained transformer and, in a one-expert run, the other expert validation renders with (split too).
+    models = {spec.trained_component: (trainer.transformer, trainer.config.train.mode),
+              **{component: (model, "frozen") for component, model in trainer._untrained_experts().items()}}
+    record = {"max_diff": 0.0, "scale": 0.0, "finite": True, "models": len(models)}
+    for component, (model, mode) in models.items():
+        model.eval()
+        with staged_inference([model], trainer.device):
+            staged = predict(model)
+        reference = unstaged(trainer, component, mode)
+        alone = predict(reference)
+        record["max_diff"] = max(record["max_diff"], float((staged - alone).abs().max()))
+        record["scale"] = max(record["scale"], float(alone.abs().max()))
+        record["finite"] &= bool(torch.isfinite(staged).all())
+        if model is trainer.transformer:
+            export_both(trainer, reference, export_to)
+    return record
 
 
 def main(jobs_path: str, out_path: str) -> None:

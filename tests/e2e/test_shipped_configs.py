@@ -184,12 +184,14 @@ def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_fact
     export is one process's file for file, byte for byte; or it is refused at start-up naming why."""
     from forkserver import launch_ranks
 
-    jobs = []
+    jobs, transformers = [], {}
     for path in CONFIGS:
         model = load_config(path).model
         folder = tmp_path / path.stem
         folder.mkdir()
         sets = overrides(path, folder, tiny_model_factory(model.family, task=model.task), folder / "raw")
+        config = load_config(path, sets)
+        transformers[path.stem] = max(len(build_spec(config.model, config.buckets.fps).experts()), 1)
         jobs.append({"name": path.stem, "config": str(path), "sets": sets, "export": str(folder / "export")})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     log, out = tmp_path / "pp.log", tmp_path / "pp.json"
@@ -204,6 +206,7 @@ def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_fact
             continue
         assert result.get("started"), (name, result)
         assert result["finite"] and result["max_diff"] <= 1e-4 * max(result["scale"], 1.0), (name, result)
+        assert result["models"] == transformers[name], (name, result)  # a one-expert run's other expert too
         # The full-weight export of the stages (each tensor streamed from its stage) is one process's, byte for byte.
         exported = {side: {p.name: p.read_bytes() for p in (tmp_path / name / "export" / side).iterdir()}
                     for side in ("pp", "one")}
