@@ -6,8 +6,10 @@
   and their index) written tensor by tensor. The file layout and every tensor's byte range follow from
   the shapes and dtypes alone, so each file's header is written first; then every rank gathers one
   tensor at a time (the collective) and rank 0 appends its bytes. Nothing holds more than one whole
-  tensor. Tensors are written in the dtype `from_pretrained` loads them in (`model.dtype`, float32 for
-  the class's `_keep_in_fp32_modules`), not as the float32 master weights.
+  tensor. Under pipeline stages each tensor comes from the stage that holds it, in the one-process
+  order (parallel/pp_export.py), so the files are the ones one process writes. Tensors are written in
+  the dtype `from_pretrained` loads them in (`model.dtype`, float32 for the class's
+  `_keep_in_fp32_modules`), not as the float32 master weights.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from vt.shared.models.weights import DTYPES
 from vt.train.checkpoint import gather_full_state_dict
 from vt.train.parallel.pp import pipeline_split
+from vt.train.parallel.pp_export import StageStream
 
 SAFETENSORS_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 MAX_FILE_BYTES = 5 * 2**30  # per safetensors file; a larger model is split over several, with an index
@@ -53,16 +56,27 @@ def lora_states(model: nn.Module, adapter: str = "default") -> dict[str | None, 
 
 
 def write_full_weights(model: nn.Module, out_dir: Path, dtype_of, max_file_bytes: int = MAX_FILE_BYTES) -> Path:
-    """Write `model` (plain or sharded; every rank calls this) as a diffusers-layout folder `out_dir`.
-    `dtype_of(name, tensor)` is the dtype each floating tensor is written in."""
+    """Write `model` (plain, sharded or split into pipeline stages; every rank calls this) as a diffusers-layout
+    folder `out_dir`. `dtype_of(name, tensor)` is the dtype each floating tensor is written in."""
     out = Path(out_dir)
     state = model.state_dict()  # plain names (wrappers strip theirs); sharded tensors stay DTensors
-    if pipeline_split(model) is not None:  # pipeline stages: the whole model gathered on rank 0 first
-        state = gather_full_state_dict(model, trainable_only=False)
-    entries = []
-    for name, tensor in state.items():
-        dtype = dtype_of(name, tensor) if tensor.is_floating_point() else tensor.dtype
-        entries.append((name, tensor, dtype, tensor.numel() * torch.empty((), dtype=dtype).element_size()))
+    split = pipeline_split(model)
+    if split is not None:  # pipeline stages: each tensor streamed from its stage to the writer, in order
+        stream = StageStream(model, state, split, dtype_of)
+        entries, fetch = stream.entries, stream.fetch
+    else:
+        entries = []
+        for name, tensor in state.items():
+            dtype = dtype_of(name, tensor) if tensor.is_floating_point() else tensor.dtype
+            size = tensor.numel() * torch.empty((), dtype=dtype).element_size()
+            entries.append((name, tuple(tensor.shape), dtype, size))
+        dtypes = {name: dtype for name, _, dtype, _ in entries}
+
+        def fetch(name: str) -> torch.Tensor | None:
+            tensor = state[name]
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
+            return full.detach().to("cpu", dtypes[name]).contiguous().reshape(-1).view(torch.uint8) \
+                if _is_main() else None
     files = _split(entries, max_file_bytes)
     if _is_main():
         out.mkdir(parents=True, exist_ok=True)
@@ -73,12 +87,11 @@ def write_full_weights(model: nn.Module, out_dir: Path, dtype_of, max_file_bytes
         name = _file_name(index, len(files))
         handle = _open_with_header(out / name, group) if _is_main() else None
         try:
-            for _, tensor, dtype, _ in group:
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
+            for tensor_name, *_ in group:
+                data = fetch(tensor_name)
                 if handle is not None:
-                    data = full.detach().to("cpu", dtype).contiguous()
-                    handle.write(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-                del full
+                    handle.write(data.numpy().tobytes() if data.numel() else b"")
+                del data
         finally:
             if handle is not None:
                 handle.close()
@@ -110,8 +123,8 @@ def _file_name(index: int, count: int) -> str:
 def _open_with_header(path: Path, group: list):
     """`path` opened for writing, the safetensors header for `group` already written (8-byte aligned)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, tensor, dtype, size in group:
-        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(tensor.shape),
+    for name, shape, dtype, size in group:
+        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
                         "data_offsets": [offset, offset + size]}
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()

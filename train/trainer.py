@@ -189,9 +189,6 @@ class Trainer:
         self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.shards,
                                    autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
                                    extra_parts=self._untrained_experts)
-        if self.pipeline is not None and self.validator.enabled:
-            raise ValueError("validation renders with the whole transformer, which parallel.pp > 1 splits over "
-                             "stages; set parallel.pp = 1 for a run with validation prompts, or remove them")
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
         self.losses = LossWatch(self.world.comm_device)  # where the step's global loss is summed
@@ -224,6 +221,9 @@ class Trainer:
         pp = self.config.parallel.pp
         if pp == 1:
             return
+        if self.spec.pipeline_refusal:
+            raise ValueError(f"parallel.pp = {pp} with {self.spec.family}: {self.spec.pipeline_refusal}; set "
+                             "parallel.pp = 1")
         if self.config.model.audio:
             raise ValueError(f"parallel.pp = {pp} with model.audio: the audio stream's loss is not carried through "
                              "the pipeline stages; set parallel.pp = 1 to train sound")

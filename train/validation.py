@@ -10,7 +10,9 @@ No second copy and no text encoder:
 - every rank takes part: the prompts are dealt to the data-parallel ranks in rounds, ranks of one
   context- or tensor-parallel group render the same prompt, and a rank with no prompt left in a round
   renders a stand-in (the round's first prompt, kept as latents, never decoded or written) so the
-  sharded forwards stay in step. The rank at cp = tp = 0 of each group writes the video.
+  sharded forwards stay in step. The rank at cp = tp = pp = 0 of each group decodes and writes the video.
+- under pipeline parallel the stages of a group render the same prompt together: each transformer call
+  runs over the stages and every stage gets the last one's prediction (parallel/pp_validation.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from vt.shared.log import get_logger
 from vt.shared.models.spec import ModelSpec
 from vt.shared.validation_inputs import decode_conditions, image_input, pair_input, prompt_input
 from vt.shared.video_io import load_image, read_fitted, write_video
+from vt.train.parallel.pp_validation import staged_inference
 
 log = get_logger("vt.train.validation")
 
@@ -142,13 +145,15 @@ class Validator:
                                                       **self.extra_parts())
         pipeline = self._pipeline
         coordinate = self.world.dims.coordinate(self.world.rank)
-        writes = coordinate["cp"] == 0 and coordinate["tp"] == 0
+        writes = coordinate["cp"] == 0 and coordinate["tp"] == 0 and coordinate["pp"] == 0
+        decodes = coordinate["pp"] == 0  # the other stages only help denoise
         out_dir = self.config.run_dir / "validation" / f"step-{step:06d}"
         train = self.config.train
         was_training = transformer.training
         transformer.eval()
         held = hold_no_gathered_weights(transformer)
         paths = []
+        stages = [transformer, *self.extra_parts().values()]  # under parallel.pp > 1: run over the stages
         try:
             for round_index, index in enumerate(self.assignments()):
                 shown = index if index is not None else round_index * self.world.dims.dp  # a stand-in: any prompt
@@ -157,11 +162,11 @@ class Validator:
                 if self.controls:  # the prompt's control video
                     extra["control"] = self.controls[shown]
                 with torch.autocast(torch.device(device).type, dtype=self.autocast or torch.float32,
-                                    enabled=self.autocast is not None):
+                                    enabled=self.autocast is not None), staged_inference(stages, self.world.device):
                     frames, sound = self.spec.generate_clip(pipeline, None, self.bucket, train.validation_steps,
                                                             seed=train.seed + shown, image=image,
-                                                            conditions=conditions[shown], decode=index is not None,
-                                                            **extra)
+                                                            conditions=conditions[shown],
+                                                            decode=index is not None and decodes, **extra)
                 if index is None:
                     continue
                 if writes:

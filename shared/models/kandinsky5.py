@@ -66,6 +66,9 @@ class Kandinsky5Spec(ModelSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     # Text blocks run first, then the visual blocks: FSDP keeps the last visual block gathered for backward.
     block_lists: ClassVar[tuple[str, ...]] = ("text_transformer_blocks", "visual_transformer_blocks")
+    pipeline_refusal: ClassVar[str] = (
+        "its visual blocks take the visual tokens and, beside them, the text blocks' output, so the last text block's "
+        "output is not the next block's input, which is what a pipeline stage hands on")
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
                                                     "vae")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # rows past it never fed

@@ -64,6 +64,10 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # Attributes of the transformer holding its ModuleLists of repeated blocks, in the order they run: the
     # one list that FSDP, TP, CP, activation checkpointing and compile all walk (`named_blocks`).
     block_lists: ClassVar[tuple[str, ...]]
+    # Why pipeline stages (parallel.pp > 1) cannot split these blocks, if they cannot: a stage hands its last
+    # block's output on as the next stage's first block's input (vt.train.parallel.pp), so a transformer whose
+    # blocks take other blocks' outputs as side inputs is refused at start-up with this reason; "" where they can.
+    pipeline_refusal: ClassVar[str] = ""
     # Condition tensor -> the mask the transformer applies to its rows: rows past the mask's last
     # nonzero entry are padding it never reads, which stage 1 need not store (shared/caption_table.py).
     # Unnamed tensors lose only rows that are exactly zero, so their padding is kept bit for bit.

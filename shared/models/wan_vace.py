@@ -56,6 +56,9 @@ class WanVACESpec(WanSpec):
     # In running order: every VACE block runs before the first main block (their hints are added after the
     # main blocks of `vace_layers`), so FSDP keeps the last main block gathered for the backward, as for Wan.
     block_lists: ClassVar[tuple[str, ...]] = ("vace_blocks", "blocks")
+    pipeline_refusal: ClassVar[str] = (
+        "its VACE blocks run on the control tokens and each main block adds one VACE block's hint beside its input, "
+        "so a block's output is not the next block's whole input, which is what a pipeline stage hands on")
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
         *((rf"vace_blocks\.(\d+)\.{attn}\.{ours}", rf"vace_blocks.\1.{theirs}.{short}")
           for attn, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn"))

@@ -12,7 +12,7 @@ once and the trainer must finish with every sample trained once per epoch. For t
 (one per kind of training state: the default, one expert of two, both experts, a full fine-tune, two
 block lists, an audio-video transformer) the trainer is SIGKILLed right after its second checkpoint
 (after a validation) and resumed; the others' state is of those kinds. A new config is covered by
-adding the file.
+adding the file. `test_shipped_configs_start_under_pipeline_parallel` starts each under parallel.pp = 2.
 """
 
 from __future__ import annotations
@@ -168,3 +168,46 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
         if config.model.audio:  # the sound the run trained, with the frames
             assert all(read_sound(p) is not None for r in rounds for p in r.glob("*.mp4"))
             assert all(math.isfinite(m["audio_loss"]) for m in metrics.values())
+
+
+# Configs that parallel.pp = 2 refuses at start-up, with the words its message must carry.
+PP_REFUSED = {"kandinsky5_lite": "its visual blocks take", "kandinsky5_pro_i2v": "its visual blocks take",
+              "wan_vace": "its VACE blocks run on the control tokens",
+              "ltx2": "set parallel.pp = 1 to train sound", "minimax_h3": "set parallel.pp = 1 to train sound",
+              "wan22_i2v_a14b": "train one expert per run"}
+
+
+def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_factory):
+    """Every config in configs/ under parallel.pp = 2 (two gloo ranks, one launch for all): it starts (the model
+    laid out over the stages, validation prompts included), its transformer's forward run over the stages as
+    validation runs it equals the same model's forward in one piece (1e-4 of its scale), and the stages' full-weight
+    export is one process's file for file, byte for byte; or it is refused at start-up naming why."""
+    from forkserver import launch_ranks
+
+    jobs, transformers = [], {}
+    for path in CONFIGS:
+        model = load_config(path).model
+        folder = tmp_path / path.stem
+        folder.mkdir()
+        sets = overrides(path, folder, tiny_model_factory(model.family, task=model.task), folder / "raw")
+        config = load_config(path, sets)
+        transformers[path.stem] = max(len(build_spec(config.model, config.buckets.fps).experts()), 1)
+        jobs.append({"name": path.stem, "config": str(path), "sets": sets, "export": str(folder / "export")})
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    log, out = tmp_path / "pp.log", tmp_path / "pp.json"
+    ranks = launch_ranks(str(Path(__file__).parent / "pp_startup_worker.py"), 2, str(tmp_path / "jobs.json"), str(out),
+                         log=log)
+    finish(ranks, log, timeout=600)
+    results = json.loads(out.read_text())
+    assert set(results) == {p.stem for p in CONFIGS}
+    for name, result in results.items():
+        if name in PP_REFUSED:
+            assert "parallel.pp" in result.get("refused", "") and PP_REFUSED[name] in result["refused"], (name, result)
+            continue
+        assert result.get("started"), (name, result)
+        assert result["finite"] and result["max_diff"] <= 1e-4 * max(result["scale"], 1.0), (name, result)
+        assert result["models"] == transformers[name], (name, result)  # a one-expert run's other expert too
+        # The full-weight export of the stages (each tensor streamed from its stage) is one process's, byte for byte.
+        exported = {side: {p.name: p.read_bytes() for p in (tmp_path / name / "export" / side).iterdir()}
+                    for side in ("pp", "one")}
+        assert len(exported["one"]) > 2 and exported["pp"] == exported["one"], name  # config, index, several files

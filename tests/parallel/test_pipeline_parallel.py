@@ -70,7 +70,7 @@ def test_pipeline_refuses_sound_and_several_experts():
 
     def trainer(audio: bool, experts: dict):
         config = SimpleNamespace(parallel=SimpleNamespace(pp=2), model=SimpleNamespace(audio=audio))
-        return SimpleNamespace(config=config, spec=SimpleNamespace(trained_experts=experts))
+        return SimpleNamespace(config=config, spec=SimpleNamespace(trained_experts=experts, pipeline_refusal=""))
 
     with pytest.raises(ValueError, match="set parallel.pp = 1 to train sound"):
         Trainer._check_pipeline(trainer(True, {}))

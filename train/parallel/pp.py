@@ -27,6 +27,9 @@ summed over the pp ranks, so every stage steps them identically. The block param
 each, so the global gradient norm sums their squares over the stages. A checkpoint holds each
 parameter once under its own name (DCP deduplicates the replicated ones), so it resumes without PP or
 with another split.
+
+Inference (validation) runs each transformer call over the stages with plain sends instead of a schedule
+(pp_validation.py); a full-weight export streams each stage's tensors to the writer (pp_export.py).
 """
 
 from __future__ import annotations
@@ -253,8 +256,8 @@ class Pipeline:
 
 def gather_stages(state: dict[str, torch.Tensor], split: PipelineSplit) -> dict[str, torch.Tensor]:
     """Every stage's (full, CPU) `state` merged on global rank 0; {} on the other ranks. Object collectives
-    over the pp group: each stage's part travels whole, so this is for exports (adapters, or a model that
-    fits in rank 0's CPU memory), not for checkpoints (DCP writes each rank's part itself)."""
+    over the pp group: each stage's part travels whole, so this is for a LoRA's adapters, not for full
+    weights (pp_export.py streams them tensor by tensor) nor checkpoints (DCP writes each rank's part)."""
     parts = [None] * split.stages if dist.get_rank(split.group) == 0 else None  # each pp group's first stage
     dist.gather_object(state, parts, group=split.group, group_dst=0)
     if dist.get_rank() != 0:
