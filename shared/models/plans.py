@@ -34,6 +34,13 @@ class ContextParallelPlan:
     the outputs of `sequence_to_heads` switch from "my tokens, all heads" to "all tokens, my heads"
     and the input of `heads_to_sequence` switches back. Cross-attention keys and values come from
     the text, which is not split: its queries stay on the local tokens with all heads.
+
+    Joint attention (text tokens, held whole by every rank, attend together with the split video tokens):
+    the text's projections (`replicated_to_heads`) keep this rank's heads' channels, and the text's
+    attention output is gathered over heads at the input of `replicated_from_heads`. Where a processor
+    joins [video, text] before projecting, a `sequence_to_heads` output holds both (video first); an
+    attention without `heads_to_sequence` / `replicated_from_heads` (a pre-only one) has its returned
+    (video, text) pair switched back instead. Names an attention lacks are skipped.
     """
 
     split_inputs: dict[str, dict[str, int]]  # module ("" = the transformer) -> {argument name: sequence dim}
@@ -42,3 +49,6 @@ class ContextParallelPlan:
     sequence_to_heads: tuple[str, ...] = ("norm_q", "norm_k", "to_v")  # relative to an attention module
     heads_to_sequence: str = "to_out.0"
     channel_rope: str | None = None  # as in TensorParallelPlan: rotary tables over all heads' channels
+    replicated_to_heads: tuple[str, ...] = ()  # the whole (text) stream's q/k/v projections in joint attention
+    replicated_from_heads: str | None = None  # the whole stream's output projection
+    head_rope: str | None = None  # transformer submodule returning rotary tables (tokens, heads, channels)

@@ -29,18 +29,29 @@ LAYOUTS = {  # name -> mesh dims (sizes in the trainer's order)
     "fsdp2_cp2": {"dp_shard": 2, "cp": 2},
 }
 FFN = {"ltx-video": "ff", "wan": "ffn"}
+# Families with joint video + text attention, fed random stage-1 tensors of their `condition_shapes` at a
+# bucket whose token count divides by 4: (task, bucket, LoRA targets: both streams' attention and FFNs).
+JOINT = {
+    "hunyuan-video": ("t2v", (5, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                           "add_v_proj", "to_add_out", "ff.net.0.proj", "ff_context.net.2")),
+}
+TEXT_TOKENS = 8
 
 
 def _spec(family: str, model_dir):
     from vt.shared.config import ModelConfig
     from vt.shared.models import build_spec
 
-    return build_spec(ModelConfig(family=family, path=str(model_dir), task="i2v" if family == "ltx-video" else "t2v"), frame_rate=8.0)
+    task = "i2v" if family == "ltx-video" else JOINT[family][0] if family in JOINT else "t2v"
+    extra = {"max_text_tokens": TEXT_TOKENS} if family in JOINT else {}
+    return build_spec(ModelConfig(family=family, path=str(model_dir), task=task, **extra), frame_rate=8.0)
 
 
-def _batch(family: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _batch(family: str, spec=None) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Two samples: latents, text (with padding), sigmas, noise; LTX i2v adds the first-frame latents."""
     g = torch.Generator().manual_seed(7)
+    if family in JOINT:
+        return _joint_batch(spec, JOINT[family][1], g)
     grid = (3, 4, 4) if family == "ltx-video" else (2, 8, 8)  # 48 and 32 tokens: divide by cp x tp = 4
     latents = torch.randn(2, 16, *grid, generator=g)
     embeds = torch.randn(2, 8, 64, generator=g)
@@ -54,10 +65,24 @@ def _batch(family: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return batch, sigmas, torch.randn(latents.shape, generator=g)
 
 
+def _joint_batch(spec, bucket: tuple[int, int, int], g: torch.Generator) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Random tensors of the spec's stage-1 shapes; each text mask pads the second sample's last 3 tokens."""
+    from vt.shared.buckets import Bucket
+
+    shapes = spec.condition_shapes(Bucket(*bucket))
+    batch = {key: torch.randn(2, *shape, generator=g) for key, shape in shapes.items()}
+    for embeds, mask in spec.text_masks.items():
+        batch[mask] = torch.ones(2, shapes[mask][0])
+        batch[mask][1, -3:] = 0
+        batch[embeds] = batch[embeds] * batch[mask][..., None]
+    return batch, torch.tensor([0.3, 0.8]), torch.randn(batch["latents"].shape, generator=g)
+
+
 def _lora_model(spec, family: str):
     """The tiny transformer with LoRA on attention and FFN, its factors drawn from a fixed seed."""
     model = spec.load_transformer()
-    targets = ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
+    targets = list(JOINT[family][2]) if family in JOINT else \
+        ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
     spec.add_lora(model, rank=4, alpha=4.0, targets=targets)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -113,7 +138,7 @@ def _run_layout(family: str, model_dir: str, layout: str) -> dict:
     dims = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
     spec = _spec(family, model_dir)
-    batch, sigmas, noise = _batch(family)
+    batch, sigmas, noise = _batch(family, spec)
     model = _lora_model(spec, family)
     if "tp" in dims:
         apply_tp(model, spec, mesh["tp"])
@@ -176,7 +201,7 @@ def reference(tiny_model_factory):
         if family not in cache:
             model_dir = tiny_model_factory(family)
             spec = _spec(family, model_dir)
-            cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family)))
+            cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family, spec)))
         return cache[family]
 
     return get
@@ -218,7 +243,10 @@ WORLD4 = (4, ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"])
 # Wan's world-4 combinations train with LoRA in the trainer-level parity runs (test_parity.py) already;
 # LTX's run there as full fine-tunes of t2v, so its LoRA + i2v combinations are checked here.
 CASES = {"ltx-video-world2": ("ltx-video", *WORLD2), "ltx-video-world4": ("ltx-video", *WORLD4),
-         "wan-world2": ("wan", *WORLD2)}
+         "wan-world2": ("wan", *WORLD2),
+         # Joint attention: the text whole on every cp rank (its heads' q/k/v, its output gathered over heads).
+         "hunyuan-video-world2": ("hunyuan-video", 2, ["cp2"]),
+         "hunyuan-video-world4": ("hunyuan-video", 4, ["fsdp2_cp2"])}
 
 
 @pytest.mark.parametrize("family, world, layouts", list(CASES.values()), ids=list(CASES))

@@ -35,9 +35,11 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.tp import APPLIED_ATTR, slice_rope_channels
-from vt.train.parallel.ulysses import gather_sequence, heads_to_sequence, sequence_to_heads, split_sequence
+from vt.train.parallel.ulysses import (gather_heads, gather_sequence, heads_to_sequence, local_heads, sequence_to_heads,
+                                      split_sequence)
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +60,11 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         module.register_forward_pre_hook(_split_arguments(module, arguments, group), with_kwargs=True)
     for where, block in spec.named_blocks(transformer):
         for name in plan.self_attention:
-            _make_ulysses(block.get_submodule(name), plan.sequence_to_heads, plan.heads_to_sequence, group,
-                          f"{where}.{name}")
+            _make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}")
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
+    if plan.head_rope:
+        slice_rope_channels(transformer.get_submodule(plan.head_rope), cp_mesh, dim=-2)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
         lambda module, args, output: gather_sequence(output, 1, group))
     setattr(transformer, APPLIED_ATTR, applied + ["cp"])
@@ -96,21 +99,67 @@ def _split_if_sequence(value, dim: int, group: dist.ProcessGroup):
     return split_sequence(value, dim, group)
 
 
-def _make_ulysses(attn: nn.Module, to_heads: tuple[str, ...], to_sequence: str, group: dist.ProcessGroup,
-                  where: str) -> None:
+def _make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str) -> None:
     size = dist.get_world_size(group)
     if attn.heads % size:
         raise ValueError(f"{where} has {attn.heads} attention heads on this rank, which do not divide over "
                          f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count")
     attn.heads //= size
-    for name in to_heads:
-        attn.get_submodule(name).register_forward_hook(lambda module, args, output: sequence_to_heads(output, group))
+    held = {"split": 0, "whole": 0}  # this call's token counts: split (video) and whole (joint text)
+    joint = bool(plan.replicated_to_heads)
+    if joint:
+        attn.register_forward_pre_hook(_count_tokens(held), with_kwargs=True)
+
+    def to_heads(module, args, output):
+        if held["whole"] and output.shape[1] == held["split"] + held["whole"]:  # [video, text] projected together
+            split, whole = output.split([held["split"], held["whole"]], dim=1)
+            return torch.cat([sequence_to_heads(split, group), local_heads(whole, group)], dim=1)
+        return sequence_to_heads(output, group)
+
+    for name in plan.sequence_to_heads:
+        attn.get_submodule(name).register_forward_hook(to_heads)
+    for name in plan.replicated_to_heads:
+        if (module := _optional(attn, name)) is not None:
+            module.register_forward_hook(lambda module, args, output: local_heads(output, group))
     # prepend: the all-to-all must see this rank's plain local tensor. When the output projection is
     # itself a row-wise TP Linear (full fine-tuning; with LoRA the style sits on its base_layer), its
     # own input pre-hook, registered earlier by apply_tp, wraps the input as a DTensor (Shard(-1) on
     # the tp mesh); run the sequence switch before that, as it would run with tp = 1.
-    attn.get_submodule(to_sequence).register_forward_pre_hook(
-        lambda module, args: (heads_to_sequence(args[0], group), *args[1:]), prepend=True)
+    to_sequence = _optional(attn, plan.heads_to_sequence)
+    if to_sequence is not None:
+        to_sequence.register_forward_pre_hook(
+            lambda module, args: (heads_to_sequence(args[0], group), *args[1:]), prepend=True)
+    gather_from = _optional(attn, plan.replicated_from_heads) if joint else None
+    if gather_from is not None:
+        gather_from.register_forward_pre_hook(lambda module, args: (gather_heads(args[0], group), *args[1:]),
+                                              prepend=True)
+    if to_sequence is None or (joint and gather_from is None):  # a pre-only attention returns (video, text)
+        def switch_back(module, args, output):
+            video, text = output if isinstance(output, tuple) else (output, None)
+            video = heads_to_sequence(video, group) if to_sequence is None else video
+            text = gather_heads(text, group) if joint and gather_from is None and text is not None else text
+            return (video, text) if isinstance(output, tuple) else video
+        attn.register_forward_hook(switch_back)
+
+
+def _count_tokens(held: dict):
+    """A pre-hook on a joint attention noting its split (hidden_states) and whole (encoder_hidden_states) lengths."""
+    def count(module, args, kwargs):
+        video = kwargs.get("hidden_states", args[0] if args else None)
+        text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
+        held["split"] = video.shape[1]
+        held["whole"] = text.shape[1] if isinstance(text, Tensor) else 0
+    return count
+
+
+def _optional(module: nn.Module, name: str | None) -> nn.Module | None:
+    """module.name, or None where the module has no such (or a None) submodule."""
+    if not name:
+        return None
+    try:
+        return module.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def average_gradients(module: nn.Module, mesh: DeviceMesh) -> None:

@@ -112,16 +112,17 @@ def _local_split(style: ParallelStyle) -> ParallelStyle:
     return style
 
 
-def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep this rank's chunk of the last dim of every tensor `rope` returns (rank order, as the heads)."""
+def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh, dim: int = -1) -> None:
+    """Keep this rank's chunk of `dim` (the channels, or the heads) of every tensor `rope` returns (rank order,
+    as the heads)."""
     size, rank = mesh.size(), mesh.get_local_rank()
 
     def keep_local_channels(module, args, output):
         def cut(t):
-            if t.shape[-1] % size:
-                raise ValueError(f"rotary tables of {t.shape[-1]} channels do not split over {size} ranks")
-            width = t.shape[-1] // size
-            return t.narrow(-1, rank * width, width)
+            if t.shape[dim] % size:
+                raise ValueError(f"rotary tables of {t.shape[dim]} channels or heads do not split over {size} ranks")
+            width = t.shape[dim] // size
+            return t.narrow(dim, rank * width, width)
 
         return tuple(cut(t) for t in output) if isinstance(output, (tuple, list)) else cut(output)
 

@@ -11,7 +11,10 @@ refuses to run under compile). Their gradients:
 - `sequence_to_heads` / `heads_to_sequence`: the reverse all-to-all;
 - `gather_sequence`: each rank keeps its own slice of the output gradient, times the group size
   (see its docstring for why);
-- `all_reduce_sum`: the gradient is all-reduced too (each rank's input reaches every rank's output).
+- `all_reduce_sum`: the gradient is all-reduced too (each rank's input reaches every rank's output);
+- `local_heads` / `gather_heads` (a stream every cp rank holds whole, e.g. joint attention's text): a
+  slice of this rank's heads' channels (gradient zero elsewhere), and an all-gather of every rank's heads
+  whose gradient is reduce-scattered (summed over the ranks that used each rank's heads).
 """
 
 from __future__ import annotations
@@ -113,3 +116,23 @@ def all_reduce_sum(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """Sum of `x` over the group, on every rank. The gradient is summed too: each rank's output
     depends on every rank's input, and each rank's downstream gradient is its own share."""
     return _AllReduceSum.apply(x, group)
+
+
+def local_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(B, T, C) held whole by every rank -> (B, T, C/P): this rank's channel chunk (its heads), no communication."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if x.shape[-1] % size:
+        raise ValueError(f"Ulysses attention splits {x.shape[-1]} channels over {size} ranks; they must divide")
+    width = x.shape[-1] // size
+    return x.narrow(-1, rank * width, width)
+
+
+def gather_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """(B, T, C/P) of this rank's heads -> (B, T, C) of all heads, in rank order, on every rank.
+
+    Backward reduce-scatters: rank r's heads receive the sum of every rank's gradient for them. With the
+    context-parallel convention (the gradients of a stream held whole add up over the ranks to P x the
+    single-process gradient), that is P x the true gradient of rank r's heads, as for the split tokens.
+    """
+    gathered = _wait(funcol.all_gather_single_autograd(x.movedim(-1, 0).contiguous(), 0, group))
+    return gathered.movedim(0, -1)
