@@ -59,17 +59,17 @@ FAMILY_LAYOUTS = {
     # No CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
     # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs.
     "cogvideox": ["fsdp-2", "tp-2"],
-    # No TP or CP plan (fused single-block projections; joint text + video attention with a text mask).
-    "hunyuan-video": ["fsdp-2"],
+    # No TP plan (fused single-block projections); CP splits the video, the joint attention's text stays whole.
+    "hunyuan-video": ["fsdp-2", "cp-2"],
     # HunyuanVideo I2V (conftest VARIANTS; token_replace): other block classes (each block modulates the
     # first frame's tokens at timestep 0), the per-sample Llava text and the first frame's zero loss weight.
     "hunyuan-video-i2v": ["fsdp-2"],
-    # TP splits both streams' heads of its double blocks; no CP plan (joint video + image + glyph + text
-    # attention, its padding mask built in the processor). The ltx/wan rows cover the TP compositions. TP
-    # runs on i2v (conftest VARIANTS), whose joint attention also holds the first frame's image tokens: the
-    # same blocks and plan as t2v, whose image tokens are none.
+    # TP splits both streams' heads of its double blocks; CP the video tokens, the joint attention's image,
+    # glyph and text tokens staying whole on each rank. The ltx/wan rows cover the compositions. TP and CP
+    # run on i2v (conftest VARIANTS), whose joint attention also holds the first frame's image tokens: the
+    # same blocks and plans as t2v, whose image tokens are none.
     "hunyuan-video-1.5": ["fsdp-2"],
-    "hunyuan-video-1.5-i2v": ["tp-2"],
+    "hunyuan-video-1.5-i2v": ["tp-2", "cp-2"],
     # No TP or CP plan: both would have to split its audio stream and audio-video cross-attention too.
     "ltx-2": ["fsdp-2"],
     # LTX-2 training video and sound (conftest VARIANTS): both streams and the cross-attention train; the audio
