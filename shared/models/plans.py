@@ -52,3 +52,5 @@ class ContextParallelPlan:
     replicated_to_heads: tuple[str, ...] = ()  # the whole (text) stream's q/k/v projections in joint attention
     replicated_from_heads: str | None = None  # the whole stream's output projection
     head_rope: str | None = None  # transformer submodule returning rotary tables (tokens, heads, channels)
+    block_lists: tuple[str, ...] = ()  # the block lists whose `self_attention` sees the split tokens (empty: all)
+    heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one

@@ -94,7 +94,7 @@ FAMILY_LAYOUTS = {
     # Kandinsky 5 I2V (conftest VARIANTS): no TP or CP plan (docs/parallel.md); FSDP2 over its text and visual
     # block lists, the transformer called once per sample of each rank's slice (several forwards before
     # one backward), the image latents and the first frame's zero loss weight split like the latents.
-    "kandinsky5-i2v": ["fsdp-2"],
+    "kandinsky5-i2v": ["fsdp-2", "cp-2"],
     # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
     # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
     "wan-vace": ["fsdp-2"],
@@ -106,7 +106,11 @@ FAMILY_LAYOUTS = {
 # block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out
 # 1.04e-4 from one process's under FSDP2 on some CPUs (its gradient summed over 2 ranks in another order; the
 # same before and after issue 17's data path, and 1e-4 on others).
-WEIGHTS_REL = {"skyreels-v2-df": 2e-4}
+# Kandinsky 5 under CP (a row id: that layout only): its attention rounds the rotated queries and keys to bfloat16,
+# so their gradients pass through bfloat16 too, and CP sums a sample's dQ/dK over the tokens in two parts; an
+# fp32 last-bit difference there flips some bfloat16 roundings, and AdamW's first steps carry those elements into
+# the LoRA factors (text block query LoRA B 1.1e-3 apart; losses and gradient norms within 1e-4).
+WEIGHTS_REL = {"skyreels-v2-df": 2e-4, "cp-2-kandinsky5-i2v": 2e-3}
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))
          for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
@@ -118,7 +122,8 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
     config = run_config(tmp_path, family, layout)
     finish(torchrun(config, nproc, *overrides, log=tmp_path / "run.log"), tmp_path / "run.log")
 
-    assert_same_training(tmp_path / layout, reference(family), weights_rel=WEIGHTS_REL.get(family))
+    weights_rel = WEIGHTS_REL.get(f"{layout}-{family}", WEIGHTS_REL.get(family))
+    assert_same_training(tmp_path / layout, reference(family), weights_rel=weights_rel)
     degrees = dict(o.removeprefix("parallel.").split("=") for o in overrides if "activation" not in o)
     degrees = AUTO_PICKS.get(layout, degrees)
     dims = ParallelDims(**{k: int(v) for k, v in degrees.items()}, world_size=nproc)

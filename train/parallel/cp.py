@@ -59,6 +59,8 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         module = transformer.get_submodule(path) if path else transformer
         module.register_forward_pre_hook(_split_arguments(module, arguments, group), with_kwargs=True)
     for where, block in spec.named_blocks(transformer):
+        if plan.block_lists and where.rpartition(".")[0] not in plan.block_lists:
+            continue  # e.g. text-only blocks, which every rank runs whole
         for name in plan.self_attention:
             _make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}")
     if plan.channel_rope:
@@ -100,11 +102,11 @@ def _split_if_sequence(value, dim: int, group: dist.ProcessGroup):
 
 
 def _make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str) -> None:
-    size = dist.get_world_size(group)
-    if attn.heads % size:
-        raise ValueError(f"{where} has {attn.heads} attention heads on this rank, which do not divide over "
+    size, heads = dist.get_world_size(group), getattr(attn, plan.heads_attribute)
+    if heads % size:
+        raise ValueError(f"{where} has {heads} attention heads on this rank, which do not divide over "
                          f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count")
-    attn.heads //= size
+    setattr(attn, plan.heads_attribute, heads // size)
     held = {"split": 0, "whole": 0}  # this call's token counts: split (video) and whole (joint text)
     joint = bool(plan.replicated_to_heads)
     if joint:
