@@ -78,9 +78,10 @@ FAMILY_LAYOUTS = {
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
     # tokens join the text, which is not split); the wan rows cover the combined layouts.
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],
-    # No TP or CP plan (SwiGLU [hidden, gate] in one projection, per-head rotary tables, joint video +
-    # text attention that drops each sample's padded text tokens); conftest BUCKETS: 7 frames.
-    "mochi": ["fsdp-2"],
+    # No TP plan (SwiGLU [hidden, gate] in one projection); CP splits the video, the joint attention's text
+    # (each sample's unpadded tokens) stays whole, the per-head rotary tables are cut to each rank's heads;
+    # conftest BUCKETS: 7 frames.
+    "mochi": ["fsdp-2", "cp-2"],
     # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels; the cogvideox rows
     # cover its plans.
     "cogvideox-i2v": ["fsdp-2"],
@@ -91,7 +92,7 @@ FAMILY_LAYOUTS = {
     # data-parallel slicing draws what one process draws; its transformer's blocks are Wan's (TP as the wan
     # rows), its DF CP plan (per-frame modulations split per block) is checked in tests/shared/test_skyreels_v2.py.
     "skyreels-v2-df": ["fsdp-2"],
-    # Kandinsky 5 I2V (conftest VARIANTS): no TP or CP plan (docs/parallel.md); FSDP2 over its text and visual
+    # Kandinsky 5 I2V (conftest VARIANTS): no TP plan, CP on the visual blocks (docs/parallel.md); FSDP2 over its text and visual
     # block lists, the transformer called once per sample of each rank's slice (several forwards before
     # one backward), the image latents and the first frame's zero loss weight split like the latents.
     "kandinsky5-i2v": ["fsdp-2", "cp-2"],
