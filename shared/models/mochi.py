@@ -128,12 +128,12 @@ class MochiSpec(ModelSpec):
         """Split the video tokens where the first block receives them, gather after proj_out. The attention is
         joint over [video, that sample's unpadded text]: the text, whole on each rank, keeps its heads' q/k/v
         and gathers its heads' output; the rotary tables are per head (tokens, heads, D / 2): each rank keeps
-        its heads' (`head_rope`)."""
+        its heads' (`rope_heads`)."""
         return ContextParallelPlan(
             split_inputs={"transformer_blocks.0": {"hidden_states": 1}}, gather_output="proj_out",
             self_attention=("attn1",), sequence_to_heads=("to_q", "to_k", "to_v"),
             replicated_to_heads=("add_q_proj", "add_k_proj", "add_v_proj"), replicated_from_heads="to_add_out",
-            head_rope="rope")
+            rope_heads={"rope": -2})
 
     def pipeline_inputs(self, prompt: str, bucket, steps: int, seed: int, image=None) -> dict:
         """As the base class; MochiPipeline's sigma schedule (`linear_quadratic_schedule`) divides by

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,8 @@ class ContextParallelPlan:
     channel_rope: str | None = None  # as in TensorParallelPlan: rotary tables over all heads' channels
     replicated_to_heads: tuple[str, ...] = ()  # the whole (text) stream's q/k/v projections in joint attention
     replicated_from_heads: str | None = None  # the whole stream's output projection
-    head_rope: str | None = None  # transformer submodule returning rotary tables (tokens, heads, channels)
+    # transformer submodules returning rotary tables laid out by head -> the dim holding the heads: each rank
+    # keeps its own (Mochi's (tokens, heads, D/2): -2; LTX-2's split tables (B, heads, tokens, D/2): -3)
+    rope_heads: dict[str, int] = field(default_factory=dict)
     block_lists: tuple[str, ...] = ()  # the block lists whose `self_attention` sees the split tokens (empty: all)
     heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one

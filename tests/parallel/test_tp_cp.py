@@ -39,6 +39,8 @@ JOINT = {
                                                "ff.net.0.proj", "ff_context.net.2")),
     # Not joint (visual self-attention, cross-attention to the text blocks' output), but fed the same way.
     "mochi": ("t2v", (7, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ff.net.0.proj")),
+    # Video only (the audio stream isolated); i2v: per-token timesteps split with the tokens, split rotary tables.
+    "ltx-2": ("i2v", (9, 64, 64), ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj")),
     "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer", "feed_forward.in_layer")),
 }
 TEXT_TOKENS = 8
@@ -264,7 +266,8 @@ CASES = {"ltx-video-world2": ("ltx-video", *WORLD2), "ltx-video-world4": ("ltx-v
          "hunyuan-video-1.5-world2": ("hunyuan-video-1.5", 2, ["cp2"]),
          "hunyuan-video-1.5-world4": ("hunyuan-video-1.5", 4, ["fsdp2_cp2"]),
          "kandinsky5-world2": ("kandinsky5", 2, ["cp2"]), "kandinsky5-world4": ("kandinsky5", 4, ["fsdp2_cp2"]),
-         "mochi-world2": ("mochi", 2, ["cp2"]), "mochi-world4": ("mochi", 4, ["fsdp2_cp2"])}
+         "mochi-world2": ("mochi", 2, ["cp2"]), "mochi-world4": ("mochi", 4, ["fsdp2_cp2"]),
+         "ltx-2-world2": ("ltx-2", 2, ["cp2"]), "ltx-2-world4": ("ltx-2", 4, ["fsdp2_cp2"])}
 
 
 @pytest.mark.parametrize("family, world, layouts", list(CASES.values()), ids=list(CASES))

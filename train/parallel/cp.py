@@ -65,8 +65,8 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
             _make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}")
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
-    if plan.head_rope:
-        slice_rope_channels(transformer.get_submodule(plan.head_rope), cp_mesh, dim=-2)
+    for rope, dim in plan.rope_heads.items():
+        slice_rope_channels(transformer.get_submodule(rope), cp_mesh, dim)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
         lambda module, args, output: gather_sequence(output, 1, group))
     setattr(transformer, APPLIED_ATTR, applied + ["cp"])
@@ -118,8 +118,11 @@ def _make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.Proces
             return torch.cat([sequence_to_heads(split, group), local_heads(whole, group)], dim=1)
         return sequence_to_heads(output, group)
 
-    for name in plan.sequence_to_heads:
-        attn.get_submodule(name).register_forward_hook(to_heads)
+    found = [module for name in plan.sequence_to_heads if (module := _optional(attn, name)) is not None]
+    if not found:
+        raise ValueError(f"{where} has none of {plan.sequence_to_heads}; fix the family's cp_plan()")
+    for module in found:  # optional ones (e.g. gate logits per head) are skipped where an attention lacks them
+        module.register_forward_hook(to_heads)
     for name in plan.replicated_to_heads:
         if (module := _optional(attn, name)) is not None:
             module.register_forward_hook(lambda module, args, output: local_heads(output, group))
