@@ -67,7 +67,7 @@ from vt.shared.config import ModelConfig
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
 from vt.shared.models.mel import log_mel
-from vt.shared.models.plans import ContextParallelPlan
+from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
 from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_gemma_tokenizer, save_tiny, seeded
 from vt.shared.video_io import Sound
@@ -320,17 +320,18 @@ class LTX2Spec(ModelSpec):
         """Split the packed video tokens and their per-token timesteps (i2v) at the input, gather after proj_out;
         the video self-attention switches to heads (its query/key norms span all heads, its gate logits are per
         head). The rotary tables are the whole grid's: "split" ones are laid out (B, heads, tokens, D / 2),
-        "interleaved" ones over all heads' channels; each rank keeps its heads'. Video-only runs isolate the
-        audio stream (its one silent token never meets the video)."""
-        if self.config.audio:
-            raise NotImplementedError("family 'ltx-2' with model.audio has no CP plan: each audio token attends to "
-                                      "every video token (video_to_audio_attn); set parallel.cp = 1 and scale out "
-                                      "with data parallelism (parallel.dp_shard)")
+        "interleaved" ones over all heads' channels; each rank keeps its heads'. The audio stream (short: 25
+        tokens a second) stays whole on every rank: its self-attention runs whole, the audio-to-video attention
+        (video queries) needs only its queries' rotary table cut to the rank's tokens, and the video-to-audio
+        one (audio queries over every video token) takes this rank's heads of the audio queries and of the
+        video keys and values over all tokens, then gathers the heads. Video-only runs isolate the audio."""
         split = self.load_config("transformer").get("rope_type", "interleaved") == "split"
+        cross = CrossStreamPlan(queries_whole=("video_to_audio_attn",), queries_split=("audio_to_video_attn",),
+                                rope_dims=(-2, -3) if split else (-2, -1))
         return ContextParallelPlan(
             split_inputs={"": {"hidden_states": 1, "timestep": 1}}, gather_output="proj_out", self_attention=("attn1",),
             sequence_to_heads=("norm_q", "norm_k", "to_v", "to_gate_logits"),
-            rope_heads={"rope": -3} if split else {}, channel_rope=None if split else "rope")
+            rope_heads={"rope": -3} if split else {}, channel_rope=None if split else "rope", cross_stream=cross)
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:

@@ -25,6 +25,19 @@ class TensorParallelPlan:
 
 
 @dataclass(frozen=True)
+class CrossStreamPlan:
+    """Attentions between the split tokens and a stream every cp rank holds whole (LTX-2's audio); names of
+    attentions relative to a block, of projections relative to an attention."""
+
+    queries_whole: tuple[str, ...]  # queries from the whole stream, keys/values from the split tokens
+    queries_split: tuple[str, ...]  # queries from the split tokens, keys/values from the whole stream
+    whole_queries: tuple[str, ...] = ("norm_q", "to_gate_logits")  # the whole stream's side: this rank's heads
+    split_keys: tuple[str, ...] = ("norm_k", "to_v")  # the split side: switched to all tokens, this rank's heads
+    rope_arguments: tuple[str, str] = ("query_rotary_emb", "key_rotary_emb")  # the attentions' rotary tables
+    rope_dims: tuple[int, int] = (-2, -1)  # their (tokens, heads) dims; heads -1: over all heads' channels
+
+
+@dataclass(frozen=True)
 class ContextParallelPlan:
     """How context parallel splits the token sequence (Ulysses); names are relative to the transformer.
 
@@ -56,3 +69,4 @@ class ContextParallelPlan:
     rope_heads: dict[str, int] = field(default_factory=dict)
     block_lists: tuple[str, ...] = ()  # the block lists whose `self_attention` sees the split tokens (empty: all)
     heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one
+    cross_stream: CrossStreamPlan | None = None

@@ -74,8 +74,9 @@ FAMILY_LAYOUTS = {
     # video tokens of a video-only run (the audio stream isolated), its split rotary tables cut by heads.
     "ltx-2": ["fsdp-2", "cp-2"],
     # LTX-2 training video and sound (conftest VARIANTS): both streams and the cross-attention train; the audio
-    # latents and their noise split over data-parallel ranks with the samples. No CP (LTX2Spec.cp_plan says why).
-    "ltx-2-audio": ["ddp-2", "fsdp-2"],
+    # latents and their noise split over data-parallel ranks with the samples. CP splits the video and keeps the
+    # audio whole on every rank (LTX2Spec.cp_plan): the full fine-tune covers both cross-stream attentions.
+    "ltx-2-audio": ["ddp-2", "fsdp-2", "cp-2"],
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
     # tokens join the text, which is not split); the wan rows cover the combined layouts.
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],

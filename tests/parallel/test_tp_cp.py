@@ -41,9 +41,15 @@ JOINT = {
     "mochi": ("t2v", (7, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ff.net.0.proj")),
     # Video only (the audio stream isolated); i2v: per-token timesteps split with the tokens, split rotary tables.
     "ltx-2": ("i2v", (9, 64, 64), ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj")),
+    # With audio (whole on every rank): the cross-stream attentions in both directions and the audio stream train.
+    "ltx-2-audio": ("t2v", (9, 64, 64), ("attn1.to_q", "attn1.to_out.0", "video_to_audio_attn.to_q",
+                                         "video_to_audio_attn.to_k", "video_to_audio_attn.to_v",
+                                         "video_to_audio_attn.to_out.0", "audio_to_video_attn.to_q",
+                                         "audio_to_video_attn.to_k", "audio_attn1.to_q", "audio_ff.net.0.proj")),
     "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer", "feed_forward.in_layer")),
 }
 TEXT_TOKENS = 8
+VARIANTS = {"ltx-2-audio": ("ltx-2", {"audio": True})}  # key -> (family, model settings)
 
 
 def _spec(family: str, model_dir):
@@ -51,7 +57,9 @@ def _spec(family: str, model_dir):
     from vt.shared.models import build_spec
 
     extra = {"max_text_tokens": TEXT_TOKENS} if family in JOINT else {}
-    return build_spec(ModelConfig(family=family, path=str(model_dir), task=_task(family), **extra), frame_rate=8.0)
+    name, settings = VARIANTS.get(family, (family, {}))
+    return build_spec(ModelConfig(family=name, path=str(model_dir), task=_task(family), **extra, **settings),
+                      frame_rate=8.0)
 
 
 def _task(family: str) -> str:
@@ -86,6 +94,8 @@ def _joint_batch(spec, bucket: tuple[int, int, int], g: torch.Generator) -> tupl
         batch[mask] = torch.ones(2, shapes[mask][0])
         batch[mask][1, -3:] = 0
         batch[embeds] = batch[embeds] * batch[mask][..., None]
+    if "audio_latents" in batch:  # the trainer draws the audio noise per sample
+        batch["audio_noise"] = torch.randn(batch["audio_latents"].shape, generator=g)
     return batch, torch.tensor([0.3, 0.8]), torch.randn(batch["latents"].shape, generator=g)
 
 
@@ -104,13 +114,13 @@ def _lora_model(spec, family: str):
 
 def _train(spec, model, batch, sigmas, noise, sync=None) -> dict:
     """STEPS AdamW steps; losses, the first step's LoRA gradients and the final LoRA weights (full tensors)."""
-    from vt.train.objectives import flow_matching_loss
+    from vt.train.objectives import joint_loss
 
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-3, weight_decay=0.01)
     losses, grads = [], {}
     for step in range(STEPS):
-        loss = flow_matching_loss(spec.forward(model, batch, sigmas, noise))
+        loss = joint_loss(spec.forward(model, batch, sigmas, noise), 1.0)[0]  # with audio: its loss too
         loss.backward()
         if sync is not None:
             sync()
@@ -210,7 +220,8 @@ def reference(tiny_model_factory):
 
     def get(family):
         if family not in cache:
-            model_dir = tiny_model_factory(family, task="t2v" if family == "ltx-video" else _task(family))
+            task = "t2v" if family == "ltx-video" else _task(family)
+            model_dir = tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
             spec = _spec(family, model_dir)
             cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family, spec)))
         return cache[family]
@@ -267,7 +278,8 @@ CASES = {"ltx-video-world2": ("ltx-video", *WORLD2), "ltx-video-world4": ("ltx-v
          "hunyuan-video-1.5-world4": ("hunyuan-video-1.5", 4, ["fsdp2_cp2"]),
          "kandinsky5-world2": ("kandinsky5", 2, ["cp2"]), "kandinsky5-world4": ("kandinsky5", 4, ["fsdp2_cp2"]),
          "mochi-world2": ("mochi", 2, ["cp2"]), "mochi-world4": ("mochi", 4, ["fsdp2_cp2"]),
-         "ltx-2-world2": ("ltx-2", 2, ["cp2"]), "ltx-2-world4": ("ltx-2", 4, ["fsdp2_cp2"])}
+         "ltx-2-world2": ("ltx-2", 2, ["cp2"]), "ltx-2-world4": ("ltx-2", 4, ["fsdp2_cp2"]),
+         "ltx-2-audio-world2": ("ltx-2-audio", 2, ["cp2"]), "ltx-2-audio-world4": ("ltx-2-audio", 4, ["fsdp2_cp2"])}
 
 
 @pytest.mark.parametrize("family, world, layouts", list(CASES.values()), ids=list(CASES))

@@ -35,11 +35,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.tp import APPLIED_ATTR, slice_rope_channels
-from vt.train.parallel.ulysses import (gather_heads, gather_sequence, heads_to_sequence, local_heads, sequence_to_heads,
-                                      split_sequence)
+from vt.train.parallel.ulysses import gather_sequence, split_sequence
+from vt.train.parallel.ulysses_attention import make_split_queries, make_ulysses, make_whole_queries
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +61,12 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         if plan.block_lists and where.rpartition(".")[0] not in plan.block_lists:
             continue  # e.g. text-only blocks, which every rank runs whole
         for name in plan.self_attention:
-            _make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}")
+            make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}")
+        if plan.cross_stream is not None:
+            for name in plan.cross_stream.queries_whole:
+                make_whole_queries(block.get_submodule(name), plan, group, f"{where}.{name}")
+            for name in plan.cross_stream.queries_split:
+                make_split_queries(block.get_submodule(name), plan.cross_stream, group)
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
     for rope, dim in plan.rope_heads.items():
@@ -99,72 +103,6 @@ def _split_if_sequence(value, dim: int, group: dist.ProcessGroup):
     if not isinstance(value, Tensor) or value.ndim <= dim or value.shape[dim] == 1:
         return value
     return split_sequence(value, dim, group)
-
-
-def _make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str) -> None:
-    size, heads = dist.get_world_size(group), getattr(attn, plan.heads_attribute)
-    if heads % size:
-        raise ValueError(f"{where} has {heads} attention heads on this rank, which do not divide over "
-                         f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count")
-    setattr(attn, plan.heads_attribute, heads // size)
-    held = {"split": 0, "whole": 0}  # this call's token counts: split (video) and whole (joint text)
-    joint = bool(plan.replicated_to_heads)
-    if joint:
-        attn.register_forward_pre_hook(_count_tokens(held), with_kwargs=True)
-
-    def to_heads(module, args, output):
-        if held["whole"] and output.shape[1] == held["split"] + held["whole"]:  # [video, text] projected together
-            split, whole = output.split([held["split"], held["whole"]], dim=1)
-            return torch.cat([sequence_to_heads(split, group), local_heads(whole, group)], dim=1)
-        return sequence_to_heads(output, group)
-
-    found = [module for name in plan.sequence_to_heads if (module := _optional(attn, name)) is not None]
-    if not found:
-        raise ValueError(f"{where} has none of {plan.sequence_to_heads}; fix the family's cp_plan()")
-    for module in found:  # optional ones (e.g. gate logits per head) are skipped where an attention lacks them
-        module.register_forward_hook(to_heads)
-    for name in plan.replicated_to_heads:
-        if (module := _optional(attn, name)) is not None:
-            module.register_forward_hook(lambda module, args, output: local_heads(output, group))
-    # prepend: the all-to-all must see this rank's plain local tensor. When the output projection is
-    # itself a row-wise TP Linear (full fine-tuning; with LoRA the style sits on its base_layer), its
-    # own input pre-hook, registered earlier by apply_tp, wraps the input as a DTensor (Shard(-1) on
-    # the tp mesh); run the sequence switch before that, as it would run with tp = 1.
-    to_sequence = _optional(attn, plan.heads_to_sequence)
-    if to_sequence is not None:
-        to_sequence.register_forward_pre_hook(
-            lambda module, args: (heads_to_sequence(args[0], group), *args[1:]), prepend=True)
-    gather_from = _optional(attn, plan.replicated_from_heads) if joint else None
-    if gather_from is not None:
-        gather_from.register_forward_pre_hook(lambda module, args: (gather_heads(args[0], group), *args[1:]),
-                                              prepend=True)
-    if to_sequence is None or (joint and gather_from is None):  # a pre-only attention returns (video, text)
-        def switch_back(module, args, output):
-            video, text = output if isinstance(output, tuple) else (output, None)
-            video = heads_to_sequence(video, group) if to_sequence is None else video
-            text = gather_heads(text, group) if joint and gather_from is None and text is not None else text
-            return (video, text) if isinstance(output, tuple) else video
-        attn.register_forward_hook(switch_back)
-
-
-def _count_tokens(held: dict):
-    """A pre-hook on a joint attention noting its split (hidden_states) and whole (encoder_hidden_states) lengths."""
-    def count(module, args, kwargs):
-        video = kwargs.get("hidden_states", args[0] if args else None)
-        text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
-        held["split"] = video.shape[1]
-        held["whole"] = text.shape[1] if isinstance(text, Tensor) else 0
-    return count
-
-
-def _optional(module: nn.Module, name: str | None) -> nn.Module | None:
-    """module.name, or None where the module has no such (or a None) submodule."""
-    if not name:
-        return None
-    try:
-        return module.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def average_gradients(module: nn.Module, mesh: DeviceMesh) -> None:
