@@ -296,6 +296,13 @@ class MiniMaxH3Spec(ModelSpec):
         return {key: swapped(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
                 for key, value in tensors.items()}
 
+    def cp_plan(self):
+        """None: the packed sequence [text | audio | video] is as long as each caption's own text rows (no padding:
+        the model passes no attention mask), so cp would have to divide a length that changes per sample."""
+        raise NotImplementedError("family 'minimax-h3' has no CP plan: its packed sequence's length follows each "
+                                  "caption's token count, which cp does not divide in general (it would need an uneven "
+                                  "split or masked padding); set parallel.cp = 1 and scale out with parallel.dp_shard")
+
     # ----------------------------------------------------------------------------- validation
     def validation_frames(self, bucket: Bucket) -> int:
         """The frames validation generates: the bucket's, or the pipeline's shortest video (5 s at 24 fps, 124 frames)

@@ -305,6 +305,15 @@ def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
         ModelSpec.tp_plan(spec)  # the base class default, which a family without a plan inherits
     with pytest.raises(NotImplementedError, match="family 'wan' has no CP plan; set parallel.cp = 1"):
         ModelSpec.cp_plan(spec)
+    # Families (or settings) that cannot take CP say why, and which setting to change, before any training.
+    from vt.shared.config import ModelConfig
+    from vt.shared.models import build_spec
+
+    for family, task, why in (("minimax-h3", "t2v", "length follows each caption"),
+                              ("hunyuan-video", "i2v", "first frame's tokens apart")):
+        spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family, task=task)), task=task), 8.0)
+        with pytest.raises(NotImplementedError, match=f"{why}.*set parallel.cp = 1"):
+            spec.cp_plan()
     # The real plans name layers that exist in the family's transformer blocks.
     for family in ("ltx-video", "wan"):
         spec = _spec(family, tiny_model_factory(family))
