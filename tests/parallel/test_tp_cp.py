@@ -1,4 +1,5 @@
-"""Tensor parallel and context parallel (Ulysses) match one process, for both families, with LoRA.
+"""Tensor parallel and context parallel (Ulysses) match one process, with LoRA: LTX-Video and Wan in every layout,
+the families with joint, cross-stream or text-block attention (JOINT) in CP and FSDP2 x CP.
 
 Real processes over gloo (this file's ranks forked by tests/forkserver.py, FileStore), the real tiny transformers of the presets, fixed
 random inputs through the spec's own `forward`: the loss and the LoRA gradients of the first step,
@@ -7,7 +8,8 @@ within relative 1e-4. Layouts: TP 2 and CP 2 (world 2); CP 2 x TP 2, FSDP2 (dp_s
 FSDP2 x CP 2 (world 4, FSDP2 over dp_shard x cp as the trainer shards). LoRA also sits on the FFN,
 so both split directions carry adapters; LTX runs image-to-video, so its per-token timesteps must
 be split by context parallel too. The LoRA factors start random (not lora_B = 0), so every
-gradient is non-trivial. One world per family and size runs all its layouts: start-up dominates.
+gradient is non-trivial (but for a LoRA on an output nothing reads, whose gradient must stay zero). One world
+per family and size runs all its layouts: start-up dominates.
 """
 
 from __future__ import annotations
