@@ -138,15 +138,15 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
 
 
-def _worker(rank: int, world: int, store: str, family: str, model_dir: str, layouts: list[str], out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, runs: list[tuple[str, str, str]], out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        for layout in layouts:  # one world runs several layouts: process start-up dominates the cost
+        for family, model_dir, layout in runs:  # one world runs several layouts and families: start-up dominates
             result = _misuse(family, model_dir) if layout == "misuse" else _run_layout(family, model_dir, layout)
-            torch.save(result, os.path.join(out_dir, f"{layout}-rank{rank}.pt"))
+            torch.save(result, os.path.join(out_dir, f"{family}-{layout}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -231,14 +231,14 @@ def reference(tiny_model_factory):
     return get
 
 
-def _spawn(world: int, args: tuple, tmp_path) -> None:
-    """Run `world` ranks of `_worker(rank, world, store, *args)`: this file as a script, one process a rank."""
+def _spawn(world: int, runs: list[tuple[str, str, str]], tmp_path) -> None:
+    """Run `world` ranks of `_worker(rank, world, store, runs, tmp_path)`: this file as a script, one process a rank;
+    `runs`: (family, model folder, layout) in order."""
     from forkserver import launch_ranks
 
-    family, model_dir, layouts, out_dir = args
     log = tmp_path / "world.log"
-    group = launch_ranks(__file__, world, str(world), str(tmp_path / "store"), family, model_dir, ",".join(layouts),
-                         out_dir, log=log)
+    group = launch_ranks(__file__, world, str(world), str(tmp_path / "store"), ",".join(map("|".join, runs)),
+                         str(tmp_path), log=log)
     try:
         code = group.wait(timeout=WORLD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -267,36 +267,31 @@ def _assert_matches(result: dict, expected: dict, where: str) -> None:
         assert dead <= len(expected[kind]) // 4, f"{where}: {dead} reference {kind} are all zero: little tested"
 
 
-WORLD2 = (2, ["tp2", "cp2", "misuse"])
-WORLD4 = (4, ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"])
+WORLD2 = ["tp2", "cp2", "misuse"]
+WORLD4 = ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"]
 # Wan's world-4 combinations train with LoRA in the trainer-level parity runs (test_parity.py) already;
-# LTX's run there as full fine-tunes of t2v, so its LoRA + i2v combinations are checked here.
-CASES = {"ltx-video-world2": ("ltx-video", *WORLD2), "ltx-video-world4": ("ltx-video", *WORLD4),
-         "wan-world2": ("wan", *WORLD2),
-         # Joint attention: the text whole on every cp rank (its heads' q/k/v, its output gathered over heads).
-         "hunyuan-video-world2": ("hunyuan-video", 2, ["cp2"]),
-         "hunyuan-video-world4": ("hunyuan-video", 4, ["fsdp2_cp2"]),
-         "hunyuan-video-1.5-world2": ("hunyuan-video-1.5", 2, ["cp2"]),
-         "hunyuan-video-1.5-world4": ("hunyuan-video-1.5", 4, ["fsdp2_cp2"]),
-         "kandinsky5-world2": ("kandinsky5", 2, ["cp2"]), "kandinsky5-world4": ("kandinsky5", 4, ["fsdp2_cp2"]),
-         "mochi-world2": ("mochi", 2, ["cp2"]), "mochi-world4": ("mochi", 4, ["fsdp2_cp2"]),
-         "ltx-2-world2": ("ltx-2", 2, ["cp2"]), "ltx-2-world4": ("ltx-2", 4, ["fsdp2_cp2"]),
-         "ltx-2-audio-world2": ("ltx-2-audio", 2, ["cp2"]), "ltx-2-audio-world4": ("ltx-2-audio", 4, ["fsdp2_cp2"])}
+# LTX's run there as full fine-tunes of t2v, so its LoRA + i2v combinations are checked here. The JOINT families
+# (CP plans only; their tiny presets' 2 heads leave no room for cp x tp) share one world per size.
+CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
+         "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
+         "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
+         "cp-world2": (2, [(family, "cp2") for family in JOINT]),
+         "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT])}
 
 
-@pytest.mark.parametrize("family, world, layouts", list(CASES.values()), ids=list(CASES))
-def test_parallel_layouts_match_single_process(family, world, layouts, reference, tmp_path):
-    model_dir, expected = reference(family)
-    _spawn(world, (family, str(model_dir), layouts, str(tmp_path)), tmp_path)
-    for layout in (name for name in layouts if name != "misuse"):
+@pytest.mark.parametrize("world, runs", list(CASES.values()), ids=list(CASES))
+def test_parallel_layouts_match_single_process(world, runs, reference, tmp_path):
+    _spawn(world, [(family, str(reference(family)[0]), layout) for family, layout in runs], tmp_path)
+    for family, layout in runs:
+        if layout == "misuse":
+            errors = torch.load(tmp_path / f"{family}-misuse-rank0.pt")
+            assert "sequence of 3 tokens over cp=2" in errors.get("odd_tokens", ""), errors
+            assert "parallel.cp" in errors["odd_tokens"], errors
+            assert "apply_tp must come first" in errors.get("order", ""), errors
+            continue
         for rank in range(world):
-            result = torch.load(tmp_path / f"{layout}-rank{rank}.pt")
-            _assert_matches(result, expected, f"{family} {layout} rank {rank}")
-    if "misuse" in layouts:
-        errors = torch.load(tmp_path / "misuse-rank0.pt")
-        assert "sequence of 3 tokens over cp=2" in errors.get("odd_tokens", ""), errors
-        assert "parallel.cp" in errors["odd_tokens"], errors
-        assert "apply_tp must come first" in errors.get("order", ""), errors
+            result = torch.load(tmp_path / f"{family}-{layout}-rank{rank}.pt")
+            _assert_matches(result, reference(family)[1], f"{family} {layout} rank {rank}")
 
 
 def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
@@ -326,5 +321,5 @@ def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
 
 
 if __name__ == "__main__":  # one rank of a world (`_spawn`): RANK from the environment, as torchrun sets it
-    world, store, family, model_dir, layouts, out_dir = sys.argv[1:]
-    _worker(int(os.environ["RANK"]), int(world), store, family, model_dir, layouts.split(","), out_dir)
+    world, store, runs, out_dir = sys.argv[1:]
+    _worker(int(os.environ["RANK"]), int(world), store, [tuple(run.split("|")) for run in runs.split(",")], out_dir)
