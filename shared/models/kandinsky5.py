@@ -290,8 +290,9 @@ class Kandinsky5Spec(ModelSpec):
         which the self-attention sees after the all-to-all. NABLA is refused: its per-head block mask would be
         built on each rank's heads over the whole grid, but FlexAttention has no CPU backward to check that on."""
         if self.sparse_attention:
-            raise NotImplementedError(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no CP "
-                                      "plan (its FlexAttention block mask under Ulysses is not checked); set parallel.cp = 1")
+            raise NotImplementedError(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no "
+                                      "CP plan (its FlexAttention block mask under Ulysses is not checked); set "
+                                      "parallel.cp = 1")
         last = int(self.load_config("transformer")["num_visual_blocks"]) - 1
         return ContextParallelPlan(
             split_inputs={"visual_transformer_blocks.0": {"visual_embed": 1}},

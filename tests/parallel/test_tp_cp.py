@@ -48,7 +48,8 @@ JOINT = {
                                          "video_to_audio_attn.to_k", "video_to_audio_attn.to_v",
                                          "video_to_audio_attn.to_out.0", "audio_to_video_attn.to_q",
                                          "audio_to_video_attn.to_k", "audio_attn1.to_q", "audio_ff.net.0.proj")),
-    "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer", "feed_forward.in_layer")),
+    "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer",
+                                        "feed_forward.in_layer")),
 }
 TEXT_TOKENS = 8
 VARIANTS = {"ltx-2-audio": ("ltx-2", {"audio": True})}  # key -> (family, model settings)
