@@ -70,3 +70,4 @@ class ContextParallelPlan:
     block_lists: tuple[str, ...] = ()  # the block lists whose `self_attention` sees the split tokens (empty: all)
     heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one
     cross_stream: CrossStreamPlan | None = None
+    uneven: bool = False  # a token count cp does not divide splits into chunks one token apart (else an error)

@@ -101,9 +101,10 @@ FAMILY_LAYOUTS = {
     # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
     # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
     "wan-vace": ["fsdp-2"],
-    # MiniMax H3 with audio (conftest VARIANTS): no TP or CP plan (docs/parallel.md); DDP, and FSDP2 over its
-    # blocks, the transformer called once per sample, the audio latents and noise split over ranks with the latents.
-    "minimax-h3-audio": ["ddp-2", "fsdp-2"],
+    # MiniMax H3 with audio (conftest VARIANTS): no TP plan (docs/parallel.md); DDP, and FSDP2 over its blocks, the
+    # transformer called once per sample, the audio latents and noise split over ranks with the latents; CP splits
+    # each packed sequence, whose length follows the caption, into chunks one row apart where cp does not divide it.
+    "minimax-h3-audio": ["ddp-2", "fsdp-2", "cp-2"],
 }
 # Exported weights compared within more than 1e-4 (losses and gradient norms stay at 1e-4): SkyReels V2 DF's
 # block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out

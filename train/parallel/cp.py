@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.tp import APPLIED_ATTR, slice_rope_channels
-from vt.train.parallel.ulysses import gather_sequence, split_sequence
+from vt.train.parallel.ulysses import chunk_sizes, gather_sequence, split_sequence
 from vt.train.parallel.ulysses_attention import make_split_queries, make_ulysses, make_whole_queries
 
 log = logging.getLogger(__name__)
@@ -54,17 +54,19 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         return
     plan = spec.cp_plan()
     group, size = cp_mesh.get_group(), cp_mesh.size()
+    layout = {"sizes": None}  # every rank's token count in the current forward, set where the tokens are split
     for path, arguments in plan.split_inputs.items():
         module = transformer.get_submodule(path) if path else transformer
-        module.register_forward_pre_hook(_split_arguments(module, arguments, group), with_kwargs=True)
+        module.register_forward_pre_hook(_split_arguments(module, arguments, group, layout, plan.uneven),
+                                         with_kwargs=True)
     for where, block in spec.named_blocks(transformer):
         if plan.block_lists and where.rpartition(".")[0] not in plan.block_lists:
             continue  # e.g. text-only blocks, which every rank runs whole
         for name in plan.self_attention:
-            make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}")
+            make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}", layout)
         if plan.cross_stream is not None:
             for name in plan.cross_stream.queries_whole:
-                make_whole_queries(block.get_submodule(name), plan, group, f"{where}.{name}")
+                make_whole_queries(block.get_submodule(name), plan, group, f"{where}.{name}", layout)
             for name in plan.cross_stream.queries_split:
                 make_split_queries(block.get_submodule(name), plan.cross_stream, group)
     if plan.channel_rope:
@@ -72,12 +74,13 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
     for rope, dim in plan.rope_heads.items():
         slice_rope_channels(transformer.get_submodule(rope), cp_mesh, dim)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
-        lambda module, args, output: gather_sequence(output, 1, group))
+        lambda module, args, output: gather_sequence(output, 1, group, layout["sizes"]))
     setattr(transformer, APPLIED_ATTR, applied + ["cp"])
     log.info("context parallel (Ulysses) over %d ranks", size)
 
 
-def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.ProcessGroup):
+def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.ProcessGroup, layout: dict,
+                     uneven: bool):
     """A forward pre-hook cutting the named arguments (given by keyword or position) to this rank's chunk."""
     names = list(inspect.signature(module.forward).parameters)
     missing = [name for name in arguments if name not in names]
@@ -90,19 +93,20 @@ def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.P
         args = list(args)
         for name, dim in arguments.items():
             if name in kwargs:
-                kwargs[name] = _split_if_sequence(kwargs[name], dim, group)
+                kwargs[name] = _split_if_sequence(kwargs[name], dim, group, layout, uneven)
             elif positions[name] < len(args):
-                args[positions[name]] = _split_if_sequence(args[positions[name]], dim, group)
+                args[positions[name]] = _split_if_sequence(args[positions[name]], dim, group, layout, uneven)
         return tuple(args), kwargs
 
     return split
 
 
-def _split_if_sequence(value, dim: int, group: dist.ProcessGroup):
+def _split_if_sequence(value, dim: int, group: dist.ProcessGroup, layout: dict, uneven: bool):
     """Split a tensor along `dim`; one without that dim or of size 1 there (a per-sample timestep) stays whole."""
     if not isinstance(value, Tensor) or value.ndim <= dim or value.shape[dim] == 1:
         return value
-    return split_sequence(value, dim, group)
+    layout["sizes"] = chunk_sizes(value.shape[dim], dist.get_world_size(group))
+    return split_sequence(value, dim, group, uneven)
 
 
 def average_gradients(module: nn.Module, mesh: DeviceMesh) -> None:

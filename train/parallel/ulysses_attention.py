@@ -27,8 +27,8 @@ def _local_heads_hook(group):
     return lambda module, args, output: local_heads(output, group)
 
 
-def _to_heads_hook(group):
-    return lambda module, args, output: sequence_to_heads(output, group)
+def _to_heads_hook(group, layout: dict):
+    return lambda module, args, output: sequence_to_heads(output, group, layout["sizes"])
 
 
 def _gather_heads_pre_hook(group):
@@ -44,7 +44,9 @@ def _local_head_count(attn: nn.Module, plan: ContextParallelPlan, size: int, whe
     setattr(attn, plan.heads_attribute, heads // size)
 
 
-def make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str) -> None:
+def make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str,
+                 layout: dict) -> None:
+    """`layout["sizes"]`: every rank's count of split tokens in this forward (cp.py sets it where it splits)."""
     _local_head_count(attn, plan, dist.get_world_size(group), where)
     held = {"split": 0, "whole": 0}  # this call's token counts: split (video) and whole (joint text)
     joint = bool(plan.replicated_to_heads)
@@ -54,8 +56,8 @@ def make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.Process
     def to_heads(module, args, output):
         if held["whole"] and output.shape[1] == held["split"] + held["whole"]:  # [video, text] projected together
             split, whole = output.split([held["split"], held["whole"]], dim=1)
-            return torch.cat([sequence_to_heads(split, group), local_heads(whole, group)], dim=1)
-        return sequence_to_heads(output, group)
+            return torch.cat([sequence_to_heads(split, group, layout["sizes"]), local_heads(whole, group)], dim=1)
+        return sequence_to_heads(output, group, layout["sizes"])
 
     found = [module for name in plan.sequence_to_heads if (module := _optional(attn, name)) is not None]
     if not found:
@@ -72,14 +74,14 @@ def make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.Process
     to_sequence = _optional(attn, plan.heads_to_sequence)
     if to_sequence is not None:
         to_sequence.register_forward_pre_hook(
-            lambda module, args: (heads_to_sequence(args[0], group), *args[1:]), prepend=True)
+            lambda module, args: (heads_to_sequence(args[0], group, layout["sizes"]), *args[1:]), prepend=True)
     gather_from = _optional(attn, plan.replicated_from_heads) if joint else None
     if gather_from is not None:
         gather_from.register_forward_pre_hook(_gather_heads_pre_hook(group), prepend=True)
     if to_sequence is None or (joint and gather_from is None):  # a pre-only attention returns (video, text)
         def switch_back(module, args, output):
             video, text = output if isinstance(output, tuple) else (output, None)
-            video = heads_to_sequence(video, group) if to_sequence is None else video
+            video = heads_to_sequence(video, group, layout["sizes"]) if to_sequence is None else video
             text = gather_heads(text, group) if joint and gather_from is None and text is not None else text
             return (video, text) if isinstance(output, tuple) else video
         attn.register_forward_hook(switch_back)
@@ -105,11 +107,13 @@ def _optional(module: nn.Module, name: str | None) -> nn.Module | None:
         return None
 
 
-def make_whole_queries(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str) -> None:
-    """Queries from a whole stream, keys and values from the split tokens (e.g. LTX-2's video-to-audio attention)."""
+def make_whole_queries(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str,
+                       layout: dict) -> None:
+    """Queries from a whole stream, keys and values from the split tokens (e.g. video-to-audio attention)."""
     cross = plan.cross_stream
     _local_head_count(attn, plan, dist.get_world_size(group), where)
-    for names, hook in ((cross.whole_queries, _local_heads_hook(group)), (cross.split_keys, _to_heads_hook(group))):
+    hooks = ((cross.whole_queries, _local_heads_hook(group)), (cross.split_keys, _to_heads_hook(group, layout)))
+    for names, hook in hooks:
         for name in names:
             if (module := _optional(attn, name)) is not None:
                 module.register_forward_hook(hook)
@@ -126,12 +130,13 @@ def make_whole_queries(attn: nn.Module, plan: ContextParallelPlan, group: dist.P
 
 
 def make_split_queries(attn: nn.Module, cross: CrossStreamPlan, group: dist.ProcessGroup) -> None:
-    """Queries from the split tokens, keys and values from a whole stream (e.g. LTX-2's audio-to-video attention)."""
+    """Queries from the split tokens, keys and values from a whole stream (e.g. audio-to-video attention)."""
     query_rope, tokens = cross.rope_arguments[0], cross.rope_dims[0]
 
     def rope_tokens(module, args, kwargs):
         if kwargs.get(query_rope) is not None:
-            kwargs[query_rope] = tuple(split_sequence(t, tokens % t.ndim, group) for t in kwargs[query_rope])
+            kwargs[query_rope] = tuple(split_sequence(t, tokens % t.ndim, group, uneven=True)
+                                       for t in kwargs[query_rope])
         return args, kwargs
 
     attn.register_forward_pre_hook(rope_tokens, with_kwargs=True)
