@@ -22,6 +22,8 @@ class TensorParallelPlan:
     # Transformer submodule returning rotary (cos, sin) laid out over all heads' channels on the last
     # dim (LTX-Video); each rank keeps its channels. None when the rotary tables span one head (Wan).
     channel_rope: str | None = None
+    heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one
+    optional: tuple[str, ...] = ()  # modules some blocks lack (e.g. a cross-attention): names under them skipped there
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ JOINT = {
     "minimax-h3-audio": ("t2v", (5, 64, 64), ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                                               "ff.net.0.proj")),
     "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer",
-                                        "feed_forward.in_layer")),
+                                        "feed_forward.in_layer", "feed_forward.out_layer")),
 }
 TEXT_TOKENS = 8
 VARIANTS = {"ltx-2-audio": ("ltx-2", {"audio": True}),  # key -> (family, model settings)
@@ -282,7 +282,7 @@ WORLD4 = ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"]
 CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
          "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
          "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
-         "cp-world2": (2, [(family, "cp2") for family in JOINT]),
+         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2")]),
          "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT])}
 
 

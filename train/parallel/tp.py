@@ -50,16 +50,18 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
         return
     plan = spec.tp_plan()
     for where, block in spec.named_blocks(transformer):
-        _check_block(block, plan, tp_mesh.size(), where)
+        has = _present(block, plan)
+        _check_block(block, plan, tp_mesh.size(), where, has)
         styles: dict[str, ParallelStyle] = {}
-        for name in plan.colwise:
+        for name in filter(has, plan.colwise):
             styles.update(_linear_styles(block, name, column=True))
-        for name in plan.rowwise:
+        for name in filter(has, plan.rowwise):
             styles.update(_linear_styles(block, name, column=False))
         parallelize_module(block, tp_mesh, styles)
-        for name in plan.attention:
-            block.get_submodule(name).heads //= tp_mesh.size()
-        for name in plan.head_norms:
+        for name in filter(has, plan.attention):
+            attn = block.get_submodule(name)
+            setattr(attn, plan.heads_attribute, getattr(attn, plan.heads_attribute) // tp_mesh.size())
+        for name in filter(has, plan.head_norms):
             block.set_submodule(name, ShardedRMSNorm.from_rmsnorm(block.get_submodule(name), tp_mesh))
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), tp_mesh)
@@ -67,12 +69,24 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
     log.info("tensor parallel over %d ranks: %d blocks split", tp_mesh.size(), len(spec.blocks(transformer)))
 
 
-def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: str) -> None:
-    for name in plan.attention:
+def _present(block: nn.Module, plan: TensorParallelPlan):
+    """A filter of the plan's names: False for those under an `optional` module this block lacks."""
+    absent = []
+    for name in plan.optional:
+        try:
+            block.get_submodule(name)
+        except AttributeError:
+            absent.append(name)
+    return lambda name: not any(name == a or name.startswith(f"{a}.") for a in absent)
+
+
+def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: str, has) -> None:
+    for name in filter(has, plan.attention):
         attn = block.get_submodule(name)
-        if attn.heads % size:
-            raise ValueError(f"{where}.{name} has {attn.heads} attention heads, which do not divide over "
-                             f"parallel.tp = {size}; choose a tp size that divides {attn.heads}")
+        heads = getattr(attn, plan.heads_attribute)
+        if heads % size:
+            raise ValueError(f"{where}.{name} has {heads} attention heads, which do not divide over "
+                             f"parallel.tp = {size}; choose a tp size that divides {heads}")
         if getattr(attn, "fused_projections", False):
             raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
         if getattr(attn, "add_k_proj", None) is not None and not {f"{name}.add_k_proj", f"{name}.add_v_proj"} <= \
