@@ -331,7 +331,7 @@ class LTX2Spec(ModelSpec):
         return ContextParallelPlan(
             split_inputs={"": {"hidden_states": 1, "timestep": 1}}, gather_output="proj_out", self_attention=("attn1",),
             sequence_to_heads=("norm_q", "norm_k", "to_v", "to_gate_logits"),
-            rope_heads={"rope": -3} if split else {}, channel_rope=None if split else "rope", cross_stream=cross)
+            rope_heads={"rope": -3 if split else -1}, cross_stream=cross)
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:

@@ -63,11 +63,11 @@ class ContextParallelPlan:
     self_attention: tuple[str, ...]  # relative to a block
     sequence_to_heads: tuple[str, ...] = ("norm_q", "norm_k", "to_v")  # relative to an attention module
     heads_to_sequence: str = "to_out.0"
-    channel_rope: str | None = None  # as in TensorParallelPlan: rotary tables over all heads' channels
     replicated_to_heads: tuple[str, ...] = ()  # the whole (text) stream's q/k/v projections in joint attention
     replicated_from_heads: str | None = None  # the whole stream's output projection
-    # transformer submodules returning rotary tables laid out by head -> the dim holding the heads: each rank
-    # keeps its own (Mochi's (tokens, heads, D/2): -2; LTX-2's split tables (B, heads, tokens, D/2): -3)
+    # transformer submodules returning rotary tables laid out by head -> the dim holding the heads (or all heads'
+    # channels): each rank keeps its own (LTX-Video's tables over all heads' channels: -1; Mochi's (tokens, heads,
+    # D/2): -2; LTX-2's split tables (B, heads, tokens, D/2): -3)
     rope_heads: dict[str, int] = field(default_factory=dict)
     block_lists: tuple[str, ...] = ()  # the block lists whose `self_attention` sees the split tokens (empty: all)
     heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one

@@ -450,7 +450,7 @@ def test_context_parallel_plans_name_ltx2_modules(av_folder):
     _, folder = av_folder
     spec = av_spec(folder)
     plan = spec.cp_plan()
-    assert plan.rope_heads == {"rope": -3} and plan.channel_rope is None and plan.cross_stream.rope_dims == (-2, -3)
+    assert plan.rope_heads == {"rope": -3} and plan.cross_stream.rope_dims == (-2, -3)
     block = spec.blocks(spec.load_transformer())[0]
     for name in (*plan.self_attention, *plan.cross_stream.queries_whole, *plan.cross_stream.queries_split):
         assert block.get_submodule(name).heads == 2

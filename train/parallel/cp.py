@@ -69,8 +69,6 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
                 make_whole_queries(block.get_submodule(name), plan, group, f"{where}.{name}", layout)
             for name in plan.cross_stream.queries_split:
                 make_split_queries(block.get_submodule(name), plan.cross_stream, group)
-    if plan.channel_rope:
-        slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
     for rope, dim in plan.rope_heads.items():
         slice_rope_channels(transformer.get_submodule(rope), cp_mesh, dim)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
