@@ -70,9 +70,9 @@ FAMILY_LAYOUTS = {
     # same blocks and plans as t2v, whose image tokens are none.
     "hunyuan-video-1.5": ["fsdp-2"],
     "hunyuan-video-1.5-i2v": ["tp-2", "cp-2"],
-    # No TP plan (it would have to split the audio stream and audio-video cross-attention too); CP splits the
-    # video tokens of a video-only run (the audio stream isolated), its split rotary tables cut by heads.
-    "ltx-2": ["fsdp-2", "cp-2"],
+    # No TP plan (it would have to split the audio stream and audio-video cross-attention too); CP's plan (the
+    # video split, its split rotary tables cut by heads) runs in the ltx-2-audio row, video-only in test_tp_cp.py.
+    "ltx-2": ["fsdp-2"],
     # LTX-2 training video and sound (conftest VARIANTS): both streams and the cross-attention train; the audio
     # latents and their noise split over data-parallel ranks with the samples. CP splits the video and keeps the
     # audio whole on every rank (LTX2Spec.cp_plan): the full fine-tune covers both cross-stream attentions.
