@@ -95,8 +95,8 @@ FAMILY_LAYOUTS = {
     # rows), its DF CP plan (per-frame modulations split per block) is checked in tests/shared/test_skyreels_v2.py.
     "skyreels-v2-df": ["fsdp-2"],
     # Kandinsky 5 I2V (conftest VARIANTS): TP on every block, CP on the visual blocks (docs/parallel.md); FSDP2 over
-    # its text and visual block lists, the transformer called once per sample of each rank's slice (several forwards before
-    # one backward), the image latents and the first frame's zero loss weight split like the latents.
+    # its text and visual block lists, the transformer called once per sample of each rank's slice (several
+    # forwards before one backward), the image latents and the first frame's zero loss weight split like the latents.
     "kandinsky5-i2v": ["fsdp-2", "tp-2", "cp-2"],
     # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
     # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
