@@ -10,16 +10,19 @@ works on a contiguous 1/P of the token sequence:
   heads" to "all tokens, my heads" with one all-to-all each, attention runs on full sequences for
   the local heads, and one all-to-all moves the result back before the output projection
   (DeepSpeed-Ulysses). Rotary tables are computed for the full sequence by the model already;
-  where they are laid out over all heads' channels (LTX) each rank keeps its heads' channels;
+  where they are laid out by head each rank keeps its heads' (`rope_heads`). Joint attention with a
+  stream every rank holds whole (text, audio) is in ulysses_attention.py;
 - cross-attention needs no communication: its keys and values come from the text (not split);
 - the output of the last projection is gathered back to the full sequence.
+A plan marked `uneven` (a length that changes per sample) splits into chunks one token apart.
 Ring attention (which needs an attention kernel that returns its log-sum-exp) is not used: on CPU
 torch's ring attention fails in backward, and Ulysses covers head counts that divide tp x cp.
 
 Order: after TP (whose head counts and norms this builds on), before AC, compile and FSDP/DDP.
 
 Gradients: after backward each cp rank holds P x the gradient through its own tokens (see
-`gather_sequence`), so AVERAGING gradients over the cp group gives the single-process gradient.
+`gather_sequence`; a stream held whole gets gradients that sum to P x its own over the cp ranks), so
+AVERAGING gradients over the cp group gives the single-process gradient.
 FSDP2 or DDP over a mesh that includes cp (e.g. dp_shard x cp flattened) does that; without one,
 call `average_gradients(transformer, cp_mesh)` after backward.
 """
