@@ -52,11 +52,14 @@ JOINT = {
     # lengths differ by 3 rows, so one of them splits unevenly.
     "minimax-h3-audio": ("t2v", (5, 64, 64), ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                                               "ff.net.0.proj")),
+    "ltx-2.3-audio": ("t2v", (9, 64, 64), ("attn1.to_q", "attn1.to_gate_logits", "video_to_audio_attn.to_q",
+                                           "video_to_audio_attn.to_gate_logits", "audio_to_video_attn.to_q")),
     "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer",
                                         "feed_forward.in_layer", "feed_forward.out_layer")),
 }
 TEXT_TOKENS = 8
 VARIANTS = {"ltx-2-audio": ("ltx-2", {"audio": True}),  # key -> (family, model settings)
+            "ltx-2.3-audio": ("ltx-2", {"audio": True}),  # LTX-2.3's preset: gated attention (per-head gate logits)
             "minimax-h3-audio": ("minimax-h3", {"audio": True})}
 FPS = {"minimax-h3-audio": 24.0}  # its audio and video rows share one rotary clock at 24 fps
 
@@ -223,14 +226,17 @@ def _misuse(family: str, model_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_factory):
+def reference(tiny_model_factory, tmp_path_factory):
     """family -> (model folder, single-process result), computed once per family."""
+    from vt.shared.models.ltx2 import LTX2Spec
+
     cache = {}
 
     def get(family):
         if family not in cache:
             task = "t2v" if family == "ltx-video" else _task(family)
-            model_dir = tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
+            model_dir = LTX2Spec.make_tiny_23(tmp_path_factory.mktemp("ltx23")) if family == "ltx-2.3-audio" else \
+                tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
             spec = _spec(family, model_dir)
             cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family, spec)))
         return cache[family]
@@ -283,7 +289,7 @@ CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
          "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
          "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
          "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2")]),
-         "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT])}
+         "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT if family != "ltx-2.3-audio"])}
 
 
 @pytest.mark.parametrize("world, runs", list(CASES.values()), ids=list(CASES))
