@@ -19,9 +19,9 @@ What is particular to Mochi:
   swaps the halves of w1's lora_B rows, and bakes alpha / rank into lora_B (no `.alpha`). diffusers
   reads no non-diffusers Mochi LoRA; tests/shared/test_mochi.py checks the file against diffusers'
   own single-file converter of original Mochi checkpoints.
-No TP plan (the base class refuses parallel.tp > 1): the SwiGLU input projection holds both halves in
-one Linear, so a contiguous column-wise shard would pair one rank's linear units with another rank's
-gates. CP (`cp_plan`) splits the video tokens; the joint attention keeps the text whole on each rank.
+TP (`tp_plan`) splits the joint attention only: the SwiGLU input projection holds both halves in one Linear,
+so a contiguous column-wise shard would pair one rank's linear units with another rank's gates, and the FFNs
+stay whole. CP (`cp_plan`) splits the video tokens; the joint attention keeps the text whole on each rank.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
-from vt.shared.models.plans import ContextParallelPlan
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
@@ -124,6 +124,15 @@ class MochiSpec(ModelSpec):
         return Prediction(prediction=prediction.float(), target=x0 - noise, weight=None)
 
     # ----------------------------------------------------------------------------- validation
+    def tp_plan(self) -> TensorParallelPlan:
+        """The joint attention only: both streams' q/k/v column-wise, their outputs row-wise (the last block has no
+        text output); its per-head rotary tables cut to each rank's heads. The SwiGLU FFNs stay whole on every rank:
+        their input projection holds [hidden, gate] in one Linear, which a contiguous shard would pair wrongly."""
+        qkv = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+        return TensorParallelPlan(colwise=tuple(f"attn1.{p}" for p in qkv),
+                                  rowwise=("attn1.to_out.0", "attn1.to_add_out"), attention=("attn1",),
+                                  optional=("attn1.to_add_out",), rope_heads={"rope": -2})
+
     def cp_plan(self) -> ContextParallelPlan:
         """Split the video tokens where the first block receives them, gather after proj_out. The attention is
         joint over [video, that sample's unpadded text]: the text, whole on each rank, keeps its heads' q/k/v

@@ -24,6 +24,7 @@ class TensorParallelPlan:
     channel_rope: str | None = None
     heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one
     optional: tuple[str, ...] = ()  # modules some blocks lack (e.g. a cross-attention): names under them skipped there
+    rope_heads: dict[str, int] = field(default_factory=dict)  # as ContextParallelPlan's: tables laid out by head
 
 
 @dataclass(frozen=True)

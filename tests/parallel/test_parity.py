@@ -80,10 +80,10 @@ FAMILY_LAYOUTS = {
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
     # tokens join the text, which is not split); the wan rows cover the combined layouts.
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],
-    # No TP plan (SwiGLU [hidden, gate] in one projection); CP splits the video, the joint attention's text
-    # (each sample's unpadded tokens) stays whole, the per-head rotary tables are cut to each rank's heads;
-    # conftest BUCKETS: 7 frames.
-    "mochi": ["fsdp-2", "cp-2"],
+    # TP splits the attention only (SwiGLU [hidden, gate] in one projection: the FFNs stay whole); CP splits the
+    # video, the joint attention's text (each sample's unpadded tokens) stays whole; both cut the per-head rotary
+    # tables to each rank's heads; conftest BUCKETS: 7 frames.
+    "mochi": ["fsdp-2", "tp-2", "cp-2"],
     # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels; the cogvideox rows
     # cover its plans.
     "cogvideox-i2v": ["fsdp-2"],

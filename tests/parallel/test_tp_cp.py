@@ -288,7 +288,7 @@ WORLD4 = ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"]
 CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
          "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
          "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
-         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2")]),
+         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2"), ("mochi", "tp2")]),
          "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT if family != "ltx-2.3-audio"])}
 
 

@@ -65,6 +65,8 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
             block.set_submodule(name, ShardedRMSNorm.from_rmsnorm(block.get_submodule(name), tp_mesh))
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), tp_mesh)
+    for rope, dim in plan.rope_heads.items():
+        slice_rope_channels(transformer.get_submodule(rope), tp_mesh, dim)
     setattr(transformer, APPLIED_ATTR, ["tp"])
     log.info("tensor parallel over %d ranks: %d blocks split", tp_mesh.size(), len(spec.blocks(transformer)))
 
