@@ -155,7 +155,8 @@ def _worker(rank: int, world: int, store: str, runs: list[tuple[str, str, str]],
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
         for family, model_dir, layout in runs:  # one world runs several layouts and families: start-up dominates
-            result = _misuse(family, model_dir) if layout == "misuse" else _run_layout(family, model_dir, layout)
+            checks = {"misuse": _misuse, "tp_full": _tp_full_fine_tune}
+            result = checks[layout](family, model_dir) if layout in checks else _run_layout(family, model_dir, layout)
             torch.save(result, os.path.join(out_dir, f"{family}-{layout}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -225,6 +226,22 @@ def _misuse(family: str, model_dir: str) -> dict:
     return errors
 
 
+def _tp_full_fine_tune(family: str, model_dir: str) -> dict:
+    """The error of a full fine-tune under TP whose attention holds a norm shared by every head (trainable)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vt.train.parallel.tp import apply_tp
+
+    spec = _spec(family, model_dir)
+    model = spec.load_transformer()
+    spec.full_trainable(model)
+    try:
+        apply_tp(model, spec, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    except ValueError as err:
+        return {"error": str(err)}
+    return {}
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_model_factory, tmp_path_factory):
     """family -> (model folder, single-process result), computed once per family."""
@@ -288,7 +305,8 @@ WORLD4 = ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"]
 CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
          "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
          "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
-         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2"), ("mochi", "tp2")]),
+         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2"), ("mochi", "tp2"),
+                                                                      ("mochi", "tp_full")]),
          "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT if family != "ltx-2.3-audio"])}
 
 
@@ -301,6 +319,10 @@ def test_parallel_layouts_match_single_process(world, runs, reference, tmp_path)
             assert "sequence of 3 tokens over cp=2" in errors.get("odd_tokens", ""), errors
             assert "parallel.cp" in errors["odd_tokens"], errors
             assert "apply_tp must come first" in errors.get("order", ""), errors
+            continue
+        if layout == "tp_full":  # refused before any forward, naming what to change
+            error = torch.load(tmp_path / f"{family}-tp_full-rank0.pt").get("error", "")
+            assert "norm_q.weight is shared by every head" in error and "parallel.tp = 1" in error, error
             continue
         for rank in range(world):
             result = torch.load(tmp_path / f"{family}-{layout}-rank{rank}.pt")

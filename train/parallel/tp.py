@@ -95,6 +95,12 @@ def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: s
                 set(plan.colwise):
             raise ValueError(f"{where}.{name} has added key/value projections (image conditioning), "
                              f"which the family's TP plan does not split; use parallel.tp = 1")
+        split = tuple(f"{layer}." for layer in (*plan.colwise, *plan.rowwise, *plan.head_norms))
+        for param_name, param in attn.named_parameters():
+            if param.requires_grad and not f"{name}.{param_name}".startswith(split):
+                raise ValueError(f"{where}.{name}.{param_name} is shared by every head (e.g. a per-head query/key "
+                                 f"norm) and trains: under tensor parallel each rank would see only its own heads' "
+                                 f"gradient. Train LoRA (train.mode = \"lora\"), or set parallel.tp = 1")
 
 
 def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, ParallelStyle]:
