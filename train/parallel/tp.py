@@ -19,6 +19,8 @@ Adding LoRA after TP is not supported: peft would size the adapter from the full
 Gradients: tp ranks compute the same loss. Split parameters (DTensor) get their own shard of the
 true gradient; replicated ones get the full gradient on every tp rank (DTensor's input conversion
 all-reduces the input gradient of each column-wise layer), so no gradient sync over tp is needed.
+A replicated parameter used on the local heads only (a per-head norm's weight shared by every head)
+would get just its heads' share, so `apply_tp` refuses one that trains.
 """
 
 from __future__ import annotations
