@@ -40,10 +40,9 @@ Image-to-video (`model.task = "i2v"`, HunyuanVideoImageToVideoPipeline), both tr
 - "latent_concat" (33 channels, no guidance embedding; hunyuanvideo-community/HunyuanVideo-I2V-33ch):
   [noisy latents, image latents then zeros, mask 1 on the first latent frame] on the channel axis, every
   frame denoised and trained (the pipeline drops the first 4 decoded frames of its output).
-No TP or CP plan (the base class refuses parallel.tp / parallel.cp > 1): the single blocks' output
-projection `proj_out` takes [attention, MLP] concatenated, so its row-wise shard would be two
-non-contiguous slices; diffusers has no `_cp_plan` for it, and every block's attention is joint over
-[video, text] with a text padding mask, which Ulysses would have to split apart.
+No TP plan (the base class refuses parallel.tp > 1): the single blocks' output projection `proj_out`
+takes [attention, MLP] concatenated, so its row-wise shard would be two non-contiguous slices. CP
+(`cp_plan`) splits the video tokens; every block's joint attention keeps the text whole on each rank.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ from torch import Tensor
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
+from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, bpe_vocab, build_clip_tokenizer, build_llama_tokenizer
 
@@ -293,6 +293,22 @@ class HunyuanVideoSpec(ModelSpec):
         mask = torch.zeros_like(noisy[:, :1])
         mask[:, :, 0] = 1.0
         return torch.cat([noisy, condition, mask], dim=1), None
+
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the video tokens where the first double block receives them, gather after proj_out.
+
+        Every attention is joint over [video, text] (the single blocks' processor joins them before q/k/v):
+        the text stays whole on each rank, which keeps its heads' q/k/v and gathers its heads' output; the
+        joint padding mask and the rotary tables are built for the whole sequence outside the blocks.
+        i2v token_replace is refused: its blocks modulate the first `first_frame_num_tokens` tokens they
+        hold as the clean frame, which under CP would be every rank's first tokens."""
+        if self.config.task == "i2v" and self.load_config("transformer")["image_condition_type"] == "token_replace":
+            raise NotImplementedError("hunyuan-video i2v (token_replace) has no CP plan: its blocks treat the first "
+                                      "frame's tokens apart, which context parallel would split; set parallel.cp = 1")
+        return ContextParallelPlan(
+            split_inputs={"transformer_blocks.0": {"hidden_states": 1}}, gather_output="proj_out",
+            self_attention=("attn",), sequence_to_heads=("to_q", "to_k", "to_v"),
+            replicated_to_heads=("add_q_proj", "add_k_proj", "add_v_proj"), replicated_from_heads="to_add_out")
 
     def lora_exclusions(self, transformer) -> str:
         """The text token refiner: its original q/k/v are one fused module ComfyUI's key table lacks."""

@@ -34,10 +34,8 @@ What is particular to HunyuanVideo 1.5:
   own checkpoint (`double_blocks.N.img_attn_q`, diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py),
   which vt wrote before and ComfyUI does not load. The text token refiner fuses q/k/v (`self_attn_qkv`)
   and is never LoRA-targeted.
-Tensor parallel splits each double block's heads (both streams) and FFNs (`tp_plan`). No CP plan:
-every block's attention is joint over [video, image, glyph text, text] with a per-sample padding mask
-built inside the attention processor, and diffusers gives the transformer no `_cp_plan`
-(docs/parallel.md).
+Tensor parallel splits each double block's heads (both streams) and FFNs (`tp_plan`); context parallel
+splits the video tokens, the joint attention's text streams staying whole on every rank (`cp_plan`).
 """
 
 from __future__ import annotations
@@ -54,7 +52,7 @@ from torch import Tensor
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
-from vt.shared.models.plans import TensorParallelPlan
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_qwen_tokenizer, tiny_t5_encoder
 
@@ -292,9 +290,15 @@ class HunyuanVideo15Spec(ModelSpec):
             attention=("attn",),
         )
 
-    # cp_plan: none (the base class refuses parallel.cp > 1). Each block's attention concatenates the
-    # text streams' q/k/v to the video's inside the processor, with a padding mask over the joint
-    # sequence: Ulysses would have to move the text streams' heads too, which the generic plan cannot.
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the video tokens where the first block receives them, gather after proj_out. Each block's
+        attention joins the text streams (image, ByT5, Qwen; whole on every rank) to the video: the text
+        keeps its heads' q/k/v and gathers its heads' output; the processor pads the text mask over the
+        joint sequence the all-to-all rebuilt, and the rotary tables are the whole video's."""
+        return ContextParallelPlan(
+            split_inputs={"transformer_blocks.0": {"hidden_states": 1}}, gather_output="proj_out",
+            self_attention=("attn",), sequence_to_heads=("to_q", "to_k", "to_v"),
+            replicated_to_heads=("add_q_proj", "add_k_proj", "add_v_proj"), replicated_from_heads="to_add_out")
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:

@@ -28,7 +28,8 @@ channel (the condition channels stay zero, as in the pipeline and Kandinsky's ow
 token the sample's timestep, and weights the first frame 0 in the loss: the pipeline never updates it.
 LoRA and ComfyUI: ComfyUI's Kandinsky5 model uses diffusers' module names (comfy/ldm/kandinsky5/model.py),
 so the ComfyUI file is the LoRA under `diffusion_model.` with the scale in lora_B; diffusers' loader reads
-`transformer.` keys only, so `load_lora` renames a ComfyUI file back. No TP or CP plan (docs/parallel.md).
+`transformer.` keys only, so `load_lora` renames a ComfyUI file back. TP splits every block's heads and FFN
+(`tp_plan`), CP the visual tokens (`cp_plan`; docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from vt.shared.config import ModelConfig
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.lora import lora_weight_name
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, build_clip_tokenizer
 
@@ -282,6 +284,35 @@ class Kandinsky5Spec(ModelSpec):
             if kind:
                 renamed[f"transformer.{module}.lora_{kind}"] = value
         pipeline.load_lora_weights(renamed)
+
+    # ----------------------------------------------------------------------------- parallel plans
+    def tp_plan(self) -> TensorParallelPlan:
+        """Every attention's q/k/v and each FFN's first layer column-wise, their output layers row-wise, in the text
+        and the visual blocks (the text blocks have no cross-attention). The query/key RMSNorms and both rotary
+        tables span one head, and the per-block modulations stay whole."""
+        attention = ("self_attention", "cross_attention")
+        return TensorParallelPlan(
+            colwise=(*(f"{a}.{p}" for a in attention for p in ("to_query", "to_key", "to_value")),
+                     "feed_forward.in_layer"),
+            rowwise=(*(f"{a}.out_layer" for a in attention), "feed_forward.out_layer"),
+            attention=attention, heads_attribute="num_heads", optional=("cross_attention",))
+
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the visual tokens where the first visual block receives them (flattened) and gather after the
+        last one (the un-flattening and output layer need the whole grid). The text blocks run whole on every
+        rank; the cross-attention's keys come from that text. The visual RoPE table is the whole sequence's,
+        which the self-attention sees after the all-to-all. NABLA is refused: its per-head block mask would be
+        built on each rank's heads over the whole grid, but FlexAttention has no CPU backward to check that on."""
+        if self.sparse_attention:
+            raise NotImplementedError(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no "
+                                      "CP plan (its FlexAttention block mask under Ulysses is not checked); set "
+                                      "parallel.cp = 1")
+        last = int(self.load_config("transformer")["num_visual_blocks"]) - 1
+        return ContextParallelPlan(
+            split_inputs={"visual_transformer_blocks.0": {"visual_embed": 1}},
+            gather_output=f"visual_transformer_blocks.{last}", self_attention=("self_attention",),
+            sequence_to_heads=("to_query", "to_key", "to_value"), heads_to_sequence="out_layer",
+            block_lists=("visual_transformer_blocks",), heads_attribute="num_heads")
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod

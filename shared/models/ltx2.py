@@ -48,8 +48,8 @@ it stays clean, its tokens get timestep 0 (the per-token `timestep`; `audio_time
 sample's), and its loss weight is 0; the audio, as in the pipeline, is noised whole. The pipeline also
 re-encodes a still image as H.264 (CRF 33 for LTX-2's Gemma 3) so it looks like a video frame; a clip's
 first frame already is one.
-No TP or CP plan: both would have to split the audio stream and the audio-video cross-attention too
-(docs/parallel.md).
+No TP plan: it would have to split the audio stream and the audio-video cross-attention too. CP splits
+the video tokens (`cp_plan`; docs/parallel.md).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from vt.shared.config import ModelConfig
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
 from vt.shared.models.mel import log_mel
+from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
 from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_gemma_tokenizer, save_tiny, seeded
 from vt.shared.video_io import Sound
@@ -315,16 +316,22 @@ class LTX2Spec(ModelSpec):
         per_frame[0] = 0
         return timestep[:, None] * per_frame.flatten()[None]
 
-    def cp_plan(self):
-        """None: Ulysses splits one token sequence per attention, and LTX-2's blocks hold two that attend to
-        each other (docs/parallel.md); with model.audio, video-to-audio cross-attention would see one rank's
-        share of the video only."""
-        why = ("with model.audio each audio token attends to every video token (video_to_audio_attn), so splitting "
-               "the video tokens over ranks would need the whole video's keys on every rank and the audio stream "
-               "replicated; " if self.config.audio else "")
-        raise NotImplementedError(f"family 'ltx-2' has no CP plan: {why}its rotary tables and the audio stream "
-                                  "would need LTX-2-specific splitting (docs/parallel.md); set parallel.cp = 1 and "
-                                  "scale out with data parallelism (parallel.dp_shard)")
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the packed video tokens and their per-token timesteps (i2v) at the input, gather after proj_out;
+        the video self-attention switches to heads (its query/key norms span all heads, its gate logits are per
+        head). The rotary tables are the whole grid's: "split" ones are laid out (B, heads, tokens, D / 2),
+        "interleaved" ones over all heads' channels; each rank keeps its heads'. The audio stream (short: 25
+        tokens a second) stays whole on every rank: its self-attention runs whole, the audio-to-video attention
+        (video queries) needs only its queries' rotary table cut to the rank's tokens, and the video-to-audio
+        one (audio queries over every video token) takes this rank's heads of the audio queries and of the
+        video keys and values over all tokens, then gathers the heads. Video-only runs isolate the audio."""
+        split = self.load_config("transformer").get("rope_type", "interleaved") == "split"
+        cross = CrossStreamPlan(queries_whole=("video_to_audio_attn",), queries_split=("audio_to_video_attn",),
+                                rope_dims=(-2, -3) if split else (-2, -1))
+        return ContextParallelPlan(
+            split_inputs={"": {"hidden_states": 1, "timestep": 1}}, gather_output="proj_out", self_attention=("attn1",),
+            sequence_to_heads=("norm_q", "norm_k", "to_v", "to_gate_logits"),
+            rope_heads={"rope": -3 if split else -1}, cross_stream=cross)
 
     # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:

@@ -164,7 +164,7 @@ class LTXVideoSpec(ModelSpec):
             split_inputs={"": {"hidden_states": 1, "timestep": 1}},
             gather_output="proj_out",
             self_attention=("attn1",),
-            channel_rope="rope",
+            rope_heads={"rope": -1},
         )
 
     # ----------------------------------------------------------------------------- tiny preset

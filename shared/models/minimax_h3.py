@@ -39,6 +39,7 @@ from torch import Tensor
 from vt.shared.buckets import Bucket
 from vt.shared.models import comfy
 from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
+from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
 
@@ -295,6 +296,17 @@ class MiniMaxH3Spec(ModelSpec):
 
         return {key: swapped(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
                 for key, value in tensors.items()}
+
+    def cp_plan(self) -> ContextParallelPlan:
+        """One self-attention over the packed [text | audio | video] rows (its rotary tables the whole sequence's):
+        split the rows where the first block receives them and each block's AdaLN row indices, gather after the
+        last block (the output heads pick their rows from the whole sequence). Its length follows each caption's
+        text rows (unpadded: the model passes no mask), so the chunks may differ by one row (`uneven`)."""
+        layers = int(self.load_config("transformer")["num_layers"])
+        split = {f"transformer_blocks.{index}": {"adaln_indices": 0} for index in range(layers)}
+        split["transformer_blocks.0"] = {"hidden_states": 1, "adaln_indices": 0}
+        return ContextParallelPlan(split_inputs=split, gather_output=f"transformer_blocks.{layers - 1}",
+                                   self_attention=("attn",), sequence_to_heads=("to_q", "to_k", "to_v"), uneven=True)
 
     # ----------------------------------------------------------------------------- validation
     def validation_frames(self, bucket: Bucket) -> int:

@@ -19,12 +19,9 @@ What is particular to Mochi:
   swaps the halves of w1's lora_B rows, and bakes alpha / rank into lora_B (no `.alpha`). diffusers
   reads no non-diffusers Mochi LoRA; tests/shared/test_mochi.py checks the file against diffusers'
   own single-file converter of original Mochi checkpoints.
-No TP or CP plan (the base class refuses parallel.tp / parallel.cp > 1): the SwiGLU input projection
-holds both halves in one Linear, so a contiguous column-wise shard would pair one rank's linear units
-with another rank's gates; the rotary tables are per head (`pos_frequencies` (3, heads, D/2)) and would have to
-be sliced to each rank's heads; diffusers has no `_cp_plan` for it, and its attention processor
-drops padded text tokens per sample inside the joint [video, text] attention, which Ulysses would
-have to split apart.
+TP (`tp_plan`) splits the joint attention only: the SwiGLU input projection holds both halves in one Linear,
+so a contiguous column-wise shard would pair one rank's linear units with another rank's gates, and the FFNs
+stay whole. CP (`cp_plan`) splits the video tokens; the joint attention keeps the text whole on each rank.
 """
 
 from __future__ import annotations
@@ -37,6 +34,7 @@ from torch import Tensor
 
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
@@ -126,6 +124,26 @@ class MochiSpec(ModelSpec):
         return Prediction(prediction=prediction.float(), target=x0 - noise, weight=None)
 
     # ----------------------------------------------------------------------------- validation
+    def tp_plan(self) -> TensorParallelPlan:
+        """The joint attention only: both streams' q/k/v column-wise, their outputs row-wise (the last block has no
+        text output); its per-head rotary tables cut to each rank's heads. The SwiGLU FFNs stay whole on every rank:
+        their input projection holds [hidden, gate] in one Linear, which a contiguous shard would pair wrongly."""
+        qkv = ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj")
+        return TensorParallelPlan(colwise=tuple(f"attn1.{p}" for p in qkv),
+                                  rowwise=("attn1.to_out.0", "attn1.to_add_out"), attention=("attn1",),
+                                  optional=("attn1.to_add_out",), rope_heads={"rope": -2})
+
+    def cp_plan(self) -> ContextParallelPlan:
+        """Split the video tokens where the first block receives them, gather after proj_out. The attention is
+        joint over [video, that sample's unpadded text]: the text, whole on each rank, keeps its heads' q/k/v
+        and gathers its heads' output; the rotary tables are per head (tokens, heads, D / 2): each rank keeps
+        its heads' (`rope_heads`)."""
+        return ContextParallelPlan(
+            split_inputs={"transformer_blocks.0": {"hidden_states": 1}}, gather_output="proj_out",
+            self_attention=("attn1",), sequence_to_heads=("to_q", "to_k", "to_v"),
+            replicated_to_heads=("add_q_proj", "add_k_proj", "add_v_proj"), replicated_from_heads="to_add_out",
+            rope_heads={"rope": -2})
+
     def pipeline_inputs(self, prompt: str, bucket, steps: int, seed: int, image=None) -> dict:
         """As the base class; MochiPipeline's sigma schedule (`linear_quadratic_schedule`) divides by
         zero below 2 steps, so fewer are refused here with the key to set."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -22,6 +22,22 @@ class TensorParallelPlan:
     # Transformer submodule returning rotary (cos, sin) laid out over all heads' channels on the last
     # dim (LTX-Video); each rank keeps its channels. None when the rotary tables span one head (Wan).
     channel_rope: str | None = None
+    heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one
+    optional: tuple[str, ...] = ()  # modules some blocks lack (e.g. a cross-attention): names under them skipped there
+    rope_heads: dict[str, int] = field(default_factory=dict)  # as ContextParallelPlan's: tables laid out by head
+
+
+@dataclass(frozen=True)
+class CrossStreamPlan:
+    """Attentions between the split tokens and a stream every cp rank holds whole (LTX-2's audio); names of
+    attentions relative to a block, of projections relative to an attention."""
+
+    queries_whole: tuple[str, ...]  # queries from the whole stream, keys/values from the split tokens
+    queries_split: tuple[str, ...]  # queries from the split tokens, keys/values from the whole stream
+    whole_queries: tuple[str, ...] = ("norm_q", "to_gate_logits")  # the whole stream's side: this rank's heads
+    split_keys: tuple[str, ...] = ("norm_k", "to_v")  # the split side: switched to all tokens, this rank's heads
+    rope_arguments: tuple[str, str] = ("query_rotary_emb", "key_rotary_emb")  # the attentions' rotary tables
+    rope_dims: tuple[int, int] = (-2, -1)  # their (tokens, heads) dims; heads -1: over all heads' channels
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,13 @@ class ContextParallelPlan:
     the outputs of `sequence_to_heads` switch from "my tokens, all heads" to "all tokens, my heads"
     and the input of `heads_to_sequence` switches back. Cross-attention keys and values come from
     the text, which is not split: its queries stay on the local tokens with all heads.
+
+    Joint attention (text tokens, held whole by every rank, attend together with the split video tokens):
+    the text's projections (`replicated_to_heads`) keep this rank's heads' channels, and the text's
+    attention output is gathered over heads at the input of `replicated_from_heads`. Where a processor
+    joins [video, text] before projecting, a `sequence_to_heads` output holds both (video first); an
+    attention without `heads_to_sequence` / `replicated_from_heads` (a pre-only one) has its returned
+    (video, text) pair switched back instead. Names an attention lacks are skipped.
     """
 
     split_inputs: dict[str, dict[str, int]]  # module ("" = the transformer) -> {argument name: sequence dim}
@@ -41,4 +64,13 @@ class ContextParallelPlan:
     self_attention: tuple[str, ...]  # relative to a block
     sequence_to_heads: tuple[str, ...] = ("norm_q", "norm_k", "to_v")  # relative to an attention module
     heads_to_sequence: str = "to_out.0"
-    channel_rope: str | None = None  # as in TensorParallelPlan: rotary tables over all heads' channels
+    replicated_to_heads: tuple[str, ...] = ()  # the whole (text) stream's q/k/v projections in joint attention
+    replicated_from_heads: str | None = None  # the whole stream's output projection
+    # transformer submodules returning rotary tables laid out by head -> the dim holding the heads (or all heads'
+    # channels): each rank keeps its own (LTX-Video's tables over all heads' channels: -1; Mochi's (tokens, heads,
+    # D/2): -2; LTX-2's split tables (B, heads, tokens, D/2): -3)
+    rope_heads: dict[str, int] = field(default_factory=dict)
+    block_lists: tuple[str, ...] = ()  # the block lists whose `self_attention` sees the split tokens (empty: all)
+    heads_attribute: str = "heads"  # the attention modules' head count, which becomes the local one
+    cross_stream: CrossStreamPlan | None = None
+    uneven: bool = False  # a token count cp does not divide splits into chunks one token apart (else an error)

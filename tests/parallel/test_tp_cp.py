@@ -1,4 +1,5 @@
-"""Tensor parallel and context parallel (Ulysses) match one process, for both families, with LoRA.
+"""Tensor parallel and context parallel (Ulysses) match one process, with LoRA: LTX-Video and Wan in every layout,
+the families with joint, cross-stream or text-block attention (JOINT) in CP and FSDP2 x CP.
 
 Real processes over gloo (this file's ranks forked by tests/forkserver.py, FileStore), the real tiny transformers of the presets, fixed
 random inputs through the spec's own `forward`: the loss and the LoRA gradients of the first step,
@@ -7,7 +8,8 @@ within relative 1e-4. Layouts: TP 2 and CP 2 (world 2); CP 2 x TP 2, FSDP2 (dp_s
 FSDP2 x CP 2 (world 4, FSDP2 over dp_shard x cp as the trainer shards). LoRA also sits on the FFN,
 so both split directions carry adapters; LTX runs image-to-video, so its per-token timesteps must
 be split by context parallel too. The LoRA factors start random (not lora_B = 0), so every
-gradient is non-trivial. One world per family and size runs all its layouts: start-up dominates.
+gradient is non-trivial (but for a LoRA on an output nothing reads, whose gradient must stay zero). One world
+per family and size runs all its layouts: start-up dominates.
 """
 
 from __future__ import annotations
@@ -29,18 +31,58 @@ LAYOUTS = {  # name -> mesh dims (sizes in the trainer's order)
     "fsdp2_cp2": {"dp_shard": 2, "cp": 2},
 }
 FFN = {"ltx-video": "ff", "wan": "ffn"}
+# Families with joint video + text attention, fed random stage-1 tensors of their `condition_shapes` at a
+# bucket whose token count divides by 4: (task, bucket, LoRA targets: both streams' attention and FFNs).
+JOINT = {
+    "hunyuan-video": ("t2v", (5, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                           "add_v_proj", "to_add_out", "ff.net.0.proj", "ff_context.net.2")),
+    # i2v: the first frame's SigLIP tokens join the text streams in the joint attention.
+    "hunyuan-video-1.5": ("i2v", (5, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out",
+                                               "ff.net.0.proj", "ff_context.net.2")),
+    # Not joint (visual self-attention, cross-attention to the text blocks' output), but fed the same way.
+    "mochi": ("t2v", (7, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ff.net.0.proj")),
+    # Video only (the audio stream isolated); i2v: per-token timesteps split with the tokens, split rotary tables.
+    "ltx-2": ("i2v", (9, 64, 64), ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj")),
+    # With audio (whole on every rank): the cross-stream attentions in both directions and the audio stream train.
+    "ltx-2-audio": ("t2v", (9, 64, 64), ("attn1.to_q", "attn1.to_out.0", "video_to_audio_attn.to_q",
+                                         "video_to_audio_attn.to_k", "video_to_audio_attn.to_v",
+                                         "video_to_audio_attn.to_out.0", "audio_to_video_attn.to_q",
+                                         "audio_to_video_attn.to_k", "audio_attn1.to_q", "audio_ff.net.0.proj")),
+    # One packed [text | audio | video] sequence per sample, its length following the caption: the two samples'
+    # lengths differ by 3 rows, so one of them splits unevenly.
+    "minimax-h3-audio": ("t2v", (5, 64, 64), ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+                                              "ff.net.0.proj")),
+    "ltx-2.3-audio": ("t2v", (9, 64, 64), ("attn1.to_q", "attn1.to_gate_logits", "video_to_audio_attn.to_q",
+                                           "video_to_audio_attn.to_gate_logits", "audio_to_video_attn.to_q")),
+    "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer",
+                                        "feed_forward.in_layer", "feed_forward.out_layer")),
+}
+TEXT_TOKENS = 8
+VARIANTS = {"ltx-2-audio": ("ltx-2", {"audio": True}),  # key -> (family, model settings)
+            "ltx-2.3-audio": ("ltx-2", {"audio": True}),  # LTX-2.3's preset: gated attention (per-head gate logits)
+            "minimax-h3-audio": ("minimax-h3", {"audio": True})}
+FPS = {"minimax-h3-audio": 24.0}  # its audio and video rows share one rotary clock at 24 fps
 
 
 def _spec(family: str, model_dir):
     from vt.shared.config import ModelConfig
     from vt.shared.models import build_spec
 
-    return build_spec(ModelConfig(family=family, path=str(model_dir), task="i2v" if family == "ltx-video" else "t2v"), frame_rate=8.0)
+    extra = {"max_text_tokens": TEXT_TOKENS} if family in JOINT else {}
+    name, settings = VARIANTS.get(family, (family, {}))
+    return build_spec(ModelConfig(family=name, path=str(model_dir), task=_task(family), **extra, **settings),
+                      frame_rate=FPS.get(family, 8.0))
 
 
-def _batch(family: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _task(family: str) -> str:
+    return "i2v" if family == "ltx-video" else JOINT[family][0] if family in JOINT else "t2v"
+
+
+def _batch(family: str, spec=None) -> tuple[dict, torch.Tensor, torch.Tensor]:
     """Two samples: latents, text (with padding), sigmas, noise; LTX i2v adds the first-frame latents."""
     g = torch.Generator().manual_seed(7)
+    if family in JOINT:
+        return _joint_batch(spec, JOINT[family][1], g)
     grid = (3, 4, 4) if family == "ltx-video" else (2, 8, 8)  # 48 and 32 tokens: divide by cp x tp = 4
     latents = torch.randn(2, 16, *grid, generator=g)
     embeds = torch.randn(2, 8, 64, generator=g)
@@ -54,10 +96,26 @@ def _batch(family: str) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return batch, sigmas, torch.randn(latents.shape, generator=g)
 
 
+def _joint_batch(spec, bucket: tuple[int, int, int], g: torch.Generator) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """Random tensors of the spec's stage-1 shapes; each text mask pads the second sample's last 3 tokens."""
+    from vt.shared.buckets import Bucket
+
+    shapes = spec.condition_shapes(Bucket(*bucket))
+    batch = {key: torch.randn(2, *shape, generator=g) for key, shape in shapes.items()}
+    for embeds, mask in spec.text_masks.items():
+        batch[mask] = torch.ones(2, shapes[mask][0])
+        batch[mask][1, -3:] = 0
+        batch[embeds] = batch[embeds] * batch[mask][..., None]
+    if "audio_latents" in batch:  # the trainer draws the audio noise per sample
+        batch["audio_noise"] = torch.randn(batch["audio_latents"].shape, generator=g)
+    return batch, torch.tensor([0.3, 0.8]), torch.randn(batch["latents"].shape, generator=g)
+
+
 def _lora_model(spec, family: str):
     """The tiny transformer with LoRA on attention and FFN, its factors drawn from a fixed seed."""
     model = spec.load_transformer()
-    targets = ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
+    targets = list(JOINT[family][2]) if family in JOINT else \
+        ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
     spec.add_lora(model, rank=4, alpha=4.0, targets=targets)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -68,13 +126,13 @@ def _lora_model(spec, family: str):
 
 def _train(spec, model, batch, sigmas, noise, sync=None) -> dict:
     """STEPS AdamW steps; losses, the first step's LoRA gradients and the final LoRA weights (full tensors)."""
-    from vt.train.objectives import flow_matching_loss
+    from vt.train.objectives import joint_loss
 
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW([p for _, p in params], lr=1e-3, weight_decay=0.01)
     losses, grads = [], {}
     for step in range(STEPS):
-        loss = flow_matching_loss(spec.forward(model, batch, sigmas, noise))
+        loss = joint_loss(spec.forward(model, batch, sigmas, noise), 1.0)[0]  # with audio: its loss too
         loss.backward()
         if sync is not None:
             sync()
@@ -90,15 +148,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor.clone()
 
 
-def _worker(rank: int, world: int, store: str, family: str, model_dir: str, layouts: list[str], out_dir: str) -> None:
+def _worker(rank: int, world: int, store: str, runs: list[tuple[str, str, str]], out_dir: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     try:
-        for layout in layouts:  # one world runs several layouts: process start-up dominates the cost
-            result = _misuse(family, model_dir) if layout == "misuse" else _run_layout(family, model_dir, layout)
-            torch.save(result, os.path.join(out_dir, f"{layout}-rank{rank}.pt"))
+        for family, model_dir, layout in runs:  # one world runs several layouts and families: start-up dominates
+            checks = {"misuse": _misuse, "tp_full": _tp_full_fine_tune}
+            result = checks[layout](family, model_dir) if layout in checks else _run_layout(family, model_dir, layout)
+            torch.save(result, os.path.join(out_dir, f"{family}-{layout}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -113,7 +172,7 @@ def _run_layout(family: str, model_dir: str, layout: str) -> dict:
     dims = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
     spec = _spec(family, model_dir)
-    batch, sigmas, noise = _batch(family)
+    batch, sigmas, noise = _batch(family, spec)
     model = _lora_model(spec, family)
     if "tp" in dims:
         apply_tp(model, spec, mesh["tp"])
@@ -167,29 +226,49 @@ def _misuse(family: str, model_dir: str) -> dict:
     return errors
 
 
+def _tp_full_fine_tune(family: str, model_dir: str) -> dict:
+    """The error of a full fine-tune under TP whose attention holds a norm shared by every head (trainable)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from vt.train.parallel.tp import apply_tp
+
+    spec = _spec(family, model_dir)
+    model = spec.load_transformer()
+    spec.full_trainable(model)
+    try:
+        apply_tp(model, spec, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    except ValueError as err:
+        return {"error": str(err)}
+    return {}
+
+
 @pytest.fixture(scope="module")
-def reference(tiny_model_factory):
+def reference(tiny_model_factory, tmp_path_factory):
     """family -> (model folder, single-process result), computed once per family."""
+    from vt.shared.models.ltx2 import LTX2Spec
+
     cache = {}
 
     def get(family):
         if family not in cache:
-            model_dir = tiny_model_factory(family)
+            task = "t2v" if family == "ltx-video" else _task(family)
+            model_dir = LTX2Spec.make_tiny_23(tmp_path_factory.mktemp("ltx23")) if family == "ltx-2.3-audio" else \
+                tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
             spec = _spec(family, model_dir)
-            cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family)))
+            cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family, spec)))
         return cache[family]
 
     return get
 
 
-def _spawn(world: int, args: tuple, tmp_path) -> None:
-    """Run `world` ranks of `_worker(rank, world, store, *args)`: this file as a script, one process a rank."""
+def _spawn(world: int, runs: list[tuple[str, str, str]], tmp_path) -> None:
+    """Run `world` ranks of `_worker(rank, world, store, runs, tmp_path)`: this file as a script, one process a rank;
+    `runs`: (family, model folder, layout) in order."""
     from forkserver import launch_ranks
 
-    family, model_dir, layouts, out_dir = args
     log = tmp_path / "world.log"
-    group = launch_ranks(__file__, world, str(world), str(tmp_path / "store"), family, model_dir, ",".join(layouts),
-                         out_dir, log=log)
+    group = launch_ranks(__file__, world, str(world), str(tmp_path / "store"), ",".join(map("|".join, runs)),
+                         str(tmp_path), log=log)
     try:
         code = group.wait(timeout=WORLD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -207,33 +286,47 @@ def _assert_matches(result: dict, expected: dict, where: str) -> None:
     assert result["losses"] == pytest.approx(expected["losses"], rel=1e-4), f"{where}: losses"
     assert result["grads"].keys() == expected["grads"].keys(), f"{where}: LoRA parameters differ"
     for kind in ("grads", "params"):
+        dead = 0
         for name, value in expected[kind].items():
-            assert expected[kind][name].abs().max() > 0, f"reference {kind} of {name} is all zero: nothing tested"
+            if value.abs().max() == 0:  # a LoRA on an output nothing reads (the last block's text stream)
+                assert result[kind][name].abs().max() == 0, f"{where}: {kind} of {name} should be zero"
+                dead += 1
+                continue
             error = _relative(result[kind][name], value)
             assert error <= 1e-4, f"{where}: {kind} of {name} differ by relative {error:.2e}"
+        assert dead <= len(expected[kind]) // 4, f"{where}: {dead} reference {kind} are all zero: little tested"
 
 
-WORLD2 = (2, ["tp2", "cp2", "misuse"])
-WORLD4 = (4, ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"])
+WORLD2 = ["tp2", "cp2", "misuse"]
+WORLD4 = ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"]
 # Wan's world-4 combinations train with LoRA in the trainer-level parity runs (test_parity.py) already;
-# LTX's run there as full fine-tunes of t2v, so its LoRA + i2v combinations are checked here.
-CASES = {"ltx-video-world2": ("ltx-video", *WORLD2), "ltx-video-world4": ("ltx-video", *WORLD4),
-         "wan-world2": ("wan", *WORLD2)}
+# LTX's run there as full fine-tunes of t2v, so its LoRA + i2v combinations are checked here. The JOINT families
+# (CP plans only; their tiny presets' 2 heads leave no room for cp x tp) share one world per size.
+CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
+         "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
+         "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
+         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2"), ("mochi", "tp2"),
+                                                                      ("mochi", "tp_full")]),
+         "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT if family != "ltx-2.3-audio"])}
 
 
-@pytest.mark.parametrize("family, world, layouts", list(CASES.values()), ids=list(CASES))
-def test_parallel_layouts_match_single_process(family, world, layouts, reference, tmp_path):
-    model_dir, expected = reference(family)
-    _spawn(world, (family, str(model_dir), layouts, str(tmp_path)), tmp_path)
-    for layout in (name for name in layouts if name != "misuse"):
+@pytest.mark.parametrize("world, runs", list(CASES.values()), ids=list(CASES))
+def test_parallel_layouts_match_single_process(world, runs, reference, tmp_path):
+    _spawn(world, [(family, str(reference(family)[0]), layout) for family, layout in runs], tmp_path)
+    for family, layout in runs:
+        if layout == "misuse":
+            errors = torch.load(tmp_path / f"{family}-misuse-rank0.pt")
+            assert "sequence of 3 tokens over cp=2" in errors.get("odd_tokens", ""), errors
+            assert "parallel.cp" in errors["odd_tokens"], errors
+            assert "apply_tp must come first" in errors.get("order", ""), errors
+            continue
+        if layout == "tp_full":  # refused before any forward, naming what to change
+            error = torch.load(tmp_path / f"{family}-tp_full-rank0.pt").get("error", "")
+            assert "norm_q.weight is shared by every head" in error and "parallel.tp = 1" in error, error
+            continue
         for rank in range(world):
-            result = torch.load(tmp_path / f"{layout}-rank{rank}.pt")
-            _assert_matches(result, expected, f"{family} {layout} rank {rank}")
-    if "misuse" in layouts:
-        errors = torch.load(tmp_path / "misuse-rank0.pt")
-        assert "sequence of 3 tokens over cp=2" in errors.get("odd_tokens", ""), errors
-        assert "parallel.cp" in errors["odd_tokens"], errors
-        assert "apply_tp must come first" in errors.get("order", ""), errors
+            result = torch.load(tmp_path / f"{family}-{layout}-rank{rank}.pt")
+            _assert_matches(result, reference(family)[1], f"{family} {layout} rank {rank}")
 
 
 def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
@@ -244,6 +337,14 @@ def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
         ModelSpec.tp_plan(spec)  # the base class default, which a family without a plan inherits
     with pytest.raises(NotImplementedError, match="family 'wan' has no CP plan; set parallel.cp = 1"):
         ModelSpec.cp_plan(spec)
+    # Families (or settings) that cannot take CP say why, and which setting to change, before any training.
+    from vt.shared.config import ModelConfig
+    from vt.shared.models import build_spec
+
+    for family, task, why in (("hunyuan-video", "i2v", "first frame's tokens apart"),):
+        spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family, task=task)), task=task), 8.0)
+        with pytest.raises(NotImplementedError, match=f"{why}.*set parallel.cp = 1"):
+            spec.cp_plan()
     # The real plans name layers that exist in the family's transformer blocks.
     for family in ("ltx-video", "wan"):
         spec = _spec(family, tiny_model_factory(family))
@@ -254,5 +355,5 @@ def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
 
 
 if __name__ == "__main__":  # one rank of a world (`_spawn`): RANK from the environment, as torchrun sets it
-    world, store, family, model_dir, layouts, out_dir = sys.argv[1:]
-    _worker(int(os.environ["RANK"]), int(world), store, family, model_dir, layouts.split(","), out_dir)
+    world, store, runs, out_dir = sys.argv[1:]
+    _worker(int(os.environ["RANK"]), int(world), store, [tuple(run.split("|")) for run in runs.split(",")], out_dir)

@@ -444,13 +444,16 @@ def test_i2v_audio_forward_feeds_what_the_pipeline_feeds(tiny_model_factory):
     assert out.weight.flatten().tolist() == [0.0, 1.0] and out.audio.weight is None  # the sound is generated whole
 
 
-def test_context_parallel_is_refused_with_the_reason(av_folder):
-    """No CP plan, with or without audio; with audio the error says why the joint attention does not split."""
+def test_context_parallel_plans_name_ltx2_modules(av_folder):
+    """The CP plan (tests/parallel runs it, with and without audio) names attentions every block has, and cuts the
+    tiny preset's "split" rotary tables (B, heads, tokens, D / 2) by heads."""
     _, folder = av_folder
-    with pytest.raises(NotImplementedError, match=r"video_to_audio_attn.*set parallel.cp = 1"):
-        av_spec(folder).cp_plan()
-    with pytest.raises(NotImplementedError, match=r"no CP plan: its rotary tables.*set parallel.cp = 1"):
-        make_spec(folder).cp_plan()
+    spec = av_spec(folder)
+    plan = spec.cp_plan()
+    assert plan.rope_heads == {"rope": -3} and plan.cross_stream.rope_dims == (-2, -3)
+    block = spec.blocks(spec.load_transformer())[0]
+    for name in (*plan.self_attention, *plan.cross_stream.queries_whole, *plan.cross_stream.queries_split):
+        assert block.get_submodule(name).heads == 2
 
 
 def test_audio_loss_falls_on_a_clip_trained_repeatedly(tiny_model_factory):

@@ -10,16 +10,19 @@ works on a contiguous 1/P of the token sequence:
   heads" to "all tokens, my heads" with one all-to-all each, attention runs on full sequences for
   the local heads, and one all-to-all moves the result back before the output projection
   (DeepSpeed-Ulysses). Rotary tables are computed for the full sequence by the model already;
-  where they are laid out over all heads' channels (LTX) each rank keeps its heads' channels;
+  where they are laid out by head each rank keeps its heads' (`rope_heads`). Joint attention with a
+  stream every rank holds whole (text, audio) is in ulysses_attention.py;
 - cross-attention needs no communication: its keys and values come from the text (not split);
 - the output of the last projection is gathered back to the full sequence.
+A plan marked `uneven` (a length that changes per sample) splits into chunks one token apart.
 Ring attention (which needs an attention kernel that returns its log-sum-exp) is not used: on CPU
 torch's ring attention fails in backward, and Ulysses covers head counts that divide tp x cp.
 
 Order: after TP (whose head counts and norms this builds on), before AC, compile and FSDP/DDP.
 
 Gradients: after backward each cp rank holds P x the gradient through its own tokens (see
-`gather_sequence`), so AVERAGING gradients over the cp group gives the single-process gradient.
+`gather_sequence`; a stream held whole gets gradients that sum to P x its own over the cp ranks), so
+AVERAGING gradients over the cp group gives the single-process gradient.
 FSDP2 or DDP over a mesh that includes cp (e.g. dp_shard x cp flattened) does that; without one,
 call `average_gradients(transformer, cp_mesh)` after backward.
 """
@@ -37,7 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.tp import APPLIED_ATTR, slice_rope_channels
-from vt.train.parallel.ulysses import gather_sequence, heads_to_sequence, sequence_to_heads, split_sequence
+from vt.train.parallel.ulysses import chunk_sizes, gather_sequence, split_sequence
+from vt.train.parallel.ulysses_attention import make_split_queries, make_ulysses, make_whole_queries
 
 log = logging.getLogger(__name__)
 
@@ -53,22 +57,31 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         return
     plan = spec.cp_plan()
     group, size = cp_mesh.get_group(), cp_mesh.size()
+    layout = {"sizes": None}  # every rank's token count in the current forward, set where the tokens are split
     for path, arguments in plan.split_inputs.items():
         module = transformer.get_submodule(path) if path else transformer
-        module.register_forward_pre_hook(_split_arguments(module, arguments, group), with_kwargs=True)
+        module.register_forward_pre_hook(_split_arguments(module, arguments, group, layout, plan.uneven),
+                                         with_kwargs=True)
     for where, block in spec.named_blocks(transformer):
+        if plan.block_lists and where.rpartition(".")[0] not in plan.block_lists:
+            continue  # e.g. text-only blocks, which every rank runs whole
         for name in plan.self_attention:
-            _make_ulysses(block.get_submodule(name), plan.sequence_to_heads, plan.heads_to_sequence, group,
-                          f"{where}.{name}")
-    if plan.channel_rope:
-        slice_rope_channels(transformer.get_submodule(plan.channel_rope), cp_mesh)
+            make_ulysses(block.get_submodule(name), plan, group, f"{where}.{name}", layout)
+        if plan.cross_stream is not None:
+            for name in plan.cross_stream.queries_whole:
+                make_whole_queries(block.get_submodule(name), plan, group, f"{where}.{name}", layout)
+            for name in plan.cross_stream.queries_split:
+                make_split_queries(block.get_submodule(name), plan.cross_stream, group)
+    for rope, dim in plan.rope_heads.items():
+        slice_rope_channels(transformer.get_submodule(rope), cp_mesh, dim)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
-        lambda module, args, output: gather_sequence(output, 1, group))
+        lambda module, args, output: gather_sequence(output, 1, group, layout["sizes"]))
     setattr(transformer, APPLIED_ATTR, applied + ["cp"])
     log.info("context parallel (Ulysses) over %d ranks", size)
 
 
-def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.ProcessGroup):
+def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.ProcessGroup, layout: dict,
+                     uneven: bool):
     """A forward pre-hook cutting the named arguments (given by keyword or position) to this rank's chunk."""
     names = list(inspect.signature(module.forward).parameters)
     missing = [name for name in arguments if name not in names]
@@ -81,36 +94,20 @@ def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.P
         args = list(args)
         for name, dim in arguments.items():
             if name in kwargs:
-                kwargs[name] = _split_if_sequence(kwargs[name], dim, group)
+                kwargs[name] = _split_if_sequence(kwargs[name], dim, group, layout, uneven)
             elif positions[name] < len(args):
-                args[positions[name]] = _split_if_sequence(args[positions[name]], dim, group)
+                args[positions[name]] = _split_if_sequence(args[positions[name]], dim, group, layout, uneven)
         return tuple(args), kwargs
 
     return split
 
 
-def _split_if_sequence(value, dim: int, group: dist.ProcessGroup):
+def _split_if_sequence(value, dim: int, group: dist.ProcessGroup, layout: dict, uneven: bool):
     """Split a tensor along `dim`; one without that dim or of size 1 there (a per-sample timestep) stays whole."""
     if not isinstance(value, Tensor) or value.ndim <= dim or value.shape[dim] == 1:
         return value
-    return split_sequence(value, dim, group)
-
-
-def _make_ulysses(attn: nn.Module, to_heads: tuple[str, ...], to_sequence: str, group: dist.ProcessGroup,
-                  where: str) -> None:
-    size = dist.get_world_size(group)
-    if attn.heads % size:
-        raise ValueError(f"{where} has {attn.heads} attention heads on this rank, which do not divide over "
-                         f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count")
-    attn.heads //= size
-    for name in to_heads:
-        attn.get_submodule(name).register_forward_hook(lambda module, args, output: sequence_to_heads(output, group))
-    # prepend: the all-to-all must see this rank's plain local tensor. When the output projection is
-    # itself a row-wise TP Linear (full fine-tuning; with LoRA the style sits on its base_layer), its
-    # own input pre-hook, registered earlier by apply_tp, wraps the input as a DTensor (Shard(-1) on
-    # the tp mesh); run the sequence switch before that, as it would run with tp = 1.
-    attn.get_submodule(to_sequence).register_forward_pre_hook(
-        lambda module, args: (heads_to_sequence(args[0], group), *args[1:]), prepend=True)
+    layout["sizes"] = chunk_sizes(value.shape[dim], dist.get_world_size(group))
+    return split_sequence(value, dim, group, uneven)
 
 
 def average_gradients(module: nn.Module, mesh: DeviceMesh) -> None:

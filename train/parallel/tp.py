@@ -19,6 +19,8 @@ Adding LoRA after TP is not supported: peft would size the adapter from the full
 Gradients: tp ranks compute the same loss. Split parameters (DTensor) get their own shard of the
 true gradient; replicated ones get the full gradient on every tp rank (DTensor's input conversion
 all-reduces the input gradient of each column-wise layer), so no gradient sync over tp is needed.
+A replicated parameter used on the local heads only (a per-head norm's weight shared by every head)
+would get just its heads' share, so `apply_tp` refuses one that trains.
 """
 
 from __future__ import annotations
@@ -50,35 +52,57 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
         return
     plan = spec.tp_plan()
     for where, block in spec.named_blocks(transformer):
-        _check_block(block, plan, tp_mesh.size(), where)
+        has = _present(block, plan)
+        _check_block(block, plan, tp_mesh.size(), where, has)
         styles: dict[str, ParallelStyle] = {}
-        for name in plan.colwise:
+        for name in filter(has, plan.colwise):
             styles.update(_linear_styles(block, name, column=True))
-        for name in plan.rowwise:
+        for name in filter(has, plan.rowwise):
             styles.update(_linear_styles(block, name, column=False))
         parallelize_module(block, tp_mesh, styles)
-        for name in plan.attention:
-            block.get_submodule(name).heads //= tp_mesh.size()
-        for name in plan.head_norms:
+        for name in filter(has, plan.attention):
+            attn = block.get_submodule(name)
+            setattr(attn, plan.heads_attribute, getattr(attn, plan.heads_attribute) // tp_mesh.size())
+        for name in filter(has, plan.head_norms):
             block.set_submodule(name, ShardedRMSNorm.from_rmsnorm(block.get_submodule(name), tp_mesh))
     if plan.channel_rope:
         slice_rope_channels(transformer.get_submodule(plan.channel_rope), tp_mesh)
+    for rope, dim in plan.rope_heads.items():
+        slice_rope_channels(transformer.get_submodule(rope), tp_mesh, dim)
     setattr(transformer, APPLIED_ATTR, ["tp"])
     log.info("tensor parallel over %d ranks: %d blocks split", tp_mesh.size(), len(spec.blocks(transformer)))
 
 
-def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: str) -> None:
-    for name in plan.attention:
+def _present(block: nn.Module, plan: TensorParallelPlan):
+    """A filter of the plan's names: False for those under an `optional` module this block lacks."""
+    absent = []
+    for name in plan.optional:
+        try:
+            block.get_submodule(name)
+        except AttributeError:
+            absent.append(name)
+    return lambda name: not any(name == a or name.startswith(f"{a}.") for a in absent)
+
+
+def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: str, has) -> None:
+    for name in filter(has, plan.attention):
         attn = block.get_submodule(name)
-        if attn.heads % size:
-            raise ValueError(f"{where}.{name} has {attn.heads} attention heads, which do not divide over "
-                             f"parallel.tp = {size}; choose a tp size that divides {attn.heads}")
+        heads = getattr(attn, plan.heads_attribute)
+        if heads % size:
+            raise ValueError(f"{where}.{name} has {heads} attention heads, which do not divide over "
+                             f"parallel.tp = {size}; choose a tp size that divides {heads}")
         if getattr(attn, "fused_projections", False):
             raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
         if getattr(attn, "add_k_proj", None) is not None and not {f"{name}.add_k_proj", f"{name}.add_v_proj"} <= \
                 set(plan.colwise):
             raise ValueError(f"{where}.{name} has added key/value projections (image conditioning), "
                              f"which the family's TP plan does not split; use parallel.tp = 1")
+        split = tuple(f"{layer}." for layer in (*plan.colwise, *plan.rowwise, *plan.head_norms))
+        for param_name, param in attn.named_parameters():
+            if param.requires_grad and not f"{name}.{param_name}".startswith(split):
+                raise ValueError(f"{where}.{name}.{param_name} is shared by every head (e.g. a per-head query/key "
+                                 f"norm) and trains: under tensor parallel each rank would see only its own heads' "
+                                 f"gradient. Train LoRA (train.mode = \"lora\"), or set parallel.tp = 1")
 
 
 def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, ParallelStyle]:
@@ -112,16 +136,17 @@ def _local_split(style: ParallelStyle) -> ParallelStyle:
     return style
 
 
-def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh) -> None:
-    """Keep this rank's chunk of the last dim of every tensor `rope` returns (rank order, as the heads)."""
+def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh, dim: int = -1) -> None:
+    """Keep this rank's chunk of `dim` (the channels, or the heads) of every tensor `rope` returns (rank order,
+    as the heads)."""
     size, rank = mesh.size(), mesh.get_local_rank()
 
     def keep_local_channels(module, args, output):
         def cut(t):
-            if t.shape[-1] % size:
-                raise ValueError(f"rotary tables of {t.shape[-1]} channels do not split over {size} ranks")
-            width = t.shape[-1] // size
-            return t.narrow(-1, rank * width, width)
+            if t.shape[dim] % size:
+                raise ValueError(f"rotary tables of {t.shape[dim]} channels or heads do not split over {size} ranks")
+            width = t.shape[dim] // size
+            return t.narrow(dim, rank * width, width)
 
         return tuple(cut(t) for t in output) if isinstance(output, (tuple, list)) else cut(output)
 
