@@ -114,7 +114,7 @@ class WindowMatch:
             return problems + [f"weights: shard has encoders {sorted(recorded)}, config wants {sorted(wanted)}"]
         for name in sorted(wanted):
             if name in self.loads:
-                ours = folder_digest(self._folder(name))
+                ours = folder_digest(local_folder(self.spec, name))  # where loading reads it
                 if ours != recorded[name]:
                     problems.append(f"weights.{name}: shard has {recorded[name]!r}, config wants {ours!r}")
             elif sources is not None:
@@ -153,8 +153,4 @@ class WindowMatch:
             return None
         folder = root / subfolder if subfolder else root
         return folder if folder.is_dir() else None
-
-    def _folder(self, name: str) -> Path:
-        """A component this run loads: its files, where loading would read them (the hub's cache included)."""
-        return local_folder(self.spec, name)
 
