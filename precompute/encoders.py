@@ -14,9 +14,13 @@ Why not shard the encoder over the producers (FSDP2 in lockstep): producers are 
 that start, stop and restart on their own; a collective text encoder would tie every producer to the
 slowest and stop all of them when one dies. The choice keeps each producer self-contained.
 
-`precompute.vae_tiling` encodes clips in overlapping tiles (diffusers' `enable_tiling`), so long or
-high-resolution clips fit; it changes the latents slightly, so it is part of the shards' provenance.
-A clip that still cannot be encoded stops the run with what to change (`VaeOutOfMemory`).
+`precompute.vae_tiling` encodes clips in overlapping tiles (diffusers' own tiling, spatial and where the VAE
+offers it temporal: vt.shared.vae_tiling), so long or high-resolution clips fit: `true` tiles every bucket,
+`false` none, and the default "auto" tiles the buckets whose untiled encode, traced on fake tensors as
+`vt-train plan` traces it, would not fit in the GPU memory free once the encoders are loaded (on a CPU
+"auto" does not tile). Tiling changes the latents slightly: `true` is part of the shards' provenance, and
+each producer logs which buckets "auto" tiles. A clip that still cannot be encoded stops the run with what
+to change (`VaeOutOfMemory`).
 
 A family that trains audio (model.audio) also loads its audio encoder (`spec.audio_components`) beside the
 VAE, on the device and in float32 whatever model.dtype says (as reference trainers encode audio: a mel
@@ -35,6 +39,7 @@ from torch import nn
 
 from vt.shared.log import get_logger
 from vt.shared.runtime import encoder_dtype
+from vt.shared.vae_tiling import decide, enable_tiling, free_device_memory, pass_peak, tiling
 
 log = get_logger("vt.precompute")
 
@@ -43,7 +48,7 @@ class VaeOutOfMemory(RuntimeError):
     """The VAE ran out of memory on one clip of a bucket; the message names the settings to change."""
 
 
-def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) -> dict:
+def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool | str) -> dict:
     """The stage-1 components, each loaded once: the VAE (and audio encoder) on `device`, the text parts per
     `offload`."""
     text_parts = text_components(spec)
@@ -64,16 +69,37 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool) ->
                 apply_group_offloading(encoders[name], onload_device=device, offload_device="cpu",
                                        offload_type="block_level", num_blocks_per_group=1,
                                        use_stream=device.type == "cuda", block_modules=layer_paths(encoders[name]))
-    if vae_tiling:
+    if vae_tiling is True:
         vae = encoders["vae"]
         if not hasattr(vae, "enable_tiling"):
             raise ValueError(f"precompute.vae_tiling = true, but the {spec.family} VAE ({type(vae).__name__}) "
                              "has no tiled encoding; set precompute.vae_tiling = false")
-        vae.enable_tiling()
+        enable_tiling(vae)
     if offload != "none":
         log.info("text encoders in CPU memory (precompute.text_encoder_offload = %s): %s", offload,
                  ", ".join(n for n in text_parts if isinstance(encoders[n], nn.Module)))
     return encoders
+
+
+def tiled_buckets(spec, encoders: dict, buckets, device: torch.device, setting: bool | str) -> set[str]:
+    """The buckets whose clips the VAE encodes tiled (`precompute.vae_tiling`): with "auto", those whose untiled
+    encode of one clip, traced on fake tensors, exceeds the device memory free now (encoders loaded)."""
+    vae = encoders["vae"]
+    if setting is True:
+        return {bucket.name for bucket in buckets}
+    free = free_device_memory(device)
+    if setting is False or free is None or not hasattr(vae, "enable_tiling"):
+        return set()
+    tiled = set()
+    for bucket in buckets:
+        untiled = pass_peak(spec.empty_component("vae", vae.dtype), "encode",
+                            (1, 3, bucket.frames, bucket.height, bucket.width), run=spec._vae_mode)
+        tile, why = decide("auto", untiled, free, True)
+        log.info("bucket %s: the VAE encodes %s (precompute.vae_tiling = auto: %s)", bucket.name,
+                 "tiled" if tile else "untiled", why)
+        if tile:
+            tiled.add(bucket.name)
+    return tiled
 
 
 def text_components(spec) -> list[str]:
@@ -117,11 +143,17 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, device: torch.device,
-                  bucket: str, tiling: bool,
+                  bucket: str, tiled: bool,
                   controls: list[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
     """`spec.encode_video` over `videos` in batches of `batch` (with each clip's control video as
-    `control=` where `controls` is given: `spec.control_video`); a batch that runs out of memory is retried
-    one clip at a time, and a clip that still does not fit raises VaeOutOfMemory naming what to change."""
+    `control=` where `controls` is given: `spec.control_video`), the VAE tiled if `tiled`; a batch that runs
+    out of memory is retried one clip at a time, and a clip that still does not fit raises VaeOutOfMemory
+    naming what to change."""
+    with tiling(encoders["vae"], tiled):
+        return _encode_videos(spec, encoders, videos, batch, device, bucket, tiled, controls)
+
+
+def _encode_videos(spec, encoders, videos, batch, device, bucket, tiled, controls) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(videos), batch):
         group = videos[start:start + batch]
@@ -133,7 +165,7 @@ def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, 
             if not is_out_of_memory(err):
                 raise
             _free(device)
-            parts = [_encode_one(spec, encoders, video, device, bucket, tiling, control)
+            parts = [_encode_one(spec, encoders, video, device, bucket, tiled, control)
                      for video, control in zip(group, paired)]
         for part in parts:
             for name, tensor in part.items():
@@ -168,7 +200,7 @@ def encode_texts_with_images(spec, encoders: dict, captions: list[str], videos: 
     return out
 
 
-def _encode_one(spec, encoders, video, device, bucket: str, tiling: bool,
+def _encode_one(spec, encoders, video, device, bucket: str, tiled: bool,
                 control: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     try:
         extra = {} if control is None else {"control": control.unsqueeze(0).to(device)}
@@ -178,7 +210,7 @@ def _encode_one(spec, encoders, video, device, bucket: str, tiling: bool,
             raise
         _free(device)
         fix = ("use smaller buckets.sizes (fewer frames or pixels), or more GPU memory"
-               if tiling else "set precompute.vae_tiling = true (tiled encoding), or use smaller buckets.sizes")
+               if tiled else "set precompute.vae_tiling = true (tiled encoding), or use smaller buckets.sizes")
         raise VaeOutOfMemory(f"the {spec.family} VAE ran out of memory encoding one clip of bucket {bucket} on "
                              f"{device} ({type(err).__name__}): {fix}") from err
 

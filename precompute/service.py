@@ -35,7 +35,8 @@ from collections.abc import Iterator
 
 import torch
 
-from vt.precompute.encoders import encode_sounds, encode_texts_with_images, encode_videos, load_encoders, text_phase
+from vt.precompute.encoders import (encode_sounds, encode_texts_with_images, encode_videos, load_encoders,
+                                    text_phase, tiled_buckets)
 from vt.precompute.prepare import Prepare, ShardEnd
 from vt.precompute.processors import (PreparedSample, ProcessorBug, SoundRequest, bad_data_only, build_chain,
                                       worker_init)
@@ -129,6 +130,7 @@ class Precompute:
     def _load_encoders(self) -> None:
         pre = self.config.precompute
         self.encoders = load_encoders(self.spec, self.device, pre.text_encoder_offload, pre.vae_tiling)
+        self.tiled = tiled_buckets(self.spec, self.encoders, self.buckets, self.device, pre.vae_tiling)
         self.text_cache = TextCache(self._encode_text)
 
     def _encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -286,7 +288,7 @@ class Precompute:
         started = time.perf_counter()
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,
-                                bucket.name, pre.vae_tiling, controls)
+                                bucket.name, bucket.name in self.tiled, controls)
         if self.sound is not None:  # model.audio: `audio_latents`, one row per sample as the latents
             latents.update(encode_sounds(self.spec, self.encoders, [s.sound for s in samples], bucket,
                                          pre.encode_batch, self.device))

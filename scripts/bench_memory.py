@@ -175,11 +175,10 @@ def main(argv: list[str] | None = None) -> dict:
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir()
     if not (window / "producers").is_dir():
-        from vt.precompute.service import Precompute
-        from vt.shared.config import load_config
-
-        Precompute(load_config(write_config(args.out / "precompute.toml", model, args.raw, window,
-                                            args.out / "precompute"))).run()
+        # In a process of its own: a run started from a process that grew (stage 1's encoders) would inherit
+        # that high-water mark in its peak resident set (Linux keeps ru_maxrss across fork and exec).
+        config = write_config(args.out / "precompute.toml", model, args.raw, window, args.out / "precompute")
+        subprocess.run([str(BIN / "vt-precompute"), "run", str(config)], check=True, timeout=1800)
     measured = {}
     for ranks in () if args.only_full else (1, 2, 4):
         name = f"lora-{ranks}"

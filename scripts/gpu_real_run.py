@@ -200,6 +200,12 @@ def measured(run_dir: Path, gpus: int) -> dict:
             "losses": [r["loss"] for r in records if "loss" in r]}
 
 
+def _gpu_bytes() -> int:
+    import torch
+
+    return torch.cuda.mem_get_info()[1]
+
+
 def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | None, timeout: float) -> dict:
     """One row: build (or reuse) the model and window, run vt-train under torchrun, read what it measured."""
     from vt.shared.buckets import parse_buckets
@@ -218,7 +224,9 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry)
     config = load_config(config_path)
     fill_window(config, window, samples=gpus * (STEPS + 1), device=device)
-    plan = make_plan(config, gpus, device="cpu" if dry else "cuda", stage1=False)
+    budget = None if dry else _gpu_bytes()  # "auto" VAE tiling decides against the GPU, as the run will
+    plan = make_plan(config, gpus, device="cpu" if dry else "cuda", stage1=False, budget=budget)
+    row["validation_tiled"] = plan.vae_tiled
     row["plan_gib"] = plan.rank.device_total / 2**30
     tokens, flops = _tokens(config, parse_buckets([bucket])[0]), forward_flops(config, bucket)
     started = time.perf_counter()

@@ -132,7 +132,9 @@ class PrecomputeConfig(_Section):
     # "model" in CPU memory, moved onto the device for each shard's text phase; "blocks" streamed block by
     # block from CPU memory (an encoder larger than the GPU).
     text_encoder_offload: Literal["none", "model", "blocks"] = "none"
-    vae_tiling: bool = False  # encode clips in overlapping tiles: long or high-resolution clips fit (in provenance)
+    # Encode clips in overlapping tiles (vt.shared.vae_tiling): true, false, or "auto" (the buckets whose untiled
+    # encode would not fit in the GPU memory free). `true` is part of the shards' provenance.
+    vae_tiling: Literal["auto"] | bool = "auto"
     # The processor chain (vt.shared.chain): tables of `name` plus options; [] is the default chain.
     processors: list[dict[str, Any]] = Field(default_factory=list)
 
@@ -180,6 +182,9 @@ class TrainConfig(_Section):
     # fits a sample's (frames from its start at buckets.fps, scaled to cover, center-cropped).
     validation_videos: list[str] = Field(default_factory=list)
     validation_steps: int = Field(4, ge=1)
+    # Decode validation videos with the VAE tiled (vt.shared.vae_tiling): true, false, or "auto" (tiled when the
+    # untiled decode would not fit in the GPU memory free at validation; untiled on a CPU).
+    validation_vae_tiling: Literal["auto"] | bool = "auto"
     resume: bool = True  # continue from the newest checkpoint in the run folder
     device: str = "auto"
     # Attention kernel through diffusers' dispatcher (vt.train.attention): "native" (torch SDPA picks),

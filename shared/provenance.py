@@ -69,7 +69,7 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
         "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
                        "buckets": sorted(config.buckets.sizes),
                        "processors": describe_chain(config.precompute.processors),
-                       **({"vae_tiling": True} if config.precompute.vae_tiling else {}),
+                       **({"vae_tiling": True} if config.precompute.vae_tiling is True else {}),
                        # which member of each sample holds its control video (a family that trains on one)
                        **({"control": config.data.control} if spec.control_video else {}),
                        # model.audio: the sound stored beside the latents (shards without it are refused)

@@ -71,8 +71,9 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
         raise fail(f"--device must be cuda or cpu, got {device!r}")
     try:
         cfg, picked = auto_layout_for_plan(cfg, gpus, device, gpu_memory)
-        result = make_plan(cfg, gpus, device)
-        options = alternatives(cfg, gpus, device) if gpu_memory and not as_json else []
+        budget = int(gpu_memory * 2**30) if gpu_memory else None  # "auto" VAE tiling decides against it
+        result = make_plan(cfg, gpus, device, budget=budget)
+        options = alternatives(cfg, gpus, device, budget) if gpu_memory and not as_json else []
     except (ModelLoadError, FileNotFoundError, ParallelConfigError, ValueError) as err:
         raise fail(str(err)) from err
     if picked and not as_json:
@@ -98,7 +99,7 @@ def auto_layout_for_plan(cfg, gpus: int, device: str, gpu_memory: float):
         return cfg.model_copy(update={"parallel": parallel.model_copy(update={"dp_replicate": dp_replicate,
                                                                                "dp_shard": dp_shard})})
 
-    peaks = [make_plan(with_degrees(*degrees), gpus, device).rank.device_total
+    peaks = [make_plan(with_degrees(*degrees), gpus, device, budget=int(gpu_memory * GIB)).rank.device_total
              for degrees in ((data_parallel, 1), (1, data_parallel))]
     choice = choose(*peaks, int(gpu_memory * GIB), data_parallel)
     return with_degrees(choice.dp_replicate, choice.dp_shard), choice.reason

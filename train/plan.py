@@ -42,7 +42,11 @@ GIB = 2**30
 
 @dataclass
 class RankPlan:
-    """Bytes one rank needs; `host` is what lives in CPU memory (CPU offload) rather than on the device."""
+    """Bytes one rank needs; `host` is what lives in CPU memory (CPU offload) rather than on the device.
+
+    Training and validation are phases: the gradients (freed after each optimizer step) and a step's
+    activations live in the first, validation's VAE and working memory in the second; weights, optimizer
+    state and buffers are resident across both. The total is what is resident plus the larger phase."""
 
     weights: int = 0
     gradients: int = 0
@@ -53,8 +57,16 @@ class RankPlan:
     host: int = 0
 
     @property
+    def resident(self) -> int:
+        return self.buffers + (0 if self.host else self.weights + self.optimizer)
+
+    @property
+    def training(self) -> int:
+        return self.activations + (0 if self.host else self.gradients)
+
+    @property
     def device_total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.buffers + self.activations + self.validation - self.host
+        return self.resident + max(self.training, self.validation)
 
 
 @dataclass
@@ -64,8 +76,25 @@ class Plan:
     device: str
     rank: RankPlan
     activations: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> {"checkpointing": b, "none": b}
-    stage1: dict[str, int] = field(default_factory=dict)  # encoder -> bytes, "working" -> bytes
+    stage1: dict[str, int] = field(default_factory=dict)  # encoder -> bytes, "working" / "working_tiled" -> bytes
+    validation: dict[str, int] = field(default_factory=dict)  # "vae", "step", "decode" / "decode_tiled" -> bytes
     micro_batch: int = 1
+    vae_tiled: bool = False  # validation decodes tiled (train.validation_vae_tiling, "auto" against the budget)
+
+    def stage1_peak(self, tiled: bool | None = None) -> int:
+        """Bytes one producer needs on its device: with `precompute.text_encoder_offload = "none"` every
+        encoder beside the VAE's work; otherwise the text phase (its encoders) and the VAE phase (the VAE,
+        an audio encoder, and the VAE's work) apart, the larger of the two."""
+        tiled = self.config.precompute.vae_tiling is True if tiled is None else tiled
+        working = self.stage1.get("working_tiled" if tiled else "working", 0)
+        spec = spec_for(self.config)
+        text = set(spec.stage1_components) - {"vae", *spec.audio_components}
+        encoders = {name: size for name, size in self.stage1.items() if not name.startswith("working")}
+        text_bytes = sum(size for name, size in encoders.items() if name in text)
+        vae_phase = sum(size for name, size in encoders.items() if name not in text) + working
+        if self.config.precompute.text_encoder_offload == "none":
+            return text_bytes + vae_phase
+        return max(text_bytes, vae_phase)
 
 
 @dataclass
@@ -119,10 +148,12 @@ def run_dtypes(config: Config, device: str) -> Dtypes:
     return Dtypes(amp, DTYPES[config.model.dtype], config.train.mode, config.train.fp8_base_weights)
 
 
-def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = True) -> Plan:
+def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = True,
+              budget: int | None = None) -> Plan:
     """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs);
     `stage1=False` leaves out what stage 1's encoding works in (the trainer's own plans need none of it, and
-    tracing a large VAE's encode takes minutes)."""
+    tracing a large VAE's encode takes minutes). `budget`: the bytes a rank has, against which
+    `train.validation_vae_tiling = "auto"` and `precompute.vae_tiling = "auto"` decide (None: untiled)."""
     spec = spec_for(config)
     dims = ParallelDims.from_config(config.parallel, gpus)
     train, parallel = config.train, config.parallel
@@ -192,11 +223,48 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
            tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
         _trace(plan, spec, dtypes, lora, gathered, stage1)
-        _TRACES[key] = (plan.activations, plan.stage1, rank.validation)
-    plan.activations, plan.stage1, rank.validation = _TRACES[key]
+        _TRACES[key] = (plan.activations, plan.stage1, plan.validation)
+    activations, stage1_bytes, validation = _TRACES[key]
+    plan.activations, plan.stage1, plan.validation = activations, dict(stage1_bytes), dict(validation)
     worst = max(plan.activations.values(), key=lambda a: a["none"])
     rank.activations = (worst["checkpointing"] if parallel.activation_checkpointing else worst["none"]) // dims.cp
+    _choose_tiling(plan, spec, budget, stage1)
     return plan
+
+
+def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:
+    """Validation's decode and stage 1's encode, tiled or not as the settings say ("auto": tiled when the
+    untiled pass would not fit in `budget`); the tiled passes are traced only when one may be chosen."""
+    from vt.shared.vae_tiling import decide
+
+    config, rank = plan.config, plan.rank
+    largest = _largest(config)
+    tileable = _tileable(spec)
+    vae_dtype = run_dtypes(config, plan.device).pipeline_parts
+    stage1_dtype = encoder_dtype(torch.device("cuda" if plan.device == "cuda" else "cpu"), spec.frozen_dtype)
+    parts = plan.validation
+    if parts:
+        rank.validation = parts["vae"] + max(parts["step"], parts["decode"])
+        setting = config.train.validation_vae_tiling
+        if tileable and (setting is True or (setting == "auto" and budget is not None)):
+            free = None if budget is None else budget - rank.resident - parts["vae"]  # what the decode may take
+            plan.vae_tiled, _ = decide(setting, parts["decode"], free, tileable)
+        if plan.vae_tiled:
+            parts["decode_tiled"] = _vae_peak(config, spec, largest, "decode", vae_dtype, tiled=True)
+            rank.validation = parts["vae"] + max(parts["step"], parts["decode_tiled"])
+    setting = config.precompute.vae_tiling
+    if stage1 and tileable and (setting is True or (setting == "auto" and budget is not None)):
+        if setting is True or plan.stage1_peak(tiled=False) > budget:
+            plan.stage1["working_tiled"] = _vae_peak(config, spec, largest, "encode", stage1_dtype, tiled=True)
+
+
+def _tileable(spec) -> bool:
+    cls = spec._class_of("vae")
+    return hasattr(cls, "enable_tiling")
+
+
+def _largest(config: Config):
+    return max(parse_buckets(config.buckets.sizes), key=lambda b: b.frames * b.height * b.width)
 
 
 _TRACES: dict[tuple, tuple] = {}
@@ -226,7 +294,6 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
     parts = {name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
              for name in modules}
     vae_dtype = dtypes.pipeline_parts
-    validation_vae = parts["vae"] if parts["vae"].dtype == vae_dtype else spec.empty_component("vae", vae_dtype)
     frozen = dtypes.compute if dtypes.storage(train.mode) is not None else dtypes.frozen
     amp = dtypes.autocast
     models = {checkpointing: prepare_transformer(spec, component, mode=train.mode, lora=lora, storage_dtype=None,
@@ -241,16 +308,6 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
         for name, part in parts.items():  # tokenizers and processors hold no weights
             fake_parameters(part).eval().requires_grad_(False)
             plan.stage1[name] = sum(p.numel() * p.element_size() for p in part.parameters())
-        vae = parts["vae"]
-        for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
-            def encode(bucket=bucket) -> int:
-                video = torch.zeros(1, 3, bucket.frames, bucket.height, bucket.width, dtype=vae.dtype)
-                with peak_bytes() as encoding, torch.no_grad():
-                    spec._vae_mode(vae, video)
-                return encoding.peak
-
-            working = _vae_peak(config, bucket.name, vae, "encode", encode)
-            plan.stage1["working"] = max(plan.stage1.get("working", 0), working)
         for checkpointing, model in models.items():
             fake_parameters(model)
             for param in model.parameters():  # gradients leave as soon as they exist (FSDP2 frees them per block)
@@ -267,8 +324,12 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                     joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
         if train.validation_prompts:
-            plan.rank.validation = _validation_bytes(config, spec, fake_parameters(validation_vae).eval(), shapes,
-                                                     models[False], amp)
+            plan.validation = {"vae": _vae_weights(spec, vae_dtype), "step": _denoise_bytes(shapes, models[False], spec, amp)}
+    if train.validation_prompts:  # the decode of one clip of the largest bucket, untiled
+        plan.validation["decode"] = _vae_peak(config, spec, _largest(config), "decode", vae_dtype)
+    for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
+        working = _vae_peak(config, spec, bucket, "encode", parts["vae"].dtype)
+        plan.stage1["working"] = max(plan.stage1.get("working", 0), working)
 
 
 REAL_CONDITION = 1 << 22  # elements: a condition up to this size is a real tensor in the trace
@@ -299,43 +360,46 @@ def _autocast(amp: torch.dtype | None):
     return torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None)
 
 
-def _validation_bytes(config: Config, spec, vae, shapes, model, amp) -> int:
-    """The VAE's weights plus the most validation holds at once: a denoising step (classifier-free guidance:
-    batch 2, no gradients) or decoding the largest bucket's latents."""
-    weights = sum(p.numel() * p.element_size() for p in vae.parameters())
+def _vae_weights(spec, dtype: torch.dtype) -> int:
+    vae = spec.empty_component("vae", dtype)
+    return sum(p.numel() * p.element_size() for p in vae.parameters())
+
+
+def _denoise_bytes(shapes, model, spec, amp) -> int:
+    """The most a validation denoising step holds (classifier-free guidance: batch 2, no gradients) for the
+    largest bucket."""
     largest = max(shapes, key=lambda b: b.frames * b.height * b.width)
     batch = _batch(shapes[largest], 2)
     with KnownValues(), peak_bytes() as step, torch.no_grad(), _autocast(amp):
         spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))
-
-    def decode() -> int:
-        with peak_bytes() as decoding, torch.no_grad():
-            try:
-                vae.decode(batch["latents"][:1].to(vae.dtype))
-            except (TypeError, RuntimeError, ValueError, NotImplementedError):  # a decode needing more than latents
-                pass
-        return decoding.peak
-
-    return weights + max(step.peak, _vae_peak(config, largest.name, vae, "decode", decode))
+    return step.peak
 
 
-def _vae_peak(config: Config, bucket: str, vae: nn.Module, what: str, measure) -> int:
-    """`measure()` (the VAE's peak while it encodes or decodes a clip of `bucket`), traced once per model and
-    VAE dtype: the training alternatives of a plan share it (HunyuanVideo 1.5's VAE builds its attention
-    masks in a Python loop over 49k positions at 480p, minutes on fake tensors)."""
-    key = (config.model.model_dump_json(), bucket, str(vae.dtype), what)
+def _vae_peak(config: Config, spec, bucket, what: str, dtype: torch.dtype, tiled: bool = False) -> int:
+    """The VAE's peak while it encodes a clip of `bucket` or decodes one clip's latents, tiled or not, traced
+    once per model, bucket and VAE dtype: the training alternatives of a plan share it (HunyuanVideo 1.5's VAE
+    builds its attention masks in a Python loop over 49k positions at 480p, minutes on fake tensors). The
+    dtype is stage 1's (encode) or validation's (decode)."""
+    from vt.shared.vae_tiling import pass_peak
+
+    key = (config.model.model_dump_json(), bucket.name, what, str(dtype), tiled)
     if key not in _VAE_PEAKS:
-        _VAE_PEAKS[key] = measure()
+        vae = spec.empty_component("vae", dtype)
+        if what == "encode":
+            shape = (1, 3, bucket.frames, bucket.height, bucket.width)
+            _VAE_PEAKS[key] = pass_peak(vae, what, shape, tiled, run=spec._vae_mode)
+        else:
+            shape = (1, *spec.condition_shapes(bucket)["latents"])
+            _VAE_PEAKS[key] = pass_peak(vae, what, shape, tiled)
     return _VAE_PEAKS[key]
-
-
 _VAE_PEAKS: dict[tuple, int] = {}
 
 
 # -- what makes it fit ---------------------------------------------------------------------------------
-def alternatives(config: Config, gpus: int, device: str) -> list[tuple[str, Plan]]:
+def alternatives(config: Config, gpus: int, device: str, budget: int | None = None) -> list[tuple[str, Plan]]:
     """Settings that would change the plan, each with its plan: fp8 base weights (LoRA), checkpointing,
-    CPU offload, context parallel, more GPUs; a list for `vt-train plan` to say which fit."""
+    CPU offload, context parallel, more GPUs, a tiled validation decode; a list for `vt-train plan` to say
+    which fit."""
     train, parallel = config.train, config.parallel
     options: list[tuple[str, Config, int]] = []
     if train.mode == "lora" and not train.fp8_base_weights:
@@ -356,10 +420,12 @@ def alternatives(config: Config, gpus: int, device: str) -> list[tuple[str, Plan
     for more in (2, 4, 8, 16, 32):
         if more > gpus:
             options.append((f"{more} GPUs (FSDP2)", config, more))
+    if train.validation_prompts and train.validation_vae_tiling is not True and _tileable(spec):
+        options.append(("train.validation_vae_tiling=true", _with(config, "train", validation_vae_tiling=True), gpus))
     out = []
     for label, changed, count in options:
         try:
-            out.append((label, make_plan(changed, count, device)))
+            out.append((label, make_plan(changed, count, device, budget=budget)))
         except (ValueError, NotImplementedError):
             continue
     return out
@@ -372,27 +438,38 @@ def _with(config: Config, section: str, **values) -> Config:
 def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[str, Plan]] = ()) -> str:
     rank, config = plan.rank, plan.config
     where = "GPU" if plan.device == "cuda" else "host"
+    decode = plan.validation.get("decode_tiled" if plan.vae_tiled else "decode", 0)
     lines = [f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, micro-batch {plan.micro_batch} per rank",
              f"per rank ({where}):",
              f"  weights       {rank.weights / GIB:8.2f} GiB",
-             f"  gradients     {rank.gradients / GIB:8.2f} GiB",
              f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments)",
              f"  buffers       {rank.buffers / GIB:8.2f} GiB  (FSDP2 gathered blocks / DDP buckets)",
-             f"  activations   {rank.activations / GIB:8.2f} GiB  "
+             f"  training phase:",
+             f"    gradients   {rank.gradients / GIB:8.2f} GiB  (freed after each optimizer step)",
+             f"    activations {rank.activations / GIB:8.2f} GiB  "
              f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}, largest bucket)",
-             f"  validation    {rank.validation / GIB:8.2f} GiB  (VAE and its working memory)"]
+             f"  validation phase:",
+             f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE, and the larger of a denoising step and "
+             f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
     if rank.host:
-        lines.append(f"  in host memory (CPU offload): {rank.host / GIB:.2f} GiB of the above")
-    lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}"
-                 + (f" of {budget_gib:g} GiB: {'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
+        lines.append(f"  in host memory (CPU offload): {rank.host / GIB:.2f} GiB (weights, gradients, optimizer)")
+    lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}: resident + the larger phase"
+                 + (f", of {budget_gib:g} GiB: {'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
                     if budget_gib else ""))
     lines.append("activations per bucket (one micro-batch, before / cp):")
     for bucket, sizes in plan.activations.items():
         lines.append(f"  {bucket:<12} no checkpointing {sizes['none'] / GIB:8.2f} GiB   "
                      f"checkpointing {sizes['checkpointing'] / GIB:8.2f} GiB")
-    encoders = ", ".join(f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items() if name != "working")
-    lines.append(f"stage 1, per producer: {encoders} GiB; encoding works in {plan.stage1.get('working', 0) / GIB:.2f} GiB "
-                 f"more (largest bucket)")
+    encoders = ", ".join(f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items()
+                         if not name.startswith("working"))
+    if plan.stage1:
+        tiled = "working_tiled" in plan.stage1
+        pre = config.precompute
+        lines.append(f"stage 1, per producer: {encoders} GiB; encoding works in "
+                     f"{plan.stage1.get('working_tiled' if tiled else 'working', 0) / GIB:.2f} GiB more "
+                     f"({'tiled' if tiled else 'untiled'}, largest bucket); peak {plan.stage1_peak(tiled) / GIB:.2f} GiB "
+                     f"(precompute.text_encoder_offload = {pre.text_encoder_offload}"
+                     + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")"))
     if budget_gib and alternatives:
         fits = [label for label, alt in alternatives if alt.rank.device_total <= budget_gib * GIB]
         lines.append("what fits " + f"{budget_gib:g} GiB: " + (", ".join(
@@ -407,8 +484,11 @@ def plan_json(plan: Plan) -> dict:
             "device": plan.device, "micro_batch": plan.micro_batch,
             "per_rank_bytes": {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
                                "buffers": rank.buffers, "activations": rank.activations,
-                               "validation": rank.validation, "host": rank.host, "total": rank.device_total},
-            "activations": plan.activations, "stage1": plan.stage1}
+                               "validation": rank.validation, "host": rank.host, "resident": rank.resident,
+                               "total": rank.device_total},
+            "validation": plan.validation, "validation_vae_tiled": plan.vae_tiled,
+            "activations": plan.activations, "stage1": plan.stage1,
+            **({"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1)} if plan.stage1 else {})}
 
 
 __all__ = ["Plan", "RankPlan", "make_plan", "alternatives", "format_plan", "plan_json"]

@@ -25,6 +25,7 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import Config
 from vt.shared.log import get_logger
 from vt.shared.models.spec import ModelSpec
+from vt.shared.vae_tiling import can_tile, decide, free_device_memory, pass_peak, tiling
 from vt.shared.validation_inputs import decode_conditions, image_input, pair_input, prompt_input
 from vt.shared.video_io import load_image, read_fitted, write_video
 from vt.train.parallel.pp_validation import staged_inference
@@ -72,6 +73,7 @@ class Validator:
         self.controls = [_read_control(path, bucket, config.buckets.fps) for path in videos] if self.prompts else []
         self._conditions: list[dict[str, torch.Tensor]] | None = None
         self._pipeline = None  # built at the first run, around the training model, and kept
+        self._tiled: bool | None = None  # whether the VAE decodes tiled, decided at the first run
 
     @property
     def enabled(self) -> bool:
@@ -144,6 +146,8 @@ class Validator:
                                                       dtype=self.parts_dtype,
                                                       **self.extra_parts())
         pipeline = self._pipeline
+        if self._tiled is None:
+            self._tiled = self._decode_tiled(pipeline.vae)
         coordinate = self.world.dims.coordinate(self.world.rank)
         writes = coordinate["cp"] == 0 and coordinate["tp"] == 0 and coordinate["pp"] == 0
         decodes = coordinate["pp"] == 0  # the other stages only help denoise
@@ -162,7 +166,8 @@ class Validator:
                 if self.controls:  # the prompt's control video
                     extra["control"] = self.controls[shown]
                 with torch.autocast(torch.device(device).type, dtype=self.autocast or torch.float32,
-                                    enabled=self.autocast is not None), staged_inference(stages, self.world.device):
+                                    enabled=self.autocast is not None), staged_inference(stages, self.world.device), \
+                        tiling(pipeline.vae, self._tiled):
                     frames, sound = self.spec.generate_clip(pipeline, None, self.bucket, train.validation_steps,
                                                             seed=train.seed + shown, image=image,
                                                             conditions=conditions[shown],
@@ -178,6 +183,22 @@ class Validator:
         if paths:
             log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
         return paths
+
+
+    def _decode_tiled(self, vae) -> bool:
+        """`train.validation_vae_tiling`, with "auto" resolved on a GPU: the untiled decode of one clip of the
+        validation bucket, traced on fake tensors (what `vt-train plan` counts), against the memory free now."""
+        setting = self.config.train.validation_vae_tiling
+        free = free_device_memory(self.world.device) if setting == "auto" else None
+        untiled = 0
+        if free is not None and can_tile(vae):
+            untiled = pass_peak(self.spec.empty_component("vae", vae.dtype), "decode",
+                                (1, *self.spec.latent_shape(self.bucket)))
+        tiled, why = decide(setting, untiled, free, can_tile(vae))
+        if self.world.is_main:
+            log.info("validation decodes %s with the VAE %s (train.validation_vae_tiling = %s: %s)", self.bucket.name,
+                     "tiled" if tiled else "untiled", str(setting).lower(), why)
+        return tiled
 
 
 def _read_control(path: str, bucket: Bucket, fps: float):

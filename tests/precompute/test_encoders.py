@@ -42,6 +42,35 @@ def test_vae_tiling_is_applied_and_changes_the_fingerprint(tiny_model_factory):
     assert encoders["vae"].use_tiling
     tiled = config.model_copy(update={"precompute": PrecomputeConfig(vae_tiling=True)})
     assert fingerprint(provenance(config, spec=spec)) != fingerprint(provenance(tiled, spec=spec))
+    auto = config.model_copy(update={"precompute": PrecomputeConfig(vae_tiling="auto")})  # the default
+    assert fingerprint(provenance(config, spec=spec)) == fingerprint(provenance(auto, spec=spec))
+
+
+def test_auto_tiles_the_buckets_whose_untiled_encode_would_not_fit(tiny_model_factory, monkeypatch):
+    """precompute.vae_tiling = "auto" on a GPU with the memory free after loading: the untiled encode of each
+    bucket, traced on fake tensors, against it; the tiled bucket's clips encode through diffusers' tiling."""
+    from vt.precompute import encoders as module
+    from vt.precompute.encoders import encode_videos, tiled_buckets
+    from vt.shared.buckets import parse_buckets
+
+    config = Config(model=ModelConfig(family="wan", path=str(tiny_model_factory("wan"))))
+    spec = build_spec(config.model, 8.0)
+    cpu = torch.device("cpu")
+    encoders = load_encoders(spec, cpu, "none", vae_tiling="auto")
+    small, large = parse_buckets(["5x64x64", "5x320x320"])
+    assert tiled_buckets(spec, encoders, [small, large], cpu, "auto") == set()  # a CPU: host memory, untiled
+    assert tiled_buckets(spec, encoders, [small, large], cpu, True) == {"5x64x64", "5x320x320"}
+    from vt.shared.vae_tiling import pass_peak
+
+    needs = pass_peak(spec.empty_component("vae", torch.float32), "encode", (1, 3, 5, 320, 320), run=spec._vae_mode)
+    monkeypatch.setattr(module, "free_device_memory", lambda device: needs - 1)  # a GPU just too small for it
+    assert tiled_buckets(spec, encoders, [small, large], cpu, "auto") == {"5x320x320"}
+    video = torch.rand(3, 5, 320, 320, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    plain = encode_videos(spec, encoders, [video], 1, cpu, "5x320x320", False)["latents"][0]
+    tiled = encode_videos(spec, encoders, [video], 1, cpu, "5x320x320", True)["latents"][0]
+    assert not encoders["vae"].use_tiling  # only inside the tiled bucket's encode
+    assert tiled.shape == plain.shape and not torch.equal(tiled, plain)
+    assert (tiled - plain).abs().mean() < 0.2 * plain.abs().mean()
 
 
 class SmallDeviceVae(torch.nn.Module):
@@ -71,11 +100,11 @@ def test_a_batch_out_of_memory_retries_clip_by_clip_and_a_clip_that_cannot_fit_n
     videos = [torch.rand(3, 9, 64, 96) * 2 - 1 for _ in range(3)]
     expected = torch.cat([spec.encode_video(encoders, v[None])["latents"] for v in videos])
     small = SmallDeviceVae(encoders["vae"], capacity=videos[0].numel())
-    out = encode_videos(spec, {**encoders, "vae": small}, videos, 3, torch.device("cpu"), "9x64x96", tiling=False)
+    out = encode_videos(spec, {**encoders, "vae": small}, videos, 3, torch.device("cpu"), "9x64x96", tiled=False)
     assert small.calls == [3, 1, 1, 1]  # the batch, then each clip alone
     torch.testing.assert_close(torch.cat(out["latents"]), expected)
     tiny = SmallDeviceVae(encoders["vae"], capacity=10)
     with pytest.raises(VaeOutOfMemory, match=r"bucket 9x64x96.*set precompute.vae_tiling = true"):
-        encode_videos(spec, {**encoders, "vae": tiny}, videos, 2, torch.device("cpu"), "9x64x96", tiling=False)
+        encode_videos(spec, {**encoders, "vae": tiny}, videos, 2, torch.device("cpu"), "9x64x96", tiled=False)
     with pytest.raises(VaeOutOfMemory, match=r"use smaller buckets.sizes"):
-        encode_videos(spec, {**encoders, "vae": tiny}, videos, 2, torch.device("cpu"), "9x64x96", tiling=True)
+        encode_videos(spec, {**encoders, "vae": tiny}, videos, 2, torch.device("cpu"), "9x64x96", tiled=True)

@@ -71,8 +71,10 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(tmp_path,
         next(container.decode(video=0)).to_image().resize((96, 64)).save(image)
     config, trainer, summary = precompute_and_train(
         tmp_path, tiny_model_factory("ltx-video"), raw_shards, "ltx-video", model={"task": "i2v"},
-        train={"validation_prompts": ["a cartoon rabbit"], "validation_images": [str(image)], "validation_steps": 2})
+        train={"validation_prompts": ["a cartoon rabbit"], "validation_images": [str(image)], "validation_steps": 2,
+               "validation_vae_tiling": True})
     assert type(trainer.validator._pipeline).__name__ == "LTXImageToVideoPipeline"
+    assert trainer.validator._tiled  # asked for: decoded through diffusers' tiling (tests/shared/test_vae_tiling.py)
     video = read_video(tmp_path / "run" / "validation" / f"step-{summary['steps']:06d}" / "00.mp4")
     assert video.shape[0] == 9 and video.shape[1:3] == (64, 64)  # the smallest bucket
     from vt.shared.window import Window
