@@ -297,6 +297,8 @@ class Precompute:
         captions.conditions = self._stored(captions.conditions)
         keys = [s.key for s in samples]
         meta = {"provenance": self.provenance, "sources": self.sources, "bucket": bucket.name, "epoch": epoch}
+        if any(s.clip for s in samples):  # a manifest's clips: where each came from, and its metadata
+            meta["clips"] = {s.key: s.clip for s in samples if s.clip}
         data = encode_shard(tensors, keys, meta, captions)
         started = time.perf_counter()
         unread, share = self.window.wait_for_room(self.rank)

@@ -28,6 +28,10 @@ A sample may also carry a control video (pose, depth, edges ...), for families t
 
 Tars are read as a stream (tarfile mode "r|*"), so an S3 shard is never downloaded whole first
 and .tar.gz shards work too.
+
+A clip manifest (JSON lines or parquet, named as a file or a glob) or a NeMo Curator output folder is
+raw input too (manifests.py): its units are runs of records, and its samples carry a `MediaRef` (the
+media URI and the clip's span) instead of bytes, decoded by seeking.
 """
 
 from __future__ import annotations
@@ -42,7 +46,10 @@ from typing import Iterator
 import fsspec
 from braceexpand import braceexpand
 
+from vt.precompute.manifests import (clip_of, curator_metas, is_curator_meta, is_manifest, iter_manifest_records,
+                                     manifest_units, unit_name)
 from vt.precompute.media_files import pick_media, read_media_sample, split_key
+from vt.precompute.media_ref import MediaRef
 
 # Extensions of the video files FFmpeg (so PyAV) demuxes with their timing, in the order one is
 # picked when a sample holds several. Raw H.264 / HEVC elementary streams (.h264, .264, .hevc) are
@@ -73,7 +80,7 @@ class RawSample:
 
     key: str
     shard: str
-    video: bytes | None
+    video: bytes | MediaRef | None  # a manifest's clip: its file and span, decoded by seeking
     caption: str | None
     error: str | None = None
     detail: str = ""  # what was wrong, when `error` alone does not say it
@@ -82,6 +89,7 @@ class RawSample:
     still: bool = False  # `video` holds a still image (IMAGE_EXTS), not a clip
     meta: dict | None = None  # the .json member's fields, when it holds a JSON object (caption processor)
     control: bytes | None = None  # the control video (`<key>.control.mp4`), when one was asked for
+    clip: dict | None = None  # a manifest's record: uri, span and metadata, kept with the sample in its shard
 
     @property
     def sample_id(self) -> str:
@@ -113,9 +121,14 @@ def _list_one(uri: str) -> list[str]:
     fs, path = fsspec.core.url_to_fs(uri)
     fs.invalidate_cache()  # a producer may have just uploaded shards; never trust a stale listing
     if any(ch in path for ch in _GLOB_CHARS):
-        found = _units(fs.glob(path))
+        matched = fs.glob(path)
+        found = _units(matched) + [unit for p in sorted(matched) if is_manifest(p) for unit in manifest_units(fs, p)]
+    elif (metas := curator_metas(fs, path)) is not None:  # NeMo Curator's output: one unit per clip's metadata
+        found = sorted(p for p in fs.find(metas) if is_curator_meta(p))
     elif fs.isdir(path):
-        found = _units(fs.find(path))
+        found = _units(fs.find(path))  # a folder's manifests are not read: name one as data.raw
+    elif fs.isfile(path) and is_manifest(path):
+        found = manifest_units(fs, path)
     elif fs.isfile(path) and (_is_shard(path) or is_media(path)):
         found = [path]
     else:
@@ -133,8 +146,9 @@ def list_raw_shards(uri: str) -> list[str]:
         urls.update(_list_one(one))
     if not urls:
         raise FileNotFoundError(
-            f"no raw .tar shards or media files found at {uri!r}. Give a folder of tars or of clips and "
-            f"images with .txt/.json captions, one .tar file, a glob such as "
+            f"no raw .tar shards, media files or clips of a manifest found at {uri!r}. Give a folder of tars "
+            f"or of clips and images with .txt/.json captions, one .tar file, a clip manifest (.jsonl, "
+            f".parquet), a NeMo Curator output folder, a glob such as "
             f"'raw/*.tar', braces such as 'raw-{{000000..000009}}.tar', or s3://bucket/prefix; "
             f"make sample shards with: python scripts/make_sample_shards.py --clips DIR --out DIR"
         )
@@ -154,8 +168,14 @@ def shard_names(shards: list[str]) -> dict[str, str]:
     without .tar / .tar.gz / .tgz ("raw/a/x.tar", "raw/b/x.tar" -> "a/x", "b/x"; one shard -> "x").
 
     Give it the full list (before split_for_rank) so every rank names every shard alike. Two tars
-    that differ only in their suffix (x.tar, x.tgz) keep their suffixes, so names stay unique.
+    that differ only in their suffix (x.tar, x.tgz) keep their suffixes, so names stay unique. A
+    manifest's units are named by the manifest (manifests.unit_name): their keys are unique across them.
     """
+    listed = [url for url in shards if not (is_manifest(url) or is_curator_meta(url))]
+    return {**{url: unit_name(url) for url in shards if url not in set(listed)}, **_tar_names(listed)}
+
+
+def _tar_names(shards: list[str]) -> dict[str, str]:
     parts = {url: url.split("/") for url in shards}
     common = 0
     for column in zip(*(p[:-1] for p in parts.values())):
@@ -303,6 +323,9 @@ def iter_raw_samples(shard_url: str, name: str | None = None, control: str | Non
     read is still yielded if it has a whole video and a caption (only an extra member can be lost),
     else dropped; then one RawSample with error "truncated_tar" ends the shard.
     """
+    if is_manifest(shard_url) or is_curator_meta(shard_url):
+        yield from _manifest_samples(shard_url, unit_name(shard_url) if name is None else name, control)
+        return
     if is_media(shard_url):  # one sample of a folder of clips: its name is its key
         key = shard_names([shard_url])[shard_url] if name is None else name
         yield _Samples(shard_url, "", control).make(key, read_media_sample(shard_url, control))
@@ -331,3 +354,39 @@ def iter_raw_samples(shard_url: str, name: str | None = None, control: str | Non
             yield last
         if damaged:
             yield samples.damaged(key or "")
+
+
+def _manifest_samples(unit: str, name: str, control: str | None) -> Iterator[RawSample]:
+    """The clips of one manifest unit as RawSamples: a MediaRef each (a still image's bytes), the caption,
+    the record's other fields as `meta`; a record's problem is its `error` (manifests.clip_of)."""
+    seen: set[str] = set()
+    for position, (key, record, folder) in enumerate(iter_manifest_records(unit)):
+        clip, error, detail = clip_of(record, folder)
+        caption = (clip.get("caption") or "").strip() or None
+        if error is None and caption is None:
+            error, detail = ("empty_caption" if clip.get("caption") is not None else "missing_caption"), ""
+        if error is None and control:
+            error = "missing_control"
+            detail = "a clip manifest carries no control videos; pack such samples into tars (data.control)"
+        if key in seen:
+            error, detail = "duplicate_key", f"key {key!r} came earlier in {unit}; the first clip with it is kept"
+        seen.add(key)
+        video, still = None, False
+        if error is None:
+            uri = clip["uri"]
+            still = split_key(uri)[1] in IMAGE_EXTS
+            video = _read_still(uri) if still else MediaRef(uri, float(clip["start"] or 0.0),
+                                                             None if clip["end"] is None else float(clip["end"]))
+            if video is None:
+                error, detail, still = "missing_video", f"{uri} is not there", False
+        yield RawSample(key=key, shard=unit, video=video, caption=caption, error=error, detail=detail, name=name,
+                        position=position, still=still, meta=clip.get("meta") if video is not None else None,
+                        clip={k: clip.get(k) for k in ("uri", "start", "end", "meta")} if video is not None else None)
+
+
+def _read_still(uri: str) -> bytes | None:
+    fs, path = fsspec.core.url_to_fs(uri)
+    try:
+        return fs.cat_file(path)
+    except FileNotFoundError:
+        return None

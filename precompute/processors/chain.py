@@ -105,7 +105,8 @@ def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
         raise SampleError(raw.error or "missing_caption", raw.detail or "the sample has no caption")
     control = sample.control_pixels if raw.control is not None else None
     return PreparedSample(key=sample.key, caption=sample.caption, bucket=bucket, pixels=sample.pixels,
-                          control_pixels=control, sound=sample.sound if request is not None else None)
+                          control_pixels=control, sound=sample.sound if request is not None else None,
+                          clip=raw.clip)
 
 
 def build_chain(entries: list[dict]) -> Chain:

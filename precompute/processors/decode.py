@@ -17,13 +17,16 @@ choice and fitting see the picture as a player shows it, never stretched. A SAR 
 (swscale) while being converted to RGB, straight to the size the caller asks for (in displayed
 pixels), so a 720p clip bound for a 64x96 bucket never exists as full-size RGB or float in memory.
 
+A clip may also be a span of a file that stays where it is (`MediaRef`, from a clip manifest): the file
+is read through fsspec as PyAV seeks, time 0 is the span's start, its duration the span's, and decoding
+seeks there before its first frame, so a clip cut from a long video never reads the video whole.
+
 Decoding is single-threaded per clip: throughput comes from several decode worker processes
 (precompute.workers), and FFmpeg's own threads would only compete with them and the encoder.
 """
 
 from __future__ import annotations
 
-import io
 import itertools
 from dataclasses import dataclass
 
@@ -31,6 +34,7 @@ import av
 import numpy as np
 from av.video.reformatter import VideoReformatter
 
+from ..media_ref import MediaRef, open_media
 from .errors import SampleError
 
 
@@ -56,11 +60,15 @@ class VideoInfo:
 _SAR_RANGE = (0.1, 10.0)  # outside: broken metadata, pixels taken as square
 
 
-def _open(video: bytes) -> av.container.InputContainer:
-    if not video:
+def _open(video: bytes | MediaRef) -> av.container.InputContainer:
+    if not isinstance(video, MediaRef) and not video:
         raise SampleError("empty_video", "the video file has 0 bytes")
     try:
-        return av.open(io.BytesIO(video), mode="r")
+        handle = open_media(video)
+    except FileNotFoundError:
+        raise SampleError("missing_video", f"{video.uri} is not there") from None
+    try:
+        return av.open(handle, mode="r")
     except (av.FFmpegError, OSError, ValueError) as err:
         raise SampleError("corrupt_video", f"PyAV cannot open it: {err}") from None
 
@@ -88,7 +96,7 @@ def _frame_pts(frame) -> int | None:
     return frame.pts if frame.pts is not None else frame.dts
 
 
-def _scan_packets(video: bytes, origin: int) -> tuple[int, float]:
+def _scan_packets(video: bytes | MediaRef, origin: int) -> tuple[int, float]:
     """(frames, duration from `origin`) by demuxing without decoding, for containers whose header lacks them."""
     count, end = 0, None
     with _open(video) as container:
@@ -111,8 +119,9 @@ class Clip:
     that opens but cannot be decoded fails before any more work is spent on it.
     """
 
-    def __init__(self, video: bytes):
+    def __init__(self, video: bytes | MediaRef):
         self._video = video
+        span = video if isinstance(video, MediaRef) else MediaRef("", 0.0)
         self._container = _open(video)
         self.stats = {"packets": 0, "frames": 0, "seeks": 0}
         self._reformatter = VideoReformatter()  # keeps its scaler between frames: 3x cheaper than anew
@@ -128,11 +137,12 @@ class Clip:
                 raise SampleError("empty_video", "the video stream has no decodable frames")
             self._first = first
             start = self._stream.start_time
-            self._origin = start if start is not None else (_frame_pts(first) or 0)  # time 0, in stream ticks
+            origin = start if start is not None else (_frame_pts(first) or 0)  # the stream's start, in ticks
+            self._origin = origin + round(span.start / self._stream.time_base)  # time 0: the span's start
             self._pending = [first]  # decoded, not yet looked at by frames_at
-            self._at_start = True
+            self._at_start = span.start == 0  # a span's first frame is a seek away
             try:
-                self.info = self._probe(first)
+                self.info = self._probe(first, span)
             except av.FFmpegError as err:  # a header without frame count or duration: the packets are scanned
                 raise SampleError("corrupt_video", f"cannot read its packets: {err}") from None
         except BaseException:
@@ -140,8 +150,8 @@ class Clip:
             raise
 
     @property
-    def data(self) -> bytes:
-        """The file's bytes (the sound decoder opens them again, processors/sound.py)."""
+    def data(self) -> bytes | MediaRef:
+        """The file's bytes or its reference (the sound decoder opens it again, processors/sound.py)."""
         return self._video
 
     @property
@@ -165,16 +175,23 @@ class Clip:
                 self.stats["frames"] += 1
                 yield frame
 
-    def _probe(self, first) -> VideoInfo:
+    def _probe(self, first, span: MediaRef) -> VideoInfo:
         stream = self._stream
         frames = stream.frames or 0
         duration = float(stream.duration * stream.time_base) if stream.duration else 0.0
         if frames <= 0 or duration <= 0:
-            frames, duration = _scan_packets(self._video, self._origin)
+            frames, duration = _scan_packets(self._video, self._origin - round(span.start / stream.time_base))
         if frames <= 0 or duration <= 0:
             raise SampleError("empty_video", f"the video stream has {frames} frames over {duration:.3f}s")
         rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else frames / duration
+        if span.start or span.end is not None:  # a span of it: its own duration and frames
+            if span.start >= duration:
+                raise SampleError("span_outside_video", f"the span starts at {span.start:g}s; the video lasts "
+                                                        f"{duration:.3f}s")
+            whole = duration
+            duration = min(duration, span.end if span.end is not None else duration) - span.start
+            frames = max(1, round(frames * duration / whole))
         rotation = _normalize_rotation(first.rotation)
         sar = _sample_aspect(stream)
         height, width = first.height, max(1, round(first.width * sar))  # displayed: pixels made square

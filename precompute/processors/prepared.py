@@ -19,7 +19,8 @@ class PreparedSample:
     buffer until the shard is full; `video`, the encoder's input, is made from it when asked for.
     `control_pixels`: the control video's frames, aligned with `pixels` (families that train on one).
     `sound`: (channels, samples) float32 in [-1, 1], the clip's sound over the frames' time span at the
-    family's rate (model.audio; sound.py), None otherwise.
+    family's rate (model.audio; sound.py), None otherwise. `clip`: a manifest's record of the clip (its uri,
+    span and metadata), stored with the sample in its shard; None for samples from tars and folders.
     """
 
     key: str
@@ -28,6 +29,7 @@ class PreparedSample:
     pixels: torch.Tensor
     control_pixels: torch.Tensor | None = None
     sound: torch.Tensor | None = None
+    clip: dict | None = None
 
     @property
     def video(self) -> torch.Tensor:

@@ -18,13 +18,13 @@ video's seek position is never disturbed; nothing here runs unless model.audio a
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 
 import av
 import numpy as np
 import torch
 
+from ..media_ref import MediaRef, open_media
 from .errors import SampleError
 
 _SEEK_AFTER = 2.0  # seconds: spans starting later seek; earlier ones decode from the start (cheaper than a seek)
@@ -50,7 +50,7 @@ class SoundRequest:
         return round(seconds * self.sample_rate)
 
 
-def decode_sound(video: bytes, begin: float, seconds: float, request: SoundRequest) -> torch.Tensor:
+def decode_sound(video: bytes | MediaRef, begin: float, seconds: float, request: SoundRequest) -> torch.Tensor:
     """(request.channels, request.samples(seconds)) float32 in [-1, 1]: the first audio stream from `begin`
     (seconds on the container's timeline) for `seconds`, resampled to the request's rate and channels.
     SampleError("missing_audio") for a clip without sound under "skip", ("corrupt_audio") for a broken track."""
@@ -78,12 +78,12 @@ def decode_sound(video: bytes, begin: float, seconds: float, request: SoundReque
     return torch.from_numpy(np.clip(piece, -1.0, 1.0).astype(np.float32, copy=False))
 
 
-def _open_and_decode(video: bytes, begin: float, seconds: float, request: SoundRequest,
+def _open_and_decode(video: bytes | MediaRef, begin: float, seconds: float, request: SoundRequest,
                      seek: bool) -> tuple[bool, tuple[np.ndarray, float] | None]:
     """(whether the file has an audio stream, `_decode_span`'s result or None); FFmpeg's failures are
     `corrupt_audio`."""
     try:
-        with av.open(io.BytesIO(video), mode="r") as container:
+        with av.open(open_media(video), mode="r") as container:
             if not container.streams.audio:
                 return False, None
             return True, _decode_span(container, container.streams.audio[0], begin, begin + seconds, request, seek)
