@@ -75,22 +75,24 @@ class Storage:
 
     def _retrying(self, what: str, rel: str, fn, *args):
         """fn(*args), retried on transient errors under self.retry; logical errors pass through at once."""
-        started = time.monotonic()
-        for attempt in range(1, self.retry.attempts + 1):
+        started, attempt = time.monotonic(), 0
+        while True:
+            attempt += 1
             try:
                 return fn(*args)
             except Exception as err:
                 if not is_transient(err):
                     raise
-                if attempt == self.retry.attempts:
-                    raise StorageUnavailable(
-                        f"{what} {rel!r} under {self.uri} failed {attempt} times over "
-                        f"{time.monotonic() - started:.1f}s, last with {err!r}. The store is unreachable or "
-                        "overloaded: check AWS_ENDPOINT_URL and the network, or allow more attempts with "
-                        "VT_STORAGE_RETRIES") from err
                 delay = self.retry.delay(attempt)
-                log.warning("storage retry %d/%d in %.2fs: %s %s under %s failed with %r", attempt,
-                            self.retry.attempts - 1, delay, what, rel, self.uri, err)
+                elapsed = time.monotonic() - started
+                if self.retry.gives_up(attempt, elapsed, delay):
+                    raise StorageUnavailable(
+                        f"{what} {rel!r} under {self.uri} failed {attempt} times over {elapsed:.1f}s, last with "
+                        f"{err!r}. The store is unreachable or overloaded: check AWS_ENDPOINT_URL and the network, "
+                        f"or allow a longer outage than the retry budget ({self.retry.describe()}) with "
+                        "VT_STORAGE_RETRY_SECONDS") from err
+                log.warning("storage retry %d in %.2fs: %s %s under %s failed with %r", attempt, delay, what, rel,
+                            self.uri, err)
                 time.sleep(delay)
 
     # -- reads ---------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ import time
 import fsspec
 
 from ..faults import fault_point
+from ..log import get_logger
+from .retry import is_transient
+
+log = get_logger("vt.storage")
 
 _MEMORY_LOCK = threading.Lock()
 
@@ -86,6 +90,7 @@ class S3Backend(FsspecBackend):
         fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True,
                                config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})
         fs.retries = 1
+        quiet_lost_connections()
         super().__init__(fs, root, retrying)
 
     @staticmethod
@@ -124,3 +129,30 @@ class S3Backend(FsspecBackend):
                     "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]))
                 removed.append(f"{bucket}/{upload['Key']}")
         return removed
+
+
+def quiet_lost_connections() -> None:
+    """On fsspec's event loop (where s3fs's aiohttp sessions run), a connection error that no one awaited
+    (aiohttp's connection tasks of a request that failed and was retried here) is logged at debug level
+    instead of asyncio's "Task exception was never retrieved" traceback: the retry's own lines say what
+    happened, and an outage that the retries rode out must not read as a crash. Anything else still goes
+    to the default handler."""
+    from fsspec.asyn import get_loop
+
+    loop = get_loop()
+    if getattr(loop, "_vt_quiet", False):
+        return
+    previous = loop.get_exception_handler()
+
+    def handler(loop, context) -> None:
+        err = context.get("exception")
+        if err is not None and is_transient(err):
+            log.debug("a connection error no request awaited (%s): %r", context.get("message", ""), err)
+            return
+        if previous is not None:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+
+    loop.set_exception_handler(handler)
+    loop._vt_quiet = True

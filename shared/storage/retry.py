@@ -19,25 +19,57 @@ class StorageUnavailable(OSError):
 class RetryPolicy:
     """Bounded retries with exponential backoff: wait ~base * 2**n (capped), half of it jittered.
 
-    The defaults ride out a store restart or a brown-out of ~20 s; VT_STORAGE_RETRIES sets `attempts`.
+    The defaults (10 attempts) give up after 10.7-21.3 s of waiting (`wait_range`): a store restart or a
+    brown-out of about 10 s is ridden out. VT_STORAGE_RETRY_SECONDS sets the budget as wall time instead
+    (attempts go on until the next wait would pass it), VT_STORAGE_RETRIES as attempts.
     """
 
     attempts: int = 10  # tries per operation, the first included
     base_seconds: float = 0.1
     max_seconds: float = 5.0
+    seconds: float | None = None  # a wall-time budget instead of `attempts`
 
     def delay(self, failures: int) -> float:
-        ceiling = min(self.max_seconds, self.base_seconds * 2 ** (failures - 1))
+        ceiling = self._ceiling(failures)
         return ceiling / 2 + random.uniform(0, ceiling / 2)
+
+    def _ceiling(self, failures: int) -> float:
+        return min(self.max_seconds, self.base_seconds * 2 ** (failures - 1))
+
+    def gives_up(self, failures: int, elapsed: float, delay: float) -> bool:
+        """Whether to stop after `failures` failed tries, `elapsed` seconds in, rather than wait `delay` more."""
+        if self.seconds is not None:
+            return elapsed + delay > self.seconds
+        return failures >= self.attempts
+
+    def wait_range(self) -> tuple[float, float]:
+        """The least and most seconds of waiting before the attempts are spent (jitter spans the two)."""
+        ceilings = [self._ceiling(n) for n in range(1, self.attempts)]
+        return sum(ceilings) / 2, sum(ceilings)
 
     @classmethod
     def from_env(cls) -> "RetryPolicy":
+        seconds = os.environ.get("VT_STORAGE_RETRY_SECONDS", "")
+        if seconds:
+            try:
+                value = float(seconds)
+            except ValueError:
+                value = -1.0
+            if not value > 0:
+                raise ValueError(f"VT_STORAGE_RETRY_SECONDS={seconds!r} must be a positive number of seconds")
+            return cls(seconds=value)
         raw = os.environ.get("VT_STORAGE_RETRIES", "")
         if not raw:
             return cls()
         if not raw.isdigit() or int(raw) < 1:
             raise ValueError(f"VT_STORAGE_RETRIES={raw!r} must be a positive integer (attempts per operation)")
         return cls(attempts=int(raw))
+
+    def describe(self) -> str:
+        if self.seconds is not None:
+            return f"{self.seconds:g} s (VT_STORAGE_RETRY_SECONDS)"
+        low, high = self.wait_range()
+        return f"{self.attempts} attempts, {low:.1f}-{high:.1f} s of waiting (VT_STORAGE_RETRIES)"
 
 
 def is_transient(err: BaseException) -> bool:

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import boto3
 import pytest
@@ -132,3 +133,50 @@ def test_a_killed_writers_debris_is_cleaned(gated_s3, tmp_path):
     assert local.list("") == []  # temp files are never listed
     assert local.clean_incomplete("data/p0") == [f"data/p0/{writer(dead.pid)}"]
     assert sorted(p.name for p in folder.iterdir()) == [writer(os.getpid())]  # a live writer's file stays
+
+
+def test_the_retry_budget_is_the_wall_time_it_says(gated_s3, monkeypatch):
+    low, high = RetryPolicy().wait_range()  # the defaults, as docs/architecture.md gives them
+    assert (round(low, 1), round(high, 1)) == (10.7, 21.3)
+    monkeypatch.setenv("VT_STORAGE_RETRY_SECONDS", "0.4")
+    policy = RetryPolicy.from_env()
+    assert policy.seconds == 0.4
+    storage = Storage(gated_s3.uri + "/w", retry=RetryPolicy(base_seconds=0.05, max_seconds=0.1, seconds=0.4))
+    gated_s3.gate.down()
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailable, match=r"retry budget \(0.4 s \(VT_STORAGE_RETRY_SECONDS\)\)"):
+        storage.read("a.bin")
+    assert 0.2 < time.monotonic() - started < 5 and gated_s3.gate.refused >= 4  # more tries than 3, within budget
+    monkeypatch.setenv("VT_STORAGE_RETRY_SECONDS", "soon")
+    with pytest.raises(ValueError, match="VT_STORAGE_RETRY_SECONDS='soon'"):
+        RetryPolicy.from_env()
+
+
+def test_a_lost_connection_no_request_awaited_is_no_traceback(gated_s3, caplog):
+    """aiohttp leaves a connection task's error unretrieved when the request it served failed (and was retried
+    by Storage): asyncio would print "Task exception was never retrieved" with a traceback after an outage
+    the retries rode out. On fsspec's loop such an error is logged at debug level; any other still shows."""
+    import asyncio
+    import gc
+
+    import aiohttp
+    from fsspec.asyn import get_loop
+
+    Storage(gated_s3.uri + "/w")  # an S3 store: its backend quiets fsspec's loop
+
+    async def failing(err: BaseException):
+        raise err
+
+    async def start_and_forget():
+        for err in (aiohttp.ClientConnectionResetError("Cannot write to closing transport"), ValueError("a bug")):
+            asyncio.get_running_loop().create_task(failing(err))
+        await asyncio.sleep(0.01)
+
+    with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="vt.storage"):
+        asyncio.run_coroutine_threadsafe(start_and_forget(), get_loop()).result(timeout=10)
+        gc.collect()
+        wait_for(lambda: any("never retrieved" in r.getMessage() for r in caplog.records if r.name == "asyncio"),
+                 timeout=10, what="the unretrieved ValueError's report")
+    shown = [r for r in caplog.records if r.name == "asyncio"]
+    assert len(shown) == 1 and "a bug" in repr(shown[0].exc_info or shown[0].getMessage())
+    assert any("no request awaited" in r.getMessage() for r in caplog.records if r.name == "vt.storage")
