@@ -139,8 +139,9 @@ def quiet_lost_connections() -> None:
     to the default handler."""
     from fsspec.asyn import get_loop
 
+    global _QUIETED
     loop = get_loop()
-    if getattr(loop, "_vt_quiet", False):
+    if loop is _QUIETED:
         return
     previous = loop.get_exception_handler()
 
@@ -155,4 +156,7 @@ def quiet_lost_connections() -> None:
             loop.default_exception_handler(context)
 
     loop.set_exception_handler(handler)
-    loop._vt_quiet = True
+    _QUIETED = loop
+
+
+_QUIETED = None  # the event loop quiet_lost_connections set its handler on
