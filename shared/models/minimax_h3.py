@@ -18,7 +18,7 @@ What vt trains (text-to-video-and-audio, diffusers' MiniMaxH3ModularPipeline `t2
   step of the pipeline (and ComfyUI's sampler) pairs the two streams. Without `model.audio` the sequence has no audio
   rows (the transformer takes zero of them) and the audio heads (`audio_proj_in`, `audio_proj_out`) stay frozen and
   out of LoRA;
-- validation runs the modular pipeline itself (`MiniMaxH3Pipeline` below is a thin handle on it: the same blocks, fed
+- validation runs the modular pipeline itself (`MiniMaxH3Pipeline` in minimax_h3_pipeline.py is a thin handle on it: the same blocks, fed
   stored text embeddings) and returns its stereo sound track;
 - LoRA files: the pipeline's own format, and the ComfyUI file under the original checkpoint's names (q/k/v fused).
 Not covered: `fl2va` (first/last keyframes) and `ref2va` (references, `transformer_ref`), docs/families.md.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -114,7 +113,7 @@ class MiniMaxH3Spec(ModelSpec):
         "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
         "vae": "diffusers:AutoencoderKLMiniMaxH3", "audio_vae": "diffusers:AutoencoderKLMiniMaxH3Audio",
         "audio_scheduler": "diffusers:MiniMaxH3Scheduler", "transformer": "diffusers:MiniMaxH3Transformer3DModel"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "vt.shared.models.minimax_h3:MiniMaxH3Pipeline"}
+    pipelines: ClassVar[dict[str, str]] = {"t2v": "vt.shared.models.minimax_h3_pipeline:MiniMaxH3Pipeline"}
 
     def __init__(self, config, frame_rate: float):
         super().__init__(config, frame_rate)
@@ -330,61 +329,6 @@ class MiniMaxH3Spec(ModelSpec):
     def output_sound(self, pipeline, output) -> Sound | None:
         return Sound(np.ascontiguousarray(output.audio[0].float().cpu().numpy()).clip(-1, 1), int(output.sampling_rate))
 
-    # ----------------------------------------------------------------------------- tiny preset
-    @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v"):
-        from pathlib import Path
-
-        from vt.shared.models.tiny import seeded
-
-        if task not in cls.tasks:
-            raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
-        with seeded(seed):
-            parts = cls.tiny_parts(task)
-        MiniMaxH3Pipeline(**parts).save_pretrained(Path(out_dir))
-        return Path(out_dir)
-
-    @classmethod
-    def tiny_parts(cls, task: str) -> dict[str, Any]:
-        """Tiny real classes: a 51-layer Qwen3-VL of width 16 (the pipeline reads hidden state 50), a 4-level video VAE
-        (x16 space, x4 time, 17-frame chunks, 4 channels), a 4-level audio VAE (hop 200 at 8 kHz, a rate AAC writes: 40
-        latents/s as the real one), a 2-block DiT of width 32, the pipeline's two schedulers (shift 12 video, 3 audio)."""
-        from diffusers import (AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio, MiniMaxH3Scheduler,
-                               MiniMaxH3Transformer3DModel)
-        from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-
-        tokenizer = build_h3_tokenizer()
-        ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in (
-            ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-            ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
-        text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
-            text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
-                             num_hidden_layers=TEXT_LAYER + 1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                             rope_scaling={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True},
-                             pad_token_id=tokenizer.pad_token_id),
-            vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
-                               patch_size=4, spatial_merge_size=2, temporal_patch_size=2, deepstack_visual_indexes=[]),
-            **ids))
-        latent = 4
-        vae = AutoencoderKLMiniMaxH3(
-            latent_channels=latent, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-            spatial_downsample_factors=(2, 2, 2, 2), temporal_downsample_factors=(1, 2, 2, 1), norm_num_groups=4,
-            decoder_num_layers=1, decoder_num_attention_heads=2, decoder_attention_head_dim=8,
-            decoder_num_register_tokens=1, decoder_ffn_mult=1,
-            latents_mean=[0.1 * i for i in range(latent)], latents_std=[0.5 + 0.25 * i for i in range(latent)])
-        audio_vae = AutoencoderKLMiniMaxH3Audio(
-            encoder_dim=2, encoder_rates=(2, 4, 5, 5), latent_dim=8, latent_channels=latent, num_attention_heads=2,
-            decoder_dim=16, decoder_rates=(5, 5, 4, 2), decoder_kernel_sizes=(10, 10, 8, 4), resblock_kernel_sizes=(3,),
-            resblock_dilation_sizes=((1,),), sampling_rate=8000,
-            latents_mean=[-0.05 * i for i in range(latent)], latents_std=[0.4 + 0.2 * i for i in range(latent)])
-        transformer = MiniMaxH3Transformer3DModel(
-            num_attention_heads=2, attention_head_dim=16, hidden_size=32, num_layers=2, num_refiner_layers=1, ffn_dim=32,
-            in_channels=latent, audio_in_channels=latent, patch_size=(1, 2, 2), text_dim=16, freq_dim=16,
-            time_embed_hidden_dim=32, time_embed_dim=16, rope_freq_dim=2)
-        return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
-                    tokenizer=tokenizer, scheduler=MiniMaxH3Scheduler(shift=12.0),
-                    audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
-
 
 def text_encoder_width(text_encoder) -> int:
     return text_encoder.config.text_config.hidden_size
@@ -407,15 +351,6 @@ def unpatchify(rows: Tensor, latent_shape: tuple[int, ...], patch: tuple[int, in
     return x.permute(3, 0, 4, 1, 5, 2, 6).reshape(channels, frames, height, width)
 
 
-def build_h3_tokenizer():
-    """A byte-level Qwen2 tokenizer over the tiny words with Qwen3-VL's vision tokens (the processor needs them)."""
-    from vt.shared.models.tiny import build_qwen_tokenizer
-
-    tokenizer = build_qwen_tokenizer(system="<|h3_system|>", header_tokens=8)
-    tokenizer.add_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"], special_tokens=True)
-    return tokenizer
-
-
 class TextTokenTypes:
     """Qwen3VLProcessor's `create_mm_token_type_ids` for text without vision tokens (t2va): all 0 (text). It stands in
     for the processor, which the t2va presentation uses for nothing else and which needs torchvision to load."""
@@ -423,121 +358,3 @@ class TextTokenTypes:
     @staticmethod
     def create_mm_token_type_ids(input_ids: list) -> list[list[int]]:
         return [[0] * len(ids) for ids in input_ids]
-
-
-@dataclass
-class H3Output:
-    """What the handle returns: `frames` (decoded video, or the latents with output_type "latent"), and the sound."""
-
-    frames: Any
-    audio: Tensor | None = None
-    sampling_rate: int | None = None
-
-
-class MiniMaxH3Pipeline:
-    """vt's handle on diffusers' MiniMaxH3ModularPipeline (the `t2va` workflow): built from components like a
-    DiffusionPipeline (validation passes the trained transformer), loaded with `from_pretrained` from the modular
-    layout, called like one. It runs the pipeline's own blocks; given `prompt_embeds` (stage 1's, unpadded) it runs
-    them without the text encoder block, and `output_type="latent"` stops before the decode blocks."""
-
-    _parts = ("transformer", "vae", "audio_vae", "scheduler", "audio_scheduler", "text_encoder", "tokenizer",
-              "processor")
-
-    def __init__(self, transformer=None, vae=None, audio_vae=None, scheduler=None, audio_scheduler=None,
-                 text_encoder=None, tokenizer=None, processor=None):
-        from diffusers.modular_pipelines import MiniMaxH3Blocks
-
-        self.modular = MiniMaxH3Blocks().init_pipeline()
-        self.modular.update_components(**{name: value for name, value in dict(
-            transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=scheduler, audio_scheduler=audio_scheduler,
-            text_encoder=text_encoder, tokenizer=tokenizer, processor=processor or TextTokenTypes()).items()
-            if value is not None})
-        self._progress = {}
-
-    def __getattr__(self, name):
-        modular = self.__dict__.get("modular")
-        if name in MiniMaxH3Pipeline._parts and modular is not None:
-            return getattr(modular, name, None)
-        raise AttributeError(name)
-
-    @classmethod
-    def from_pretrained(cls, path, **kwargs):
-        """The t2va components of a MiniMax H3 folder or hub id (modular_model_index.json)."""
-        from diffusers.modular_pipelines import ModularPipeline
-
-        modular = ModularPipeline.from_pretrained(str(path), workflow="t2va")
-        modular.load_components(**kwargs)
-        if getattr(modular, "processor", None) is None:
-            modular.update_components(processor=TextTokenTypes())
-        pipeline = cls.__new__(cls)
-        pipeline.modular, pipeline._progress = modular, {}
-        return pipeline
-
-    def save_pretrained(self, out):
-        """The modular layout; the processor entry names the real class without files (vt's stand-in is not saved)."""
-        import json
-        from pathlib import Path
-
-        self.modular.save_pretrained(str(out), overwrite_modular_index=True)
-        index_path = Path(out) / "modular_model_index.json"
-        index = json.loads(index_path.read_text())
-        if isinstance(self.modular.processor, TextTokenTypes):
-            index["processor"] = ["transformers", "Qwen3VLProcessor", {
-                "pretrained_model_name_or_path": None, "revision": None, "subfolder": "processor",
-                "type_hint": ["transformers", "Qwen3VLProcessor"], "variant": None}]
-        index_path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-    def set_progress_bar_config(self, **kwargs):
-        self._progress = kwargs
-        self.modular.set_progress_bar_config(**kwargs)
-
-    @staticmethod
-    def save_lora_weights(*args, **kwargs):
-        """The modular pipeline's own LoRA writer (MiniMaxH3LoraLoaderMixin), which its `load_lora_weights` reads."""
-        from diffusers.loaders import MiniMaxH3LoraLoaderMixin
-
-        return MiniMaxH3LoraLoaderMixin.save_lora_weights(*args, **kwargs)
-
-    def load_lora_weights(self, *args, **kwargs):
-        return self.modular.load_lora_weights(*args, **kwargs)
-
-    def _run(self, drop: tuple[str, ...], outputs: list[str], **inputs):
-        from diffusers.modular_pipelines import MiniMaxH3Blocks
-
-        blocks = MiniMaxH3Blocks()
-        for name in drop:
-            blocks.sub_blocks.pop(name)
-        pipe = blocks.init_pipeline()
-        pipe.update_components(**{name: getattr(self.modular, name) for name in self._parts
-                                  if name in pipe._component_specs and getattr(self.modular, name, None) is not None})
-        if self._progress:
-            pipe.set_progress_bar_config(**self._progress)
-        state = pipe(**inputs, output=outputs)
-        return [state[name] for name in outputs]
-
-    @torch.no_grad()
-    def __call__(self, prompt=None, height=None, width=None, num_frames=None, num_inference_steps=30, generator=None,
-                 max_sequence_length: int = 512, prompt_embeds=None, prompt_attention_mask=None,
-                 output_type: str = "np", **kwargs) -> H3Output:
-        """One video and its sound (`frames`, `audio` (1, 2, samples), `sampling_rate`); `max_sequence_length`
-        truncates the prompt's tokens as stage 1 does (the modular pipeline itself never truncates)."""
-        drop = ["decode"] if output_type == "latent" else []
-        inputs = dict(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
-                      generator=generator, **kwargs)
-        if prompt_embeds is None:
-            ids = self.modular.tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_sequence_length]
-            prompt = self.modular.tokenizer.decode(ids) if len(ids) == max_sequence_length else prompt
-            inputs["prompt"] = prompt
-        else:
-            rows = caption_rows(prompt_attention_mask)[0] if prompt_attention_mask is not None else prompt_embeds.shape[1]
-            drop.append("text_encoder")
-            device = self.modular.transformer.device
-            inputs.update(prompt_embeds=prompt_embeds[:, :rows].to(device, self.modular.transformer.dtype),
-                          text_token_tags=torch.full((rows,), _pipeline_constants().MINIMAX_H3_TEXT_TAG,
-                                                     dtype=torch.long))
-        if output_type == "latent":
-            latents, audio = self._run(tuple(drop), ["latents", "audio_latents"], **inputs)
-            return H3Output(frames=latents, audio=audio)
-        videos, audio, rate = self._run(tuple(drop), ["videos", "audio", "sampling_rate"], output_type=output_type,
-                                        **inputs)
-        return H3Output(frames=videos, audio=audio, sampling_rate=rate)

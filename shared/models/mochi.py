@@ -27,7 +27,7 @@ stay whole. CP (`cp_plan`) splits the video tokens; the joint attention keeps th
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -36,7 +36,6 @@ from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 # What MochiPipeline hard-codes (vae_temporal_scale_factor, vae_spatial_scale_factor): a VAE with other
 # ratios would train on latents the pipeline cannot sample.
@@ -162,30 +161,6 @@ class MochiSpec(ModelSpec):
         """SwiGLU lora_B halves in genmo's order (q/k/v fuse into `qkv_x` / `qkv_y` by `comfy_fused`)."""
         return {key: swap_halves(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
                 for key, value in tensors.items()}
-
-    # ----------------------------------------------------------------------------- tiny preset
-    @classmethod
-    def tiny_parts(cls, task: str) -> dict[str, Any]:
-        """diffusers' test sizes (2 layers, 2 heads; here of 16 channels); the real VAE layout with 32
-        channels per level (x6 time, x8 space), the real latent statistics and no encoder attention
-        (the slowest part on a CPU); a 2-layer T5; the checkpoint's scheduler (flow-match Euler with
-        inverted sigmas); MochiPipeline layout. The rotary frequencies are drawn at random (a fresh
-        MochiTransformer3DModel has them all zero, which would leave the rotary embedding unchecked)."""
-        from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiTransformer3DModel
-
-        transformer = MochiTransformer3DModel(
-            patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2, pooled_projection_dim=16,
-            in_channels=12, qk_norm="rms_norm", text_embed_dim=64, time_embed_dim=32, activation_fn="swiglu",
-            max_sequence_length=256,
-        )
-        with torch.no_grad():
-            transformer.pos_frequencies.normal_(std=0.5)
-        vae = AutoencoderKLMochi(latent_channels=12, out_channels=3, encoder_block_out_channels=(32,) * 4,
-                                 decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5,
-                                 add_attention_block=(False,) * 5)
-        text_encoder = tiny_t5_encoder()
-        return dict(scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True), vae=vae, text_encoder=text_encoder,
-                    tokenizer=build_t5_tokenizer(model_max_length=256), transformer=transformer)
 
 
 def swap_halves(weight: Tensor) -> Tensor:

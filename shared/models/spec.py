@@ -6,10 +6,12 @@ pipeline settings validation must match (pipeline.py), its experts (experts.py).
 is really its own: `encode_text` / `encode_video` (stage 1 calls them with the components it loads,
 `load_stage1`), `forward` (stage 2: prediction, target and loss weight, so first-frame conditioning or
 other target changes stay inside the family and the trainer's loss stays generic), and the parts of its
-tiny preset (`tiny_parts`). docs/families.md lists every place a new family touches.
+tiny preset (`presets/<module>.py`). docs/families.md lists every place a new family touches.
 """
 
 from __future__ import annotations
+
+import importlib
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -311,14 +313,15 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
-    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v") -> Path:
-        """The tiny preset of `task` in diffusers layout: `tiny_parts` built from `seed` (identical weights
-        for a seed), saved by the task's pipeline (`tiny_pipeline`)."""
+    def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v", parts=None) -> Path:
+        """The tiny preset of `task` in diffusers layout: `tiny_parts` (or `parts(task)`, another preset of the
+        family's, e.g. presets.ltx2.parts_23) built from `seed` (identical weights for a seed), saved by the
+        task's pipeline (`tiny_pipeline`)."""
         if task not in cls.tasks:
             raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
         with seeded(seed):
-            parts = cls.tiny_parts(task)
-        return save_tiny(cls.tiny_pipeline(task)(**parts), Path(out_dir), cls.tiny_index_names)
+            built = (parts or cls.tiny_parts)(task)
+        return save_tiny(cls.tiny_pipeline(task)(**built), Path(out_dir), cls.tiny_index_names)
 
     # model_index.json entries named as the real checkpoints name them (save_tiny).
     tiny_index_names: ClassVar[dict[str, list[str]]] = {}
@@ -329,7 +332,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         return load_class(cls.pipelines[task])
 
     @classmethod
-    @abstractmethod
     def tiny_parts(cls, task: str) -> dict[str, Any]:
-        """The tiny preset's pipeline arguments (real classes at a tiny config, weights drawn from torch's
-        seeded RNG, tokenizers from vt.shared.models.tiny)."""
+        """The tiny preset's pipeline arguments: `parts(task)` of the family module's preset, a module of its own
+        (`vt.shared.models.presets.<module>`: real classes at a tiny config, weights drawn from torch's seeded
+        RNG, tokenizers from vt.shared.models.tiny)."""
+        module = cls.__module__.rsplit(".", 1)[-1]
+        return importlib.import_module(f"vt.shared.models.presets.{module}").parts(task)

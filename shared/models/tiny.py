@@ -7,8 +7,9 @@ from a small word list: each listed word is one piece, anything else falls back 
 characters, so no caption ever fails to tokenize. `bpe_vocab` is the same idea for the byte-pair
 tokenizers (Llama, CLIP, Gemma, Qwen) the other families' presets build.
 
-A family's `tiny_parts` builds its pipeline's arguments from these (and its own transformer and VAE at
-a tiny config); `ModelSpec.make_tiny` seeds the build and saves the pipeline (`save_tiny`).
+A family's preset (`presets/<family module>.py`, `parts(task)`) builds its pipeline's arguments from these
+(and its own transformer and VAE at a tiny config); `ModelSpec.make_tiny` seeds the build and saves the
+pipeline (`save_tiny`).
 """
 
 from __future__ import annotations

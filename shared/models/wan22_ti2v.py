@@ -24,8 +24,7 @@ from torch import Tensor
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
-from vt.shared.models.wan import WanSpec, _latent_stats, flow_unipc_scheduler, tiny_wan_transformer, tiny_wan_vae
+from vt.shared.models.wan import WanSpec, _latent_stats
 
 
 class Wan22TI2VSpec(WanSpec):
@@ -89,16 +88,3 @@ class Wan22TI2VSpec(WanSpec):
         """WanPipeline(expand_timesteps=True) for both tasks, as the TI2V-5B checkpoint (i2v loads it with
         WanImageToVideoPipeline)."""
         return load_class(cls.pipelines["t2v"])
-
-    @classmethod
-    def tiny_parts(cls, task: str) -> dict[str, Any]:
-        """A 2-layer 48-channel transformer, a 3-level residual 48-channel VAE (patch 2: x16 space, x4
-        time, non-trivial latent statistics) and UMT5; the checkpoint's scheduler (shift 5)."""
-        z_dim = 48
-        stats = torch.rand(2, z_dim)
-        vae = tiny_wan_vae(z_dim, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-                           scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=(stats[0] - 0.5).tolist(),
-                           latents_std=(stats[1] + 0.5).tolist())
-        transformer = tiny_wan_transformer(in_channels=z_dim, out_channels=z_dim)
-        return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=vae,
-                    scheduler=flow_unipc_scheduler(5.0), transformer=transformer, expand_timesteps=True)

@@ -35,8 +35,7 @@ from torch import Tensor
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import VaeGeometry
-from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
-from vt.shared.models.wan import WanSpec, flow_unipc_scheduler, tiny_wan_vae
+from vt.shared.models.wan import WanSpec
 
 CONDITIONING_SCALE = 1.0  # WanVACEPipeline's default `conditioning_scale`, per VACE layer
 # The modules of a VACE block a control LoRA trains by default (DiffSynth-Studio's q,k,v,o,ffn.0,ffn.2).
@@ -179,17 +178,3 @@ class WanVACESpec(WanSpec):
     def cp_plan(self) -> ContextParallelPlan:
         raise NotImplementedError(f"family {self.family!r} has no CP plan yet (its VACE blocks take the tokens before "
                                   "the main blocks, so the split points differ from Wan's); set parallel.cp = 1")
-
-    # ----------------------------------------------------------------------------- tiny preset
-    @classmethod
-    def tiny_parts(cls, task: str) -> dict[str, Any]:
-        """Wan's tiny t2v parts with a 2-layer WanVACETransformer3DModel whose two VACE blocks hint both main
-        blocks (vace_layers [0, 1]; 96 control channels: 2 x 16 latents + 8 x 8 mask); WanVACEPipeline layout."""
-        from diffusers import WanVACETransformer3DModel
-
-        transformer = WanVACETransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, in_channels=16, out_channels=16,
-            text_dim=64, freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64, vace_layers=[0, 1],
-            vace_in_channels=96)
-        return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=tiny_wan_vae(),
-                    scheduler=flow_unipc_scheduler(3.0), transformer=transformer)

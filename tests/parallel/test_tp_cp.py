@@ -252,7 +252,8 @@ def reference(tiny_model_factory, tmp_path_factory):
     def get(family):
         if family not in cache:
             task = "t2v" if family == "ltx-video" else _task(family)
-            model_dir = LTX2Spec.make_tiny_23(tmp_path_factory.mktemp("ltx23")) if family == "ltx-2.3-audio" else \
+            from vt.shared.models.presets.ltx2 import parts_23
+            model_dir = LTX2Spec.make_tiny(tmp_path_factory.mktemp("ltx23"), parts=parts_23) if family == "ltx-2.3-audio" else \
                 tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
             spec = _spec(family, model_dir)
             cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family, spec)))

@@ -126,7 +126,7 @@ def i2v_clip(seed: int) -> tuple[torch.Tensor, np.ndarray]:
 def latent_concat_spec(tiny_model_factory, tmp_path):
     """The I2V preset with the 33-channel kind of transformer (latent_concat, no guidance embedding), as
     hunyuanvideo-community/HunyuanVideo-I2V-33ch, through model.components.transformer."""
-    from vt.shared.models.hunyuan_video import tiny_hunyuan_transformer
+    from vt.shared.models.presets.hunyuan_video import tiny_hunyuan_transformer
 
     folder = tmp_path / "latent_concat"
     torch.manual_seed(0)

@@ -215,12 +215,13 @@ def test_i2v_exports_load_back_and_generate_from_the_image(tiny_model_factory, t
 # ----------------------------------------------------------------------------- video and audio (model.audio)
 @pytest.fixture(scope="module", params=["2.0", "2.3"])
 def av_folder(request, tiny_model_factory, tmp_path_factory):
-    """(version, tiny preset folder): LTX-2.0's (the family preset) and LTX-2.3's (`make_tiny_23`)."""
+    """(version, tiny preset folder): LTX-2.0's (the family preset) and LTX-2.3's (`presets.ltx2.parts_23`)."""
     from vt.shared.models.ltx2 import LTX2Spec
 
     if request.param == "2.0":
         return "2.0", tiny_model_factory("ltx-2")
-    return "2.3", LTX2Spec.make_tiny_23(tmp_path_factory.mktemp("ltx23-tiny"))
+    from vt.shared.models.presets.ltx2 import parts_23
+    return "2.3", LTX2Spec.make_tiny(tmp_path_factory.mktemp("ltx23-tiny"), parts=parts_23)
 
 
 def av_spec(folder, **kw):

@@ -178,7 +178,7 @@ def test_comfy_file_with_every_kind_of_target_loads_back_through_diffusers(tiny_
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from vt.shared.models.minimax_h3 import MiniMaxH3Pipeline
+    from vt.shared.models.minimax_h3_pipeline import MiniMaxH3Pipeline
 
     folder = tiny_model_factory("minimax-h3")
     spec = make_spec(folder, audio=True)

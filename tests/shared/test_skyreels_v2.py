@@ -37,7 +37,7 @@ def stage1(spec, clip):
 def df13b(tiny_model_factory, tmp_path_factory):
     """A DF-1.3B-like transformer (the t2v preset's sizes with `inject_sample_info`: the fps embedding),
     saved as a component folder for model.components.transformer."""
-    from vt.shared.models.skyreels_v2 import tiny_skyreels_transformer
+    from vt.shared.models.presets.skyreels_v2 import tiny_skyreels_transformer
     from vt.shared.models.tiny import seeded
 
     with seeded(1):
@@ -229,7 +229,7 @@ def test_diffusion_forcing_lora_loads_into_the_df_pipeline(tiny_model_factory, t
 
 
 def test_what_diffusion_forcing_refuses(tiny_model_factory, df13b, tmp_path):
-    from vt.shared.models.skyreels_v2 import tiny_skyreels_transformer
+    from vt.shared.models.presets.skyreels_v2 import tiny_skyreels_transformer
 
     with pytest.raises(ValueError, match=r"diffusion_forcing = true needs a transformer that takes a noise level per "
                                          r"latent frame; the 'wan' transformer takes one timestep per sample"):

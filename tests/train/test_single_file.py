@@ -139,7 +139,7 @@ def preset(tiny_model_factory, tmp_path_factory):
         out = tmp_path_factory.mktemp(f"{family}-single-file")
         path = tiny_model_factory(family)
         if family == "hunyuan-video":  # without the single-stream block (see the module docstring)
-            from vt.shared.models.hunyuan_video import tiny_hunyuan_transformer
+            from vt.shared.models.presets.hunyuan_video import tiny_hunyuan_transformer
 
             shutil.copytree(path, out / "model", ignore=shutil.ignore_patterns("transformer"))
             path = out / "model"

@@ -1,0 +1,73 @@
+"""The wan family's tiny preset (`wan.py`): real classes at a tiny config, weights drawn from torch's
+seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS
+from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
+from vt.shared.models.wan import IMAGE_TASKS
+
+
+def parts(task: str) -> dict[str, Any]:
+    """2-layer transformer, 3-level VAE (x4 time, x8 space), 2-layer UMT5; WanPipeline layout.
+
+    task "i2v": WanImageToVideoPipeline layout, as Wan 2.1 I2V: the transformer takes 36 channels
+    and has image projections (image_dim, added_kv_proj_dim = heads x head dim), plus a 2-layer
+    CLIP vision encoder on 32 x 32 crops (17 image tokens) and its CLIPImageProcessor. Task "flf2v":
+    the same with FLF2V's image position embedding over two images' tokens (pos_embed_seq_len 34),
+    drawn non-zero (diffusers starts it at zeros), so the order of the two images shows.
+    """
+    i2v = task in IMAGE_TASKS
+    heads, head_dim, z_dim, image_dim = 4, 16, 16, 32
+    vae = tiny_wan_vae(z_dim)
+    image = dict(in_channels=2 * z_dim + 4, image_dim=image_dim, added_kv_proj_dim=heads * head_dim) if i2v \
+        else dict(in_channels=z_dim)
+    if task == "flf2v":
+        image["pos_embed_seq_len"] = 2 * 17
+    transformer = tiny_wan_transformer(out_channels=z_dim, **image)
+    if task == "flf2v":
+        with torch.no_grad():
+            transformer.condition_embedder.image_embedder.pos_embed.normal_(0.0, 0.5)
+    text_encoder = tiny_t5_encoder(umt5=True)
+    parts = tiny_image_parts(image_dim) if i2v else {}
+    # Wan2.1-T2V-1.3B-Diffusers' (and I2V-480P's) scheduler: UniPC on flow sigmas with shift 3.
+    return dict(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
+                scheduler=flow_unipc_scheduler(3.0), transformer=transformer, **parts)
+
+
+def tiny_wan_vae(z_dim: int = 16, **config):
+    """The Wan VAE at 3 levels of tiny width (x4 time, x8 space unless `config` says otherwise)."""
+    from diffusers import AutoencoderKLWan
+
+    return AutoencoderKLWan(base_dim=16, z_dim=z_dim, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
+                            temperal_downsample=[False, True, True], **config)
+
+
+def tiny_wan_transformer(**config):
+    """A 2-layer Wan transformer of 4 heads x 16 (patch 1x2x2, text width 64)."""
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, text_dim=64,
+                                 freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64, **config)
+
+
+def flow_unipc_scheduler(shift: float):
+    """The Wan checkpoints' scheduler: UniPC on flow sigmas with `shift`."""
+    from diffusers import UniPCMultistepScheduler
+
+    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                   num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=shift)
+
+
+def tiny_image_parts(hidden: int) -> dict[str, Any]:
+    """A 2-layer CLIP vision encoder (32 x 32 images in 8 x 8 patches: 16 + 1 tokens) and its processor."""
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
+
+    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
+        hidden_size=hidden, projection_dim=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=2, image_size=32, patch_size=8))
+    return {"image_encoder": encoder, "image_processor": CLIPImageProcessor(crop_size=32, size=32)}
