@@ -168,7 +168,14 @@ class TrainConfig(_Section):
     # rows (and 4 x grad_accum batches) ahead of the one in use; 0: read each batch when it is needed
     read_ahead_mb: int = Field(256, ge=0)
     seed: int = Field(0, ge=0)
-    sigma_sampling: Literal["logit_normal", "uniform"] = "logit_normal"
+    # How each sample's sigma is drawn (train/objectives.py, SD3's schemes as diffusers' training_utils names them):
+    # logit-normal (`logit_mean`, `logit_std`), uniform, "mode" (`mode_scale`) or "cosmap"; then `shift`.
+    sigma_sampling: Literal["logit_normal", "uniform", "mode", "cosmap"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    mode_scale: float = Field(1.29, ge=0)
+    # Each sample's loss weighted by its sigma: none, "sigma_sqrt" (sigma^-2) or "cosmap" (SD3's weightings).
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     # Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample).
     caption_dropout: float = Field(0.0, ge=0, le=1)
     shift: float = Field(1.0, gt=0)

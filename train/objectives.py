@@ -9,6 +9,8 @@ first-frame noise).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vt.shared.models.flow import Prediction
@@ -26,31 +28,59 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-def sample_sigmas(n: int, scheme: str, shift: float, generator: torch.Generator) -> torch.Tensor:
+def sample_sigmas(n: int, scheme: str, shift: float, generator: torch.Generator, logit_mean: float = 0.0,
+                  logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
+    """`n` sigmas in (0, 1) drawn by `scheme` (SD3's densities: logit-normal, uniform, "mode", "cosmap"), then
+    shifted by `shift`."""
     if scheme == "logit_normal":
-        sigmas = torch.sigmoid(torch.randn(n, generator=generator))
+        normal = torch.randn(n, generator=generator)
+        sigmas = torch.sigmoid(normal if (logit_mean, logit_std) == (0.0, 1.0) else logit_mean + logit_std * normal)
     elif scheme == "uniform":
         sigmas = torch.rand(n, generator=generator)
+    elif scheme == "mode":  # more weight on the middle sigmas for mode_scale > 0 (SD3's eq. 20)
+        u = torch.rand(n, generator=generator)
+        sigmas = 1 - u - mode_scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    elif scheme == "cosmap":
+        u = torch.rand(n, generator=generator)
+        sigmas = 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
     else:
-        raise ValueError(f"unknown sigma sampling {scheme!r}; use logit_normal or uniform")
+        raise ValueError(f"unknown sigma sampling {scheme!r}; use logit_normal, uniform, mode or cosmap")
     return shift_sigmas(sigmas, shift)
+
+
+def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
+    """Per-sample loss weights for `sigmas` (n,): None for "none"; "sigma_sqrt" sigma^-2 and "cosmap"
+    2 / (pi (1 - 2 sigma + 2 sigma^2)), as SD3 weights its loss (diffusers' compute_loss_weighting_for_sd3)."""
+    if scheme == "none":
+        return None
+    sigmas = sigmas.float()
+    if scheme == "sigma_sqrt":
+        return sigmas ** -2.0
+    if scheme == "cosmap":
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
+    raise ValueError(f"unknown loss weighting {scheme!r}; use none, sigma_sqrt or cosmap")
 
 
 def sample_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
 
-def joint_loss(out: Prediction, audio_weight: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(loss, audio loss or None): the video loss plus `audio_weight` x the audio stream's (model.audio)."""
+def joint_loss(out: Prediction, audio_weight: float,
+               sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(loss, audio loss or None): the video loss plus `audio_weight` x the audio stream's (model.audio);
+    `sample_weights` (n,) scale each sample's error in both (train.loss_weighting)."""
     if out.audio is None:
-        return flow_matching_loss(out), None
-    audio = flow_matching_loss(out.audio)
-    return flow_matching_loss(out) + audio_weight * audio, audio
+        return flow_matching_loss(out, sample_weights), None
+    audio = flow_matching_loss(out.audio, sample_weights)
+    return flow_matching_loss(out, sample_weights) + audio_weight * audio, audio
 
 
-def flow_matching_loss(out: Prediction) -> torch.Tensor:
-    """Mean squared error over the elements the spec keeps (weight > 0), in fp32."""
+def flow_matching_loss(out: Prediction, sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean squared error over the elements the spec keeps (weight > 0), in fp32; each sample's error times
+    its `sample_weights` entry where given."""
     error = (out.prediction.float() - out.target.float()) ** 2
+    if sample_weights is not None:
+        error = error * sample_weights.to(error.device, torch.float32).view(-1, *[1] * (error.ndim - 1))
     if out.weight is None:
         return error.mean()
     weight = out.weight.float().expand_as(error)

@@ -43,7 +43,7 @@ from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
 from vt.train.model_build import Dtypes, build_transformer
-from vt.train.objectives import joint_loss, step_generator
+from vt.train.objectives import joint_loss, loss_weights, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
@@ -154,6 +154,10 @@ class Trainer:
             raise ValueError(f"train.caption_dropout = {train.caption_dropout}: {self.spec.family}'s text encoder reads "
                              "each caption together with its clip's first frame, so the window's empty caption cannot "
                              "stand in for a sample's text; set train.caption_dropout = 0")
+        if train.loss_weighting != "none" and config.model.diffusion_forcing:
+            raise ValueError(f"train.loss_weighting = {train.loss_weighting!r} weights each sample by its sigma, but "
+                             "model.diffusion_forcing draws one sigma per latent frame; set train.loss_weighting = "
+                             "\"none\"")
         if self.is_main:
             for line in self.spec.inference_mismatches():
                 log.warning(line)
@@ -445,7 +449,8 @@ class Trainer:
         tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
         levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
         sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
-                                    self.spec.sigma_range(), levels)
+                                    self.spec.sigma_range(), levels, logit_mean=train.logit_mean,
+                                    logit_std=train.logit_std, mode_scale=train.mode_scale)
         if "audio_latents" in tensors:
             tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
         models = expert_modules(model)
@@ -456,7 +461,9 @@ class Trainer:
                 out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
                                         sigmas[rows].to(self.device), noise[rows].to(self.device),
                                         generator=generator)
-            loss, audio_loss = joint_loss(out, self.config.model.audio_weight)
+            weights = loss_weights(sigmas[rows], train.loss_weighting)  # None: unweighted
+            loss, audio_loss = joint_loss(out, self.config.model.audio_weight,
+                                          None if weights is None else weights.to(self.device))
             yield loss, audio_loss, route.count
 
     def _pipeline_micro_step(self, part: Slice, index: int, scale: float) -> torch.Tensor:

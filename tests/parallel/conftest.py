@@ -37,7 +37,9 @@ FAMILY_TRAIN = {
     # HunyuanVideo I2V (token_replace): Llava's text of each sample read with its first frame (stage 1, per
     # sample), the clean first latent frame modulated at timestep 0 and weighted 0 in the loss.
     "hunyuan-video-i2v": {"mode": "lora"},
-    "mochi": {"mode": "lora"},  # the blocks' video attention (the default targets)
+    # The blocks' video attention (the default targets); SD3's "mode" sigmas and cosmap loss weights, so parity
+    # also covers a non-default sigma density and a per-sample weighted loss.
+    "mochi": {"mode": "lora", "sigma_sampling": "mode", "loss_weighting": "cosmap"},
     "cogvideox-i2v": {"mode": "lora"},  # 32 input channels: the image latents on the channel axis
     # LoRA on both streams' attention and FFNs, so tensor parallel splits adapters of every kind it splits.
     "hunyuan-video-1.5": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",

@@ -30,3 +30,38 @@ def test_weighted_loss_ignores_masked_elements():
     weight[:, 0] = 0
     assert flow_matching_loss(Prediction(prediction, target, weight)).item() == 1.0
     assert flow_matching_loss(Prediction(prediction, target, None)).item() > 1.0
+
+
+def test_each_sampling_scheme_has_its_density():
+    """SD3's densities (diffusers' compute_density_for_timestep_sampling and its cosmap): logit-normal centred at
+    sigmoid(mean), "mode" heavier in the middle than uniform for mode_scale > 0, cosmap's sigma is 1 - 1/(tan + 1)."""
+    import math
+
+    n = 20000
+    draws = {scheme: sample_sigmas(n, scheme, 1.0, step_generator(0, 0)) for scheme in ("logit_normal", "uniform",
+                                                                                        "mode", "cosmap")}
+    assert all(0 <= d.min() and d.max() <= 1 for d in draws.values())
+    middle = {k: ((d > 0.3) & (d < 0.7)).float().mean().item() for k, d in draws.items()}
+    assert middle["mode"] > middle["uniform"] + 0.05 and middle["logit_normal"] > middle["uniform"] + 0.05
+    shifted = sample_sigmas(n, "logit_normal", 1.0, step_generator(0, 0), logit_mean=1.0)
+    assert abs(shifted.median().item() - 1 / (1 + math.exp(-1.0))) < 0.01
+    u = torch.rand(5, generator=step_generator(0, 0))
+    assert torch.allclose(sample_sigmas(5, "cosmap", 1.0, step_generator(0, 0)), 1 - 1 / (torch.tan(math.pi * u / 2) + 1))
+    # mode_scale 0 is uniform sigma = 1 - u
+    assert torch.allclose(sample_sigmas(5, "mode", 1.0, step_generator(0, 0), mode_scale=0.0), 1 - u)
+    # the defaults draw what logit-normal drew before the parameters existed (pinned numbers unchanged)
+    assert torch.equal(sample_sigmas(5, "logit_normal", 1.0, step_generator(0, 0)),
+                       torch.sigmoid(torch.randn(5, generator=step_generator(0, 0))))
+
+
+def test_loss_weighting_scales_each_samples_error_by_its_sigma():
+    from vt.train.objectives import loss_weights
+
+    sigmas = torch.tensor([0.25, 0.5])
+    assert loss_weights(sigmas, "none") is None
+    assert torch.allclose(loss_weights(sigmas, "sigma_sqrt"), torch.tensor([16.0, 4.0]))
+    assert torch.allclose(loss_weights(sigmas, "cosmap"), 2 / (torch.pi * (1 - 2 * sigmas + 2 * sigmas ** 2)))
+    prediction, target = torch.ones(2, 3), torch.zeros(2, 3)
+    prediction[1] = 2.0  # errors 1 and 4
+    weighted = flow_matching_loss(Prediction(prediction, target, None), torch.tensor([16.0, 4.0]))
+    assert weighted.item() == (16 * 1 + 4 * 4) / 2

@@ -78,21 +78,22 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
 
 
 def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float,
-                sigma_range: tuple[float, float] = (0.0, 1.0), levels: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+                sigma_range: tuple[float, float] = (0.0, 1.0), levels: int = 1,
+                **density) -> tuple[torch.Tensor, torch.Tensor]:
     """(sigmas, noise like latents) for the rows of `part`, one generator per sample.
 
     `sigma_range` (low, high) maps the drawn sigmas affinely into that range: an expert trained on
     part of the noise levels keeps the scheme's shape within its own. `levels`: the spec's
     `noise_levels` per sample; sigmas are (n,) for 1, else (n, levels) (diffusion forcing: one per
     latent frame), each sample's drawn from its own generator before its noise, so every layout
-    draws the same.
+    draws the same. `density`: the scheme's parameters (`sample_sigmas`: logit_mean, logit_std, mode_scale).
     """
     latents = part.tensors["latents"]
     low, high = sigma_range
     sigmas, noise = [], []
     for row in range(latents.shape[0]):
         generator = sample_generator(seed, step, part.first_index + row)
-        drawn = low + (high - low) * sample_sigmas(levels, scheme, shift, generator)
+        drawn = low + (high - low) * sample_sigmas(levels, scheme, shift, generator, **density)
         sigmas.append(drawn if levels == 1 else drawn[None])
         noise.append(sample_noise(latents[row:row + 1], generator))
     return torch.cat(sigmas), torch.cat(noise)
