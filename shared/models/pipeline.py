@@ -208,7 +208,7 @@ class PipelineMixin:
                         last_image=None, control=None) -> dict[str, Any]:
         """The pipeline call arguments `generate` uses: the same text length and frame rate as training,
         for i2v the conditioning image, for flf2v the first and the last frame (`image=`, `last_image=`), for a
-        family with `control_video` the control video (`control_inputs`)."""
+        family with `control_video` the control video (`ControlVideo.pipeline_inputs`)."""
         self.check_bucket(bucket)
         kwargs = dict(prompt=prompt, height=bucket.height, width=bucket.width, num_frames=bucket.frames,
                       num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
@@ -228,17 +228,11 @@ class PipelineMixin:
             if control is None:
                 raise ValueError(f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
                                  "train.validation_videos, one per validation prompt")
-            kwargs.update(self.control_inputs(_check_control(control, bucket)))
+            kwargs.update(self.control_video.pipeline_inputs(_check_control(control, bucket)))
         elif control is not None:
             raise ValueError(f"{self.family} takes no control video; pick a family that trains on one "
                              "(docs/families.md)")
         return kwargs
-
-    def control_inputs(self, control: np.ndarray) -> dict[str, Any]:
-        """The pipeline call's arguments for a control video (F, H, W, 3) uint8 at the bucket's size: how a
-        family with `control_video` hands its pipeline the control (e.g. `video=` as a list of frames)."""
-        raise NotImplementedError(f"{self.family} declares control_video but not how its pipeline takes it "
-                                  "(control_inputs)")
 
     def inference_settings(self) -> dict[str, Any]:
         """Pipeline call arguments that must match how the model was trained (text length; the frame

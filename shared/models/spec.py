@@ -30,6 +30,7 @@ from vt.shared.models.flow import Prediction
 from vt.shared.models.lora import LoraMixin
 from vt.shared.models.pipeline import PipelineMixin
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.roles import ControlVideo
 from vt.shared.models.tiny import save_tiny, seeded
 from vt.shared.runtime import DTYPES, encoder_dtype
 
@@ -82,11 +83,8 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # Whether the transformer takes a timestep per latent frame, so `model.diffusion_forcing` can train it
     # with a noise level per frame (`noise_levels`); the others refuse the key rather than ignore it.
     per_frame_timesteps: ClassVar[bool] = False
-    # Whether each sample carries a control video (pose, depth, edges ...; `<key>.control.mp4` beside the clip):
-    # stage 1 decodes it at the clip's own frame times, sized and cropped as the clip (docs/processors.md),
-    # rejects a sample without one (`missing_control`), and hands it to `encode_video(..., control=)`;
-    # validation needs `train.validation_videos`, one control video per prompt, passed to the pipeline.
-    control_video: ClassVar[bool] = False
+    # A family that trains on a control video per sample declares how (roles.ControlVideo); None: it does not.
+    control_video: ClassVar[ControlVideo | None] = None
     # Whether the family generates sound with the picture and can train it (`model.audio`): stage 1 then
     # decodes each clip's sound over its sampled frames' time span, resampled to `audio_format()`, and
     # stores `encode_audio`'s tensors (`audio_latents`) beside the latents; `forward` returns the audio

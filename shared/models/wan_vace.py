@@ -34,6 +34,7 @@ from torch import Tensor
 
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.roles import ControlVideo
 from vt.shared.models.spec import VaeGeometry
 from vt.shared.models.wan import WanSpec
 
@@ -43,11 +44,18 @@ VACE_LORA_MODULES = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
                      "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
 
 
+def video_frames(control) -> dict[str, Any]:
+    """WanVACEPipeline's `video=`: the control video's frames as PIL images (no `mask=`: the full mask)."""
+    from PIL import Image
+
+    return {"video": [Image.fromarray(frame) for frame in control]}
+
+
 class WanVACESpec(WanSpec):
     family: ClassVar[str] = "wan-vace"
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-VACE-1.3B-diffusers"
-    control_video: ClassVar[bool] = True
+    control_video: ClassVar[ControlVideo] = ControlVideo(pipeline_inputs=video_frames)
     components: ClassVar[dict[str, str]] = {**WanSpec.components,
                                             "transformer": "diffusers:WanVACETransformer3DModel"}
     task_components: ClassVar[dict[str, dict[str, str]]] = {}
@@ -161,12 +169,6 @@ class WanVACESpec(WanSpec):
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
 
     # ----------------------------------------------------------------------------- validation
-    def control_inputs(self, control) -> dict[str, Any]:
-        """WanVACEPipeline's `video=`: the control video's frames as PIL images (no `mask=`: the full mask)."""
-        from PIL import Image
-
-        return {"video": [Image.fromarray(frame) for frame in control]}
-
     def inference_settings(self) -> dict[str, Any]:
         return {**super().inference_settings(), "conditioning_scale": CONDITIONING_SCALE}
 
