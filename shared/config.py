@@ -189,6 +189,10 @@ class TrainConfig(_Section):
     # fits a sample's (frames from its start at buckets.fps, scaled to cover, center-cropped).
     validation_videos: list[str] = Field(default_factory=list)
     validation_steps: int = Field(4, ge=1)
+    # An exponential moving average of the trained weights (train/ema.py): its decay per optimizer step (None: off),
+    # kept in checkpoints, exported in <run.dir>/ema/; `ema_validation` renders validation with it.
+    ema_decay: float | None = Field(None, gt=0, lt=1)
+    ema_validation: bool = False
     # Decode validation videos with the VAE tiled (vt.shared.vae_tiling): true, false, or "auto" (tiled when the
     # untiled decode would not fit in the GPU memory free at validation; untiled on a CPU).
     validation_vae_tiling: Literal["auto"] | bool = "auto"

@@ -57,13 +57,14 @@ class Checkpointer:
         return done[-1] if done else None
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler, trainer_state: dict) -> Path:
+             scheduler, trainer_state: dict, extra: dict[str, dict] | None = None) -> Path:
+        """`extra`: more state dicts of tensors to keep beside the weights (`ema`: train/ema.py), sharded alike."""
         path = self.folder / f"step-{step:06d}"
         if _is_main() and path.exists():
             shutil.rmtree(path)  # an incomplete save of this step from a crashed run
         _barrier()
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        dcp.save({"model": model_sd, "optim": optim_sd, **(extra or {})}, checkpoint_id=str(path))
         _barrier()
         if _is_main():
             state = {"step": step, "scheduler": scheduler.state_dict(), **trainer_state}
@@ -75,9 +76,11 @@ class Checkpointer:
         _barrier()
         return path
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler) -> dict:
+    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+             extra: dict[str, dict] | None = None) -> dict:
+        """`extra`: the state dicts `save` kept beside the weights, loaded in place."""
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
-        state_dict = {"model": model_sd, "optim": optim_sd}
+        state_dict = {"model": model_sd, "optim": optim_sd, **(extra or {})}
         dcp.load(state_dict, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
                        optim_state_dict=state_dict["optim"], options=StateDictOptions(ignore_frozen_params=True, strict=False))

@@ -195,7 +195,7 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
             rank.weights += layout.local(name, param)
             if param.requires_grad:
                 rank.gradients += layout.local(name, param, 4)
-                rank.optimizer += 2 * layout.local(name, param, 4)
+                rank.optimizer += (3 if train.ema_decay else 2) * layout.local(name, param, 4)  # AdamW's moments, EMA
             if id(param) not in counted:  # the root's own: gathered all along
                 root += _gathered_bytes(name, param, layout, gather)
             if dtypes.storage(mode) is not None and gather is None:  # a linear upcast for its matmul
@@ -442,13 +442,14 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
     lines = [f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, micro-batch {plan.micro_batch} per rank",
              f"per rank ({where}):",
              f"  weights       {rank.weights / GIB:8.2f} GiB",
-             f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments)",
+             f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments"
+             f"{'; the EMA: one more' if config.train.ema_decay else ''})",
              f"  buffers       {rank.buffers / GIB:8.2f} GiB  (FSDP2 gathered blocks / DDP buckets)",
-             f"  training phase:",
+             "  training phase:",
              f"    gradients   {rank.gradients / GIB:8.2f} GiB  (freed after each optimizer step)",
              f"    activations {rank.activations / GIB:8.2f} GiB  "
              f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}, largest bucket)",
-             f"  validation phase:",
+             "  validation phase:",
              f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE, and the larger of a denoising step and "
              f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
     if rank.host:

@@ -14,6 +14,8 @@ logged (every rank decides that alike, `_log_due`), which is also when a non-fin
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import resource
@@ -39,6 +41,7 @@ from vt.train.caption_dropout import drop_captions, dropped
 from vt.shared.models.components import keeps_float32
 from vt.train.checkpoint import Checkpointer
 from vt.train.data import Batch, BatchReader, watermark
+from vt.train.ema import EMA, checkpoint_has_ema
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
@@ -170,6 +173,7 @@ class Trainer:
         self.startup.mark("model_built")
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
+        self.ema = EMA(self.transformer, train.ema_decay) if train.ema_decay else None  # train/ema.py
         warmup = max(train.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # counts optimizer steps, not micro-steps
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -295,7 +299,13 @@ class Trainer:
         path = self.checkpointer.latest() if self.config.train.resume else None
         if path is None:
             return False
-        state = self.checkpointer.load(path, self.transformer, self.optimizer, self.scheduler)
+        extra = None
+        if self.ema is not None and checkpoint_has_ema(path):
+            extra = {"ema": self.ema.state_dict()}
+        elif self.ema is not None:
+            log.warning("%s holds no average of the weights (train.ema_decay was off): it starts from the resumed "
+                        "weights", path)
+        state = self.checkpointer.load(path, self.transformer, self.optimizer, self.scheduler, extra)
         self.step = self._checkpointed = state["step"]
         self.reader.load_state_dict(state["data"])
         self.shards.load_state_dict(state.get("shards", {}))  # a checkpoint of an older vt has none
@@ -433,6 +443,8 @@ class Trainer:
         self.optimizer.step()
         if train.fp8_training != "none":
             after_optimizer_step(self.transformer, train.fp8_training, fsdp=world.dims.fsdp_enabled)
+        if self.ema is not None:
+            self.ema.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._log_samples(micro, parts)
@@ -527,7 +539,8 @@ class Trainer:
         self._checkpointed = self.step
         data = self.data_state if self.data_state is not None else self.reader.state_dict()  # the last batch trained
         path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler,
-                                      {"data": data, "shards": self.shards.state_dict()})
+                                      {"data": data, "shards": self.shards.state_dict()},
+                                      {"ema": self.ema.state_dict()} if self.ema is not None else None)
         if self.is_main:  # the single writer of the window's consumer state
             self.window.flush_read(force=True)
             self.window.publish_watermark(watermark(data))
@@ -544,8 +557,9 @@ class Trainer:
         if self._validated[0] == self.step:  # the periodic validation already rendered this step
             return self._validated[1]
         train = self.config.train
+        average = self.ema.swapped_in() if self.ema is not None and train.ema_validation else contextlib.nullcontext()
         with backend_for(self.transformer, train.validation_attention_backend or train.attention_backend,
-                         restore=train.attention_backend):
+                         restore=train.attention_backend), average:
             videos = self.validator.run(self.transformer, self.step)
         self.world.barrier()
         self._validated = (self.step, videos)
@@ -586,18 +600,25 @@ class Trainer:
 
     def export(self) -> Path:
         """The LoRA files or full weights (every rank calls this); a run over all experts writes each expert's
-        (LoRA files named after the expert, full weights in model/<its pipeline component>/)."""
+        (LoRA files named after the expert, full weights in model/<its pipeline component>/). With
+        train.ema_decay the average's, in the same files, under <run.dir>/ema/."""
+        self._export_to(self.run_dir)
+        if self.ema is not None:
+            with self.ema.swapped_in():
+                self._export_to(self.run_dir / "ema")
+        return self.export_path()
+
+    def _export_to(self, root: Path) -> None:
         if self.config.train.mode == "lora":
             for expert, tensors in lora_states(self.transformer).items():  # {} off rank 0
-                self.spec.save_lora(tensors, self.run_dir / "lora", expert=expert, step=self.step)
+                self.spec.save_lora(tensors, root / "lora", expert=expert, step=self.step)
             self.world.barrier()
-            return self.export_path()
+            return
         experts = self.spec.trained_experts
         for expert, module in expert_modules(self.transformer).items():
-            folder = self.run_dir / "model" / experts[expert] if expert else self.run_dir / "model"
+            folder = root / "model" / experts[expert] if expert else root / "model"
             write_full_weights(module, folder, dtype_of=lambda name, tensor, module=module: (
                 torch.float32 if keeps_float32(module, name) else self.spec.frozen_dtype))
-        return self.export_path()
 
     def export_path(self) -> Path:
         """Where `export` writes (LoRA file or model folder), known on every rank."""

@@ -26,7 +26,8 @@ TEXT_TOKENS = 64
 # LTX-Video trains fully, Wan with LoRA; a low clip threshold makes clipping act on every Wan step,
 # so parity also covers the global gradient norm.
 FAMILY_TRAIN = {
-    "ltx-video": {"mode": "full"},
+    # A full fine-tune with an average of its weights (train/ema.py): every layout's EMA export is compared too.
+    "ltx-video": {"mode": "full", "ema_decay": 0.5},
     "wan": {"mode": "lora", "max_grad_norm": 0.05},
     # Both experts in one run (VARIANTS); uniform sigmas shifted by 5 land on both sides of the 0.875 boundary.
     "wan2.2-all": {"mode": "lora", "sigma_sampling": "uniform", "shift": 5.0},

@@ -107,7 +107,10 @@ def assert_same_training(run_dir: Path, reference_dir: Path, rel: float = 1e-4, 
         assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=rel), f"grad norm at {step}"
         if "audio_loss" in expected[step]:  # model.audio: the audio stream's share, all-reduced like the loss
             assert got[step]["audio_loss"] == pytest.approx(expected[step]["audio_loss"], rel=rel), f"audio at {step}"
-    weights, reference = trained_weights(run_dir), trained_weights(reference_dir)
-    assert weights.keys() == reference.keys()
-    worst = max((relative_difference(weights[k], reference[k]), k) for k in reference)
-    assert worst[0] <= (weights_rel or rel), f"trained weights differ from the single-process run: {worst}"
+    for sub in ("", "ema"):  # the weights, and with train.ema_decay their average (<run.dir>/ema/)
+        if sub and not (reference_dir / sub).is_dir():
+            continue
+        weights, reference = trained_weights(run_dir / sub), trained_weights(reference_dir / sub)
+        assert weights.keys() == reference.keys()
+        worst = max((relative_difference(weights[k], reference[k]), k) for k in reference)
+        assert worst[0] <= (weights_rel or rel), f"{sub or 'trained'} weights differ from the single-process run: {worst}"
