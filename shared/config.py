@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
 import tomli_w
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.chain import resolve_chain
@@ -237,10 +237,20 @@ class ParallelConfig(_Section):
     pp: int = Field(1, ge=1)
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory
+    # With activation checkpointing: the blocks' inputs (and what the layers outside them save) wait in pinned
+    # host memory between forward and backward (train/parallel/offload.py).
+    activation_offload: bool = False
     compile: bool = False  # torch.compile each transformer block
     # FSDP2 keeps parameters, gradients and optimizer state in CPU memory and the optimizer steps on
     # the CPU (CPUOffloadPolicy); one process shards over a group of one, so a single GPU can use it.
     cpu_offload: bool = False
+
+    @model_validator(mode="after")
+    def _offload_needs_checkpointing(self) -> "ParallelConfig":
+        if self.activation_offload and not self.activation_checkpointing:
+            raise ValueError("activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
+                             "parallel.activation_checkpointing = true as well")
+        return self
 
     @field_validator("dp_shard", mode="before")
     @classmethod

@@ -36,6 +36,7 @@ from vt.train.model_build import Dtypes, prepare_transformer
 from vt.train.parallel.dims import ParallelDims
 from vt.train.parallel.fsdp import ROOT_UNIT
 from vt.train.parallel.fsdp import units as fsdp_units
+from vt.train.parallel.offload import OffloadSaved
 
 GIB = 2**30
 
@@ -220,14 +221,18 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1)
+           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1,
+           parallel.activation_offload)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
         _trace(plan, spec, dtypes, lora, gathered, stage1)
         _TRACES[key] = (plan.activations, plan.stage1, plan.validation)
     activations, stage1_bytes, validation = _TRACES[key]
     plan.activations, plan.stage1, plan.validation = activations, dict(stage1_bytes), dict(validation)
     worst = max(plan.activations.values(), key=lambda a: a["none"])
-    rank.activations = (worst["checkpointing"] if parallel.activation_checkpointing else worst["none"]) // dims.cp
+    # Offloaded inputs leave a GPU's memory; on a CPU host memory is where they were already.
+    offload = parallel.activation_offload and device == "cuda"
+    kind = "offload" if offload else "checkpointing" if parallel.activation_checkpointing else "none"
+    rank.activations = worst[kind] // dims.cp
     _choose_tiling(plan, spec, budget, stage1)
     return plan
 
@@ -323,6 +328,13 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                                            torch.zeros_like(batch["latents"]))
                     joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
+                if checkpointing and config.parallel.activation_offload:  # the saved inputs in host memory
+                    with KnownValues(), peak_bytes() as offloaded, _TraceOffload()():
+                        with _autocast(amp):
+                            out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
+                                               torch.zeros_like(batch["latents"]))
+                        joint_loss(out, config.model.audio_weight)[0].backward()
+                    plan.activations[bucket.name]["offload"] = offloaded.peak
         if train.validation_prompts:
             plan.validation = {"vae": _vae_weights(spec, vae_dtype), "step": _denoise_bytes(shapes, models[False], spec, amp)}
     if train.validation_prompts:  # the decode of one clip of the largest bucket, untiled
@@ -330,6 +342,20 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
     for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
         working = _vae_peak(config, spec, bucket, "encode", parts["vae"].dtype)
         plan.stage1["working"] = max(plan.stage1.get("working", 0), working)
+
+
+class _TraceOffload(OffloadSaved):
+    """parallel.activation_offload in the trace: what would go to host memory is dropped when saved and made
+    anew (a fake tensor: device memory again) when backward unpacks it, with a CUDA run's size threshold."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"), min_bytes=2**20)
+
+    def pack(self, tensor):
+        return tensor if self._keeps(tensor) else (tensor.shape, tensor.dtype)
+
+    def unpack(self, packed):
+        return packed if isinstance(packed, torch.Tensor) else torch.zeros(packed[0], dtype=packed[1])
 
 
 REAL_CONDITION = 1 << 22  # elements: a condition up to this size is a real tensor in the trace
@@ -407,6 +433,9 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
     if not parallel.activation_checkpointing:
         options.append(("parallel.activation_checkpointing=true",
                         _with(config, "parallel", activation_checkpointing=True), gpus))
+    if not parallel.activation_offload:
+        options.append(("parallel.activation_offload=true", _with(config, "parallel", activation_checkpointing=True,
+                                                                  activation_offload=True), gpus))
     if not parallel.cpu_offload:
         options.append(("parallel.cpu_offload=true", _with(config, "parallel", cpu_offload=True), gpus))
     spec = spec_for(config)
@@ -448,7 +477,8 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
              "  training phase:",
              f"    gradients   {rank.gradients / GIB:8.2f} GiB  (freed after each optimizer step)",
              f"    activations {rank.activations / GIB:8.2f} GiB  "
-             f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}, largest bucket)",
+             f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}"
+             f"{', inputs offloaded to host memory' if config.parallel.activation_offload else ''}, largest bucket)",
              "  validation phase:",
              f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE, and the larger of a denoising step and "
              f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
@@ -460,7 +490,8 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
     lines.append("activations per bucket (one micro-batch, before / cp):")
     for bucket, sizes in plan.activations.items():
         lines.append(f"  {bucket:<12} no checkpointing {sizes['none'] / GIB:8.2f} GiB   "
-                     f"checkpointing {sizes['checkpointing'] / GIB:8.2f} GiB")
+                     f"checkpointing {sizes['checkpointing'] / GIB:8.2f} GiB"
+                     + (f"   with offload {sizes['offload'] / GIB:8.2f} GiB" if "offload" in sizes else ""))
     encoders = ", ".join(f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items()
                          if not name.startswith("working"))
     if plan.stage1:

@@ -50,6 +50,7 @@ from vt.train.objectives import joint_loss, loss_weights, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
+from vt.train.parallel.offload import OffloadSaved
 from vt.train.parallel.order import OrderFromRankZero
 from vt.train.parallel.pp import Pipeline, one_sample_microbatches
 from vt.train.parallel.world import setup_world, shutdown_world
@@ -174,6 +175,8 @@ class Trainer:
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
         self.ema = EMA(self.transformer, train.ema_decay) if train.ema_decay else None  # train/ema.py
+        # parallel.activation_offload: what the step saves for backward waits in host memory (parallel/offload.py)
+        self.offload = OffloadSaved(self.device) if config.parallel.activation_offload else None
         warmup = max(train.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # counts optimizer steps, not micro-steps
             self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
@@ -469,7 +472,8 @@ class Trainer:
         for route in routes(self.spec, sigmas, part.count):
             rows = slice(None) if route.expert is None else route.rows
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                enabled=self.amp_dtype is not None):
+                                enabled=self.amp_dtype is not None), \
+                    (self.offload() if self.offload is not None else contextlib.nullcontext()):
                 out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
                                         sigmas[rows].to(self.device), noise[rows].to(self.device),
                                         generator=generator)
