@@ -5,7 +5,7 @@ every model component's config.json replaced by the real one and no weights at a
 configs only; the tiny tokenizers stand in, text lengths are the family pipelines'). Then the plan of a
 LoRA (rank 32) and a full fine-tune (bf16 weights, AdamW, batch 1 per GPU, activation checkpointing)
 at the model's usual bucket, on one GPU and on 8 (FSDP2), and the settings that make a one-GPU run fit
-in 24, 48 and 80 GB. Each card's plan decides "auto" VAE tiling against that card; stage 1's line gives each
+in 24, 32, 48 and 80 GB. Each card's plan decides "auto" VAE tiling against that card; stage 1's line gives each
 producer's peak with the text encoders beside the VAE and in a phase of their own.
 
     python scripts/memory_table.py [--out docs/memory.md] [--work runs/memory-table] [--only wan2.1-14b]
@@ -40,7 +40,7 @@ MODELS = {
 # (`adaln_proj.linear`, 2688 wide) reduced to the 8 columns the timestep can reach (multimodalart/MiniMax-H3-Pruned:
 # 33.14B -> 20.11B parameters per DiT); activations and validation are the base's.
 PRUNED = {"minimax-h3": ("MiniMax H3 pruned (20B)", "adaln_proj.linear.weight", 8)}
-BUDGETS = (24, 48, 80)
+BUDGETS = (24, 32, 48, 80)
 MARKER = "<!-- everything below is written by scripts/memory_table.py -->"
 
 
@@ -87,7 +87,7 @@ def table(key: str, folder: Path) -> str:
     title, bucket, *_ = MODELS[key]
     lines = [f"### {title}, {bucket}", "",
              "| mode | GPUs | weights | grads + optimizer | buffers | activations (AC on / off) | validation "
-             "(decode untiled / tiled) | per GPU (80 GB card) | fits 24 / 48 / 80 GB? | one GPU: single changes that fit |",
+             "(decode untiled / tiled) | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? | one GPU: changes that fit |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     pruned = []
     for mode in ("lora", "full"):
@@ -113,7 +113,7 @@ def table(key: str, folder: Path) -> str:
     if pruned:
         name, *_ = PRUNED[key]
         lines += [f"### {name}, {bucket} (estimated from the base's plan)", "",
-                  "| mode | GPUs | weights | grads + optimizer | per GPU (80 GB card) | fits 24 / 48 / 80 GB? |",
+                  "| mode | GPUs | weights | grads + optimizer | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? |",
                   "| --- | --- | --- | --- | --- | --- |", *pruned, ""]
     return "\n".join(lines)
 

@@ -240,6 +240,9 @@ class ParallelConfig(_Section):
     # With activation checkpointing: the blocks' inputs (and what the layers outside them save) wait in pinned
     # host memory between forward and backward (train/parallel/offload.py).
     activation_offload: bool = False
+    # One GPU: only the first `blocks_on_gpu` blocks' frozen weights stay on it, the others wait in pinned host
+    # memory and are copied in a block ahead of use (train/parallel/block_swap.py). None: every block on the GPU.
+    blocks_on_gpu: int | None = Field(None, ge=0)
     compile: bool = False  # torch.compile each transformer block
     # FSDP2 keeps parameters, gradients and optimizer state in CPU memory and the optimizer steps on
     # the CPU (CPUOffloadPolicy); one process shards over a group of one, so a single GPU can use it.
@@ -250,6 +253,9 @@ class ParallelConfig(_Section):
         if self.activation_offload and not self.activation_checkpointing:
             raise ValueError("activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
                              "parallel.activation_checkpointing = true as well")
+        if self.blocks_on_gpu is not None and not self.activation_checkpointing:
+            raise ValueError("blocks_on_gpu swaps blocks' weights out after their forward, which only activation "
+                             "checkpointing leaves unsaved: set parallel.activation_checkpointing = true as well")
         return self
 
     @field_validator("dp_shard", mode="before")

@@ -56,6 +56,7 @@ class RankPlan:
     activations: int = 0
     validation: int = 0
     host: int = 0
+    swapped: int = 0  # parallel.blocks_on_gpu: frozen block weights in host memory (not in `weights`)
 
     @property
     def resident(self) -> int:
@@ -201,6 +202,12 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
                 root += _gathered_bytes(name, param, layout, gather)
             if dtypes.storage(mode) is not None and gather is None:  # a linear upcast for its matmul
                 widest = max(widest, param.numel() * torch.empty((), dtype=dtypes.compute).element_size())
+        if parallel.blocks_on_gpu is not None:  # the swapped blocks' frozen weights: in host memory but two in flight
+            frozen = [sum(layout.local(names[id(p)], p) for p in block.parameters() if not p.requires_grad)
+                      for _, block in spec.named_blocks(model)][parallel.blocks_on_gpu:]
+            moved = sum(frozen) - 2 * max(frozen, default=0)
+            rank.weights -= max(moved, 0)
+            rank.swapped += max(moved, 0)
     if dims.fsdp_enabled:
         # A gathered unit is its unsharded parameters; gathering one also holds the all-gather's output and
         # this rank's copied-in shard until the copy-out: the unit running plus the next one fetched ahead
@@ -424,8 +431,8 @@ _VAE_PEAKS: dict[tuple, int] = {}
 # -- what makes it fit ---------------------------------------------------------------------------------
 def alternatives(config: Config, gpus: int, device: str, budget: int | None = None) -> list[tuple[str, Plan]]:
     """Settings that would change the plan, each with its plan: fp8 base weights (LoRA), checkpointing,
-    CPU offload, context parallel, more GPUs, a tiled validation decode; a list for `vt-train plan` to say
-    which fit."""
+    activation offload, block swap (alone and with activation offload), CPU offload, context parallel, more
+    GPUs, a tiled validation decode; a list for `vt-train plan` to say which fit."""
     train, parallel = config.train, config.parallel
     options: list[tuple[str, Config, int]] = []
     if train.mode == "lora" and not train.fp8_base_weights:
@@ -433,6 +440,12 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
     if not parallel.activation_checkpointing:
         options.append(("parallel.activation_checkpointing=true",
                         _with(config, "parallel", activation_checkpointing=True), gpus))
+    if gpus == 1 and parallel.blocks_on_gpu is None and dims_one(config):
+        for resident in (20, 10, 5, 0):  # the first K blocks on the GPU, the rest swapped a block ahead
+            options.append((f"parallel.blocks_on_gpu={resident}", _with(config, "parallel", activation_checkpointing=True,
+                                                                        blocks_on_gpu=resident), gpus))
+            options.append((f"parallel.blocks_on_gpu={resident} + parallel.activation_offload=true", _with(
+                config, "parallel", activation_checkpointing=True, blocks_on_gpu=resident, activation_offload=True), gpus))
     if not parallel.activation_offload:
         options.append(("parallel.activation_offload=true", _with(config, "parallel", activation_checkpointing=True,
                                                                   activation_offload=True), gpus))
@@ -460,6 +473,12 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
     return out
 
 
+def dims_one(config: Config) -> bool:
+    """A layout block swap takes: no context, tensor or pipeline parallelism, one transformer."""
+    parallel = config.parallel
+    return parallel.cp == parallel.tp == parallel.pp == 1 and not spec_for(config).trained_experts
+
+
 def _with(config: Config, section: str, **values) -> Config:
     return config.model_copy(update={section: getattr(config, section).model_copy(update=values)})
 
@@ -484,6 +503,8 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
              f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
     if rank.host:
         lines.append(f"  in host memory (CPU offload): {rank.host / GIB:.2f} GiB (weights, gradients, optimizer)")
+    if rank.swapped:
+        lines.append(f"  in host memory (block swap): {rank.swapped / GIB:.2f} GiB of frozen block weights")
     lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}: resident + the larger phase"
                  + (f", of {budget_gib:g} GiB: {'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
                     if budget_gib else ""))
@@ -516,7 +537,8 @@ def plan_json(plan: Plan) -> dict:
             "device": plan.device, "micro_batch": plan.micro_batch,
             "per_rank_bytes": {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
                                "buffers": rank.buffers, "activations": rank.activations,
-                               "validation": rank.validation, "host": rank.host, "resident": rank.resident,
+                               "validation": rank.validation, "host": rank.host, "swapped": rank.swapped,
+                               "resident": rank.resident,
                                "total": rank.device_total},
             "validation": plan.validation, "validation_vae_tiled": plan.vae_tiled,
             "activations": plan.activations, "stage1": plan.stage1,

@@ -49,6 +49,8 @@ from vt.train.model_build import Dtypes, build_transformer
 from vt.train.objectives import joint_loss, loss_weights, step_generator
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
+from vt.train.parallel.block_swap import BlockSwap
+from vt.train.parallel.dims import ParallelConfigError
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.offload import OffloadSaved
 from vt.train.parallel.order import OrderFromRankZero
@@ -171,6 +173,7 @@ class Trainer:
         self.transformer = self._build_model()
         self.pipeline = Pipeline(self.transformer, self.world, config.parallel.pp_schedule) \
             if self.world.dims.pp > 1 else None
+        self.block_swap = self._swap_blocks()  # parallel.blocks_on_gpu (parallel/block_swap.py); None: off
         self.startup.mark("model_built")
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
@@ -262,6 +265,20 @@ class Trainer:
                                  frozen_dtype=self.dtypes.frozen,
                                  parallelize=lay_out, seed=train.seed,
                                  cpu_offload=parallel.cpu_offload and dims.fsdp_enabled)
+
+    def _swap_blocks(self) -> BlockSwap | None:
+        resident = self.config.parallel.blocks_on_gpu
+        if resident is None:
+            return None
+        if self.world.dims.world_size > 1 or self.spec.trained_experts:
+            raise ParallelConfigError(f"parallel.blocks_on_gpu = {resident} is for one process training one "
+                                      "transformer; with more GPUs shard the model instead (parallel.dp_shard), or "
+                                      "train one expert per run (model.expert)")
+        blocks = [block for _, block in self.spec.named_blocks(self.transformer)]
+        swap = BlockSwap(blocks, resident, self.device)
+        log.info("block swap: %d of %d blocks on %s, %d in host memory", min(resident, len(blocks)), len(blocks),
+                 self.device, len(swap.swapped))
+        return swap
 
     def _build_model(self) -> torch.nn.Module:
         """The trained transformer, or for a run over all experts an nn.ModuleDict expert -> transformer,
@@ -448,6 +465,8 @@ class Trainer:
             after_optimizer_step(self.transformer, train.fp8_training, fsdp=world.dims.fsdp_enabled)
         if self.ema is not None:
             self.ema.update()
+        if self.block_swap is not None:
+            self.block_swap.release()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._log_samples(micro, parts)

@@ -1,0 +1,104 @@
+"""One GPU's memory settings: parallel.activation_offload (train/parallel/offload.py), the checkpointed blocks'
+inputs through host memory between forward and backward, and parallel.blocks_on_gpu (parallel/block_swap.py),
+blocks' frozen weights in host memory copied in a block ahead; training is unchanged, the plan counts both."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from cli_runs import write_config
+from safetensors.torch import load_file
+
+from vt.shared.config import load_config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_model_factory, raw_shards):
+    """run(name, **parallel) -> (trainer, losses, exported LoRA) of 3 steps of the tiny Wan with activation
+    checkpointing, on one window precomputed once."""
+    from vt.precompute.service import Precompute
+    from vt.train.trainer import Trainer
+
+    root = tmp_path_factory.mktemp("one-gpu")
+    model = tiny_model_factory("wan")
+    runs = {}
+
+    def train(name: str, **parallel):
+        if name in runs:
+            return runs[name]
+        config = load_config(write_config(
+            root / f"{name}.toml", model, raw_shards, root / name, str(root / "window"),
+            model={"family": "wan", "max_text_tokens": 16}, buckets={"sizes": ["9x64x96"]}, window={"size": "keep"},
+            precompute={"workers": 0}, train={"max_steps": 3, "lr": 5e-2, "checkpoint_every": 0},
+            parallel={"activation_checkpointing": True, **parallel}))
+        if not (root / "window").exists():
+            Precompute(config).run()
+        trainer = Trainer(config)
+        trainer.run()
+        losses = [m["loss"] for m in map(json.loads, (root / name / "metrics.jsonl").open()) if "loss" in m]
+        runs[name] = trainer, losses, load_file(root / name / "lora" / "pytorch_lora_weights.safetensors")
+        return runs[name]
+
+    return train
+
+
+def assert_same(got, expected):
+    (_, losses, lora), (_, expected_losses, expected_lora) = got, expected
+    assert len(losses) == 3 and losses == pytest.approx(expected_losses, rel=1e-5, abs=0)
+    assert all(torch.allclose(lora[k], expected_lora[k], rtol=1e-5, atol=1e-7) for k in expected_lora)
+
+
+def test_offloaded_block_inputs_train_as_without(run):
+    offloaded = run("offloaded", activation_offload=True)
+    assert offloaded[0].offload.offloaded >= 3 * 2  # at least every block's input of every step went to host memory
+    assert_same(offloaded, run("plain"))
+
+
+def test_swapped_blocks_train_as_resident_ones_and_go_back_to_host_memory(run):
+    swapped = run("swapped", blocks_on_gpu=0)  # both blocks of the tiny Wan swapped
+    swap = swapped[0].block_swap
+    assert swap.swapped == {0, 1}
+    # Per step: each block copied in for its forward and again for its recomputation in backward.
+    assert swap.loads == 3 * 2 * 2
+    for index in swap.swapped:  # after the run every swapped block computes from nothing but its host copy
+        params = {name: p for name, p in swap.blocks[index].named_parameters() if not p.requires_grad}
+        assert params and all(p.data_ptr() == swap.host[index][name].data_ptr() for name, p in params.items())
+    assert_same(swapped, run("plain"))
+
+
+def test_the_plan_counts_the_inputs_left_in_host_memory(tiny_model_factory):
+    from vt.shared.config import Config, build
+    from vt.train.plan import make_plan
+
+    def plan(**parallel):
+        return make_plan(build(Config, {
+            "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
+            "buckets": {"sizes": ["33x512x512"]}, "parallel": {"activation_checkpointing": True, **parallel}}),
+            1, "cuda", stage1=False)
+
+    checkpointed, offloaded = plan(), plan(activation_offload=True)
+    bucket = offloaded.activations["33x512x512"]
+    assert bucket["offload"] < bucket["checkpointing"] and offloaded.rank.activations == bucket["offload"]
+    assert checkpointed.rank.activations == bucket["checkpointing"]
+    with pytest.raises(ValueError, match="set parallel.activation_checkpointing = true"):
+        build(Config, {"parallel": {"activation_offload": True}})
+
+
+def test_the_plan_keeps_swapped_blocks_in_host_memory(tiny_model_factory):
+    from vt.shared.config import Config, build
+    from vt.train.plan import make_plan
+
+    def plan(**parallel):
+        return make_plan(build(Config, {
+            "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
+            "buckets": {"sizes": ["9x64x96"]}, "parallel": {"activation_checkpointing": True, **parallel}}),
+            1, "cuda", stage1=False)
+
+    resident, swapped = plan(), plan(blocks_on_gpu=0)
+    # Two blocks, both swapped: two in flight at most, so nothing leaves the GPU at this depth ...
+    assert swapped.rank.weights == resident.rank.weights and swapped.rank.swapped == 0
+    # ... while a real depth moves all but two blocks' frozen weights (the 14B's 40 blocks: docs/memory.md).
+    with pytest.raises(ValueError, match="set parallel.activation_checkpointing = true"):
+        build(Config, {"parallel": {"blocks_on_gpu": 2}})
