@@ -99,11 +99,14 @@ def table(key: str, folder: Path) -> str:
             worst = max(plan.activations.values(), key=lambda a: a["none"])
             fits = " / ".join("yes" if plans[b].rank.device_total <= b * 1e9 else "no" for b in BUDGETS)
             changes = ""
-            if gpus == 1:
-                changes = "; ".join(
-                    f"{budget} GB: " + (", ".join(label for label, alt in alternatives(config, 1, "cuda", budget * 10**9)
-                                                    if alt.rank.device_total <= budget * 1e9) or "none")
-                    for budget in BUDGETS if plans[budget].rank.device_total > budget * 1e9) or "-"
+            failing = [budget for budget in BUDGETS if plans[budget].rank.device_total > budget * 1e9]
+            if gpus == 1 and failing:  # planned once, against the smallest card ("auto" tiling tiles most there)
+                options = alternatives(config, 1, "cuda", failing[0] * 10**9)
+                changes = "; ".join(f"{budget} GB: " + (", ".join(label for label, alt in options
+                                                                 if alt.rank.device_total <= budget * 1e9) or "none")
+                                    for budget in failing)
+            elif gpus == 1:
+                changes = "-"
             lines.append(f"| {mode} | {gpus} | {_g(rank.weights)} | {_g(rank.gradients + rank.optimizer)} | "
                          f"{_g(rank.buffers)} | {_g(worst['checkpointing'])} / {_g(worst['none'])} | "
                          f"{_validation(plans)} | **{_g(rank.device_total)}** | {fits} | {changes} |")

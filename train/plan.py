@@ -228,8 +228,7 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1,
-           parallel.activation_offload)
+           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
         _trace(plan, spec, dtypes, lora, gathered, stage1)
         _TRACES[key] = (plan.activations, plan.stage1, plan.validation)
@@ -335,7 +334,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                                            torch.zeros_like(batch["latents"]))
                     joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
-                if checkpointing and config.parallel.activation_offload:  # the saved inputs in host memory
+                if checkpointing:  # with parallel.activation_offload: the saved inputs in host memory
                     with KnownValues(), peak_bytes() as offloaded, _TraceOffload()():
                         with _autocast(amp):
                             out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
