@@ -439,7 +439,7 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
     if not parallel.activation_checkpointing:
         options.append(("parallel.activation_checkpointing=true",
                         _with(config, "parallel", activation_checkpointing=True), gpus))
-    if gpus == 1 and parallel.blocks_on_gpu is None and dims_one(config):
+    if gpus == 1 and train.mode == "lora" and parallel.blocks_on_gpu is None and dims_one(config):  # frozen weights
         for resident in (20, 10, 5, 0):  # the first K blocks on the GPU, the rest swapped a block ahead
             options.append((f"parallel.blocks_on_gpu={resident}", _with(config, "parallel", activation_checkpointing=True,
                                                                         blocks_on_gpu=resident), gpus))
