@@ -7,7 +7,8 @@ from pathlib import Path
 
 import typer
 
-from vt.shared.cli import SET_HELP, fail, load_or_exit
+from vt.shared.cli import SET_HELP, USER_ERRORS, fail, load_or_exit
+from vt.shared.errors import UserError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 1: stream raw video shards into a rolling window of latent shards.")
@@ -27,20 +28,14 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     started again, a producer carries on where it stopped.
     """
     cfg = load_or_exit(config, set)
-    from vt.precompute.encoders import VaeOutOfMemory
     from vt.precompute.processors import ProcessorBug
-    from vt.precompute.resume import ResumeError
-    from vt.precompute.service import Precompute, TooManyFailures
-    from vt.shared.models.components import ModelLoadError
-    from vt.shared.storage import StorageUnavailable
-    from vt.shared.window import ProducerConflict, ProducerFenced, WindowTimeout
+    from vt.precompute.service import Precompute
 
     from vt.shared.runtime import rank, world_size
 
     try:
         Precompute(cfg, rank(), world_size()).run()  # logs its summary line (every rank its own), once
-    except (TooManyFailures, ProcessorBug, ModelLoadError, FileNotFoundError, ValueError, ResumeError, ProducerFenced,
-            ProducerConflict, StorageUnavailable, WindowTimeout, VaeOutOfMemory) as err:
+    except (*USER_ERRORS, ProcessorBug) as err:  # ProcessorBug: its traceback is logged above
         raise fail(str(err)) from err
 
 
@@ -54,11 +49,10 @@ def prompts(config: Path = typer.Argument(..., help="TOML run config, e.g. confi
     """
     cfg = load_or_exit(config, set)
     from vt.precompute.validation_conditions import encode_validation_inputs
-    from vt.shared.models.components import ModelLoadError
 
     try:
         written = encode_validation_inputs(cfg)
-    except (ModelLoadError, FileNotFoundError, ValueError) as err:
+    except USER_ERRORS as err:
         raise fail(str(err)) from err
     typer.echo(f"validation conditions: {written} inputs encoded into {cfg.window.uri}")
 
@@ -73,7 +67,7 @@ def pack(folder: str = typer.Argument(..., help="folder (local or s3://) of clip
 
     try:
         written = pack_folder(folder, out, parse_size(shard_size), prefix)
-    except (FileNotFoundError, ValueError, OSError) as err:
+    except (*USER_ERRORS, OSError) as err:
         raise fail(str(err)) from err
     for url in written:
         typer.echo(url)
@@ -90,7 +84,7 @@ def inspect(window: str = typer.Argument(..., help="window URI: a folder or s3:/
         if not Storage(window).list(""):
             raise fail(f"{window} holds no window (nothing there); give the window.uri of a run")
         state = Window(window).state()
-    except (ValueError, OSError) as err:
+    except (UserError, OSError) as err:
         raise fail(f"cannot read the window {window}: {err}") from err
     typer.echo(json.dumps(state, indent=1) if as_json else format_state(state))
 

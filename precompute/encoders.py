@@ -40,11 +40,12 @@ from torch import nn
 from vt.shared.log import get_logger
 from vt.shared.runtime import encoder_dtype
 from vt.shared.vae_tiling import decide, enable_tiling, free_device_memory, pass_peak, tiling
+from vt.shared.errors import UserError
 
 log = get_logger("vt.precompute")
 
 
-class VaeOutOfMemory(RuntimeError):
+class VaeOutOfMemory(UserError, RuntimeError):
     """The VAE ran out of memory on one clip of a bucket; the message names the settings to change."""
 
 
@@ -72,7 +73,7 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool | s
     if vae_tiling is True:
         vae = encoders["vae"]
         if not hasattr(vae, "enable_tiling"):
-            raise ValueError(f"precompute.vae_tiling = true, but the {spec.family} VAE ({type(vae).__name__}) "
+            raise UserError(f"precompute.vae_tiling = true, but the {spec.family} VAE ({type(vae).__name__}) "
                              "has no tiled encoding; set precompute.vae_tiling = false")
         enable_tiling(vae)
     if offload != "none":

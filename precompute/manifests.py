@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import PurePosixPath
 
 import fsspec
+from vt.shared.errors import UserError
 
 UNIT_CLIPS = 64
 MANIFEST_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
@@ -59,7 +60,7 @@ def _parquet():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise ValueError("data.raw is a parquet manifest, which needs pyarrow: pip install 'vt[parquet]', or "
+        raise UserError("data.raw is a parquet manifest, which needs pyarrow: pip install 'vt[parquet]', or "
                          "write the manifest as JSON lines (.jsonl)") from None
     return pq
 

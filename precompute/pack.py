@@ -18,6 +18,7 @@ import fsspec
 
 from vt.precompute.media_files import read_media_sample
 from vt.precompute.sources import is_media, list_raw_shards, shard_names
+from vt.shared.errors import UserError
 
 
 def _members(folder: str) -> Iterator[tuple[str, dict[str, bytes]]]:
@@ -61,7 +62,7 @@ def pack_folder(folder: str, out: str, shard_bytes: int = 1 << 30, prefix: str =
     A tar is closed once it holds `shard_bytes` or more; a sample is never split across tars.
     """
     if shard_bytes < 1:
-        raise ValueError(f"shard size must be at least 1 byte, got {shard_bytes}")
+        raise UserError(f"shard size must be at least 1 byte, got {shard_bytes}")
     fs, root = fsspec.core.url_to_fs(out)
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     local = "file" in protocols or "local" in protocols
@@ -96,5 +97,5 @@ def parse_size(text: str) -> int:
     except ValueError:
         value = -1
     if unit not in units or value <= 0:
-        raise ValueError(f"size {text!r} must look like 512MB, 1GiB or 1000000 (bytes)")
+        raise UserError(f"size {text!r} must look like 512MB, 1GiB or 1000000 (bytes)")
     return int(value * units[unit])

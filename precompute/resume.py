@@ -28,8 +28,10 @@ import json
 from collections import Counter
 from dataclasses import dataclass, field
 
+from vt.shared.errors import UserError
 
-class ResumeError(RuntimeError):
+
+class ResumeError(UserError, RuntimeError):
     """The window's progress record cannot be reconciled with its commits; the message says why."""
 
 

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 
 import torch
 
+from vt.shared.errors import UserError
 from vt.precompute.encoders import (encode_sounds, encode_texts_with_images, encode_videos, load_encoders,
                                     text_phase, tiled_buckets)
 from vt.precompute.prepare import Prepare, ShardEnd
@@ -61,7 +62,7 @@ from vt.shared.window import Window
 log = get_logger("vt.precompute")
 
 
-class TooManyFailures(RuntimeError):
+class TooManyFailures(UserError, RuntimeError):
     pass
 
 

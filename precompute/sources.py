@@ -50,6 +50,7 @@ from vt.precompute.manifests import (clip_of, curator_metas, is_curator_meta, is
                                      manifest_units, unit_name)
 from vt.precompute.media_files import pick_media, read_media_sample, split_key
 from vt.precompute.media_ref import MediaRef
+from vt.shared.errors import UserError
 
 # Extensions of the video files FFmpeg (so PyAV) demuxes with their timing, in the order one is
 # picked when a sample holds several. Raw H.264 / HEVC elementary streams (.h264, .264, .hevc) are
@@ -195,7 +196,7 @@ def split_for_rank(shards: list[str], rank: int, world_size: int) -> list[str]:
     gets no shards when there are fewer shards than ranks.
     """
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} is not in a world of size {world_size}; need 0 <= rank < world_size")
+        raise UserError(f"rank {rank} is not in a world of size {world_size}; need 0 <= rank < world_size")
     return sorted(shards)[rank::world_size]
 
 

@@ -16,12 +16,13 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+from vt.shared.errors import UserError
 
 
 class DecodePool:
     def __init__(self, workers: int, initializer: Callable[[], None] | None = None):
         if workers < 1:
-            raise ValueError(f"precompute.workers must be >= 1 for a pool, got {workers}")
+            raise UserError(f"precompute.workers must be >= 1 for a pool, got {workers}")
         self.workers = workers
         self.initializer = initializer
         self.crashes = 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from vt.shared.errors import UserError
 
 
 @dataclass(frozen=True, order=True)
@@ -35,7 +36,7 @@ class Bucket:
 
 def parse_buckets(specs: list[str]) -> list[Bucket]:
     if not specs:
-        raise ValueError("buckets.sizes is empty; give at least one bucket, e.g. ['9x64x96']")
+        raise UserError("buckets.sizes is empty; give at least one bucket, e.g. ['9x64x96']")
     buckets = sorted({Bucket.parse(s) for s in specs})
     return buckets
 

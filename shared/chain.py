@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from vt.shared.errors import UserError
 
 CORE_STEPS = ("sample_frames", "crop", "decode")
 
@@ -121,7 +122,7 @@ def load_user_class(path: str) -> type:
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise ValueError(f"processor {path!r}: cannot import {module_name!r} ({err}); install the package "
+        raise UserError(f"processor {path!r}: cannot import {module_name!r} ({err}); install the package "
                          "in both stages' environment or fix the path") from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not callable(cls):

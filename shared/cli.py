@@ -7,7 +7,12 @@ from pathlib import Path
 import typer
 
 from vt.shared.config import Config, ConfigError, load_config
+from vt.shared.errors import UserError
 from vt.shared.log import apply_level
+
+# What a CLI prints as one line (`fail`): the user's errors, and a path the user gave that is not there. Anything
+# else is a bug and keeps its traceback.
+USER_ERRORS = (UserError, FileNotFoundError)
 
 SET_HELP = "Override a config key, e.g. --set window.size=8 (repeatable; value read as TOML)."
 

@@ -18,9 +18,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.chain import resolve_chain
+from vt.shared.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config problem the user must fix; the message names the key and what is allowed."""
 
 
@@ -41,7 +42,7 @@ class RunSection(_Section):
         if value.lower().startswith("file://"):
             return value[len("file://"):]
         if _URL.match(value):
-            raise ValueError("the run folder (checkpoints, metrics, exports, videos) must be a local or mounted "
+            raise UserError("the run folder (checkpoints, metrics, exports, videos) must be a local or mounted "
                              "path; object storage is supported for data.raw and window.uri. "
                              'Use e.g. run.dir = "runs/my-run"')
         return value
@@ -88,7 +89,7 @@ class DataConfig(_Section):
     @classmethod
     def _member(cls, value: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
-            raise ValueError("must be a member name of letters, digits, '_' or '-' (no dots or slashes): the "
+            raise UserError("must be a member name of letters, digits, '_' or '-' (no dots or slashes): the "
                              "control video of sample <key> is <key>.<name>.mp4, e.g. data.control = \"pose\"")
         return value
 
@@ -251,10 +252,10 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self) -> "ParallelConfig":
         if self.activation_offload and not self.activation_checkpointing:
-            raise ValueError("activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
+            raise UserError("activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
                              "parallel.activation_checkpointing = true as well")
         if self.blocks_on_gpu is not None and not self.activation_checkpointing:
-            raise ValueError("blocks_on_gpu swaps blocks' weights out after their forward, which only activation "
+            raise UserError("blocks_on_gpu swaps blocks' weights out after their forward, which only activation "
                              "checkpointing leaves unsaved: set parallel.activation_checkpointing = true as well")
         return self
 

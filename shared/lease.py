@@ -22,10 +22,12 @@ import time
 
 from .storage import Storage
 
+from vt.shared.errors import UserError
+
 KEEP_GENERATIONS = 3  # progress records of the last few starts, for the rare overlap of two starts
 
 
-class ProducerFenced(RuntimeError):
+class ProducerFenced(UserError, RuntimeError):
     """A newer producer took over this rank; this one must stop writing."""
 
 

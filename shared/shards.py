@@ -22,6 +22,8 @@ import struct
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import TYPE_CHECKING
 
+from vt.shared.errors import UserError
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 2  # 2: the caption table (text stored once per distinct caption, trimmed)
 
 
-class ShardFormatError(ValueError):
+class ShardFormatError(UserError):
     """Bytes that are not a vt latent shard of this format version, or a malformed record."""
 
 

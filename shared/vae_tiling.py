@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+from vt.shared.errors import UserError
 
 Setting = Literal["auto"] | bool
 TEMPORAL_FLAGS = ("use_framewise_encoding", "use_framewise_decoding")
@@ -33,7 +34,7 @@ def can_tile(vae: nn.Module) -> bool:
 def enable_tiling(vae: nn.Module) -> None:
     """Tile `vae`'s encode and decode, spatially and (where diffusers offers a plain switch) temporally."""
     if not can_tile(vae):
-        raise ValueError(f"the VAE ({type(vae).__name__}) has no tiled encode or decode in diffusers; set the "
+        raise UserError(f"the VAE ({type(vae).__name__}) has no tiled encode or decode in diffusers; set the "
                          "tiling setting to false and use smaller buckets.sizes")
     vae.enable_tiling()
     if not hasattr(vae, "_enable_framewise_decoding"):  # a private switch: framewise changes the padding there

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+from vt.shared.errors import UserError
 
 
 def load_image(path: str | Path) -> np.ndarray:
@@ -141,7 +142,7 @@ def read_fitted(path: str | Path, bucket, fps: float) -> np.ndarray:
             while len(picked) < len(times) and end is not None and times[len(picked)] < end - 1e-6:
                 picked.append(shown)
     if len(picked) < len(times):
-        raise ValueError(f"{path} holds {len(picked)} frames at {fps:g} fps; bucket {bucket.name} needs "
+        raise UserError(f"{path} holds {len(picked)} frames at {fps:g} fps; bucket {bucket.name} needs "
                          f"{bucket.frames} ({bucket.frames / fps:.3f}s): give a longer video")
     out = np.empty((bucket.frames, bucket.height, bucket.width, 3), dtype=np.uint8)
     for index, frame in enumerate(picked):
@@ -160,7 +161,7 @@ def _check_frames(frames) -> np.ndarray:
     if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
         raise ValueError(f"frames must have shape (F, H, W, 3) with F, H, W >= 1, got {frames.shape}")
     if frames.dtype != np.uint8:
-        raise ValueError(f"frames must be uint8 in [0, 255], got {frames.dtype}; for floats in [0, 1] "
+        raise UserError(f"frames must be uint8 in [0, 255], got {frames.dtype}; for floats in [0, 1] "
                          "use (frames * 255).round().clip(0, 255).astype(np.uint8)")
     return np.ascontiguousarray(frames)
 

@@ -88,3 +88,30 @@ def test_a_hub_id_offline_is_one_line_naming_component_id_and_fix(tmp_path, raw_
         errors = [line for line in output.splitlines() if line.startswith("error:")]
         assert len(errors) == 1, f"{config}: {output[-2000:]}"
         assert f"hub id '{hub_id}'" in errors[0] and "HF_HUB_OFFLINE" in errors[0] and "model.path" in errors[0]
+
+
+BUG = """
+import sys
+from vt.train import trainer
+
+def broken(self, config):
+    raise ValueError("boom inside vt")
+
+trainer.Trainer.__init__ = broken
+from vt.train.cli import app
+app(["run", sys.argv[1]])
+"""
+
+
+def test_a_users_error_is_one_line_and_a_bug_keeps_its_traceback(tmp_path, tiny_model_factory, raw_shards):
+    """A bucket the family cannot take (the user's config) is one `error:` line; a ValueError raised where vt did
+    not expect one (a bug) is not dressed up as the user's error: its traceback is printed."""
+    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
+                          str(tmp_path / "window"), buckets={"sizes": ["10x64x64"]})
+    result = run("vt-precompute", "run", str(config))
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "frames must be 8k+1" in errors[0] and "buckets.sizes" in errors[0], result.stderr
+    bug = subprocess.run([sys.executable, "-c", BUG, str(config)], capture_output=True, text=True, timeout=120)
+    assert bug.returncode != 0 and "Traceback" in bug.stderr and "ValueError: boom inside vt" in bug.stderr
+    assert not any(line.startswith("error:") for line in bug.stderr.splitlines())

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from vt.shared.log import get_logger
+from vt.shared.errors import UserError
 
 __all__ = ["BACKENDS", "available_backends", "check_backend", "set_backend", "backend_for"]
 log = get_logger("vt.train.attention")
@@ -82,13 +83,13 @@ def available_backends(device: torch.device, training: bool = True) -> list[str]
 def check_backend(name: str, device: torch.device, training: bool = True, key: str = "train.attention_backend") -> None:
     """Stop with a message naming what this machine has when `name` cannot run here."""
     if name not in BACKENDS:
-        raise ValueError(f"{key} = {name!r}: unknown; choose one of {sorted(BACKENDS)}")
+        raise UserError(f"{key} = {name!r}: unknown; choose one of {sorted(BACKENDS)}")
     if training and not BACKENDS[name].trains:
-        raise ValueError(f"{key} = {name!r}: its kernel has no backward, so it can only be used for validation "
+        raise UserError(f"{key} = {name!r}: its kernel has no backward, so it can only be used for validation "
                          f"(train.validation_attention_backend)")
     why = _missing(name, device, training)
     if why is not None:
-        raise ValueError(f"{key} = {name!r} cannot run here: {why}. This machine can run: "
+        raise UserError(f"{key} = {name!r} cannot run here: {why}. This machine can run: "
                          f"{', '.join(available_backends(device, training))}")
 
 

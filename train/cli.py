@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from vt.shared.cli import SET_HELP, fail, load_or_exit
+from vt.shared.cli import SET_HELP, USER_ERRORS, fail, load_or_exit
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Stage 2: train on the latent shards of a window.")
@@ -25,13 +25,11 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     """Train (LoRA or full) on the window named by the config; resumes from the newest checkpoint."""
     cfg = load_or_exit(config, set)
     _note_accelerate_cpu()
-    from vt.shared.models.components import ModelLoadError
-    from vt.train.data import StaleShardError
     from vt.train.trainer import Trainer
 
     try:
         Trainer(cfg).run()  # rank 0 logs the summary line ("done: ..."), printed once, not once per rank
-    except (StaleShardError, ModelLoadError, FileNotFoundError, ValueError) as err:
+    except USER_ERRORS as err:
         raise fail(str(err)) from err
     # The trainer's model, optimizer and mesh form reference cycles holding gloo work objects: free them now,
     # not at interpreter exit, where freeing their tensors aborts the process ("terminate called ...").
@@ -63,8 +61,6 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
     import json
 
     cfg = load_or_exit(config, set)
-    from vt.shared.models.components import ModelLoadError
-    from vt.train.parallel.dims import ParallelConfigError
     from vt.train.plan import alternatives, format_plan, make_plan, plan_json
 
     if device not in ("cuda", "cpu"):
@@ -74,7 +70,7 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
         budget = int(gpu_memory * 2**30) if gpu_memory else None  # "auto" VAE tiling decides against it
         result = make_plan(cfg, gpus, device, budget=budget)
         options = alternatives(cfg, gpus, device, budget) if gpu_memory and not as_json else []
-    except (ModelLoadError, FileNotFoundError, ParallelConfigError, ValueError) as err:
+    except USER_ERRORS as err:
         raise fail(str(err)) from err
     if picked and not as_json:
         typer.echo(picked)
@@ -113,7 +109,7 @@ def report(run_dir: Path = typer.Argument(..., help="a run's run.dir, e.g. runs/
 
     try:
         path = write_report(run_dir, out)
-    except (FileNotFoundError, ValueError, OSError) as err:
+    except (*USER_ERRORS, OSError) as err:
         raise fail(str(err)) from err
     typer.echo(f"report: {path}")
 

@@ -31,6 +31,7 @@ from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
 from vt.shared.window.reader import NotYet
 from vt.train.parallel.batching import slice_bounds
+from vt.shared.errors import UserError
 
 
 @dataclass
@@ -93,7 +94,7 @@ def watermark(state: dict) -> int:
     return min(refs + [state["position"]])
 
 
-class StaleShardError(RuntimeError):
+class StaleShardError(UserError, RuntimeError):
     """A shard was made with settings other than the trainer's config."""
 
 
@@ -111,7 +112,7 @@ class BatchReader:
                  on_read: Callable[[int], None] | None = None,
                  order: Callable[..., CommitRecord | None] | None = None, dp_rank: int = 0, dp_size: int = 1):
         if batch_size < 1:
-            raise ValueError("train.batch_size must be at least 1")
+            raise UserError("train.batch_size must be at least 1")
         self.window = window
         self.batch_size = batch_size
         self.passes = passes

@@ -21,6 +21,7 @@ from torch import nn
 
 from vt.shared.log import get_logger
 from vt.train.frozen_storage import store_frozen, weight_bytes
+from vt.shared.errors import UserError
 
 __all__ = ["FP8_STORAGE", "fp8_training_support", "check_fp8_training", "check_fp8_base", "store_base_fp8",
            "apply_fp8_training", "after_optimizer_step", "weight_bytes"]
@@ -52,17 +53,17 @@ def check_fp8_training(train, device: torch.device) -> None:
     if train.fp8_training == "none":
         return
     if train.mode != "full":
-        raise ValueError(f"train.fp8_training = {train.fp8_training!r} is for full fine-tuning; for LoRA use "
+        raise UserError(f"train.fp8_training = {train.fp8_training!r} is for full fine-tuning; for LoRA use "
                          "train.fp8_base_weights = true (or set train.mode = \"full\")")
     why = fp8_training_support(device)
     if why is not None:
-        raise ValueError(f"train.fp8_training = {train.fp8_training!r}: {why}. Set train.fp8_training = \"none\"")
+        raise UserError(f"train.fp8_training = {train.fp8_training!r}: {why}. Set train.fp8_training = \"none\"")
 
 
 def check_fp8_base(train) -> None:
     """fp8 base weights are for LoRA: full fine-tuning trains those weights (see train.fp8_training)."""
     if train.fp8_base_weights and train.mode != "lora":
-        raise ValueError("train.fp8_base_weights = true stores frozen weights in float8, but train.mode = \"full\" "
+        raise UserError("train.fp8_base_weights = true stores frozen weights in float8, but train.mode = \"full\" "
                          "trains them all; use train.fp8_training = \"rowwise\" (or \"tensorwise\") for full "
                          "fine-tuning, or set train.mode = \"lora\"")
 

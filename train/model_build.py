@@ -39,6 +39,7 @@ from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
+from vt.shared.errors import UserError
 
 __all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
 log = get_logger("vt.train.model")
@@ -70,7 +71,7 @@ def lora_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     if ".lora_A." in name:
         torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=keyed_generator("lora", seed, name))
     elif ".lora_magnitude_vector" in name:
-        raise ValueError(f"{name}: DoRA adapters are not supported; use plain LoRA")
+        raise UserError(f"{name}: DoRA adapters are not supported; use plain LoRA")
     return out
 
 
@@ -223,12 +224,12 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
             block = full()[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
         else:
             if tuple(weights.shape(checkpoint_key)) != tuple(tensor.shape):
-                raise ValueError(f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
+                raise UserError(f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
                                  f"model's {tuple(tensor.shape)}: the weights do not match the component's config")
             block = read(checkpoint_key, offsets, shape)
         local.copy_(block)
     if missing:
-        raise ValueError(f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
+        raise UserError(f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
                          "weights do not match the component's config")
     for scale, checkpoint_key in slots.values():
         scale.copy_(weights.scale(checkpoint_key))

@@ -2,9 +2,8 @@
 
 Randomness is keyed, never carried: the trainer draws each sample's sigma and noise from a generator
 seeded by (seed, step, index of the sample in the step) (`parallel/batching.py`), so a resumed run,
-any parallel layout and any accumulation setting draw exactly what one uninterrupted process draws.
-`step_generator` (seed, step, micro-step, data-parallel rank) feeds only the spec's own draws (the LTX
-first-frame noise).
+any parallel layout and any accumulation setting draw exactly what one uninterrupted process draws; the
+spec's own draws come from each sample's generator on a key of its own.
 """
 
 from __future__ import annotations
@@ -14,11 +13,7 @@ import math
 import torch
 
 from vt.shared.models.flow import Prediction
-from vt.shared.runtime import keyed_generator
-
-
-def step_generator(seed: int, step: int, micro: int = 0, rank: int = 0) -> torch.Generator:
-    return keyed_generator(seed, step, micro, rank)
+from vt.shared.errors import UserError
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
@@ -44,7 +39,7 @@ def sample_sigmas(n: int, scheme: str, shift: float, generator: torch.Generator,
         u = torch.rand(n, generator=generator)
         sigmas = 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
     else:
-        raise ValueError(f"unknown sigma sampling {scheme!r}; use logit_normal, uniform, mode or cosmap")
+        raise UserError(f"unknown sigma sampling {scheme!r}; use logit_normal, uniform, mode or cosmap")
     return shift_sigmas(sigmas, shift)
 
 
@@ -58,7 +53,7 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
         return sigmas ** -2.0
     if scheme == "cosmap":
         return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
-    raise ValueError(f"unknown loss weighting {scheme!r}; use none, sigma_sqrt or cosmap")
+    raise UserError(f"unknown loss weighting {scheme!r}; use none, sigma_sqrt or cosmap")
 
 
 def sample_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

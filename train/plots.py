@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from vt.train.trackers import read_metrics
+from vt.shared.errors import UserError
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 100  # -> an 800x450 PNG
@@ -28,10 +29,10 @@ def plot_loss(metrics_path: Path, out_png: Path, smooth: int = 0) -> Path:
 
     metrics_path, out_png = Path(metrics_path), Path(out_png)
     if smooth < 0:
-        raise ValueError(f"smooth must be >= 0 (0 picks a window), got {smooth}")
+        raise UserError(f"smooth must be >= 0 (0 picks a window), got {smooth}")
     by_step = {rec["step"]: rec for rec in read_metrics(metrics_path) if "loss" in rec}
     if not by_step:
-        raise ValueError(f"{metrics_path} has no 'loss' records to plot: log some training steps first")
+        raise UserError(f"{metrics_path} has no 'loss' records to plot: log some training steps first")
     records = [by_step[step] for step in sorted(by_step)]
     steps = np.array([rec["step"] for rec in records], dtype=float)
     loss = np.array([rec["loss"] for rec in records], dtype=float)

@@ -16,6 +16,7 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable
+from vt.shared.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 RESERVED_KEYS = ("step", "time")
@@ -32,10 +33,10 @@ class Tracker:
                  wandb: bool = False, tensorboard: bool = False, config: dict | None = None,
                  enabled: bool = True, clock: Callable[[], float] = time.monotonic):
         if every_steps < 0 or every_seconds < 0:
-            raise ValueError(f"log.every_steps ({every_steps}) and log.every_seconds ({every_seconds}) "
+            raise UserError(f"log.every_steps ({every_steps}) and log.every_seconds ({every_seconds}) "
                              "must not be negative")
         if every_steps == 0 and every_seconds == 0:
-            raise ValueError("log.every_steps and log.every_seconds are both 0, so nothing would ever be "
+            raise UserError("log.every_steps and log.every_seconds are both 0, so nothing would ever be "
                              "logged: set log.every_steps=1 (every step) or log.every_seconds > 0")
         self.run_dir = Path(run_dir)
         self.every_steps = every_steps
@@ -121,14 +122,14 @@ def read_metrics(path: Path) -> list[dict]:
         except json.JSONDecodeError as err:
             if number == len(lines):  # no newline after it: torn by a crash
                 break
-            raise ValueError(f"{path}:{number}: not a JSON line ({err}); fix or delete that line") from err
+            raise UserError(f"{path}:{number}: not a JSON line ({err}); fix or delete that line") from err
     return records
 
 
 def _scalar(name: str, value: Any) -> float | int:
     """Numbers (and 1-element tensors/arrays) -> a Python number; anything else is a caller bug."""
     if name in RESERVED_KEYS:
-        raise ValueError(f"metric name {name!r} is reserved for the record itself; rename the metric")
+        raise UserError(f"metric name {name!r} is reserved for the record itself; rename the metric")
     if isinstance(value, bool) or not isinstance(value, numbers.Number):
         if hasattr(value, "item"):
             value = value.item()

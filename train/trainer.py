@@ -8,8 +8,9 @@ schedule one sample per microbatch (`_pipeline_micro_step`, parallel/pp.py).
 Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
 DCP checkpoint, so a resumed run, at any world size with the same global batch, repeats the
 uninterrupted run's losses. Rank 0 alone writes metrics, window consumer state, exports and plots.
-A step reads nothing back to the host: losses and the gradient norm stay device tensors until a step is
-logged (every rank decides that alike, `_log_due`), which is also when a non-finite loss stops the run.
+A step reads one thing back to the host, whether its loss and gradient norm are finite (a non-finite one stops
+the run before the optimizer applies it); the metrics stay device tensors until a step is logged (every rank
+decides that alike, `_log_due`).
 """
 
 from __future__ import annotations
@@ -46,9 +47,9 @@ from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
 from vt.train.model_build import Dtypes, build_transformer
-from vt.train.objectives import joint_loss, loss_weights, step_generator
+from vt.train.objectives import joint_loss, loss_weights
 from vt.train.parallel import parallelize
-from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, take_slice
+from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, spec_generators, take_slice
 from vt.train.parallel.block_swap import BlockSwap
 from vt.train.parallel.dims import ParallelConfigError
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
@@ -62,6 +63,7 @@ from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator, validation_loads
 from vt.train.window_match import WindowMatch
+from vt.shared.errors import UserError
 
 __all__ = ["Trainer", "autocast_dtype"]
 log = get_logger("vt.train")
@@ -72,7 +74,7 @@ def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
         return None
     supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
     if setting == "bf16" and not supported and device.type != "cpu":
-        raise ValueError(f"train.mixed_precision = 'bf16' is not supported on {device}; use 'no'")
+        raise UserError(f"train.mixed_precision = 'bf16' is not supported on {device}; use 'no'")
     if setting == "bf16" or supported:
         return torch.bfloat16
     return None
@@ -108,27 +110,16 @@ class StepStats:
     started: float = field(default_factory=time.perf_counter)
 
 
-class LossWatch:
-    """The first non-finite loss of the run and its step, kept on the device so a step needs no host read.
-
-    `see` is called each step with the global loss (the same on every rank, summed over the data-parallel
-    and pipeline ranks), so `check`, one host read and no collective, raises on every rank together."""
-
-    def __init__(self, device: torch.device):
-        self._step = torch.full((), -1, dtype=torch.float64, device=device)  # -1: every loss finite so far
-        self._loss = torch.zeros((), dtype=torch.float64, device=device)
-
-    def see(self, step: int, loss: torch.Tensor) -> None:
-        """Remember `loss` of `step` (as numbered in metrics.jsonl) if it is the first non-finite one."""
-        first = (self._step < 0) & ~torch.isfinite(loss)
-        self._step = torch.where(first, float(step), self._step)
-        self._loss = torch.where(first, loss.to(self._loss.dtype), self._loss)
-
-    def check(self) -> None:
-        """Raise FloatingPointError if any loss seen so far was NaN or infinite."""
-        step, loss = torch.stack([self._step, self._loss]).tolist()
-        if step >= 0:
-            raise FloatingPointError(f"loss is {loss} at step {int(step)}; lower train.lr or check the data")
+def stop_if_not_finite(step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    """Raise FloatingPointError before the optimizer applies a step whose loss or gradient norm is NaN or infinite.
+    Both are global (summed and combined over every rank), so every rank raises together, with no collective: the
+    step's one host read (the CPU waits for the backward here, not for the optimizer or the next step's inputs)."""
+    loss_value, norm = torch.stack([loss.double(), grad_norm.to(loss.device, torch.float64)]).tolist()
+    if math.isfinite(loss_value) and math.isfinite(norm):
+        return
+    what = f"loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {norm} (loss {loss_value})"
+    raise FloatingPointError(f"{what} at step {step}, which the optimizer did not apply (the weights are step "
+                             f"{step - 1}'s, as in its checkpoint); lower train.lr or check the data")
 
 
 class Trainer:
@@ -157,11 +148,11 @@ class Trainer:
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
         if train.caption_dropout > 0 and self.spec.text_with_image:
-            raise ValueError(f"train.caption_dropout = {train.caption_dropout}: {self.spec.family}'s text encoder reads "
+            raise UserError(f"train.caption_dropout = {train.caption_dropout}: {self.spec.family}'s text encoder reads "
                              "each caption together with its clip's first frame, so the window's empty caption cannot "
                              "stand in for a sample's text; set train.caption_dropout = 0")
         if train.loss_weighting != "none" and config.model.diffusion_forcing:
-            raise ValueError(f"train.loss_weighting = {train.loss_weighting!r} weights each sample by its sigma, but "
+            raise UserError(f"train.loss_weighting = {train.loss_weighting!r} weights each sample by its sigma, but "
                              "model.diffusion_forcing draws one sigma per latent frame; set train.loss_weighting = "
                              "\"none\"")
         if self.is_main:
@@ -205,7 +196,6 @@ class Trainer:
                                    extra_parts=self._untrained_experts)
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
-        self.losses = LossWatch(self.world.comm_device)  # where the step's global loss is summed
         self._checkpointed = -1
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
@@ -236,13 +226,13 @@ class Trainer:
         if pp == 1:
             return
         if self.spec.pipeline_refusal:
-            raise ValueError(f"parallel.pp = {pp} with {self.spec.family}: {self.spec.pipeline_refusal}; set "
+            raise UserError(f"parallel.pp = {pp} with {self.spec.family}: {self.spec.pipeline_refusal}; set "
                              "parallel.pp = 1")
         if self.config.model.audio:
-            raise ValueError(f"parallel.pp = {pp} with model.audio: the audio stream's loss is not carried through "
+            raise UserError(f"parallel.pp = {pp} with model.audio: the audio stream's loss is not carried through "
                              "the pipeline stages; set parallel.pp = 1 to train sound")
         if self.spec.trained_experts:
-            raise ValueError(f"parallel.pp = {pp} with several experts in one run: each expert would need its own "
+            raise UserError(f"parallel.pp = {pp} with several experts in one run: each expert would need its own "
                              "pipeline; train one expert per run (model.expert) or set parallel.pp = 1")
 
     def _build_transformer(self, component: str, mode: str) -> torch.nn.Module:
@@ -410,9 +400,7 @@ class Trainer:
 
     def _log_step(self, metrics: dict, stats: StepStats) -> float:
         """The step's metrics plus rates since the last log (samples, transformer tokens) and peak memory;
-        returns its loss. Every rank calls it at the same steps (`_log_due`): it checks the losses since
-        the last log (a NaN stops every rank here) and gathers each rank's peak memory."""
-        self.losses.check()
+        returns its loss. Every rank calls it at the same steps (`_log_due`): it gathers each rank's peak memory."""
         values = host_values(metrics)  # the one read of the step's device tensors
         elapsed = max(time.perf_counter() - stats.started, 1e-9)
         values.update(samples_s=stats.samples / elapsed, tokens_s=stats.tokens / elapsed, data_wait_s=stats.data_wait)
@@ -425,9 +413,9 @@ class Trainer:
     def train_step(self, micro: list[Batch]) -> dict:
         """One optimizer step over `micro` (global micro-batches); returns global metrics.
 
-        loss, grad_norm (and audio_loss) are 0-d device tensors: nothing is read to the host here, so the
-        host queues the next step while the device still runs this one. `_log_step` reads them, and the
-        loss watch (`self.losses`) stops the run at the next logged step or checkpoint after a NaN loss."""
+        loss, grad_norm (and audio_loss) are 0-d device tensors that `_log_step` reads; here the host reads only
+        whether the loss and gradient norm are finite, before the optimizer applies the step (`stop_if_not_finite`),
+        and queues the optimizer and the next step while the device still runs them."""
         train, world = self.config.train, self.world
         total = sum(len(b) for b in micro)  # samples in this optimizer step, all ranks
         scale = world.dims.dp / total  # see parallel/batching.py: N ranks x B/N == 1 rank x B
@@ -441,11 +429,9 @@ class Trainer:
             parts.append(part)
             set_gradient_sync(self.transformer, index == len(micro) - 1)  # sync once, on the last micro-step
             if self.pipeline is not None:
-                loss_sum += self._pipeline_micro_step(part, index, scale)
+                loss_sum += self._pipeline_micro_step(part, scale)
                 continue
-            # The spec's own draws (i2v first-frame noise): reproducible per (seed, step, micro, dp rank).
-            generator = step_generator(train.seed, self.step, index, world.dp_rank)
-            for loss, audio_loss, count in self._route_losses(self.transformer, part, generator):
+            for loss, audio_loss, count in self._route_losses(self.transformer, part):
                 sample_losses = loss * count  # sum of these rows' per-sample losses
                 (sample_losses * scale).backward()
                 loss_sum += sample_losses.detach().double().to(loss_sum.device)
@@ -457,8 +443,8 @@ class Trainer:
             self.pipeline.sum_replicated_grads()
         summed = world.sum(summed) / total  # a device collective: the host does not wait for it
         loss = summed[0]
-        self.losses.see(self.step + 1, loss)  # checked when logged and before a checkpoint (LossWatch)
         grad_norm = clip_grad_norm(self.params, train.max_grad_norm, pipeline=self.pipeline)
+        stop_if_not_finite(self.step + 1, loss, grad_norm)
         lr = self.scheduler.get_last_lr()[0]  # the rate this step applies (the scheduler then moves on)
         self.optimizer.step()
         if train.fp8_training != "none":
@@ -475,10 +461,11 @@ class Trainer:
             metrics["audio_loss"] = summed[1]
         return metrics
 
-    def _route_losses(self, model: torch.nn.Module, part: Slice, generator: torch.Generator):
+    def _route_losses(self, model: torch.nn.Module, part: Slice):
         """(loss, audio loss or None, real rows) of each route of `part` (the one transformer, or each expert's
         rows), lazily: a caller's backward of one route runs before the next route's forward. Sigmas and noise
-        (and with model.audio the audio noise) come from each sample's key (parallel/batching.py)."""
+        (and with model.audio the audio noise, and the spec's own draws) come from each sample's key
+        (parallel/batching.py)."""
         train = self.config.train
         tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
         levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
@@ -487,6 +474,7 @@ class Trainer:
                                     logit_std=train.logit_std, mode_scale=train.mode_scale)
         if "audio_latents" in tensors:
             tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
+        generators = spec_generators(part, train.seed, self.step)
         models = expert_modules(model)
         for route in routes(self.spec, sigmas, part.count):
             rows = slice(None) if route.expert is None else route.rows
@@ -495,23 +483,23 @@ class Trainer:
                     (self.offload() if self.offload is not None else contextlib.nullcontext()):
                 out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
                                         sigmas[rows].to(self.device), noise[rows].to(self.device),
-                                        generator=generator)
+                                        generators=generators if route.expert is None
+                                        else [generators[row] for row in route.rows.tolist()])
             weights = loss_weights(sigmas[rows], train.loss_weighting)  # None: unweighted
             loss, audio_loss = joint_loss(out, self.config.model.audio_weight,
                                           None if weights is None else weights.to(self.device))
             yield loss, audio_loss, route.count
 
-    def _pipeline_micro_step(self, part: Slice, index: int, scale: float) -> torch.Tensor:
+    def _pipeline_micro_step(self, part: Slice, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's slice through the pipeline stages (parallel.pp > 1), one sample
         per microbatch; returns the sum of its per-sample losses on the last stage (0 on the others)."""
         train = self.config.train
         per_rank = -(-train.batch_size // self.world.dims.dp)  # fixed across steps: stand-ins pad a smaller one
         microbatches = one_sample_microbatches(part, max(per_rank, self.world.dims.pp))
-        generator = step_generator(train.seed, self.step, index, self.world.dp_rank)
         losses: dict[int, torch.Tensor] = {}
 
         def run(m: int, transformer: torch.nn.Module) -> torch.Tensor:
-            total = sum(loss * count for loss, _, count in self._route_losses(transformer, microbatches[m], generator))
+            total = sum(loss * count for loss, _, count in self._route_losses(transformer, microbatches[m]))
             losses[m] = total.detach().double()
             return total * scale
 
@@ -554,9 +542,7 @@ class Trainer:
                                         "keys": part.keys, "dp_rank": self.world.dp_rank, **coordinate}) + "\n")
 
     def checkpoint(self) -> Path:
-        """Save the step's state (every rank writes its part). A NaN or infinite loss since the last check
-        raises FloatingPointError here first, on every rank, so no checkpoint holds the weights after one."""
-        self.losses.check()
+        """Save the step's state (every rank writes its part)."""
         if self._checkpointed == self.step:  # the periodic checkpoint already holds this step
             return self.checkpointer.latest()
         self._checkpointed = self.step

@@ -29,6 +29,7 @@ from vt.shared.vae_tiling import can_tile, decide, free_device_memory, pass_peak
 from vt.shared.validation_inputs import decode_conditions, image_input, pair_input, prompt_input
 from vt.shared.video_io import load_image, read_fitted, write_video
 from vt.train.parallel.pp_validation import staged_inference
+from vt.shared.errors import UserError
 
 log = get_logger("vt.train.validation")
 
@@ -62,11 +63,11 @@ class Validator:
         self.last_images = [load_image(p) for p in config.train.validation_last_images]  # flf2v (config.py checks)
         task = config.model.task
         if self.prompts and task in ("i2v", "flf2v") and len(self.images) != len(self.prompts):
-            raise ValueError(f"model.task = {task!r} needs one train.validation_images entry per validation prompt "
+            raise UserError(f"model.task = {task!r} needs one train.validation_images entry per validation prompt "
                              f"({len(self.prompts)} prompts, {len(self.images)} images)")
         videos = config.train.validation_videos  # control videos (config.py checks who may set them)
         if self.prompts and spec.control_video and len(videos) != len(self.prompts):
-            raise ValueError(f"{spec.family} trains on a control video, so each validation prompt needs one: set "
+            raise UserError(f"{spec.family} trains on a control video, so each validation prompt needs one: set "
                              f"train.validation_videos, one video file per prompt ({len(self.prompts)} prompts, "
                              f"{len(videos)} videos)")
         # Fitted to the validation bucket as stage 1 fits a sample's control video, once.
@@ -206,7 +207,7 @@ def _read_control(path: str, bucket: Bucket, fps: float):
     try:
         return read_fitted(path, bucket, fps)
     except (OSError, ValueError) as err:
-        raise ValueError(f"train.validation_videos: cannot use {path!r} ({err}); give video files both stages can "
+        raise UserError(f"train.validation_videos: cannot use {path!r} ({err}); give video files both stages can "
                          "read") from err
 
 

@@ -20,6 +20,7 @@ import torch
 
 from vt.shared.buckets import Bucket
 from vt.shared.chain import load_user_class, resolve_chain
+from vt.shared.errors import UserError
 
 from ..sources import RawSample
 from .caption import Caption
@@ -60,7 +61,7 @@ class Chain:
         if raw.error and not (raw.error == "missing_caption" and raw.meta is not None and self._reads_json()):
             raise SampleError(raw.error, raw.detail or f"sample {raw.key!r} in {raw.shard}")
         if not buckets:
-            raise ValueError("no buckets given; set buckets.sizes, e.g. ['9x64x96']")
+            raise UserError("no buckets given; set buckets.sizes, e.g. ['9x64x96']")
         key = raw.sample_id
         with ExitStack() as opened:
             with _step("decode", key, policy):  # opening probes the clip (and its control video): decode's work
@@ -80,7 +81,7 @@ class Chain:
 def _unique(samples: list[Sample]) -> list[Sample]:
     keys = [s.key for s in samples]
     if len(set(keys)) != len(keys):
-        raise ValueError(f"the processor chain made samples with the same key {sorted(keys)}; a processor that "
+        raise UserError(f"the processor chain made samples with the same key {sorted(keys)}; a processor that "
                          "yields several samples must give each its own key (Sample.derive)")
     return samples
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from vt.shared.buckets import choose_bucket
 from vt.shared.chain import SampleFramesOptions
+from vt.shared.errors import UserError
 
 from .decode import VideoInfo
 from .errors import SampleError
@@ -28,7 +29,7 @@ _EPS = 1e-6  # float slack, far below any frame interval
 
 def _check_rate(fps: float) -> None:
     if not fps > 0:
-        raise ValueError(f"sampling fps must be > 0, got {fps!r}; set buckets.fps, e.g. 8.0")
+        raise UserError(f"sampling fps must be > 0, got {fps!r}; set buckets.fps, e.g. 8.0")
 
 
 def usable_frames(info: VideoInfo, fps: float) -> int:

@@ -44,6 +44,7 @@ from vt.shared.buckets import Bucket
 from vt.shared.models.flow import Prediction, input_dtype
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 
 class CogVideoXSpec(ModelSpec):
@@ -78,7 +79,7 @@ class CogVideoXSpec(ModelSpec):
         if transformer.get("in_channels") != vae["latent_channels"] * (2 if i2v else 1):
             found = f"the {self.family} transformer at {self.source('transformer')[0]!r} takes " \
                     f"{transformer.get('in_channels')} input channels for {vae['latent_channels']} latent channels"
-            raise ValueError(f"{found}, but model.task = \"i2v\" needs an image-to-video transformer (twice as many, "
+            raise UserError(f"{found}, but model.task = \"i2v\" needs an image-to-video transformer (twice as many, "
                              f"e.g. THUDM/CogVideoX-5b-I2V)" if i2v else
                              f"{found}: an image-to-video transformer? Set model.task = \"i2v\", or use a t2v "
                              f"checkpoint (e.g. {self.example_hub_id})")
@@ -96,7 +97,7 @@ class CogVideoXSpec(ModelSpec):
         if positional and self.max_text_tokens != expected:
             given = (f"model.max_text_tokens = {self.max_text_tokens}" if self.config.max_text_tokens
                      else f"model.max_text_tokens unset ({self.max_text_tokens}, the pipeline's default)")
-            raise ValueError(f"{given} does not fit this {self.family} transformer: its sincos positional embedding "
+            raise UserError(f"{given} does not fit this {self.family} transformer: its sincos positional embedding "
                              f"covers exactly max_text_seq_length = {expected} text tokens. Set "
                              f"model.max_text_tokens = {expected}")
 
@@ -106,13 +107,13 @@ class CogVideoXSpec(ModelSpec):
         if config.get("use_learned_positional_embeddings"):  # the transformer raises on any other size
             size = (config.get("sample_height", 60) * spatial, config.get("sample_width", 90) * spatial)
             if (bucket.height, bucket.width) != size:
-                raise ValueError(f"bucket {bucket.name}: this {self.family} transformer's learned positional embedding "
+                raise UserError(f"bucket {bucket.name}: this {self.family} transformer's learned positional embedding "
                                  f"covers exactly {size[0]}x{size[1]} pixels (CogVideoX-5b-I2V); change buckets.sizes "
                                  f"to {bucket.frames}x{size[0]}x{size[1]}")
         p_t, temporal = self._patch_t, self.geometry.temporal
         if p_t > 1 and ((bucket.frames - 1) // temporal + 1) % p_t:
             first = temporal * (p_t - 1) + 1
-            raise ValueError(
+            raise UserError(
                 f"bucket {bucket.name}: this {self.family} transformer folds {p_t} latent frames into a token "
                 f"(patch_size_t), so frames must be {temporal * p_t}k+{first} (e.g. {first + temporal * p_t} or "
                 f"{first + 10 * temporal * p_t}); change buckets.sizes"
@@ -157,7 +158,7 @@ class CogVideoXSpec(ModelSpec):
         scheduler = self.load_scheduler()
         prediction = scheduler.config.get("prediction_type")
         if prediction != "v_prediction" or not hasattr(scheduler, "alphas_cumprod"):
-            raise ValueError(f"{self.family} trains v-prediction on a DDPM schedule, but the scheduler of "
+            raise UserError(f"{self.family} trains v-prediction on a DDPM schedule, but the scheduler of "
                              f"{self.source('scheduler')[0]!r} is {type(scheduler).__name__} with prediction_type "
                              f"{prediction!r}; use the checkpoint's CogVideoXDDIMScheduler / CogVideoXDPMScheduler "
                              f"(model.components.scheduler)")
@@ -169,7 +170,7 @@ class CogVideoXSpec(ModelSpec):
         return (sigmas.detach().float() * steps).floor().clamp(0, steps - 1).long()  # float32, as sigma * 1000 reads
 
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """v-prediction on (B, C, F, H, W) latents; the transformer sees them as (B, F, C, H, W)."""
         x0 = batch["latents"].float()
         noise = noise.to(x0)

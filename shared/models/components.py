@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from vt.shared.errors import UserError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class ModelLoadError(OSError):
+class ModelLoadError(UserError, OSError):
     """A component (or its config) could not be loaded; the message names it, where from, and the fix."""
 
 
@@ -69,7 +70,7 @@ class ComponentLoader:
         if not is_single_file(override):
             return None
         if not name.startswith("transformer"):
-            raise ValueError(f"model.components.{name} = {override!r}: vt reads a single .safetensors file only for a "
+            raise UserError(f"model.components.{name} = {override!r}: vt reads a single .safetensors file only for a "
                              f"transformer; point model.components.{name} at a folder or hub id holding the {name}")
         return override
 
@@ -138,7 +139,7 @@ class ComponentLoader:
             from transformers import AutoTokenizer
 
             return AutoTokenizer
-        raise ValueError(f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}")
+        raise UserError(f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}")
 
     def load_component(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Any:
         """A frozen component by name: modules in `dtype` (default `model.dtype`), eval mode, loaded straight
@@ -219,7 +220,7 @@ class ComponentLoader:
         config = self.load_config("scheduler")
         cls = getattr(diffusers, config.get("_class_name", ""), None)
         if cls is None:
-            raise ValueError(f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
+            raise UserError(f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
                              f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler")
         return cls.from_config(config)
 

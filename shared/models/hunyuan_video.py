@@ -58,6 +58,7 @@ from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, 
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 # The template for a tokenizer that lacks the Llama-3 chat header tokens: the bare caption, nothing cropped.
 BARE_TEMPLATE: dict[str, Any] = {"template": "{}", "crop_start": 0}
@@ -118,7 +119,7 @@ class HunyuanVideoSpec(ModelSpec):
         vae = self.load_config("vae")
         transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
-            raise ValueError(f"HunyuanVideo transformers with patch_size_t {transformer['patch_size_t']} are not "
+            raise UserError(f"HunyuanVideo transformers with patch_size_t {transformer['patch_size_t']} are not "
                              "supported; expected 1")
         self._check_task_fits(transformer, vae["latent_channels"])
         return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
@@ -132,12 +133,12 @@ class HunyuanVideoSpec(ModelSpec):
         where = self.source("transformer")[0]
         if self.config.task != "i2v":
             if kind is not None:
-                raise ValueError(f"the transformer at {where!r} is an image-to-video one (image_condition_type "
+                raise UserError(f"the transformer at {where!r} is an image-to-video one (image_condition_type "
                                  f"{kind!r}): set model.task = \"i2v\"")
             return
         expected = {"latent_concat": 2 * channels + 1, "token_replace": channels}
         if kind not in expected or found != expected[kind]:
-            raise ValueError(
+            raise UserError(
                 f"model.task = \"i2v\" needs a HunyuanVideo image-to-video transformer (image_condition_type "
                 f"\"token_replace\" with {channels} input channels, hunyuanvideo-community/HunyuanVideo-I2V, or "
                 f"\"latent_concat\" with {2 * channels + 1}, hunyuanvideo-community/HunyuanVideo-I2V-33ch); the one "
@@ -168,7 +169,7 @@ class HunyuanVideoSpec(ModelSpec):
         vocab = {**tokenizer.get_vocab(), **getattr(tokenizer, "added_tokens_encoder", {})}
         missing = [token for token in LLAVA_CHAT_TOKENS[:3] if token not in vocab]
         if missing:
-            raise ValueError(f"HunyuanVideo I2V's prompt crop needs the Llava tokenizer's Llama-3 chat tokens; the "
+            raise UserError(f"HunyuanVideo I2V's prompt crop needs the Llava tokenizer's Llama-3 chat tokens; the "
                              f"tokenizer at {self.source('tokenizer')[0]!r} lacks {missing}: use the checkpoint's")
         vision = config.vision_config
         length = (vision.image_size // vision.patch_size) ** 2 + (config.vision_feature_select_strategy == "full")
@@ -176,7 +177,7 @@ class HunyuanVideoSpec(ModelSpec):
             return DEFAULT_PROMPT_TEMPLATE
         prefix = tokenizer(DEFAULT_PROMPT_TEMPLATE["template"].split("{}")[0]).input_ids
         if config.image_token_index not in prefix:
-            raise ValueError(f"the tokenizer at {self.source('tokenizer')[0]!r} does not make `<image>` the text "
+            raise UserError(f"the tokenizer at {self.source('tokenizer')[0]!r} does not make `<image>` the text "
                              f"encoder's image token ({config.image_token_index}); use the checkpoint's tokenizer")
         start = prefix.index(config.image_token_index)
         return {**DEFAULT_PROMPT_TEMPLATE, "crop_start": len(prefix), "image_emb_start": start,
@@ -254,7 +255,7 @@ class HunyuanVideoSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
         guidance = None

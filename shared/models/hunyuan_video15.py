@@ -54,6 +54,7 @@ from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, 
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
 PROMPT_TEMPLATE_TOKENS = 108  # HunyuanVideo15Pipeline.prompt_template_encode_start_idx: tokens cropped
@@ -143,14 +144,14 @@ class HunyuanVideo15Spec(ModelSpec):
         vae = self.load_config("vae")
         transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
-            raise ValueError(f"HunyuanVideo 1.5 transformers with patch_size_t {transformer['patch_size_t']} are not "
+            raise UserError(f"HunyuanVideo 1.5 transformers with patch_size_t {transformer['patch_size_t']} are not "
                              "supported; expected 1")
         if transformer.get("use_meanflow"):
-            raise ValueError("this HunyuanVideo 1.5 transformer is a step-distilled (meanflow) one (use_meanflow): it "
+            raise UserError("this HunyuanVideo 1.5 transformer is a step-distilled (meanflow) one (use_meanflow): it "
                              "is trained on pairs of timesteps, which vt does not do; use the 480p/720p i2v or t2v "
                              "checkpoints (e.g. hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v)")
         if transformer.get("in_channels") != 2 * vae["latent_channels"] + 1:
-            raise ValueError(f"the HunyuanVideo 1.5 transformer takes {transformer.get('in_channels')} channels, "
+            raise UserError(f"the HunyuanVideo 1.5 transformer takes {transformer.get('in_channels')} channels, "
                              f"expected 2 x {vae['latent_channels']} latent channels + 1 mask: check model.components")
         return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
                            spatial=vae.get("spatial_compression_ratio", 16),
@@ -223,7 +224,7 @@ class HunyuanVideo15Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """The pipeline's text-to-video call, less the tokens its masks drop: the transformer moves masked
         tokens to the end of the joint sequence and masks them, so the 729 zero image tokens and the text
         padding past the batch's longest caption change no output (tests/shared/test_hunyuan_video15.py)
@@ -410,7 +411,7 @@ def load_lora(pipeline, path, adapter_name: str | None = None) -> None:
                                                  _fused_table(reverse=True),
                                                  out_features=lambda name: transformer.get_submodule(name).out_features)
         except ValueError as err:
-            raise ValueError(f"{path.name}: {err}: not a LoRA weight of a HunyuanVideo 1.5 module vt knows "
+            raise UserError(f"{path.name}: {err}: not a LoRA weight of a HunyuanVideo 1.5 module vt knows "
                              "(double_blocks.N.img_attn_qkv or img_attn_q/k/v ... txt_mlp.fc2)") from err
         transformer.load_lora_adapter({f"transformer.{key}": value for key, value in renamed.items()},
                                       prefix="transformer", adapter_name=adapter_name)

@@ -51,6 +51,7 @@ from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, 
 from vt.shared.models.lora import lora_weight_name
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 PROMPT_TEMPLATE_TOKENS = 128  # Kandinsky5T2VPipeline.prompt_template_encode_start_idx: template tokens cropped
 PIPELINE_TEXT_LIMIT = 1024  # the pipeline's check_inputs limit (the text RoPE table has 1024 positions)
@@ -93,7 +94,7 @@ class Kandinsky5Spec(ModelSpec):
     def __init__(self, config: ModelConfig, frame_rate: float):
         super().__init__(config, frame_rate)
         if self.max_text_tokens > PIPELINE_TEXT_LIMIT:
-            raise ValueError(f"model.max_text_tokens = {self.max_text_tokens}, but {self.pipeline_class().__name__} "
+            raise UserError(f"model.max_text_tokens = {self.max_text_tokens}, but {self.pipeline_class().__name__} "
                              f"takes at most {PIPELINE_TEXT_LIMIT} text tokens (its text RoPE table); set it to "
                              f"{PIPELINE_TEXT_LIMIT} or less, or unset it (512, the pipeline's default)")
 
@@ -101,9 +102,9 @@ class Kandinsky5Spec(ModelSpec):
         vae, transformer = self.load_config("vae"), self.load_config("transformer")
         patch = tuple(transformer.get("patch_size", (1, 2, 2)))
         if patch != (1, 2, 2):  # the pipelines' RoPE positions divide the latent sides by 2, frames by 1
-            raise ValueError(f"Kandinsky 5 transformers with patch_size {patch} are not supported; expected (1, 2, 2)")
+            raise UserError(f"Kandinsky 5 transformers with patch_size {patch} are not supported; expected (1, 2, 2)")
         if transformer.get("in_visual_dim") != vae["latent_channels"]:
-            raise ValueError(f"the Kandinsky 5 transformer takes {transformer.get('in_visual_dim')} latent channels, "
+            raise UserError(f"the Kandinsky 5 transformer takes {transformer.get('in_visual_dim')} latent channels, "
                              f"the VAE makes {vae['latent_channels']}: check model.components")
         return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
                            spatial=vae.get("spatial_compression_ratio", 8), channels=vae["latent_channels"], patch=2)
@@ -121,7 +122,7 @@ class Kandinsky5Spec(ModelSpec):
         unit = self.geometry.spatial * self.geometry.patch * NABLA_GROUP
         for side, value in (("height", bucket.height), ("width", bucket.width)):
             if value % unit:
-                raise ValueError(f"bucket {bucket.name}: this {self.family} transformer uses NABLA sparse attention "
+                raise UserError(f"bucket {bucket.name}: this {self.family} transformer uses NABLA sparse attention "
                                  f"(attention_type \"nabla\"), which groups 8 x 8 tokens: {side} must be a multiple of "
                                  f"{unit}; change buckets.sizes (e.g. {max(unit, value // unit * unit)})")
 
@@ -180,7 +181,7 @@ class Kandinsky5Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """The pipeline's transformer call for one prompt, once per sample with its own text rows, stacked
         back as (B, C, F, H, W). One call per sample, not per caption length: each sample's prediction then
         is the same computation in every data-parallel slicing (the attention rounds q and k to bfloat16,
@@ -236,7 +237,7 @@ class Kandinsky5Spec(ModelSpec):
         backends = {getattr(m.processor, "_attention_backend", None) for m in transformer.modules()
                     if hasattr(m, "to_query") and hasattr(m, "processor")}
         if {getattr(b, "value", b) for b in backends} != {"flex"}:
-            raise ValueError(f"this {self.family} transformer uses NABLA sparse attention (attention_type \"nabla\"), "
+            raise UserError(f"this {self.family} transformer uses NABLA sparse attention (attention_type \"nabla\"), "
                              "whose block mask only FlexAttention runs: set train.attention_backend = \"flex\" (and "
                              "train.validation_attention_backend, if set) and parallel.compile = true on a CUDA GPU")
         rules = SimpleNamespace(transformer=transformer, fast_sta_nabla=self._rules.fast_sta_nabla)
@@ -321,7 +322,7 @@ def caption_lengths(mask: Tensor) -> list[int]:
     lengths = ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
     empty = [row for row, length in enumerate(lengths) if length == 0]
     if empty:
-        raise ValueError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
+        raise UserError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
                          "at least the template's closing token per caption; re-run stage 1 for these shards")
     return lengths
 

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from vt.shared.models import comfy
+from vt.shared.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ def check_finite(tensors: dict[str, Tensor], step: int | None) -> None:
         if not torch.isfinite(tensor).all():
             kind = "NaN" if torch.isnan(tensor).any() else "inf"
             at = f" at step {step}" if step is not None else ""
-            raise ValueError(f"LoRA tensor {name} holds {kind} values{at}: the run diverged, so the LoRA is not "
+            raise UserError(f"LoRA tensor {name} holds {kind} values{at}: the run diverged, so the LoRA is not "
                              "written (it would render black or noise). Resume from an earlier checkpoint with a "
                              "lower train.lr or train.max_grad_norm set")
 
@@ -76,7 +77,7 @@ class LoraMixin:
         reached = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
                           if "lora_" in n and audio.search(n)})
         if reached:
-            raise ValueError(f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
+            raise UserError(f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
                              f"{self.family} trains only with model.audio = true; set it to train the sound, or name "
                              f"other modules (suffixes such as {self.default_lora_targets[0]!r}), or leave "
                              "train.lora_targets unset")
@@ -87,7 +88,7 @@ class LoraMixin:
         from peft import LoraConfig
 
         if rank < 1:
-            raise ValueError(f"train.lora_rank must be >= 1, got {rank}")
+            raise UserError(f"train.lora_rank must be >= 1, got {rank}")
         targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
         excluded = self.lora_exclusions(transformer)
         transformer.requires_grad_(False)
@@ -130,7 +131,7 @@ class LoraMixin:
         """
         metadata = lora_config or self._lora_metadata
         if metadata is None:
-            raise ValueError("save_lora needs the LoRA rank and alpha: call add_lora on this spec first "
+            raise UserError("save_lora needs the LoRA rank and alpha: call add_lora on this spec first "
                              "or pass lora_config={'r': ..., 'lora_alpha': ..., 'target_modules': [...]}")
         if not lora_state_dict or not all(".lora_" in k for k in lora_state_dict):
             raise ValueError("lora_state_dict must be peft's get_peft_model_state_dict(transformer): "

@@ -69,6 +69,7 @@ from vt.shared.models.mel import log_mel
 from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
 from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
+from vt.shared.errors import UserError
 
 # The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
 # preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
@@ -124,7 +125,7 @@ class LTX2Spec(ModelSpec):
             except (OSError, ValueError) as err:
                 raise self.load_error("vocoder", path, err) from err
             if name.get("_class_name") not in VOCODERS:
-                raise ValueError(f"the vocoder at {path!r} is a {name.get('_class_name')!r}; ltx-2 loads "
+                raise UserError(f"the vocoder at {path!r} is a {name.get('_class_name')!r}; ltx-2 loads "
                                  f"{' or '.join(VOCODERS)}. Set model.components.vocoder to an LTX-2 vocoder")
             self._vocoder = load_class(VOCODERS[name["_class_name"]])
         classes["vocoder"] = self._vocoder
@@ -141,7 +142,7 @@ class LTX2Spec(ModelSpec):
         vae = self._vae_without_weights()
         transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
-            raise ValueError(f"LTX-2 transformers with patch_size_t {transformer['patch_size_t']} are not supported; "
+            raise UserError(f"LTX-2 transformers with patch_size_t {transformer['patch_size_t']} are not supported; "
                              "expected 1")
         if self.config.task == "i2v":
             self._check_image_latent(vae.config)
@@ -153,7 +154,7 @@ class LTX2Spec(ModelSpec):
         (the first frame encoded alone) and scaling factor 1 (the pipeline normalises the image without it)."""
         where = self.source("vae")[0]
         if not vae.encoder_causal or vae.scaling_factor != 1.0:
-            raise ValueError(f"model.task = \"i2v\" on ltx-2 needs a causal video VAE encoder with scaling_factor 1 "
+            raise UserError(f"model.task = \"i2v\" on ltx-2 needs a causal video VAE encoder with scaling_factor 1 "
                              f"(as Lightricks/LTX-2's): the VAE at {where!r} has encoder_causal {vae.encoder_causal}, "
                              f"scaling_factor {vae.scaling_factor}")
 
@@ -240,7 +241,7 @@ class LTX2Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """Flow matching on the packed video tokens; video-only: audio cross-attention off; model.audio: the
         audio tokens noised with the same sigma and their terms in `Prediction.audio`; i2v: the first latent
         frame clean, at timestep 0 and out of the loss (see the module docstring)."""
@@ -294,7 +295,7 @@ class LTX2Spec(ModelSpec):
         from diffusers import LTX2Pipeline
 
         if "audio_noise" not in batch:
-            raise ValueError("model.audio: the batch has audio_latents but no audio_noise; the trainer draws it "
+            raise UserError("model.audio: the batch has audio_latents but no audio_noise; the trainer draws it "
                              "(train/parallel/batching.py draw_audio_noise)")
         x0 = batch["audio_latents"].float().to(mask.device)
         noise = batch["audio_noise"].to(x0)

@@ -20,6 +20,7 @@ from torch import Tensor
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 
 class LTXVideoSpec(ModelSpec):
@@ -43,7 +44,7 @@ class LTXVideoSpec(ModelSpec):
         vae = self._vae_without_weights()
         transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
-            raise ValueError("LTX transformers with patch_size_t > 1 are not supported")
+            raise UserError("LTX transformers with patch_size_t > 1 are not supported")
         return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
                            channels=vae.config.latent_channels, patch=transformer.get("patch_size", 1))
 
@@ -81,7 +82,7 @@ class LTXVideoSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """Flow matching on (B, C, F, H, W) latents; the prediction is unpacked back to that layout."""
         from diffusers import LTXPipeline
 
@@ -93,7 +94,7 @@ class LTXVideoSpec(ModelSpec):
         grid = (frames, height // g.patch, width // g.patch)
         if self.config.task == "i2v":
             # Per latent frame sigmas: frame 0 gets its own, fed to the transformer per token.
-            x0, frame_sigmas, weight = self._condition_first_frame(batch, x0, sigmas, generator)
+            x0, frame_sigmas, weight = self._condition_first_frame(batch, x0, sigmas, generators)
             noisy = flow_match_noisy(x0, noise, frame_sigmas[:, None, :, None, None])
             timestep = frame_sigmas[:, :, None].expand(-1, -1, grid[1] * grid[2]).flatten(1)  # frame-major tokens
         else:
@@ -112,11 +113,12 @@ class LTXVideoSpec(ModelSpec):
         prediction = LTXPipeline._unpack_latents(out, *grid, g.patch, 1)
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
 
-    def _condition_first_frame(self, batch, x0, sigmas, generator):
+    def _condition_first_frame(self, batch, x0, sigmas, generators):
         """Frame 0 becomes the conditioning latent, with its own sigma and zero loss weight.
 
-        Its sigma is drawn from [0, first_frame_noise] and never exceeds the sample's own sigma:
-        the conditioning frame is never noisier than the frames it conditions.
+        Its sigma is drawn from [0, first_frame_noise] (from each sample's own generator, so every layout
+        draws the same) and never exceeds the sample's own sigma: the conditioning frame is never noisier
+        than the frames it conditions.
         """
         if "first_frame_latents" not in batch:
             raise KeyError("task i2v needs batch['first_frame_latents']; precompute the shards with model.task = \"i2v\"")
@@ -124,8 +126,8 @@ class LTXVideoSpec(ModelSpec):
         batch_size, frames = x0.shape[0], x0.shape[2]
         first_sigma = torch.zeros_like(sigmas)
         if self.config.first_frame_noise > 0:
-            device = generator.device if generator is not None else "cpu"
-            draw = torch.rand(batch_size, generator=generator, device=device)
+            draw = (torch.stack([torch.rand((), generator=g) for g in generators]) if generators is not None
+                    else torch.rand(batch_size))
             first_sigma = torch.minimum(draw.to(sigmas) * self.config.first_frame_noise, sigmas)
         frame_sigmas = sigmas[:, None].repeat(1, frames)
         frame_sigmas[:, 0] = first_sigma

@@ -41,6 +41,7 @@ from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
+from vt.shared.errors import UserError
 
 # The audio stream's own parameters: without `model.audio` no gradient reaches them.
 AUDIO_PARAMETERS = re.compile(r"(^|\.)audio_proj_(in|out)\b")
@@ -119,7 +120,7 @@ class MiniMaxH3Spec(ModelSpec):
         super().__init__(config, frame_rate)
         fps = _pipeline_constants().MINIMAX_H3_FPS
         if config.audio and frame_rate != fps:
-            raise ValueError(f"model.audio with {self.family} needs buckets.fps = {fps}: its audio and video rows share "
+            raise UserError(f"model.audio with {self.family} needs buckets.fps = {fps}: its audio and video rows share "
                              f"one rotary clock at {fps} fps (40 audio latents per second), got {frame_rate:g}")
 
     # ----------------------------------------------------------------------------- geometry
@@ -127,7 +128,7 @@ class MiniMaxH3Spec(ModelSpec):
         vae = self._vae_without_weights()
         patch = tuple(self.load_config("transformer").get("patch_size", (1, 2, 2)))
         if patch[0] != 1 or patch[1] != patch[2]:
-            raise ValueError(f"MiniMax H3 transformers with patch_size {patch} are not supported; expected (1, p, p)")
+            raise UserError(f"MiniMax H3 transformers with patch_size {patch} are not supported; expected (1, p, p)")
         self._chunk = (vae.config.clip_length, vae.tokens_chunk_size)
         return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
                            channels=vae.config.latent_channels, patch=patch[1])
@@ -141,13 +142,13 @@ class MiniMaxH3Spec(ModelSpec):
     def check_bucket(self, bucket: Bucket) -> None:
         chunk, kept = self.frame_chunk
         if bucket.frames % chunk != kept:
-            raise ValueError(f"bucket {bucket.name}: {self.family} frames must be {chunk}k+{kept} (e.g. {kept} or "
+            raise UserError(f"bucket {bucket.name}: {self.family} frames must be {chunk}k+{kept} (e.g. {kept} or "
                              f"{chunk + kept}; the pipeline generates 5 to 15 s at 24 fps, e.g. 124); change "
                              "buckets.sizes")
         pixels = self.geometry.spatial * self.geometry.patch
         for side, value in (("height", bucket.height), ("width", bucket.width)):
             if value % pixels:
-                raise ValueError(f"bucket {bucket.name}: {self.family} {side} must be a multiple of {pixels}; change "
+                raise UserError(f"bucket {bucket.name}: {self.family} {side} must be a multiple of {pixels}; change "
                                  f"buckets.sizes (e.g. {max(pixels, value // pixels * pixels)})")
 
     def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
@@ -233,7 +234,7 @@ class MiniMaxH3Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """One transformer call per sample over its packed sequence (module docstring); both streams at the sample's
         sigma, targets x0 - noise (the data-ward velocity)."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents

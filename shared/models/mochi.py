@@ -36,6 +36,7 @@ from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 # What MochiPipeline hard-codes (vae_temporal_scale_factor, vae_spatial_scale_factor): a VAE with other
 # ratios would train on latents the pipeline cannot sample.
@@ -78,7 +79,7 @@ class MochiSpec(ModelSpec):
         temporal = int(torch.tensor(vae.get("temporal_expansions", (1, 2, 3))).prod())
         spatial = int(torch.tensor(vae.get("spatial_expansions", (2, 2, 2))).prod())
         if (temporal, spatial) != (PIPELINE_TEMPORAL, PIPELINE_SPATIAL):
-            raise ValueError(f"the {self.family} VAE at {self.source('vae')[0]!r} compresses x{temporal} in time and "
+            raise UserError(f"the {self.family} VAE at {self.source('vae')[0]!r} compresses x{temporal} in time and "
                              f"x{spatial} in space, but MochiPipeline assumes x{PIPELINE_TEMPORAL} and "
                              f"x{PIPELINE_SPATIAL}; use Mochi's own VAE (e.g. {self.example_hub_id})")
         return VaeGeometry(temporal=temporal, spatial=spatial, channels=vae.get("latent_channels", 12),
@@ -109,7 +110,7 @@ class MochiSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """Timestep (1 - sigma) * 1000 and target x0 - noise: Mochi's inverted flow time (module docstring)."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
@@ -147,7 +148,7 @@ class MochiSpec(ModelSpec):
         """As the base class; MochiPipeline's sigma schedule (`linear_quadratic_schedule`) divides by
         zero below 2 steps, so fewer are refused here with the key to set."""
         if steps < 2:
-            raise ValueError(f"MochiPipeline samples with at least 2 steps, got {steps}; "
+            raise UserError(f"MochiPipeline samples with at least 2 steps, got {steps}; "
                              "set train.validation_steps >= 2")
         return super().pipeline_inputs(prompt, bucket, steps, seed, image)
 

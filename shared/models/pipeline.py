@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
 from vt.shared.video_io import Sound
+from vt.shared.errors import UserError
 
 
 def to_pil_image(image):
@@ -218,19 +219,19 @@ class PipelineMixin:
             tasks, noun, frame, key, shown, wanted, purpose = IMAGE_ARGUMENTS[name]
             if task in tasks:
                 if value is None:
-                    raise ValueError(f"{self.family} {task} generation needs {noun} (PIL or (H, W, 3) uint8) for the "
+                    raise UserError(f"{self.family} {task} generation needs {noun} (PIL or (H, W, 3) uint8) for the "
                                      f"{frame}; set {key}, one per validation prompt")
                 kwargs[name] = to_pil_image(value)
             elif value is not None:
-                raise ValueError(f"{self.family} with task {task!r} takes no {shown}; use model.task = \"{wanted}\" "
+                raise UserError(f"{self.family} with task {task!r} takes no {shown}; use model.task = \"{wanted}\" "
                                  f"for {purpose}")
         if self.control_video:
             if control is None:
-                raise ValueError(f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
+                raise UserError(f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
                                  "train.validation_videos, one per validation prompt")
             kwargs.update(self.control_video.pipeline_inputs(_check_control(control, bucket)))
         elif control is not None:
-            raise ValueError(f"{self.family} takes no control video; pick a family that trains on one "
+            raise UserError(f"{self.family} takes no control video; pick a family that trains on one "
                              "(docs/families.md)")
         return kwargs
 

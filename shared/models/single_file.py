@@ -36,6 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
+from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.models.weights import Weights
 
@@ -50,7 +51,7 @@ FP8_MAX = 448.0  # float8 e4m3fn's largest value: a new per-tensor scale is amax
 _HUB_FILE = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)/(.+\.safetensors)$")
 
 
-class SingleFileError(ValueError):
+class SingleFileError(UserError):
     """A single-file checkpoint vt cannot read as the model; the message names the key and what to do."""
 
 

@@ -35,6 +35,7 @@ from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_no
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.wan import WanSpec, _latent_stats
+from vt.shared.errors import UserError
 
 DF_PIPELINES = {"t2v": "diffusers:SkyReelsV2DiffusionForcingPipeline",
                 "i2v": "diffusers:SkyReelsV2DiffusionForcingImageToVideoPipeline"}
@@ -87,14 +88,14 @@ class SkyReelsV2Spec(WanSpec):
         where = self.source("transformer")[0]
         if not self.forcing:
             if transformer.get("inject_sample_info"):
-                raise ValueError(f"the transformer at {where!r} embeds the frame rate (inject_sample_info, a "
+                raise UserError(f"the transformer at {where!r} embeds the frame rate (inject_sample_info, a "
                                  "SkyReels-V2-DF checkpoint), which only the diffusion-forcing pipelines feed: set "
                                  "model.diffusion_forcing = true")
             super()._check_task_fits(transformer, g)
             return
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim")}
         if found["in_channels"] != g.channels or found["image_dim"]:
-            raise ValueError(f"model.diffusion_forcing = true needs a text-to-video SkyReels V2 transformer "
+            raise UserError(f"model.diffusion_forcing = true needs a text-to-video SkyReels V2 transformer "
                              f"(in_channels {g.channels}, no image_dim; e.g. Skywork/SkyReels-V2-DF-1.3B-540P-"
                              f"Diffusers), for i2v too; the one at {where!r} has {found}")
 
@@ -104,7 +105,7 @@ class SkyReelsV2Spec(WanSpec):
         super().check_bucket(bucket)
         frames = (bucket.frames - 1) // self.geometry.temporal + 1
         if self.forcing and frames % self.causal_block:
-            raise ValueError(f"bucket {bucket.name}: {frames} latent frames do not make whole causal blocks of "
+            raise UserError(f"bucket {bucket.name}: {frames} latent frames do not make whole causal blocks of "
                              f"{self.causal_block} (the transformer's num_frame_per_block); change buckets.sizes")
 
     # ----------------------------------------------------------------------------- stage 1
@@ -139,10 +140,10 @@ class SkyReelsV2Spec(WanSpec):
         return sigmas.repeat_interleave(self.causal_block, dim=1)
 
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """Wan's forward; under diffusion forcing the DF pipelines' call (see the module docstring)."""
         if not self.forcing:
-            return super().forward(transformer, batch, sigmas, noise, generator)
+            return super().forward(transformer, batch, sigmas, noise, generators)
         x0 = batch["latents"].float()
         noise = noise.to(x0)
         batch_size, _, frames = x0.shape[:3]

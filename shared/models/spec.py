@@ -33,6 +33,7 @@ from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.roles import ControlVideo
 from vt.shared.models.tiny import save_tiny, seeded
 from vt.shared.runtime import DTYPES, encoder_dtype
+from vt.shared.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
         transformer or pipeline depends on it (LTX-Video's rotary scale) train and sample at it."""
         if config.task not in self.tasks:
-            raise ValueError(
+            raise UserError(
                 f"model.task = {config.task!r} is not supported for family {self.family!r} yet; "
                 f"supported: {list(self.tasks)}. Set model.task to one of them, or pick a family that has it "
                 "(docs/families.md)"
@@ -104,21 +105,21 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         self.config = config
         unknown = sorted(set(config.components) - set(self.component_names()))
         if unknown:
-            raise ValueError(f"model.components.{unknown[0]} is not a component of {self.family!r}; allowed: "
+            raise UserError(f"model.components.{unknown[0]} is not a component of {self.family!r}; allowed: "
                              f"{', '.join(self.component_names())}")
         if not frame_rate > 0:
-            raise ValueError(f"buckets.fps must be > 0, got {frame_rate}")
+            raise UserError(f"buckets.fps must be > 0, got {frame_rate}")
         self.check_expert()
         if config.first_frame_noise > 0 and not (self.noisy_first_frame and config.task == "i2v"):
-            raise ValueError(f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
+            raise UserError(f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
                              f"task {config.task!r}: " + ("it conditions on a clean first frame" if config.task == "i2v"
                                                           else "it is an i2v setting") + "; remove it")
         if config.diffusion_forcing and not self.per_frame_timesteps:
-            raise ValueError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
+            raise UserError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
                              f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
                              "pick a family with diffusion forcing (docs/families.md)")
         if config.audio and not self.audio_stream:
-            raise ValueError(f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
+            raise UserError(f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
                              "only. Remove it, or pick a family that trains audio (docs/families.md)")
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
@@ -169,23 +170,23 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
 
     def check_bucket(self, bucket: Bucket) -> None:
         if bucket.frames == 1 and not self.single_frame:
-            raise ValueError(f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
+            raise UserError(f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
                              "remove 1xHxW sizes from buckets.sizes")
         if bucket.frames == 1 and self.config.task in ("i2v", "flf2v"):
             frames = "first and last frames" if self.config.task == "flf2v" else "first frame"
-            raise ValueError(f"bucket {bucket.name}: {self.config.task} conditions on the {frames}, so a one-frame "
+            raise UserError(f"bucket {bucket.name}: {self.config.task} conditions on the {frames}, so a one-frame "
                              "bucket leaves nothing to learn; remove 1xHxW sizes from buckets.sizes or use "
                              "model.task = \"t2v\"")
         g = self.geometry
         pixels = g.spatial * g.patch
         if bucket.frames % g.temporal != 1 % g.temporal:
-            raise ValueError(
+            raise UserError(
                 f"bucket {bucket.name}: {self.family} frames must be {g.temporal}k+1 (e.g. "
                 f"{g.temporal + 1} or {2 * g.temporal + 1}); change buckets.sizes"
             )
         for side, value in (("height", bucket.height), ("width", bucket.width)):
             if value % pixels:
-                raise ValueError(
+                raise UserError(
                     f"bucket {bucket.name}: {self.family} {side} must be a multiple of {pixels}; "
                     f"change buckets.sizes (e.g. {max(pixels, value // pixels * pixels)})"
                 )
@@ -278,7 +279,10 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
 
     @abstractmethod
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction: ...
+                generators: list[torch.Generator] | None = None) -> Prediction:
+        """Prediction, target and loss weight of a batch at `sigmas` with `noise`. `generators`: one per row, keyed
+        by the sample (not the rank: train/parallel/batching.py `spec_generators`), for the family's own draws
+        (LTX-Video's first-frame noise), so every layout draws what one process draws."""
 
     def named_blocks(self, transformer) -> list[tuple[str, nn.Module]]:
         """("transformer_blocks.3", block) for every block of every list in `block_lists`, in running order;

@@ -40,6 +40,7 @@ from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, 
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.errors import UserError
 
 # diffusers' WanAttnProcessor: with image key/value projections, the context's last 512 tokens are
 # the text and everything before them the image.
@@ -79,7 +80,7 @@ class WanSpec(ModelSpec):
     def __init__(self, config: ModelConfig, frame_rate: float):
         super().__init__(config, frame_rate)
         if self.image_tokens and self.max_text_tokens != I2V_TEXT_TOKENS:
-            raise ValueError(
+            raise UserError(
                 f"model.max_text_tokens = {self.max_text_tokens}, but Wan image-to-video needs exactly "
                 f"{I2V_TEXT_TOKENS}: its cross-attention (diffusers' WanAttnProcessor) takes every context token "
                 f"before the last {I2V_TEXT_TOKENS} to be an image token. Unset model.max_text_tokens or set it "
@@ -103,7 +104,7 @@ class WanSpec(ModelSpec):
         transformer = self.load_config("transformer")
         patch = tuple(transformer.get("patch_size", (1, 2, 2)))
         if patch[0] != 1 or patch[1] != patch[2]:
-            raise ValueError(f"Wan transformer patch_size {patch} is not supported; expected (1, p, p)")
+            raise UserError(f"Wan transformer patch_size {patch} is not supported; expected (1, p, p)")
         geometry = VaeGeometry(temporal=vae.get("scale_factor_temporal") or 2 ** sum(vae["temperal_downsample"]),
                                spatial=vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"]),
                                channels=vae["z_dim"], patch=patch[1])
@@ -119,7 +120,7 @@ class WanSpec(ModelSpec):
         task = self.config.task
         if self.config.task == "i2v" and not self.clip_image_conditioning:
             if found["in_channels"] != 2 * g.channels + g.temporal or found["image_dim"]:
-                raise ValueError(
+                raise UserError(
                     f"model.task = \"i2v\" on {self.family} needs a Wan 2.2 image-to-video transformer (in_channels "
                     f"{2 * g.channels + g.temporal}, no image_dim, e.g. Wan-AI/Wan2.2-I2V-A14B-Diffusers); the one at "
                     f"{where!r} has {found}")
@@ -127,13 +128,13 @@ class WanSpec(ModelSpec):
             expected = 2 * g.channels + g.temporal  # latents, condition mask, condition latents
             if found["in_channels"] != expected or not found["image_dim"] or not found["added_kv_proj_dim"]:
                 example = "FLF2V-14B-720P-diffusers" if task == "flf2v" else "I2V-14B-480P-Diffusers"
-                raise ValueError(
+                raise UserError(
                     f"model.task = \"{task}\" needs a Wan 2.1 image-to-video transformer (in_channels {expected}, "
                     f"image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-{example}); the one at {where!r} "
                     f"has {found}")
             self._check_image_positions(transformer.get("pos_embed_seq_len"), where)
         elif found["image_dim"] or found["in_channels"] != g.channels:
-            raise ValueError(f"the transformer at {where!r} is an image-to-video one ({found}): "
+            raise UserError(f"the transformer at {where!r} is an image-to-video one ({found}): "
                              "set model.task = \"i2v\"" + (" (or \"flf2v\": it takes two images)"
                                                            if transformer.get("pos_embed_seq_len") else ""))
 
@@ -144,12 +145,12 @@ class WanSpec(ModelSpec):
         if self.config.task == "flf2v":
             wanted = 2 * self.image_embeds_shape()[0]
             if positions != wanted:
-                raise ValueError(
+                raise UserError(
                     f"model.task = \"flf2v\" needs a Wan 2.1 first-and-last-frame transformer (pos_embed_seq_len "
                     f"{wanted}: both images' {wanted // 2} CLIP tokens, e.g. Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers); "
                     f"the one at {where!r} has pos_embed_seq_len {positions}")
         elif positions:
-            raise ValueError(f"the transformer at {where!r} is a first-and-last-frame one (pos_embed_seq_len "
+            raise UserError(f"the transformer at {where!r} is a first-and-last-frame one (pos_embed_seq_len "
                              f"{positions}): set model.task = \"flf2v\"")
 
     def image_embeds_shape(self) -> tuple[int, int]:
@@ -261,7 +262,7 @@ class WanSpec(ModelSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
         image = {}

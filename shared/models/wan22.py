@@ -27,6 +27,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 from vt.shared.models.wan import WanSpec
+from vt.shared.errors import UserError
 
 HIGH, LOW = "high_noise", "low_noise"
 
@@ -52,7 +53,7 @@ class Wan22Spec(WanSpec):
         if not ratio:
             hint = ("family \"wan2.2-ti2v\" for Wan 2.2 TI2V-5B" if index.get("expand_timesteps")
                     else "family \"wan\" for one transformer")
-            raise ValueError(f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
+            raise UserError(f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
                              f"not a two-expert Wan 2.2 pipeline; use {hint}")
         return float(ratio)
 

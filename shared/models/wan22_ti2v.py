@@ -25,6 +25,7 @@ from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.wan import WanSpec, _latent_stats
+from vt.shared.errors import UserError
 
 
 class Wan22TI2VSpec(WanSpec):
@@ -41,7 +42,7 @@ class Wan22TI2VSpec(WanSpec):
         """Both tasks take the latents alone: in_channels = the VAE's z_dim, no image projections."""
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim")}
         if found["in_channels"] != g.channels or found["image_dim"]:
-            raise ValueError(f"family {self.family!r} needs a TI2V-5B transformer (in_channels = the VAE's z_dim "
+            raise UserError(f"family {self.family!r} needs a TI2V-5B transformer (in_channels = the VAE's z_dim "
                              f"{g.channels}, no image_dim); the one at {self.source('transformer')[0]!r} has {found}")
 
     @torch.no_grad()
@@ -67,7 +68,7 @@ class Wan22TI2VSpec(WanSpec):
         return (per_frame * (sigmas * NUM_TRAIN_TIMESTEPS).view(-1, 1, 1)).flatten(1)
 
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         i2v = self.config.task == "i2v"
         weight = None

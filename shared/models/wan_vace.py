@@ -37,6 +37,7 @@ from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.roles import ControlVideo
 from vt.shared.models.spec import VaeGeometry
 from vt.shared.models.wan import WanSpec
+from vt.shared.errors import UserError
 
 CONDITIONING_SCALE = 1.0  # WanVACEPipeline's default `conditioning_scale`, per VACE layer
 # The modules of a VACE block a control LoRA trains by default (DiffSynth-Studio's q,k,v,o,ffn.0,ffn.2).
@@ -95,7 +96,7 @@ class WanVACESpec(WanSpec):
         where = self.source("transformer")[0]
         expected = 2 * g.channels + g.spatial ** 2
         if not transformer.get("vace_layers") or transformer.get("vace_in_channels") != expected:
-            raise ValueError(f"family {self.family!r} needs a Wan VACE transformer (vace_layers, vace_in_channels "
+            raise UserError(f"family {self.family!r} needs a Wan VACE transformer (vace_layers, vace_in_channels "
                              f"{expected}, e.g. {self.example_hub_id}); the one at {where!r} has "
                              f"vace_layers {transformer.get('vace_layers')}, vace_in_channels "
                              f"{transformer.get('vace_in_channels')}")
@@ -147,7 +148,7 @@ class WanVACESpec(WanSpec):
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generator: torch.Generator | None = None) -> Prediction:
+                generators: list[torch.Generator] | None = None) -> Prediction:
         """Wan t2v's flow matching, with the control tokens the pipeline feeds: `control_hidden_states` =
         [control_latents, mask] and `control_hidden_states_scale` = conditioning_scale per VACE layer, both in
         the transformer's dtype."""

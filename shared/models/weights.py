@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from vt.shared.errors import UserError
 
 # safetensors dtype names -> torch dtypes (https://github.com/huggingface/safetensors, format section)
 DTYPES = {
@@ -49,7 +50,7 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     entries = {}
     for name, info in header.items():
         if info["dtype"] not in DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which vt cannot read")
+            raise UserError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which vt cannot read")
         begin, end = info["data_offsets"]
         entries[name] = Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), base + begin, base + end)
     return entries, metadata

@@ -30,6 +30,7 @@ import time
 from .local import STALE_TEMP_SECONDS, LocalBackend
 from .remote import MemoryBackend, S3Backend
 from .retry import RetryPolicy, StorageUnavailable, is_transient
+from vt.shared.errors import UserError
 
 __all__ = ["BACKENDS", "STALE_TEMP_SECONDS", "SUPPORTED", "RetryPolicy", "Storage", "StorageUnavailable",
            "is_transient"]
@@ -45,13 +46,13 @@ class Storage:
 
     def __init__(self, uri: str, retry: RetryPolicy | None = None):
         if not isinstance(uri, str) or not uri.strip():
-            raise ValueError(f"storage URI must be a non-empty string ({SUPPORTED}), got {uri!r}")
+            raise UserError(f"storage URI must be a non-empty string ({SUPPORTED}), got {uri!r}")
         self.uri = uri
         self.retry = retry or RetryPolicy.from_env()
         protocol, sep, rest = uri.partition("://")
         protocol = protocol if sep else "file"
         if protocol not in BACKENDS:
-            raise ValueError(f"unsupported storage URI {uri!r}; use {SUPPORTED}")
+            raise UserError(f"unsupported storage URI {uri!r}; use {SUPPORTED}")
         self.protocol = protocol
         backend = BACKENDS[protocol]
         self.root = backend.root_of(uri, rest if sep else None)
@@ -65,7 +66,7 @@ class Storage:
         """Full backend path of a relative path (rejects absolute paths and '..')."""
         parts = [p for p in rel.split("/") if p not in ("", ".")]
         if rel.startswith("/") or ".." in parts:
-            raise ValueError(f"storage paths are relative to {self.uri} and may not use '..': {rel!r}")
+            raise UserError(f"storage paths are relative to {self.uri} and may not use '..': {rel!r}")
         return "/".join([self.root.rstrip("/"), *parts]) if parts else self.root
 
     def relative(self, full: str) -> str:

@@ -13,6 +13,7 @@ import fsspec
 from ..faults import fault_point
 from ..log import get_logger
 from .retry import is_transient
+from vt.shared.errors import UserError
 
 log = get_logger("vt.storage")
 
@@ -96,7 +97,7 @@ class S3Backend(FsspecBackend):
     @staticmethod
     def root_of(uri: str, rest: str) -> str:
         if not rest.strip("/").split("/")[0]:
-            raise ValueError(f"{uri!r} names no bucket; use s3://bucket/prefix")
+            raise UserError(f"{uri!r} names no bucket; use s3://bucket/prefix")
         return rest.strip("/")
 
     def create(self, full: str, data: bytes) -> bool:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from vt.shared.errors import UserError
 
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestTimeout",
                     "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "ProvisionedThroughputExceeded"}
 
 
-class StorageUnavailable(OSError):
+class StorageUnavailable(UserError, OSError):
     """A storage operation kept failing with transient errors until the retry budget was spent."""
 
 
@@ -56,13 +57,13 @@ class RetryPolicy:
             except ValueError:
                 value = -1.0
             if not value > 0:
-                raise ValueError(f"VT_STORAGE_RETRY_SECONDS={seconds!r} must be a positive number of seconds")
+                raise UserError(f"VT_STORAGE_RETRY_SECONDS={seconds!r} must be a positive number of seconds")
             return cls(seconds=value)
         raw = os.environ.get("VT_STORAGE_RETRIES", "")
         if not raw:
             return cls()
         if not raw.isdigit() or int(raw) < 1:
-            raise ValueError(f"VT_STORAGE_RETRIES={raw!r} must be a positive integer (attempts per operation)")
+            raise UserError(f"VT_STORAGE_RETRIES={raw!r} must be a positive integer (attempts per operation)")
         return cls(attempts=int(raw))
 
     def describe(self) -> str:

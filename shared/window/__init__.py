@@ -39,6 +39,7 @@ from .layout import (CONSUMER, ProducerConflict, ShardCorruptError, WindowTimeou
 from .reader import Reader
 from .state import window_state
 from .writer import Writer
+from vt.shared.errors import UserError
 
 __all__ = ["CONSUMER", "ProducerConflict", "ProducerFenced", "ShardCorruptError", "Window", "WindowTimeout",
            "commit_path", "data_path", "empty_caption_path", "producer_path", "seq_of", "validation_key",
@@ -51,9 +52,9 @@ class Window:
     def __init__(self, uri: str, size: int | str = 8, poll_seconds: float = 0.2,
                  timeout_seconds: float = 1800.0, storage: Storage | None = None):
         if size != "keep" and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
-            raise ValueError(f"window.size must be a positive integer or \"keep\", got {size!r}")
+            raise UserError(f"window.size must be a positive integer or \"keep\", got {size!r}")
         if poll_seconds <= 0 or timeout_seconds <= 0:
-            raise ValueError("window.poll_seconds and window.timeout_seconds must be positive")
+            raise UserError("window.poll_seconds and window.timeout_seconds must be positive")
         self.storage = storage or Storage(uri)
         self.uri = uri
         self.size = size

@@ -16,19 +16,21 @@ from __future__ import annotations
 import hashlib
 import re
 
+from vt.shared.errors import UserError
+
 CONSUMER = "consumer.json"
 _SEQ = re.compile(r"(\d+)")
 
 
-class WindowTimeout(TimeoutError):
+class WindowTimeout(UserError, TimeoutError):
     """A producer or reader waited longer than window.timeout_seconds for the other side."""
 
 
-class ShardCorruptError(ValueError):
+class ShardCorruptError(UserError):
     """A committed shard's data does not match its commit record (size or sha256)."""
 
 
-class ProducerConflict(RuntimeError):
+class ProducerConflict(UserError, RuntimeError):
     """A commit record for this seq already exists with other content: two producers of one rank."""
 
 

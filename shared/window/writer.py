@@ -28,6 +28,7 @@ from ..storage import Storage
 from . import cleaning, ledger
 from .layout import (ProducerConflict, WindowTimeout, commit_path, data_path, empty_caption_path, producer_path,
                      validation_path)
+from vt.shared.errors import UserError
 
 log = logging.getLogger("vt.window")
 
@@ -72,10 +73,10 @@ class Writer:
         """
         uri = self.storage.uri
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
-            raise ValueError(f"producer rank {rank} / world size {world_size}: need 0 <= rank < world_size")
+            raise UserError(f"producer rank {rank} / world size {world_size}: need 0 <= rank < world_size")
         known = ledger.world_size(self.storage)
         if known is not None and known != world_size:
-            raise ValueError(f"{uri} was written by {known} producers; the fixed order depends on "
+            raise UserError(f"{uri} was written by {known} producers; the fixed order depends on "
                              f"that, so run vt-precompute with world size {known} or use a fresh window")
         current = ledger.producer(self.storage, rank)
         if current is not None and current.get("done"):
@@ -83,7 +84,7 @@ class Writer:
             return False
         if (current is not None and current.get("fingerprint") not in (None, fingerprint)
                 and ledger.next_seq(self.storage, rank)):
-            raise ValueError(f"{uri} holds shards of producer {rank} made with other settings (fingerprint "
+            raise UserError(f"{uri} holds shards of producer {rank} made with other settings (fingerprint "
                              f"{current['fingerprint']}, now {fingerprint}): a restart must continue with the same "
                              "config, model and vt version. Restore them, or precompute into a fresh window.uri")
         self.check_lease(rank)
@@ -130,7 +131,7 @@ class Writer:
                                    f"{info['num_shards']} shards; use a fresh window for a new run")
             expected = ledger.next_seq(self.storage, rank)
         if seq != expected:
-            raise ValueError(f"producer {rank} must commit seq {expected} next, got {seq}: seqs are "
+            raise UserError(f"producer {rank} must commit seq {expected} next, got {seq}: seqs are "
                              "contiguous so the reader never waits on a gap; a restarted producer "
                              "resumes at Window.next_seq(rank)")
         metadata = read_shard_metadata(data)  # refuse bytes that are not a shard before they become visible

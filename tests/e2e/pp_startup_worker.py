@@ -80,7 +80,8 @@ def compare(trainer, export_to: str) -> dict:
     def predict(model):
         torch.manual_seed(0)
         with torch.autocast(trainer.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            return spec.forward(model, batch, sigmas, noise, generator=torch.Generator().manual_seed(0)).prediction
+            return spec.forward(model, batch, sigmas, noise,
+                                generators=[torch.Generator().manual_seed(0) for _ in sigmas]).prediction
 
     # The trained transformer and, in a one-expert run, the other expert validation renders with (split too).
     models = {spec.trained_component: (trainer.transformer, trainer.config.train.mode),

@@ -61,6 +61,9 @@ FAMILY_TRAIN = {
     # SkyReels V2 diffusion forcing: a sigma per latent frame from each sample's keyed generator, fed as
     # the transformer's (B, F) timestep.
     "skyreels-v2-df": {"mode": "lora"},
+    # LTX-Video i2v with a noised conditioning frame, fully fine-tuned: its sigma drawn per sample by the spec, with
+    # the first frame's zero loss weight and per-token timesteps splitting over ranks like the latents.
+    "ltx-video-i2v": {"mode": "full"},
     # Kandinsky 5 I2V (VARIANTS): one transformer call per sample (no text mask), channel-last input
     # with the image latents as the first frame (weight 0) and its mask channel; LoRA on all blocks' attention.
     "kandinsky5-i2v": {"mode": "lora"},
@@ -80,6 +83,8 @@ VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},
             "hunyuan-video-i2v": {"family": "hunyuan-video", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
+            "ltx-video-i2v": {"family": "ltx-video", "task": "i2v", "first_frame_noise": 0.5,
+                              "max_text_tokens": TEXT_TOKENS},
             "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
             "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS}}

@@ -92,8 +92,11 @@ FAMILY_LAYOUTS = {
     "wan-bf16": ["fsdp-2"],
     # SkyReels V2 with diffusion forcing (conftest VARIANTS): per-frame sigmas drawn per sample, so every
     # data-parallel slicing draws what one process draws; its transformer's blocks are Wan's (TP as the wan
-    # rows), its DF CP plan (per-frame modulations split per block) is checked in tests/shared/test_skyreels_v2.py.
-    "skyreels-v2-df": ["fsdp-2"],
+    # rows); CP cuts the per-frame modulations with the tokens in every block (its DF CP plan).
+    "skyreels-v2-df": ["ddp-2", "fsdp-2", "cp-2"],
+    # LTX-Video i2v with model.first_frame_noise (conftest VARIANTS): the conditioning frame's sigma is the spec's
+    # own draw, from each sample's generator, so every layout draws what one process draws.
+    "ltx-video-i2v": ["ddp-2", "fsdp-2", "cp-2"],
     # Kandinsky 5 I2V (conftest VARIANTS): TP on every block, CP on the visual blocks (docs/parallel.md); FSDP2 over
     # its text and visual block lists, the transformer called once per sample of each rank's slice (several
     # forwards before one backward), the image latents and the first frame's zero loss weight split like the latents.

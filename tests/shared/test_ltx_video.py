@@ -29,7 +29,7 @@ def test_ltx_i2v_keeps_first_frame_as_condition(tiny_model_factory, first_frame_
     seen = capture_transformer_inputs(transformer)
     sigmas = torch.tensor([0.3, 0.9])
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(1))
-    out = spec.forward(transformer, batch, sigmas, noise, generator=torch.Generator().manual_seed(2))
+    out = spec.forward(transformer, batch, sigmas, noise, generators=generators(2, 3))
 
     assert out.weight.shape == (2, 1, 2, 1, 1)
     assert (out.weight[:, :, 0] == 0).all() and (out.weight[:, :, 1:] == 1).all()
@@ -44,6 +44,14 @@ def test_ltx_i2v_keeps_first_frame_as_condition(tiny_model_factory, first_frame_
     else:
         assert not torch.allclose(noisy[:, :, 0], batch["first_frame_latents"][:, :, 0])
         assert (timestep[:, 0] > 0).all() and (timestep[:, 0] <= 500).all()
+        # Each sample's draw is its own generator's: the second sample alone (another data-parallel slicing)
+        # gets the first-frame sigma it got beside the first.
+        spec.forward(transformer, {k: v[1:] for k, v in batch.items()}, sigmas[1:], noise[1:], generators=generators(3))
+        torch.testing.assert_close(seen["timestep"].view(1, 2, 6)[:, 0], timestep[1:, 0], rtol=0, atol=0)
+
+
+def generators(*seeds: int) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
 
 
 def test_ltx_i2v_generates_from_an_image(tiny_model_factory):

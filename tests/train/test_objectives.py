@@ -1,15 +1,21 @@
 import torch
 
 from vt.shared.models.flow import Prediction
-from vt.train.objectives import flow_matching_loss, sample_sigmas, shift_sigmas, step_generator
+from vt.shared.runtime import keyed_generator
+from vt.train.objectives import flow_matching_loss, sample_sigmas, shift_sigmas
 
 
-def test_generator_is_reproducible_and_differs_per_step_and_rank():
-    draw = lambda *key: torch.randn(4, generator=step_generator(*key))
-    assert torch.equal(draw(0, 5, 0, 0), draw(0, 5, 0, 0))
-    assert not torch.equal(draw(0, 5, 0, 0), draw(0, 6, 0, 0))
-    assert not torch.equal(draw(0, 5, 0, 0), draw(0, 5, 0, 1))
-    assert not torch.equal(draw(0, 5, 0, 0), draw(1, 5, 0, 0))
+def test_generator_is_reproducible_and_differs_per_key():
+    draw = lambda *key: torch.randn(4, generator=keyed_generator(*key))
+    assert torch.equal(draw(0, 5, "spec", 0), draw(0, 5, "spec", 0))
+    assert not torch.equal(draw(0, 5, "spec", 0), draw(0, 6, "spec", 0))
+    assert not torch.equal(draw(0, 5, "spec", 0), draw(0, 5, "spec", 1))
+    assert not torch.equal(draw(0, 5, "spec", 0), draw(0, 5, "sample", 0))
+    assert not torch.equal(draw(0, 5, "spec", 0), draw(1, 5, "spec", 0))
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    return keyed_generator(seed, step, 0, 0)
 
 
 def test_sigmas_in_range_and_shift_pushes_them_up():

@@ -99,6 +99,13 @@ def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float,
     return torch.cat(sigmas), torch.cat(noise)
 
 
+def spec_generators(part: Slice, seed: int, step: int) -> list[torch.Generator]:
+    """One generator per row of `part` for the spec's own draws (`ModelSpec.forward`), on a key of its own per
+    sample, so its draws neither depend on the layout nor move the sigmas' and noise's."""
+    rows = part.tensors["latents"].shape[0]
+    return [keyed_generator(seed, step, "spec", part.first_index + row) for row in range(rows)]
+
+
 def draw_audio_noise(part: Slice, seed: int, step: int) -> torch.Tensor:
     """Noise like `audio_latents` for the rows of `part` (model.audio), one generator per sample on a key
     of its own, so the video's sigmas and noise are drawn exactly as without audio."""

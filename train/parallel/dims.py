@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from vt.shared.errors import UserError
+
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp")}
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(UserError):
     """Parallel degrees that do not fit the launched world; the message says what to set."""
 
 

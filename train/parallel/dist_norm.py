@@ -16,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from vt.train.parallel.ulysses import all_reduce_sum
+from vt.shared.errors import UserError
 
 
 class ShardedRMSNorm(nn.Module):
@@ -36,7 +37,7 @@ class ShardedRMSNorm(nn.Module):
                             f"got {type(norm).__name__}")
         (full_dim,) = norm.normalized_shape
         if full_dim % mesh.size():
-            raise ValueError(f"a query/key norm over {full_dim} channels cannot be split over tp={mesh.size()} ranks")
+            raise UserError(f"a query/key norm over {full_dim} channels cannot be split over tp={mesh.size()} ranks")
         weight = None
         if norm.weight is not None:
             # Every rank loaded the same weights, so each takes its own shard without communication.

@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vt.train.parallel.batching import Slice
+from vt.shared.errors import UserError
 
 
 class _Baton:
@@ -70,7 +71,7 @@ class Relay(nn.Module):
 def stage_bounds(blocks: int, stage: int, stages: int) -> tuple[int, int]:
     """[first, stop) of the blocks stage `stage` of `stages` owns: contiguous, sizes differ by at most one."""
     if blocks < stages:
-        raise ValueError(f"parallel.pp = {stages} stages but the transformer has {blocks} blocks; lower parallel.pp")
+        raise UserError(f"parallel.pp = {stages} stages but the transformer has {blocks} blocks; lower parallel.pp")
     base, extra = divmod(blocks, stages)
     first = stage * base + min(stage, extra)
     return first, first + base + (stage < extra)

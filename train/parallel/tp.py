@@ -35,6 +35,7 @@ from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.dims import ParallelConfigError
 from vt.train.parallel.dist_norm import ShardedRMSNorm
+from vt.shared.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -93,18 +94,18 @@ def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: s
         attn = block.get_submodule(name)
         heads = getattr(attn, plan.heads_attribute)
         if heads % size:
-            raise ValueError(f"{where}.{name} has {heads} attention heads, which do not divide over "
+            raise UserError(f"{where}.{name} has {heads} attention heads, which do not divide over "
                              f"parallel.tp = {size}; choose a tp size that divides {heads}")
         if getattr(attn, "fused_projections", False):
             raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
         if getattr(attn, "add_k_proj", None) is not None and not {f"{name}.add_k_proj", f"{name}.add_v_proj"} <= \
                 set(plan.colwise):
-            raise ValueError(f"{where}.{name} has added key/value projections (image conditioning), "
+            raise UserError(f"{where}.{name} has added key/value projections (image conditioning), "
                              f"which the family's TP plan does not split; use parallel.tp = 1")
         split = tuple(f"{layer}." for layer in (*plan.colwise, *plan.rowwise, *plan.head_norms))
         for param_name, param in attn.named_parameters():
             if param.requires_grad and not f"{name}.{param_name}".startswith(split):
-                raise ValueError(f"{where}.{name}.{param_name} is shared by every head (e.g. a per-head query/key "
+                raise UserError(f"{where}.{name}.{param_name} is shared by every head (e.g. a per-head query/key "
                                  f"norm) and trains: under tensor parallel each rank would see only its own heads' "
                                  f"gradient. Train LoRA (train.mode = \"lora\"), or set parallel.tp = 1")
 
@@ -117,7 +118,7 @@ def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, Paral
         return {name: _local_split(split())}
     if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
         if getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values()):
-            raise ValueError(f"{name}: LoRA variants such as DoRA are not supported with tensor parallel; "
+            raise UserError(f"{name}: LoRA variants such as DoRA are not supported with tensor parallel; "
                              f"use plain LoRA or parallel.tp = 1")
         if not isinstance(module.base_layer, nn.Linear):
             raise TypeError(f"{name}: the LoRA layer wraps {type(module.base_layer).__name__}, not a Linear")
@@ -148,7 +149,7 @@ def slice_rope_channels(rope: nn.Module, mesh: DeviceMesh, dim: int = -1) -> Non
     def keep_local_channels(module, args, output):
         def cut(t):
             if t.shape[dim] % size:
-                raise ValueError(f"rotary tables of {t.shape[dim]} channels or heads do not split over {size} ranks")
+                raise UserError(f"rotary tables of {t.shape[dim]} channels or heads do not split over {size} ranks")
             width = t.shape[dim] // size
             return t.narrow(dim, rank * width, width)
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+from vt.shared.errors import UserError
 
 
 def _wait(tensor: Tensor) -> Tensor:
@@ -47,7 +48,7 @@ def sequence_to_heads(x: Tensor, group: dist.ProcessGroup, sizes: list[int] | No
     size = dist.get_world_size(group)
     batch, local_seq, channels = x.shape
     if channels % size:
-        raise ValueError(f"Ulysses attention splits {channels} channels over {size} ranks; they must divide")
+        raise UserError(f"Ulysses attention splits {channels} channels over {size} ranks; they must divide")
     if sizes is not None and len(set(sizes)) > 1:  # (P, S_r, B, C/P) flat: chunk j of dim 0 goes to rank j
         send = x.reshape(batch, local_seq, size, channels // size).permute(2, 1, 0, 3)
         send = send.reshape(-1, batch, channels // size)
@@ -71,7 +72,7 @@ def heads_to_sequence(x: Tensor, group: dist.ProcessGroup, sizes: list[int] | No
         # (P, S_r, B, C/P): my tokens, rank r's channels, which go back in rank order
         return received.reshape(size, mine, batch, local_channels).permute(2, 1, 0, 3).reshape(batch, mine, -1)
     if seq % size:
-        raise ValueError(f"Ulysses attention splits {seq} tokens over {size} ranks; they must divide")
+        raise UserError(f"Ulysses attention splits {seq} tokens over {size} ranks; they must divide")
     # (P, B, S/P, C/P): token chunk j goes back to rank j.
     send = x.reshape(batch, size, seq // size, local_channels).permute(1, 0, 2, 3).contiguous()
     received = _wait(funcol.all_to_all_single_autograd(send, None, None, group))
@@ -120,7 +121,7 @@ def split_sequence(x: Tensor, dim: int, group: dist.ProcessGroup, uneven: bool =
         sizes = chunk_sizes(length, size)
         return x.narrow(dim, sum(sizes[:rank]), sizes[rank])
     if length % size:
-        raise ValueError(
+        raise UserError(
             f"context parallel splits a sequence of {length} tokens over cp={size} ranks, which does not divide. "
             f"Use buckets whose token count (latent frames x latent height x latent width / patch^2) divides by "
             f"{size}, or lower parallel.cp."
@@ -149,7 +150,7 @@ def local_heads(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """(B, T, C) held whole by every rank -> (B, T, C/P): this rank's channel chunk (its heads), no communication."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if x.shape[-1] % size:
-        raise ValueError(f"Ulysses attention splits {x.shape[-1]} channels over {size} ranks; they must divide")
+        raise UserError(f"Ulysses attention splits {x.shape[-1]} channels over {size} ranks; they must divide")
     width = x.shape[-1] // size
     return x.narrow(-1, rank * width, width)
 

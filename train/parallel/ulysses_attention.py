@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
 from vt.train.parallel.ulysses import gather_heads, heads_to_sequence, local_heads, sequence_to_heads, split_sequence
+from vt.shared.errors import UserError
 
 
 def _local_heads_hook(group):
@@ -39,7 +40,7 @@ def _gather_heads_pre_hook(group):
 def _local_head_count(attn: nn.Module, plan: ContextParallelPlan, size: int, where: str) -> None:
     heads = getattr(attn, plan.heads_attribute)
     if heads % size:
-        raise ValueError(f"{where} has {heads} attention heads on this rank, which do not divide over "
+        raise UserError(f"{where} has {heads} attention heads on this rank, which do not divide over "
                          f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count")
     setattr(attn, plan.heads_attribute, heads // size)
 
