@@ -20,6 +20,8 @@ each). Only transformer blocks are listed: vt's key tables name nothing outside 
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import Tensor
 
@@ -36,6 +38,9 @@ MODEL_BASES = {
     "HunyuanVideo15": ("HunyuanVideo15", "HunyuanVideo"),  # line 1603: class HunyuanVideo15(HunyuanVideo)
     "GenmoMochi": ("GenmoMochi",),  # line 933, comfy.ldm.genmo.joint_model.asymm_models_joint.AsymmDiTJoint
     "Kandinsky5": ("Kandinsky5",),  # line 1694, comfy.ldm.kandinsky5.model.Kandinsky5
+    # Comfy-Org/ComfyUI@0b61ce5b comfy/ldm/kandinsky6/model.py Kandinsky6 (the original checkpoint's names); its
+    # LoRA keys are the generic `diffusion_model.<module>` ones every model has, which vt writes.
+    "Kandinsky6": ("Kandinsky6",),
     # class WAN21_Vace(WAN21), unet_model comfy.ldm.wan.model.VaceWanModel (read at ComfyUI@01c4fa4c; also
     # comfy/supported_models.py WAN21_Vace: unet_config model_type "vace", image_model "wan2.1")
     "WAN21_Vace": ("WAN21_Vace", "WAN21"),
@@ -203,6 +208,34 @@ def kandinsky5_weights(num_text_blocks: int, num_visual_blocks: int, model_dim: 
                     out[f"{block}.{attention}.{proj}"] = (model_dim, model_dim)
             out[f"{block}.feed_forward.in_layer"] = (ff_dim, model_dim)
             out[f"{block}.feed_forward.out_layer"] = (model_dim, ff_dim)
+    return out
+
+
+def kandinsky6_weights(num_text_blocks: int, num_visual_blocks: int, dims: dict[str, int],
+                       cross_gates: bool) -> dict[str, Shape]:
+    """Kandinsky6 (Comfy-Org/ComfyUI@0b61ce5b comfy/ldm/kandinsky6/model.py): `video_text_transformer_blocks.N` and
+    `audio_text_transformer_blocks.N` are Kandinsky 5's TransformerEncoderBlock at each stream's widths (above);
+    `visual_blocks.N` FusedTransformerDecoderBlock: `videoT` / `audioT` Kandinsky 5's TransformerDecoderBlock per
+    stream, `va_cross_attention` (video queries over audio keys/values) and `av_cross_attention` AsymCrossAttention
+    (to_query q -> q, to_key / to_value kv -> q, out_layer q -> q), `va_modulation` / `av_modulation` (with
+    cross_gates: 2 x own + other widths, one parameter set). `dims`: model_dim, time_dim, ff_dim and their `_a`."""
+    out: dict[str, Shape] = {}
+    streams = {"video": (dims["model_dim"], dims["time_dim"], dims["ff_dim"]),
+               "audio": (dims["model_dim_a"], dims["time_dim_a"], dims["ff_dim_a"])}
+    for stream, (model, time, ff) in streams.items():
+        text = kandinsky5_weights(num_text_blocks, 0, model, time, ff)
+        out.update({f"{stream}_{name}": shape for name, shape in text.items()})
+        fused = kandinsky5_weights(0, num_visual_blocks, model, time, ff)
+        half = "videoT" if stream == "video" else "audioT"  # visual_blocks.N.<half>.<Kandinsky 5's name>
+        out.update({re.sub(r"^visual_transformer_blocks\.(\d+)\.", rf"visual_blocks.\1.{half}.", name): shape
+                    for name, shape in fused.items()})
+    (model, time, _), (model_a, time_a, _) = streams["video"], streams["audio"]
+    for n in range(num_visual_blocks):
+        for name, (q, kv) in (("va_cross_attention", (model, model_a)), ("av_cross_attention", (model_a, model))):
+            out.update({f"visual_blocks.{n}.{name}.to_query": (q, q), f"visual_blocks.{n}.{name}.to_key": (q, kv),
+                        f"visual_blocks.{n}.{name}.to_value": (q, kv), f"visual_blocks.{n}.{name}.out_layer": (q, q)})
+        out[f"visual_blocks.{n}.va_modulation.out_layer"] = (2 * model + model_a if cross_gates else 3 * model, time)
+        out[f"visual_blocks.{n}.av_modulation.out_layer"] = (2 * model_a + model if cross_gates else 3 * model_a, time_a)
     return out
 
 

@@ -10,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from vt.shared.config import ModelConfig
+from vt.shared.errors import UserError
 
 if TYPE_CHECKING:
     from vt.shared.config import Config
@@ -27,6 +28,7 @@ _REGISTRY: dict[str, str] = {
     "ltx-2": "vt.shared.models.ltx2:LTX2Spec",
     "mochi": "vt.shared.models.mochi:MochiSpec",
     "kandinsky5": "vt.shared.models.kandinsky5:Kandinsky5Spec",
+    "kandinsky6": "vt.shared.models.kandinsky6:Kandinsky6Spec",
     "skyreels-v2": "vt.shared.models.skyreels_v2:SkyReelsV2Spec",
     "wan-vace": "vt.shared.models.wan_vace:WanVACESpec",
     "minimax-h3": "vt.shared.models.minimax_h3:MiniMaxH3Spec",
@@ -37,7 +39,7 @@ FAMILIES: tuple[str, ...] = tuple(_REGISTRY)
 def get_spec_class(family: str) -> type["ModelSpec"]:
     """The spec class registered as `family`; unknown names raise ValueError listing the known ones."""
     if family not in _REGISTRY:
-        raise ValueError(f"model.family = {family!r} is not a registered model family; choose one of {list(FAMILIES)}")
+        raise UserError(f"model.family = {family!r} is not a registered model family; choose one of {list(FAMILIES)}")
     module, name = _REGISTRY[family].split(":")
     return getattr(importlib.import_module(module), name)
 

@@ -154,10 +154,7 @@ class Kandinsky5Spec(ModelSpec):
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         """Qwen's text and its mask, CLIP's pooled embedding; i2v the first frame's latents."""
-        shapes = {**super().condition_shapes(bucket), "pooled_prompt_embeds": (self.text_width("text_encoder_2"),)}
-        if self.config.task == "i2v":
-            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
-        return shapes
+        return pooled_and_image_shapes(self, super().condition_shapes(bucket))
 
     @torch.no_grad()
     def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
@@ -173,11 +170,7 @@ class Kandinsky5Spec(ModelSpec):
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """{"latents": mode x scaling_factor}; i2v adds `image_latents`, the first frame encoded alone (the
         VAE's group norms span all frames, so the clip's first latent frame is not the image's)."""
-        out = super().encode_video(encoders, video)
-        if self.config.task == "i2v":
-            vae = encoders["vae"]
-            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
-        return out
+        return with_image_latents(self, encoders, video, super().encode_video(encoders, video))
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -313,6 +306,24 @@ class Kandinsky5Spec(ModelSpec):
             gather_output=f"visual_transformer_blocks.{last}", self_attention=("self_attention",),
             sequence_to_heads=("to_query", "to_key", "to_value"), heads_to_sequence="out_layer",
             block_lists=("visual_transformer_blocks",), heads_attribute="num_heads")
+
+
+def pooled_and_image_shapes(spec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """`shapes` with CLIP's pooled embedding and, for i2v, the first frame's latents (C, 1, H, W): what Kandinsky 5
+    and 6 store beside Qwen's text and the latents."""
+    shapes = {**shapes, "pooled_prompt_embeds": (spec.text_width("text_encoder_2"),)}
+    if spec.config.task == "i2v":
+        shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+    return shapes
+
+
+def with_image_latents(spec, encoders, video: Tensor, out: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`out` with, for i2v, `image_latents`: the first frame encoded alone (mode x scaling_factor; the VAE's group
+    norms span all frames, so the clip's first latent frame is not the image's)."""
+    if spec.config.task == "i2v":
+        vae = encoders["vae"]
+        out["image_latents"] = (spec._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+    return out
 
 
 def caption_lengths(mask: Tensor) -> list[int]:

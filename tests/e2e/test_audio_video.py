@@ -1,5 +1,6 @@
 """Sound with the picture through both stages: real clips with a tone muxed in, and clips without a sound
-track, run as a user runs them (both CLIs as processes) on LTX-2's tiny preset with model.audio."""
+track, run as a user runs them (both CLIs as processes) on the tiny presets of LTX-2 and Kandinsky 6 with
+model.audio."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from vt.train.trackers import read_metrics
 pytestmark = pytest.mark.slow
 
 EPOCHS = 6
+# family -> (stored audio_latents per sample for 9 frames at 8 fps, the validation track's channels and rate)
+FAMILIES = {"ltx-2": ((2, 28, 2), 2, 16000),  # 1.125 s of mel frames x bins
+            "kandinsky6": ((4, 71), 1, 8000)}  # ceil(1.125 s x 8000 / 128) MMAudio latents, mono
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +38,16 @@ def mixed_raw(sound_shards, raw_shards, tmp_path_factory):
     return folder, {k for k in keys if k.startswith("sound-")}, {k for k in keys if k.startswith("silent-")}
 
 
-def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_factory, tmp_path, family):
     """The shards hold audio latents beside the latents; every silent clip is in rejects.jsonl once
     (`missing_audio`); the audio loss falls over epochs of the same clips; the validation mp4 carries a
     sound track as long as its frames."""
     raw, heard, silent = mixed_raw
     window_uri = str(tmp_path / "window")
     config = write_config(
-        tmp_path / "audio.toml", tiny_model_factory("ltx-2"), raw, tmp_path / "run", window_uri,
-        model={"family": "ltx-2", "max_text_tokens": 16, "audio": True},
+        tmp_path / "audio.toml", tiny_model_factory(family), raw, tmp_path / "run", window_uri,
+        model={"family": family, "max_text_tokens": 16, "audio": True},
         buckets={"sizes": ["9x64x64"], "fps": 8.0}, window={"size": "keep"},
         precompute={"samples_per_shard": 4, "encode_batch": 2, "workers": 1},
         train={"batch_size": 2, "lr": 3e-3, "epochs": EPOCHS, "validation_prompts": ["a tone over a rabbit"],
@@ -62,7 +67,8 @@ def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_f
         tensors, keys, _ = decode_shard(window.read_shard(record))
         assert tensors["audio_latents"].shape[0] == tensors["latents"].shape[0] == len(keys)
         stored.update({key: tuple(tensors["audio_latents"][i].shape) for i, key in enumerate(keys)})
-    assert set(stored) == heard and set(stored.values()) == {(2, 28, 2)}  # 9 frames at 8 fps: 1.125 s
+    shape, channels, rate = FAMILIES[family]
+    assert set(stored) == heard and set(stored.values()) == {shape}
 
     metrics = read_metrics(tmp_path / "run" / "metrics.jsonl")
     steps_per_epoch = len(metrics) // EPOCHS
@@ -74,6 +80,6 @@ def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_f
 
     (video,) = sorted((tmp_path / "run" / "validation").glob("step-*/*.mp4"))
     frames, sound = read_video(video), read_sound(video)
-    assert sound is not None and sound.waveform.shape[0] == 2 and sound.sample_rate == 16000
+    assert sound is not None and sound.waveform.shape[0] == channels and sound.sample_rate == rate
     seconds = frames.shape[0] / 8.0
     assert abs(sound.waveform.shape[1] / sound.sample_rate - seconds) < 0.15, (sound.waveform.shape, seconds)

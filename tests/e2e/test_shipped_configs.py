@@ -174,7 +174,8 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
 PP_REFUSED = {"kandinsky5_lite": "its visual blocks take", "kandinsky5_pro_i2v": "its visual blocks take",
               "wan_vace": "its VACE blocks run on the control tokens",
               "ltx2": "set parallel.pp = 1 to train sound", "minimax_h3": "set parallel.pp = 1 to train sound",
-              "wan22_i2v_a14b": "train one expert per run"}
+              "wan22_i2v_a14b": "train one expert per run", "kandinsky6_lite": "its fused blocks take",
+              "kandinsky6_pro_i2v": "its fused blocks take"}
 
 
 def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_factory):

@@ -73,6 +73,9 @@ FAMILY_TRAIN = {
     # MiniMax H3 with audio (VARIANTS): a full fine-tune of both streams, one packed sequence per sample, each
     # sample's audio latents and audio noise (drawn on a key of its own) split over ranks like its latents.
     "minimax-h3-audio": {"mode": "full"},
+    # Kandinsky 6 with audio (VARIANTS): LoRA on every attention of both streams and the cross-stream attentions,
+    # each sample's audio latents and noise split over ranks like its latents; its text padded under a mask.
+    "kandinsky6-audio": {"mode": "lora"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
@@ -87,7 +90,8 @@ VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},
                               "max_text_tokens": TEXT_TOKENS},
             "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
-            "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS}}
+            "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS},
+            "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS}}
 
 
 def bucket_section(key: str) -> dict:

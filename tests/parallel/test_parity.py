@@ -108,6 +108,9 @@ FAMILY_LAYOUTS = {
     # transformer called once per sample, the audio latents and noise split over ranks with the latents; CP splits
     # each packed sequence, whose length follows the caption, into chunks one row apart where cp does not divide it.
     "minimax-h3-audio": ["ddp-2", "fsdp-2", "cp-2"],
+    # Kandinsky 6 with audio (conftest VARIANTS): DDP and FSDP2 over its three block lists (each stream's text blocks,
+    # then the fused blocks); no TP or CP plan (docs/parallel.md).
+    "kandinsky6-audio": ["ddp-2", "fsdp-2"],
 }
 # Exported weights compared within more than 1e-4 (losses and gradient norms stay at 1e-4): SkyReels V2 DF's
 # block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out

@@ -129,6 +129,14 @@ EXPECTED = {
                        text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
                        comfy_key="diffusion_model.visual_transformer_blocks.0.self_attention.to_query.lora_A.weight",
                        video_block=1, output_layer="out_layer.out_layer"),
+    # Kandinsky 5's encoders and VAE with MMAudio's sound stream: a text block per stream, then the fused blocks
+    # (the video tokens first reach blocks()[2]); the padded text and its mask, 1024 rows by default. Without
+    # model.audio the transformer still runs the audio text block, whose output the fused blocks then never read.
+    "kandinsky6": dict(frames_step=4, side=16, latent=(4, 3, 8, 12), text_dim=16, text_tokens=1024, patch=2,
+                       text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
+                       comfy_key="diffusion_model.visual_blocks.0.videoT.self_attention.to_query.lora_A.weight",
+                       comfy_in_diffusers=False, blocks=4, video_block=2, output_layer="out_layer.out_layer",
+                       unread_blocks=("audio_text_transformer_blocks.0",)),
     # Wan 2.1's encoders and layout on SkyReelsV2Transformer3DModel (t2v; diffusion forcing: test_skyreels_v2.py).
     "skyreels-v2": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
                         text_padding=_zero_past_caption, denormalize=_wan_denormalize,
@@ -203,6 +211,18 @@ def pipeline_latents(spec, pipeline, image=None):
 def folder_digest(folder):
     return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(folder.rglob("*.safetensors"))}
+
+
+def first_call(module) -> dict:
+    """The keyword arguments of `module`'s first forward call (later calls: classifier-free guidance)."""
+    seen: dict = {}
+
+    def record(module, args, kwargs):
+        if not seen:
+            seen.update(kwargs)
+
+    module.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
 
 
 def capture_transformer_inputs(transformer):

@@ -44,6 +44,7 @@ CASES = {
     ("ltx-2", "i2v"): "LTXAV",  # the same transformer; ComfyUI conditions on the image in its own nodes
     ("mochi", "t2v"): "GenmoMochi",
     ("kandinsky5", "t2v"): "Kandinsky5",  # supported_models.py Kandinsky5 -> model_base.Kandinsky5
+    ("kandinsky6", "t2v"): "Kandinsky6",  # one checkpoint for t2v and i2v (the image is an appended frame)
     # SkyReels V2's checkpoints are Wan 2.1's module layout (model_detection: image_model "wan2.1", i2v when
     # the checkpoint has img_emb): WAN21_T2V / WAN21_I2V; DF-1.3B's extra fps_embedding is outside the blocks.
     ("skyreels-v2", "t2v"): "WAN21",
@@ -82,6 +83,10 @@ WIDE = {
                   r"|ff\.net\.(0\.proj|2))",
     "kandinsky5": r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
                   r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
+    # The video stream's text and fused blocks (a video-only run: the audio stream is out of LoRA).
+    "kandinsky6": r"(video_text_transformer_blocks\.\d+\.attn|visual_transformer_blocks\.\d+\.video_dec_block\."
+                  r"(self|cross)_attention)\.(to_query|to_key|to_value|out_layer)|(video_text_transformer_blocks\.\d+"
+                  r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
 }
 
 # ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's
@@ -130,6 +135,10 @@ def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
     c = transformer.config
     if family == "kandinsky5":  # no head count in its config: widths are model_dim
         return ref.kandinsky5_weights(c.num_text_blocks, c.num_visual_blocks, c.model_dim, c.time_dim, c.ff_dim)
+    if family == "kandinsky6":  # each stream's widths (the audio ones default to the video's, as in both models)
+        dims = {name: getattr(c, name) for name in ("model_dim", "time_dim", "ff_dim")}
+        dims.update({f"{name}_a": getattr(c, f"{name}_a") or dims[name] for name in ("model_dim", "time_dim", "ff_dim")})
+        return ref.kandinsky6_weights(c.num_text_blocks, c.num_visual_blocks, dims, c.cross_gates)
     inner = c.num_attention_heads * c.attention_head_dim
     if family == "ltx-video":
         return ref.ltxv_weights(c.num_layers, inner, c.cross_attention_dim)
@@ -197,6 +206,29 @@ def test_comfyui_loads_ltx2_audio_modules(tiny_model_factory, tmp_path, targets)
     assert {"transformer_blocks.0.audio_to_video_attn.to_q", "transformer_blocks.1.video_to_audio_attn.to_out.0",
             "transformer_blocks.0.audio_attn2.to_k"} <= modules
     assert targets == "default" or "transformer_blocks.1.audio_ff.net.0.proj" in modules
+
+
+# Kandinsky 6 with model.audio: both streams' text and fused blocks, the cross-stream attentions and the modulations.
+_K6_AV = (r"(video|audio)_text_transformer_blocks\.\d+\.(attn\.(to_query|to_key|to_value|out_layer)|feed_forward\."
+          r"net\.(0\.proj|2)|text_modulation\.out_layer)|visual_transformer_blocks\.\d+\.((video|audio)_dec_block\."
+          r"((self|cross)_attention\.(to_query|to_key|to_value|out_layer)|feed_forward\.net\.(0\.proj|2)"
+          r"|visual_modulation\.out_layer)|(va|av)_cross_attention\.(to_query|to_key|to_value|out_layer)"
+          r"|(va|av)_modulation\.out_layer)")
+
+
+@pytest.mark.parametrize("targets", ["default", "every"])
+def test_comfyui_loads_kandinsky6_audio_modules(tiny_model_factory, tmp_path, targets):
+    """model.audio: LoRAs on both of Kandinsky 6's streams and the cross-stream attentions (every: also FFNs and
+    modulations) load into ComfyUI's Kandinsky6 model at their sizes, under its `videoT` / `audioT` names."""
+    spec = build_spec(ModelConfig(family="kandinsky6", path=str(tiny_model_factory("kandinsky6")), audio=True),
+                      frame_rate=8.0)
+    modules = check_comfy_file(spec, "Kandinsky6", None if targets == "default" else _K6_AV, tmp_path)
+    assert {"visual_blocks.0.audioT.self_attention.to_query", "visual_blocks.1.va_cross_attention.to_key",
+            "visual_blocks.0.av_cross_attention.out_layer", "audio_text_transformer_blocks.0.self_attention.to_value",
+            "video_text_transformer_blocks.0.self_attention.out_layer"} <= modules
+    if targets == "every":
+        assert {"visual_blocks.1.va_modulation.out_layer", "visual_blocks.0.audioT.feed_forward.in_layer",
+                "audio_text_transformer_blocks.0.text_modulation.out_layer"} <= modules
 
 
 # MiniMax H3 with model.audio: every module vt's key table names, the audio stream's own heads included (they train

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_cases import uint8_video
+from family_cases import first_call, uint8_video
 from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
@@ -23,18 +23,6 @@ CAPTIONS = ["a big rabbit walks in the meadow", "a cat"]
 def make_spec(folder, task="t2v", **model):
     model = {"max_text_tokens": 32, **model}
     return build_spec(ModelConfig(family=FAMILY, path=str(folder), task=task, **model), 8.0)
-
-
-def first_call(module) -> dict:
-    """The keyword arguments of `module`'s first forward call (later calls: classifier-free guidance)."""
-    seen: dict = {}
-
-    def record(module, args, kwargs):
-        if not seen:
-            seen.update(kwargs)
-
-    module.register_forward_pre_hook(record, with_kwargs=True)
-    return seen
 
 
 def test_each_caption_is_stored_as_the_pipeline_encodes_it_alone(tiny_model_factory):

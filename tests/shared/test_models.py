@@ -169,7 +169,8 @@ def test_checkpointing_recomputes_every_block_of_every_list(tiny_model_factory, 
     finally:
         handle.remove()
     starts.pop(None, None)
-    assert calls and starts == {name: 2 * len(calls) for name in names.values()}, \
+    unread = EXPECTED[family].get("unread_blocks", ())  # run, but nothing reads their output: no recomputation
+    assert calls and starts == {name: (1 if name in unread else 2) * len(calls) for name in names.values()}, \
         f"{family}: block forward starts {dict(starts)} in {len(calls)} transformer calls"
 
 

@@ -84,8 +84,19 @@ def units(block: nn.Module) -> list[nn.Module]:
     of their own so that one gather holds one part, not the whole block; [] when one part is the block."""
     inner = getattr(block, "_checkpoint_wrapped_module", block)  # under activation checkpointing
     total = sum(p.numel() for p in inner.parameters())
-    large = [child for child in inner.children() if 8 * sum(p.numel() for p in child.parameters()) >= total]
+    large = [child for child in _called_parts(inner) if 8 * sum(p.numel() for p in child.parameters()) >= total]
     return large if len(large) > 1 else []
+
+
+def _called_parts(module: nn.Module):
+    """`module`'s children, each container among them (a module with no forward of its own, which its parent never
+    calls: a ModuleList, Kandinsky 6's per-stream halves of a fused block) replaced by its own parts: FSDP2 gathers
+    a unit in its forward, so a unit must be a module that runs."""
+    for child in module.children():
+        if type(child).forward is nn.Module.forward:
+            yield from _called_parts(child)
+        else:
+            yield child
 
 
 def _own_outputs(module: nn.Module, args, output):

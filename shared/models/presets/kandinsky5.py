@@ -48,17 +48,23 @@ def parts(task: str) -> dict[str, Any]:
 
 
 def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
-    """A byte-level BPE Qwen2 tokenizer (Qwen's own pre-tokenizer) over the pipeline's prompt template and
-    `words`, right padded, whose template before the caption is exactly the 128 tokens the pipeline crops,
-    as with the real Qwen2.5-VL tokenizer: each of its pre-tokens is one token (a merge chain), except the
-    few longest once-only words, which stop one merge short (two tokens each) until the count is 128."""
-    import regex
+    """Kandinsky 5's tiny Qwen tokenizer: its prompt template's 128 cropped tokens (`build_template_tokenizer`)."""
     from diffusers import Kandinsky5T2VPipeline
+
+    prefix = Kandinsky5T2VPipeline(*([None] * 7)).prompt_template.split("{}")[0]
+    return build_template_tokenizer(prefix, PROMPT_TEMPLATE_TOKENS, words)
+
+
+def build_template_tokenizer(prefix: str, template_tokens: int, words: list[str] = TINY_WORDS):
+    """A byte-level BPE Qwen2 tokenizer (Qwen's own pre-tokenizer) over a pipeline's prompt template and `words`,
+    right padded, whose template before the caption (`prefix`) is exactly the `template_tokens` the pipeline crops,
+    as with the real Qwen2.5-VL tokenizer: each of its pre-tokens is one token (a merge chain), except the few
+    longest once-only words, which stop one merge short (two tokens each) until the count is reached."""
+    import regex
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
     from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-    prefix = Kandinsky5T2VPipeline(*([None] * 7)).prompt_template.split("{}")[0]
     specials = [*SPECIAL_TOKENS, *VISION_TOKENS.values()]
     vocab = {token: index for index, token in enumerate(specials)}
     for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
@@ -66,10 +72,11 @@ def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
     to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     pieces = [to_bytes.pre_tokenize_str(piece)[0][0] for text in regex.split(r"<\|im_start\|>|<\|im_end\|>", prefix)
               for piece in regex.findall(PRETOKENIZE_REGEX, text)]
-    split = PROMPT_TEMPLATE_TOKENS - len(pieces) - prefix.count("<|im_")
+    split = template_tokens - len(pieces) - prefix.count("<|im_")
     once = sorted({p for p in pieces if pieces.count(p) == 1 and len(p) > 3}, key=lambda p: (-len(p), p))
     if split < 0 or split > len(once):
-        raise AssertionError(f"the prompt template has {len(pieces)} pre-tokens: no 128-token tiny tokenizer")
+        raise AssertionError(f"the prompt template has {len(pieces)} pre-tokens: no {template_tokens}-token tiny "
+                             "tokenizer")
     merges: list[tuple[str, str]] = []
     for piece in pieces:
         if len(piece) > 1:
@@ -79,6 +86,6 @@ def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
     tokenizer.add_special_tokens({"additional_special_tokens": specials[1:]})
     count = len(tokenizer(prefix)["input_ids"])
-    if count != PROMPT_TEMPLATE_TOKENS:
-        raise AssertionError(f"the tiny Qwen tokenizer makes {count} template tokens, not {PROMPT_TEMPLATE_TOKENS}")
+    if count != template_tokens:
+        raise AssertionError(f"the tiny Qwen tokenizer makes {count} template tokens, not {template_tokens}")
     return tokenizer
