@@ -73,6 +73,11 @@ class ModelConfig(_Section):
     # alone (the audio parameters frozen, out of the optimizer and the checkpoints). Part of the provenance.
     audio: bool = False
     audio_weight: float = Field(1.0, ge=0)
+    # With model.audio: the audio stream's noise level per sample. None: the family's default; "shared": the
+    # video's, as the family's pipeline pairs the two streams at each step; "independent": drawn on a key of its own
+    # (train.sigma_sampling, at model.audio_shift), for families whose transformer takes a timestep per stream.
+    audio_timesteps: Literal["shared", "independent"] | None = None
+    audio_shift: float | None = Field(None, gt=0)  # the independent audio sigmas' shift; None: the family's default
 
 
 class DataConfig(_Section):

@@ -60,13 +60,14 @@ def sample_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
 
-def joint_loss(out: Prediction, audio_weight: float,
-               sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def joint_loss(out: Prediction, audio_weight: float, sample_weights: torch.Tensor | None = None,
+               audio_sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, audio loss or None): the video loss plus `audio_weight` x the audio stream's (model.audio);
-    `sample_weights` (n,) scale each sample's error in both (train.loss_weighting)."""
+    `sample_weights` (n,) scale each sample's error (train.loss_weighting), in the audio loss too unless it has its
+    own (`audio_sample_weights`: its sigmas' weights, with independent audio timesteps)."""
     if out.audio is None:
         return flow_matching_loss(out, sample_weights), None
-    audio = flow_matching_loss(out.audio, sample_weights)
+    audio = flow_matching_loss(out.audio, sample_weights if audio_sample_weights is None else audio_sample_weights)
     return flow_matching_loss(out, sample_weights) + audio_weight * audio, audio
 
 

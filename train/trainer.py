@@ -49,7 +49,8 @@ from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_bas
 from vt.train.model_build import Dtypes, build_transformer
 from vt.train.objectives import joint_loss, loss_weights
 from vt.train.parallel import parallelize
-from vt.train.parallel.batching import Slice, draw_audio_noise, draw_inputs, spec_generators, take_slice
+from vt.train.parallel.batching import (Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators,
+                                        take_slice)
 from vt.train.parallel.block_swap import BlockSwap
 from vt.train.parallel.dims import ParallelConfigError
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
@@ -472,8 +473,15 @@ class Trainer:
         sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
                                     self.spec.sigma_range(), levels, logit_mean=train.logit_mean,
                                     logit_std=train.logit_std, mode_scale=train.mode_scale)
+        audio_sigmas = None
         if "audio_latents" in tensors:
             tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
+            if self.spec.audio_timesteps == "independent":
+                shift = self.config.model.audio_shift or self.spec.default_audio_shift or train.shift
+                audio_sigmas = draw_audio_sigmas(part, train.seed, self.step, train.sigma_sampling, shift,
+                                                 logit_mean=train.logit_mean, logit_std=train.logit_std,
+                                                 mode_scale=train.mode_scale)
+                tensors["audio_sigmas"] = audio_sigmas.to(self.device)
         generators = spec_generators(part, train.seed, self.step)
         models = expert_modules(model)
         for route in routes(self.spec, sigmas, part.count):
@@ -486,8 +494,10 @@ class Trainer:
                                         generators=generators if route.expert is None
                                         else [generators[row] for row in route.rows.tolist()])
             weights = loss_weights(sigmas[rows], train.loss_weighting)  # None: unweighted
+            audio_weights = None if audio_sigmas is None else loss_weights(audio_sigmas[rows], train.loss_weighting)
             loss, audio_loss = joint_loss(out, self.config.model.audio_weight,
-                                          None if weights is None else weights.to(self.device))
+                                          None if weights is None else weights.to(self.device),
+                                          None if audio_weights is None else audio_weights.to(self.device))
             yield loss, audio_loss, route.count
 
     def _pipeline_micro_step(self, part: Slice, scale: float) -> torch.Tensor:

@@ -95,6 +95,8 @@ class LTX2Spec(ModelSpec):
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
     audio_stream: ClassVar[bool] = True
     audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
+    # LTX2Pipeline steps both streams at one sigma; its transformer takes a timestep per stream
+    audio_timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
     default_lora_targets: ClassVar[list[str]] = VIDEO_LORA_TARGETS  # with model.audio: + AUDIO_LORA_TARGETS
     _vocoder: type | None = None  # the vocoder class the checkpoint names (component_classes)
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
@@ -264,12 +266,15 @@ class LTX2Spec(ModelSpec):
         timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(tokens.device)  # float32, as the pipeline passes it
         # i2v: per token, frame-major as the tokens are packed: t * (1 - conditioning mask), 0 on the image
         video_timestep = self.token_timesteps(timestep, grid) if i2v else timestep
-        audio = (self._audio_inputs(batch, sigmas, mask, dtype) if self.config.audio
+        # the audio stream's sigma: the sample's, or its own (model.audio_timesteps = "independent")
+        audio_sigmas = batch["audio_sigmas"].to(sigmas) if "audio_sigmas" in batch else sigmas
+        audio_timestep = (audio_sigmas * NUM_TRAIN_TIMESTEPS).to(tokens.device)
+        audio = (self._audio_inputs(batch, audio_sigmas, mask, dtype) if self.config.audio
                  else self._silent_audio(text, transformer.config.audio_in_channels))
         out, audio_out = transformer(
-            hidden_states=tokens, encoder_hidden_states=text, timestep=video_timestep, audio_timestep=timestep,
-            sigma=timestep, encoder_attention_mask=mask, num_frames=grid[0], height=grid[1], width=grid[2],
-            fps=self.frame_rate, return_dict=False, **audio.pop("inputs"))
+            hidden_states=tokens, encoder_hidden_states=text, timestep=video_timestep, audio_timestep=audio_timestep,
+            sigma=timestep, audio_sigma=audio_timestep, encoder_attention_mask=mask, num_frames=grid[0],
+            height=grid[1], width=grid[2], fps=self.frame_rate, return_dict=False, **audio.pop("inputs"))
         prediction = LTX2Pipeline._unpack_latents(out, *grid, patch, 1)
         sound = None
         if self.config.audio:
@@ -288,7 +293,7 @@ class LTX2Spec(ModelSpec):
                                audio_num_frames=1, isolate_modalities=True)}
 
     def _audio_inputs(self, batch: dict[str, Tensor], sigmas: Tensor, mask: Tensor, dtype) -> dict[str, Any]:
-        """model.audio: the audio latents (B, C, L, M) noised with the sample's sigma, packed as LTX2Pipeline
+        """model.audio: the audio latents (B, C, L, M) noised with the audio sigmas, packed as LTX2Pipeline
         packs them ((B, L, C x M): every mel bin of a latent frame in one token), with the connectors' audio
         text embedding and the video's text mask (the pipeline passes that mask to both), the audio-video
         cross-attention on, modulated as validation samples (`cross_timestep`)."""

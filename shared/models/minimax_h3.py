@@ -88,6 +88,8 @@ class MiniMaxH3Spec(ModelSpec):
     audio_stream: ClassVar[bool] = True
     audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
     audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
+    # The pipeline pairs the streams' sigmas through their schedules; its rows take a timestep each
+    audio_timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
     default_lora_targets: ClassVar[list[str]] = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
     # The original checkpoint's module names, which ComfyUI's MiniMaxH3Model (comfy/ldm/minimax/model.py) has and
     # diffusers' own H3 LoRA reader converts back (`_convert_non_diffusers_minimax_h3_lora_to_diffusers`): q/k/v
@@ -243,7 +245,8 @@ class MiniMaxH3Spec(ModelSpec):
 
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         audio = "audio_latents" in batch
-        audio_sigmas = self.audio_sigmas(sigmas)
+        # the audio rows' sigma: paired with the video's by the two schedules, or its own (model.audio_timesteps)
+        audio_sigmas = batch["audio_sigmas"].to(sigmas) if "audio_sigmas" in batch else self.audio_sigmas(sigmas)
         if audio:
             audio_x0 = batch["audio_latents"].float().to(x0.device)
             audio_noise = batch["audio_noise"].to(audio_x0)
@@ -280,6 +283,11 @@ class MiniMaxH3Spec(ModelSpec):
     def schedule_shifts(self) -> tuple[float, float]:
         """(video, audio) shifts of the pipeline's two schedulers (12 and 3 in the release)."""
         return float(self.load_config("scheduler")["shift"]), float(self.load_config("audio_scheduler")["shift"])
+
+    @property
+    def default_audio_shift(self) -> float:
+        """Independent audio sigmas' shift: the audio scheduler's (3 in the release; the video's: 12)."""
+        return self.schedule_shifts[1]
 
     def audio_sigmas(self, sigmas: Tensor) -> Tensor:
         """The audio rows' sigma for each video sigma: the audio schedule's value at the same point of the base grid

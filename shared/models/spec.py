@@ -92,6 +92,10 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # stream's terms in `Prediction.audio`. `audio_components` are what stage 1 loads for it.
     audio_stream: ClassVar[bool] = False
     audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
+    # How its audio noise level may relate to the video's (`model.audio_timesteps`), the default first, and the
+    # independent audio sigmas' default shift (None: train.shift).
+    audio_timestep_modes: ClassVar[tuple[str, ...]] = ("shared",)
+    default_audio_shift: ClassVar[float | None] = None
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
@@ -121,6 +125,10 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         if config.audio and not self.audio_stream:
             raise UserError(f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
                              "only. Remove it, or pick a family that trains audio (docs/families.md)")
+        if config.audio_timesteps not in (None, *self.audio_timestep_modes):
+            raise UserError(f"model.audio_timesteps = {config.audio_timesteps!r}: the {self.family!r} transformer takes "
+                             f"{' or '.join(repr(m) for m in self.audio_timestep_modes)} audio timesteps; remove it")
+        self.audio_timesteps = config.audio_timesteps or self.audio_timestep_modes[0]
         self.frame_rate = float(frame_rate)
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.

@@ -76,6 +76,9 @@ FAMILY_TRAIN = {
     # Kandinsky 6 with audio (VARIANTS): LoRA on every attention of both streams and the cross-stream attentions,
     # each sample's audio latents and noise split over ranks like its latents; its text padded under a mask.
     "kandinsky6-audio": {"mode": "lora"},
+    # LTX-2 with the audio stream's own sigma per sample (model.audio_timesteps = "independent", shift 3), cosmap
+    # loss weights (each stream's loss weighted by its own sigmas): the audio sigmas split over ranks by sample key.
+    "ltx-2-audio-independent": {"mode": "lora", "loss_weighting": "cosmap"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
@@ -91,7 +94,9 @@ VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},
             "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
             "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
             "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS},
-            "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS}}
+            "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS},
+            "ltx-2-audio-independent": {"family": "ltx-2", "audio": True, "audio_timesteps": "independent",
+                                        "audio_shift": 3.0, "max_text_tokens": TEXT_TOKENS}}
 
 
 def bucket_section(key: str) -> dict:

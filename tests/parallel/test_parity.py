@@ -111,6 +111,8 @@ FAMILY_LAYOUTS = {
     # Kandinsky 6 with audio (conftest VARIANTS): DDP and FSDP2 over its three block lists (each stream's text blocks,
     # then the fused blocks); no TP or CP plan (docs/parallel.md).
     "kandinsky6-audio": ["ddp-2", "fsdp-2"],
+    # LTX-2 with independent audio timesteps (conftest VARIANTS): each sample's audio sigma drawn on its own key.
+    "ltx-2-audio-independent": ["fsdp-2"],
 }
 # Exported weights compared within more than 1e-4 (losses and gradient norms stay at 1e-4): SkyReels V2 DF's
 # block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out

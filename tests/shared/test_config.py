@@ -124,7 +124,7 @@ def test_shipped_configs_are_valid_and_their_buckets_fit_the_family(path):
         "ltx-video": (8, 1, 32), "wan": (4, 1, 16), "wan2.2": (4, 1, 16), "wan2.2-ti2v": (4, 1, 32),
         "cogvideox": (4, 1, 16), "hunyuan-video": (4, 1, 16), "hunyuan-video-1.5": (4, 1, 16), "mochi": (6, 1, 16),
         "ltx-2": (8, 1, 32), "skyreels-v2": (4, 1, 16), "wan-vace": (4, 1, 16), "kandinsky5": (4, 1, 16),
-        "minimax-h3": (17, 5, 32)}[config.model.family]
+        "kandinsky6": (4, 1, 16), "minimax-h3": (17, 5, 32)}[config.model.family]
     for bucket in parse_buckets(config.buckets.sizes):
         assert bucket.frames % step == first % step and bucket.height % side == 0 and bucket.width % side == 0
 

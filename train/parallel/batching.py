@@ -106,6 +106,13 @@ def spec_generators(part: Slice, seed: int, step: int) -> list[torch.Generator]:
     return [keyed_generator(seed, step, "spec", part.first_index + row) for row in range(rows)]
 
 
+def draw_audio_sigmas(part: Slice, seed: int, step: int, scheme: str, shift: float, **density) -> torch.Tensor:
+    """Each row's audio sigma (model.audio_timesteps = "independent"), from a generator on a key of its own per
+    sample: the video's sigmas and noise are drawn exactly as with shared timesteps."""
+    return torch.cat([sample_sigmas(1, scheme, shift, keyed_generator(seed, step, "audio_sigma", part.first_index + row),
+                                    **density) for row in range(part.tensors["latents"].shape[0])])
+
+
 def draw_audio_noise(part: Slice, seed: int, step: int) -> torch.Tensor:
     """Noise like `audio_latents` for the rows of `part` (model.audio), one generator per sample on a key
     of its own, so the video's sigmas and noise are drawn exactly as without audio."""
