@@ -22,10 +22,10 @@ offers it temporal: vt.shared.vae_tiling), so long or high-resolution clips fit:
 each producer logs which buckets "auto" tiles. A clip that still cannot be encoded stops the run with what
 to change (`VaeOutOfMemory`).
 
-A family that trains audio (model.audio) also loads its audio encoder (`spec.audio_components`) beside the
+A family that trains audio (model.audio) also loads its audio encoder (`spec.sound.components`) beside the
 VAE, on the device and in float32 whatever model.dtype says (as reference trainers encode audio: a mel
 spectrogram's log range suffers in bf16, and audio encoders are small), and `encode_sounds` encodes each
-shard's sounds, cut or padded to the bucket's length (`spec.audio_samples`).
+shard's sounds, cut or padded to the bucket's length (`spec.sound.samples`).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool | s
     encoders = {}
     for name in spec.stage1_components:
         on_cpu = name in text_parts and offload != "none"
-        audio = name in spec.audio_components and spec.config.audio
+        audio = spec.config.audio and name in spec.sound.components
         encoders[name] = spec.load_component(name, "cpu" if on_cpu else device, torch.float32 if audio else dtype)
     if offload == "blocks":
         from diffusers.hooks import apply_group_offloading
@@ -106,7 +106,7 @@ def tiled_buckets(spec, encoders: dict, buckets, device: torch.device, setting: 
 def text_components(spec) -> list[str]:
     """The stage-1 components the text phase moves (text and image encoders): all but the VAE and the audio
     encoder, which stay on the device."""
-    audio = spec.audio_components if spec.config.audio else ()
+    audio = spec.sound.components if spec.config.audio else ()
     return [name for name in spec.stage1_components if name != "vae" and name not in audio]
 
 
@@ -176,15 +176,15 @@ def _encode_videos(spec, encoders, videos, batch, device, bucket, tiled, control
 
 def encode_sounds(spec, encoders: dict, sounds: list[torch.Tensor], bucket, batch: int,
                   device: torch.device) -> dict[str, list[torch.Tensor]]:
-    """`spec.encode_audio` over the samples' `sounds` (channels, samples) in batches of `batch`, each cut or
-    padded with silence to `spec.audio_samples(bucket)` (the decoder's rounding is the spec's; this keeps
+    """`spec.sound.encode` over the samples' `sounds` (channels, samples) in batches of `batch`, each cut or
+    padded with silence to `spec.sound.samples(bucket)` (the decoder's rounding is the spec's; this keeps
     the family's length the one truth)."""
-    length = spec.audio_samples(bucket)
+    length = spec.sound.samples(bucket)
     fitted = [F.pad(s[:, :length], (0, max(0, length - s.shape[1]))) for s in sounds]
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(fitted), batch):
         group = torch.stack(fitted[start:start + batch]).to(device, torch.float32)
-        for name, tensor in spec.encode_audio(encoders, group).items():
+        for name, tensor in spec.sound.encode(encoders, group).items():
             out.setdefault(name, []).append(tensor.cpu())
     return out
 

@@ -24,7 +24,7 @@ the run folder's rejects.jsonl (precompute/rejects.py), each once across restart
 
 A family that trains audio (model.audio): the decode workers also decode each sample's sound over its
 frames' time span at the family's rate and channels (processors/sound.py; a clip without sound follows
-data.missing_audio), and the shard stores `spec.encode_audio`'s `audio_latents` beside the latents, one
+data.missing_audio), and the shard stores `spec.sound.encode`'s `audio_latents` beside the latents, one
 row per sample key as every tensor. Without model.audio no sound is read and shards are as before.
 """
 
@@ -68,7 +68,7 @@ class TooManyFailures(UserError, RuntimeError):
 
 def sound_request(spec, config: Config) -> SoundRequest:
     """What the decode workers decode of each clip's sound: the family's rate and channels, data.missing_audio."""
-    audio = spec.audio_format()
+    audio = spec.sound.format()
     return SoundRequest(audio.sample_rate, audio.channels, config.data.missing_audio)
 
 

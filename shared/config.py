@@ -68,7 +68,7 @@ class ModelConfig(_Section):
     # causal block), fed to a transformer that takes a timestep per frame, and validation with the family's
     # diffusion-forcing pipeline; families whose transformer takes one timestep per sample refuse it.
     diffusion_forcing: bool = False
-    # Families with a sound stream (ModelSpec.audio_stream: LTX-2, MiniMax H3): train video and audio together,
+    # Families with a sound stream (ModelSpec.sound: LTX-2, MiniMax H3, Kandinsky 6): train video and audio together,
     # one sigma per sample for both, loss = video loss + audio_weight * audio loss. false: the video stream
     # alone (the audio parameters frozen, out of the optimizer and the checkpoints). Part of the provenance.
     audio: bool = False

@@ -80,7 +80,7 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
 
 def audio_settings(config: Config, spec) -> dict:
     """What decides a shard's `audio_latents`: the family's sound format and what a clip without sound gets."""
-    audio = spec.audio_format()
+    audio = spec.sound.format()
     return {"sample_rate": audio.sample_rate, "channels": audio.channels, "missing": config.data.missing_audio}
 
 

@@ -90,7 +90,7 @@ class Plan:
         tiled = self.config.precompute.vae_tiling is True if tiled is None else tiled
         working = self.stage1.get("working_tiled" if tiled else "working", 0)
         spec = spec_for(self.config)
-        text = set(spec.stage1_components) - {"vae", *spec.audio_components}
+        text = set(spec.stage1_components) - {"vae", *(spec.sound.components if spec.sound else ())}
         encoders = {name: size for name, size in self.stage1.items() if not name.startswith("working")}
         text_bytes = sum(size for name, size in encoders.items() if name in text)
         vae_phase = sum(size for name, size in encoders.items() if name not in text) + working

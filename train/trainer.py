@@ -477,7 +477,7 @@ class Trainer:
         if "audio_latents" in tensors:
             tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
             if self.spec.audio_timesteps == "independent":
-                shift = self.config.model.audio_shift or self.spec.default_audio_shift or train.shift
+                shift = self.config.model.audio_shift or self.spec.sound.default_shift or train.shift
                 audio_sigmas = draw_audio_sigmas(part, train.seed, self.step, train.sigma_sampling, shift,
                                                  logit_mean=train.logit_mean, logit_std=train.logit_std,
                                                  mode_scale=train.mode_scale)

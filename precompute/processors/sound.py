@@ -34,7 +34,7 @@ _SEEK_MARGIN = 0.5  # seconds before the span the seek aims at: the frame holdin
 @dataclass(frozen=True)
 class SoundRequest:
     """What stage 1 asks of each clip's sound (model.audio): the family's rate and channels
-    (ModelSpec.audio_format) and what a clip without a sound track gets (data.missing_audio)."""
+    (ModelSpec.sound.format()) and what a clip without a sound track gets (data.missing_audio)."""
 
     sample_rate: int
     channels: int
@@ -46,7 +46,7 @@ class SoundRequest:
                              f"got {self}")
 
     def samples(self, seconds: float) -> int:
-        """Samples in `seconds` of sound (ModelSpec.audio_samples' rounding)."""
+        """Samples in `seconds` of sound (SoundStream.samples' rounding)."""
         return round(seconds * self.sample_rate)
 
 

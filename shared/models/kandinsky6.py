@@ -40,7 +40,8 @@ from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
 from vt.shared.models.kandinsky5 import caption_lengths, pooled_and_image_shapes, with_image_latents
 from vt.shared.models.lora import lora_weight_name
-from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
+from vt.shared.models.roles import AudioFormat, SoundStream
+from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
 
 # What only the sound stream trains: its embeddings, text blocks, decoder halves and the two cross-stream
@@ -50,6 +51,43 @@ NEGATIVE_PROMPT = ("Static, 2D cartoon, cartoon, 2d animation, paintings, images
                    "deformed, walking backwards")  # Kandinsky6TI2VAPipeline._DEFAULT_NEGATIVE_PROMPT
 TAIL_TOKEN_TYPE = 1  # the appended image frame's token type (the pipeline's `visual_token_type_ids`)
 _FUSED, _TEXT = r"visual_transformer_blocks\.(\d+)", r"(video|audio)_text_transformer_blocks\.(\d+)"
+
+
+class Kandinsky6Sound(SoundStream):
+    """Kandinsky 6's sound stream: the mono track through MMAudio's mel VAE, its BigVGAN vocoder's waveform."""
+
+    parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern  # one timestep for both streams in diffusers' class
+
+    def format(self) -> AudioFormat:
+        return AudioFormat(sample_rate=int(self.spec.load_config("audio_vae")["sample_rate"]), channels=1)
+
+    def hop(self) -> int:
+        """Waveform samples per audio latent: two mel hops (MMAudioVAE's `latent_hop_length`)."""
+        return 2 * int(self.spec.load_config("audio_vae")["hop_length"])
+
+    def latent_shape(self, bucket: Bucket) -> tuple[int, int]:
+        """(latent channels, N): the pipeline's audio length for `bucket.frames` at the spec's frame rate."""
+        self.spec.check_bucket(bucket)
+        config = self.spec.load_config("audio_vae")
+        return (config["latent_channels"],
+                math.ceil(bucket.frames / self.spec.frame_rate * config["sample_rate"] / self.hop()))
+
+    @torch.no_grad()
+    def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, C, N)}: each mono track padded with silence to N whole latent hops (N the
+        pipeline's length for its duration), MMAudioVAE's posterior mode x scaling_factor."""
+        if audio.ndim != 3 or audio.shape[1] != 1:
+            raise ValueError(f"audio must be (B, 1, samples) in [-1, 1], got shape {tuple(audio.shape)}")
+        vae = encoders["audio_vae"]
+        frames = math.ceil(audio.shape[-1] / self.hop())
+        waveform = torch.nn.functional.pad(audio[:, 0].float(), (0, frames * self.hop() - audio.shape[-1]))
+        latents = vae.encode(waveform.to(vae.device, vae.dtype)).latent_dist.mode().float()
+        return {"audio_latents": (latents[:, :, :frames] * vae.config.scaling_factor).cpu()}
+
+    def output(self, pipeline, output) -> Sound:
+        """The first sample's mono waveform from MMAudio's vocoder, at the audio VAE's rate."""
+        waveform = np.ascontiguousarray(output.audio[0], dtype=np.float32)  # output_type "np": numpy already
+        return Sound(waveform.reshape(1, -1).clip(-1, 1), int(pipeline.audio_sample_rate))
 
 
 class Kandinsky6Spec(ModelSpec):
@@ -65,9 +103,7 @@ class Kandinsky6Spec(ModelSpec):
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}
     negative_prompt: ClassVar[str] = NEGATIVE_PROMPT
-    audio_stream: ClassVar[bool] = True
-    audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
-    audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
+    sound_stream: ClassVar[type[SoundStream]] = Kandinsky6Sound
     # Every attention's q/k/v and output (the text blocks' `attn`, the fused blocks' self- and cross-attentions);
     # the audio stream's are left out of a video-only run by `lora_exclusions`.
     default_lora_targets: ClassVar[list[str]] = [
@@ -150,33 +186,6 @@ class Kandinsky6Spec(ModelSpec):
         """{"latents": mode x scaling_factor}; i2v adds `image_latents`, the first frame encoded alone."""
         return with_image_latents(self, encoders, video, super().encode_video(encoders, video))
 
-    # ----------------------------------------------------------------------------- audio
-    def audio_format(self) -> AudioFormat:
-        return AudioFormat(sample_rate=int(self.load_config("audio_vae")["sample_rate"]), channels=1)
-
-    def audio_hop(self) -> int:
-        """Waveform samples per audio latent: two mel hops (MMAudioVAE's `latent_hop_length`)."""
-        return 2 * int(self.load_config("audio_vae")["hop_length"])
-
-    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, int]:
-        """(latent channels, N): the pipeline's audio length for `bucket.frames` at the spec's frame rate."""
-        self.check_bucket(bucket)
-        config = self.load_config("audio_vae")
-        return (config["latent_channels"],
-                math.ceil(bucket.frames / self.frame_rate * config["sample_rate"] / self.audio_hop()))
-
-    @torch.no_grad()
-    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, N)}: each mono track padded with silence to N whole latent hops (N the
-        pipeline's length for its duration), MMAudioVAE's posterior mode x scaling_factor."""
-        if audio.ndim != 3 or audio.shape[1] != 1:
-            raise ValueError(f"audio must be (B, 1, samples) in [-1, 1], got shape {tuple(audio.shape)}")
-        vae = encoders["audio_vae"]
-        frames = math.ceil(audio.shape[-1] / self.audio_hop())
-        waveform = torch.nn.functional.pad(audio[:, 0].float(), (0, frames * self.audio_hop() - audio.shape[-1]))
-        latents = vae.encode(waveform.to(vae.device, vae.dtype)).latent_dist.mode().float()
-        return {"audio_latents": (latents[:, :, :frames] * vae.config.scaling_factor).cpu()}
-
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
@@ -249,8 +258,3 @@ class Kandinsky6Spec(ModelSpec):
         """As the base, sampling sound only where the run trains it."""
         return {**super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image, control),
                 "sample_audio": self.config.audio}
-
-    def output_sound(self, pipeline, output) -> Sound:
-        """The first sample's mono waveform from MMAudio's vocoder, at the audio VAE's rate."""
-        waveform = np.ascontiguousarray(output.audio[0], dtype=np.float32)  # output_type "np": numpy already
-        return Sound(waveform.reshape(1, -1).clip(-1, 1), int(pipeline.audio_sample_rate))

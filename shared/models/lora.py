@@ -46,7 +46,7 @@ def check_finite(tensors: dict[str, Tensor], step: int | None) -> None:
 
 
 class LoraMixin:
-    """Uses the spec's `family`, `expert`, `pipeline_class()` and `load_config()`."""
+    """Uses the spec's `family`, `expert`, `config`, `sound`, `pipeline_class()` and `load_config()`."""
 
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0"]
     # (diffusers module regex, original module name) pairs, first full match wins; see comfy.py.
@@ -58,10 +58,6 @@ class LoraMixin:
     # only (an exclusion there just makes peft warn that nothing was excluded).
     exclusions_in_metadata: ClassVar[bool] = True
     excluded_modules_named: ClassVar[str] = "the modules no LoRA may reach"  # `lora_exclusions`, in errors
-    # Families with a sound stream: a regular expression (searched in parameter names) of what only the audio
-    # stream trains. Without model.audio those get no gradient: a full fine-tune leaves them frozen (DDP would
-    # otherwise wait for their gradients) and LoRA targets reaching them are refused.
-    audio_parameters: ClassVar[str | None] = None
     _lora_metadata: dict[str, Any] | None = None
 
     def lora_exclusions(self, transformer) -> str | None:
@@ -70,10 +66,10 @@ class LoraMixin:
 
     def check_lora(self, transformer, targets) -> None:
         """Called after the adapters are added: refuse targets that reach modules the run never trains (the
-        audio stream's, `audio_parameters`, in a video-only run)."""
-        if self.audio_parameters is None or self.config.audio:
+        sound stream's, `sound.parameters`, in a video-only run)."""
+        if self.sound is None or self.config.audio:
             return
-        audio = re.compile(self.audio_parameters)
+        audio = re.compile(self.sound.parameters)
         reached = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
                           if "lora_" in n and audio.search(n)})
         if reached:
@@ -109,11 +105,11 @@ class LoraMixin:
             self._lora_metadata["exclude_modules"] = excluded
 
     def full_trainable(self, transformer) -> None:
-        """Mark what a full fine-tune trains: every parameter, but the audio stream's (`audio_parameters`) in
-        a video-only run, and what else a family leaves out."""
+        """Mark what a full fine-tune trains: every parameter, but the sound stream's (`sound.parameters`) in a
+        video-only run (no gradient reaches them: DDP would wait for one), and what else a family leaves out."""
         transformer.requires_grad_(True)
-        if self.audio_parameters is not None and not self.config.audio:
-            audio = re.compile(self.audio_parameters)
+        if self.sound is not None and not self.config.audio:
+            audio = re.compile(self.sound.parameters)
             for name, param in transformer.named_parameters():
                 param.requires_grad_(not audio.search(name))
 

@@ -17,10 +17,10 @@ Two modes (docs/families.md):
   the audio-video cross-attention (`full_trainable`), which receive no gradient without audio.
 - `model.audio = true`, video and audio together, as LTX2Pipeline's denoising step runs them: stage 1
   also stores the connectors' audio text embedding (`audio_prompt_embeds`) and the clip's sound as the
-  audio stream takes it (`encode_audio`): the waveform (16 kHz stereo for LTX-2, the audio VAE's
+  audio stream takes it (`LTX2Sound.encode`): the waveform (16 kHz stereo for LTX-2, the audio VAE's
   `sample_rate` and `in_channels`) as the log-mel spectrogram Lightricks' trainer feeds the audio VAE
   (shared/models/mel.py: n_fft 1024, the VAE's hop and mel bins), the posterior mode, its first
-  `audio_latent_shape` frames (the causal encoder gives one more than LTX2Pipeline generates for the
+  `LTX2Sound.latent_shape` frames (the causal encoder gives one more than LTX2Pipeline generates for the
   clip's duration: the last, which only sees the span's last mel frame, goes), normalised as the
   pipeline denormalises audio latents before its audio VAE decodes them (packed per frame,
   `(z - mean) / std`); stored unpacked (`audio_latents`, (channels, frames, mel bins / 4)). Stage 2 noises both streams
@@ -67,7 +67,8 @@ from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
 from vt.shared.models.mel import log_mel
 from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
-from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
+from vt.shared.models.roles import AudioFormat, SoundStream
+from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
 from vt.shared.errors import UserError
 
@@ -88,15 +89,61 @@ VOCODERS = {"LTX2Vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
             "LTX2VocoderWithBWE": "diffusers.pipelines.ltx2.vocoder:LTX2VocoderWithBWE"}
 
 
+class LTX2Sound(SoundStream):
+    """LTX-2's sound stream: stereo log-mel spectrograms through its audio VAE, LTX2Pipeline's vocoder."""
+
+    parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
+    # LTX2Pipeline steps both streams at one sigma; its transformer takes a timestep per stream
+    timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
+
+    def format(self) -> AudioFormat:
+        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
+        config = self.spec.load_config("audio_vae")
+        return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
+
+    def latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
+        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
+        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
+        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
+
+        config = self.spec.load_config("audio_vae")
+        per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
+        frames = round(bucket.frames / self.spec.frame_rate * per_second)
+        return config["latent_channels"], frames, config["mel_bins"] // DOWN
+
+    @torch.no_grad()
+    def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
+        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
+        from diffusers import LTX2Pipeline
+
+        vae = encoders["audio_vae"]
+        config = vae.config
+        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
+                      config.mel_bins)
+        latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
+        frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
+        if latents.shape[2] < frames:
+            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
+                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
+        latents = latents[:, :, :frames]
+        packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
+        packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())
+        return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
+
+    def output(self, pipeline, output) -> Sound:
+        """The first sample's waveform from LTX2Pipeline's vocoder (2.0: 24 kHz, 2.3 with bandwidth
+        extension: 48 kHz), at the rate the vocoder's config gives."""
+        waveform = output.audio[0].float().cpu().numpy()
+        return Sound(waveform.reshape(-1, waveform.shape[-1]), int(pipeline.vocoder.config.output_sampling_rate))
+
+
 class LTX2Spec(ModelSpec):
     family: ClassVar[str] = "ltx-2"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "connectors", "vae")
-    audio_stream: ClassVar[bool] = True
-    audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
-    # LTX2Pipeline steps both streams at one sigma; its transformer takes a timestep per stream
-    audio_timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
+    sound_stream: ClassVar[type[SoundStream]] = LTX2Sound
     default_lora_targets: ClassVar[list[str]] = VIDEO_LORA_TARGETS  # with model.audio: + AUDIO_LORA_TARGETS
     _vocoder: type | None = None  # the vocoder class the checkpoint names (component_classes)
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"(transformer_blocks\..+)", r"\1"),)
@@ -185,7 +232,7 @@ class LTX2Spec(ModelSpec):
         if self.config.audio:  # the audio connector's width; the clip's audio latents
             shapes["audio_prompt_embeds"] = (self.max_text_tokens, connectors["audio_connector_num_attention_heads"]
                                              * connectors["audio_connector_attention_head_dim"])
-            shapes["audio_latents"] = self.audio_latent_shape(bucket)
+            shapes["audio_latents"] = self.sound.latent_shape(bucket)
         return shapes
 
     @torch.no_grad()
@@ -206,40 +253,6 @@ class LTX2Spec(ModelSpec):
         latents = self._vae_mode(vae, video)
         latents = LTX2Pipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor)
         return {"latents": latents.float()}
-
-    def audio_format(self) -> AudioFormat:
-        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
-        config = self.load_config("audio_vae")
-        return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
-
-    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
-        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
-        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
-        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
-
-        config = self.load_config("audio_vae")
-        per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
-        return config["latent_channels"], round(bucket.frames / self.frame_rate * per_second), config["mel_bins"] // DOWN
-
-    @torch.no_grad()
-    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
-        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
-        from diffusers import LTX2Pipeline
-
-        vae = encoders["audio_vae"]
-        config = vae.config
-        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
-                      config.mel_bins)
-        latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
-        frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
-        if latents.shape[2] < frames:
-            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
-                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
-        latents = latents[:, :, :frames]
-        packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
-        packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())
-        return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -348,9 +361,3 @@ class LTX2Spec(ModelSpec):
         modulated by each stream's own timestep (`use_cross_timestep=False`), LTX-2.3's by the other's (True)."""
         return {**super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image),
                 "use_cross_timestep": self.cross_timestep}
-
-    def output_sound(self, pipeline, output) -> Sound:
-        """The first sample's waveform from LTX2Pipeline's vocoder (2.0: 24 kHz, 2.3 with bandwidth
-        extension: 48 kHz), at the rate the vocoder's config gives."""
-        waveform = output.audio[0].float().cpu().numpy()
-        return Sound(waveform.reshape(-1, waveform.shape[-1]), int(pipeline.vocoder.config.output_sampling_rate))

@@ -39,7 +39,8 @@ from vt.shared.buckets import Bucket
 from vt.shared.models import comfy
 from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
 from vt.shared.models.plans import ContextParallelPlan
-from vt.shared.models.spec import AudioFormat, ModelSpec, VaeGeometry
+from vt.shared.models.roles import AudioFormat, SoundStream
+from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.video_io import Sound
 from vt.shared.errors import UserError
 
@@ -76,6 +77,49 @@ def caption_rows(mask: Tensor) -> list[int]:
     return ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
 
 
+class MiniMaxH3Sound(SoundStream):
+    """MiniMax H3's sound stream: each stereo channel through the mono audio VAE, the modular pipeline's track."""
+
+    parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
+    # The pipeline pairs the streams' sigmas through their schedules; its rows take a timestep each
+    timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
+
+    @property
+    def default_shift(self) -> float:
+        """Independent audio sigmas' shift: the audio scheduler's (3 in the release; the video's: 12)."""
+        return self.spec.schedule_shifts[1]
+
+    def format(self) -> AudioFormat:
+        return AudioFormat(sample_rate=int(self.spec.load_config("audio_vae")["sampling_rate"]), channels=STEREO)
+
+    def hop(self) -> int:
+        return math.prod(self.spec.load_config("audio_vae")["encoder_rates"])
+
+    def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        """(2 stereo channels, latent channels, N): the VAE pads the waveform to whole hops."""
+        self.spec.check_bucket(bucket)
+        return (STEREO, self.spec.load_config("audio_vae")["latent_channels"],
+                math.ceil(self.samples(bucket) / self.hop()))
+
+    @torch.no_grad()
+    def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, 2, C, N)}: each stereo channel through the mono audio VAE (posterior mode), normalised
+        as the pipeline's audio decode step denormalises them."""
+        if audio.ndim != 3 or audio.shape[1] != STEREO:
+            raise ValueError(f"audio must be (B, {STEREO}, samples) in [-1, 1], got shape {tuple(audio.shape)}")
+        vae = encoders["audio_vae"]
+        batch, channels, samples = audio.shape
+        mono = audio.reshape(batch * channels, 1, samples).to(vae.device, torch.float32)
+        latents = vae.encode(mono).latent_dist.mode().float()
+        mean, std = (torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1)
+                     for k in ("latents_mean", "latents_std"))
+        latents = (latents - mean) / std
+        return {"audio_latents": latents.reshape(batch, channels, *latents.shape[1:]).cpu()}
+
+    def output(self, pipeline, output) -> Sound:
+        return Sound(np.ascontiguousarray(output.audio[0].float().cpu().numpy()).clip(-1, 1), int(output.sampling_rate))
+
+
 class MiniMaxH3Spec(ModelSpec):
     family: ClassVar[str] = "minimax-h3"
     example_hub_id: ClassVar[str] = "MiniMaxAI/MiniMax-H3"
@@ -85,11 +129,7 @@ class MiniMaxH3Spec(ModelSpec):
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}
     single_frame: ClassVar[bool] = False  # frames 17n+5
-    audio_stream: ClassVar[bool] = True
-    audio_parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
-    audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
-    # The pipeline pairs the streams' sigmas through their schedules; its rows take a timestep each
-    audio_timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
+    sound_stream: ClassVar[type[SoundStream]] = MiniMaxH3Sound
     default_lora_targets: ClassVar[list[str]] = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0"]
     # The original checkpoint's module names, which ComfyUI's MiniMaxH3Model (comfy/ldm/minimax/model.py) has and
     # diffusers' own H3 LoRA reader converts back (`_convert_non_diffusers_minimax_h3_lora_to_diffusers`): q/k/v
@@ -191,7 +231,7 @@ class MiniMaxH3Spec(ModelSpec):
         shapes = {"prompt_embeds": (self.max_text_tokens, self.text_width()),
                   "prompt_attention_mask": (self.max_text_tokens,), "latents": self.latent_shape(bucket)}
         if self.config.audio:
-            shapes["audio_latents"] = self.audio_latent_shape(bucket)
+            shapes["audio_latents"] = self.sound.latent_shape(bucket)
         return shapes
 
     @torch.no_grad()
@@ -205,34 +245,6 @@ class MiniMaxH3Spec(ModelSpec):
         mean, std = (torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1, 1, 1)
                      for k in ("latents_mean", "latents_std"))
         return {"latents": ((latents - mean) / std).cpu()}
-
-    # ----------------------------------------------------------------------------- audio
-    def audio_format(self) -> AudioFormat:
-        return AudioFormat(sample_rate=int(self.load_config("audio_vae")["sampling_rate"]), channels=STEREO)
-
-    def audio_hop(self) -> int:
-        return math.prod(self.load_config("audio_vae")["encoder_rates"])
-
-    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
-        """(2 stereo channels, latent channels, N): the VAE pads the waveform to whole hops."""
-        self.check_bucket(bucket)
-        return (STEREO, self.load_config("audio_vae")["latent_channels"],
-                math.ceil(self.audio_samples(bucket) / self.audio_hop()))
-
-    @torch.no_grad()
-    def encode_audio(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, 2, C, N)}: each stereo channel through the mono audio VAE (posterior mode), normalised
-        as the pipeline's audio decode step denormalises them."""
-        if audio.ndim != 3 or audio.shape[1] != STEREO:
-            raise ValueError(f"audio must be (B, {STEREO}, samples) in [-1, 1], got shape {tuple(audio.shape)}")
-        vae = encoders["audio_vae"]
-        batch, channels, samples = audio.shape
-        mono = audio.reshape(batch * channels, 1, samples).to(vae.device, torch.float32)
-        latents = vae.encode(mono).latent_dist.mode().float()
-        mean, std = (torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1)
-                     for k in ("latents_mean", "latents_std"))
-        latents = (latents - mean) / std
-        return {"audio_latents": latents.reshape(batch, channels, *latents.shape[1:]).cpu()}
 
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -284,11 +296,6 @@ class MiniMaxH3Spec(ModelSpec):
         """(video, audio) shifts of the pipeline's two schedulers (12 and 3 in the release)."""
         return float(self.load_config("scheduler")["shift"]), float(self.load_config("audio_scheduler")["shift"])
 
-    @property
-    def default_audio_shift(self) -> float:
-        """Independent audio sigmas' shift: the audio scheduler's (3 in the release; the video's: 12)."""
-        return self.schedule_shifts[1]
-
     def audio_sigmas(self, sigmas: Tensor) -> Tensor:
         """The audio rows' sigma for each video sigma: the audio schedule's value at the same point of the base grid
         (`sigma' = s b / (1 + (s - 1) b)` with each scheduler's shift), the pair every step of the pipeline feeds."""
@@ -335,8 +342,6 @@ class MiniMaxH3Spec(ModelSpec):
         """The prompt's conditions only: the checkpoint is guidance-distilled (no negative prompt, one pass a step)."""
         return {name: value for name, value in conditions.items() if not name.startswith("negative_")}
 
-    def output_sound(self, pipeline, output) -> Sound | None:
-        return Sound(np.ascontiguousarray(output.audio[0].float().cpu().numpy()).clip(-1, 1), int(output.sampling_rate))
 
 
 def text_encoder_width(text_encoder) -> int:

@@ -68,7 +68,8 @@ def _shown(value) -> str:
 
 class PipelineMixin:
     """Uses the spec's `config`, `family`, `pipeline_class()`, `component_names()`, `load_component()`,
-    `experts()`, `trained_component`, `check_bucket()`, `encode_text()`, `max_text_tokens` and `control_video`."""
+    `experts()`, `trained_component`, `check_bucket()`, `encode_text()`, `max_text_tokens`, `control_video`
+    and `sound`."""
 
     # encode_text's condition names -> the pipeline call's (`prompt_embeds=`, ...), where they differ; the
     # negative prompt's are the same names with "negative_" in front.
@@ -181,7 +182,7 @@ class PipelineMixin:
                       conditions: dict[str, Tensor] | None = None, decode: bool = True, last_image=None,
                       control=None, **pipeline_kwargs) -> tuple[np.ndarray | None, Sound | None]:
         """`generate`'s frames and, for a run that trains audio (`model.audio`), the sample's sound track
-        (`output_sound`); (None, None) with `decode=False`."""
+        (`sound.output`); (None, None) with `decode=False`."""
         last = {"last_image": last_image} if last_image is not None else {}  # only flf2v families take one
         if control is not None:  # only families that train on a control video take one
             last["control"] = control
@@ -193,12 +194,8 @@ class PipelineMixin:
         if not decode:
             return None, None
         frames = np.asarray(output.frames[0], dtype=np.float32)
-        sound = self.output_sound(pipeline, output) if self.config.audio else None
+        sound = self.sound.output(pipeline, output) if self.config.audio else None
         return (np.clip(frames, 0.0, 1.0) * 255).round().astype(np.uint8), sound
-
-    def output_sound(self, pipeline, output) -> Sound | None:
-        """The first sample's sound track from the pipeline's output (families with `audio_stream`)."""
-        return None
 
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
         """The stored conditions as call arguments of `pipeline` (a family whose pipeline takes one of them

@@ -1,17 +1,22 @@
 """Optional capabilities of a family as members of its spec: present where the family has the capability,
 None where it does not, rather than a flag plus hooks on the base that raise (issue 26's roles).
 
-Callers test the member (`if spec.control_video:`) and use what it holds; a family declares one with the
-functions that are particular to it.
+Callers test the member (`if spec.control_video:`, `if spec.sound:`) and use what it holds; a family declares one
+with the functions that are particular to it.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
+from torch import Tensor
+
+from vt.shared.buckets import Bucket
+from vt.shared.video_io import Sound
 
 
 @dataclass(frozen=True)
@@ -24,3 +29,54 @@ class ControlVideo:
     frames)."""
 
     pipeline_inputs: Callable[[np.ndarray], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class AudioFormat:
+    """What a family's audio encoder takes: stage 1 resamples each clip's sound track to it."""
+
+    sample_rate: int  # Hz
+    channels: int  # 1 mono, 2 stereo
+
+
+class SoundStream(ABC):
+    """The family generates sound with the picture and can train it (`model.audio`; `ModelSpec.sound`, built with the
+    spec from the family's `sound_stream` class): stage 1 loads `components` beside the video encoders, decodes each
+    clip's sound over its sampled frames' time span at `format()` and stores `encode`'s tensors (`audio_latents`, of
+    `latent_shape(bucket)`) beside the latents; the spec's `forward` returns the sound's terms in `Prediction.audio`;
+    validation's video carries `output`'s track. `parameters` (a regular expression searched in parameter names) is
+    what only the sound stream trains: frozen and refused as LoRA targets in a video-only run. `timestep_modes`: how
+    its noise level may relate to the video's (`model.audio_timesteps`), the default first; `default_shift`: the
+    independent audio sigmas' (None: train.shift)."""
+
+    components: ClassVar[tuple[str, ...]] = ("audio_vae",)
+    parameters: ClassVar[str]
+    timestep_modes: ClassVar[tuple[str, ...]] = ("shared",)
+
+    def __init__(self, spec):
+        self.spec = spec
+
+    @property
+    def default_shift(self) -> float | None:
+        return None
+
+    @abstractmethod
+    def format(self) -> AudioFormat:
+        """The rate and channels `encode` takes, from the audio encoder's config."""
+
+    def samples(self, bucket: Bucket) -> int:
+        """Audio samples of a clip of `bucket`: the frames' time span at the sampled frame rate."""
+        return round(bucket.frames / self.spec.frame_rate * self.format().sample_rate)
+
+    @abstractmethod
+    def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
+        """Per-sample shape of `audio_latents` for a clip of `bucket` (from configs alone)."""
+
+    @abstractmethod
+    def encode(self, encoders: dict[str, Any], audio: Tensor) -> dict[str, Tensor]:
+        """{"audio_latents": (B, ...)} for `audio` (B, channels, samples(bucket)) float32 in [-1, 1] at
+        `format().sample_rate`, from the loaded stage-1 components (`components`)."""
+
+    @abstractmethod
+    def output(self, pipeline, output) -> Sound:
+        """The first sample's sound track from the pipeline's output."""

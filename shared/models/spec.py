@@ -30,18 +30,10 @@ from vt.shared.models.flow import Prediction
 from vt.shared.models.lora import LoraMixin
 from vt.shared.models.pipeline import PipelineMixin
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
-from vt.shared.models.roles import ControlVideo
+from vt.shared.models.roles import ControlVideo, SoundStream
 from vt.shared.models.tiny import save_tiny, seeded
 from vt.shared.runtime import DTYPES, encoder_dtype
 from vt.shared.errors import UserError
-
-
-@dataclass(frozen=True)
-class AudioFormat:
-    """What the family's audio encoder takes: stage 1 resamples each clip's sound track to it."""
-
-    sample_rate: int  # Hz
-    channels: int  # 1 mono, 2 stereo
 
 
 @dataclass(frozen=True)
@@ -86,16 +78,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     per_frame_timesteps: ClassVar[bool] = False
     # A family that trains on a control video per sample declares how (roles.ControlVideo); None: it does not.
     control_video: ClassVar[ControlVideo | None] = None
-    # Whether the family generates sound with the picture and can train it (`model.audio`): stage 1 then
-    # decodes each clip's sound over its sampled frames' time span, resampled to `audio_format()`, and
-    # stores `encode_audio`'s tensors (`audio_latents`) beside the latents; `forward` returns the audio
-    # stream's terms in `Prediction.audio`. `audio_components` are what stage 1 loads for it.
-    audio_stream: ClassVar[bool] = False
-    audio_components: ClassVar[tuple[str, ...]] = ("audio_vae",)
-    # How its audio noise level may relate to the video's (`model.audio_timesteps`), the default first, and the
-    # independent audio sigmas' default shift (None: train.shift).
-    audio_timestep_modes: ClassVar[tuple[str, ...]] = ("shared",)
-    default_audio_shift: ClassVar[float | None] = None
+    # A family that generates sound with the picture declares how (roles.SoundStream); `self.sound` is one built
+    # with this spec, None where the family has no sound stream (`model.audio` refused).
+    sound_stream: ClassVar[type[SoundStream] | None] = None
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
@@ -122,14 +107,16 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
             raise UserError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
                              f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
                              "pick a family with diffusion forcing (docs/families.md)")
-        if config.audio and not self.audio_stream:
+        self.frame_rate = float(frame_rate)
+        self.sound = self.sound_stream(self) if self.sound_stream else None
+        if config.audio and not self.sound:
             raise UserError(f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
                              "only. Remove it, or pick a family that trains audio (docs/families.md)")
-        if config.audio_timesteps not in (None, *self.audio_timestep_modes):
+        modes = self.sound.timestep_modes if self.sound else ("shared",)
+        if config.audio_timesteps not in (None, *modes):
             raise UserError(f"model.audio_timesteps = {config.audio_timesteps!r}: the {self.family!r} transformer takes "
-                             f"{' or '.join(repr(m) for m in self.audio_timestep_modes)} audio timesteps; remove it")
-        self.audio_timesteps = config.audio_timesteps or self.audio_timestep_modes[0]
-        self.frame_rate = float(frame_rate)
+                             f"{' or '.join(repr(m) for m in modes)} audio timesteps; remove it")
+        self.audio_timesteps = config.audio_timesteps or modes[0]
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
         self.max_text_tokens = config.max_text_tokens or self.pipeline_default("max_sequence_length")
@@ -151,7 +138,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         added = [name for name in self.task_components.get(self.config.task, {})
                  if name not in self.stage1_base and not name.startswith("transformer")]
         if self.config.audio:
-            added += [name for name in self.audio_components if name not in self.stage1_base]
+            added += [name for name in self.sound.components if name not in self.stage1_base]
         return (*self.stage1_base, *added)
 
     def load_stage1(self, device="cpu") -> dict[str, Any]:
@@ -216,7 +203,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
             if embeds in shapes:
                 shapes[mask] = shapes[embeds][:1]
         if self.config.audio:
-            shapes["audio_latents"] = self.audio_latent_shape(bucket)
+            shapes["audio_latents"] = self.sound.latent_shape(bucket)
         return shapes
 
     def text_width(self, name: str = "text_encoder") -> int:
@@ -259,24 +246,6 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def _vae_mode(vae, video: Tensor) -> Tensor:
         """The VAE posterior's mode for `video` (stage 1 is deterministic), in the VAE's dtype."""
         return vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
-
-    # ----------------------------------------------------------------------------- audio (audio_stream)
-    def audio_format(self) -> AudioFormat:
-        """The rate and channels `encode_audio` takes, from the audio encoder's config."""
-        raise NotImplementedError(f"family {self.family!r} has no audio stream")
-
-    def audio_samples(self, bucket: Bucket) -> int:
-        """Audio samples of a clip of `bucket`: the frames' time span at the sampled frame rate."""
-        return round(bucket.frames / self.frame_rate * self.audio_format().sample_rate)
-
-    def audio_latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
-        """Per-sample shape of `audio_latents` for a clip of `bucket` (from configs alone)."""
-        raise NotImplementedError(f"family {self.family!r} has no audio stream")
-
-    def encode_audio(self, encoders: dict[str, Any], audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, ...)} for `audio` (B, channels, audio_samples(bucket)) float32 in [-1, 1] at
-        `audio_format().sample_rate`, from the loaded stage-1 components (`audio_components`)."""
-        raise NotImplementedError(f"family {self.family!r} has no audio stream")
 
     # ----------------------------------------------------------------------------- stage 2
     def noise_levels(self, latent_shape: tuple[int, ...]) -> int:

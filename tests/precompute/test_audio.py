@@ -174,7 +174,7 @@ def run_stage1(tiny_model_factory, raw, tmp_path, name, workers=0, audio=False, 
 
 def test_shards_hold_the_audio_latents_and_silent_clips_are_skipped(sound_raw, tiny_model_factory, tmp_path):
     """model.audio, missing_audio "skip" (worker processes): the 4 clips with sound are committed, each with
-    `audio_latents` of `audio_latent_shape` beside its latents under its key, equal to encoding its sound
+    `audio_latents` of `sound.latent_shape` beside its latents under its key, equal to encoding its sound
     decoded directly; the 2 silent ones are each listed once in rejects.jsonl as `missing_audio`."""
     folder, heard, silent = sound_raw
     config, report, stored = run_stage1(tiny_model_factory, folder, tmp_path, "skip", workers=1, audio=True)
@@ -188,7 +188,7 @@ def test_shards_hold_the_audio_latents_and_silent_clips_are_skipped(sound_raw, t
 
     spec = spec_for(config)
     for key, (tensors, bucket) in stored.items():
-        shape = spec.audio_latent_shape(parse_buckets([bucket])[0])
+        shape = spec.sound.latent_shape(parse_buckets([bucket])[0])
         assert tuple(tensors["audio_latents"].shape) == shape == (2, 28, 2), key  # 9 frames at 8 fps: 1.125 s x 25
     encoders = spec.load_stage1()
     shards = list_raw_shards(str(folder))
@@ -197,7 +197,7 @@ def test_shards_hold_the_audio_latents_and_silent_clips_are_skipped(sound_raw, t
     expected = {}
     for raw in raws[:2]:
         (prepared,) = build_chain([]).prepare(raw, parse_buckets(SIZES), 8.0, sound=request)
-        expected[raw.sample_id] = spec.encode_audio(encoders, prepared.sound[None])["audio_latents"][0]
+        expected[raw.sample_id] = spec.sound.encode(encoders, prepared.sound[None])["audio_latents"][0]
         torch.testing.assert_close(stored[raw.sample_id][0]["audio_latents"], expected[raw.sample_id],
                                    atol=1e-4, rtol=1e-4)
     first, second = expected.values()
@@ -216,7 +216,7 @@ def test_silence_commits_every_clip_and_video_only_reads_no_sound(sound_raw, tin
     from vt.shared.models import spec_for
 
     spec = spec_for(config)
-    zeros = spec.encode_audio(spec.load_stage1(), torch.zeros(1, 2, 18000))["audio_latents"][0]
+    zeros = spec.sound.encode(spec.load_stage1(), torch.zeros(1, 2, 18000))["audio_latents"][0]
     for key in silent:
         torch.testing.assert_close(stored[key][0]["audio_latents"], zeros)
     _, plain_report, plain = run_stage1(tiny_model_factory, folder, tmp_path, "plain")

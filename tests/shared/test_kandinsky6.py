@@ -27,9 +27,9 @@ def stage1(spec, encoders, clip=None):
     clip = uint8_video(seed=3)[0] if clip is None else clip
     batch = {**spec.encode_text(encoders, CAPTIONS), **spec.encode_video(encoders, clip)}
     if spec.config.audio:
-        seconds = torch.linspace(0, BUCKET.frames / 8.0, spec.audio_samples(BUCKET))
+        seconds = torch.linspace(0, BUCKET.frames / 8.0, spec.sound.samples(BUCKET))
         tone = 0.5 * torch.sin(2 * torch.pi * 440 * seconds)
-        batch.update(spec.encode_audio(encoders, torch.stack([tone, -tone])[:, None]))
+        batch.update(spec.sound.encode(encoders, torch.stack([tone, -tone])[:, None]))
     return batch
 
 
@@ -69,7 +69,7 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(tiny_model_fac
     pipeline = spec.build_pipeline(transformer, **encoders)
     shape = spec.latent_shape(BUCKET)
     noise = torch.randn(1, *shape, generator=torch.Generator().manual_seed(7))
-    audio_noise = torch.randn(1, *spec.audio_latent_shape(BUCKET), generator=torch.Generator().manual_seed(8))
+    audio_noise = torch.randn(1, *spec.sound.latent_shape(BUCKET), generator=torch.Generator().manual_seed(8))
     kwargs = spec.pipeline_inputs(CAPTIONS[0], BUCKET, steps=1, seed=0, image=pixels[0, 0] if task == "i2v" else None)
     pipeline(**kwargs, latents=noise, **({"audio_latents": audio_noise} if audio else {}), sigmas=[1.0],
              guidance_scale=1.0, output_type="latent")
@@ -92,7 +92,7 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(tiny_model_fac
     assert trained["encoder_hidden_states"].shape[1] == rows and trained["encoder_attention_mask"].all()
     if audio:
         torch.testing.assert_close(trained["audio_hidden_states"], seen["audio_hidden_states"])
-        assert trained["audio_hidden_states"].shape == (1, spec.audio_latent_shape(BUCKET)[1], 4)
+        assert trained["audio_hidden_states"].shape == (1, spec.sound.latent_shape(BUCKET)[1], 4)
     else:
         assert trained.get("audio_hidden_states") is None and seen.get("audio_hidden_states") is None
     if task == "i2v":
@@ -107,17 +107,17 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(tiny_model_fac
 def test_audio_latents_have_the_pipelines_length_and_encoding(tiny_model_factory):
     spec = make_spec(tiny_model_factory(FAMILY), audio=True)
     encoders = spec.load_stage1()
-    assert "audio_vae" in encoders and spec.audio_format().channels == 1
+    assert "audio_vae" in encoders and spec.sound.format().channels == 1
     pipeline = spec.build_pipeline(spec.load_transformer(), **encoders)
     # the pipeline's audio length for 9 frames at 8 fps: ceil(9 / 8 x 8000 / 128) = 71 latents
-    assert spec.audio_latent_shape(BUCKET) == (4, 71)
-    assert pipeline.audio_latent_hop_length == spec.audio_hop() == 128
+    assert spec.sound.latent_shape(BUCKET) == (4, 71)
+    assert pipeline.audio_latent_hop_length == spec.sound.hop() == 128
     batch = stage1(spec, encoders)
     assert batch["audio_latents"].shape == (2, 4, 71)
-    tone = torch.sin(torch.linspace(0, 500, spec.audio_samples(BUCKET)))
+    tone = torch.sin(torch.linspace(0, 500, spec.sound.samples(BUCKET)))
     padded = torch.nn.functional.pad(tone, (0, 71 * 128 - tone.numel()))
     mode = encoders["audio_vae"].encode(padded[None]).latent_dist.mode() * encoders["audio_vae"].config.scaling_factor
-    torch.testing.assert_close(spec.encode_audio(encoders, tone[None, None])["audio_latents"], mode)
+    torch.testing.assert_close(spec.sound.encode(encoders, tone[None, None])["audio_latents"], mode)
 
 
 def test_a_generated_clip_carries_its_sound(tiny_model_factory):

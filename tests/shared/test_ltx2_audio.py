@@ -1,5 +1,5 @@
 """LTX-2's stage-1 audio encoder: the log-mel front end against its definition (torchaudio's MelSpectrogram
-with Slaney mels, as Lightricks' AudioProcessor builds it) and against numbers from librosa, and `encode_audio` against LTX2Pipeline itself:
+with Slaney mels, as Lightricks' AudioProcessor builds it) and against numbers from librosa, and `sound.encode` against LTX2Pipeline itself:
 the stored audio latents have the shape the pipeline generates for the clip's duration, and the pipeline's
 own decode path (denormalise, unpack, audio VAE, vocoder) gives back what the audio VAE makes of the sound
 (tiny real models)."""
@@ -96,8 +96,8 @@ def test_log_mel_of_a_tone_is_its_stft_magnitude_through_the_filters():
 
 
 def test_audio_latents_have_the_pipelines_shape_and_decode_through_its_own_path(tiny_model_factory):
-    """`audio_format` is the audio VAE's (16 kHz stereo); the stored latents of a bucket's sound have
-    `audio_latent_shape`, which is what LTX2Pipeline itself generates for that many frames at that rate
+    """`sound.format()` is the audio VAE's (16 kHz stereo); the stored latents of a bucket's sound have
+    `sound.latent_shape`, which is what LTX2Pipeline itself generates for that many frames at that rate
     (its `output_type="latent"` audio); denormalised by the pipeline's own function they are the audio VAE's
     posterior mode of the log-mel, and the pipeline's decode path (audio VAE, vocoder) makes a finite stereo
     waveform of them."""
@@ -105,18 +105,18 @@ def test_audio_latents_have_the_pipelines_shape_and_decode_through_its_own_path(
 
     folder = tiny_model_factory("ltx-2")
     spec = make_spec(folder)
-    fmt = spec.audio_format()
+    fmt = spec.sound.format()
     assert (fmt.sample_rate, fmt.channels) == (RATE, 2)
-    samples = spec.audio_samples(BUCKET)
+    samples = spec.sound.samples(BUCKET)
     assert samples == round(9 / 8 * RATE) == 18000
-    shape = spec.audio_latent_shape(BUCKET)
+    shape = spec.sound.latent_shape(BUCKET)
     assert spec.condition_shapes(BUCKET)["audio_latents"] == shape == (2, 28, 2)  # 1.125 s x 25 latents a second
 
     encoders = spec.load_stage1()
     assert "audio_vae" in encoders
     sound = torch.stack([torch.stack([tone(440, samples), tone(660, samples)]),
                          torch.stack([tone(880, samples), tone(880, samples)])]).float()
-    stored = spec.encode_audio(encoders, sound)["audio_latents"]
+    stored = spec.sound.encode(encoders, sound)["audio_latents"]
     assert stored.shape == (2, *shape) and stored.dtype == torch.float32 and stored.isfinite().all()
     assert not torch.allclose(stored[0], stored[1], atol=1e-3)  # the sound is what is encoded
 
@@ -157,15 +157,15 @@ def test_real_audio_vae_config_gives_the_pipelines_length(tiny_model_factory, tm
     (folder / "audio_vae" / "config.json").write_text(json.dumps({**saved, **config}))
     spec = make_spec(folder, fps=24.0)
     bucket = Bucket(25, 512, 768)
-    assert (spec.audio_format().sample_rate, spec.audio_format().channels) == (16000, 2)
-    shape = spec.audio_latent_shape(bucket)
-    assert shape == (8, 26, 16) and spec.audio_latent_shape(Bucket(121, 512, 768)) == (8, 126, 16)
+    assert (spec.sound.format().sample_rate, spec.sound.format().channels) == (16000, 2)
+    shape = spec.sound.latent_shape(bucket)
+    assert shape == (8, 26, 16) and spec.sound.latent_shape(Bucket(121, 512, 768)) == (8, 126, 16)
     with torch.random.fork_rng():
         torch.manual_seed(0)
         vae = AutoencoderKLLTX2Audio(**config).eval()
     encoded = []
     vae.encoder.register_forward_hook(lambda module, args, out: encoded.append(tuple(out.shape)))
-    sound = tone(440, spec.audio_samples(bucket)).float().expand(1, 2, -1)
-    stored = spec.encode_audio({"audio_vae": vae}, sound)["audio_latents"]
+    sound = tone(440, spec.sound.samples(bucket)).float().expand(1, 2, -1)
+    stored = spec.sound.encode({"audio_vae": vae}, sound)["audio_latents"]
     assert stored.shape == (1, *shape) and stored.isfinite().all()
     assert encoded == [(1, 2 * 8, 27, 16)]  # mean and log-variance of the causal encoder's 27 frames: one more

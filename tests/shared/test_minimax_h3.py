@@ -36,7 +36,7 @@ def test_training_feeds_the_transformer_what_the_pipeline_feeds_it_first(tiny_mo
     encoders = spec.load_stage1()
     transformer = spec.load_transformer()
     pipeline = spec.build_pipeline(transformer, **encoders)
-    latent, audio_shape = spec.latent_shape(SHORTEST), spec.audio_latent_shape(SHORTEST)
+    latent, audio_shape = spec.latent_shape(SHORTEST), spec.sound.latent_shape(SHORTEST)
     assert latent == (4, 37, 2, 2) and audio_shape == (2, 4, 207)  # what the pipeline's layout step resolves
     noise = torch.randn(1, *latent, generator=torch.Generator().manual_seed(1))
     audio_noise = torch.randn(1, *audio_shape, generator=torch.Generator().manual_seed(2))
@@ -75,7 +75,7 @@ def test_audio_rows_take_the_audio_schedules_sigma_at_every_step(tiny_model_fact
     pipeline(**spec.pipeline_inputs(None, SHORTEST, steps=4, seed=0), **conditions, output_type="latent")
     assert len(seen) == 3
     batch = {**conditions, "latents": torch.zeros(1, *spec.latent_shape(SHORTEST)),
-             "audio_latents": torch.zeros(1, *spec.audio_latent_shape(SHORTEST))}
+             "audio_latents": torch.zeros(1, *spec.sound.latent_shape(SHORTEST))}
     for step in seen[1:]:
         video_t, audio_t = step["timestep"][step["timestep_indices"][step["video_indices"][0]]], \
             step["timestep"][step["timestep_indices"][step["audio_indices"][0]]]
@@ -103,17 +103,17 @@ def test_audio_latents_are_the_pipelines_soundtrack_encoding(tiny_model_factory)
     denormalises; the length is the clip's time span in whole hops."""
     spec = make_spec(tiny_model_factory("minimax-h3"), audio=True)
     bucket = Bucket(22, 32, 64)
-    assert spec.audio_format().sample_rate == 8000 and spec.audio_format().channels == 2
-    samples = spec.audio_samples(bucket)
+    assert spec.sound.format().sample_rate == 8000 and spec.sound.format().channels == 2
+    samples = spec.sound.samples(bucket)
     audio = torch.rand(2, 2, samples, generator=torch.Generator().manual_seed(0)) * 2 - 1
     vae = spec.load_component("audio_vae")
-    latents = spec.encode_audio({"audio_vae": vae}, audio)["audio_latents"]
-    assert latents.shape == (2, *spec.audio_latent_shape(bucket))
+    latents = spec.sound.encode({"audio_vae": vae}, audio)["audio_latents"]
+    assert latents.shape == (2, *spec.sound.latent_shape(bucket))
     mean, std = (torch.tensor(vae.config[k]).view(1, -1, 1) for k in ("latents_mean", "latents_std"))
     raw = vae.encode(audio[1, :, None]).latent_dist.mode()
     torch.testing.assert_close(latents[1] * std + mean, raw, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match=r"\(B, 2, samples\)"):
-        spec.encode_audio({"audio_vae": vae}, audio[:, :1])
+        spec.sound.encode({"audio_vae": vae}, audio[:, :1])
     with pytest.raises(ValueError, match="buckets.fps = 24"):
         build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True),
                    frame_rate=12.0)
@@ -145,9 +145,9 @@ def test_audio_heads_train_only_with_audio(tiny_model_factory):
         video_only.add_lora(video_only.load_transformer(), rank=4, alpha=4.0, targets=["audio_proj_out"])
 
     # Joint: both streams at each sample's sigma; every parameter gets a gradient, audio LoRA targets allowed.
-    samples = joint.audio_samples(bucket)
+    samples = joint.sound.samples(bucket)
     audio = torch.rand(2, 2, samples, generator=torch.Generator().manual_seed(3)) * 2 - 1
-    batch.update(joint.encode_audio(encoders, audio))
+    batch.update(joint.sound.encode(encoders, audio))
     batch["audio_noise"] = torch.randn(batch["audio_latents"].shape, generator=torch.Generator().manual_seed(4))
     transformer = joint.load_transformer()
     joint.full_trainable(transformer)

@@ -32,14 +32,14 @@ def test_families_say_which_audio_timesteps_they_take(tiny_model_factory):
     for family, modes in (("ltx-2", ("shared", "independent")), ("minimax-h3", ("shared", "independent")),
                           ("kandinsky6", ("shared",))):
         spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family)), audio=True), 24.0)
-        assert spec.audio_timestep_modes == modes and spec.audio_timesteps == "shared"  # the default: shared
+        assert spec.sound.timestep_modes == modes and spec.audio_timesteps == "shared"  # the default: shared
     with pytest.raises(ValueError, match=r"audio_timesteps = 'independent': the 'kandinsky6' transformer takes "
                                          r"'shared' audio timesteps"):
         build_spec(ModelConfig(family="kandinsky6", path=str(tiny_model_factory("kandinsky6")), audio=True,
                                audio_timesteps="independent"), 24.0)
     h3 = build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True,
                                 audio_timesteps="independent"), 24.0)
-    assert h3.audio_timesteps == "independent" and h3.default_audio_shift == 3.0  # its audio scheduler's
+    assert h3.audio_timesteps == "independent" and h3.sound.default_shift == 3.0  # its audio scheduler's
 
 
 def seen_by(transformer) -> dict:
@@ -79,7 +79,7 @@ def test_minimax_h3_rows_take_the_audio_sigma_given(tiny_model_factory):
     bucket = Bucket(5, 64, 96)
     shape = spec.latent_shape(bucket)
     batch = {**spec.encode_text(encoders, ["a cat"]), "latents": torch.randn(1, *shape, generator=generator)}
-    audio_shape = spec.audio_latent_shape(bucket)
+    audio_shape = spec.sound.latent_shape(bucket)
     batch["audio_latents"] = torch.randn(1, *audio_shape, generator=generator)
     batch["audio_noise"] = torch.randn(1, *audio_shape, generator=generator)
     transformer = spec.load_transformer()
