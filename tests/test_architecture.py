@@ -110,3 +110,14 @@ def test_every_test_module_has_a_basename_of_its_own():
     for path in python_files("tests"):
         names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: paths for name, paths in names.items() if len(paths) > 1 and name != "conftest.py"}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_no_family_reimplements_a_shared_job(family):
+    """Building the tiny preset, adding adapters and writing the ComfyUI file are the seam's jobs (issue 26): a family
+    declares its parts (presets/<module>.py, `default_lora_targets`, `original_names` ...), never its own copy."""
+    from vt.shared.models.spec import ModelSpec
+
+    cls = get_spec_class(family)
+    for job in ("make_tiny", "add_lora", "save_comfy_lora", "save_lora"):
+        assert getattr(cls, job).__qualname__ == getattr(ModelSpec, job).__qualname__, f"{family} re-implements {job}"
