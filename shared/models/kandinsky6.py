@@ -27,11 +27,8 @@ the ComfyUI file under the original checkpoint's names, which ComfyUI's Kandinsk
 
 from __future__ import annotations
 
-import math
-import re
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,55 +36,15 @@ from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
 from vt.shared.models.kandinsky5 import caption_lengths, pooled_and_image_shapes, with_image_latents
+from vt.shared.models.kandinsky6_sound import Kandinsky6Sound
 from vt.shared.models.lora import lora_weight_name
-from vt.shared.models.roles import AudioFormat, SoundStream
+from vt.shared.models.roles import SoundStream
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.video_io import Sound
 
-# What only the sound stream trains: its embeddings, text blocks, decoder halves and the two cross-stream
-# attentions with their modulations (searched in parameter names).
-AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|va_|av_)")
 NEGATIVE_PROMPT = ("Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, ugly, "
                    "deformed, walking backwards")  # Kandinsky6TI2VAPipeline._DEFAULT_NEGATIVE_PROMPT
 TAIL_TOKEN_TYPE = 1  # the appended image frame's token type (the pipeline's `visual_token_type_ids`)
 _FUSED, _TEXT = r"visual_transformer_blocks\.(\d+)", r"(video|audio)_text_transformer_blocks\.(\d+)"
-
-
-class Kandinsky6Sound(SoundStream):
-    """Kandinsky 6's sound stream: the mono track through MMAudio's mel VAE, its BigVGAN vocoder's waveform."""
-
-    parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern  # one timestep for both streams in diffusers' class
-
-    def format(self) -> AudioFormat:
-        return AudioFormat(sample_rate=int(self.spec.load_config("audio_vae")["sample_rate"]), channels=1)
-
-    def hop(self) -> int:
-        """Waveform samples per audio latent: two mel hops (MMAudioVAE's `latent_hop_length`)."""
-        return 2 * int(self.spec.load_config("audio_vae")["hop_length"])
-
-    def latent_shape(self, bucket: Bucket) -> tuple[int, int]:
-        """(latent channels, N): the pipeline's audio length for `bucket.frames` at the spec's frame rate."""
-        self.spec.check_bucket(bucket)
-        config = self.spec.load_config("audio_vae")
-        return (config["latent_channels"],
-                math.ceil(bucket.frames / self.spec.frame_rate * config["sample_rate"] / self.hop()))
-
-    @torch.no_grad()
-    def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, N)}: each mono track padded with silence to N whole latent hops (N the
-        pipeline's length for its duration), MMAudioVAE's posterior mode x scaling_factor."""
-        if audio.ndim != 3 or audio.shape[1] != 1:
-            raise ValueError(f"audio must be (B, 1, samples) in [-1, 1], got shape {tuple(audio.shape)}")
-        vae = encoders["audio_vae"]
-        frames = math.ceil(audio.shape[-1] / self.hop())
-        waveform = torch.nn.functional.pad(audio[:, 0].float(), (0, frames * self.hop() - audio.shape[-1]))
-        latents = vae.encode(waveform.to(vae.device, vae.dtype)).latent_dist.mode().float()
-        return {"audio_latents": (latents[:, :, :frames] * vae.config.scaling_factor).cpu()}
-
-    def output(self, pipeline, output) -> Sound:
-        """The first sample's mono waveform from MMAudio's vocoder, at the audio VAE's rate."""
-        waveform = np.ascontiguousarray(output.audio[0], dtype=np.float32)  # output_type "np": numpy already
-        return Sound(waveform.reshape(1, -1).clip(-1, 1), int(pipeline.audio_sample_rate))
 
 
 class Kandinsky6Spec(ModelSpec):

@@ -55,7 +55,6 @@ the video tokens (`cp_plan`; docs/parallel.md).
 from __future__ import annotations
 
 import functools
-import re
 from typing import Any, ClassVar
 
 import torch
@@ -63,21 +62,14 @@ from torch import Tensor
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
+from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
-from vt.shared.models.mel import log_mel
+from vt.shared.models.ltx2_sound import LTX2Sound
 from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
-from vt.shared.models.roles import AudioFormat, SoundStream
+from vt.shared.models.roles import SoundStream
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.video_io import Sound
-from vt.shared.errors import UserError
 
-# The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
-# preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
-AUDIO_N_FFT = 1024
-# Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
-# in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
-AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
 _PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 # Default LoRA targets (suffixes): the video self- and cross-attention, which never match `audio_attn1.to_q`
 # and the like; with model.audio also the audio stream's and both audio-video cross-attention directions'.
@@ -87,55 +79,6 @@ AUDIO_LORA_TARGETS = [f"{attn}.{proj}" for attn in ("audio_attn1", "audio_attn2"
 # The vocoder classes a checkpoint's vocoder/config.json may name: LTX-2.0's, LTX-2.3's with bandwidth extension.
 VOCODERS = {"LTX2Vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
             "LTX2VocoderWithBWE": "diffusers.pipelines.ltx2.vocoder:LTX2VocoderWithBWE"}
-
-
-class LTX2Sound(SoundStream):
-    """LTX-2's sound stream: stereo log-mel spectrograms through its audio VAE, LTX2Pipeline's vocoder."""
-
-    parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
-    # LTX2Pipeline steps both streams at one sigma; its transformer takes a timestep per stream
-    timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
-
-    def format(self) -> AudioFormat:
-        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
-        config = self.spec.load_config("audio_vae")
-        return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
-
-    def latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
-        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
-        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
-        from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
-
-        config = self.spec.load_config("audio_vae")
-        per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
-        frames = round(bucket.frames / self.spec.frame_rate * per_second)
-        return config["latent_channels"], frames, config["mel_bins"] // DOWN
-
-    @torch.no_grad()
-    def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
-        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
-        from diffusers import LTX2Pipeline
-
-        vae = encoders["audio_vae"]
-        config = vae.config
-        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
-                      config.mel_bins)
-        latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
-        frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
-        if latents.shape[2] < frames:
-            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
-                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
-        latents = latents[:, :, :frames]
-        packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
-        packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())
-        return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
-
-    def output(self, pipeline, output) -> Sound:
-        """The first sample's waveform from LTX2Pipeline's vocoder (2.0: 24 kHz, 2.3 with bandwidth
-        extension: 48 kHz), at the rate the vocoder's config gives."""
-        waveform = output.audio[0].float().cpu().numpy()
-        return Sound(waveform.reshape(-1, waveform.shape[-1]), int(pipeline.vocoder.config.output_sampling_rate))
 
 
 class LTX2Spec(ModelSpec):

@@ -14,7 +14,7 @@ import torch
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
-from vt.shared.models.ltx2 import AUDIO_PARAMETERS
+from vt.shared.models.ltx2_sound import AUDIO_PARAMETERS
 
 BUCKET = Bucket(9, 64, 96)
 PROMPT = "a big rabbit walks in the meadow"

@@ -11,7 +11,7 @@ import torch
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
-from vt.shared.models.minimax_h3 import AUDIO_PARAMETERS
+from vt.shared.models.minimax_h3_sound import AUDIO_PARAMETERS
 
 PROMPT = "a big rabbit walks in the meadow"
 SHORTEST = Bucket(124, 32, 32)  # the pipeline's shortest video: 5 s at 24 fps, 17k+5 frames
