@@ -35,6 +35,8 @@ MODELS = {
     "ltx2": ("LTX-2 (video stream)", "121x512x768", {}, 16.0),
     "cogvideox-5b": ("CogVideoX 5B", "49x480x720", {}, 16.0),
     "minimax-h3": ("MiniMax H3 (video and sound)", "124x768x1344", {"audio": True}, 24.0),
+    "kandinsky6-lite": ("Kandinsky 6 Lite (video and sound)", "121x480x864", {"audio": True}, 24.0),
+    "kandinsky6-pro": ("Kandinsky 6 Pro (video and sound)", "121x480x864", {"audio": True}, 24.0),
 }
 # A variant diffusers has no class for, planned from its base: the released H3 with its AdaLN input projections
 # (`adaln_proj.linear`, 2688 wide) reduced to the 8 columns the timestep can reach (multimodalart/MiniMax-H3-Pruned:
@@ -87,7 +89,7 @@ def table(key: str, folder: Path) -> str:
     title, bucket, *_ = MODELS[key]
     lines = [f"### {title}, {bucket}", "",
              "| mode | GPUs | weights | grads + optimizer | buffers | activations (AC on / off) | validation "
-             "(decode untiled / tiled) | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? | one GPU: changes that fit |",
+             "(decode untiled / tiled) | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? | one GPU: changes that fit, under the smallest card each fits |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     pruned = []
     for mode in ("lora", "full"):
@@ -101,10 +103,7 @@ def table(key: str, folder: Path) -> str:
             changes = ""
             failing = [budget for budget in BUDGETS if plans[budget].rank.device_total > budget * 1e9]
             if gpus == 1 and failing:  # planned once, against the smallest card ("auto" tiling tiles most there)
-                options = alternatives(config, 1, "cuda", failing[0] * 10**9)
-                changes = "; ".join(f"{budget} GB: " + (", ".join(label for label, alt in options
-                                                                 if alt.rank.device_total <= budget * 1e9) or "none")
-                                    for budget in failing)
+                changes = _by_smallest_card(alternatives(config, 1, "cuda", failing[0] * 10**9), failing)
             elif gpus == 1:
                 changes = "-"
             lines.append(f"| {mode} | {gpus} | {_g(rank.weights)} | {_g(rank.gradients + rank.optimizer)} | "
@@ -119,6 +118,17 @@ def table(key: str, folder: Path) -> str:
                   "| mode | GPUs | weights | grads + optimizer | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? |",
                   "| --- | --- | --- | --- | --- | --- |", *pruned, ""]
     return "\n".join(lines)
+
+
+def _by_smallest_card(options, cards: list[int]) -> str:
+    """"24 GB: a, b; 48 GB: c": each change that fits one of `cards` (the cards the row does not fit as it is)
+    listed once, under the smallest it fits (it fits the larger ones too); "none" where no change fits any."""
+    listed = {card: [] for card in cards}
+    for label, alt in options:
+        card = next((card for card in cards if alt.rank.device_total <= card * 1e9), None)
+        if card is not None:
+            listed[card].append(label)
+    return "; ".join(f"{card} GB: {', '.join(labels)}" for card, labels in listed.items() if labels) or "none"
 
 
 def _validation(plans) -> str:
@@ -202,7 +212,8 @@ def kept_sections(tables: str) -> dict[str, str]:
     for part in ("\n" + tables).split("\n### ")[1:]:
         title = next((t for t, *_ in MODELS.values() if part.startswith(f"{t}, ")), title)
         if title:
-            sections[title] = sections.get(title, "") + "### " + part.rstrip("\n") + "\n"
+            sections[title] = sections.get(title, "") + ("\n" if title in sections else "") + "### " + \
+                part.rstrip("\n") + "\n"
     return sections
 
 

@@ -160,3 +160,20 @@ def test_i2v_needs_an_image_conditioned_transformer(tiny_model_factory, monkeypa
                         if name == "transformer" else load(name))
     with pytest.raises(ValueError, match=r"i2v\" needs a Kandinsky 6 transformer with image conditioning"):
         spec.geometry
+
+
+@pytest.mark.parametrize("key, billions", [("kandinsky6-lite", 3.18), ("kandinsky6-pro", 30.14)])
+def test_real_configs_build_at_the_published_sizes(key, billions):
+    """scripts/real_models.json's Kandinsky 6 transformers (what `vt-train plan` and docs/memory.md read) have the
+    released checkpoints' sizes on the meta device: Lite 3.18B in 2,399 tensors, Pro 30.1B in 4,471."""
+    import json
+    from pathlib import Path
+
+    from accelerate import init_empty_weights
+    from diffusers import Kandinsky6Transformer3DModel
+
+    real = json.loads((Path(__file__).parents[2] / "scripts" / "real_models.json").read_text())[key]
+    with init_empty_weights():
+        transformer = Kandinsky6Transformer3DModel.from_config(real["components"]["transformer"]["config"])
+    assert round(sum(p.numel() for p in transformer.parameters()) / 1e9, 2) == billions
+    assert len(transformer.state_dict()) == {"kandinsky6-lite": 2399, "kandinsky6-pro": 4471}[key]
