@@ -14,7 +14,8 @@ computing anything. Per rank, for the config's layout over `gpus` ranks:
   unsharded gradients with its reduce-scatter buffers, DDP's gradient buckets;
 - activations: one micro-batch (this rank's share of train.batch_size) of the largest bucket, through
   the family's forward and a backward, with and without activation checkpointing, divided over cp;
-- validation: the VAE, and the most the pipeline's steps or the VAE's decode hold at once;
+- validation: the VAE and the pipeline's other frozen parts, and the most the pipeline's steps or the VAE's decode
+  hold at once;
 - stage 1: each producer's encoders in model.dtype (float32 on a CPU) and what encoding the largest bucket needs.
 With `parallel.cpu_offload`, weights, gradients and optimizer state are host memory, not GPU memory.
 """
@@ -79,7 +80,7 @@ class Plan:
     rank: RankPlan
     activations: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> {"checkpointing": b, "none": b}
     stage1: dict[str, int] = field(default_factory=dict)  # encoder -> bytes, "working" / "working_tiled" -> bytes
-    validation: dict[str, int] = field(default_factory=dict)  # "vae", "step", "decode" / "decode_tiled" -> bytes
+    validation: dict[str, int] = field(default_factory=dict)  # "frozen", "step", "decode" / "decode_tiled" -> bytes
     micro_batch: int = 1
     vae_tiled: bool = False  # validation decodes tiled (train.validation_vae_tiling, "auto" against the budget)
 
@@ -255,14 +256,14 @@ def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:
     stage1_dtype = encoder_dtype(torch.device("cuda" if plan.device == "cuda" else "cpu"), spec.frozen_dtype)
     parts = plan.validation
     if parts:
-        rank.validation = parts["vae"] + max(parts["step"], parts["decode"])
+        rank.validation = parts["frozen"] + max(parts["step"], parts["decode"])
         setting = config.train.validation_vae_tiling
         if tileable and (setting is True or (setting == "auto" and budget is not None)):
-            free = None if budget is None else budget - rank.resident - parts["vae"]  # what the decode may take
+            free = None if budget is None else budget - rank.resident - parts["frozen"]  # what the decode may take
             plan.vae_tiled, _ = decide(setting, parts["decode"], free, tileable)
         if plan.vae_tiled:
             parts["decode_tiled"] = _vae_peak(config, spec, largest, "decode", vae_dtype, tiled=True)
-            rank.validation = parts["vae"] + max(parts["step"], parts["decode_tiled"])
+            rank.validation = parts["frozen"] + max(parts["step"], parts["decode_tiled"])
     setting = config.precompute.vae_tiling
     if stage1 and tileable and (setting is True or (setting == "auto" and budget is not None)):
         if setting is True or plan.stage1_peak(tiled=False) > budget:
@@ -342,7 +343,8 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     plan.activations[bucket.name]["offload"] = offloaded.peak
         if train.validation_prompts:
-            plan.validation = {"vae": _vae_weights(spec, vae_dtype), "step": _denoise_bytes(shapes, models[False], spec, amp)}
+            plan.validation = {"frozen": _validation_parts(spec, vae_dtype),
+                               "step": _denoise_bytes(shapes, models[False], spec, amp)}
     if train.validation_prompts:  # the decode of one clip of the largest bucket, untiled
         plan.validation["decode"] = _vae_peak(config, spec, _largest(config), "decode", vae_dtype)
     for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
@@ -392,9 +394,17 @@ def _autocast(amp: torch.dtype | None):
     return torch.autocast("cpu", dtype=amp or torch.float32, enabled=amp is not None)
 
 
-def _vae_weights(spec, dtype: torch.dtype) -> int:
-    vae = spec.empty_component("vae", dtype)
-    return sum(p.numel() * p.element_size() for p in vae.parameters())
+def _validation_parts(spec, dtype: torch.dtype) -> int:
+    """Bytes of what validation loads beside the transformer(s): the pipeline's parts that are modules and neither
+    text encoders (their conditions come from the window) nor transformers: the VAE, and where the family's
+    pipeline has them LTX-2's connectors, an audio VAE and a vocoder."""
+    skip, declared = set(spec.text_parts()), spec.component_classes()
+    total = 0
+    for name in spec.pipeline_parts():
+        if name in skip or name.startswith("transformer") or not issubclass(declared.get(name, object), torch.nn.Module):
+            continue  # the scheduler, a guider: no weights
+        total += sum(p.numel() * p.element_size() for p in spec.empty_component(name, dtype).parameters())
+    return total
 
 
 def _denoise_bytes(shapes, model, spec, amp) -> int:
@@ -498,7 +508,8 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
              f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}"
              f"{', inputs offloaded to host memory' if config.parallel.activation_offload else ''}, largest bucket)",
              "  validation phase:",
-             f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE, and the larger of a denoising step and "
+             f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE and the pipeline's other frozen parts, and the "
+             f"larger of a denoising step and "
              f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
     if rank.host:
         lines.append(f"  in host memory (CPU offload): {rank.host / GIB:.2f} GiB (weights, gradients, optimizer)")

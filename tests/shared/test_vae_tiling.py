@@ -62,7 +62,7 @@ def test_the_plan_decodes_tiled_when_the_untiled_decode_would_not_fit(tiny_model
     roomy = make_plan(config, 1, "cpu", stage1=False)
     assert not roomy.vae_tiled and "decode_tiled" not in roomy.validation
     # Just too small for the untiled decode beside what stays resident: "auto" tiles, and the plan counts it.
-    budget = roomy.rank.resident + roomy.validation["vae"] + roomy.validation["decode"] - 1
+    budget = roomy.rank.resident + roomy.validation["frozen"] + roomy.validation["decode"] - 1
     tight = make_plan(config, 1, "cpu", stage1=False, budget=budget)
     assert tight.vae_tiled and tight.validation["decode_tiled"] < roomy.validation["decode"]
     assert tight.rank.validation < roomy.rank.validation
