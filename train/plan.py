@@ -397,7 +397,7 @@ def _autocast(amp: torch.dtype | None):
 def _validation_parts(spec, dtype: torch.dtype) -> int:
     """Bytes of what validation loads beside the transformer(s): the pipeline's parts that are modules and neither
     text encoders (their conditions come from the window) nor transformers: the VAE, and where the family's
-    pipeline has them LTX-2's connectors, an audio VAE and a vocoder."""
+    pipeline has them text connectors, an audio VAE and a vocoder."""
     skip, declared = set(spec.text_parts()), spec.component_classes()
     total = 0
     for name in spec.pipeline_parts():
