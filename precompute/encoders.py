@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.runtime import encoder_dtype
 from vt.shared.vae_tiling import decide, enable_tiling, free_device_memory, pass_peak, tiling
-from vt.shared.errors import UserError
 
 log = get_logger("vt.precompute")
 

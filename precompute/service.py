@@ -35,7 +35,6 @@ from collections.abc import Iterator
 
 import torch
 
-from vt.shared.errors import UserError
 from vt.precompute.encoders import (encode_sounds, encode_texts_with_images, encode_videos, load_encoders,
                                     text_phase, tiled_buckets)
 from vt.precompute.prepare import Prepare, ShardEnd
@@ -51,6 +50,7 @@ from vt.precompute.workers import DecodePool
 from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.caption_table import Captions, encode_caption
 from vt.shared.config import Config
+from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
 from vt.shared.provenance import component_records, fingerprint, provenance

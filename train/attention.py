@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vt.shared.log import get_logger
 from vt.shared.errors import UserError
+from vt.shared.log import get_logger
 
 __all__ = ["BACKENDS", "available_backends", "check_backend", "set_backend", "backend_for"]
 log = get_logger("vt.train.attention")

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vt.shared.errors import UserError
 from vt.shared.shard_rows import ShardLayout
 from vt.shared.shards import CommitRecord, decode_shard
 from vt.shared.window import Window
 from vt.shared.window.reader import NotYet
 from vt.train.parallel.batching import slice_bounds
-from vt.shared.errors import UserError
 
 
 @dataclass

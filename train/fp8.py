@@ -19,9 +19,9 @@ import importlib.util
 import torch
 from torch import nn
 
+from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.train.frozen_storage import store_frozen, weight_bytes
-from vt.shared.errors import UserError
 
 __all__ = ["FP8_STORAGE", "fp8_training_support", "check_fp8_training", "check_fp8_base", "store_base_fp8",
            "apply_fp8_training", "after_optimizer_step", "weight_bytes"]

@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
-from vt.shared.errors import UserError
 
 __all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
 log = get_logger("vt.train.model")

@@ -12,8 +12,8 @@ import math
 
 import torch
 
-from vt.shared.models.flow import Prediction
 from vt.shared.errors import UserError
+from vt.shared.models.flow import Prediction
 
 
 def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from vt.train.trackers import read_metrics
 from vt.shared.errors import UserError
+from vt.train.trackers import read_metrics
 
 FIGSIZE = (8.0, 4.5)  # inches
 DPI = 100  # -> an 800x450 PNG

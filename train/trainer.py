@@ -30,6 +30,7 @@ import torch
 from vt.shared.buckets import parse_buckets
 from vt.shared.caption_table import decode_caption
 from vt.shared.config import Config, to_toml
+from vt.shared.errors import UserError
 from vt.shared.faults import fault_point
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
@@ -64,7 +65,6 @@ from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator, validation_loads
 from vt.train.window_match import WindowMatch
-from vt.shared.errors import UserError
 
 __all__ = ["Trainer", "autocast_dtype"]
 log = get_logger("vt.train")

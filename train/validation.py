@@ -23,13 +23,13 @@ import torch
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import Config
+from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.models.spec import ModelSpec
 from vt.shared.vae_tiling import can_tile, decide, free_device_memory, pass_peak, tiling
 from vt.shared.validation_inputs import decode_conditions, image_input, pair_input, prompt_input
 from vt.shared.video_io import load_image, read_fitted, write_video
 from vt.train.parallel.pp_validation import staged_inference
-from vt.shared.errors import UserError
 
 log = get_logger("vt.train.validation")
 

@@ -41,10 +41,10 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
+from vt.shared.errors import UserError
 from vt.shared.models.flow import Prediction, input_dtype
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.errors import UserError
 
 
 class CogVideoXSpec(ModelSpec):

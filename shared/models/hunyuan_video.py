@@ -53,12 +53,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.errors import UserError
 
 # The template for a tokenizer that lacks the Llama-3 chat header tokens: the bare caption, nothing cropped.
 BARE_TEMPLATE: dict[str, Any] = {"template": "{}", "crop_start": 0}

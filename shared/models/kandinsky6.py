@@ -105,8 +105,8 @@ class Kandinsky6Spec(ModelSpec):
                            patch=patch[1])
 
     def lora_exclusions(self, transformer) -> str | None:
-        """The sound stream's modules in a video-only run (it never trains there)."""
-        return None if self.config.audio else r".*(^|\.)(audio_|va_|av_)[^.]*(\..*)?"
+        """The sound stream's modules (`Kandinsky6Sound.parameters`) in a video-only run (it never trains there)."""
+        return None if self.config.audio else rf".*(?:{self.sound.parameters}).*"
 
     def pipeline_parts(self) -> list[str]:
         """As the base; a video-only run leaves the audio VAE and vocoder out (the pipeline samples no sound)."""

@@ -22,8 +22,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
-from vt.shared.models import comfy
 from vt.shared.errors import UserError
+from vt.shared.models import comfy
 
 log = logging.getLogger(__name__)
 

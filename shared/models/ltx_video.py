@@ -17,10 +17,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.errors import UserError
 
 
 class LTXVideoSpec(ModelSpec):

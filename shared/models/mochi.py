@@ -32,11 +32,11 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
+from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.errors import UserError
 
 # What MochiPipeline hard-codes (vae_temporal_scale_factor, vae_spatial_scale_factor): a VAE with other
 # ratios would train on latents the pipeline cannot sample.

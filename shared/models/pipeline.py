@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
-from vt.shared.video_io import Sound
 from vt.shared.errors import UserError
+from vt.shared.video_io import Sound
 
 
 def to_pil_image(image):

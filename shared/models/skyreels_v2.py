@@ -30,12 +30,12 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
+from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy, input_dtype
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.wan import WanSpec, _latent_stats
-from vt.shared.errors import UserError
 
 DF_PIPELINES = {"t2v": "diffusers:SkyReelsV2DiffusionForcingPipeline",
                 "i2v": "diffusers:SkyReelsV2DiffusionForcingImageToVideoPipeline"}

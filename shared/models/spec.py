@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
+from vt.shared.errors import UserError
 from vt.shared.models.components import ComponentLoader, load_class
 from vt.shared.models.experts import ExpertsMixin
 from vt.shared.models.flow import Prediction
@@ -33,7 +34,6 @@ from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.roles import ControlVideo, SoundStream
 from vt.shared.models.tiny import save_tiny, seeded
 from vt.shared.runtime import DTYPES, encoder_dtype
-from vt.shared.errors import UserError
 
 
 @dataclass(frozen=True)

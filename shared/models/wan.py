@@ -36,11 +36,11 @@ import torch
 from torch import Tensor
 
 from vt.shared.config import ModelConfig
+from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.errors import UserError
 
 # diffusers' WanAttnProcessor: with image key/value projections, the context's last 512 tokens are
 # the text and everything before them the image.

@@ -26,8 +26,8 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Any, ClassVar
 
-from vt.shared.models.wan import WanSpec
 from vt.shared.errors import UserError
+from vt.shared.models.wan import WanSpec
 
 HIGH, LOW = "high_noise", "low_noise"
 

@@ -21,11 +21,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.wan import WanSpec, _latent_stats
-from vt.shared.errors import UserError
 
 
 class Wan22TI2VSpec(WanSpec):

@@ -32,12 +32,12 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
+from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.roles import ControlVideo
 from vt.shared.models.spec import VaeGeometry
 from vt.shared.models.wan import WanSpec
-from vt.shared.errors import UserError
 
 CONDITIONING_SCALE = 1.0  # WanVACEPipeline's default `conditioning_scale`, per VACE layer
 # The modules of a VACE block a control LoRA trains by default (DiffSynth-Studio's q,k,v,o,ffn.0,ffn.2).

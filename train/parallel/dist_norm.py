@@ -15,8 +15,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from vt.train.parallel.ulysses import all_reduce_sum
 from vt.shared.errors import UserError
+from vt.train.parallel.ulysses import all_reduce_sum
 
 
 class ShardedRMSNorm(nn.Module):

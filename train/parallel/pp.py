@@ -41,8 +41,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from vt.train.parallel.batching import Slice
 from vt.shared.errors import UserError
+from vt.train.parallel.batching import Slice
 
 
 class _Baton:

@@ -31,11 +31,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from vt.shared.errors import UserError
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec
 from vt.train.parallel.dims import ParallelConfigError
 from vt.train.parallel.dist_norm import ShardedRMSNorm
-from vt.shared.errors import UserError
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from vt.shared.errors import UserError
 from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
 from vt.train.parallel.ulysses import gather_heads, heads_to_sequence, local_heads, sequence_to_heads, split_sequence
-from vt.shared.errors import UserError
 
 
 def _local_heads_hook(group):
