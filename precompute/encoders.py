@@ -191,12 +191,12 @@ def encode_sounds(spec, encoders: dict, sounds: list[torch.Tensor], bucket, batc
 
 def encode_texts_with_images(spec, encoders: dict, captions: list[str], videos: list[torch.Tensor],
                              device: torch.device) -> dict[str, list[torch.Tensor]]:
-    """`spec.encode_text_with_image` of each caption with its clip's first frame, one sample at a time (the
+    """`spec.text_with_image.encode` of each caption with its clip's first frame, one sample at a time (the
     pipeline's prompt crop handles a caption cut at the text length only in a batch of one)."""
     out: dict[str, list[torch.Tensor]] = {}
     for caption, video in zip(captions, videos):
         first = video[:, 0].unsqueeze(0).to(device)  # (1, 3, H, W) of the clip (3, F, H, W)
-        for name, tensor in spec.encode_text_with_image(encoders, [caption], first).items():
+        for name, tensor in spec.text_with_image.encode(encoders, [caption], first).items():
             out.setdefault(name, []).append(tensor.cpu())
     return out
 

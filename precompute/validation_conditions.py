@@ -27,15 +27,16 @@ def write_validation_conditions(spec, encoders: dict, config, window, fingerprin
                                 storage_dtype: torch.dtype) -> int:
     """Encode and store every validation input the window lacks for `fingerprint`; returns how many."""
     written = 0
-    for item in validation_inputs(config.train, spec.negative_prompt, spec.image_conditions, spec.text_with_image):
+    inputs = validation_inputs(config.train, spec.negative_prompt, bool(spec.image_conditions), bool(spec.text_with_image))
+    for item in inputs:
         if window.validation(fingerprint, item.key) is not None:
             continue
         if item.kind == "prompt":
             tensors = spec.encode_validation_text(encoders, item.value)
         elif item.kind == "pair":  # the prompt read together with its image (`spec.text_with_image`)
-            tensors = spec.encode_validation_pair(encoders, item.prompt, load_image(item.value))
+            tensors = spec.text_with_image.encode_validation(encoders, item.prompt, load_image(item.value))
         else:
-            tensors = spec.encode_validation_image(encoders, load_image(item.value))
+            tensors = spec.image_conditions.encode(encoders, load_image(item.value))
         window.put_validation(fingerprint, item.key, encode_conditions(tensors, storage_dtype))
         written += 1
     if written:

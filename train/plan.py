@@ -32,9 +32,10 @@ from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
 from vt.shared.memory_trace import KnownValues, fake_mode, fake_parameters, peak_bytes
 from vt.shared.models import spec_for
+from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
 from vt.train.model_build import Dtypes, prepare_transformer
-from vt.train.parallel.dims import ParallelDims
+from vt.train.parallel.dims import ParallelDims, layout_plan
 from vt.train.parallel.fsdp import ROOT_UNIT
 from vt.train.parallel.fsdp import units as fsdp_units
 from vt.train.parallel.offload import OffloadSaved
@@ -112,7 +113,7 @@ class _Layout:
     def of(cls, spec, model: nn.Module, dims: ParallelDims) -> "_Layout":
         split: set[str] = set()
         if dims.tp > 1:
-            plan = spec.tp_plan()
+            plan = layout_plan(spec, "tp")
             for where, _ in spec.named_blocks(model):
                 for layer in plan.colwise:
                     split |= {f"{where}.{layer}.weight", f"{where}.{layer}.bias",
@@ -462,12 +463,12 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
         options.append(("parallel.cpu_offload=true", _with(config, "parallel", cpu_offload=True), gpus))
     spec = spec_for(config)
     try:
-        spec.cp_plan()
-        for cp in (2, 4, 8):
-            if gpus % (cp * parallel.tp * parallel.dp_replicate) == 0 and cp > parallel.cp:
-                options.append((f"parallel.cp={cp}", _with(config, "parallel", cp=cp), gpus))
-    except NotImplementedError:
-        pass
+        has_cp = spec.cp_plan() is not None
+    except Unplanned:
+        has_cp = False
+    for cp in (2, 4, 8) if has_cp else ():
+        if gpus % (cp * parallel.tp * parallel.dp_replicate) == 0 and cp > parallel.cp:
+            options.append((f"parallel.cp={cp}", _with(config, "parallel", cp=cp), gpus))
     for more in (2, 4, 8, 16, 32):
         if more > gpus:
             options.append((f"{more} GPUs (FSDP2)", config, more))
@@ -477,7 +478,7 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
     for label, changed, count in options:
         try:
             out.append((label, make_plan(changed, count, device, budget=budget)))
-        except (ValueError, NotImplementedError):
+        except ValueError:  # a layout refused (Unplanned, ParallelConfigError ...: UserErrors are ValueErrors)
             continue
     return out
 

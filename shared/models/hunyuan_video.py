@@ -57,7 +57,8 @@ from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
-from vt.shared.models.plans import ContextParallelPlan
+from vt.shared.models.plans import ContextParallelPlan, Unplanned
+from vt.shared.models.roles import TextWithImage
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 
 # The template for a tokenizer that lacks the Llama-3 chat header tokens: the bare caption, nothing cropped.
@@ -199,7 +200,7 @@ class HunyuanVideoSpec(ModelSpec):
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L), "pooled_prompt_embeds": (B, P)},
         L = the spec's max_text_tokens, right padded. i2v: CLIP's pooled output only (the Llava text reads
-        the first frame too: `encode_text_with_image`)."""
+        the first frame too: `text_with_image`)."""
         if self.config.task == "i2v":
             pooled = self._text_pipeline(encoders)._get_clip_prompt_embeds(list(captions),
                                                                            device=encoders["text_encoder_2"].device)
@@ -209,12 +210,12 @@ class HunyuanVideoSpec(ModelSpec):
                 "pooled_prompt_embeds": pooled.float()}
 
     @property
-    def text_with_image(self) -> bool:
+    def text_with_image(self) -> TextWithImage | None:
         """I2V: Llava reads each caption with the clip's first frame (its vision tokens inside the prompt)."""
-        return self.config.task == "i2v"
+        return TextWithImage(self._llava_texts, self._llava_validation_text) if self.config.task == "i2v" else None
 
     @torch.no_grad()
-    def encode_text_with_image(self, encoders, captions: list[str], images: Tensor) -> dict[str, Tensor]:
+    def _llava_texts(self, encoders, captions: list[str], images: Tensor) -> dict[str, Tensor]:
         """float32 {"prompt_embeds": (B, N + L - 4, D), "prompt_attention_mask"}: the I2V pipeline's
         `_get_llama_prompt_embeds` of each caption with its frame (uint8 as decoded), one at a time: N kept
         image tokens, then the caption cropped out of the chat template (L = max_text_tokens), right padded."""
@@ -222,7 +223,7 @@ class HunyuanVideoSpec(ModelSpec):
         return {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
 
     @torch.no_grad()
-    def encode_validation_pair(self, encoders, prompt: str, image) -> dict[str, Tensor]:
+    def _llava_validation_text(self, encoders, prompt: str, image) -> dict[str, Tensor]:
         """The pipeline's own Llava encoding of a validation prompt with its image (`prompt_embeds`, mask)."""
         return self._llava_text(encoders, prompt, to_pil_image(image))
 
@@ -303,8 +304,8 @@ class HunyuanVideoSpec(ModelSpec):
         i2v token_replace is refused: its blocks modulate the first `first_frame_num_tokens` tokens they
         hold as the clean frame, which under CP would be every rank's first tokens."""
         if self.config.task == "i2v" and self.load_config("transformer")["image_condition_type"] == "token_replace":
-            raise NotImplementedError("hunyuan-video i2v (token_replace) has no CP plan: its blocks treat the first "
-                                      "frame's tokens apart, which context parallel would split; set parallel.cp = 1")
+            raise Unplanned("hunyuan-video i2v (token_replace) has no CP plan: its blocks treat the first frame's "
+                            "tokens apart, which context parallel would split; set parallel.cp = 1")
         return ContextParallelPlan(
             split_inputs={"transformer_blocks.0": {"hidden_states": 1}}, gather_output="proj_out",
             self_attention=("attn",), sequence_to_heads=("to_q", "to_k", "to_v"),

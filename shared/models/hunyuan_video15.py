@@ -54,6 +54,7 @@ from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.roles import ImageConditions
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 
 PIPELINE_TEXT_TOKENS = 1000  # HunyuanVideo15Pipeline.tokenizer_max_length (set in its __init__)
@@ -328,18 +329,16 @@ class HunyuanVideo15Spec(ModelSpec):
                                             do_convert_rgb=True)
 
     @property
-    def image_conditions(self) -> bool:
+    def image_conditions(self) -> ImageConditions | None:
         """i2v: validation images need SigLIP's tokens, which stage 1 makes."""
-        return self.config.task == "i2v"
+        return ImageConditions(self._validation_image_embeds) if self.config.task == "i2v" else None
 
     @torch.no_grad()
-    def encode_validation_image(self, encoders, image) -> dict[str, Tensor]:
+    def _validation_image_embeds(self, encoders, image) -> dict[str, Tensor]:
         """The pipeline's `encode_image` of a validation image: resized and cropped to `output_size` as the
         pipeline does first, then SigLIP's last hidden states (`image_embeds`)."""
         from diffusers import HunyuanVideo15ImageToVideoPipeline as I2V
 
-        if self.config.task != "i2v":
-            return {}
         height, width = self.output_size(image)
         resized = self._frame_processor().resize(to_pil_image(image), height=height, width=width, resize_mode="crop")
         encoder = encoders["image_encoder"]

@@ -50,7 +50,7 @@ from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.lora import lora_weight_name
-from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan, Unplanned
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 
 PROMPT_TEMPLATE_TOKENS = 128  # Kandinsky5T2VPipeline.prompt_template_encode_start_idx: template tokens cropped
@@ -297,9 +297,8 @@ class Kandinsky5Spec(ModelSpec):
         which the self-attention sees after the all-to-all. NABLA is refused: its per-head block mask would be
         built on each rank's heads over the whole grid, but FlexAttention has no CPU backward to check that on."""
         if self.sparse_attention:
-            raise NotImplementedError(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no "
-                                      "CP plan (its FlexAttention block mask under Ulysses is not checked); set "
-                                      "parallel.cp = 1")
+            raise Unplanned(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no CP plan "
+                            "(its FlexAttention block mask under Ulysses is not checked); set parallel.cp = 1")
         last = int(self.load_config("transformer")["num_visual_blocks"]) - 1
         return ContextParallelPlan(
             split_inputs={"visual_transformer_blocks.0": {"visual_embed": 1}},

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
+from vt.shared.models.roles import ImageConditions, TextWithImage
 from vt.shared.video_io import Sound
 
 
@@ -113,35 +114,11 @@ class PipelineMixin:
         `encode_text`'s, renamed by `pipeline_text_names`."""
         return {self.pipeline_text_names.get(k, k): v for k, v in self.encode_text(encoders, [prompt]).items()}
 
-    @property
-    def image_conditions(self) -> bool:
-        """Whether this run's i2v pipeline makes conditions of its image with a stage-1 encoder
-        (`encode_validation_image`), so stage 1 encodes the validation images too."""
-        return False
-
-    def encode_validation_image(self, encoders: dict[str, Any], image: np.ndarray) -> dict[str, Tensor]:
-        """The conditions an i2v pipeline makes of its image with a stage-1 encoder (Wan 2.1's CLIP
-        `image_embeds`), as its call takes them; {} where the VAE alone conditions on the image."""
-        return {}
-
-    @property
-    def text_with_image(self) -> bool:
-        """Whether the text encoder reads each caption together with the clip's first frame (HunyuanVideo
-        I2V's Llava: the image's tokens sit inside the prompt), so text conditions belong to a sample, not
-        to a caption: stage 1 stores `encode_text_with_image`'s per sample (`encode_text` then holds only
-        what the caption alone makes), and validation stores `encode_validation_pair`'s per (prompt, image)."""
-        return False
-
-    def encode_text_with_image(self, encoders: dict[str, Any], captions: list[str],
-                               images: Tensor) -> dict[str, Tensor]:
-        """Per-sample conditions (B, ...) of `captions[i]` read with `images[i]` ((B, 3, H, W) first frames in
-        [-1, 1]) where `text_with_image`; {} for families whose text encoder reads the caption alone."""
-        return {}
-
-    def encode_validation_pair(self, encoders: dict[str, Any], prompt: str, image: np.ndarray) -> dict[str, Tensor]:
-        """`encode_text_with_image`'s conditions of one validation prompt with its image, as the pipeline's
-        call takes them; {} where not `text_with_image`."""
-        return {}
+    # A family whose i2v pipeline makes conditions of its image with a stage-1 encoder, or whose text encoder reads
+    # each caption with the clip's first frame, returns its roles.ImageConditions / roles.TextWithImage for this
+    # run's task here; None: it has neither.
+    image_conditions: ImageConditions | None = None
+    text_with_image: TextWithImage | None = None
 
     # ----------------------------------------------------------------------------- validation
     def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, dtype: torch.dtype | None = None,

@@ -1,8 +1,16 @@
-"""How tensor and context parallel split a family's transformer: the plans a family declares."""
+"""How tensor and context parallel split a family's transformer: the plans a family declares (its layout role;
+`tp_plan()` / `cp_plan()` return None where the family has none, and raise `Unplanned` where one setting of it
+has none)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from vt.shared.errors import UserError
+
+
+class Unplanned(UserError):
+    """A family that has a plan lacks it under this setting (the message says why and what to set)."""
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,36 @@ class ControlVideo:
 
 
 @dataclass(frozen=True)
+class ImageConditions:
+    """The family's i2v pipeline conditions on tokens a stage-1 image encoder makes of its image (Wan 2.1's CLIP,
+    HunyuanVideo 1.5's SigLIP): stage 1 stores `encode(encoders, image)` of every validation image ((H, W, 3)
+    uint8), the conditions as the pipeline's call takes them, so validation never loads that encoder."""
+
+    encode: Callable[[dict[str, Any], np.ndarray], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class TextWithImage:
+    """The family's text encoder reads each caption together with the clip's first frame (HunyuanVideo I2V's
+    Llava: the image's tokens sit inside the prompt), so text conditions belong to a sample, not a caption: stage 1
+    stores `encode(encoders, captions, frames)` per sample ((B, 3, H, W) first frames in [-1, 1]; the spec's
+    `encode_text` then holds what the caption alone makes) and `encode_validation(encoders, prompt, image)` per
+    validation (prompt, image) pair, as the pipeline's call takes them."""
+
+    encode: Callable[[dict[str, Any], list[str], Tensor], dict[str, Tensor]]
+    encode_validation: Callable[[dict[str, Any], str, np.ndarray], dict[str, Tensor]]
+
+
+@dataclass(frozen=True)
+class PerFrameNoise:
+    """The transformer takes a noise level per latent frame, so `model.diffusion_forcing` trains it with
+    `levels(latent_shape)` independent sigmas per sample of latents (C, F, H, W) (one per frame or causal block),
+    all from the sample's keyed generator (train/parallel/batching.py); `forward` then gets sigmas (B, levels)."""
+
+    levels: Callable[[tuple[int, ...]], int]
+
+
+@dataclass(frozen=True)
 class AudioFormat:
     """What a family's audio encoder takes: stage 1 resamples each clip's sound track to it."""
 

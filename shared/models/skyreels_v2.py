@@ -34,6 +34,7 @@ from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy, input_dtype
 from vt.shared.models.plans import ContextParallelPlan
+from vt.shared.models.roles import PerFrameNoise
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.wan import WanSpec, _latent_stats
 
@@ -46,7 +47,6 @@ class SkyReelsV2Spec(WanSpec):
     family: ClassVar[str] = "skyreels-v2"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     example_hub_id: ClassVar[str] = "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers"
-    per_frame_timesteps: ClassVar[bool] = True
     components: ClassVar[dict[str, str]] = {**WanSpec.components,
                                             "transformer": "diffusers:SkyReelsV2Transformer3DModel"}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:SkyReelsV2Pipeline",
@@ -125,9 +125,10 @@ class SkyReelsV2Spec(WanSpec):
         return ModelSpec.condition_shapes(self, bucket) if self.forcing else super().condition_shapes(bucket)
 
     # ----------------------------------------------------------------------------- stage 2
-    def noise_levels(self, latent_shape: tuple[int, ...]) -> int:
-        """One sigma per causal block under diffusion forcing, else one per sample."""
-        return latent_shape[1] // self.causal_block if self.forcing else 1
+    @property
+    def per_frame_noise(self) -> PerFrameNoise:  # type: ignore[override]
+        """One sigma per causal block under diffusion forcing."""
+        return PerFrameNoise(lambda latent_shape: latent_shape[1] // self.causal_block)
 
     def frame_sigmas(self, sigmas: Tensor, frames: int) -> Tensor:
         """(B, frames) sigmas from the trainer's (B,) (every frame alike: the pipeline's synchronous

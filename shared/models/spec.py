@@ -31,7 +31,7 @@ from vt.shared.models.flow import Prediction
 from vt.shared.models.lora import LoraMixin
 from vt.shared.models.pipeline import PipelineMixin
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
-from vt.shared.models.roles import ControlVideo, SoundStream
+from vt.shared.models.roles import ControlVideo, PerFrameNoise, SoundStream
 from vt.shared.models.tiny import save_tiny, seeded
 from vt.shared.runtime import DTYPES, encoder_dtype
 
@@ -73,9 +73,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # Whether i2v training can noise the conditioning frame (`model.first_frame_noise`); families that
     # condition on a clean frame refuse the key rather than ignore it.
     noisy_first_frame: ClassVar[bool] = False
-    # Whether the transformer takes a timestep per latent frame, so `model.diffusion_forcing` can train it
-    # with a noise level per frame (`noise_levels`); the others refuse the key rather than ignore it.
-    per_frame_timesteps: ClassVar[bool] = False
+    # A transformer that takes a noise level per latent frame declares how many (roles.PerFrameNoise), so
+    # `model.diffusion_forcing` can train it; the others refuse the key rather than ignore it.
+    per_frame_noise: ClassVar[PerFrameNoise | None] = None
     # A family that trains on a control video per sample declares how (roles.ControlVideo); None: it does not.
     control_video: ClassVar[ControlVideo | None] = None
     # A family that generates sound with the picture declares how (roles.SoundStream); `self.sound` is one built
@@ -103,7 +103,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
             raise UserError(f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
                              f"task {config.task!r}: " + ("it conditions on a clean first frame" if config.task == "i2v"
                                                           else "it is an i2v setting") + "; remove it")
-        if config.diffusion_forcing and not self.per_frame_timesteps:
+        if config.diffusion_forcing and not self.per_frame_noise:
             raise UserError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
                              f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
                              "pick a family with diffusion forcing (docs/families.md)")
@@ -249,10 +249,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
 
     # ----------------------------------------------------------------------------- stage 2
     def noise_levels(self, latent_shape: tuple[int, ...]) -> int:
-        """How many independent sigmas the trainer draws per sample of latents (C, F, H, W), all from the
-        sample's keyed generator (train/parallel/batching.py): 1, or under diffusion forcing one per latent
-        frame or causal block (`forward` then gets sigmas (B, levels))."""
-        return 1
+        """How many independent sigmas the trainer draws per sample of latents (C, F, H, W): 1, or under
+        `model.diffusion_forcing` the family's `per_frame_noise.levels`."""
+        return self.per_frame_noise.levels(latent_shape) if self.config.diffusion_forcing else 1
 
     @abstractmethod
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
@@ -280,15 +279,13 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         return [block for _, block in self.named_blocks(transformer)]
 
     # ----------------------------------------------------------------------------- parallel plans
-    def tp_plan(self) -> TensorParallelPlan:
-        """Which layers tensor parallel splits (used by vt.train.parallel.tp.apply_tp)."""
-        raise NotImplementedError(f"family {self.family!r} has no TP plan; set parallel.tp = 1 "
-                                  f"(or add tp_plan() to its spec file)")
+    def tp_plan(self) -> TensorParallelPlan | None:
+        """Which layers tensor parallel splits (vt.train.parallel.tp.apply_tp); None: the family has no plan."""
+        return None
 
-    def cp_plan(self) -> ContextParallelPlan:
-        """Where context parallel splits and gathers the sequence (used by vt.train.parallel.cp.apply_cp)."""
-        raise NotImplementedError(f"family {self.family!r} has no CP plan; set parallel.cp = 1 "
-                                  f"(or add cp_plan() to its spec file)")
+    def cp_plan(self) -> ContextParallelPlan | None:
+        """Where context parallel splits and gathers the sequence (vt.train.parallel.cp.apply_cp); None: no plan."""
+        return None
 
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod

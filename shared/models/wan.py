@@ -40,6 +40,7 @@ from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
+from vt.shared.models.roles import ImageConditions
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 
 # diffusers' WanAttnProcessor: with image key/value projections, the context's last 512 tokens are
@@ -224,16 +225,14 @@ class WanSpec(ModelSpec):
         return shapes
 
     @property
-    def image_conditions(self) -> bool:
+    def image_conditions(self) -> ImageConditions | None:
         """Wan 2.1 i2v, flf2v: validation images need the CLIP image encoder's embeddings (stage 1 makes them)."""
-        return self.image_tokens
+        return ImageConditions(self._validation_image_embeds) if self.image_tokens else None
 
     @torch.no_grad()
-    def encode_validation_image(self, encoders, image) -> dict[str, Tensor]:
+    def _validation_image_embeds(self, encoders, image) -> dict[str, Tensor]:
         """WanImageToVideoPipeline.encode_image of one validation image (a first or a last frame), as its
         call's `image_embeds`: (1, N, D)."""
-        if not self.image_tokens:
-            return {}
         return {"image_embeds": self._image_hidden_states(encoders, [to_pil_image(image)])}
 
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -34,7 +34,6 @@ from torch import Tensor
 
 from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
-from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.roles import ControlVideo
 from vt.shared.models.spec import VaeGeometry
 from vt.shared.models.wan import WanSpec
@@ -174,10 +173,8 @@ class WanVACESpec(WanSpec):
         return {**super().inference_settings(), "conditioning_scale": CONDITIONING_SCALE}
 
     # ----------------------------------------------------------------------------- parallel plans
-    def tp_plan(self) -> TensorParallelPlan:
-        raise NotImplementedError(f"family {self.family!r} has no TP plan yet (its VACE blocks would need their own "
-                                  "checked split); set parallel.tp = 1")
+    def tp_plan(self) -> None:
+        """None yet: its VACE blocks would need their own checked split."""
 
-    def cp_plan(self) -> ContextParallelPlan:
-        raise NotImplementedError(f"family {self.family!r} has no CP plan yet (its VACE blocks take the tokens before "
-                                  "the main blocks, so the split points differ from Wan's); set parallel.cp = 1")
+    def cp_plan(self) -> None:
+        """None yet: its VACE blocks take the tokens before the main blocks, so the split points differ from Wan's."""

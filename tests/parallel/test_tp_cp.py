@@ -331,21 +331,24 @@ def test_parallel_layouts_match_single_process(world, runs, reference, tmp_path)
 
 
 def test_families_without_plans_say_which_setting_to_change(tiny_model_factory):
-    from vt.shared.models.spec import ModelSpec
+    from vt.shared.models.plans import Unplanned
+    from vt.shared.models.wan_vace import WanVACESpec
+    from vt.train.parallel.dims import ParallelConfigError, layout_plan
 
     spec = _spec("wan", tiny_model_factory("wan"))
-    with pytest.raises(NotImplementedError, match="family 'wan' has no TP plan; set parallel.tp = 1"):
-        ModelSpec.tp_plan(spec)  # the base class default, which a family without a plan inherits
-    with pytest.raises(NotImplementedError, match="family 'wan' has no CP plan; set parallel.cp = 1"):
-        ModelSpec.cp_plan(spec)
+    spec.__class__ = WanVACESpec  # a family without plans: its layout role has none (None), refused in one line
+    with pytest.raises(ParallelConfigError, match="family 'wan-vace' has no TP plan; set parallel.tp = 1"):
+        layout_plan(spec, "tp")
+    with pytest.raises(ParallelConfigError, match="family 'wan-vace' has no CP plan; set parallel.cp = 1"):
+        layout_plan(spec, "cp")
     # Families (or settings) that cannot take CP say why, and which setting to change, before any training.
     from vt.shared.config import ModelConfig
     from vt.shared.models import build_spec
 
     for family, task, why in (("hunyuan-video", "i2v", "first frame's tokens apart"),):
         spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family, task=task)), task=task), 8.0)
-        with pytest.raises(NotImplementedError, match=f"{why}.*set parallel.cp = 1"):
-            spec.cp_plan()
+        with pytest.raises(Unplanned, match=f"{why}.*set parallel.cp = 1"):
+            layout_plan(spec, "cp")
     # The real plans name layers that exist in the family's transformer blocks.
     for family in ("ltx-video", "wan"):
         spec = _spec(family, tiny_model_factory(family))

@@ -159,7 +159,7 @@ def test_i2v_stage1_stores_what_the_pipeline_makes_of_the_first_frame(tiny_model
     video = torch.cat(clips)
     text = spec.encode_text(encoders, I2V_CAPTIONS)
     assert set(text) == {"pooled_prompt_embeds"}  # the caption alone: per caption
-    sample_text = spec.encode_text_with_image(encoders, I2V_CAPTIONS, video[:, :, 0])
+    sample_text = spec.text_with_image.encode(encoders, I2V_CAPTIONS, video[:, :, 0])
     latents = spec.encode_video(encoders, video)
     shapes = spec.condition_shapes(I2V_BUCKET)
     for name, tensor in {**text, **sample_text, **latents}.items():
@@ -180,7 +180,7 @@ def test_i2v_stage1_stores_what_the_pipeline_makes_of_the_first_frame(tiny_model
         torch.testing.assert_close(latents["image_latents"][i:i + 1], image_latents, atol=1e-5, rtol=1e-5)
     mask = sample_text["prompt_attention_mask"]
     assert mask[0, :12].all() and not mask[0, 12:].any() and mask[1].all()  # right padded; the cut caption fills
-    other = spec.encode_text_with_image(encoders, I2V_CAPTIONS[:1], -video[:1, :, 0])["prompt_embeds"]
+    other = spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], -video[:1, :, 0])["prompt_embeds"]
     assert (other - sample_text["prompt_embeds"][:1])[:, 4:].abs().max() > 1e-5, "the caption did not read the image"
 
 
@@ -192,7 +192,7 @@ def test_i2v_forward_feeds_the_pipelines_inputs_and_weights_the_clean_frame_zero
     encoders = spec.load_stage1()
     video, image = i2v_clip(1)
     batch = {**spec.encode_text(encoders, I2V_CAPTIONS[:1]),
-             **spec.encode_text_with_image(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
+             **spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
              **spec.encode_video(encoders, video)}
     transformer = spec.load_transformer()
     seen = capture(transformer)
@@ -227,7 +227,7 @@ def test_i2v_latent_concat_transformer_takes_the_image_on_the_channel_axis(tiny_
     encoders = spec.load_stage1()
     video, image = i2v_clip(1)
     batch = {**spec.encode_text(encoders, I2V_CAPTIONS[:1]),
-             **spec.encode_text_with_image(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
+             **spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
              **spec.encode_video(encoders, video)}
     assert batch["prompt_embeds"].shape[1] == spec.condition_shapes(I2V_BUCKET)["prompt_embeds"][0] == 8 + 12
     transformer = spec.load_transformer()
@@ -266,7 +266,7 @@ def test_i2v_lora_and_full_exports_load_into_a_fresh_i2v_pipeline(tiny_model_fac
     spec = make_i2v_spec(tiny_model_factory)
     _, image = i2v_clip(1)
     encoders = spec.load_stage1()  # the prompt's text once, not at every call
-    text = {**spec.encode_validation_text(encoders, PROMPT), **spec.encode_validation_pair(encoders, PROMPT, image)}
+    text = {**spec.encode_validation_text(encoders, PROMPT), **spec.text_with_image.encode_validation(encoders, PROMPT, image)}
 
     def latents(pipeline):
         return pipeline(**spec.pipeline_inputs(None, I2V_BUCKET, 2, 0, image), **text, output_type="latent").frames
@@ -305,7 +305,7 @@ def test_i2v_validation_renders_from_stored_pair_conditions_without_text_encoder
     spec = make_i2v_spec(tiny_model_factory)
     encoders = spec.load_stage1()
     _, image = i2v_clip(2)
-    stored = {**spec.encode_validation_text(encoders, PROMPT), **spec.encode_validation_pair(encoders, PROMPT, image),
+    stored = {**spec.encode_validation_text(encoders, PROMPT), **spec.text_with_image.encode_validation(encoders, PROMPT, image),
               **{f"negative_{k}": v for k, v in spec.encode_validation_text(encoders, spec.negative_prompt).items()}}
     conditions = decode_conditions(encode_conditions(stored, torch.float32))  # as the window gives them back
     assert set(conditions) >= {"prompt_embeds", "prompt_attention_mask", "pooled_prompt_embeds"}

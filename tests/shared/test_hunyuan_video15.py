@@ -186,7 +186,7 @@ def test_i2v_exports_load_into_a_fresh_i2v_pipeline_and_validation_renders_from_
     spec = make_i2v_spec(tiny_model_factory)
     encoders = spec.load_stage1()
     _, image = i2v_clip(1)
-    stored = {**spec.encode_validation_text(encoders, CAPTIONS[0]), **spec.encode_validation_image(encoders, image),
+    stored = {**spec.encode_validation_text(encoders, CAPTIONS[0]), **spec.image_conditions.encode(encoders, image),
               **{f"negative_{k}": v for k, v in spec.encode_validation_text(encoders, spec.negative_prompt).items()}}
     conditions = decode_conditions(encode_conditions(stored, torch.float32))  # as the window gives them back
     assert conditions["image_embeds"].shape == (1, 16, 12)
@@ -215,7 +215,7 @@ def test_i2v_exports_load_into_a_fresh_i2v_pipeline_and_validation_renders_from_
     whole = spec.generate(spec.build_pipeline(transformer, **encoders), CAPTIONS[0], I2V_BUCKET, 2, 0, image=image)
     assert frames.shape == (5, *spec.output_size(image), 3) == (5, 64, 96, 3)
     assert np.abs(frames.astype(int) - whole).max() <= 1
-    other = {**conditions, **spec.encode_validation_image(encoders, 255 - image)}
+    other = {**conditions, **spec.image_conditions.encode(encoders, 255 - image)}
     moved = bare(**{**spec.pipeline_inputs(None, I2V_BUCKET, 2, 0, 255 - image), "output_type": "latent"},
                  **spec.pipeline_conditions(bare, other)).frames
     assert (moved - in_memory).abs().mean() > 1e-2, "the image did not condition the video"

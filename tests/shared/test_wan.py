@@ -318,8 +318,8 @@ def test_wan_flf2v_exports_load_back_and_validation_renders_from_both_images(tin
     negative = spec.encode_validation_text(encoders, spec.negative_prompt)
     conditions = {**spec.encode_validation_text(encoders, "a rabbit"),
                   **{f"negative_{k}": v for k, v in negative.items()},
-                  **spec.encode_validation_image(encoders, WAN_I2V_IMAGE),
-                  **{f"last_{k}": v for k, v in spec.encode_validation_image(encoders, FLF2V_LAST).items()}}
+                  **spec.image_conditions.encode(encoders, WAN_I2V_IMAGE),
+                  **{f"last_{k}": v for k, v in spec.image_conditions.encode(encoders, FLF2V_LAST).items()}}
     bare = spec.build_pipeline(override, text_encoders=False, vae=encoders["vae"])
     assert bare.image_encoder is None and bare.text_encoder is None
     stored = spec.generate(bare, None, BUCKET, steps=2, seed=0, image=WAN_I2V_IMAGE, last_image=FLF2V_LAST,

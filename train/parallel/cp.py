@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from vt.shared.models.spec import ModelSpec
-from vt.train.parallel.dims import ParallelConfigError
+from vt.train.parallel.dims import layout_plan
 from vt.train.parallel.tp import APPLIED_ATTR, slice_rope_channels
 from vt.train.parallel.ulysses import chunk_sizes, gather_sequence, split_sequence
 from vt.train.parallel.ulysses_attention import make_split_queries, make_ulysses, make_whole_queries
@@ -56,10 +56,7 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
         raise RuntimeError("apply_cp was already applied to this transformer")
     if cp_mesh.size() == 1:
         return
-    try:
-        plan = spec.cp_plan()
-    except NotImplementedError as err:  # a family (or setting) without a plan: refused at start-up, one line
-        raise ParallelConfigError(str(err)) from None
+    plan = layout_plan(spec, "cp")
     group, size = cp_mesh.get_group(), cp_mesh.size()
     layout = {"sizes": None}  # every rank's token count in the current forward, set where the tokens are split
     for path, arguments in plan.split_inputs.items():

@@ -28,6 +28,16 @@ class ParallelConfigError(UserError):
     """Parallel degrees that do not fit the launched world; the message says what to set."""
 
 
+def layout_plan(spec, kind: str):
+    """The family's "tp" or "cp" plan (its layout role), refused in one line where it has none (a setting without
+    one raises the spec's own Unplanned, a UserError too)."""
+    plan = getattr(spec, f"{kind}_plan")()
+    if plan is None:
+        raise ParallelConfigError(f"family {spec.family!r} has no {kind.upper()} plan; set parallel.{kind} = 1 (or "
+                                  f"add {kind}_plan() to its spec file)")
+    return plan
+
+
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of data (replicate, shard), context and tensor parallelism for `world_size` ranks.

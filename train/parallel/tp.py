@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 from vt.shared.errors import UserError
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec
-from vt.train.parallel.dims import ParallelConfigError
+from vt.train.parallel.dims import layout_plan
 from vt.train.parallel.dist_norm import ShardedRMSNorm
 
 log = logging.getLogger(__name__)
@@ -52,10 +52,7 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
                            f"{applied} was already applied to this transformer")
     if tp_mesh.size() == 1:
         return
-    try:
-        plan = spec.tp_plan()
-    except NotImplementedError as err:  # a family (or setting) without a plan: refused at start-up, one line
-        raise ParallelConfigError(str(err)) from None
+    plan = layout_plan(spec, "tp")
     for where, block in spec.named_blocks(transformer):
         has = _present(block, plan)
         _check_block(block, plan, tp_mesh.size(), where, has)
