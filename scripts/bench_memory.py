@@ -88,7 +88,7 @@ def build_shallow_transformer(folder: Path, layers: int) -> Path:
 
 
 def bf16_weights_bytes(folder: Path) -> int:
-    from vt.shared.models.weights import Weights
+    from vt.shared.weights.folder import Weights
 
     weights = Weights.in_folder(folder / "transformer")
     return sum(entry.end - entry.start for entry in weights.entries.values())

@@ -121,3 +121,58 @@ def test_no_family_reimplements_a_shared_job(family):
     cls = get_spec_class(family)
     for job in ("make_tiny", "add_lora", "save_comfy_lora", "save_lora"):
         assert getattr(cls, job).__qualname__ == getattr(ModelSpec, job).__qualname__, f"{family} re-implements {job}"
+
+
+def family_modules() -> dict[str, set[str]]:
+    """family -> the stems of its own modules under shared/models (its spec's module, the role modules named after
+    it, `<module>_<role>.py`, and its preset, presets/<module>.py)."""
+    stems = {get_spec_class(family).__module__.rsplit(".", 1)[-1]: family for family in FAMILIES}
+    out: dict[str, set[str]] = {family: set() for family in FAMILIES}
+    for path in python_files("shared/models"):
+        owner = max((stem for stem in stems if path.stem == stem or path.stem.startswith(stem + "_")),
+                    key=len, default=None)
+        if owner:
+            out[stems[owner]].add(str(path.relative_to(ROOT)))
+    return out
+
+
+def test_no_module_but_a_familys_own_and_the_registry_imports_or_names_it_in_code():
+    """A new family touches its own modules and the registry line: no other module of shared/, precompute/ or train/
+    imports a family module or names a family in a string (docstrings and comments may cite one as an example). A
+    family module may build on another family's (Kandinsky 6 on Kandinsky 5, SkyReels V2 on Wan)."""
+    owned = family_modules()
+    family_files = set().union(*owned.values())
+    modules = {get_spec_class(family).__module__.rsplit(".", 1)[-1] for family in FAMILIES}
+    names = set(FAMILIES)
+    exempt = {"shared/models/__init__.py",  # the registry
+              "shared/config.py"}  # `model.family`'s default: the embedded demo's family
+    found = []
+    for folder in ("shared", *STAGES):
+        for path in python_files(folder):
+            rel = str(path.relative_to(ROOT))
+            if rel in family_files or rel in exempt:
+                continue
+            tree = ast.parse(path.read_text())
+            docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                          if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                          and node.body and isinstance(node.body[0], ast.Expr)}
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").rsplit(".", 1)[-1] in modules:
+                    found.append(f"{rel}:{node.lineno}: imports {node.module}")
+                if isinstance(node, ast.ImportFrom) and node.module == "vt.shared.models":
+                    found += [f"{rel}:{node.lineno}: imports {a.name}" for a in node.names if a.name in modules]
+                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+                        and node.value in names):
+                    found.append(f"{rel}:{node.lineno}: names {node.value!r}")
+    assert not found, "modules other than a family's own naming it:\n" + "\n".join(found)
+
+
+FAMILY_MODULE_LINES = 300
+
+
+def test_every_module_of_the_seam_is_small():
+    """Every module under shared/models (spec, roles and family modules) is at most 300 lines: tiny builders,
+    tokenizer builders, pipeline handles and LoRA loaders live in modules of their own."""
+    long = {str(path.relative_to(ROOT)): n for path in python_files("shared/models")
+            if (n := len(path.read_text().splitlines())) > FAMILY_MODULE_LINES}
+    assert not long, f"modules over {FAMILY_MODULE_LINES} lines: {long}"

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from vt.shared.models.weights import DTYPES
+from vt.shared.weights.folder import DTYPES
 from vt.train.checkpoint import gather_full_state_dict
 from vt.train.parallel.pp import pipeline_split
 from vt.train.parallel.pp_export import StageStream

@@ -14,7 +14,7 @@ and output projections) in the compute dtype, the class's float32 modules in flo
   buffers) and upcast by the same StoredLinear; float8 storage is upcast by the all-gather itself (the
   param dtype is the compute dtype), since collectives in float8 are not available everywhere.
 
-A single fp8-scaled file (ComfyUI's: float8 weights with a per-tensor scale, shared/models/single_file.py) keeps
+A single fp8-scaled file (ComfyUI's: float8 weights with a per-tensor scale, shared/weights/single_file.py) keeps
 its weights with fp8 base weights: each such Linear is a StoredLinear with a `weight_scale` buffer (non-persistent:
 not a parameter, in no state dict, checkpoint or export) that multiplies the upcast weight, forward and backward,
 as ComfyUI computes it (`weight.to(dtype) * scale`), in one process and under FSDP2 alike (there the all-gather

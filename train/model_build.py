@@ -15,7 +15,7 @@
   fall as 1/N, a single process fills straight onto its GPU, and there is no whole copy anywhere.
   (`fill_from="rank0"`, where rank 0 reads every tensor and scatters it, exists for the benchmark
   that compares the two: scripts/bench_memory.py.)
-- A single-file transformer (`model.components.transformer = "file.safetensors"`, shared/models/single_file.py)
+- A single-file transformer (`model.components.transformer = "file.safetensors"`, shared/weights/single_file.py)
   fills the same way, through the same reading interface: renamed tensors block by block, tensors diffusers'
   mapping computes from their group. Its fp8-scaled weights are dequantized into `model.dtype`, or with
   `train.fp8_base_weights` kept as stored, float8 values and per-tensor scale (train/frozen_storage.py).

@@ -67,6 +67,26 @@ class Fused:
         return None
 
 
+def templated(pairs: Sequence[tuple[str, str]], reverse: bool = False) -> tuple[tuple[str, str], ...]:
+    """A key table from name templates with `{}` for the block index (("transformer_blocks.{}.attn.to_out.0",
+    "double_blocks.{}.img_attn_proj"), ...): (regular expression matched whole, replacement) from the diffusers name
+    to the original one or, `reverse`, back (what `diffusers_state_dict` takes)."""
+    table = []
+    for source, target in ((t, s) if reverse else (s, t) for s, t in pairs):
+        table.append((re.escape(source).replace(r"\{\}", r"(\d+)"), target.replace("{}", r"\1")))
+    return tuple(table)
+
+
+def fused_templates(entries: Sequence[tuple[str, tuple[str, ...], str]], reverse: bool = False) -> tuple:
+    """(diffusers prefix template, parts, original template) entries as `Fused` (export) or, `reverse`, as
+    `diffusers_state_dict` takes them: (regular expression over the original module, diffusers prefix, parts)."""
+    out = []
+    for prefix, parts, original in entries:
+        ((pattern, replacement),) = templated([(prefix, original)], reverse=reverse)
+        out.append((pattern, replacement, parts) if reverse else Fused(pattern, parts, replacement))
+    return tuple(out)
+
+
 def comfy_state_dict(lora: dict[str, Tensor], table: Sequence[tuple[str, str]], rank: int, alpha: float,
                      write_alpha: bool, fused: Sequence[Fused] = (),
                      out_features: Callable[[str], int] | None = None) -> dict[str, Tensor]:

@@ -64,7 +64,7 @@ class ComponentLoader:
     def single_file(self, name: str) -> str | None:
         """The .safetensors file `model.components.<name>` names (a local path or a hub file), None for a folder
         or hub id. Only transformers are read from one file."""
-        from vt.shared.models.single_file import is_single_file
+        from vt.shared.weights.single_file import is_single_file
 
         override = self.config.components.get(name)
         if not is_single_file(override):
@@ -171,12 +171,12 @@ class ComponentLoader:
         return model
 
     def weights(self, name: str):
-        """The component's safetensors weights (`vt.shared.models.weights.Weights`), found as `from_pretrained`
+        """The component's safetensors weights (`vt.shared.weights.folder.Weights`), found as `from_pretrained`
         finds them: the component folder, or the hub cache for a hub id (`model.path` or an override)."""
-        from vt.shared.models.weights import Weights
+        from vt.shared.weights.folder import Weights
 
         if self.single_file(name):
-            from vt.shared.models.single_file import SingleFileWeights, resolve_file
+            from vt.shared.weights.single_file import SingleFileWeights, resolve_file
 
             key = f"model.components.{name}"
             return SingleFileWeights(resolve_file(self.single_file(name), key), self.empty_component(name), key)
@@ -209,7 +209,7 @@ class ComponentLoader:
     def _load_single_file(self, name: str, device, dtype: torch.dtype) -> nn.Module:
         """A transformer from its single file: built on the meta device, filled tensor by tensor onto `device`
         (a scaled float8 weight dequantized into `dtype`), as `from_pretrained` would give it."""
-        from vt.shared.models.single_file import load_weights
+        from vt.shared.weights.single_file import load_weights
 
         return load_weights(self.empty_component(name, dtype), self.weights(name), device)
 

@@ -113,7 +113,6 @@ class HunyuanVideoSpec(ModelSpec):
                 "image_processor": "transformers:CLIPImageProcessor"}}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideoPipeline",
                                            "i2v": "diffusers:HunyuanVideoImageToVideoPipeline"}
-    tiny_index_names: ClassVar[dict[str, list[str]]] = {"image_processor": ["transformers", "CLIPImageProcessor"]}
 
 
     def _geometry_from_config(self) -> VaeGeometry:

@@ -40,9 +40,7 @@ splits the video tokens, the joint attention's text streams staying whole on eve
 
 from __future__ import annotations
 
-import json
 import re
-import warnings
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -52,6 +50,8 @@ from torch import Tensor
 from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.hunyuan_video15_lora import FUSED_QKV, NAMES, load_lora
+from vt.shared.models.lora import lora_weight_name
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.roles import ImageConditions
@@ -64,59 +64,13 @@ GLYPH_TOKENS = 256  # HunyuanVideo15Pipeline.tokenizer_2_max_length: the quoted 
 IMAGE_PARTS = ("image_encoder", "feature_extractor")  # i2v: SigLIP and its processor (stage 1)
 REFINER = r".*context_embedder\.token_refiner\..*"  # never LoRA-targeted (peft exclude_modules)
 
-# diffusers module -> original (Tencent) module, `{}` the block index (convert_hunyuan_video1_5_to_diffusers.py),
-# which ComfyUI's LoRA keys for its HunyuanVideo 1.5 model take (tests/comfy_reference.py).
-NAMES: tuple[tuple[str, str], ...] = (
-    ("transformer_blocks.{}.attn.to_out.0", "double_blocks.{}.img_attn_proj"),
-    ("transformer_blocks.{}.attn.to_add_out", "double_blocks.{}.txt_attn_proj"),
-    ("transformer_blocks.{}.ff.net.0.proj", "double_blocks.{}.img_mlp.fc1"),
-    ("transformer_blocks.{}.ff.net.2", "double_blocks.{}.img_mlp.fc2"),
-    ("transformer_blocks.{}.ff_context.net.0.proj", "double_blocks.{}.txt_mlp.fc1"),
-    ("transformer_blocks.{}.ff_context.net.2", "double_blocks.{}.txt_mlp.fc2"),
-)
-
-
-# Each stream's q/k/v: one module in ComfyUI's model (comfy/ldm/flux/layers.py DoubleStreamBlock `img_attn.qkv`,
-# LoRA key `img_attn_qkv`); Tencent's checkpoint keeps them apart (SEPARATE_QKV, read back only).
-FUSED_QKV: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("transformer_blocks.{}.attn", ("to_q", "to_k", "to_v"), "double_blocks.{}.img_attn_qkv"),
-    ("transformer_blocks.{}.attn", ("add_q_proj", "add_k_proj", "add_v_proj"), "double_blocks.{}.txt_attn_qkv"),
-)
-SEPARATE_QKV: tuple[tuple[str, str], ...] = (
-    ("transformer_blocks.{}.attn.to_q", "double_blocks.{}.img_attn_q"),
-    ("transformer_blocks.{}.attn.to_k", "double_blocks.{}.img_attn_k"),
-    ("transformer_blocks.{}.attn.to_v", "double_blocks.{}.img_attn_v"),
-    ("transformer_blocks.{}.attn.add_q_proj", "double_blocks.{}.txt_attn_q"),
-    ("transformer_blocks.{}.attn.add_k_proj", "double_blocks.{}.txt_attn_k"),
-    ("transformer_blocks.{}.attn.add_v_proj", "double_blocks.{}.txt_attn_v"),
-)
-
-
-def _rename_table(pairs, reverse: bool = False) -> tuple[tuple[str, str], ...]:
-    """(regex matched whole, replacement) pairs for comfy.original_module, either direction."""
-    table = []
-    for source, target in ((t, s) if reverse else (s, t) for s, t in pairs):
-        table.append((re.escape(source).replace(r"\{\}", r"(\d+)"), target.replace("{}", r"\1")))
-    return tuple(table)
-
-
-def _fused_table(reverse: bool = False) -> tuple:
-    """FUSED_QKV as comfy.Fused entries (export) or, reversed, as comfy.diffusers_state_dict takes them:
-    (regex over the original module, diffusers prefix, parts)."""
-    out = []
-    for prefix, parts, original in FUSED_QKV:
-        ((pattern, replacement),) = _rename_table([(prefix, original)], reverse=reverse)
-        out.append((pattern, replacement, parts) if reverse else comfy.Fused(pattern, parts, replacement))
-    return tuple(out)
-
-
 class HunyuanVideo15Spec(ModelSpec):
     family: ClassVar[str] = "hunyuan-video-1.5"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
-    original_names: ClassVar[tuple[tuple[str, str], ...]] = _rename_table(NAMES)
-    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = _fused_table()
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = comfy.templated(NAMES)
+    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = comfy.fused_templates(FUSED_QKV)
     excluded_modules_named: ClassVar[str] = "the text token refiner"
     comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: every loader then applies 1
     # Both texts are masked in the joint attention: rows past a mask's last one need not be stored.
@@ -138,7 +92,6 @@ class HunyuanVideo15Spec(ModelSpec):
                 "feature_extractor": "transformers:SiglipImageProcessor"}}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideo15Pipeline",
                                            "i2v": "diffusers:HunyuanVideo15ImageToVideoPipeline"}
-    tiny_index_names: ClassVar[dict[str, list[str]]] = {"feature_extractor": ["transformers", "SiglipImageProcessor"]}
 
 
     def _geometry_from_config(self) -> VaeGeometry:
@@ -369,7 +322,7 @@ class HunyuanVideo15Spec(ModelSpec):
     # ----------------------------------------------------------------------------- export
     def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
         """diffusers has no LoRA loader for HunyuanVideo15Pipeline: vt's own `load_lora`."""
-        load_lora(pipeline, Path(folder) / (weight_name or "pytorch_lora_weights.safetensors"))
+        load_lora(pipeline, Path(folder) / (weight_name or lora_weight_name(expert)))
 
 
 def dead_modules(transformer) -> str:
@@ -386,45 +339,3 @@ def _trim(embeds: Tensor, mask: Tensor, multiple: int = 64) -> tuple[Tensor, Ten
     kept = mask.flatten(1).ne(0).any(0).nonzero()
     length = 0 if kept.numel() == 0 else min(mask.shape[1], -(-(int(kept.max()) + 1) // multiple) * multiple)
     return embeds[:, :length], mask[:, :length]
-
-
-# ----------------------------------------------------------------------------- LoRA loading
-def load_lora(pipeline, path, adapter_name: str | None = None) -> None:
-    """Load a LoRA file vt exported for HunyuanVideo 1.5 into `pipeline.transformer` (diffusers has no
-    loader for this pipeline): the diffusers file (`transformer.<module>.lora_A.weight` with its rank and
-    alpha in the metadata) or the ComfyUI file (`diffusion_model.<original module>...`, the scale in
-    lora_B), whose original names are mapped back to diffusers' through the same tables that wrote them:
-    each fused q/k/v LoRA (`img_attn_qkv`) split into its parts' own, or separate q/k/v (`img_attn_q`, the
-    files vt wrote before) as they are."""
-    from safetensors import safe_open
-
-    path = Path(path)
-    with safe_open(str(path), framework="pt") as handle:
-        keys = list(handle.keys())
-        metadata = handle.metadata() or {}
-        state = {key: handle.get_tensor(key) for key in keys}
-    if all(key.startswith(comfy.PREFIX) for key in keys):
-        transformer = pipeline.transformer
-        try:
-            renamed = comfy.diffusers_state_dict(state, _rename_table(NAMES + SEPARATE_QKV, reverse=True),
-                                                 _fused_table(reverse=True),
-                                                 out_features=lambda name: transformer.get_submodule(name).out_features)
-        except ValueError as err:
-            raise UserError(f"{path.name}: {err}: not a LoRA weight of a HunyuanVideo 1.5 module vt knows "
-                             "(double_blocks.N.img_attn_qkv or img_attn_q/k/v ... txt_mlp.fc2)") from err
-        transformer.load_lora_adapter({f"transformer.{key}": value for key, value in renamed.items()},
-                                      prefix="transformer", adapter_name=adapter_name)
-        return
-    adapter_metadata = json.loads(metadata["lora_adapter_metadata"]) if "lora_adapter_metadata" in metadata else None
-    with warnings.catch_warnings():  # peft: the refiner exclusion in the metadata found nothing to exclude
-        warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
-        pipeline.transformer.load_lora_adapter(state, prefix="transformer", adapter_name=adapter_name,
-                                               metadata=adapter_metadata)
-
-
-# ----------------------------------------------------------------------------- tiny tokenizer
-def _pipeline_system_message(pipeline_class) -> str:
-    """The system prompt HunyuanVideo15Pipeline puts before every caption (its encode default)."""
-    import inspect
-
-    return inspect.signature(pipeline_class._get_mllm_prompt_embeds).parameters["system_message"].default

@@ -335,9 +335,3 @@ def caption_lengths(mask: Tensor) -> list[int]:
         raise UserError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
                          "at least the template's closing token per caption; re-run stage 1 for these shards")
     return lengths
-
-
-# ----------------------------------------------------------------------------- tiny tokenizer
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
-                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}

@@ -290,27 +290,15 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
     def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v", parts=None) -> Path:
-        """The tiny preset of `task` in diffusers layout: `tiny_parts` (or `parts(task)`, another preset of the
-        family's, e.g. presets.ltx2.parts_23) built from `seed` (identical weights for a seed), saved by the
-        task's pipeline (`tiny_pipeline`)."""
+        """The tiny preset of `task` in diffusers layout, built from `seed` (identical weights for a seed) by the
+        family's preset module, `vt.shared.models.presets.<module>`: `parts(task)`, the pipeline's arguments (real
+        classes at a tiny config, tokenizers from vt.shared.models.tiny), or `parts` (another preset of the family's,
+        e.g. presets.ltx2.parts_23); optionally `pipeline(task)`, the class that saves it (else the task's
+        pipeline), and `INDEX_NAMES`, model_index.json entries as the real checkpoints name them (`save_tiny`)."""
         if task not in cls.tasks:
             raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
+        preset = importlib.import_module(f"vt.shared.models.presets.{cls.__module__.rsplit('.', 1)[-1]}")
         with seeded(seed):
-            built = (parts or cls.tiny_parts)(task)
-        return save_tiny(cls.tiny_pipeline(task)(**built), Path(out_dir), cls.tiny_index_names)
-
-    # model_index.json entries named as the real checkpoints name them (save_tiny).
-    tiny_index_names: ClassVar[dict[str, list[str]]] = {}
-
-    @classmethod
-    def tiny_pipeline(cls, task: str) -> type:
-        """The pipeline class whose layout the tiny preset of `task` is saved in."""
-        return load_class(cls.pipelines[task])
-
-    @classmethod
-    def tiny_parts(cls, task: str) -> dict[str, Any]:
-        """The tiny preset's pipeline arguments: `parts(task)` of the family module's preset, a module of its own
-        (`vt.shared.models.presets.<module>`: real classes at a tiny config, weights drawn from torch's seeded
-        RNG, tokenizers from vt.shared.models.tiny)."""
-        module = cls.__module__.rsplit(".", 1)[-1]
-        return importlib.import_module(f"vt.shared.models.presets.{module}").parts(task)
+            built = (parts or preset.parts)(task)
+        pipeline = preset.pipeline(task) if hasattr(preset, "pipeline") else load_class(cls.pipelines[task])
+        return save_tiny(pipeline(**built), Path(out_dir), getattr(preset, "INDEX_NAMES", {}))

@@ -74,7 +74,6 @@ class WanSpec(ModelSpec):
                "image_processor": "transformers:CLIPImageProcessor"} for task in IMAGE_TASKS}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:WanPipeline", "i2v": "diffusers:WanImageToVideoPipeline",
                                            "flf2v": "diffusers:WanImageToVideoPipeline"}
-    tiny_index_names: ClassVar[dict[str, list[str]]] = {"image_processor": ["transformers", "CLIPImageProcessor"]}
     # Wan 2.1 I2V also conditions on CLIP image embeddings; Wan 2.2's I2V models only on the encoded frame.
     clip_image_conditioning: ClassVar[bool] = True
 

@@ -22,7 +22,6 @@ import torch
 from torch import Tensor
 
 from vt.shared.errors import UserError
-from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.models.wan import WanSpec, _latent_stats
@@ -83,9 +82,3 @@ class Wan22TI2VSpec(WanSpec):
             return_dict=False,
         )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
-
-    @classmethod
-    def tiny_pipeline(cls, task: str) -> type:
-        """WanPipeline(expand_timesteps=True) for both tasks, as the TI2V-5B checkpoint (i2v loads it with
-        WanImageToVideoPipeline)."""
-        return load_class(cls.pipelines["t2v"])

@@ -318,7 +318,7 @@ def test_hunyuan_video15_loader_reads_fused_and_separate_qkv(spec_of, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from vt.shared.models import comfy
-    from vt.shared.models.hunyuan_video15 import NAMES, SEPARATE_QKV, _rename_table, load_lora
+    from vt.shared.models.hunyuan_video15_lora import NAMES, SEPARATE_QKV, load_lora
 
     spec = spec_of("hunyuan-video-1.5", "t2v")
     transformer = spec.load_transformer()
@@ -331,7 +331,7 @@ def test_hunyuan_video15_loader_reads_fused_and_separate_qkv(spec_of, tmp_path):
     assert fused["diffusion_model.double_blocks.0.img_attn_qkv.lora_B.weight"].shape == (48, 4)  # q, k of rank 2
     assert fused["diffusion_model.double_blocks.0.txt_attn_qkv.lora_A.weight"].shape == (2, 16)  # add_q only
     separate = tmp_path / "separate.safetensors"
-    save_file(comfy.comfy_state_dict(tensors, _rename_table(NAMES + SEPARATE_QKV), 2, 3.0, write_alpha=False),
+    save_file(comfy.comfy_state_dict(tensors, comfy.templated(NAMES + SEPARATE_QKV), 2, 3.0, write_alpha=False),
               str(separate))
     assert "diffusion_model.double_blocks.0.img_attn_q.lora_A.weight" in load_file(separate)
 

@@ -29,7 +29,8 @@ def test_text_and_transformer_inputs_are_the_pipelines(tiny_model_factory, tmp_p
     from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
     from safetensors.torch import save_file
 
-    from vt.shared.models.hunyuan_video15 import IMAGE_TOKENS, PROMPT_TEMPLATE_TOKENS, load_lora
+    from vt.shared.models.hunyuan_video15 import IMAGE_TOKENS, PROMPT_TEMPLATE_TOKENS
+    from vt.shared.models.hunyuan_video15_lora import load_lora
 
     spec = make_spec(tiny_model_factory(FAMILY))  # max_text_tokens=128
     encoders = spec.load_stage1()

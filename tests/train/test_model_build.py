@@ -9,7 +9,7 @@ import torch
 
 from vt.shared.config import ModelConfig, ParallelConfig
 from vt.shared.models import FAMILIES, build_spec
-from vt.shared.models.weights import Weights
+from vt.shared.weights.folder import Weights
 from vt.train.model_build import build_transformer, plain_name
 from vt.train.parallel import parallelize
 from vt.train.parallel.world import setup_world

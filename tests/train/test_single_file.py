@@ -22,8 +22,8 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig, ParallelConfig
 from vt.shared.models import build_spec
 from vt.shared.models.components import ModelLoadError
-from vt.shared.models.single_file import SingleFileError
-from vt.shared.models.weights import Weights
+from vt.shared.weights.single_file import SingleFileError
+from vt.shared.weights.folder import Weights
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import StoredLinear
 from vt.train.model_build import build_transformer

@@ -9,6 +9,9 @@ from vt.shared.models.hunyuan_video import LLAVA_CHAT_TOKENS
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, bpe_vocab, build_clip_tokenizer, build_llama_tokenizer
 
 
+INDEX_NAMES = {"image_processor": ["transformers", "CLIPImageProcessor"]}  # as the real checkpoints name it
+
+
 def parts(task: str) -> dict[str, Any]:
     """diffusers' test sizes (1 double + 1 single block, 1 refiner layer, 2 heads x 10), patch 2;
     4-level VAE (x4 time, x8 space), 2-layer Llama and CLIP with locally built BPE tokenizers;

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from vt.shared.models.hunyuan_video15 import PROMPT_TEMPLATE_TOKENS, _pipeline_system_message
+from vt.shared.models.hunyuan_video15 import PROMPT_TEMPLATE_TOKENS
 from vt.shared.models.tiny import build_qwen_tokenizer, tiny_t5_encoder
+
+
+INDEX_NAMES = {"feature_extractor": ["transformers", "SiglipImageProcessor"]}  # as the real checkpoints name it
 
 
 def parts(task: str) -> dict[str, Any]:
@@ -59,3 +62,10 @@ def tiny_siglip(width: int) -> dict[str, Any]:
     encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
                                                    num_attention_heads=2, image_size=32, patch_size=8))
     return {"image_encoder": encoder, "feature_extractor": SiglipImageProcessor(size={"height": 32, "width": 32})}
+
+
+def _pipeline_system_message(pipeline_class) -> str:
+    """The system prompt HunyuanVideo15Pipeline puts before every caption (its encode default)."""
+    import inspect
+
+    return inspect.signature(pipeline_class._get_mllm_prompt_embeds).parameters["system_message"].default

@@ -5,8 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from vt.shared.models.kandinsky5 import PROMPT_TEMPLATE_TOKENS, SPECIAL_TOKENS, VISION_TOKENS
+from vt.shared.models.kandinsky5 import PROMPT_TEMPLATE_TOKENS
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, build_clip_tokenizer
+
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
+                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
 
 
 def parts(task: str) -> dict[str, Any]:

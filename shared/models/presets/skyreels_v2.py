@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from vt.shared.models.presets import wan
 from vt.shared.models.presets.wan import flow_unipc_scheduler, tiny_image_parts, tiny_wan_vae
 from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
+
+
+INDEX_NAMES = wan.INDEX_NAMES  # i2v: Wan 2.1's CLIP image processor
 
 
 def parts(task: str) -> dict[str, Any]:

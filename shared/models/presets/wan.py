@@ -12,6 +12,9 @@ from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 from vt.shared.models.wan import IMAGE_TASKS
 
 
+INDEX_NAMES = {"image_processor": ["transformers", "CLIPImageProcessor"]}  # as the real checkpoints name it
+
+
 def parts(task: str) -> dict[str, Any]:
     """2-layer transformer, 3-level VAE (x4 time, x8 space), 2-layer UMT5; WanPipeline layout.
 

@@ -22,3 +22,11 @@ def parts(task: str) -> dict[str, Any]:
     transformer = tiny_wan_transformer(in_channels=z_dim, out_channels=z_dim)
     return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=vae,
                 scheduler=flow_unipc_scheduler(5.0), transformer=transformer, expand_timesteps=True)
+
+
+def pipeline(task: str) -> type:
+    """WanPipeline(expand_timesteps=True) for both tasks, as the TI2V-5B checkpoint (i2v loads it with
+    WanImageToVideoPipeline)."""
+    from diffusers import WanPipeline
+
+    return WanPipeline

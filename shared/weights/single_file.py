@@ -38,9 +38,9 @@ from torch.utils._pytree import tree_leaves
 
 from vt.shared.errors import UserError
 from vt.shared.log import get_logger
-from vt.shared.models.weights import Weights
+from vt.shared.weights.folder import Weights
 
-log = get_logger("vt.models.single_file")
+log = get_logger("vt.weights.single_file")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's full checkpoints, its LoRA-style prefix
 MARKER = "scaled_fp8"
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
