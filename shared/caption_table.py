@@ -49,6 +49,14 @@ class Captions:
         return cls(encode(distinct), [row[c] for c in captions], dict(masks))
 
 
+def mask_rows(mask: Tensor) -> list[int]:
+    """Each caption's rows up to its mask's last nonzero entry ((B, L) masks -> B counts, 0 for none): the rows a
+    transformer that takes no text mask is fed, as the pipeline feeds one prompt's. Ops on the mask alone, so
+    `vt-train plan` runs it with a real mask among fake tensors."""
+    used = mask.flatten(1).ne(0)
+    return ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
+
+
 def kept_rows(conditions: Mapping[str, Tensor], masks: Mapping[str, str] = {}) -> dict[str, Tensor]:
     """name -> (C,) int64: how many leading rows of each caption's tensor must be stored."""
     out = {}

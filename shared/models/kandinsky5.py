@@ -45,6 +45,7 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
+from vt.shared.caption_table import mask_rows
 from vt.shared.config import ModelConfig
 from vt.shared.errors import UserError
 from vt.shared.models import comfy
@@ -326,10 +327,8 @@ def with_image_latents(spec, encoders, video: Tensor, out: dict[str, Tensor]) ->
 
 
 def caption_lengths(mask: Tensor) -> list[int]:
-    """Each sample's text rows (B, L masks -> B counts: the last nonzero entry + 1): the transformer takes no
-    text mask, so it is fed exactly these rows, as the pipeline feeds one prompt's."""
-    used = mask.flatten(1).ne(0)  # ops on the mask alone: `vt-train plan` runs this with a real mask, fake rest
-    lengths = ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
+    """Each sample's text rows (`mask_rows`); an empty caption (all-zero mask) is refused."""
+    lengths = mask_rows(mask)
     empty = [row for row, length in enumerate(lengths) if length == 0]
     if empty:
         raise UserError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "

@@ -35,9 +35,12 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
+from vt.shared.caption_table import mask_rows
 from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
+from vt.shared.models.minimax_h3_layout import (TextTokenTypes, normalise_pixels, packed_layout,
+                                                pipeline_constants, text_encoder_width, unpatchify)
 from vt.shared.models.minimax_h3_sound import STEREO, MiniMaxH3Sound
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.roles import SoundStream
@@ -46,31 +49,6 @@ from vt.shared.models.spec import ModelSpec, VaeGeometry
 TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
 _BLOCKS, _REFINER = r"transformer_blocks\.(\d+)", r"token_refiner\.refiner_blocks\.(\d+)"
 SWIGLU_INPUTS = rf"({_BLOCKS}|{_REFINER})\.ff\.net\.0\.proj"
-
-
-def _pipeline_constants():
-    from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as h3
-
-    return h3
-
-
-def packed_layout(text_rows: int, latent_shape: tuple[int, ...], audio_latents: int, patch: tuple[int, int, int]):
-    """The pipeline's t2va layout (`MiniMaxH3PrepareLayoutStep.build_packed_sequence`) of one sample: position_ids,
-    token_tags, video_indices, audio_indices, text_indices."""
-    from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
-
-    h3 = _pipeline_constants()
-    _, frames, height, width = latent_shape
-    out = MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        torch.full((text_rows,), h3.MINIMAX_H3_TEXT_TAG, dtype=torch.long), frames, height, width, audio_latents,
-        patch, STEREO, h3.MINIMAX_H3_AUDIO_TAG, h3.MINIMAX_H3_VIDEO_TAG)
-    return out[:5]
-
-
-def caption_rows(mask: Tensor) -> list[int]:
-    """Each sample's text rows: the mask's last nonzero entry + 1 (0 for an empty caption)."""
-    used = mask.flatten(1).ne(0)
-    return ((used.shape[1] - used.flip(1).to(torch.int8).argmax(dim=1)) * used.any(dim=1)).tolist()
 
 
 class MiniMaxH3Spec(ModelSpec):
@@ -113,7 +91,7 @@ class MiniMaxH3Spec(ModelSpec):
 
     def __init__(self, config, frame_rate: float):
         super().__init__(config, frame_rate)
-        fps = _pipeline_constants().MINIMAX_H3_FPS
+        fps = pipeline_constants().MINIMAX_H3_FPS
         if config.audio and frame_rate != fps:
             raise UserError(f"model.audio with {self.family} needs buckets.fps = {fps}: its audio and video rows share "
                              f"one rotary clock at {fps} fps (40 audio latents per second), got {frame_rate:g}")
@@ -216,7 +194,7 @@ class MiniMaxH3Spec(ModelSpec):
             audio_x0 = batch["audio_latents"].float().to(x0.device)
             audio_noise = batch["audio_noise"].to(audio_x0)
             audio_noisy = flow_match_noisy(audio_x0, audio_noise, audio_sigmas)
-        rows = caption_rows(batch["prompt_attention_mask"])
+        rows = mask_rows(batch["prompt_attention_mask"])
         patch = (1, self.geometry.patch, self.geometry.patch)
         video_out, audio_out = [], []
         for b in range(x0.shape[0]):
@@ -282,7 +260,7 @@ class MiniMaxH3Spec(ModelSpec):
         for a shorter bucket, which the pipeline refuses."""
         from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline as P
 
-        h3 = _pipeline_constants()
+        h3 = pipeline_constants()
         shortest = math.ceil(P.min_duration.fget(None) * h3.MINIMAX_H3_FPS)
         return h3.align_num_frames(max(bucket.frames, shortest), *self.frame_chunk)
 
@@ -294,34 +272,3 @@ class MiniMaxH3Spec(ModelSpec):
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
         """The prompt's conditions only: the checkpoint is guidance-distilled (no negative prompt, one pass a step)."""
         return {name: value for name, value in conditions.items() if not name.startswith("negative_")}
-
-
-
-def text_encoder_width(text_encoder) -> int:
-    return text_encoder.config.text_config.hidden_size
-
-
-def normalise_pixels(video: Tensor) -> Tensor:
-    """[-1, 1] pixels as the H3 video VAE takes them: [0, 1], then ImageNet's mean and std (the pipeline's)."""
-    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline as P
-
-    mean, std = (torch.tensor(v, device=video.device).view(1, -1, 1, 1, 1)
-                 for v in (P.pixel_mean.fget(None), P.pixel_std.fget(None)))
-    return ((video + 1) / 2 - mean) / std
-
-
-def unpatchify(rows: Tensor, latent_shape: tuple[int, ...], patch: tuple[int, int, int]) -> Tensor:
-    """(rows, C x p) -> (C, F, H, W): MiniMaxH3AfterDenoiseStep's inverse of the patchify."""
-    channels, frames, height, width = latent_shape
-    pt, ph, pw = patch
-    x = rows.reshape(frames // pt, height // ph, width // pw, channels, pt, ph, pw)
-    return x.permute(3, 0, 4, 1, 5, 2, 6).reshape(channels, frames, height, width)
-
-
-class TextTokenTypes:
-    """Qwen3VLProcessor's `create_mm_token_type_ids` for text without vision tokens (t2va): all 0 (text). It stands in
-    for the processor, which the t2va presentation uses for nothing else and which needs torchvision to load."""
-
-    @staticmethod
-    def create_mm_token_type_ids(input_ids: list) -> list[list[int]]:
-        return [[0] * len(ids) for ids in input_ids]

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vt.shared.models.minimax_h3 import TextTokenTypes, _pipeline_constants, caption_rows
+from vt.shared.caption_table import mask_rows
+from vt.shared.models.minimax_h3_layout import TextTokenTypes, pipeline_constants
 
 
 @dataclass
@@ -117,11 +118,11 @@ class MiniMaxH3Pipeline:
             prompt = self.modular.tokenizer.decode(ids) if len(ids) == max_sequence_length else prompt
             inputs["prompt"] = prompt
         else:
-            rows = caption_rows(prompt_attention_mask)[0] if prompt_attention_mask is not None else prompt_embeds.shape[1]
+            rows = mask_rows(prompt_attention_mask)[0] if prompt_attention_mask is not None else prompt_embeds.shape[1]
             drop.append("text_encoder")
             device = self.modular.transformer.device
             inputs.update(prompt_embeds=prompt_embeds[:, :rows].to(device, self.modular.transformer.dtype),
-                          text_token_tags=torch.full((rows,), _pipeline_constants().MINIMAX_H3_TEXT_TAG,
+                          text_token_tags=torch.full((rows,), pipeline_constants().MINIMAX_H3_TEXT_TAG,
                                                      dtype=torch.long))
         if output_type == "latent":
             latents, audio = self._run(tuple(drop), ["latents", "audio_latents"], **inputs)

@@ -48,38 +48,29 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     family: ClassVar[str]
     example_hub_id: ClassVar[str] = ""
     tasks: ClassVar[tuple[str, ...]] = ("t2v",)
-    # Component name -> "module:Class" with `from_pretrained` (text encoders, VAE, transformers, image
-    # encoder ...; tokenizers are found by name, see components.py), and what a task adds to them.
+    # Component name -> "module:Class" with `from_pretrained` (tokenizers are found by name), and a task's additions.
     components: ClassVar[dict[str, str]]
     task_components: ClassVar[dict[str, dict[str, str]]] = {}
     pipelines: ClassVar[dict[str, str]]  # task -> "module:Class" of the family's diffusers pipeline
-    # What stage 1 loads, fingerprints (provenance) and hands to encode_text / encode_video, by name
-    # (a family whose parts depend on the task, e.g. an image encoder for i2v, makes it a property).
-    # (the task's added components are loaded beside them: `stage1_components`).
+    # What stage 1 loads, fingerprints and hands to encode_text / encode_video (with a task's: `stage1_components`).
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
-    # Attributes of the transformer holding its ModuleLists of repeated blocks, in the order they run: the
-    # one list that FSDP, TP, CP, activation checkpointing and compile all walk (`named_blocks`).
+    # The transformer's ModuleLists of repeated blocks, in running order: what every layout walks (`named_blocks`).
     block_lists: ClassVar[tuple[str, ...]]
-    # Why pipeline stages (parallel.pp > 1) cannot split these blocks, if they cannot: a stage hands its last
-    # block's output on as the next stage's first block's input (vt.train.parallel.pp), so a transformer whose
-    # blocks take other blocks' outputs as side inputs is refused at start-up with this reason; "" where they can.
+    # Why pipeline stages (parallel.pp > 1) cannot split these blocks (blocks that take other blocks' outputs as side
+    # inputs), refused at start-up with this reason; "" where they can (vt.train.parallel.pp).
     pipeline_refusal: ClassVar[str] = ""
-    # Condition tensor -> the mask the transformer applies to its rows: rows past the mask's last
-    # nonzero entry are padding it never reads, which stage 1 need not store (shared/caption_table.py).
-    # Unnamed tensors lose only rows that are exactly zero, so their padding is kept bit for bit.
+    # Condition tensor -> the mask the transformer applies to its rows: rows past its last nonzero entry are padding
+    # stage 1 need not store (shared/caption_table.py); unnamed tensors lose only rows that are exactly zero.
     text_masks: ClassVar[dict[str, str]] = {}
     # Whether the VAE and transformer take one-frame buckets (1xHxW): still images train as those.
     single_frame: ClassVar[bool] = True
-    # Whether i2v training can noise the conditioning frame (`model.first_frame_noise`); families that
-    # condition on a clean frame refuse the key rather than ignore it.
+    # Whether i2v training can noise the conditioning frame (`model.first_frame_noise`; the others refuse the key).
     noisy_first_frame: ClassVar[bool] = False
-    # A transformer that takes a noise level per latent frame declares how many (roles.PerFrameNoise), so
-    # `model.diffusion_forcing` can train it; the others refuse the key rather than ignore it.
+    # Optional members (roles.py), None where the family lacks the capability (its config keys then refused):
+    # a noise level per latent frame (`model.diffusion_forcing`), a control video per sample, a sound stream (built
+    # with the spec as `self.sound`; `model.audio`).
     per_frame_noise: ClassVar[PerFrameNoise | None] = None
-    # A family that trains on a control video per sample declares how (roles.ControlVideo); None: it does not.
     control_video: ClassVar[ControlVideo | None] = None
-    # A family that generates sound with the picture declares how (roles.SoundStream); `self.sound` is one built
-    # with this spec, None where the family has no sound stream (`model.audio` refused).
     sound_stream: ClassVar[type[SoundStream] | None] = None
 
     def __init__(self, config: ModelConfig, frame_rate: float):

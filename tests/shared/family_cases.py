@@ -66,7 +66,7 @@ def _h3_denormalize(latents, vae):  # MiniMaxH3VideoDecodeStep: latents * std + 
 
 
 def _h3_pixels(clip):  # the H3 video VAE's input: [0, 1] pixels, ImageNet-normalised
-    from vt.shared.models.minimax_h3 import normalise_pixels
+    from vt.shared.models.minimax_h3_layout import normalise_pixels
 
     return normalise_pixels(clip)
 

@@ -93,7 +93,7 @@ def test_audio_rows_take_the_audio_schedules_sigma_at_every_step(tiny_model_fact
 
 
 def unpatchified(spec, rows):
-    from vt.shared.models.minimax_h3 import unpatchify
+    from vt.shared.models.minimax_h3_layout import unpatchify
 
     return unpatchify(rows, spec.latent_shape(SHORTEST), (1, 2, 2))
 
