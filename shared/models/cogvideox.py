@@ -1,34 +1,7 @@
 """CogVideoX 1.0 and 1.5 (THUDM / zai-org, text- and image-to-video): T5 text encoder, causal video VAE
 (x4 time, x8 space), a DiT over the joint [text, video] sequence, v-prediction on a DDPM schedule.
 
-What is particular to CogVideoX:
-- it is not flow matching. The model was trained as a DDPM v-predictor on its scheduler's schedule
-  (scaled-linear betas, `snr_shift_scale`, rescaled to zero terminal SNR), so the objective lives
-  here: the trainer's sigma in [0, 1) picks the integer timestep `t = min(floor(sigma * N), N - 1)`
-  (N = the scheduler's num_train_timesteps, 1000): uniform sigmas (`train.sigma_sampling =
-  "uniform"`) give exactly the training script's `randint(0, N)`. Then, with ab = alphas_cumprod[t]
-  read once from the loaded scheduler, `x_t = sqrt(ab) x0 + sqrt(1 - ab) eps` and the target is
-  `v = sqrt(ab) eps - sqrt(1 - ab) x0` (diffusers' `scheduler.get_velocity`); plain MSE on v equals
-  the diffusers example's x0 loss weighted 1 / (1 - ab);
-- latents are `z * vae.config.scaling_factor` (posterior mode), the inverse of what CogVideoXPipeline
-  does before decoding; the transformer takes them as (B, F, C, H, W), we store (C, F, H, W);
-- text embeddings are T5's outputs over the padded caption with no mask and no zeroing, as the
-  pipeline's own `encode_prompt` makes them (226 tokens unless model.max_text_tokens is set). The
-  2B model's sincos positional embedding spans exactly `max_text_seq_length` text tokens, so there
-  the text length must equal it (checked at start-up); RoPE models (5B, 1.5) take any length;
-- RoPE tables come from the pipeline's own `_prepare_rotary_positional_embeddings`;
-- CogVideoX 1.5 (`patch_size_t = 2`) folds two latent frames into a token: its buckets need an even
-  latent frame count (frames 8k+5, e.g. 85; the pipeline turns num_frames=81 into 85 the same way).
-Image-to-video (`model.task = "i2v"`, CogVideoXImageToVideoPipeline, e.g. THUDM/CogVideoX-5b-I2V):
-- stage 1 also stores `image_latents` (B, C, 1, H, W): the first frame VAE-encoded alone (posterior
-  mode; the pipeline samples it) times `scaling_factor`, or divided by it where the VAE sets
-  `invert_scale_latents` (1.5), as the pipeline's `prepare_latents` scales its image;
-- the transformer (in_channels = 2 x latent channels) takes [noisy latents, image latents followed
-  by zeros for the other latent frames] on the channel axis; CogVideoX 1.5 I2V (`ofs_embed_dim`)
-  also takes `ofs` = 2.0, as the pipeline passes it. The target and loss cover every frame, as the
-  diffusers example trains (no noise is added to the image: stage 1 is deterministic);
-- the 5B-I2V's learned positional embedding fixes the resolution to its sample size (480 x 720):
-  other bucket sizes are refused; other frame counts fall back to sincos positions, as in the pipeline.
+What is particular to it, and why: docs/families.md, "CogVideoX".
 """
 
 from __future__ import annotations

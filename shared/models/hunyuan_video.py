@@ -1,48 +1,7 @@
 """HunyuanVideo (Tencent, text- and image-to-video): Llama (I2V: Llava) + CLIP text encoders, causal video
 VAE (x4 time, x8 space), a DiT of double-stream then single-stream blocks with a guidance embedding.
 
-What is particular to HunyuanVideo:
-- two text encoders: the Llama encoder's third-to-last hidden states of the caption inside a chat
-  template (`prompt_embeds`, with `prompt_attention_mask`, right padded: the transformer builds its
-  joint mask assuming right padding) and CLIP's pooled output (`pooled_prompt_embeds`, fed as
-  `pooled_projections`). HunyuanVideoPipeline's own `encode_prompt` does both and we call it. Its
-  template crops 95 chat tokens counted with the real Llama-3 tokenizer; a tokenizer without the
-  Llama-3 header tokens (the tiny preset's) encodes the bare caption (`prompt_template`), and
-  validation passes the same template to the pipeline;
-- latents are the VAE posterior mode times `scaling_factor` (the pipeline divides by it to decode);
-- the checkpoint is guidance-distilled: the transformer takes the guidance scale * 1000 through its
-  guidance embedding. Training feeds 1.0 (1000), as musubi-tuner and finetrainers train it, so the
-  LoRA learns the data rather than one guidance strength; sampling still picks its own
-  `guidance_scale` (the pipeline's default 6.0 in validation). `train_guidance` sets it;
-- the timestep is sigma * 1000 (float, as the pipeline passes it), the target noise - x0;
-- LoRA never goes into the text token refiner (`context_embedder.token_refiner`): diffusers' loader
-  cannot read refiner q/k/v LoRAs in the original layout. Default targets (`to_q`, `to_k`, `to_v`,
-  `to_out.0`, by suffix): attention q/k/v/out of the double blocks and q/k/v of the single blocks;
-- the original (Tencent, and ComfyUI's "diffusion-pipe") names fuse q/k/v into one module
-  (`double_blocks.N.img_attn_qkv`, and q/k/v + the MLP input into `single_blocks.N.linear1`): the
-  ComfyUI export fuses those LoRAs (comfy.Fused) with the scale baked into lora_B, no `.alpha`.
-  diffusers' conversion reads double blocks back exactly at any size; it splits `linear1` at a
-  hard-coded hidden size 3072, so single blocks read back only at the real model's size.
-Image-to-video (`model.task = "i2v"`, HunyuanVideoImageToVideoPipeline), both transformers it supports
-(`image_condition_type`):
-- the text encoder is Llava-Llama-3: the pipeline puts the image's vision tokens inside the prompt
-  (`<image>` in its chat template), so the caption's embeddings depend on the image. Stage 1 stores
-  them per sample (`text_with_image`, `encode_text_with_image`: the pipeline's `_get_llama_prompt_embeds`
-  on the clip's first frame): every `image_embed_interleave`-th image token (2 for latent_concat, 4 for
-  token_replace, the pipeline's rule), then the caption cropped out of the template, right padded, with
-  its mask. CLIP's pooled output reads the caption alone and stays per caption. Caption dropout is
-  refused (the empty caption would need each sample's frame);
-- stage 1 also stores `image_latents`, the first frame VAE-encoded alone (mode x `scaling_factor`, as
-  `prepare_latents`);
-- "token_replace" (16 channels, guidance embedding; hunyuanvideo-community/HunyuanVideo-I2V): the first
-  latent frame is the clean image latent, which the transformer modulates at timestep 0; its prediction
-  is discarded by the pipeline and weighted 0 in the loss;
-- "latent_concat" (33 channels, no guidance embedding; hunyuanvideo-community/HunyuanVideo-I2V-33ch):
-  [noisy latents, image latents then zeros, mask 1 on the first latent frame] on the channel axis, every
-  frame denoised and trained (the pipeline drops the first 4 decoded frames of its output).
-No TP plan (the base class refuses parallel.tp > 1): the single blocks' output projection `proj_out`
-takes [attention, MLP] concatenated, so its row-wise shard would be two non-contiguous slices. CP
-(`cp_plan`) splits the video tokens; every block's joint attention keeps the text whole on each rank.
+What is particular to it, and why: docs/families.md, "HunyuanVideo".
 """
 
 from __future__ import annotations

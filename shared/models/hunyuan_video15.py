@@ -1,41 +1,7 @@
 """HunyuanVideo 1.5 (Tencent, text- and image-to-video): a Qwen2.5-VL text encoder plus a ByT5 glyph
 encoder, a causal video VAE (32 channels, x4 time, x16 space), and a DiT of 54 double-stream blocks (patch 1).
 
-What is particular to HunyuanVideo 1.5:
-- two text encoders, both through HunyuanVideo15Pipeline's own `encode_prompt`: Qwen2.5-VL's
-  third-to-last hidden states of the caption inside the pipeline's chat template, the first 108
-  template tokens cropped (`prompt_embeds`, `prompt_attention_mask`, right padded), and ByT5 over the
-  quoted text of the caption (`prompt_embeds_2`, `prompt_attention_mask_2`, 256 tokens, zeros and an
-  all-zero mask when the caption quotes nothing);
-- the pipeline has no text-length argument: it encodes `tokenizer_max_length` (1000) tokens. The
-  transformer moves padding to the end of the joint sequence and masks it, so the length changes no
-  output, only where a long caption is cut: training at `model.max_text_tokens` and sampling at 1000
-  agree for captions that fit (validation sets the pipeline's `tokenizer_max_length` to the trained one);
-- the transformer input is [noisy latents, condition latents, mask] on the channel dim (65 = 32 + 32 +
-  1); for text-to-video the condition and the mask are zeros. The pipeline also feeds 729 zero image
-  tokens and its text padding, all masked out: training leaves them out (the same output, faster);
-- image-to-video (`model.task = "i2v"`, the 480p/720p i2v checkpoints, HunyuanVideo15ImageToVideoPipeline):
-  stage 1 also loads the SigLIP image encoder and its `feature_extractor` and stores, per sample,
-  `image_embeds` (SigLIP's last hidden states of the first frame: the pipeline's `_get_image_embeds`)
-  and `image_latents` (the first frame VAE-encoded alone, mode x `scaling_factor`: `_get_image_latents`).
-  The transformer then takes [noisy latents, image latents then zeros, mask 1 on the first latent
-  frame] and the image tokens, as `prepare_cond_latents_and_mask`; every frame is denoised and trained,
-  as the pipeline denoises every frame. The pipeline picks the output size itself, from the image's
-  aspect ratio and the transformer's `target_size` (its crop-size buckets); meanflow (step-distilled)
-  checkpoints are refused;
-- no guidance embedding: sampling uses classifier-free guidance through the pipeline's `guider`
-  component (6.0 for the 480p/720p checkpoints); training sees the caption only;
-- flow matching: latents = posterior mode x `scaling_factor`, timestep = sigma x 1000, target noise - x0;
-- diffusers has no LoRA loader for this pipeline: `load_lora(pipeline, path)` loads either exported
-  file (diffusers or ComfyUI names) into its transformer (`HunyuanVideo15Spec.load_lora` calls it);
-- the ComfyUI file: ComfyUI's HunyuanVideo 1.5 model fuses each stream's q/k/v (`img_attn.qkv`, its LoRA
-  keys `img_attn_qkv`), so vt fuses those LoRAs (comfy.Fused) and renames the rest 1:1 to the original
-  (Tencent) names, the scale baked into lora_B; `load_lora` also reads the separate q/k/v of Tencent's
-  own checkpoint (`double_blocks.N.img_attn_q`, diffusers' scripts/convert_hunyuan_video1_5_to_diffusers.py),
-  which vt wrote before and ComfyUI does not load. The text token refiner fuses q/k/v (`self_attn_qkv`)
-  and is never LoRA-targeted.
-Tensor parallel splits each double block's heads (both streams) and FFNs (`tp_plan`); context parallel
-splits the video tokens, the joint attention's text streams staying whole on every rank (`cp_plan`).
+What is particular to it, and why: docs/families.md, "HunyuanVideo 1.5".
 """
 
 from __future__ import annotations
@@ -162,12 +128,9 @@ class HunyuanVideo15Spec(ModelSpec):
 
     @torch.no_grad()
     def encode_first_frame(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
-        """The first frame as HunyuanVideo15ImageToVideoPipeline's conditioning image, float32:
-        - `image_latents` (B, C, 1, H, W): the frame VAE-encoded alone, mode x scaling_factor
-          (`_get_image_latents`; the condition channels hold it on the first latent frame, `forward`);
-        - `image_embeds` (B, N, D): SigLIP's last hidden states of the frame as a uint8 image through the
-          feature extractor (`_get_image_embeds`).
-        The frame is at the bucket's size, which is the size the pipeline resizes its image to."""
+        """The first frame (at the bucket's size, as the pipeline resizes its image) as the i2v pipeline conditions on
+        it, float32: `image_latents` (B, C, 1, H, W), the frame VAE-encoded alone (`_get_image_latents`), and
+        `image_embeds` (B, N, D), SigLIP's last hidden states of it as a uint8 image (`_get_image_embeds`)."""
         from diffusers import HunyuanVideo15ImageToVideoPipeline as I2V
 
         first = video[:, :, :1]
@@ -201,11 +164,9 @@ class HunyuanVideo15Spec(ModelSpec):
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
 
     def _image_condition(self, transformer, batch: dict[str, Tensor], x0: Tensor) -> tuple[Tensor, Tensor]:
-        """(condition channels (B, C + 1, F, H, W), image tokens) as the pipeline feeds them. t2v: zeros
-        and no image tokens (its 729 zero ones are masked out). i2v: the first frame's latents on the
-        first latent frame, zeros on the others, and a mask 1 there (`prepare_cond_latents_and_mask`),
-        with the frame's SigLIP tokens; every frame stays noisy and in the loss, as the pipeline
-        denoises every frame."""
+        """(condition channels (B, C + 1, F, H, W), image tokens) as the pipeline feeds them: t2v zeros and no image
+        tokens (its 729 zero ones are masked out); i2v the first frame's latents and a mask 1 on the first latent
+        frame (`prepare_cond_latents_and_mask`) with its SigLIP tokens, every frame noisy and in the loss."""
         b, c, f, h, w = x0.shape
         if self.config.task != "i2v":
             return (torch.zeros(b, c + 1, f, h, w, device=x0.device),
@@ -233,10 +194,8 @@ class HunyuanVideo15Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
-        """Per double block: video and text q/k/v and both FFNs' first layers column-wise, both attention
-        outputs and both FFNs' second layers row-wise. The joint attention runs on the local heads of
-        both streams together; its padding mask is per token, not per head, and the query/key RMSNorms
-        and rotary tables span one head, so all work unchanged on each rank's heads."""
+        """Per double block: both streams' q/k/v and FFN inputs column-wise, their outputs row-wise; the padding mask
+        is per token and the q/k norms and rotary tables span one head, so the joint attention runs on local heads."""
         return TensorParallelPlan(
             colwise=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj",
                      "attn.add_v_proj", "ff.net.0.proj", "ff_context.net.0.proj"),
@@ -245,10 +204,8 @@ class HunyuanVideo15Spec(ModelSpec):
         )
 
     def cp_plan(self) -> ContextParallelPlan:
-        """Split the video tokens where the first block receives them, gather after proj_out. Each block's
-        attention joins the text streams (image, ByT5, Qwen; whole on every rank) to the video: the text
-        keeps its heads' q/k/v and gathers its heads' output; the processor pads the text mask over the
-        joint sequence the all-to-all rebuilt, and the rotary tables are the whole video's."""
+        """Split the video tokens at the first block, gather after proj_out; the text streams (image, ByT5, Qwen) stay
+        whole on every rank, keeping their heads' q/k/v and gathering their heads' output."""
         return ContextParallelPlan(
             split_inputs={"transformer_blocks.0": {"hidden_states": 1}}, gather_output="proj_out",
             self_attention=("attn",), sequence_to_heads=("to_q", "to_k", "to_v"),

@@ -2,34 +2,7 @@
 Qwen2.5-VL + CLIP text encoders, HunyuanVideo's causal VAE (x4 time, x8 space), a DiT of text blocks then
 visual blocks (cross-attention to the text), patch (1, 2, 2), channel-last latents.
 
-What is particular to Kandinsky 5:
-- two text encoders, through Kandinsky5T2VPipeline's own `encode_prompt`: Qwen2.5-VL's last hidden states
-  of the caption inside the pipeline's prompt template, its first 128 template tokens cropped
-  (`prompt_embeds`), and CLIP's pooled output (`pooled_prompt_embeds`). The pipeline encodes one prompt
-  without padding and the transformer takes no text mask: it attends to every text row it is given. So
-  stage 1 encodes each caption alone (exactly the rows the pipeline feeds for it), zero-pads it to
-  `model.max_text_tokens` (512, the pipeline's default) and stores the rows it has
-  (`prompt_attention_mask`); training calls the transformer once per sample with its own rows
-  (`caption_lengths`) and text RoPE positions 0..n-1, as the pipeline's `text_rope_pos`. Validation hands
-  the pipeline the unpadded rows and their `cu_seqlens`;
-- latents are the VAE posterior mode x `scaling_factor` (the pipeline divides by it to decode), stored
-  (C, F, H, W); the transformer takes and returns them channel-last (B, F, H, W, C). With `visual_cond`
-  (every released checkpoint) it also takes [zeros (C), first-frame mask (1)] on the channel axis;
-- RoPE: visual positions over (latent frames, H / 2, W / 2) and the pipeline's resolution rule for the
-  spatial scale (`_get_scale_factor`: 2 when both sides are in [480, 854] pixels, else 3.16);
-- NABLA sparse attention (a transformer config with `attention_type = "nabla"`, e.g. the 10 s models):
-  training passes the pipeline's own `get_sparse_params`, which needs FlexAttention
-  (`train.attention_backend = "flex"`, checked) and latent sides in multiples of 16 (buckets of 128 px);
-- flow matching: timestep = sigma x 1000 in the transformer's dtype (as the pipeline), target noise - x0.
-Image-to-video (`model.task = "i2v"`, Kandinsky5I2VPipeline, e.g. Kandinsky-5.0-I2V-Pro-sft-5s): stage 1
-also stores `image_latents` (B, C, 1, H, W), the first frame VAE-encoded alone (mode; the pipeline samples
-it) x `scaling_factor`. Training replaces the first noisy latent frame with it, marks it 1 in the mask
-channel (the condition channels stay zero, as in the pipeline and Kandinsky's own sampler), feeds every
-token the sample's timestep, and weights the first frame 0 in the loss: the pipeline never updates it.
-LoRA and ComfyUI: ComfyUI's Kandinsky5 model uses diffusers' module names (comfy/ldm/kandinsky5/model.py),
-so the ComfyUI file is the LoRA under `diffusion_model.` with the scale in lora_B; diffusers' loader reads
-`transformer.` keys only, so `load_lora` renames a ComfyUI file back. TP splits every block's heads and FFN
-(`tp_plan`), CP the visual tokens (`cp_plan`; docs/parallel.md).
+What is particular to it, and why: docs/families.md, "Kandinsky 5".
 """
 
 from __future__ import annotations
@@ -45,11 +18,11 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
-from vt.shared.caption_table import mask_rows
 from vt.shared.config import ModelConfig
 from vt.shared.errors import UserError
 from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.kandinsky5_conditions import caption_lengths, pooled_and_image_shapes, with_image_latents
 from vt.shared.models.lora import lora_weight_name
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan, Unplanned
 from vt.shared.models.spec import ModelSpec, VaeGeometry
@@ -281,9 +254,8 @@ class Kandinsky5Spec(ModelSpec):
 
     # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
-        """Every attention's q/k/v and each FFN's first layer column-wise, their output layers row-wise, in the text
-        and the visual blocks (the text blocks have no cross-attention). The query/key RMSNorms and both rotary
-        tables span one head, and the per-block modulations stay whole."""
+        """Every attention's q/k/v and FFN input column-wise, their outputs row-wise, in text and visual blocks (q/k
+        norms and rotary tables span one head; the modulations stay whole)."""
         attention = ("self_attention", "cross_attention")
         return TensorParallelPlan(
             colwise=(*(f"{a}.{p}" for a in attention for p in ("to_query", "to_key", "to_value")),
@@ -292,11 +264,9 @@ class Kandinsky5Spec(ModelSpec):
             attention=attention, heads_attribute="num_heads", optional=("cross_attention",))
 
     def cp_plan(self) -> ContextParallelPlan:
-        """Split the visual tokens where the first visual block receives them (flattened) and gather after the
-        last one (the un-flattening and output layer need the whole grid). The text blocks run whole on every
-        rank; the cross-attention's keys come from that text. The visual RoPE table is the whole sequence's,
-        which the self-attention sees after the all-to-all. NABLA is refused: its per-head block mask would be
-        built on each rank's heads over the whole grid, but FlexAttention has no CPU backward to check that on."""
+        """Split the visual tokens at the first visual block, gather after the last (the output layer needs the whole
+        grid); the text blocks run whole on every rank. NABLA is refused: its per-head block mask under Ulysses
+        is unchecked (FlexAttention has no CPU backward)."""
         if self.sparse_attention:
             raise Unplanned(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no CP plan "
                             "(its FlexAttention block mask under Ulysses is not checked); set parallel.cp = 1")
@@ -306,31 +276,3 @@ class Kandinsky5Spec(ModelSpec):
             gather_output=f"visual_transformer_blocks.{last}", self_attention=("self_attention",),
             sequence_to_heads=("to_query", "to_key", "to_value"), heads_to_sequence="out_layer",
             block_lists=("visual_transformer_blocks",), heads_attribute="num_heads")
-
-
-def pooled_and_image_shapes(spec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """`shapes` with CLIP's pooled embedding and, for i2v, the first frame's latents (C, 1, H, W): what Kandinsky 5
-    and 6 store beside Qwen's text and the latents."""
-    shapes = {**shapes, "pooled_prompt_embeds": (spec.text_width("text_encoder_2"),)}
-    if spec.config.task == "i2v":
-        shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
-    return shapes
-
-
-def with_image_latents(spec, encoders, video: Tensor, out: dict[str, Tensor]) -> dict[str, Tensor]:
-    """`out` with, for i2v, `image_latents`: the first frame encoded alone (mode x scaling_factor; the VAE's group
-    norms span all frames, so the clip's first latent frame is not the image's)."""
-    if spec.config.task == "i2v":
-        vae = encoders["vae"]
-        out["image_latents"] = (spec._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
-    return out
-
-
-def caption_lengths(mask: Tensor) -> list[int]:
-    """Each sample's text rows (`mask_rows`); an empty caption (all-zero mask) is refused."""
-    lengths = mask_rows(mask)
-    empty = [row for row, length in enumerate(lengths) if length == 0]
-    if empty:
-        raise UserError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
-                         "at least the template's closing token per caption; re-run stage 1 for these shards")
-    return lengths

@@ -3,26 +3,7 @@ Qwen2.5-VL + CLIP text encoders, HunyuanVideo's causal VAE (x4 time, x8 space), 
 vocoder (44.1 kHz mono), and a DiT of text blocks per stream then fused video/audio blocks (each stream
 cross-attends to its text, then to the other stream), patch (1, 2, 2), channel-last latents.
 
-What vt trains (diffusers' Kandinsky6TI2VAPipeline):
-- text as the pipeline's `_get_prompt_embeds`: Qwen2.5-VL's last hidden states of the caption inside the prompt
-  template, its first 129 template tokens cropped, padded to `model.max_text_tokens` (the pipeline's
-  `max_sequence_length`, 1024) with the mask the transformer applies (`prompt_attention_mask`), and CLIP's pooled
-  output. Training feeds the padded rows and the mask, cut to the batch's longest caption (rows past every mask
-  are padding that no attention reads); validation hands the pipeline each prompt's own rows, which is what its
-  mask leaves of them;
-- video latents = the VAE posterior mode x `scaling_factor`, stored (C, F, H, W); the transformer takes them
-  channel-last with [zeros (C), mask (1)] beside them (`visual_cond`, every release);
-- sound (`model.audio`): the clip's track downmixed to mono at the audio VAE's rate, padded to whole latent hops,
-  MMAudioVAE's posterior mode x `scaling_factor`, stored (C, N) with N the pipeline's audio length for the bucket's
-  frames at `buckets.fps`. Both streams take the sample's one timestep (the transformer has one), as the pipeline
-  feeds them; without `model.audio` the audio stream is left out of the call (the fused blocks then run their
-  video path only, as the pipeline with `sample_audio=False`) and stays frozen and out of LoRA;
-- flow matching: timestep = sigma x 1000 (float32, as the scheduler's), target noise - x0 for both streams;
-- image-to-video (`model.task = "i2v"`, e.g. Pro I2V): stage 1 also stores `image_latents` (the first frame
-  encoded alone, mode x scaling_factor); training appends it as a clean tail frame, as the pipeline does: mask 1,
-  token type 1, temporal RoPE position 0, out of the loss; every real frame is noised and trained.
-LoRA files: diffusers' names (read by the transformer's `load_lora_adapter`: the pipeline has no LoRA loader), and
-the ComfyUI file under the original checkpoint's names, which ComfyUI's Kandinsky6 model has (`original_names`).
+What is particular to it, and why: docs/families.md, "Kandinsky 6".
 """
 
 from __future__ import annotations
@@ -35,7 +16,7 @@ from torch import Tensor
 from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
-from vt.shared.models.kandinsky5 import caption_lengths, pooled_and_image_shapes, with_image_latents
+from vt.shared.models.kandinsky5_conditions import caption_lengths, pooled_and_image_shapes, with_image_latents
 from vt.shared.models.kandinsky6_sound import Kandinsky6Sound
 from vt.shared.models.lora import lora_weight_name
 from vt.shared.models.roles import SoundStream

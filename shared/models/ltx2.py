@@ -2,54 +2,7 @@
 with text connectors, causal video VAE (x8 time, x32 space), a DiT with a video and an audio stream
 joined by cross-attention, an audio VAE and a vocoder.
 
-Two modes (docs/families.md):
-- `model.audio = false`, the video stream alone. Stage 1 stores what LTX2Pipeline feeds the video
-  stream: Gemma's stacked hidden states of the left-padded caption (`encode_prompt`) passed through
-  the frozen `connectors`, i.e. their video text embedding and mask (`prompt_embeds`,
-  `prompt_attention_mask`; diffusers' connectors mark every row valid, their output fills the
-  padding), plus latents normalised as the pipeline denormalises them (`(z - mean) * scaling_factor
-  / std`). Stage 2 calls the transformer the way Lightricks' own trainer trains video without audio
-  (its model takes `audio=None` and skips the audio blocks): `isolate_modalities=True` turns off the
-  audio-to-video and video-to-audio cross-attention, so the video prediction depends on the video
-  tokens and text alone, and a one-token zero audio input (which the diffusers class requires) only
-  runs through the audio stream, whose output is dropped. LoRA defaults to the video attention
-  (`attn1`, `attn2`: q/k/v/out); a full fine-tune trains every parameter except the audio stream and
-  the audio-video cross-attention (`full_trainable`), which receive no gradient without audio.
-- `model.audio = true`, video and audio together, as LTX2Pipeline's denoising step runs them: stage 1
-  also stores the connectors' audio text embedding (`audio_prompt_embeds`) and the clip's sound as the
-  audio stream takes it (`LTX2Sound.encode`): the waveform (16 kHz stereo for LTX-2, the audio VAE's
-  `sample_rate` and `in_channels`) as the log-mel spectrogram Lightricks' trainer feeds the audio VAE
-  (shared/models/mel.py: n_fft 1024, the VAE's hop and mel bins), the posterior mode, its first
-  `LTX2Sound.latent_shape` frames (the causal encoder gives one more than LTX2Pipeline generates for the
-  clip's duration: the last, which only sees the span's last mel frame, goes), normalised as the
-  pipeline denormalises audio latents before its audio VAE decodes them (packed per frame,
-  `(z - mean) / std`); stored unpacked (`audio_latents`, (channels, frames, mel bins / 4)). Stage 2 noises both streams
-  with the sample's one sigma (audio noise drawn on a key of its own), packs the audio latents as the
-  pipeline packs them ((B, L, C x M) tokens), runs the transformer with the cross-attention on
-  (`isolate_modalities=False`), the audio timestep the video's, the audio text mask the video's, and
-  returns the audio stream's flow-matching terms in `Prediction.audio`. Everything trains in a full
-  fine-tune; LoRA defaults add the audio attention and both cross-attention directions
-  (`audio_attn1`, `audio_attn2`, `audio_to_video_attn`, `video_to_audio_attn`). Validation writes the
-  pipeline's sound (its vocoder's waveform) into the mp4.
-Flow matching in both: timestep 1000 sigma, target noise - x0, RoPE at the bucket frame rate (`fps`, as
-the pipeline's `frame_rate`). LTX-2.3 (per-modality connector projections, gated attention, prompt
-modulation, a vocoder with bandwidth extension) loads the same way; it samples, and with audio trains,
-with the cross-attention modulated by the other stream's sigma (`use_cross_timestep=True`, diffusers'
-2.3 setting; 2.0 uses each stream's own).
-LoRA files: ComfyUI's (Lightricks') names for the block modules are diffusers' own (LTXAVModel's
-`attn1`, `audio_attn1`, `audio_to_video_attn`, `video_to_audio_attn`, `ff`, `audio_ff` ...), so the
-ComfyUI file is `diffusion_model.` + the diffusers module name, scale folded into lora_B (diffusers'
-LTX-2 conversion does not read `.alpha` keys).
-Image-to-video (`model.task = "i2v"`, LTX2ImageToVideoPipeline): the pipeline puts the image's normalised
-latent in the first latent frame and keeps it clean (its conditioning mask gives those tokens timestep 0,
-and it steps only the other frames). Training does the same: the causal VAE encodes the clip's first frame
-alone, so the first latent frame of the clip's latents is that image latent (stage 1 stores latents only);
-it stays clean, its tokens get timestep 0 (the per-token `timestep`; `audio_timestep` and `sigma` stay the
-sample's), and its loss weight is 0; the audio, as in the pipeline, is noised whole. The pipeline also
-re-encodes a still image as H.264 (CRF 33 for LTX-2's Gemma 3) so it looks like a video frame; a clip's
-first frame already is one.
-No TP plan: it would have to split the audio stream and the audio-video cross-attention too. CP splits
-the video tokens (`cp_plan`; docs/parallel.md).
+What is particular to it, and why: docs/families.md, "LTX-2".
 """
 
 from __future__ import annotations

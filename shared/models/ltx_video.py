@@ -1,13 +1,6 @@
 """LTX-Video (Lightricks): T5 text encoder, causal video VAE (x8 time, x32 space), packed-token DiT.
 
-What is particular to LTX:
-- latents are normalised with the VAE's `latents_mean` / `latents_std` buffers and scaling factor
-  (`LTXPipeline._normalize_latents`), and the transformer takes them packed into tokens
-  (`_pack_latents`, (B, F*H*W, C)) plus the latent grid size and a RoPE scale that depends on the
-  frame rate; we reuse the pipeline's own static helpers so training matches inference exactly;
-- the timestep may be given per token. Image-to-video uses that: the first latent frame is the
-  encoded conditioning image, kept clean (or lightly noised, `model.first_frame_noise`) with its own
-  lower timestep, and is left out of the loss. `LTXImageToVideoPipeline` does the same at inference.
+What is particular to it, and why: docs/families.md, "LTX-Video".
 """
 
 from __future__ import annotations

@@ -2,26 +2,7 @@
 pixels (17n+5 frames -> 5n+2 latent frames, x16 space, 24 channels), a mono audio VAE (32 kHz, 40 latents/s, stereo
 as two channels) and one DiT over a single packed sequence [text | audio | video] (no cross-attention).
 
-What vt trains (text-to-video-and-audio, diffusers' MiniMaxH3ModularPipeline `t2va` workflow):
-- stage 1 stores what the pipeline's text block feeds the transformer: the prompt tokenized verbatim (no template,
-  no special tokens), Qwen3-VL's `hidden_states[50]` (`get_qwen3vl_prompt_embeds`), zero-padded to
-  `model.max_text_tokens` with a mask marking the caption's rows; video latents = the posterior mode of the pixels
-  ImageNet-normalised over [0, 1], `(z - latents_mean) / latents_std` (the pipeline's decode step inverts it);
-  with `model.audio`, audio latents = the audio VAE's posterior mode of each stereo channel (two batch items of the
-  mono VAE, as the pipeline encodes a soundtrack), normalised likewise, stored (2, C, N);
-- stage 2 builds each sample's packed sequence with the pipeline's own layout (`build_packed_sequence`: positions,
-  modality tags, row indices) and calls the transformer once per sample (the structural inputs are shared by the
-  whole batch, and text lengths differ). The pipeline's timestep convention: t = 1 - sigma (t = 1 clean), the
-  transformer predicts the data-ward velocity, so the target is x0 - noise (for both streams). One sigma is drawn
-  per sample (the trainer's); the video rows (and text rows, as in the pipeline) take it, the audio rows the audio
-  schedule's sigma at the same point of the base grid (`audio_sigmas`: shift 12 video, 3 audio), which is how every
-  step of the pipeline (and ComfyUI's sampler) pairs the two streams. Without `model.audio` the sequence has no audio
-  rows (the transformer takes zero of them) and the audio heads (`audio_proj_in`, `audio_proj_out`) stay frozen and
-  out of LoRA;
-- validation runs the modular pipeline itself (`MiniMaxH3Pipeline` in minimax_h3_pipeline.py is a thin handle on it: the same blocks, fed
-  stored text embeddings) and returns its stereo sound track;
-- LoRA files: the pipeline's own format, and the ComfyUI file under the original checkpoint's names (q/k/v fused).
-Not covered: `fl2va` (first/last keyframes) and `ref2va` (references, `transformer_ref`), docs/families.md.
+What is particular to it, and why: docs/families.md, "MiniMax H3 (audio + video)".
 """
 
 from __future__ import annotations

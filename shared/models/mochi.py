@@ -1,27 +1,7 @@
 """Mochi 1 (Genmo, text-to-video): T5-XXL text encoder, asymmetric video VAE (x6 time, x8 space, 12
 channels), an asymmetric DiT over [video, text] with a text padding mask.
 
-What is particular to Mochi:
-- its flow-matching time runs the other way. MochiPipeline passes the scheduler's inverted sigmas
-  (`FlowMatchEulerDiscreteScheduler(invert_sigmas=True)`): timestep = (1 - sigma) * 1000, 0 for pure
-  noise and 1000 for the clean video, and each step adds (sigma'_next - sigma') * output with
-  sigma' = 1 - sigma rising, so the model predicts x0 - noise. Training is the same flow
-  (`x_t = (1 - s) x0 + s noise`) with timestep (1 - s) * 1000 and target x0 - noise, as diffusers'
-  Mochi training example and genmo's fine-tuner (`model(z_sigma, 1 - sigma)`, `ut = z - eps`) do;
-- text: T5 over the caption padded to the text length WITH its attention mask (the pipeline's own
-  `encode_prompt`); the mask goes to the transformer, whose attention drops each sample's padded
-  text tokens and whose caption pooling averages over the unmasked ones. Stored as float 0/1;
-- latents are `(z - latents_mean) / latents_std * scaling_factor` (posterior mode), the inverse of
-  what the pipeline does before decoding; frames 6k+1 (the pipeline assumes x6 time, x8 space);
-- the original (genmo, and ComfyUI's) names fuse q/k/v (`blocks.N.attn.qkv_x`, text side `qkv_y`)
-  and put the SwiGLU input projection's SiLU half first (`mlp_x.w1`) where diffusers puts it second
-  (diffusers' converter `swap_proj_gate`). The ComfyUI export fuses the q/k/v LoRAs (comfy.Fused),
-  swaps the halves of w1's lora_B rows, and bakes alpha / rank into lora_B (no `.alpha`). diffusers
-  reads no non-diffusers Mochi LoRA; tests/shared/test_mochi.py checks the file against diffusers'
-  own single-file converter of original Mochi checkpoints.
-TP (`tp_plan`) splits the joint attention only: the SwiGLU input projection holds both halves in one Linear,
-so a contiguous column-wise shard would pair one rank's linear units with another rank's gates, and the FFNs
-stay whole. CP (`cp_plan`) splits the video tokens; the joint attention keeps the text whole on each rank.
+What is particular to it, and why: docs/families.md, "Mochi".
 """
 
 from __future__ import annotations

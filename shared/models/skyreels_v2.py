@@ -1,24 +1,6 @@
 """SkyReels V2 (Skywork): Wan 2.1's UMT5, VAE and DiT, text- and image-to-video, and diffusion forcing.
 
-Everything of SkyReelsV2Pipeline / SkyReelsV2ImageToVideoPipeline is Wan 2.1's (wan.py): the same
-prompt encoding, latent normalisation, flow matching at timestep 1000 sigma, and for i2v the CLIP image
-tokens plus [mask, encoded first frame] on the channel axis (36 channels, a 512-token text). The
-transformer, SkyReelsV2Transformer3DModel, is Wan's DiT with the same module names (so Wan's TP and CP
-plans and ComfyUI names apply), plus what diffusion forcing needs.
-
-Diffusion forcing (`model.diffusion_forcing = true`, the DF checkpoints, e.g.
-Skywork/SkyReels-V2-DF-1.3B-540P-Diffusers): SkyReelsV2DiffusionForcingPipeline feeds the transformer a
-timestep per latent frame (B, F) with `enable_diffusion_forcing=True`, each frame at its own point of the
-schedule (`generate_timestep_matrix`; frames of one causal block, the transformer's
-`num_frame_per_block`, share it and attend causally across blocks). Training does the same: the trainer
-draws one sigma per causal block and sample from the sample's keyed generator (`noise_levels`), every
-frame is noised at its block's sigma, and the transformer gets timestep 1000 sigma per frame; target and
-loss are flow matching on every frame. With i2v (SkyReelsV2DiffusionForcingImageToVideoPipeline, the same
-DF weights) the first latent frame is the clean encoded image at timestep 0, as the pipeline keeps it
-(a pre-ready prefix frame), with loss weight 0; stage 1 stores latents only (the causal VAE encodes the
-first frame alone, as the pipeline encodes the image). DF-1.3B also embeds the frame rate
-(`inject_sample_info`): the pipeline's `fps` becomes index 0 at 16 fps and 1 otherwise; training feeds
-the bucket frame rate's index and validation passes that rate.
+What is particular to it, and why: docs/families.md, "SkyReels V2".
 """
 
 from __future__ import annotations

@@ -1,31 +1,6 @@
 """Wan 2.1 (text-to-video): UMT5 text encoder, causal video VAE (x4 time, x8 space), DiT on (B, C, F, H, W).
 
-What is particular to Wan:
-- latents are normalised per channel with the VAE config's `latents_mean` / `latents_std` lists,
-  (z - mean) / std: the inverse of what WanPipeline does before decoding;
-- text embeddings are zero beyond each caption's length (no attention mask): WanPipeline's own
-  `encode_prompt` does that, and we call it;
-- the transformer patchifies internally (patch (1, 2, 2)), so latent height and width must be even;
-- the scheduler is UniPC in flow-prediction mode, whose timesteps are sigma * 1000.
-
-Image-to-video (`model.task = "i2v"`, the Wan 2.1 I2V 480P/720P checkpoints), as
-WanImageToVideoPipeline conditions on the first frame:
-- stage 1 also loads the CLIP image encoder and its processor and stores, per sample,
-  `image_embeds` (the encoder's second-to-last hidden states of the first frame: `encode_image`) and
-  `condition_latents` ([first frame, zeros for the other frames] VAE-encoded and normalised:
-  `prepare_latents`); the 4-channel first-frame mask it also builds is rebuilt in `forward`;
-- the transformer takes [noisy latents (16), mask (4), condition (16)] = 36 channels and the image
-  embeddings, which it prepends to the text; the target is flow matching on all frames as for t2v;
-- the text is exactly 512 tokens: diffusers' Wan attention takes everything before the last 512
-  context tokens to be image tokens.
-
-First-and-last-frame to video (`model.task = "flf2v"`, Wan 2.1 FLF2V-14B-720P), as
-WanImageToVideoPipeline does with `last_image=`: the clip's first and last frames are the two images.
-- `image_embeds` holds both images' CLIP tokens per sample, (2, N, D) as [first, last]; `forward` passes
-  them as the pipeline does, (2B, N, D), and the FLF2V transformer's image embedder views them as B
-  pairs and adds its learned position embedding over the 2N tokens (`pos_embed_seq_len`, 514);
-- `condition_latents` encodes [first frame, zeros, last frame]; the mask marks the first latent frame
-  and, in the last latent frame, the slot of the last pixel frame (`condition_mask`).
+What is particular to it, and why: docs/families.md, "Wan 2.1".
 """
 
 from __future__ import annotations

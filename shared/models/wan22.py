@@ -1,24 +1,6 @@
 """Wan 2.2 A14B (text- and image-to-video): two Wan transformers, experts for high and low noise levels.
 
-Everything per expert is Wan 2.1 (wan.py): the UMT5 text encoder, the 16-channel VAE, the DiT, the
-flow-matching objective, the TP and CP plans and the original module names for ComfyUI. What is
-particular:
-- WanPipeline holds `transformer` (high noise) and `transformer_2` (low noise) and a
-  `boundary_ratio` (0.875 for T2V-A14B, 0.9 for I2V-A14B): a denoising step at timestep
-  t >= boundary * 1000 runs the first, any later one the second. Training follows that split:
-  `model.expert = "high_noise"` trains `transformer` on sigmas in [boundary, 1], `"low_noise"` trains
-  `transformer_2` on [0, boundary); the trainer maps its drawn sigmas into the expert's range
-  (`sigma_range`).
-- One expert per run: its LoRA is written for diffusers (load the low-noise one with
-  `load_lora_weights(..., load_into_transformer_2=True)`) and for ComfyUI as
-  `lora_comfyui_<expert>.safetensors`, one file per expert model. Validation runs the whole
-  two-expert pipeline with the other expert frozen.
-- Or both in one run (`model.expert = "all"`): each sample's sigma picks its expert (`expert_of`),
-  and the LoRA of each is `pytorch_lora_weights_<expert>.safetensors` plus its ComfyUI file.
-- Image-to-video (`model.task = "i2v"`, I2V-A14B): WanImageToVideoPipeline with no CLIP image
-  encoder: the transformer takes [noisy (16), first-frame mask (4), encoded [image, zeros] (16)]
-  channels as Wan 2.1 I2V (wan.py) but no image tokens, so any text length works.
-TI2V-5B (one transformer, 48-channel VAE, per-token timesteps) is family "wan2.2-ti2v" (wan22_ti2v.py).
+What is particular to it, and why: docs/families.md, "Wan 2.2".
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """Wan 2.2 TI2V-5B: one Wan transformer over a 48-channel VAE, text- and image-to-video with one set of weights.
 
-Everything else is Wan (wan.py): UMT5, the Wan DiT, flow matching, the TP/CP plans, the original
-module names for ComfyUI. What is particular:
-- the VAE (AutoencoderKLWan with z_dim 48, `is_residual`, `patch_size` 2) folds 2 x 2 pixels before
-  encoding: x16 in space, x4 in time, so bucket sides are multiples of 32 (16 x the transformer's
-  patch 2); its own 48 `latents_mean` / `latents_std` normalise the latents as for Wan 2.1;
-- the pipelines run with `expand_timesteps=True`: the timestep is given per token (B, F*H/2*W/2),
-  frame-major, and the transformer takes the latents alone (48 channels, no mask or condition);
-- image-to-video (`model.task = "i2v"`, WanImageToVideoPipeline(expand_timesteps=True)): the first
-  latent frame is the encoded image, clean, with timestep 0 on its tokens; the pipeline throws its
-  prediction away. Training does the same: frame 0 is the clean latent (the causal VAE encodes
-  the first frame alone, so the clip's first latent frame is what the pipeline encodes from the
-  image), its tokens get sigma 0 and its loss weight is 0. Stage 1 stores latents only.
+What is particular to it, and why: docs/families.md, "Wan 2.2".
 """
 
 from __future__ import annotations

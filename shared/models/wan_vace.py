@@ -1,28 +1,6 @@
 """Wan 2.1 VACE (Wan-AI/Wan2.1-VACE-1.3B-diffusers, 14B): Wan 2.1 text-to-video steered by a control video.
 
-Everything of Wan 2.1 t2v holds (wan.py): UMT5 text, the VAE and its latent normalisation, flow matching
-at timestep 1000 sigma on every frame, the main blocks and their original names. What VACE adds is a
-second list of blocks (`vace_blocks`, one per entry of the transformer's `vace_layers`) that reads the
-control video and adds a hint after each of those main blocks. A sample's control video (pose, depth,
-edges ..., `<key>.control.mp4`, aligned with the clip by stage 1) conditions it as WanVACEPipeline
-conditions on `video=` without `mask=` or reference images (pure control-video conditioning):
-- the pipeline's mask is all ones, so `prepare_video_latents` encodes the "inactive" video
-  `video * (1 - mask)` (all zeros) and the "reactive" one `video * mask` (the control video), each
-  VAE-encoded (mode) and normalised `(z - mean) * (1 / std)`; stage 1 stores both as
-  `control_latents` (B, 2C, F, H, W), [inactive, reactive];
-- `prepare_masks` folds the pixel mask's 8 x 8 patches into 64 channels at the latent grid (ones here),
-  rebuilt in `forward` (`control_mask`); `control_hidden_states` = [control_latents, mask] (96 channels on
-  the real models, the transformer's `vace_in_channels`), with `control_hidden_states_scale` the pipeline's
-  `conditioning_scale` (1.0) per VACE layer.
-What trains by default: LoRA on the VACE blocks' attention and FFN (self- and cross-attention q/k/v/out,
-`ffn.net.0.proj`, `ffn.net.2`), the main blocks frozen: DiffSynth-Studio's VACE LoRA recipe
-(`--lora_base_model vace --lora_target_modules q,k,v,o,ffn.0,ffn.2`), which peers call a control LoRA.
-`train.lora_targets` may add the main blocks (Wan's names). ComfyUI loads VACE as WAN21_Vace
-(comfy/ldm/wan/model.py VaceWanModel): the VACE blocks are `vace_blocks.N` with Wan's module names plus
-`before_proj` (diffusers `proj_in`, block 0) and `after_proj` (`proj_out`), as diffusers' own single-file
-conversion names them. Validation runs WanVACEPipeline with each prompt's control video
-(`train.validation_videos`). No TP or CP plan yet: the VACE blocks take the patch-embedded tokens and the
-control tokens before the main blocks run, so both plans would need split points of their own.
+What is particular to it, and why: docs/families.md, "Wan 2.1 VACE (control video)".
 """
 
 from __future__ import annotations
