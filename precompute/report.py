@@ -40,6 +40,7 @@ class Report:
     status: str = "running"
     rejects_file: str | None = None  # where the rejected samples are listed (rejects.jsonl)
     rejected: Counter = field(default_factory=Counter)
+    decode_restarts: int = 0  # decode actors replaced (precompute.engine = "ray": died or timed out)
     seconds: Counter = field(default_factory=lambda: Counter({stage: 0.0 for stage in STAGES}))
     started: float = field(default_factory=time.perf_counter)
     startup: StartupTimeline | None = None  # seconds since launch at which each start-up part ended
@@ -54,6 +55,7 @@ class Report:
                 "skipped_committed": self.skipped_committed, "skipped_shards": self.skipped_shards,
                 "shards": self.shards, "bytes": self.bytes, "generation": self.generation,
                 "resumed_at": self.resumed_at, "rejects_file": self.rejects_file,
+                "decode_restarts": self.decode_restarts,
                 "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())},
                 "elapsed_s": round(elapsed, 3), "samples_per_s": round(self.committed / max(elapsed, 1e-9), 3),
                 **({"startup": self.startup.to_dict()} if self.startup else {})}
@@ -63,6 +65,7 @@ class Report:
         reasons = ", ".join(f"{k} {v}" for k, v in d["rejected"].items()) or "none"
         listed = f", listed in {self.rejects_file}" if self.rejects_file else ""
         resumed = f"; resumed at shard {self.resumed_at}" if self.resumed_at else ""
+        resumed += f"; decode actors replaced: {self.decode_restarts}" if self.decode_restarts else ""
         return (f"precompute rank {self.rank}: {d['committed']}/{d['seen']} samples committed in {d['shards']} shards "
                 f"({d['bytes'] / 1e6:.2f} MB) in {d['elapsed_s']:.1f}s, {d['samples_per_s']:.2f} samples/s; "
                 f"rejected {d['rejected_total']} ({reasons}){listed}{resumed}")

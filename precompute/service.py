@@ -66,6 +66,15 @@ class TooManyFailures(UserError, RuntimeError):
     pass
 
 
+def decode_pool(pre):
+    """The decode workers `precompute.engine` asks for: local processes, Ray actors, or None (decode in this one)."""
+    if pre.engine == "ray":
+        from vt.precompute.ray_pool import RayDecodePool
+
+        return RayDecodePool(pre.ray_actors, worker_init, pre.ray_tries, pre.ray_timeout_seconds)
+    return DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 else None
+
+
 def sound_request(spec, config: Config) -> SoundRequest:
     """What the decode workers decode of each clip's sound: the family's rate and channels, data.missing_audio."""
     audio = spec.sound.format()
@@ -82,7 +91,7 @@ class Precompute:
         pre = config.precompute
         # The decode workers start first: a spawned worker spends seconds importing torch and PyAV, which then
         # overlaps this process's imports of the encoders' libraries and its model loads (closed by run()).
-        self.pool = DecodePool(pre.workers, initializer=worker_init) if pre.workers > 0 else None
+        self.pool = decode_pool(pre)
         if self.pool is not None:
             self.pool.warm_up()
         self.startup.mark("decode_workers_spawned")
@@ -191,6 +200,7 @@ class Precompute:
                     tracker.start_epoch(epoch)
                     self._run_epoch(epoch, pool, tracker)
         finally:
+            self.report.decode_restarts = getattr(pool, "restarts", 0)
             self.progress.close()
             self.rejects.close()
             self.close()
@@ -221,7 +231,8 @@ class Precompute:
         prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
-        inflight = max(2, 2 * pre.workers, pre.workers + pre.samples_per_shard)
+        workers = pool.workers if pool is not None else 0
+        inflight = max(2, 2 * workers, workers + pre.samples_per_shard)
         items = self._raw_items(tracker)
         stream = map(prepare, items) if pool is None else pool.map(prepare, items, inflight, prepare.crashed)
         for item in stream:

@@ -133,6 +133,13 @@ class PrecomputeConfig(_Section):
     storage_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
     max_consecutive_failures: int = Field(100, ge=1)
     workers: int = Field(1, ge=0)  # decode worker processes (0: decode in the encoding process)
+    # Where the decode chain runs (precompute/ray_pool.py): "local" worker processes (`workers`), or "ray", a pool of
+    # `ray_actors` actors on the Ray cluster RAY_ADDRESS names (0: one per CPU of the cluster); a clip runs again on a
+    # fresh actor when its actor dies or passes `ray_timeout_seconds`, and is rejected after `ray_tries` actors.
+    engine: Literal["local", "ray"] = "local"
+    ray_actors: int = Field(0, ge=0)
+    ray_tries: int = Field(3, ge=1)
+    ray_timeout_seconds: float = Field(600.0, gt=0)
     device: str = "auto"
     # Where the text (and image) encoders live (precompute/encoders.py): "none" on the device beside the VAE;
     # "model" in CPU memory, moved onto the device for each shard's text phase; "blocks" streamed block by

@@ -1,0 +1,149 @@
+"""`precompute.engine = "ray"`: the decode chain on a real Ray cluster (`ray start --head` in a session of its own,
+started and torn down by this module), reached through RAY_ADDRESS as on a real cluster, with a decode actor's
+process killed mid-run: the producer exits 0, the killed actor is replaced, every sample is committed exactly once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from cli_runs import raw_keys, write_config
+from polling import wait_for
+
+from vt.shared.window import Window
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'vt[ray]')")]
+# Loopback only, no usage report, no auth token file (../shared/FACTS.md): for the cluster and every driver, set
+# before the driver imports ray (it reads them at import).
+RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def session_processes(sid: int):
+    import psutil
+
+    out = []
+    for process in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if os.getsid(process.pid) == sid:
+                out.append(process)
+        except (ProcessLookupError, PermissionError):
+            continue
+    return out
+
+
+def stop_session(sid: int) -> None:
+    """TERM every process of the cluster's session, KILL what is left after a grace period (two of Ray's agents
+    ignore TERM once their driver is gone)."""
+    import psutil
+
+    processes = session_processes(sid)
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=3)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """RAY_ADDRESS of a 2-CPU head started here (`ray start --head --block`, its own session) and its session id."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
+    log = tmp_path_factory.mktemp("ray") / "head.log"
+    command = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", "--num-cpus=2",
+               "--include-dashboard=false", f"--temp-dir={temp}", f"--object-store-memory={256 << 20}", "--block"]
+    with open(log, "wb") as out:
+        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, **RAY_ENV})
+
+    def listening():
+        with socket.socket() as client:
+            return client.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in log.read_text()
+
+    try:
+        wait_for(listening, timeout=120, what=f"the Ray head ({log})")
+        yield f"127.0.0.1:{port}", head.pid
+    finally:
+        stop_session(head.pid)
+
+
+def decode_actors(sid: int) -> list[int]:
+    return [p.pid for p in session_processes(sid) if any("DecodeActor" in part for part in (p.info["cmdline"] or []))]
+
+
+def test_a_killed_decode_actor_costs_a_retry_never_a_sample(tmp_path, tiny_model_factory, raw_shards, ray_cluster):
+    address, sid = ray_cluster
+    window = tmp_path / "window"
+    config = write_config(tmp_path / "ray.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
+                          str(window), window={"size": "keep"},
+                          precompute={"engine": "ray", "ray_actors": 2, "samples_per_shard": 1, "encode_batch": 1})
+    log = tmp_path / "producer.log"
+    with open(log, "wb") as out:
+        producer = subprocess.Popen([sys.executable, "-m", "vt.precompute", "run", str(config)], stdout=out,
+                                    stderr=subprocess.STDOUT,
+                                    env={**os.environ, **RAY_ENV, "RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1"})
+    try:
+        actors = wait_for(lambda: len(decode_actors(sid)) == 2 and decode_actors(sid), timeout=180,
+                          what="two decode actors on the cluster")
+        wait_for(lambda: any((window / "commits").rglob("*.json")), timeout=180, what="a first committed shard")
+        os.kill(actors[0], signal.SIGKILL)  # mid-run: the producer has samples left to decode
+        assert producer.wait(timeout=600) == 0, log.read_text()[-4000:]
+    finally:
+        if producer.poll() is None:
+            producer.kill()
+    report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
+    assert report["decode_restarts"] >= 1 and report["status"] == "done", report
+    assert "decode actors replaced: " in log.read_text()
+    keys = Counter(key for _, record in Window(str(window)).order() for key in record.keys)
+    assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}  # every sample, exactly once
+    assert report["rejected_total"] == 0
+
+
+def test_a_hung_clip_runs_again_on_a_fresh_actor_and_a_killer_clip_is_rejected(ray_cluster, tmp_path, monkeypatch):
+    """The pool's own contract, order kept: a clip whose actor passes the deadline runs again on a fresh actor; a
+    clip that kills every actor it runs on is rejected (`on_crash`) after `tries` actors; the rest are unharmed."""
+    from vt.precompute.ray_pool import RayDecodePool
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster[0])
+    for name, value in RAY_ENV.items():
+        monkeypatch.setenv(name, value)
+    marker = str(tmp_path / "hung-once")
+
+    def decode(item):  # local, so Ray sends it by value to actors that cannot import this module
+        import os
+        import signal
+        import time
+
+        if item == 2 and not os.path.exists(marker):
+            open(marker, "w").close()
+            time.sleep(3600)  # a clip that hangs its actor: the pool's deadline ends it
+        if item == 4:
+            os.kill(os.getpid(), signal.SIGKILL)  # a clip that kills every actor it runs on
+        return item * 10
+
+    pool = RayDecodePool(2, tries=2, timeout_seconds=5)
+    try:
+        out = list(pool.map(decode, range(7), inflight=3, on_crash=lambda item: ("rejected", item)))
+    finally:
+        pool.close()
+    assert out == [0, 10, 20, 30, ("rejected", 4), 50, 60]
+    assert pool.crashes == 1 and pool.restarts >= 2  # the hung actor, then the one clip 4 killed (at least)
