@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
@@ -84,6 +85,9 @@ class Plan:
     validation: dict[str, int] = field(default_factory=dict)  # "frozen", "step", "decode" / "decode_tiled" -> bytes
     micro_batch: int = 1
     vae_tiled: bool = False  # validation decodes tiled (train.validation_vae_tiling, "auto" against the budget)
+    # FLOPs of one micro-batch's forward and backward of the largest bucket, {"none": ..., "checkpointing": ...}
+    # (torch's FlopCounterMode over the fake step; checkpointing adds the blocks' recomputed forward): step_cost.py
+    flops: dict[str, int] = field(default_factory=dict)
 
     def stage1_peak(self, tiled: bool | None = None) -> int:
         """Bytes one producer needs on its device: with `precompute.text_encoder_offload = "none"` every
@@ -233,9 +237,9 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
            tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
         _trace(plan, spec, dtypes, lora, gathered, stage1)
-        _TRACES[key] = (plan.activations, plan.stage1, plan.validation)
-    activations, stage1_bytes, validation = _TRACES[key]
-    plan.activations, plan.stage1, plan.validation = activations, dict(stage1_bytes), dict(validation)
+        _TRACES[key] = (plan.activations, plan.stage1, plan.validation, plan.flops)
+    activations, stage1_bytes, validation, flops = _TRACES[key]
+    plan.activations, plan.stage1, plan.validation, plan.flops = activations, dict(stage1_bytes), dict(validation), flops
     worst = max(plan.activations.values(), key=lambda a: a["none"])
     # Offloaded inputs leave a GPU's memory; on a CPU host memory is where they were already.
     offload = parallel.activation_offload and device == "cuda"
@@ -330,12 +334,14 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                 apply_ac(model, spec)
             for bucket in buckets:
                 batch = _batch(shapes[bucket], plan.micro_batch)
-                with KnownValues(), peak_bytes() as step:
+                with KnownValues(), peak_bytes() as step, FlopCounterMode(display=False) as counted:
                     with _autocast(amp):
                         out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
                                            torch.zeros_like(batch["latents"]))
                     joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
+                kind = "checkpointing" if checkpointing else "none"
+                plan.flops[kind] = max(plan.flops.get(kind, 0), counted.get_total_flops())  # the largest bucket's
                 if checkpointing:  # with parallel.activation_offload: the saved inputs in host memory
                     with KnownValues(), peak_bytes() as offloaded, _TraceOffload()():
                         with _autocast(amp):
@@ -535,10 +541,15 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
                      f"(precompute.text_encoder_offload = {pre.text_encoder_offload}"
                      + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")"))
     if budget_gib and alternatives:
-        fits = [label for label, alt in alternatives if alt.rank.device_total <= budget_gib * GIB]
-        lines.append("what fits " + f"{budget_gib:g} GiB: " + (", ".join(
-            f"{label} ({alt.rank.device_total / GIB:.1f} GiB)" for label, alt in alternatives
-            if label in fits) or "none of the single changes tried"))
+        from vt.train.step_cost import CARD, by_step_time
+
+        fits = by_step_time(plan, [(label, alt) for label, alt in alternatives
+                                   if alt.rank.device_total <= budget_gib * GIB])
+        lines.append(f"what fits {budget_gib:g} GiB, quickest first (step time against the config as is, estimated "
+                     f"at {CARD.flops / 1e12:g} TFLOPS and {CARD.pcie / 1e9:g} GB/s over PCIe: train/step_cost.py): "
+                     + (", ".join(f"{label} ({alt.rank.device_total / GIB:.1f} GiB"
+                                  + (f", ~{ratio:.2f}x)" if ratio is not None else ")") for label, alt, ratio in fits)
+                        or "none of the single changes tried"))
     return "\n".join(lines)
 
 
@@ -552,7 +563,7 @@ def plan_json(plan: Plan) -> dict:
                                "resident": rank.resident,
                                "total": rank.device_total},
             "validation": plan.validation, "validation_vae_tiled": plan.vae_tiled,
-            "activations": plan.activations, "stage1": plan.stage1,
+            "activations": plan.activations, "stage1": plan.stage1, "flops": plan.flops,
             **({"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1)} if plan.stage1 else {})}
 
 

@@ -150,3 +150,31 @@ def test_ltx2_plans_a_run_that_trains_sound(tiny_model_factory):
     sound = make_plan(config.model_copy(update={"model": config.model.model_copy(update={"audio": True})}), 1, "cpu")
     (name, steps), = sound.activations.items()
     assert steps["none"] > video.activations[name]["none"] > 0
+
+
+def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_factory):
+    """`vt-train plan --gpu-memory` lists what fits quickest first: the estimate counts checkpointing's recomputed
+    forward from the fake step's FLOPs, the bytes offload and block swap move over PCIe, and a second GPU halving
+    each rank's micro-batch; the line names the rates it assumes."""
+    from vt.train.plan import alternatives, format_plan, make_plan
+    from vt.train.step_cost import Rates, by_step_time, step_seconds
+
+    config = config_for(tiny_model_factory("wan"), "wan")
+    base = make_plan(config, 1, "cpu")
+    assert base.flops["checkpointing"] > 1.2 * base.flops["none"] > 0  # the blocks' forward, run twice
+    options = alternatives(config, 1, "cpu", budget=100 * 2**30)
+    rows = {label: ratio for label, _, ratio in by_step_time(base, options)}
+    assert rows["parallel.activation_checkpointing=true"] == pytest.approx(
+        base.flops["checkpointing"] / base.flops["none"])
+    assert rows["2 GPUs (FSDP2)"] < 1.0 < rows["parallel.activation_checkpointing=true"]
+    ordered = [ratio for _, _, ratio in by_step_time(base, options)]
+    assert ordered == sorted(ordered)
+    swap = dict(options)["parallel.blocks_on_gpu=0"]
+    swap.rank.swapped = 3 * 2**20  # two tiny blocks leave nothing to swap: what a real model's would move
+    slow_bus = Rates(pcie=1.0)  # bytes moved dominate: the swapped weights, in for the forward and the backward
+    assert step_seconds(swap, slow_bus) == pytest.approx(2 * swap.rank.swapped * config.train.grad_accum)
+    fast_bus = Rates(pcie=float("inf"))  # nothing to wait for: a swap run computes as a checkpointed one
+    assert step_seconds(swap, fast_bus) == pytest.approx(
+        step_seconds(dict(options)["parallel.activation_checkpointing=true"], fast_bus))
+    line = format_plan(base, 100.0, options).splitlines()[-1]
+    assert line.startswith("what fits 100 GiB, quickest first") and "TFLOPS" in line and "x)" in line

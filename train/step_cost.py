@@ -1,0 +1,56 @@
+"""What a memory setting costs in step time: the estimate `vt-train plan --gpu-memory` orders what fits by.
+
+One rank's optimizer step is `train.grad_accum` micro-batches, each the plan's measured FLOPs of the largest
+bucket's forward and backward (torch's FlopCounterMode over the fake step: checkpointing's recomputed forward is
+in the count) over the context- and tensor-parallel degrees, at an achieved throughput, overlapped with what the
+setting moves over PCIe per micro-batch: the saved block inputs out and back (`parallel.activation_offload`), the
+swapped blocks' frozen weights in for the forward and again for the backward (`parallel.blocks_on_gpu`). CPU offload
+(`parallel.cpu_offload`) adds, once a step and not overlapped, the weights and gradients crossing PCIe and the
+optimizer's step over host memory. Collectives are left out (the same for the settings compared on one layout).
+
+The rates are a 24-32 GB card's of this generation as achieved, not as sold: 70 TFLOPS (about 40% of an RTX 4090's
+bf16 peak), 22 GB/s over PCIe 4.0 x16 from pinned memory, 10 GB/s for an optimizer step over host memory.
+scripts/gpu_check.sh measures the real ones where a GPU is lent. The estimate orders settings; it is no timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Rates:
+    flops: float = 70e12  # achieved FLOP/s of the card
+    pcie: float = 22e9  # bytes/s host <-> device, pinned
+    host: float = 10e9  # bytes/s of an optimizer step over host memory (read and write of each state)
+
+
+CARD = Rates()
+
+
+def step_seconds(plan, rates: Rates = CARD) -> float | None:
+    """Estimated seconds of one optimizer step of `plan` on one rank (None where the plan measured no FLOPs)."""
+    parallel, rank = plan.config.parallel, plan.rank
+    kind = "checkpointing" if parallel.activation_checkpointing else "none"
+    if not plan.flops.get(kind):
+        return None
+    compute = plan.flops[kind] / (plan.dims.cp * plan.dims.tp) / rates.flops
+    moved = 0
+    if parallel.activation_offload and plan.activations:
+        worst = max(plan.activations.values(), key=lambda a: a["none"])
+        moved += 2 * max(worst["checkpointing"] - worst.get("offload", worst["checkpointing"]), 0)
+    if parallel.blocks_on_gpu is not None:
+        moved += 2 * rank.swapped
+    per_micro = max(compute, moved / rates.pcie)
+    offload = (rank.weights + rank.gradients) / rates.pcie + rank.optimizer / rates.host if parallel.cpu_offload else 0
+    return plan.config.train.grad_accum * per_micro + offload
+
+
+def by_step_time(base, options: list[tuple[str, object]], rates: Rates = CARD) -> list[tuple[str, object, float | None]]:
+    """(label, plan, step time against `base`'s) of each option, quickest first (unknown estimates last)."""
+    reference = step_seconds(base, rates)
+    rows = []
+    for label, plan in options:
+        seconds = step_seconds(plan, rates)
+        rows.append((label, plan, seconds / reference if seconds is not None and reference else None))
+    return sorted(rows, key=lambda row: (row[2] is None, row[2] or 0.0))
