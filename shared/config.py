@@ -191,7 +191,9 @@ class TrainConfig(_Section):
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     # Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample).
     caption_dropout: float = Field(0.0, ge=0, le=1)
-    shift: float = Field(1.0, gt=0)
+    # The sigmas' shift towards noise (> 1: more). "auto": the family's scheduler's own, at each bucket's size where it
+    # shifts by resolution (`use_dynamic_shifting`: LTX-Video, LTX-2), else its fixed `shift` / `flow_shift`.
+    shift: float | Literal["auto"] = 1.0
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     checkpoint_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end
     validate_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end (if prompts are set)

@@ -23,6 +23,20 @@ def shift_sigmas(sigmas: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
+def scheduler_shift(scheduler: dict, tokens: int) -> float:
+    """The shift a family's scheduler config (`spec.load_config("scheduler")`) samples a clip of `tokens` transformer
+    tokens at: with `use_dynamic_shifting`, mu interpolated linearly in the token count between (base_image_seq_len,
+    base_shift) and (max_image_seq_len, max_shift), as the pipelines' `calculate_shift` does, then exp(mu) (or mu for
+    `time_shift_type = "linear"`), which `shift_sigmas` turns into the scheduler's `time_shift`; else its `shift` or
+    `flow_shift` (1 where it has none)."""
+    if scheduler.get("use_dynamic_shifting"):
+        low, high = scheduler.get("base_image_seq_len", 256), scheduler.get("max_image_seq_len", 4096)
+        base, top = scheduler.get("base_shift", 0.5), scheduler.get("max_shift", 1.15)
+        mu = base + (top - base) / (high - low) * (tokens - low)
+        return mu if scheduler.get("time_shift_type") == "linear" else math.exp(mu)
+    return float(scheduler.get("shift") or scheduler.get("flow_shift") or 1.0)
+
+
 def sample_sigmas(n: int, scheme: str, shift: float, generator: torch.Generator, logit_mean: float = 0.0,
                   logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
     """`n` sigmas in (0, 1) drawn by `scheme` (SD3's densities: logit-normal, uniform, "mode", "cosmap"), then

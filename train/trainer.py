@@ -22,6 +22,7 @@ import math
 import resource
 import time
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from itertools import islice
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
 from vt.train.model_build import Dtypes, build_transformer
-from vt.train.objectives import joint_loss, loss_weights
+from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import (Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators,
                                         take_slice)
@@ -462,6 +463,16 @@ class Trainer:
             metrics["audio_loss"] = summed[1]
         return metrics
 
+    def _shift(self, latent_shape: tuple[int, ...]) -> float:
+        """`train.shift`, or with "auto" the family scheduler's at this bucket's token count (objectives.py)."""
+        if self.config.train.shift != "auto":
+            return self.config.train.shift
+        return scheduler_shift(self._scheduler_config, self.spec.tokens_per_sample(latent_shape))
+
+    @cached_property
+    def _scheduler_config(self) -> dict:
+        return dict(self.spec.load_config("scheduler"))
+
     def _route_losses(self, model: torch.nn.Module, part: Slice):
         """(loss, audio loss or None, real rows) of each route of `part` (the one transformer, or each expert's
         rows), lazily: a caller's backward of one route runs before the next route's forward. Sigmas and noise
@@ -470,14 +481,15 @@ class Trainer:
         train = self.config.train
         tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
         levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
-        sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, train.shift,
+        shift = self._shift(part.tensors["latents"].shape[1:])
+        sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, shift,
                                     self.spec.sigma_range(), levels, logit_mean=train.logit_mean,
                                     logit_std=train.logit_std, mode_scale=train.mode_scale)
         audio_sigmas = None
         if "audio_latents" in tensors:
             tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
             if self.spec.audio_timesteps == "independent":
-                shift = self.config.model.audio_shift or self.spec.sound.default_shift or train.shift
+                shift = self.config.model.audio_shift or self.spec.sound.default_shift or shift
                 audio_sigmas = draw_audio_sigmas(part, train.seed, self.step, train.sigma_sampling, shift,
                                                  logit_mean=train.logit_mean, logit_std=train.logit_std,
                                                  mode_scale=train.mode_scale)

@@ -71,3 +71,35 @@ def test_loss_weighting_scales_each_samples_error_by_its_sigma():
     prediction[1] = 2.0  # errors 1 and 4
     weighted = flow_matching_loss(Prediction(prediction, target, None), torch.tensor([16.0, 4.0]))
     assert weighted.item() == (16 * 1 + 4 * 4) / 2
+
+
+def test_auto_shift_is_the_family_schedulers_own_at_each_buckets_size(tiny_model_factory):
+    """`train.shift = "auto"`: LTX-Video's scheduler shifts by resolution (`use_dynamic_shifting`): the trainer's
+    shift at a bucket's token count is the pipeline's `calculate_shift` through the scheduler's own `time_shift`;
+    Wan's UniPC takes its fixed `flow_shift`; a config takes "auto" or a number, nothing else."""
+    import math
+
+    import pytest
+    from diffusers import FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
+    from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+    from vt.shared.config import Config, build
+    from vt.train.objectives import scheduler_shift
+
+    config = dict(FlowMatchEulerDiscreteScheduler.load_config(str(tiny_model_factory("ltx-video")), subfolder="scheduler"))
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    sigmas = torch.linspace(0.05, 0.95, 7)
+    shifts = []
+    for tokens in (256, 1024, 2048, 4096):
+        mu = calculate_shift(tokens, config["base_image_seq_len"], config["max_image_seq_len"], config["base_shift"],
+                             config["max_shift"])
+        shift = scheduler_shift(config, tokens)
+        assert shift == pytest.approx(math.exp(mu))
+        assert torch.allclose(shift_sigmas(sigmas, shift), scheduler.time_shift(mu, 1.0, sigmas).float(), atol=1e-6)
+        shifts.append(shift)
+    assert shifts == sorted(shifts) and shifts[0] < shifts[-1]  # larger clips: more noise
+    unipc = dict(UniPCMultistepScheduler.load_config(str(tiny_model_factory("wan")), subfolder="scheduler"))
+    assert scheduler_shift(unipc, 10**5) == scheduler_shift(unipc, 10) == unipc["flow_shift"] == 3.0  # Wan's, fixed
+    assert build(Config, {"train": {"shift": "auto"}}).train.shift == "auto"
+    with pytest.raises(ValueError, match="shift"):
+        build(Config, {"train": {"shift": "resolution"}})
