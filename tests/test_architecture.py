@@ -176,3 +176,33 @@ def test_every_module_of_the_seam_is_small():
     long = {str(path.relative_to(ROOT)): n for path in python_files("shared/models")
             if (n := len(path.read_text().splitlines())) > FAMILY_MODULE_LINES}
     assert not long, f"modules over {FAMILY_MODULE_LINES} lines: {long}"
+
+
+def test_no_six_lines_repeat_inside_the_seam():
+    """No run of six code lines stands twice in two modules under shared/models (docstrings, comments, imports, lone
+    brackets and method signatures aside): what two families share is one function of the seam's, not a copy."""
+    seen: dict[tuple[str, ...], str] = {}
+    repeats = []
+    for path in python_files("shared/models"):
+        source = path.read_text()
+        tree = ast.parse(source)
+        docstrings = {line for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)
+                      for line in range(node.body[0].lineno, node.body[0].end_lineno + 1)}
+        # A method's decorators and signature are the seam's interface, the same in every family by design.
+        signatures = {line for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                      for line in range(min([node.lineno, *(d.lineno for d in node.decorator_list)]),
+                                        node.body[0].lineno)}
+        code = [(number, line.strip()) for number, line in enumerate(source.splitlines(), start=1)
+                if number not in docstrings | signatures]
+        code = [(n, text) for n, text in code if text and not text.startswith(("#", "import ", "from "))
+                and text.strip("()[]{},:") != ""]
+        for start in range(len(code) - 5):
+            window = tuple(text for _, text in code[start:start + 6])
+            where = f"{path.relative_to(ROOT)}:{code[start][0]}"
+            if window in seen and seen[window].split(":")[0] != where.split(":")[0]:
+                repeats.append(f"{where} repeats {seen[window]}")
+            seen.setdefault(window, where)
+    assert not repeats, "\n".join(repeats)

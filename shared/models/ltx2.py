@@ -135,8 +135,7 @@ class LTX2Spec(ModelSpec):
     def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
         """What LTX2Pipeline's call takes as `prompt_embeds` / `prompt_attention_mask`: Gemma's stacked hidden
         states before the connectors (the pipeline runs its `connectors` itself; they load with it)."""
-        embeds, mask, _, _ = self._encode_prompt(encoders, [prompt], do_classifier_free_guidance=False)
-        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+        return self._prompt_and_mask(encoders, [prompt])
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:

@@ -45,8 +45,7 @@ class LTXVideoSpec(ModelSpec):
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """{"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)} float32, L = the spec's max_text_tokens."""
-        embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
-        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+        return self._prompt_and_mask(encoders, captions)
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:

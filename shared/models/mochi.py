@@ -76,8 +76,7 @@ class MochiSpec(ModelSpec):
         if len(captions) > 1 and "" in captions:
             parts = [self.encode_text(encoders, [caption]) for caption in captions]
             return {key: torch.cat([part[key] for part in parts]) for key in parts[0]}
-        embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
-        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+        return self._prompt_and_mask(encoders, captions)
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:

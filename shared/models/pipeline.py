@@ -108,6 +108,12 @@ class PipelineMixin:
         return self._text_pipeline(encoders).encode_prompt(
             list(captions), max_sequence_length=self.max_text_tokens, device=encoders["text_encoder"].device, **kwargs)
 
+    def _prompt_and_mask(self, encoders: dict[str, Any], captions: list[str]) -> dict[str, Tensor]:
+        """float32 `prompt_embeds` and `prompt_attention_mask` of a pipeline whose `encode_prompt` returns (embeds,
+        mask, negative embeds, negative mask), guidance off (LTX-Video, LTX-2, Mochi)."""
+        embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
+
     @torch.no_grad()
     def encode_validation_text(self, encoders: dict[str, Any], prompt: str) -> dict[str, Tensor]:
         """One prompt's conditions (batch of one) as the pipeline's call takes them (`prompt_embeds` ...):
