@@ -43,6 +43,35 @@ def fake_parameters(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+class FlopCount(TorchDispatchMode):
+    """FLOPs of the matmuls, convolutions and attentions run while the mode is on (`total`), by torch's own formulas
+    (torch.utils.flop_counter's registry, and its attention formulas for the CPU's flash kernel, which the fake
+    trace runs). Unlike FlopCounterMode it never decomposes an op it has no formula for, so the ops that run, and
+    the memory a `PeakLive` beside it counts, are the same as without it."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils import flop_counter
+
+        self.formulas = dict(flop_counter.flop_registry)
+        aten = torch.ops.aten
+        self.formulas[aten._scaled_dot_product_flash_attention_for_cpu] = (
+            lambda query, key, value, *args, out_val=None, **kwargs:
+            flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape))
+        self.formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+            lambda grad_out, query, key, value, *args, out_val=None, **kwargs:
+            flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
+
+
 class PeakLive(TorchDispatchMode):
     """Bytes of the storages ops create while the mode is on: `live` now, `peak` at most, over one region."""
 

@@ -27,11 +27,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
-from vt.shared.memory_trace import KnownValues, fake_mode, fake_parameters, peak_bytes
+from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_parameters, peak_bytes
 from vt.shared.models import spec_for
 from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
@@ -86,7 +85,7 @@ class Plan:
     micro_batch: int = 1
     vae_tiled: bool = False  # validation decodes tiled (train.validation_vae_tiling, "auto" against the budget)
     # FLOPs of one micro-batch's forward and backward of the largest bucket, {"none": ..., "checkpointing": ...}
-    # (torch's FlopCounterMode over the fake step; checkpointing adds the blocks' recomputed forward): step_cost.py
+    # (memory_trace.FlopCount over the fake step; checkpointing adds the blocks' recomputed forward): step_cost.py
     flops: dict[str, int] = field(default_factory=dict)
 
     def stage1_peak(self, tiled: bool | None = None) -> int:
@@ -334,14 +333,14 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                 apply_ac(model, spec)
             for bucket in buckets:
                 batch = _batch(shapes[bucket], plan.micro_batch)
-                with KnownValues(), peak_bytes() as step, FlopCounterMode(display=False) as counted:
+                with KnownValues(), peak_bytes() as step, FlopCount() as counted:
                     with _autocast(amp):
                         out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
                                            torch.zeros_like(batch["latents"]))
                     joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
                 kind = "checkpointing" if checkpointing else "none"
-                plan.flops[kind] = max(plan.flops.get(kind, 0), counted.get_total_flops())  # the largest bucket's
+                plan.flops[kind] = max(plan.flops.get(kind, 0), counted.total)  # the largest bucket's
                 if checkpointing:  # with parallel.activation_offload: the saved inputs in host memory
                     with KnownValues(), peak_bytes() as offloaded, _TraceOffload()():
                         with _autocast(amp):

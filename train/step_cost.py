@@ -1,12 +1,13 @@
 """What a memory setting costs in step time: the estimate `vt-train plan --gpu-memory` orders what fits by.
 
 One rank's optimizer step is `train.grad_accum` micro-batches, each the plan's measured FLOPs of the largest
-bucket's forward and backward (torch's FlopCounterMode over the fake step: checkpointing's recomputed forward is
-in the count) over the context- and tensor-parallel degrees, at an achieved throughput, overlapped with what the
-setting moves over PCIe per micro-batch: the saved block inputs out and back (`parallel.activation_offload`), the
-swapped blocks' frozen weights in for the forward and again for the backward (`parallel.blocks_on_gpu`). CPU offload
-(`parallel.cpu_offload`) adds, once a step and not overlapped, the weights and gradients crossing PCIe and the
-optimizer's step over host memory. Collectives are left out (the same for the settings compared on one layout).
+bucket's forward and backward (vt.shared.memory_trace.FlopCount over the fake step: checkpointing's recomputed
+forward is in the count) over the context- and tensor-parallel degrees, at an achieved throughput, overlapped with
+what the setting moves over PCIe per micro-batch: the saved block inputs out and back
+(`parallel.activation_offload`), the swapped blocks' frozen weights in for the forward and again for the backward
+(`parallel.blocks_on_gpu`). CPU offload (`parallel.cpu_offload`) adds, once a step and not overlapped, the weights
+and gradients crossing PCIe and the optimizer's step over host memory. Collectives are left out (the same for the
+settings compared on one layout).
 
 The rates are a 24-32 GB card's of this generation as achieved, not as sold: 70 TFLOPS (about 40% of an RTX 4090's
 bf16 peak), 22 GB/s over PCIe 4.0 x16 from pinned memory, 10 GB/s for an optimizer step over host memory.
