@@ -21,6 +21,7 @@ How to read the numbers: docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import datetime
 import json
 import os
@@ -147,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"over goal: {', '.join(failed)}")
     failed += ["FSDP2 scaling"] * __import__("bench_parallel").main(["--out", str(args.out), "--strict"])  # bench_parallel.py
+    # bench_ray_decode.py: stage 1's decoding on Ray actors against a local decode worker (context rows, no goal)
+    if importlib.util.find_spec("ray") is not None:
+        __import__("bench_ray_decode").main(["--out", str(args.out / "ray"), "--config", str(args.config),
+                                             "--model", str(args.model), "--raw", str(args.raw)])
     # bench_scale.py: bytes read per trainer rank at 1, 2, 4 and 8 ranks (context rows, no goal)
     __import__("bench_scale").main(["--out", str(args.out), "--config", str(args.config), "--model", str(args.model),
                                     "--raw", str(args.raw), "--threads", str(args.threads or 1)])
