@@ -19,8 +19,10 @@ the Model Spec's forward (flow-matching loss, AdamW), in one process on one GPU:
 
 - run: `vt-train run` itself under torchrun on every GPU here, at real size from random-weight real
   configs, start-up to validation and export: a Wan 2.1 14B LoRA at 81x480x832 and a HunyuanVideo 1.5
-  LoRA at 121x480x848, each with its measured peak beside the plan's, step time and MFU
-  (scripts/gpu_real_run.py; ~75 GB of disk for the random weights, freed after each row).
+  LoRA at 121x480x848, each with its measured peak beside the plan's, step time and MFU, and the Wan 2.1 14B
+  LoRA again on one GPU capped at 24 GiB (torch.cuda.set_per_process_memory_fraction) with the settings
+  docs/memory.md names for a 24 GB card, block swap (10 blocks resident) and activation offload
+  (scripts/gpu_real_run.py; ~75 GB of disk for the random weights, freed once no later row uses them).
 
 MFU counts model FLOPs (forward + backward = 3 x forward; recomputation not counted) against the
 GPU's dense bf16 peak (H100/H200: 989 TFLOP/s), also for the fp8 rows; LoRA rows show none. A row

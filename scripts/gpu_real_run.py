@@ -35,7 +35,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 RUNS = {
     "run, Wan 2.1 14B LoRA": ("wan2.1-14b", "81x480x832", "9x64x96"),
     "run, HunyuanVideo 1.5 480p LoRA": ("hunyuanvideo1.5-480p-t2v", "121x480x848", "9x64x96"),
+    "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
 }
+# rows on one GPU under a memory cap: (GiB, the parallel settings docs/memory.md names for that card)
+CAPPED = {"run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": (24, {"blocks_on_gpu": 10, "activation_offload": True})}
 PROMPT = "a red fox running through fresh snow, cinematic"
 STEPS = 4
 
@@ -76,7 +79,8 @@ def model_folder(key: str, folder: Path, dry: bool, device: str) -> Path:
     return folder
 
 
-def run_config(folder: Path, key: str, bucket: str, run_dir: Path, window: Path, gpus: int, dry: bool) -> Path:
+def run_config(folder: Path, key: str, bucket: str, run_dir: Path, window: Path, gpus: int, dry: bool,
+               parallel: dict | None = None) -> Path:
     from vt.shared.config import Config, build, to_toml
 
     tree = {"run": {"dir": str(run_dir)},
@@ -87,7 +91,7 @@ def run_config(folder: Path, key: str, bucket: str, run_dir: Path, window: Path,
             "train": {"mode": "lora", "lora_rank": 32, "lora_alpha": 32.0, "batch_size": gpus, "max_steps": STEPS,
                       "lr": 1e-5, "validation_prompts": [PROMPT], "validation_steps": 2,
                       "device": "cpu" if dry else "cuda", "mixed_precision": "auto"},
-            "parallel": {"activation_checkpointing": True},
+            "parallel": {"activation_checkpointing": True, **(parallel or {})},
             "log": {"every_steps": 1, "progress": False}}
     path = run_dir.with_suffix(".toml")
     path.write_text(to_toml(build(Config, tree)))
@@ -215,16 +219,19 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     key, bucket, dry_bucket = RUNS[label]
     bucket = dry_bucket if dry else bucket
     device = "cpu" if dry else "cuda"
+    cap_gib, parallel = CAPPED.get(label, (None, {}))
+    gpus = 1 if cap_gib else gpus
     row = {"case": label, "group": "run", "gpus": gpus}
     slug = key.replace(".", "_")
     folder = model_folder(key, work / f"{slug}-{'tiny' if dry else 'real'}", dry, device)
+    slug += f"-cap{cap_gib}" if cap_gib else ""
     run_dir, window = work / f"{slug}-run", work / f"{slug}-window"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(window, ignore_errors=True)
-    config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry)
+    config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry, parallel)
     config = load_config(config_path)
     fill_window(config, window, samples=gpus * (STEPS + 1), device=device)
-    budget = None if dry else _gpu_bytes()  # "auto" VAE tiling decides against the GPU, as the run will
+    budget = None if dry else int(cap_gib * 2**30) if cap_gib else _gpu_bytes()  # "auto" VAE tiling, as the run
     plan = make_plan(config, gpus, device="cpu" if dry else "cuda", stage1=False, budget=budget)
     row["validation_tiled"] = plan.vae_tiled
     row["plan_gib"] = plan.rank.device_total / 2**30
@@ -232,13 +239,14 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     started = time.perf_counter()
     log = run_dir.with_suffix(".log")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    trainer = [str(ROOT / "scripts" / "gpu_capped_run.py"), str(cap_gib)] if cap_gib else ["-m", "vt.train"]
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-               "-m", "vt.train", "run", str(config_path)]
+               *trainer, "run", str(config_path)]
     with open(log, "w") as out:
         code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
     row["wall_s"] = time.perf_counter() - started
-    if not dry:  # tens of GB of random weights: the next row needs the disk
-        shutil.rmtree(folder, ignore_errors=True)
+    if not dry and not any(RUNS[other][0] == key for other in list(RUNS)[list(RUNS).index(label) + 1:]):
+        shutil.rmtree(folder, ignore_errors=True)  # tens of GB of random weights, once no later row uses them
     if code != 0:
         row["note"] = f"vt-train exited {code}: " + log.read_text().strip().splitlines()[-1][:100]
         return row

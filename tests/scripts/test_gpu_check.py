@@ -51,10 +51,14 @@ def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert gpu_check.main(["--dry", "--only", "run", "--json", str(out), "--work", str(tmp_path / "work")]) == 0
     rows = json.loads(out.read_text())
-    assert [r["case"] for r in rows] == ["run, Wan 2.1 14B LoRA", "run, HunyuanVideo 1.5 480p LoRA"]
+    assert [r["case"] for r in rows] == ["run, Wan 2.1 14B LoRA", "run, HunyuanVideo 1.5 480p LoRA",
+                                         "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB"]
     for row in rows:
         assert row["note"].startswith("plan ") and row["videos"] == 1, row  # vt-train exited 0 and validated
         assert len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
         assert row["plan_gib"] > 0 and row["tokens"] > 0 and row["step_ms"] > 0
+    # the small-card row trains with the settings docs/memory.md names for a 24 GB card, through the capped launcher
+    log = (tmp_path / "work" / "wan2_1-14b-cap24-run.log").read_text()
+    assert rows[2]["gpus"] == 1 and "block swap: " in log and rows[2]["losses"] == rows[0]["losses"]
     table = capsys.readouterr().out
-    assert table.count("| run, ") == 2
+    assert table.count("| run, ") == 3
