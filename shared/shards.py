@@ -125,7 +125,7 @@ def read_shard_metadata(data: bytes) -> dict[str, str]:
 
 @dataclass
 class CommitRecord:
-    """What makes shard `seq` of producer `producer` visible; see docs/architecture.md."""
+    """What makes shard `seq` of producer `producer` visible; see docs/window.md, "Shards"."""
 
     producer: int
     seq: int

@@ -1,6 +1,6 @@
 """The rolling shard window: the one contract between vt-precompute (producers) and vt-train.
 
-By role, each module holding one part of the protocol (docs/architecture.md explains it whole):
+By role, each module holding one part of the protocol (docs/window.md explains it whole):
 
     layout.py    where every file lives (paths, seqs) and the window's errors
     ledger.py    the small shared records both sides read: registrations, consumer.json, commit records

@@ -136,7 +136,7 @@ def test_a_killed_writers_debris_is_cleaned(gated_s3, tmp_path):
 
 
 def test_the_retry_budget_is_the_wall_time_it_says(gated_s3, monkeypatch):
-    low, high = RetryPolicy().wait_range()  # the defaults, as docs/architecture.md gives them
+    low, high = RetryPolicy().wait_range()  # the defaults, as docs/window.md gives them
     assert (round(low, 1), round(high, 1)) == (10.7, 21.3)
     monkeypatch.setenv("VT_STORAGE_RETRY_SECONDS", "0.4")
     policy = RetryPolicy.from_env()
