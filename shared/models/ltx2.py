@@ -140,7 +140,7 @@ class LTX2Spec(ModelSpec):
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Latents normalised as LTX2Pipeline denormalises them (posterior mode: stage 1 is deterministic);
-        for i2v too: their first frame is the image latent (module docstring)."""
+        for i2v too: their first frame is the image latent (docs/families.md, LTX-2)."""
         from diffusers import LTX2Pipeline
 
         self._check_video(video)
@@ -154,7 +154,7 @@ class LTX2Spec(ModelSpec):
                 generators: list[torch.Generator] | None = None) -> Prediction:
         """Flow matching on the packed video tokens; video-only: audio cross-attention off; model.audio: the
         audio tokens noised with the same sigma and their terms in `Prediction.audio`; i2v: the first latent
-        frame clean, at timestep 0 and out of the loss (see the module docstring)."""
+        frame clean, at timestep 0 and out of the loss (docs/families.md, LTX-2)."""
         from diffusers import LTX2Pipeline
 
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)

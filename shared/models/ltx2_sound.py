@@ -45,8 +45,8 @@ class LTX2Sound(SoundStream):
 
     @torch.no_grad()
     def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's
-        posterior mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (module docstring)."""
+        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's posterior
+        mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (docs/families.md, LTX-2)."""
         from diffusers import LTX2Pipeline
 
         vae = encoders["audio_vae"]

@@ -161,8 +161,8 @@ class MiniMaxH3Spec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """One transformer call per sample over its packed sequence (module docstring); both streams at the sample's
-        sigma, targets x0 - noise (the data-ward velocity)."""
+        """One transformer call per sample over its packed sequence (docs/families.md, MiniMax H3); both streams at
+        the sample's sigma, targets x0 - noise (the data-ward velocity)."""
         from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
 
         from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep

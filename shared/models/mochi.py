@@ -90,7 +90,7 @@ class MochiSpec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """Timestep (1 - sigma) * 1000 and target x0 - noise: Mochi's inverted flow time (module docstring)."""
+        """Timestep (1 - sigma) * 1000 and target x0 - noise: Mochi's inverted flow time (docs/families.md, Mochi)."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
         prediction = transformer(

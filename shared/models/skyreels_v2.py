@@ -124,7 +124,7 @@ class SkyReelsV2Spec(WanSpec):
 
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """Wan's forward; under diffusion forcing the DF pipelines' call (see the module docstring)."""
+        """Wan's forward; under diffusion forcing the DF pipelines' call (docs/families.md, SkyReels V2)."""
         if not self.forcing:
             return super().forward(transformer, batch, sigmas, noise, generators)
         x0 = batch["latents"].float()
