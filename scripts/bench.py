@@ -34,15 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench_common import ROOT, format_table, machine  # noqa: E402
+from bench_common import ROOT, asset_arguments, format_table, machine  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.toml", help="base run config")
-    parser.add_argument("--model", type=Path, default=ROOT / "runs/models/ltx-video-tiny", help="tiny LTX preset")
-    parser.add_argument("--raw", type=Path, default=ROOT / "runs/data/raw", help="raw webdataset shards")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench", help="results.json and work/ go here")
+    asset_arguments(parser, ROOT / "runs/bench", "results.json and work/ go here")
     parser.add_argument("--rounds", type=int, default=15, help="alternating rounds of the step bench")
     parser.add_argument("--steps", type=int, default=7,
                         help="optimizer steps per side per round (7: one pass over the demo window's batches)")

@@ -159,3 +159,12 @@ def write_run_config(base: Path, out: Path, overrides: list[str]) -> Path:
 def toml_string(value: str) -> str:
     """A string as a TOML literal for an override, so paths are never parsed as numbers or dates."""
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def asset_arguments(parser, out: Path, out_help: str = "work folder") -> None:
+    """The bench scripts' common arguments: the base config, the tiny preset and raw shards `make assets` builds,
+    and the work folder (`out` by default)."""
+    parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.toml", help="base run config")
+    parser.add_argument("--model", type=Path, default=ROOT / "runs/models/ltx-video-tiny", help="tiny LTX preset")
+    parser.add_argument("--raw", type=Path, default=ROOT / "runs/data/raw", help="raw webdataset shards")
+    parser.add_argument("--out", type=Path, default=out, help=out_help)

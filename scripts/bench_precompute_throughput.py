@@ -35,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench_common import ROOT, Row, format_table, median, run_timed, toml_string, write_run_config  # noqa: E402
+from bench_common import (ROOT, Row, asset_arguments, format_table, median, run_timed, toml_string,
+                          write_run_config)  # noqa: E402
 
 SIDES = ("service", "naive", "encode_only")
 GOAL_VS_NAIVE = 1.3  # the service's samples/s at least 1.3x the naive loop's
@@ -253,10 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--child", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("child_config", nargs="?", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.toml", help="base run config")
-    parser.add_argument("--model", type=Path, default=ROOT / "runs/models/ltx-video-tiny", help="tiny LTX preset")
-    parser.add_argument("--raw", type=Path, default=ROOT / "runs/data/raw", help="raw webdataset shards")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench-throughput", help="work folder")
+    asset_arguments(parser, ROOT / "runs/bench-throughput")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per side")
     parser.add_argument("--repeats", type=int, default=8, help="copies of the raw tars in the corpus")
     parser.add_argument("--workers", type=int, default=1, help="the service's decode workers")

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_common import ROOT, Row, format_table, median, run_timed, write_run_config  # noqa: E402
+from bench_common import ROOT, Row, asset_arguments, format_table, median, run_timed, write_run_config  # noqa: E402
 from bench_precompute_throughput import make_corpus, steady_rate, throughput_overrides, window_outputs  # noqa: E402
 
 SIDES = {"local workers 1": ["precompute.workers=1"],
@@ -105,10 +105,7 @@ def bench_ray_decode(base_config: Path, model: Path, raw: Path, work: Path, roun
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.toml", help="base run config")
-    parser.add_argument("--model", type=Path, default=ROOT / "runs/models/ltx-video-tiny", help="tiny LTX preset")
-    parser.add_argument("--raw", type=Path, default=ROOT / "runs/data/raw", help="raw webdataset shards")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench-ray", help="work folder")
+    asset_arguments(parser, ROOT / "runs/bench-ray")
     parser.add_argument("--rounds", type=int, default=3, help="fresh processes per side")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per producer")
     args = parser.parse_args(argv)

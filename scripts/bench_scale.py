@@ -27,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_common import BIN, ROOT, Row, format_table, machine, run_timed, toml_string, write_run_config  # noqa: E402
+from bench_common import (BIN, ROOT, Row, asset_arguments, format_table, machine, run_timed,
+                          toml_string, write_run_config)  # noqa: E402
 
 
 def train_overrides(model: Path, run_dir: Path, window: Path, batch: int, world: int) -> list[str]:
@@ -141,10 +142,7 @@ def real_size_rows(work: Path, worlds: list[int], batch: int = 8, shards: int = 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", type=Path, default=ROOT / "configs/demo.toml", help="base run config")
-    parser.add_argument("--model", type=Path, default=ROOT / "runs/models/ltx-video-tiny", help="tiny LTX preset")
-    parser.add_argument("--raw", type=Path, default=ROOT / "runs/data/raw", help="raw webdataset shards")
-    parser.add_argument("--out", type=Path, default=ROOT / "runs/bench", help="scale.json and work/scale go here")
+    asset_arguments(parser, ROOT / "runs/bench", "scale.json and work/scale go here")
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8], help="world sizes (1 is the baseline)")
     parser.add_argument("--samples", type=int, default=16, help="samples in the even window")
     parser.add_argument("--per-shard", type=int, default=4, help="samples per shard of the even window")
