@@ -74,10 +74,6 @@ class RayDecodePool:
         """Wait until every actor has started (its process imports torch and PyAV)."""
         self._get([actor.pid.remote() for actor in self.actors])
 
-    def pids(self) -> list[int]:
-        """The actors' process ids (on their nodes)."""
-        return self._get([actor.pid.remote() for actor in self.actors])
-
     def close(self) -> None:
         """Stop the actors at once, and the local cluster if this pool started one."""
         for actor in self.actors:

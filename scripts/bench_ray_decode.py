@@ -17,11 +17,7 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,58 +25,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_common import ROOT, Row, asset_arguments, format_table, median, run_timed, write_run_config  # noqa: E402
 from bench_precompute_throughput import make_corpus, steady_rate, throughput_overrides, window_outputs  # noqa: E402
+from ray_head import RAY_ENV, start_head, stop_head  # noqa: E402
 
 SIDES = {"local workers 1": ["precompute.workers=1"],
          "ray actors 1": ['precompute.engine="ray"', "precompute.ray_actors=1"],
          "ray actors 2": ['precompute.engine="ray"', "precompute.ray_actors=2"]}
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def start_head(work: Path) -> tuple[subprocess.Popen, str]:
-    """A 2-CPU Ray head in its own session; (its process, RAY_ADDRESS) once it listens."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = work / "ray-head.log"
-    command = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}",
-               f"--num-cpus={os.cpu_count() or 2}", "--include-dashboard=false",
-               f"--temp-dir={tempfile.mkdtemp(prefix='ray', dir='/tmp')}", f"--object-store-memory={256 << 20}",
-               "--block"]
-    with open(log, "wb") as out:
-        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **RAY_ENV})
-    deadline = time.monotonic() + 120
-    while "Ray runtime started" not in log.read_text():
-        if head.poll() is not None or time.monotonic() > deadline:
-            stop_head(head)
-            raise RuntimeError(f"the Ray head did not start: {log}")
-        time.sleep(0.2)
-    return head, f"127.0.0.1:{port}"
-
-
-def stop_head(head: subprocess.Popen) -> None:
-    """Every process of the head's session: TERM, then KILL what is left (two agents ignore TERM)."""
-    import psutil
-
-    session = [p for p in psutil.process_iter() if _sid(p.pid) == head.pid]
-    for process in session:
-        process.terminate()
-    _, alive = psutil.wait_procs(session, timeout=5)
-    for process in alive:
-        process.kill()
-
-
-def _sid(pid: int) -> int | None:
-    try:
-        return os.getsid(pid)
-    except (ProcessLookupError, PermissionError):
-        return None
-
-
 def bench_ray_decode(base_config: Path, model: Path, raw: Path, work: Path, rounds: int, threads: int,
                      repeats: int = 6, batch: int = 8) -> dict:
     corpus = make_corpus(raw, work / "corpus", repeats)
-    head, address = start_head(work)
+    head, address = start_head(work / "ray-head.log", cpus=os.cpu_count() or 2)
     runs: dict[str, list[float]] = {side: [] for side in SIDES}
     names = list(SIDES)
     try:

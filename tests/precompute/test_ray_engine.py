@@ -8,82 +8,29 @@ import importlib.util
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 from collections import Counter
-from pathlib import Path
 
 import pytest
 from cli_runs import raw_keys, write_config
 from polling import wait_for
+from ray_head import RAY_ENV, session_processes, start_head, stop_head
 
 from vt.shared.window import Window
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'vt[ray]')")]
-# Loopback only, no usage report, no auth token file (../shared/FACTS.md): for the cluster and every driver, set
-# before the driver imports ray (it reads them at import).
-RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
-
-def session_processes(sid: int):
-    import psutil
-
-    out = []
-    for process in psutil.process_iter(["pid", "cmdline"]):
-        try:
-            if os.getsid(process.pid) == sid:
-                out.append(process)
-        except (ProcessLookupError, PermissionError):
-            continue
-    return out
-
-
-def stop_session(sid: int) -> None:
-    """TERM every process of the cluster's session, KILL what is left after a grace period (two of Ray's agents
-    ignore TERM once their driver is gone)."""
-    import psutil
-
-    processes = session_processes(sid)
-    for process in processes:
-        try:
-            process.terminate()
-        except psutil.NoSuchProcess:
-            pass
-    _, alive = psutil.wait_procs(processes, timeout=3)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
 
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    """RAY_ADDRESS of a 2-CPU head started here (`ray start --head --block`, its own session) and its session id."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    log = tmp_path_factory.mktemp("ray") / "head.log"
-    command = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", "--num-cpus=2",
-               "--include-dashboard=false", f"--temp-dir={temp}", f"--object-store-memory={256 << 20}", "--block"]
-    with open(log, "wb") as out:
-        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **RAY_ENV})
-
-    def listening():
-        with socket.socket() as client:
-            return client.connect_ex(("127.0.0.1", port)) == 0 and "Ray runtime started" in log.read_text()
-
+    """RAY_ADDRESS of a 2-CPU head started here (scripts/ray_head.py: its own session) and its session id."""
+    head, address = start_head(tmp_path_factory.mktemp("ray") / "head.log")
     try:
-        wait_for(listening, timeout=120, what=f"the Ray head ({log})")
-        yield f"127.0.0.1:{port}", head.pid
+        yield address, head.pid
     finally:
-        stop_session(head.pid)
+        stop_head(head)
 
 
 def decode_actors(sid: int) -> list[int]:
@@ -131,11 +78,11 @@ def test_a_hung_clip_runs_again_on_a_fresh_actor_and_a_killer_clip_is_rejected(r
     def decode(item):  # local, so Ray sends it by value to actors that cannot import this module
         import os
         import signal
-        import time
+        import threading
 
         if item == 2 and not os.path.exists(marker):
             open(marker, "w").close()
-            time.sleep(3600)  # a clip that hangs its actor: the pool's deadline ends it
+            threading.Event().wait()  # a clip that hangs its actor for good: the pool's deadline ends it
         if item == 4:
             os.kill(os.getpid(), signal.SIGKILL)  # a clip that kills every actor it runs on
         return item * 10
