@@ -83,4 +83,5 @@ class Prepare:
         if isinstance(item, ShardEnd):
             return item
         index, raw = item
-        return index, Outcome.of(raw, None, "decoder_crashed", "the decode worker process (or Ray actor) died on this clip")
+        return index, Outcome.of(raw, None, "decoder_crashed",
+                                 "the decode worker process (or Ray actor) died on this clip")

@@ -27,7 +27,8 @@ def write_validation_conditions(spec, encoders: dict, config, window, fingerprin
                                 storage_dtype: torch.dtype) -> int:
     """Encode and store every validation input the window lacks for `fingerprint`; returns how many."""
     written = 0
-    inputs = validation_inputs(config.train, spec.negative_prompt, bool(spec.image_conditions), bool(spec.text_with_image))
+    images, pairs = bool(spec.image_conditions), bool(spec.text_with_image)
+    inputs = validation_inputs(config.train, spec.negative_prompt, images, pairs)
     for item in inputs:
         if window.validation(fingerprint, item.key) is not None:
             continue

@@ -12,7 +12,8 @@ if __name__ == "__main__":
     cap = float(sys.argv.pop(1)) * 2**30
     if torch.cuda.is_available():
         device = torch.cuda.current_device()
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / torch.cuda.get_device_properties(device).total_memory))
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total))
     from vt.train.cli import app
 
     app()

@@ -127,9 +127,9 @@ class Kandinsky6Spec(ModelSpec):
     # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """The pipeline's transformer call (docs/families.md, Kandinsky 6): channel-last video with its condition channels
-        (i2v: the clean image as a tail frame), the padded text cut to the batch's longest caption with its mask, and with
-        `model.audio` the noised audio latents at the same sigma; predictions back as (B, C, F, H, W) / (B, C, N)."""
+        """The pipeline's transformer call (docs/families.md, Kandinsky 6): channel-last video with its condition
+        channels (i2v: the clean image as a tail frame), the padded text cut to the batch's longest caption with its
+        mask, and with `model.audio` the noised audio at the same sigma; predictions as (B, C, F, H, W) / (B, C, N)."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype, device = input_dtype(transformer), x0.device
         i2v = self.config.task == "i2v"
