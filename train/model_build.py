@@ -40,6 +40,7 @@ from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
+from vt.train.packed_base import PackedLinear, pack_frozen
 
 __all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
 log = get_logger("vt.train.model")
@@ -119,13 +120,16 @@ class Dtypes:
 
 def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
                         sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
-                        scaled: Collection[str] = ()) -> nn.Module:
+                        scaled: Collection[str] = (), packed: dict[str, tuple[int, int]] | None = None) -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
     `lora`: rank, alpha, targets), "full" (what `spec.full_trainable` marks) or "frozen" (nothing trains:
     validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights' storage
     when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen;
-    `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage)."""
+    `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage);
+    `packed`: those whose weights a LoRA's base keeps in the file's quantized blocks (train/packed_base.py)."""
     model = spec.empty_component(component, dtype=frozen_dtype)
+    if packed and mode == "lora":
+        pack_frozen(model, packed, compute_dtype)
     if storage_dtype is not None:  # before LoRA: the adapters stay float32
         store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE,
                      scaled=scaled if storage_dtype == FP8_STORAGE else ())
@@ -150,12 +154,14 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
     buffers on the device."""
     weights = spec.weights(component)
     scaled = weights.scaled_modules()
+    packed = quantized_base(weights, mode, world.dims.fsdp_enabled or world.dims.tp > 1, world.is_main, component,
+                            frozen_dtype)
     if scaled and storage_dtype != FP8_STORAGE and world.is_main:
         log.info("%s: %d fp8-scaled weights dequantized into %s; train.fp8_base_weights = true keeps them in float8 "
                  "with their scales (half the memory of bf16)", component, len(scaled), str(frozen_dtype)[6:])
     model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=storage_dtype,
                                 sharded=world.dims.fsdp_enabled, compute_dtype=compute_dtype,
-                                frozen_dtype=frozen_dtype, scaled=scaled)
+                                frozen_dtype=frozen_dtype, scaled=scaled, packed=packed)
 
     def materialize_and_fill(laid_out: nn.Module) -> None:
         materialize(laid_out, torch.device("cpu") if cpu_offload else world.device)
@@ -168,6 +174,19 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
 
     parallelize(model, materialize_and_fill)
     return model
+
+
+def quantized_base(weights, mode: str, sharded: bool, main: bool, component: str,
+                   frozen_dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+    """The modules a LoRA run keeps in the file's quantized blocks (`weights.quantized_modules()`): all of them in
+    one process; none when another mode trains them or a sharded layout fills them dequantized (logged)."""
+    quantized = weights.quantized_modules()
+    if quantized and (mode != "lora" or sharded):
+        if main:
+            log.info("%s: %d quantized weights dequantized into %s (%s)", component, len(quantized),
+                     str(frozen_dtype).removeprefix("torch."), "a sharded layout" if sharded else f"train.mode {mode}")
+        return {}
+    return quantized
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -201,6 +220,7 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
     fp8 storage) gets the file's float8 values and their scale (`weights.read_scaled`, `weights.scale`)."""
     missing = []
     slots = _scale_slots(model, weights)
+    packed = {plain_name(f"{n}.weight") for n, m in model.named_modules() if isinstance(m, PackedLinear)}
     persistent = {plain_name(name) for name in model.state_dict(keep_vars=True)}
     tensors = [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if plain_name(n) in persistent)]
     for name, tensor in tensors:
@@ -210,7 +230,8 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
                                      tuple(tensor.shape), seed)
         elif checkpoint_key in weights:
             full = None
-            read = weights.read_scaled if plain_name(name) in slots else weights.read
+            read = weights.read_scaled if plain_name(name) in slots else \
+                weights.read_packed if plain_name(name) in packed else weights.read
         elif isinstance(tensor, nn.Parameter):
             missing.append(checkpoint_key)
             continue
@@ -223,7 +244,7 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
         if full is not None:
             block = full()[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
         else:
-            if tuple(weights.shape(checkpoint_key)) != tuple(tensor.shape):
+            if tuple(weights.shape(checkpoint_key)) != tuple(tensor.shape) and plain_name(name) not in packed:
                 raise UserError(f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
                                  f"model's {tuple(tensor.shape)}: the weights do not match the component's config")
             block = read(checkpoint_key, offsets, shape)

@@ -34,7 +34,8 @@ from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_param
 from vt.shared.models import spec_for
 from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
-from vt.train.model_build import Dtypes, prepare_transformer
+from vt.train.model_build import Dtypes, prepare_transformer, quantized_base
+from vt.train.packed_base import PackedLinear
 from vt.train.parallel.dims import ParallelDims, layout_plan
 from vt.train.parallel.fsdp import ROOT_UNIT
 from vt.train.parallel.fsdp import units as fsdp_units
@@ -177,9 +178,15 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     split = not parallel.compile  # FSDP2 units: a block's large parts, the root's large parts (parallel/fsdp.py)
     for key, component in resident.items():
         mode = "frozen" if str(key).startswith("frozen:") else train.mode
+        packed = quantized_base(spec.weights(component), mode, dims.fsdp_enabled or dims.tp > 1, False, component,
+                                dtypes.frozen) if spec.single_file(component) else {}
         model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=dtypes.storage(mode),
-                                    sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen)
+                                    sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen,
+                                    packed=packed)
         gather = dtypes.param_dtype(mode)
+        for module in model.modules():  # a quantized weight, dequantized for its matmul
+            if isinstance(module, PackedLinear):
+                widest = max(widest, module.in_features * module.out_features * dtypes.compute.itemsize)
         layout = _Layout.of(spec, model, dims)
         names = {id(p): n for n, p in model.named_parameters()}
 

@@ -1,21 +1,8 @@
-"""Finding and loading a family's components by name, each from `model.path` or its own override.
-
-A family names its components (`component_classes()`: text encoders, image encoder, VAE,
-transformer ...), plus tokenizers (any name starting with "tokenizer", read with AutoTokenizer) and
-the scheduler (the class its own config names). Every one comes from `model.path/<name>` in diffusers
-layout, or from `model.components.<name>` (a folder or hub id holding just that component), so a
-family with two text encoders or an image encoder needs nothing outside its own file. Frozen
-modules load in `model.dtype` and in eval mode, straight onto their device.
-
-The trainer builds its transformer without loading it (`empty_component`: the class from its config on
-the meta device, each parameter in the dtype `from_pretrained` would give it) and fills it from the
-component's safetensors files (`weights`), shard by shard, after the parallel layout is applied.
-A transformer may also come from one .safetensors file (`model.components.transformer = "file.safetensors"`),
-in diffusers' layout or the original checkpoint's, fp8-scaled too (single_file.py); its config stays
-model.path's `transformer/config.json`, and every path that reads the transformer reads that file.
-
-Loading errors are one line (`ModelLoadError`) naming the component, where it was looked for, and
-what to do (an offline hub, a missing folder, a key to set).
+"""Finding and loading a family's components by name, each from `model.path/<name>` or its own
+`model.components.<name>` (a folder, a hub id, or for a transformer one .safetensors or .gguf file), frozen in
+`model.dtype`, or built on the meta device to be filled shard by shard (`empty_component`, `weights`).
+Loading errors are one line (`ModelLoadError`) naming the component, where it was looked for and the fix.
+docs/model_spec.md has the whole contract.
 """
 
 from __future__ import annotations
@@ -62,7 +49,7 @@ class ComponentLoader:
         return (*tokenizers, *classes, "scheduler")
 
     def single_file(self, name: str) -> str | None:
-        """The .safetensors file `model.components.<name>` names (a local path or a hub file), None for a folder
+        """The .safetensors or .gguf file `model.components.<name>` names (a local path or a hub file), None for a folder
         or hub id. Only transformers are read from one file."""
         from vt.shared.weights.single_file import is_single_file
 
@@ -70,7 +57,7 @@ class ComponentLoader:
         if not is_single_file(override):
             return None
         if not name.startswith("transformer"):
-            raise UserError(f"model.components.{name} = {override!r}: vt reads a single .safetensors file only for a "
+            raise UserError(f"model.components.{name} = {override!r}: vt reads a single .safetensors or .gguf file only for a "
                              f"transformer; point model.components.{name} at a folder or hub id holding the {name}")
         return override
 
@@ -83,7 +70,7 @@ class ComponentLoader:
             if (Path(root) / name).is_dir() or (not Path(root).exists() and _HUB_ID.match(root)):
                 return root, name
             raise FileNotFoundError(
-                f"model.components.{name} = {override!r} is one .safetensors file; its config.json is read from "
+                f"model.components.{name} = {override!r} is one weights file; its config.json is read from "
                 f"model.path's {name!r} folder, and model.path = {root!r} has none. Set model.path to the "
                 f"diffusers-layout folder or hub id of the model the file belongs to (e.g. {self.example_hub_id}); "
                 f"only {name}/config.json is read from there")

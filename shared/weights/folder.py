@@ -101,6 +101,10 @@ class Weights:
     def scale(self, name: str) -> None:
         return None
 
+    def quantized_modules(self) -> dict[str, tuple[int, int]]:
+        """Modules whose weight is stored in quantized blocks: none in safetensors (a GGUF file has them)."""
+        return {}
+
     def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Tensor `name` in its stored dtype on the CPU, or its block at `offsets` of `shape`."""
         entry = self.entries[name]

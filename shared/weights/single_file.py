@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.weights.folder import Weights
+from vt.shared.weights.gguf_file import GgufWeights
 
 log = get_logger("vt.weights.single_file")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's full checkpoints, its LoRA-style prefix
@@ -48,7 +49,8 @@ INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")  # ComfyUI's fp8 matmul 
 QUANT_SUFFIX = ".comfy_quant"  # newer ComfyUI files: the layer's format as JSON bytes beside its `.weight_scale`
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP8_MAX = 448.0  # float8 e4m3fn's largest value: a new per-tensor scale is amax / 448
-_HUB_FILE = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)/(.+\.safetensors)$")
+_HUB_FILE = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)/(.+\.(?:safetensors|gguf))$")
+SUFFIXES = (".safetensors", ".gguf")
 
 
 class SingleFileError(UserError):
@@ -56,7 +58,7 @@ class SingleFileError(UserError):
 
 
 def is_single_file(value: str | None) -> bool:
-    return bool(value) and value.endswith(".safetensors")
+    return bool(value) and value.endswith(SUFFIXES)
 
 
 def resolve_file(value: str, key: str) -> Path:
@@ -65,7 +67,7 @@ def resolve_file(value: str, key: str) -> Path:
         return Path(value)
     match = _HUB_FILE.match(value)
     if match is None or Path(value).exists():
-        raise FileNotFoundError(f"{key} = {value!r} is neither a .safetensors file nor a hub file "
+        raise FileNotFoundError(f"{key} = {value!r} is neither a .safetensors or .gguf file nor a hub file "
                                 "(org/repo/path/in/repo.safetensors)")
     from huggingface_hub import hf_hub_download
 
@@ -123,7 +125,8 @@ class SingleFileWeights:
     with the reading interface of `Weights` (`in`, `names`, `shape`, `read`) plus `scale` / `read_scaled`."""
 
     def __init__(self, file: Path, model: nn.Module, key: str = "model.components.transformer"):
-        self.file, self.key, self.raw = Path(file), key, Weights([Path(file)])
+        self.file, self.key = Path(file), key
+        self.raw = GgufWeights(self.file) if self.file.suffix == ".gguf" else Weights([self.file])
         self._cls = type(model).__name__
         self._config = dict(getattr(model, "config", {}))
         self._keys, self._scales = self._companions()
@@ -272,6 +275,24 @@ class SingleFileWeights:
         return {name.removesuffix(".weight") for name in self._shapes if name.endswith(".weight")
                 and self._scale_keys(name) and all(self.raw.entries[self._keys[source]].dtype == torch.float8_e4m3fn
                                                    for source in self._sources(name))}
+
+    def quantized_modules(self) -> dict[str, tuple[int, int]]:
+        """Modules whose 2-D weight a GGUF file stores in ggml blocks, read as it is (diffusers names) -> (ggml
+        type, bytes per row): what a LoRA's frozen base keeps as stored (train/packed_base.py); {} otherwise."""
+        if not isinstance(self.raw, GgufWeights):
+            return {}
+        out = {}
+        for name, (source, shape) in self._renamed.items():
+            entry = self.raw.entries[self._keys[source]]
+            if name.endswith(".weight") and entry.qtype is not None and len(shape) == 2 and entry.stored == shape:
+                out[name.removesuffix(".weight")] = (entry.qtype, (entry.end - entry.start) // shape[0])
+        return out
+
+    def read_packed(self, name: str, offsets: tuple[int, ...] | None = None,
+                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """Rows of a weight `quantized_modules` names, as the file stores them: uint8 (rows, bytes per row)."""
+        first, rows = (offsets[0], shape[0]) if offsets is not None and shape is not None else (0, None)
+        return self.raw.read_packed(self._keys[self._renamed[name][0]], first, rows)
 
     def _sources(self, name: str) -> list[str]:
         """The file tensors (keys without the prefix) `name` is read or computed from."""

@@ -6,7 +6,8 @@ final modulation's halves (those tensors are computed, not renamed). And as Comf
 float8 e4m3fn weights with a per-tensor `scale_weight` = amax / 448, the `scaled_fp8` marker and a few
 `scale_input`s (ignored), under `model.diffusion_model.`. HunyuanVideo's preset is used without its
 single-stream block: diffusers' mapping splits a single block's `linear1` at the real model's width (3072),
-which no tiny model has.
+which no tiny model has. And as a GGUF file (scripts/make_gguf.py, the `gguf` package's writer) from the bf16
+original, its linear weights in Q4_1 blocks.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from vt.shared.weights.single_file import SingleFileError
 from vt.shared.weights.folder import Weights
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import StoredLinear
+from vt.train.packed_base import PackedLinear
 from vt.train.model_build import build_transformer
+from vt.shared.weights.gguf_quants import dequantize
 from vt.train.objectives import flow_matching_loss
 from vt.train.parallel import parallelize
 from vt.train.parallel.world import setup_world
@@ -364,7 +367,7 @@ def test_missing_scale_unknown_layout_and_wrong_size_are_clear_errors(preset, tm
         spec_of(case, tmp_path / "smaller.safetensors").weights("transformer")
     empty = tmp_path / "no-model"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"model\.components\.transformer = .* is one \.safetensors file; its "
+    with pytest.raises(FileNotFoundError, match=r"model\.components\.transformer = .* is one weights file; its "
                                                 r"config\.json is read from model\.path's 'transformer' folder"):
         spec_of(case, case["original"], path=empty).empty_component("transformer")
     with pytest.raises(ValueError, match="only for a transformer"):
@@ -391,3 +394,90 @@ def test_a_hub_file_is_read_from_the_cache_and_offline_names_the_download(preset
     assert all(torch.equal(got[n], t) for n, t in expected.items())
     with pytest.raises(ModelLoadError, match=r"hub is offline .*`hf download org/wan-fp8 missing\.safetensors"):
         spec_of(case, "org/wan-fp8/missing.safetensors").weights("transformer")
+
+
+@pytest.fixture(scope="module")
+def gguf_base(preset, tmp_path_factory) -> dict:
+    """Wan's tiny transformer as a Q4_1 GGUF file made from its bf16 original (`gguf`), and the model it holds,
+    every weight dequantized, as a diffusers-layout file (`dequantized`)."""
+    from make_gguf import write_gguf
+
+    case = preset("wan")
+    out = tmp_path_factory.mktemp("wan-gguf")
+    original = {k: v.to(torch.bfloat16) for k, v in wan_original(case["state"]).items()}
+    stored = write_gguf(original, out / "wan-Q4_1.gguf", "Q4_1")
+    dequantized = build(spec_of(case, out / "wan-Q4_1.gguf"), "frozen").state_dict()
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, out / "dequantized.safetensors")
+    return {"gguf": out / "wan-Q4_1.gguf", "dequantized": out / "dequantized.safetensors", "stored": stored}
+
+
+def test_lora_on_a_gguf_base_keeps_its_blocks_and_trains_like_the_dequantized_model(preset, gguf_base, tmp_path):
+    """The linear weights of the blocks stay the file's Q4_1 blocks (uint8 parameters, 20 bytes per 32 weights),
+    dequantized per matmul; losses and LoRA gradients equal the dequantized model's; the exported ComfyUI LoRA
+    names the GGUF file's own weights (ComfyUI-GGUF loads the file by those names)."""
+    from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    case = preset("wan")
+    spec = spec_of(case, gguf_base["gguf"])
+    model = build(spec, "lora")
+    reference = build(spec_of(case, gguf_base["dequantized"]), "lora")
+    expected = dict(reference.named_parameters())
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert "blocks.0.attn1.to_q.base_layer" in packed and "blocks.1.ffn.net.2" in packed and len(packed) >= 16
+    assert sum(kind == "Q4_1" for kind in gguf_base["stored"].values()) > len(packed)  # the embedders: dequantized
+    for name, module in packed.items():
+        assert module.weight.dtype == torch.uint8 and module.weight.shape == (module.out_features,
+                                                                               module.in_features // 32 * 20)
+        dequantized = expected[f"{name}.weight"]
+        assert torch.equal(dequantize(module.weight, module.qtype), dequantized), name
+    randomize_lora(model)
+    randomize_lora(reference)
+    got, want = train(spec, model), train(spec, reference)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-6) and got["losses"][1] != got["losses"][0]
+    for name, grad in want["grads"].items():
+        assert float(grad.abs().max()) > 0 and relative(got["grads"][name], grad) < 1e-5, name
+    spec.save_lora(get_peft_model_state_dict(model), tmp_path)
+    comfy = load_file(tmp_path / "lora_comfyui.safetensors")
+    modules = {k.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") for k in comfy if "lora_A" in k}
+    assert "blocks.0.self_attn.q" in modules and all(f"{m}.weight" in gguf_base["stored"] for m in modules)
+
+
+def test_a_gguf_base_under_fsdp2_is_filled_dequantized(preset, gguf_base):
+    """FSDP2 shards the weights itself: the file's blocks are dequantized at fill, and the run trains as the
+    dequantized model does."""
+    from vt.train.parallel.world import shutdown_world
+
+    case = preset("wan")
+    spec = spec_of(case, gguf_base["gguf"])
+    expected = train(spec, build(spec_of(case, gguf_base["dequantized"]), "lora"))
+    try:
+        model = build(spec, "lora", world=setup_world(ParallelConfig(cpu_offload=True), "cpu"))
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        got = train(spec, model)
+    finally:
+        shutdown_world()
+    assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+
+
+
+def test_the_plan_counts_a_gguf_base_as_its_blocks(preset, gguf_base):
+    """`vt-train plan` of a LoRA on the GGUF file: its weights are the dequantized run's less what the packed layers
+    save (4-byte float32 weights become 20 bytes per 32), and the widest dequantized weight is among its buffers."""
+    from vt.shared.config import Config, build as build_config
+    from vt.train.plan import make_plan
+
+    case = preset("wan")
+
+    def plan(transformer):
+        config = build_config(Config, {
+            "model": {"family": "wan", "path": str(case["path"]), "components": {"transformer": str(transformer)},
+                      "max_text_tokens": 16}, "buckets": {"sizes": ["5x64x64"]}, "train": {"batch_size": 1}})
+        return make_plan(config, 1, "cpu", stage1=False).rank
+
+    model = build(spec_of(case, gguf_base["gguf"]), "lora")
+    packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    saved = sum(m.in_features * m.out_features * 4 - m.weight.numel() for m in packed)
+    quantized, dequantized = plan(gguf_base["gguf"]), plan(gguf_base["dequantized"])
+    assert saved > 0 and quantized.weights == dequantized.weights - saved
+    assert quantized.buffers >= max(m.in_features * m.out_features * 4 for m in packed)
