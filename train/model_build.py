@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
+from vt.shared.weights.packing import Packing
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
 from vt.train.packed_base import PackedLinear, pack_frozen
@@ -120,7 +121,7 @@ class Dtypes:
 
 def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
                         sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
-                        scaled: Collection[str] = (), packed: dict[str, tuple[int, int]] | None = None) -> nn.Module:
+                        scaled: Collection[str] = (), packed: dict[str, Packing] | None = None) -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
     `lora`: rank, alpha, targets), "full" (what `spec.full_trainable` marks) or "frozen" (nothing trains:
     validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights' storage
@@ -128,11 +129,11 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
     `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage);
     `packed`: those whose weights a LoRA's base keeps in the file's quantized blocks (train/packed_base.py)."""
     model = spec.empty_component(component, dtype=frozen_dtype)
-    if packed and mode == "lora":
-        pack_frozen(model, packed, compute_dtype)
     if storage_dtype is not None:  # before LoRA: the adapters stay float32
         store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE,
                      scaled=scaled if storage_dtype == FP8_STORAGE else ())
+    if packed and mode == "lora":
+        pack_frozen(model, packed, compute_dtype)
     model.requires_grad_(False)
     if mode == "lora":
         spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None)
@@ -177,7 +178,7 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
 
 
 def quantized_base(weights, mode: str, sharded: bool, main: bool, component: str,
-                   frozen_dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+                   frozen_dtype: torch.dtype) -> dict[str, Packing]:
     """The modules a LoRA run keeps in the file's quantized blocks (`weights.quantized_modules()`): all of them in
     one process; none when another mode trains them or a sharded layout fills them dequantized (logged)."""
     quantized = weights.quantized_modules()

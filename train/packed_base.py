@@ -1,8 +1,9 @@
-"""A LoRA's frozen base kept in the quantized blocks of its file (GGUF: Q8_0 ... Q4_K), dequantized per matmul.
+"""A LoRA's frozen base kept as its file stores it (GGUF blocks Q8_0 ... Q4_K, int8 with scales), dequantized per matmul.
 
-A transformer read from a quantized single file (shared/weights/gguf_file.py) trains a LoRA on the file's own
-values: each linear layer whose weight the file stores quantized becomes a `PackedLinear`, its weight a frozen
-uint8 parameter of the file's blocks, (out features, bytes per row), 0.56-1.06 bytes a weight against bf16's 2.
+A transformer read from a quantized single file (a GGUF file, shared/weights/gguf_file.py; ComfyUI's int8 layers,
+single_file.py) trains a LoRA on the file's own values: each linear layer whose weight the file stores quantized
+becomes a `PackedLinear`, its weight a frozen parameter of the stored form: uint8 (out features, bytes per row) of
+ggml blocks, 0.56-1.06 bytes a weight against bf16's 2, or int8 values with their per-tensor or per-row scale.
 Each matmul dequantizes the weight into the compute dtype on the device (shared/weights/gguf_quants.py), forward
 and backward; the backward keeps the blocks, never a dequantized copy, as float8 storage does
 (train/frozen_storage.py). So the model computes exactly what the dequantized model computes, in less memory.
@@ -20,52 +21,66 @@ import torch.nn.functional as F
 from torch import nn
 
 from vt.shared.weights.gguf_quants import dequantize
+from vt.shared.weights.packing import INT8, Packing
 from vt.train.frozen_storage import skip_patterns
 
 
+def unpack(packed: torch.Tensor, kind: int | str, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
+    """A stored weight's values in `dtype`: ggml blocks dequantized, or int8 values times their scale."""
+    if kind == INT8:
+        return packed.to(dtype) * scale.to(dtype)
+    return dequantize(packed, kind, dtype)
+
+
 class _DequantLinear(torch.autograd.Function):
-    """y = x W^T + b with W the frozen blocks `packed` of ggml type `qtype`, dequantized into `dtype` for the
-    product, forward and backward; only the blocks are kept for the backward."""
+    """y = x W^T + b with W the frozen weight `packed` as its file stores it (`kind`, `scale`), unpacked into
+    `dtype` for the product, forward and backward; only the stored weight is kept for the backward."""
 
     @staticmethod
-    def forward(ctx, x, packed, bias, dtype, qtype):
-        ctx.save_for_backward(packed)
-        ctx.dtype, ctx.qtype = dtype, qtype
-        return F.linear(x.to(dtype), dequantize(packed, qtype, dtype), None if bias is None else bias.to(dtype))
+    def forward(ctx, x, packed, bias, dtype, kind, scale):
+        ctx.save_for_backward(packed, scale)
+        ctx.dtype, ctx.kind = dtype, kind
+        return F.linear(x.to(dtype), unpack(packed, kind, dtype, scale), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
-        (packed,) = ctx.saved_tensors
-        return grad.to(ctx.dtype) @ dequantize(packed, ctx.qtype, ctx.dtype), None, None, None, None
+        packed, scale = ctx.saved_tensors
+        return grad.to(ctx.dtype) @ unpack(packed, ctx.kind, ctx.dtype, scale), None, None, None, None, None
 
 
 class PackedLinear(nn.Linear):
-    """A frozen Linear whose weight is its file's quantized blocks (uint8, one row of blocks per output feature)."""
+    """A frozen Linear whose weight is its file's quantized form: ggml blocks (uint8, a row of blocks per output
+    feature) or int8 values with a `weight_scale` buffer (non-persistent: in no state dict, checkpoint or export)."""
 
     compute_dtype: torch.dtype = torch.float32
-    qtype: int = 0
+    kind: int | str = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DequantLinear.apply(x, self.weight, self.bias, self.compute_dtype, self.qtype)
+        return _DequantLinear.apply(x, self.weight, self.bias, self.compute_dtype, self.kind,
+                                    self._buffers.get("weight_scale"))
 
 
-def pack_frozen(model: nn.Module, packed: dict[str, tuple[int, int]], compute_dtype: torch.dtype) -> int:
-    """Make each Linear of `model` named in `packed` (module -> (ggml type, bytes per row)) a PackedLinear whose
-    weight is an empty uint8 parameter of the packed shape (filled from the file by `read_packed`), its bias in
-    `compute_dtype`; before the adapters are added. The layers diffusers' layerwise casting keeps in their dtype
-    (embeddings, norms, the input and output projections: the model reads some of their dtypes to cast its inputs)
-    are left to be filled dequantized. Returns how many layers it packed."""
+def pack_frozen(model: nn.Module, packed: dict[str, Packing], compute_dtype: torch.dtype) -> int:
+    """Make each Linear of `model` named in `packed` a PackedLinear whose weight is an empty parameter of the stored
+    form (uint8 blocks or int8 values, filled from the file by `read_packed`; an int8 one's scale buffer NaN until the
+    fill reads it), its bias in `compute_dtype`; before the adapters are added. The layers diffusers' layerwise
+    casting keeps in their dtype (embeddings, norms, the input and output projections: the model reads some of their
+    dtypes to cast its inputs) are left to be filled dequantized. After `store_frozen`, whose storage it replaces
+    for these layers. Returns how many layers it packed."""
     skip = skip_patterns(model)
     count = 0
     for name, module in model.named_modules():
-        if name not in packed or type(module) is not nn.Linear or any(re.search(p, name) for p in skip):
+        if name not in packed or not isinstance(module, nn.Linear) or any(re.search(p, name) for p in skip):
             continue
-        qtype, row_bytes = packed[name]
-        module.weight = nn.Parameter(torch.empty((module.out_features, row_bytes), dtype=torch.uint8,
+        kind, row_bytes, scale = packed[name]
+        dtype = torch.int8 if kind == INT8 else torch.uint8
+        module.weight = nn.Parameter(torch.empty((module.out_features, row_bytes), dtype=dtype,
                                                  device=module.weight.device), requires_grad=False)
+        if scale is not None:
+            module.register_buffer("weight_scale", torch.full(scale, float("nan")), persistent=False)
         if module.bias is not None:
             module.bias.data = module.bias.data.to(compute_dtype)
         module.__class__ = PackedLinear
-        module.compute_dtype, module.qtype = compute_dtype, qtype
+        module.compute_dtype, module.kind = compute_dtype, kind
         count += 1
     return count

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from math import prod
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.weights.folder import Weights
 from vt.shared.weights.gguf_file import GgufWeights
+from vt.shared.weights.packing import INT8, Packing
 
 log = get_logger("vt.weights.single_file")
 PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI's full checkpoints, its LoRA-style prefix
@@ -48,6 +50,7 @@ SCALE_SUFFIXES = (".scale_weight", ".weight_scale")
 INPUT_SCALE_SUFFIXES = (".scale_input", ".input_scale")  # ComfyUI's fp8 matmul of activations: inference only
 QUANT_SUFFIX = ".comfy_quant"  # newer ComfyUI files: the layer's format as JSON bytes beside its `.weight_scale`
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALED = (*FP8, torch.int8)  # weight dtypes a file stores with a scale (ComfyUI's float8 and int8_tensorwise)
 FP8_MAX = 448.0  # float8 e4m3fn's largest value: a new per-tensor scale is amax / 448
 _HUB_FILE = re.compile(r"^([A-Za-z0-9][\w.-]*/[\w.-]+)/(.+\.(?:safetensors|gguf))$")
 SUFFIXES = (".safetensors", ".gguf")
@@ -180,21 +183,30 @@ class SingleFileWeights:
             elif name.endswith(INPUT_SCALE_SUFFIXES) or name.endswith(QUANT_SUFFIX):
                 ignored += not name.endswith(QUANT_SUFFIX)
                 keys.pop(name)
+        where = f"{self.key} = {str(self.file)!r}"
         for weight, scale in scales.items():
             if weight not in keys:
-                raise SingleFileError(f"{self.key} = {str(self.file)!r}: {scale} scales {weight}, which the file lacks")
-            if self.raw.entries[scale].shape not in ((), (1,)):
-                raise SingleFileError(f"{self.key} = {str(self.file)!r}: {scale} has shape "
-                                      f"{self.raw.entries[scale].shape}; vt reads per-tensor scales only")
+                raise SingleFileError(f"{where}: {scale} scales {weight}, which the file lacks")
+            stored = self.raw.entries[keys[weight]]
+            if stored.dtype not in SCALED:
+                raise SingleFileError(f"{where}: {keys[weight]} is {str(stored.dtype)[6:]} with a scale (a format such "
+                                      "as ComfyUI's nvfp4 or mxfp8), which vt does not read; it reads float8 and int8 "
+                                      "weights with a scale, GGUF files and plain bf16 ones")
+            rows = stored.shape[0]
+            if self.raw.entries[scale].shape not in [(), (1,), *([(rows,), (rows, 1)] if stored.dtype == torch.int8 else [])]:
+                raise SingleFileError(f"{where}: {scale} has shape {self.raw.entries[scale].shape}; vt reads per-tensor "
+                                      "scales, and per-row ones (one per output feature) for int8 weights")
         if marker or scales:
-            unscaled = [keys[n] for n in keys if self.raw.entries[keys[n]].dtype in FP8 and n not in scales]
+            unscaled = [keys[n] for n in keys if self.raw.entries[keys[n]].dtype in SCALED and n not in scales]
             if unscaled:
                 raise SingleFileError(
-                    f"{self.key} = {str(self.file)!r} is fp8-scaled ({MARKER} / scale_weight tensors), but float8 "
-                    f"{unscaled[0]} has no {unscaled[0].removesuffix('.weight')}.scale_weight ({len(unscaled)} "
-                    "such): read unscaled it would be wrong. Use the file as it was written, or a bf16 one")
-            log.info("%s: fp8-scaled, %d weights with per-tensor scales%s", self.file.name, len(scales),
-                     f" ({ignored} input scales ignored: training computes without them)" if ignored else "")
+                    f"{where} is scaled ({MARKER} / scale_weight / weight_scale tensors), but "
+                    f"{'int8' if self.raw.entries[unscaled[0]].dtype == torch.int8 else 'float8'} {unscaled[0]} has no "
+                    f"{unscaled[0].removesuffix('.weight')}.scale_weight ({len(unscaled)} such): read unscaled it "
+                    "would be wrong. Use the file as it was written, or a bf16 one")
+            kinds = sorted({str(self.raw.entries[keys[w]].dtype)[6:] for w in scales})
+            log.info("%s: %s weights with scales (%d)%s", self.file.name, " and ".join(kinds), len(scales),
+                     f"; {ignored} input scales ignored: training computes without them" if ignored else "")
         return keys, scales
 
     def _example(self) -> str:
@@ -202,7 +214,7 @@ class SingleFileWeights:
 
     def _source_dtype(self, name: str) -> torch.dtype:
         dtype = self.raw.entries[self._keys[name]].dtype
-        return torch.float32 if dtype in FP8 else dtype  # the mapping computes on dequantized float8
+        return torch.float32 if dtype in SCALED else dtype  # the mapping computes on dequantized float8 and int8
 
     def _meta_inputs(self) -> dict[str, torch.Tensor]:
         return {name: torch.empty(self.raw.entries[k].shape, dtype=self._source_dtype(name), device="meta")
@@ -276,23 +288,30 @@ class SingleFileWeights:
                 and self._scale_keys(name) and all(self.raw.entries[self._keys[source]].dtype == torch.float8_e4m3fn
                                                    for source in self._sources(name))}
 
-    def quantized_modules(self) -> dict[str, tuple[int, int]]:
-        """Modules whose 2-D weight a GGUF file stores in ggml blocks, read as it is (diffusers names) -> (ggml
-        type, bytes per row): what a LoRA's frozen base keeps as stored (train/packed_base.py); {} otherwise."""
-        if not isinstance(self.raw, GgufWeights):
-            return {}
+    def quantized_modules(self) -> dict[str, Packing]:
+        """Modules whose 2-D weight the file stores quantized and is read as it is (diffusers names): a GGUF file's
+        ggml blocks, an int8 weight with its scale. What a LoRA's frozen base keeps as stored (train/packed_base.py)."""
         out = {}
         for name, (source, shape) in self._renamed.items():
             entry = self.raw.entries[self._keys[source]]
-            if name.endswith(".weight") and entry.qtype is not None and len(shape) == 2 and entry.stored == shape:
-                out[name.removesuffix(".weight")] = (entry.qtype, (entry.end - entry.start) // shape[0])
+            if not name.endswith(".weight") or len(shape) != 2:
+                continue
+            if isinstance(self.raw, GgufWeights) and entry.qtype is not None and entry.stored == shape:
+                out[name.removesuffix(".weight")] = Packing(entry.qtype, (entry.end - entry.start) // shape[0])
+            elif entry.dtype == torch.int8 and source in self._scales:
+                scale = self.raw.entries[self._scales[source]].shape
+                out[name.removesuffix(".weight")] = Packing(INT8, shape[1], () if prod(scale) == 1 else (shape[0], 1))
         return out
 
     def read_packed(self, name: str, offsets: tuple[int, ...] | None = None,
                     shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """Rows of a weight `quantized_modules` names, as the file stores them: uint8 (rows, bytes per row)."""
+        """Rows of a weight `quantized_modules` names, as the file stores them: (rows, bytes per row) of ggml blocks,
+        or the int8 values."""
+        key = self._keys[self._renamed[name][0]]
+        if not isinstance(self.raw, GgufWeights):
+            return self.raw.read(key, offsets, shape)
         first, rows = (offsets[0], shape[0]) if offsets is not None and shape is not None else (0, None)
-        return self.raw.read_packed(self._keys[self._renamed[name][0]], first, rows)
+        return self.raw.read_packed(key, first, rows)
 
     def _sources(self, name: str) -> list[str]:
         """The file tensors (keys without the prefix) `name` is read or computed from."""
@@ -303,8 +322,14 @@ class SingleFileWeights:
         keys = [self._scales.get(source) for source in self._sources(name)]
         return keys if any(keys) else []
 
-    def _scalar(self, file_key: str) -> torch.Tensor:
-        return self.raw.read(file_key).float().reshape(())
+    def _scale_rows(self, file_key: str, offsets: tuple[int, ...] | None = None,
+                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """A weight's scale in float32: a scalar, or (rows, 1) of a per-row one (those of the block at `offsets`)."""
+        value = self.raw.read(file_key).float()
+        if value.numel() == 1:
+            return value.reshape(())
+        value = value.reshape(-1, 1)
+        return value if offsets is None else value[offsets[0]:offsets[0] + shape[0]]
 
     def scale(self, name: str) -> torch.Tensor | None:
         """The per-tensor float32 scale of `name` as stored (`read_scaled` * scale = `read`); None if unscaled.
@@ -313,7 +338,7 @@ class SingleFileWeights:
         if not keys:
             return None
         if len(set(keys)) == 1:
-            return self._scalar(keys[0])
+            return self._scale_rows(keys[0])
         return (self._full(name).abs().amax().float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
 
     def read(self, name: str, offsets: tuple[int, ...] | None = None,
@@ -324,7 +349,7 @@ class SingleFileWeights:
             source = self._renamed[name][0]
             block = self.raw.read(self._keys[source], offsets, shape)
             scale = self._scales.get(source)
-            return block.float() * self._scalar(scale) if scale else block
+            return block.float() * self._scale_rows(scale, offsets, shape) if scale else block
         return _block(self._full(name), offsets, shape)
 
     def read_scaled(self, name: str, offsets: tuple[int, ...] | None = None,
@@ -343,8 +368,8 @@ class SingleFileWeights:
             for source in self._groups[group]:
                 tensor = self.raw.read(self._keys[source])
                 scale = self._scales.get(source)
-                checkpoint[source] = tensor.float() * self._scalar(scale) if scale else \
-                    tensor.float() if tensor.dtype in FP8 else tensor
+                checkpoint[source] = tensor.float() * self._scale_rows(scale) if scale else \
+                    tensor.float() if tensor.dtype in SCALED else tensor
             out = self._run_mapping(checkpoint)
             self._cache[group] = {n: out[n] for n, (g, _, _) in self._computed.items() if g == group}
             while len(self._cache) > 2:

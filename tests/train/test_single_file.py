@@ -396,41 +396,63 @@ def test_a_hub_file_is_read_from_the_cache_and_offline_names_the_download(preset
         spec_of(case, "org/wan-fp8/missing.safetensors").weights("transformer")
 
 
+FORMATS = ("Q4_1", "int8", "int8-rows")  # a GGUF file; ComfyUI's int8_tensorwise layers; int8 with a scale per row
+
+
 @pytest.fixture(scope="module")
-def gguf_base(preset, tmp_path_factory) -> dict:
-    """Wan's tiny transformer as a Q4_1 GGUF file made from its bf16 original (`gguf`), and the model it holds,
-    every weight dequantized, as a diffusers-layout file (`dequantized`)."""
-    from make_gguf import write_gguf
+def quantized(preset, tmp_path_factory):
+    """quantized(format) -> dict: Wan's tiny transformer quantized from its bf16 original by
+    scripts/quantize_base.py (`file`, its keys' stored types `stored`), and the model it holds, every weight
+    dequantized, as a diffusers-layout file (`dequantized`); made once per format."""
+    from quantize_base import write_gguf, write_int8
 
-    case = preset("wan")
-    out = tmp_path_factory.mktemp("wan-gguf")
-    original = {k: v.to(torch.bfloat16) for k, v in wan_original(case["state"]).items()}
-    stored = write_gguf(original, out / "wan-Q4_1.gguf", "Q4_1")
-    dequantized = build(spec_of(case, out / "wan-Q4_1.gguf"), "frozen").state_dict()
-    save_file({k: v.contiguous() for k, v in dequantized.items()}, out / "dequantized.safetensors")
-    return {"gguf": out / "wan-Q4_1.gguf", "dequantized": out / "dequantized.safetensors", "stored": stored}
+    made = {}
+
+    def get(kind: str) -> dict:
+        if kind not in made:
+            case = preset("wan")
+            out = tmp_path_factory.mktemp(f"wan-{kind}")
+            original = {k: v.to(torch.bfloat16) for k, v in wan_original(case["state"]).items()}
+            file = out / (f"wan-{kind}.gguf" if kind.startswith("Q") else f"wan-{kind}.safetensors")
+            stored = write_gguf(original, file, kind) if kind.startswith("Q") else \
+                write_int8(original, file, per_row=kind == "int8-rows")
+            dequantized = build(spec_of(case, file), "frozen").state_dict()
+            save_file({k: v.contiguous() for k, v in dequantized.items()}, out / "dequantized.safetensors")
+            made[kind] = {"file": file, "dequantized": out / "dequantized.safetensors", "stored": stored}
+        return made[kind]
+
+    return get
 
 
-def test_lora_on_a_gguf_base_keeps_its_blocks_and_trains_like_the_dequantized_model(preset, gguf_base, tmp_path):
-    """The linear weights of the blocks stay the file's Q4_1 blocks (uint8 parameters, 20 bytes per 32 weights),
-    dequantized per matmul; losses and LoRA gradients equal the dequantized model's; the exported ComfyUI LoRA
-    names the GGUF file's own weights (ComfyUI-GGUF loads the file by those names)."""
+@pytest.mark.parametrize("kind", FORMATS)
+def test_lora_on_a_quantized_base_keeps_its_stored_form_and_trains_like_the_dequantized_model(preset, quantized, kind,
+                                                                                              tmp_path):
+    """The linear weights of the blocks stay as the file stores them (Q4_1: uint8, 20 bytes per 32 weights; int8
+    values with their scale, one or one per row), dequantized per matmul; losses and LoRA gradients equal the
+    dequantized model's; the exported ComfyUI LoRA names the file's own weights (ComfyUI loads the file by them)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    case = preset("wan")
-    spec = spec_of(case, gguf_base["gguf"])
+    from vt.train.packed_base import unpack
+
+    case, base = preset("wan"), quantized(kind)
+    spec = spec_of(case, base["file"])
     model = build(spec, "lora")
-    reference = build(spec_of(case, gguf_base["dequantized"]), "lora")
+    reference = build(spec_of(case, base["dequantized"]), "lora")
     expected = dict(reference.named_parameters())
     packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
     assert "blocks.0.attn1.to_q.base_layer" in packed and "blocks.1.ffn.net.2" in packed and len(packed) >= 16
-    assert sum(kind == "Q4_1" for kind in gguf_base["stored"].values()) > len(packed)  # the embedders: dequantized
+    assert sum(stored != "float32" for stored in base["stored"].values()) > len(packed)  # the embedders: dequantized
     for name, module in packed.items():
-        assert module.weight.dtype == torch.uint8 and module.weight.shape == (module.out_features,
-                                                                               module.in_features // 32 * 20)
-        dequantized = expected[f"{name}.weight"]
-        assert torch.equal(dequantize(module.weight, module.qtype), dequantized), name
+        rows, width = module.out_features, module.in_features
+        if kind == "Q4_1":
+            assert module.weight.dtype == torch.uint8 and module.weight.shape == (rows, width // 32 * 20)
+        else:
+            assert module.weight.dtype == torch.int8 and module.weight.shape == (rows, width)
+            assert module.weight_scale.shape == ((rows, 1) if kind == "int8-rows" else ())
+        unpacked = unpack(module.weight, module.kind, torch.float32, module._buffers.get("weight_scale"))
+        assert torch.equal(unpacked, expected[f"{name}.weight"]), name
+    assert not any("weight_scale" in n for n in [*dict(model.named_parameters()), *model.state_dict()])
     randomize_lora(model)
     randomize_lora(reference)
     got, want = train(spec, model), train(spec, reference)
@@ -440,17 +462,17 @@ def test_lora_on_a_gguf_base_keeps_its_blocks_and_trains_like_the_dequantized_mo
     spec.save_lora(get_peft_model_state_dict(model), tmp_path)
     comfy = load_file(tmp_path / "lora_comfyui.safetensors")
     modules = {k.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") for k in comfy if "lora_A" in k}
-    assert "blocks.0.self_attn.q" in modules and all(f"{m}.weight" in gguf_base["stored"] for m in modules)
+    assert "blocks.0.self_attn.q" in modules and all(f"{m}.weight" in base["stored"] for m in modules)
 
 
-def test_a_gguf_base_under_fsdp2_is_filled_dequantized(preset, gguf_base):
+def test_a_quantized_base_under_fsdp2_is_filled_dequantized(preset, quantized):
     """FSDP2 shards the weights itself: the file's blocks are dequantized at fill, and the run trains as the
     dequantized model does."""
     from vt.train.parallel.world import shutdown_world
 
-    case = preset("wan")
-    spec = spec_of(case, gguf_base["gguf"])
-    expected = train(spec, build(spec_of(case, gguf_base["dequantized"]), "lora"))
+    case, base = preset("wan"), quantized("Q4_1")
+    spec = spec_of(case, base["file"])
+    expected = train(spec, build(spec_of(case, base["dequantized"]), "lora"))
     try:
         model = build(spec, "lora", world=setup_world(ParallelConfig(cpu_offload=True), "cpu"))
         assert not any(isinstance(m, PackedLinear) for m in model.modules())
@@ -460,14 +482,15 @@ def test_a_gguf_base_under_fsdp2_is_filled_dequantized(preset, gguf_base):
     assert got["losses"] == pytest.approx(expected["losses"], rel=1e-5)
 
 
-
-def test_the_plan_counts_a_gguf_base_as_its_blocks(preset, gguf_base):
-    """`vt-train plan` of a LoRA on the GGUF file: its weights are the dequantized run's less what the packed layers
-    save (4-byte float32 weights become 20 bytes per 32), and the widest dequantized weight is among its buffers."""
+@pytest.mark.parametrize("kind", ("Q4_1", "int8"))
+def test_the_plan_counts_a_quantized_base_as_stored(preset, quantized, kind):
+    """`vt-train plan` of a LoRA on a quantized file: its weights are the dequantized run's less what the packed
+    layers save (4-byte float32 weights become 20 bytes per 32, or 1 byte each), and the widest dequantized weight
+    is among its buffers."""
     from vt.shared.config import Config, build as build_config
     from vt.train.plan import make_plan
 
-    case = preset("wan")
+    case, base = preset("wan"), quantized(kind)
 
     def plan(transformer):
         config = build_config(Config, {
@@ -475,9 +498,31 @@ def test_the_plan_counts_a_gguf_base_as_its_blocks(preset, gguf_base):
                       "max_text_tokens": 16}, "buckets": {"sizes": ["5x64x64"]}, "train": {"batch_size": 1}})
         return make_plan(config, 1, "cpu", stage1=False).rank
 
-    model = build(spec_of(case, gguf_base["gguf"]), "lora")
+    model = build(spec_of(case, base["file"]), "lora")
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
     saved = sum(m.in_features * m.out_features * 4 - m.weight.numel() for m in packed)
-    quantized, dequantized = plan(gguf_base["gguf"]), plan(gguf_base["dequantized"])
-    assert saved > 0 and quantized.weights == dequantized.weights - saved
-    assert quantized.buffers >= max(m.in_features * m.out_features * 4 for m in packed)
+    stored, dequantized = plan(base["file"]), plan(base["dequantized"])
+    assert saved > 0 and stored.weights == dequantized.weights - saved
+    assert stored.buffers >= max(m.in_features * m.out_features * 4 for m in packed)
+
+
+def test_a_per_row_int8_file_reads_by_rows_and_other_scaled_formats_are_refused(preset, quantized, tmp_path):
+    """An int8 weight with a scale per row reads as int8 x its rows' scales, whole or a shard's block of rows; a
+    weight with a scale that is neither float8 nor int8 (ComfyUI's nvfp4: packed uint8) is refused by name."""
+    case, base = preset("wan"), quantized("int8-rows")
+    weights = spec_of(case, base["file"]).weights("transformer")
+    stored = load_file_tensors(base["file"])
+    full = stored["blocks.0.self_attn.q.weight"].float() * stored["blocks.0.self_attn.q.weight_scale"]
+    assert torch.equal(weights.read("blocks.0.attn1.to_q.weight"), full)
+    assert torch.equal(weights.read("blocks.0.attn1.to_q.weight", (3, 0), (4, full.shape[1])), full[3:7])
+    stored["blocks.0.self_attn.k.weight"] = stored["blocks.0.self_attn.k.weight"].view(torch.uint8)
+    save_file(stored, tmp_path / "nvfp4.safetensors")
+    with pytest.raises(SingleFileError, match=r"blocks\.0\.self_attn\.k\.weight is uint8 with a scale .* vt does not "
+                                              r"read"):
+        spec_of(case, tmp_path / "nvfp4.safetensors").weights("transformer")
+
+
+def load_file_tensors(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
