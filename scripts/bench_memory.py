@@ -15,6 +15,8 @@ one prompt, export), and each rank reports its peak resident set in <run>/memory
     full, FSDP2 over 2 ranks   goal: each rank <= 0.6x the one-process figure `vt-train plan` gives
                                (2 x ~12 GiB at 30 blocks: on a smaller host, as many blocks of the same
                                width as fit, and the row says so)
+    LoRA, one process, on the transformer quantized to a Q8_0 GGUF file and to int8 (scripts/quantize_base.py,
+    kept as stored: train/packed_base.py)   goal: <= 0.75x the bf16 base's one-process run
     `vt-train plan --device cpu` for each row: within 15% of the measured peak
 
 Peaks are the runs' own (the process's resident set at its highest), less the resident set the process
@@ -22,7 +24,7 @@ had before it built anything (interpreter, torch, diffusers, transformers, peft:
 any training script); both are printed. Also: the two ways of filling a sharded model (each rank reads
 its slices / rank 0 reads and scatters), start-up seconds and peak at 2 ranks.
 
-    python scripts/bench_memory.py [--out runs/bench/memory] [--skip-full | --only-full]
+    python scripts/bench_memory.py [--out runs/bench/memory] [--skip-full | --only-full | --only-quantized]
 """
 
 from __future__ import annotations
@@ -85,6 +87,33 @@ def build_shallow_transformer(folder: Path, layers: int) -> Path:
     WanTransformer3DModel(**config).to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
     (folder / ".done").write_text("ok\n")
     return folder
+
+
+def build_quantized(model: Path, out: Path, kind: str) -> Path:
+    """The bench transformer (diffusers layout) as one quantized file: `kind` "Q8_0" (GGUF) or "int8"."""
+    from quantize_base import write_gguf, write_int8
+
+    from vt.shared.weights.folder import Weights
+
+    file = out / (f"transformer-{kind}.gguf" if kind != "int8" else "transformer-int8.safetensors")
+    if not file.is_file():
+        weights = Weights.in_folder(model / "transformer")
+        tensors = {name: weights.read(name) for name in weights.names()}
+        partial = file.with_name(file.name + ".partial")
+        if kind == "int8":
+            write_int8(tensors, partial)
+        else:
+            write_gguf(tensors, partial, kind)
+        partial.rename(file)
+    return file
+
+
+def in_child(function, *args):
+    """`function(*args)` in a spawned child process (its memory never counts in this process's peak); its result."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(function, args)
 
 
 def bf16_weights_bytes(folder: Path) -> int:
@@ -166,12 +195,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--raw", type=Path, default=ROOT / "runs" / "data" / "raw")
     parser.add_argument("--skip-full", action="store_true", help="leave out the full fine-tune row")
     parser.add_argument("--only-full", action="store_true", help="the full fine-tune row (and its plan row) alone")
+    parser.add_argument("--only-quantized", action="store_true",
+                        help="the one-process LoRA rows alone: bf16, Q8_0 and int8 bases")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = build_model(args.out / "wan-1.3b")
+    # Built in child processes: a run started from a process that grew would inherit its high-water mark in its
+    # peak resident set (Linux keeps ru_maxrss across fork and exec); a child's growth does not reach its parent.
+    model = in_child(build_model, args.out / "wan-1.3b")
     weights = bf16_weights_bytes(model)
     window = args.out / "window"
-    runs = args.out / ("runs-full" if args.only_full else "runs")
+    runs = args.out / ("runs-full" if args.only_full else "runs-quantized" if args.only_quantized else "runs")
     shutil.rmtree(runs, ignore_errors=True)
     runs.mkdir()
     if not (window / "producers").is_dir():
@@ -180,12 +213,17 @@ def main(argv: list[str] | None = None) -> dict:
         config = write_config(args.out / "precompute.toml", model, args.raw, window, args.out / "precompute")
         subprocess.run([str(BIN / "vt-precompute"), "run", str(config)], check=True, timeout=1800)
     measured = {}
-    for ranks in () if args.only_full else (1, 2, 4):
+    for ranks in () if args.only_full else (1,) if args.only_quantized else (1, 2, 4):
         name = f"lora-{ranks}"
         config = write_config(runs / f"{name}.toml", model, args.raw, window, runs / name)
         measured[name] = {**run_trainer(config, ranks, runs / f"{name}.log"), "planned": planned(config, ranks)}
+    for kind in () if args.only_full else ("Q8_0", "int8"):
+        name = f"lora-1-{kind}"
+        config = write_config(runs / f"{name}.toml", model, args.raw, window, runs / name,
+                              transformer=in_child(build_quantized, model, args.out, kind))
+        measured[name] = {**run_trainer(config, 1, runs / f"{name}.log"), "planned": planned(config, 1)}
     one_plan, full_layers = 0, None
-    if not args.skip_full:
+    if not (args.skip_full or args.only_quantized):
         full_layers, transformer = full_fine_tune_depth(args.out, model, args.raw, window, runs)
         full = lambda name: write_config(runs / f"{name}.toml", model, args.raw, window, runs / name,  # noqa: E731
                                          transformer=transformer, mode="full", lr=1e-5)
@@ -193,11 +231,12 @@ def main(argv: list[str] | None = None) -> dict:
         config = full("full-2")
         measured["full-2"] = {**run_trainer(config, 2, runs / "full-2.log"), "planned": planned(config, 2),
                               "layers": full_layers}
-    fill = [] if args.only_full else bench_fill(write_config(runs / "fill.toml", model, args.raw, window,
-                                                             runs / "fill"), runs)
+    fill = [] if args.only_full or args.only_quantized else bench_fill(
+        write_config(runs / "fill.toml", model, args.raw, window, runs / "fill"), runs)
     rows = rows_of(measured, weights, one_plan, fill)
     return {"machine": machine(), "weights_bytes": weights, "runs": measured, "fill": fill,
-            "out": str(args.out / ("results-full.json" if args.only_full else "results.json")),
+            "out": str(args.out / ("results-full.json" if args.only_full else "results-quantized.json"
+                                   if args.only_quantized else "results.json")),
             "rows": [r.to_dict() for r in rows], "table": format_table(rows), "notes": [
                 f"{r.name}: {r.note}" for r in rows if r.note]}
 
@@ -232,7 +271,12 @@ def rows_of(measured: dict, weights: int, full_one_plan: int, fill: list[dict]) 
         rows.append(Row("LoRA 1 process: peak vs bf16 weights", gib(one_net), "GiB", gib(weights), max_ratio=1.3,
                         note=f"peak {one['host_peak_gb'][0]:.2f} GiB less the {one['host_baseline_gb'][0]:.2f} "
                              "GiB the process held before building anything"))
-    for ranks, goal in ((2, 0.6), (4, 0.35)) if one else ():
+    for kind in ("Q8_0", "int8"):
+        result = measured.get(f"lora-1-{kind}")
+        if one and result:
+            rows.append(Row(f"LoRA 1 process, {kind} base kept as stored: peak vs the bf16 base's", gib(net(result, 0)),
+                            "GiB", gib(one_net), max_ratio=0.75, note=f"peak {result['host_peak_gb'][0]:.2f} GiB"))
+    for ranks, goal in ((2, 0.6), (4, 0.35)) if one and "lora-2" in measured else ():
         result = measured[f"lora-{ranks}"]
         largest = max(range(ranks), key=lambda r: net(result, r))
         rows.append(Row(f"LoRA FSDP2 {ranks} ranks: largest rank vs 1 process", gib(net(result, largest)), "GiB",
