@@ -1,7 +1,7 @@
 """<run.dir>/report.html: one page a person opens to see a run, built from the run's own files.
 
-The trainer rewrites it at its log interval (at most every `log.report_every_seconds`) and at the end;
-`vt-train report RUN_DIR` rebuilds it from a finished or running run. It shows the training curves
+The trainer rewrites it at its log interval (at most every `log.report_every_seconds`, on a thread of its own)
+and at the end; `vt-train report RUN_DIR` rebuilds it from a finished or running run. It shows the training curves
 (train/report_plots.py), the validation videos per step side by side with their prompts, the
 window's state (as `vt-precompute inspect` reads it), the precompute reports and rejected samples by
 reason, the resolved config and the `vt-train env` block. The page works opened as a file: plotly.js
@@ -14,6 +14,7 @@ import html
 import json
 import os
 import re
+import threading
 import time
 import tomllib
 from collections import defaultdict
@@ -227,8 +228,10 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
 
 
 class ReportWriter:
-    """The trainer's side: rewrites report.html at a log interval, at most every `every_seconds`, and
-    always at the end. A page that fails to build is a warning, never a stopped run."""
+    """The trainer's side: rewrites report.html at a log interval, at most every `every_seconds`, on a thread of its
+    own (building the page lists the window and reads the run's files: never on the training thread, whose steps
+    must not wait on storage for it), and at the end on the caller's. A page that fails to build is a warning,
+    never a stopped run."""
 
     def __init__(self, run_dir: Path, every_seconds: float, enabled: bool = True):
         self.run_dir = Path(run_dir)
@@ -236,6 +239,7 @@ class ReportWriter:
         self.enabled = enabled
         self._written = -float("inf")
         self._warned = False
+        self._thread: threading.Thread | None = None
 
     def record_environment(self) -> None:
         """env.txt: the `vt-train env` block of this machine, once per run (the page shows it)."""
@@ -245,11 +249,28 @@ class ReportWriter:
 
         (self.run_dir / ENV_FILE).write_text(format_environment(environment()) + "\n")
 
-    def update(self, final: bool = False) -> Path | None:
+    def update(self, final: bool = False) -> threading.Thread | Path | None:
+        """Start a rewrite when the interval has passed and none is running (returns its thread); `final`: wait for
+        a running one, then write the last page here (returns its path, None if it failed)."""
+        if not self.enabled:
+            return None
+        if final:
+            self.wait()
+            return self._write(final=True)
         now = time.monotonic()
-        if not self.enabled or (not final and now - self._written < self.every_seconds):
+        if now - self._written < self.every_seconds or (self._thread is not None and self._thread.is_alive()):
             return None
         self._written = now
+        self._thread = threading.Thread(target=self._write, name="vt-report-page", daemon=True)
+        self._thread.start()
+        return self._thread
+
+    def wait(self) -> None:
+        """Until the rewrite in flight (if any) is done."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def _write(self, final: bool = False) -> Path | None:
         try:
             self.record_environment()
             return write_report(self.run_dir)

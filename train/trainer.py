@@ -575,8 +575,9 @@ class Trainer:
         if self.is_main:  # the single writer of the window's consumer state
             self.window.flush_read(force=True)
             self.window.publish_watermark(watermark(data))
-            evicted = self.window.evict()
-            log.info("checkpoint %s (evicted %d shards)", path, len(evicted))
+            evicting = self.window.evict_read(background=True)  # the deletes on a thread of their own
+            log.info("checkpoint %s (%s)", path, "evicting below the watermark" if evicting is None else
+                     f"evicting {len(evicting)} files")
         fault_point("train.after_checkpoint")
         return path
 
@@ -609,6 +610,7 @@ class Trainer:
         summary = {"steps": self.step, "last_loss": last_loss, "export": str(export), "videos": len(videos)}
         self._write_memory()
         if self.is_main:
+            self.window.wait_evictions()
             self.tracker.close()
             plot = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
             summary["loss_plot"] = str(plot)

@@ -88,8 +88,11 @@ class S3Backend(FsspecBackend):
 
     def __init__(self, root: str, retrying):
         # Own instance (not fsspec's shared one) so that switching off s3fs's retry loop touches no one else.
+        # 64 connections (botocore's default is 10): the trainer's rank 0 reads commit records 64 at a time ahead of
+        # its walk (window/reader.py), beside the read-ahead's data reads.
         fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True,
-                               config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}})
+                               config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"},
+                                              "max_pool_connections": 64})
         fs.retries = 1
         quiet_lost_connections()
         super().__init__(fs, root, retrying)

@@ -26,6 +26,8 @@ its writer methods, the trainer its reader methods.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Iterator
 
 from .. import lease
@@ -63,6 +65,8 @@ class Window:
         self.timeout_seconds = timeout_seconds
         self.writer = Writer(self.storage, size, poll_seconds, timeout_seconds)
         self.reader = Reader(self.storage, poll_seconds, timeout_seconds)
+        self._evictions: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
 
     def __repr__(self) -> str:
         return f"Window({self.uri!r}, size={self.size!r})"
@@ -83,6 +87,29 @@ class Window:
     def evict(self, rank: int | None = None) -> list[str]:
         """Shards below the watermark, deleted (never with size="keep"); see cleaning.evict."""
         return [] if self.keep else cleaning.evict(self.storage, rank)
+
+    def evict_read(self, background: bool = False) -> list[str] | None:
+        """The trainer's eviction (its rank 0, after a checkpoint): `evict` from the order its reader holds; returns
+        the paths deleted. `background`: planned here, the deletes made on a thread of their own, one eviction
+        after the other (`wait_evictions`), so a checkpoint never waits on them; returns the planned paths (None
+        for the first, which lists the folders there)."""
+        if self.keep:
+            return []
+        if not background:
+            return self.reader.evict()
+        plan = self.reader.evict_plan()
+        if self._evictions is None:
+            self._evictions = ThreadPoolExecutor(1, thread_name_prefix="vt-window-evict")
+        task = cleaning.evict if plan is None else partial(cleaning.delete_records_then_data, records=plan[0],
+                                                           data=plan[1])
+        self._pending.append(self._evictions.submit(task, self.storage))
+        return None if plan is None else [*plan[0], *plan[1]]
+
+    def wait_evictions(self) -> None:
+        """Until the background evictions are done; raises the first one's error."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
 
     # -- producer side (writer.py) ---------------------------------------------------------------
     def acquire(self, rank: int) -> int:

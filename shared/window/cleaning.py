@@ -30,18 +30,24 @@ def evict(storage: Storage, rank: int | None = None) -> list[str]:
     for k in sorted(watermark if rank is None else [rank]):
         floor = watermark.get(k, 0)
         records = [r for r in storage.list(f"commits/p{k}") if seq_of(r) < floor]
-        for rel in records:
-            storage.delete(rel)
-            deleted.append(rel)
-        if records:
-            fault_point("window.evict.mid")  # records gone, data still there: orphans, never dangling records
-        data = [r for r in storage.list(f"data/p{k}") if seq_of(r) < floor]
-        for rel in data:
-            storage.delete(rel)
-            deleted.append(rel)
+        deleted += delete_records_then_data(storage, records, lambda: [r for r in storage.list(f"data/p{k}")
+                                                                       if seq_of(r) < floor])
     if deleted:
         log.debug("evicted %d files below the watermark from %s", len(deleted), storage.uri)
     return deleted
+
+
+def delete_records_then_data(storage: Storage, records: list[str], data) -> list[str]:
+    """Delete commit `records`, then the data files (`data`: a list, or a function listing them once the records are
+    gone): a crash in between leaves orphan data, never a record without its data. Returns what it deleted."""
+    for rel in records:
+        storage.delete(rel)
+    if records:
+        fault_point("window.evict.mid")  # records gone, data still there: orphans, never dangling records
+    data = data() if callable(data) else data
+    for rel in data:
+        storage.delete(rel)
+    return [*records, *data]
 
 
 def clean_orphans(storage: Storage, rank: int, beyond: int | None = None) -> tuple[list[str], dict[int, list[str]]]:

@@ -10,7 +10,7 @@ import json
 
 from ..shards import CommitRecord
 from ..storage import Storage
-from .layout import CONSUMER, commit_path, producer_path, seqs
+from .layout import CONSUMER, commit_path, producer_path, rank_of, seq_of, seqs
 
 
 def producers(storage: Storage) -> dict[int, dict]:
@@ -65,6 +65,21 @@ def next_seq(storage: Storage, rank: int, positions: dict | None = None) -> int:
     while seq in committed:
         seq += 1
     return seq
+
+
+def next_seqs(storage: Storage, positions: dict | None = None) -> dict[int, int]:
+    """`next_seq` of every producer with a commit record present, from one listing of `commits/` (all producers)."""
+    positions = positions if positions is not None else consumer(storage)
+    committed: dict[int, set[int]] = {}
+    for rel in storage.list("commits"):
+        committed.setdefault(rank_of(rel), set()).add(seq_of(rel))
+    out = {}
+    for rank, seqs_of_rank in committed.items():
+        seq = positions["watermark"].get(rank, 0)
+        while seq in seqs_of_rank:
+            seq += 1
+        out[rank] = seq
+    return out
 
 
 def record(storage: Storage, rank: int, seq: int) -> CommitRecord | None:

@@ -16,14 +16,19 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator
 
 from ..faults import fault_point
 from ..shard_rows import RowsCorrupt, ShardLayout
 from ..shards import CommitRecord, read_shard_metadata
 from ..storage import Storage
-from . import ledger
+from . import cleaning, ledger
 from .layout import ShardCorruptError, WindowTimeout, commit_path, empty_caption_path, validation_path
+
+
+PREFETCH = 256  # commit records read ahead of the position asked for (a few KB each)
+PREFETCH_THREADS = 64  # at most this many in flight: rank 0 keeps up with 64 / round trip records a second
 
 
 class NotYet(Exception):
@@ -56,6 +61,14 @@ class Reader:
         self._consumer: dict | None = None
         self._unpublished: int | None = None  # a read position noted (`note_read`), not written yet
         self._published_at = float("-inf")  # time.monotonic() of the last read position written
+        # Eviction from the order held here (`evict`): the data file of each position this reader resolved a record
+        # for, until evicted, and the position eviction has reached (None before this process first evicted)
+        self._data: dict[int, str] = {}
+        self._evicted_to: int | None = None
+        # Commit records of the positions after the last one asked for, read ahead on threads of their own
+        # (`_prefetch`): a record is immutable once created, so the walk waits on one round trip at most
+        self._ahead: dict[int, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
 
     def slot(self, position: int, block: bool) -> tuple[int, int] | None:
         """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet
@@ -83,17 +96,27 @@ class Reader:
                 return True
 
     def _slot_state(self, rank: int, seq: int) -> bool | None:
-        """True: (rank, seq) is committed; False: its producer finished with fewer shards; None: not yet."""
+        """True: (rank, seq) is committed; False: its producer finished with fewer shards; None: not yet.
+
+        A slot not known committed costs one listing of `commits/`, which updates every producer's count at once
+        (so on a window being written, one listing answers the slots of all the shards committed since the last);
+        only a slot still missing then reads its producer's registration, for the done marker, and lists that
+        producer's commits again after it (commits never follow the marker)."""
         done, committed = self._done, self._committed
         if rank in done and seq >= done[rank]:
             return False
         if seq < committed[rank]:
             return True
-        info = ledger.producer(self.storage, rank)  # done marker first: commits never follow it
-        if info is not None and info.get("done"):
-            done[rank] = info["num_shards"]
-        committed[rank] = ledger.next_seq(self.storage, rank, self.consumer())
-        if rank in done and seq >= done[rank]:
+        for other, count in ledger.next_seqs(self.storage, self.consumer()).items():
+            committed[other] = max(committed.get(other, 0), count)
+        if seq < committed[rank]:
+            return True
+        info = ledger.producer(self.storage, rank)
+        if not (info is not None and info.get("done")):
+            return None
+        done[rank] = info["num_shards"]
+        committed[rank] = max(committed[rank], ledger.next_seq(self.storage, rank, self.consumer()))
+        if seq >= done[rank]:
             return False
         return True if seq < committed[rank] else None
 
@@ -128,13 +151,47 @@ class Reader:
         if slot is None:
             return None
         rank, seq = slot
+        ahead = self._ahead.pop(position, None)
         try:
-            return CommitRecord.from_json(self.storage.read(commit_path(rank, seq)))
+            record = CommitRecord.from_json(ahead.result() if ahead else self.storage.read(commit_path(rank, seq)))
         except FileNotFoundError:
             raise RuntimeError(
                 f"position {position} (producer {rank} shard {seq}) was evicted from {self.storage.uri}: "
                 "the watermark is past it. Resume from the newest checkpoint, or use "
                 "window.size='keep' to read a window more than once") from None
+        if self._evicted_to is None or position >= self._evicted_to:
+            self._data[position] = record.data
+        self._prefetch(position + 1)
+        return record
+
+    def _prefetch(self, start: int) -> None:
+        """Read the commit records of positions [start, start + PREFETCH) on the pool's threads, as far as the order
+        is known without asking storage (`_resolve_known`); forget those behind `start`."""
+        for position in [p for p in self._ahead if p < start]:
+            self._ahead.pop(position).cancel()
+        self._resolve_known(start + PREFETCH)
+        for position in range(start, min(start + PREFETCH, len(self.resolved))):
+            if position not in self._ahead:
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="vt-window-records")
+                self._ahead[position] = self._pool.submit(self.storage.read, commit_path(*self.resolved[position]))
+
+    def _resolve_known(self, limit: int) -> None:
+        """Resolve slots into `resolved`, up to `limit` of them, while what the walk knows answers them (committed
+        seqs, done markers): no storage request; the first slot it cannot answer is left to `_resolve_next`."""
+        while len(self.resolved) < limit and self._world is not None and not self.ended:
+            seq, rank = self._next
+            if len(self._done) == self._world and seq >= max(self._done.values()):
+                return
+            if rank in self._done and seq >= self._done[rank]:
+                present = False
+            elif seq < self._committed[rank]:
+                present = True
+            else:
+                return
+            self._next = (seq, rank + 1) if rank + 1 < self._world else (seq + 1, 0)
+            if present:
+                self.resolved.append((rank, seq))
 
     def read_shard(self, record: CommitRecord) -> bytes:
         """The data bytes of a committed shard, checked against the record's size and sha256."""
@@ -250,6 +307,26 @@ class Reader:
         position, self._unpublished = self._unpublished, None
         self.publish_read(position)
         self._published_at = time.monotonic()
+
+    def evict(self) -> list[str]:
+        """The consumer's eviction after a checkpoint: the records, then the data, of the positions below the
+        watermark (`evict_plan`, then the deletes). Returns the paths deleted."""
+        plan = self.evict_plan()
+        return cleaning.evict(self.storage) if plan is None else cleaning.delete_records_then_data(self.storage, *plan)
+
+    def evict_plan(self) -> tuple[list[str], list[str]] | None:
+        """What `evict` deletes, worked out from the order held here and marked as done: (records, data files) of
+        the positions this reader resolved below the watermark since the last eviction, with no request, so the
+        cost follows the shards consumed, not the number of producers; None the first time in a process, when
+        what earlier trainers left can only be found by listing each producer's folders (cleaning.evict)."""
+        watermark = self.consumer()["watermark_position"]
+        plan = None
+        if self._evicted_to is not None:
+            span = range(self._evicted_to, watermark)
+            plan = [commit_path(*self.resolved[p]) for p in span], [self._data[p] for p in span if p in self._data]
+        self._evicted_to = max(watermark, self._evicted_to or 0)
+        self._data = {position: rel for position, rel in self._data.items() if position >= self._evicted_to}
+        return plan
 
     def publish_watermark(self, position: int) -> None:
         """After a checkpoint: positions < `position` may be evicted. Never moves back."""

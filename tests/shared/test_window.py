@@ -237,6 +237,101 @@ def test_watermark_eviction(uri):
     assert state["bytes"] == sum(r.nbytes for _, r in records)
 
 
+def test_the_trainers_eviction_lists_once_then_deletes_from_the_order_it_holds(tmp_path):
+    """`evict_read` (the trainer's rank 0 after a checkpoint): the first time in a process it lists the producers'
+    folders (what an earlier trainer left below the watermark); after that it deletes the records, then the data,
+    of the positions it read and the watermark passed, with no listing, whatever the number of producers."""
+    uri = str(tmp_path / "window")
+    for rank in range(4):
+        produce(Window(uri, 12, **FAST), rank, 4, 3)
+    earlier = Window(uri, 12, **FAST)  # a trainer that read 4 positions and checkpointed, then stopped
+    list(zip(range(4), earlier.order()))
+    earlier.publish_read(4)
+    earlier.publish_watermark(2)
+    reader = Window(uri, 12, **FAST)
+    records = dict(reader.order(start=2))
+    before = {p: r.data for p, r in earlier.order()}  # what the earlier trainer read: positions 0 and 1
+    listings = []
+    reader.storage.list = lambda prefix="", _list=reader.storage.list: listings.append(prefix) or _list(prefix)
+    reader.publish_read(12)
+    reader.publish_watermark(5)
+    first = reader.evict_read()
+    assert listings and sorted(first) == sorted(
+        [commit_path(0, 0), commit_path(1, 0), before[0], before[1],
+         commit_path(2, 0), commit_path(3, 0), commit_path(0, 1), records[2].data, records[3].data, records[4].data])
+    listings.clear()
+    reader.publish_watermark(9)
+    second = reader.evict_read(background=True)  # as the trainer does it: the deletes on a thread of their own
+    reader.wait_evictions()
+    assert listings == [], f"the trainer's eviction listed {listings}"
+    assert second == [commit_path(r.producer, r.seq) for r in (records[p] for p in range(5, 9))] + \
+        [records[p].data for p in range(5, 9)]  # records first, then data
+    left = Storage(uri)
+    assert not any(left.exists(rel) for rel in second)
+    assert sorted(left.list("commits")) == sorted(commit_path(records[p].producer, records[p].seq) for p in (9, 10, 11))
+    assert reader.evict_read() == []
+
+
+class ThreadCountingStorage(Storage):
+    """Real storage that counts the requests made on the thread that created it (the training thread)."""
+
+    def __init__(self, uri: str):
+        super().__init__(uri)
+        self.owner = threading.current_thread()
+        self.requests = 0
+
+    def _count(self) -> None:
+        self.requests += threading.current_thread() is self.owner
+
+    def read(self, rel):
+        self._count()
+        return super().read(rel)
+
+    def list(self, prefix=""):
+        self._count()
+        return super().list(prefix)
+
+    def put_atomic(self, rel, data):
+        self._count()
+        return super().put_atomic(rel, data)
+
+    def delete(self, rel):
+        self._count()
+        return super().delete(rel)
+
+
+def test_the_trainers_requests_per_shard_do_not_grow_with_the_producers(tmp_path):
+    """Rank 0's walk as the trainer makes it (a record per position, the read position each shard, a watermark and
+    an eviction every 4): once the first round has found every producer (a registration and a listing each, once),
+    its own thread makes the same requests per shard over 1 producer's window as over 8 producers' (16 shards
+    each): the records come read ahead on other threads, eviction deletes what it read without listing; the end of
+    the order costs each producer its done marker, once."""
+    per_shard = {}
+    for producers in (1, 8):
+        uri = str(tmp_path / f"window-{producers}")
+        for rank in range(producers):
+            produce(Window(uri, 16, **FAST), rank, producers, 16 // producers)
+        storage = ThreadCountingStorage(uri)
+        reader = Window(uri, 16, storage=storage, **FAST)
+        for position in range(8):  # the first round: every producer found
+            assert reader.record_at(position) is not None
+        reader.publish_read(8)
+        reader.publish_watermark(8)
+        reader.evict_read()  # the first eviction in a process lists; what follows must not
+        start = storage.requests
+        for position in range(8, 16):
+            assert reader.record_at(position) is not None
+            reader.publish_read(position + 1)
+            if (position + 1) % 4 == 0:
+                reader.publish_watermark(position + 1)
+                reader.evict_read()
+        per_shard[producers] = (storage.requests - start) / 8
+        start = storage.requests
+        assert reader.record_at(16) is None  # the end: each producer's done marker read once, when it is reached
+        assert storage.requests - start <= 3 * producers
+    assert per_shard[8] == per_shard[1] == 3.25, per_shard  # a read position each, and per 4: a watermark, 8 deletes
+
+
 def test_keep_never_evicts(uri):
     w = Window(uri, size="keep", poll_seconds=0.01, timeout_seconds=0.2)
     produce(w, 0, 1, 5)  # wait_for_room never blocks although nothing is read

@@ -67,8 +67,15 @@ def test_the_page_links_videos_with_their_prompts_lists_rejects_and_is_written_a
 
 
 def test_the_trainers_writer_waits_its_interval_and_a_failure_is_a_warning(run_dir, capsys):
+    """The page is written on a thread of its own (off the training thread), at most once per interval, and the
+    last one on the caller's thread."""
+    import threading
+
     writer = ReportWriter(run_dir, every_seconds=3600)
-    assert writer.update() == run_dir / "report.html"
+    thread = writer.update()
+    assert isinstance(thread, threading.Thread) and thread is not threading.current_thread()
+    writer.wait()
+    assert (run_dir / "report.html").is_file()
     (run_dir / "report.html").unlink()
     assert writer.update() is None and not (run_dir / "report.html").exists()  # within the interval
     assert writer.update(final=True) == run_dir / "report.html"
