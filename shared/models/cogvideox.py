@@ -24,27 +24,17 @@ class CogVideoXSpec(ModelSpec):
     family: ClassVar[str] = "cogvideox"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
-    # No ComfyUI key table: diffusers has no converter for CogVideoX's original (SAT, fused q/k/v)
-    # names, so nothing here could check such a file; ComfyUI-CogVideoXWrapper reads the diffusers
-    # file as it is. The base class warns and writes the diffusers file only.
-    original_names: ClassVar[tuple[tuple[str, str], ...]] = ()
+    # No ComfyUI key table, `original_names` (the base class warns, writes the diffusers file): docs/families.md.
     example_hub_id: ClassVar[str] = "THUDM/CogVideoX-5b"
-
     components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:T5EncoderModel",
                                             "vae": "diffusers:AutoencoderKLCogVideoX",
                                             "transformer": "diffusers:CogVideoXTransformer3DModel"}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:CogVideoXPipeline",
                                            "i2v": "diffusers:CogVideoXImageToVideoPipeline"}
 
-    # ----------------------------------------------------------------------------- geometry
     @cached_property
     def _transformer_config(self) -> dict:
         return self.load_config("transformer")
-
-    @property
-    def _patch_t(self) -> int:
-        """Latent frames per token: 1 for CogVideoX 1.0, `patch_size_t` (2) for 1.5."""
-        return self._transformer_config.get("patch_size_t") or 1
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae, transformer = self.load_config("vae"), self._transformer_config
@@ -58,14 +48,14 @@ class CogVideoXSpec(ModelSpec):
                              f"checkpoint (e.g. {self.example_hub_id})")
         self._check_text_length()
         # As CogVideoXPipeline computes its vae_scale_factor_spatial / _temporal.
-        return VaeGeometry(temporal=int(vae["temporal_compression_ratio"]),
-                           spatial=2 ** (len(vae["block_out_channels"]) - 1),
-                           channels=vae["latent_channels"], patch=transformer.get("patch_size", 2))
+        return VaeGeometry(temporal=int(vae["temporal_compression_ratio"]), channels=vae["latent_channels"],
+                           spatial=2 ** (len(vae["block_out_channels"]) - 1), patch=transformer.get("patch_size", 2))
 
     def _check_text_length(self) -> None:
         """Sincos (and learned) positional embeddings span exactly max_text_seq_length text tokens."""
         config = self._transformer_config
-        positional = not config.get("use_rotary_positional_embeddings") or config.get("use_learned_positional_embeddings")
+        learned = config.get("use_learned_positional_embeddings")
+        positional = not config.get("use_rotary_positional_embeddings") or learned
         expected = config.get("max_text_seq_length", 226)
         if positional and self.max_text_tokens != expected:
             given = (f"model.max_text_tokens = {self.max_text_tokens}" if self.config.max_text_tokens
@@ -83,33 +73,29 @@ class CogVideoXSpec(ModelSpec):
                 raise UserError(f"bucket {bucket.name}: this {self.family} transformer's learned positional embedding "
                                  f"covers exactly {size[0]}x{size[1]} pixels (CogVideoX-5b-I2V); change buckets.sizes "
                                  f"to {bucket.frames}x{size[0]}x{size[1]}")
-        p_t, temporal = self._patch_t, self.geometry.temporal
+        # Latent frames per token: 1 for CogVideoX 1.0, `patch_size_t` (2) for 1.5.
+        p_t, temporal = config.get("patch_size_t") or 1, self.geometry.temporal
         if p_t > 1 and ((bucket.frames - 1) // temporal + 1) % p_t:
             first = temporal * (p_t - 1) + 1
-            raise UserError(
-                f"bucket {bucket.name}: this {self.family} transformer folds {p_t} latent frames into a token "
-                f"(patch_size_t), so frames must be {temporal * p_t}k+{first} (e.g. {first + temporal * p_t} or "
-                f"{first + 10 * temporal * p_t}); change buckets.sizes"
-            )
+            raise UserError(f"bucket {bucket.name}: this {self.family} transformer folds {p_t} latent frames into a "
+                             f"token (patch_size_t), so frames must be {temporal * p_t}k+{first} (e.g. "
+                             f"{first + temporal * p_t} or {first + 10 * temporal * p_t}); change buckets.sizes")
 
     def tokens_per_sample(self, latent_shape: tuple[int, ...]) -> int:
-        """Video tokens (the text tokens are not counted): CogVideoX 1.5 also folds patch_size_t frames."""
+        """Video tokens only (not the text's); CogVideoX 1.5 also folds patch_size_t frames."""
         _, frames, height, width = latent_shape
         patch = self.geometry.patch
-        return frames // self._patch_t * (height // patch) * (width // patch)
+        return frames // (self._transformer_config.get("patch_size_t") or 1) * (height // patch) * (width // patch)
 
-    # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
-        """{"prompt_embeds": (B, L, D)} float32: T5 over the padded caption, no mask (as the pipeline)."""
         self._check_text_length()
         embeds, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
         return {"prompt_embeds": embeds.float()}
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """Latents (the base class: mode x scaling_factor); i2v adds `image_latents` (B, C, 1, H, W), the
-        first frame encoded alone and scaled as CogVideoXImageToVideoPipeline.prepare_latents scales it."""
+        """i2v adds `image_latents` (B, C, 1, H, W): the first frame encoded alone, scaled as `prepare_latents`."""
         out = super().encode_video(encoders, video)
         if self.config.task == "i2v":
             vae = encoders["vae"]
@@ -124,7 +110,6 @@ class CogVideoXSpec(ModelSpec):
             shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
         return shapes
 
-    # ----------------------------------------------------------------------------- stage 2
     @cached_property
     def _alphas_cumprod(self) -> Tensor:
         """The scheduler's alphas_cumprod (float64, CPU): snr_shift_scale and zero-terminal-SNR included."""
@@ -137,17 +122,14 @@ class CogVideoXSpec(ModelSpec):
                              f"(model.components.scheduler)")
         return scheduler.alphas_cumprod.to(torch.float64).clone()
 
-    def timesteps(self, sigmas: Tensor) -> Tensor:
-        """The integer DDPM timesteps (B,) for the trainer's sigmas in [0, 1]: floor(sigma * N), at most N - 1."""
-        steps = len(self._alphas_cumprod)
-        return (sigmas.detach().float() * steps).floor().clamp(0, steps - 1).long()  # float32, as sigma * 1000 reads
-
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """v-prediction on (B, C, F, H, W) latents; the transformer sees them as (B, F, C, H, W)."""
+        """v-prediction at the DDPM timestep floor(sigma * N) (at most N - 1); the transformer takes (B, F, C, H, W)."""
         x0 = batch["latents"].float()
         noise = noise.to(x0)
-        t = self.timesteps(sigmas.flatten()).to(x0.device)
+        steps = len(self._alphas_cumprod)
+        # The timestep from sigma in float32, as sigma * 1000 reads; int64, as the pipeline passes the scheduler's.
+        t = (sigmas.flatten().detach().float() * steps).floor().clamp(0, steps - 1).long().to(x0.device)
         alphas = self._alphas_cumprod.to(x0.device)[t]
         shape = (-1, *([1] * (x0.ndim - 1)))
         signal, sigma = alphas.sqrt().float().view(shape), (1 - alphas).sqrt().float().view(shape)
@@ -164,13 +146,9 @@ class CogVideoXSpec(ModelSpec):
             if transformer.config.ofs_embed_dim is not None:
                 image["ofs"] = torch.full((x0.shape[0],), 2.0, device=x0.device, dtype=dtype)
         out = transformer(
-            hidden_states=noisy.transpose(1, 2).to(dtype),
+            hidden_states=noisy.transpose(1, 2).to(dtype), timestep=t, return_dict=False,
             encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
-            timestep=t,  # int64, as the pipeline passes the scheduler's timesteps
-            image_rotary_emb=self._rotary_embedding(transformer, frames, height, width, x0.device),
-            return_dict=False,
-            **image,
-        )[0]
+            image_rotary_emb=self._rotary_embedding(transformer, frames, height, width, x0.device), **image)[0]
         return Prediction(prediction=out.transpose(1, 2).float(), target=signal * noise - sigma * x0, weight=None)
 
     @cached_property
@@ -190,21 +168,9 @@ class CogVideoXSpec(ModelSpec):
                 pipeline, height * spatial, width * spatial, frames, device)
         return cache[key]
 
-    # ----------------------------------------------------------------------------- validation
-    # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
-        """q/k/v and the FFN's first layer column-wise, the attention output and the FFN's second row-wise.
+        """One joint self-attention per block: its per-head norms and rotary tables work unchanged on local heads."""
+        return TensorParallelPlan(colwise=("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"),
+                                  rowwise=("attn1.to_out.0", "ff.net.2"), attention=("attn1",))
 
-        One joint self-attention per block (text and video tokens together), no cross-attention;
-        its query/key norms are LayerNorms over one head's channels and the rotary tables span one
-        head, so both work unchanged on each rank's local heads.
-        """
-        return TensorParallelPlan(
-            colwise=("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"),
-            rowwise=("attn1.to_out.0", "ff.net.2"),
-            attention=("attn1",),
-        )
-
-    # cp_plan: none (the base class refuses parallel.cp > 1). The attention processor concatenates the
-    # text with the video tokens before q/k/v and applies RoPE to all but the first text-length
-    # positions, so splitting the video tokens would need a CogVideoX-specific Ulysses processor.
+    # No cp_plan (parallel.cp > 1 refused): the processor joins text and video tokens before q/k/v (docs/parallel.md).

@@ -1,9 +1,5 @@
-"""Kandinsky 5.0 video (Kandinsky Lab, text- and image-to-video; Lite 2B and Pro 19B differ in config only):
-Qwen2.5-VL + CLIP text encoders, HunyuanVideo's causal VAE (x4 time, x8 space), a DiT of text blocks then
-visual blocks (cross-attention to the text), patch (1, 2, 2), channel-last latents.
-
-What is particular to it, and why: docs/families.md, "Kandinsky 5".
-"""
+"""Kandinsky 5.0 video (Kandinsky Lab, text- and image-to-video): Qwen2.5-VL + CLIP text encoders, HunyuanVideo's
+VAE, a DiT of text then visual blocks, channel-last latents. Particulars and why: docs/families.md, "Kandinsky 5"."""
 
 from __future__ import annotations
 
@@ -15,17 +11,19 @@ from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.errors import UserError
-from vt.shared.models import comfy
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
-from vt.shared.models.kandinsky5_conditions import caption_lengths, pooled_and_image_shapes, with_image_latents
+from vt.shared.models.hunyuan_video import PooledTextAndFirstFrame
+from vt.shared.models.kandinsky5_conditions import caption_lengths, channel_last, image_latents
 from vt.shared.models.lora import lora_weight_name
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan, Unplanned
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.weights import comfy
 
 PROMPT_TEMPLATE_TOKENS = 128  # Kandinsky5T2VPipeline.prompt_template_encode_start_idx: template tokens cropped
 PIPELINE_TEXT_LIMIT = 1024  # the pipeline's check_inputs limit (the text RoPE table has 1024 positions)
@@ -34,34 +32,27 @@ I2V_NORMALISED_FRAMES = 4  # Kandinsky5I2VPipeline.normalize_first_frame rescale
 _WARNED: set[str] = set()  # buckets the i2v validation warning was given for
 log = logging.getLogger(__name__)
 NEGATIVE_PROMPT = ("Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, "
-                   "ugly, deformed, walking backwards")  # what both pipelines encode for negative_prompt=None
+                   "ugly, deformed, walking backwards")  # what Kandinsky 5's and 6's pipelines encode for None
 
 
-class Kandinsky5Spec(ModelSpec):
+class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
     family: ClassVar[str] = "kandinsky5"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
-    # Text blocks run first, then the visual blocks: FSDP keeps the last visual block gathered for backward.
     block_lists: ClassVar[tuple[str, ...]] = ("text_transformer_blocks", "visual_transformer_blocks")
     pipeline_refusal: ClassVar[str] = (
         "its visual blocks take the visual tokens and, beside them, the text blocks' output, so the last text block's "
         "output is not the next block's input, which is what a pipeline stage hands on")
-    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2",
-                                                    "vae")
-    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # rows past it never fed
     example_hub_id: ClassVar[str] = "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"
     negative_prompt: ClassVar[str] = NEGATIVE_PROMPT
-    # Attention q/k/v/out of every block (peft matches by suffix: `out_layer` alone would reach the FFNs,
-    # modulations and the output layer too).
+    # Attention q/k/v/out of every block (`out_layer` alone would reach the FFNs, modulations and output layer too).
     default_lora_targets: ClassVar[list[str]] = ["to_query", "to_key", "to_value", "self_attention.out_layer",
                                                  "cross_attention.out_layer"]
-    original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"((?:text|visual)_transformer_blocks\.\d+\..+)",
-                                                              r"\1"),)
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"((?:text|visual)_transformer_blocks\.\d+\..+)", r"\1"),)
     comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: ComfyUI and `load_lora` then apply 1
-
-    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
-                                            "text_encoder_2": "transformers:CLIPTextModel",
-                                            "vae": "diffusers:AutoencoderKLHunyuanVideo",
-                                            "transformer": "diffusers:Kandinsky5Transformer3DModel"}
+    components: ClassVar[dict[str, str]] = {
+        "text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
+        "text_encoder_2": "transformers:CLIPTextModel", "vae": "diffusers:AutoencoderKLHunyuanVideo",
+        "transformer": "diffusers:Kandinsky5Transformer3DModel"}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:Kandinsky5T2VPipeline",
                                            "i2v": "diffusers:Kandinsky5I2VPipeline"}
 
@@ -85,17 +76,13 @@ class Kandinsky5Spec(ModelSpec):
 
     @cached_property
     def sparse_attention(self) -> bool:
-        """Whether the transformer's config asks for NABLA sparse attention (the pipeline then builds it)."""
         return self.load_config("transformer").get("attention_type") == "nabla"
 
     def check_bucket(self, bucket: Bucket) -> None:
-        """As the base; NABLA also needs latent sides (after the patch) in whole groups of 8 x 8 tokens."""
         super().check_bucket(bucket)
-        if not self.sparse_attention:
-            return
         unit = self.geometry.spatial * self.geometry.patch * NABLA_GROUP
         for side, value in (("height", bucket.height), ("width", bucket.width)):
-            if value % unit:
+            if self.sparse_attention and value % unit:
                 raise UserError(f"bucket {bucket.name}: this {self.family} transformer uses NABLA sparse attention "
                                  f"(attention_type \"nabla\"), which groups 8 x 8 tokens: {side} must be a multiple of "
                                  f"{unit}; change buckets.sizes (e.g. {max(unit, value // unit * unit)})")
@@ -106,61 +93,39 @@ class Kandinsky5Spec(ModelSpec):
         cls = self.pipeline_class()
         return cls(**{name: None for name in list(inspect.signature(cls.__init__).parameters)[1:]})
 
-    # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
-        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L), "pooled_prompt_embeds": (B, P)},
-        L = the spec's max_text_tokens: each caption encoded alone, as the pipeline encodes one prompt, its
-        rows first and zeros after them."""
-        pipeline = self._text_pipeline(encoders)
-        device = encoders["text_encoder"].device
-        embeds, mask, pooled = [], torch.zeros(len(captions), self.max_text_tokens, device=device), []
-        for row, caption in enumerate(captions):
-            qwen, clip, _ = pipeline.encode_prompt([caption], max_sequence_length=self.max_text_tokens, device=device,
-                                                   dtype=torch.float32)
-            padded = qwen.new_zeros(self.max_text_tokens, qwen.shape[-1])
-            padded[:qwen.shape[1]] = qwen[0]
-            mask[row, :qwen.shape[1]] = 1
-            embeds.append(padded)
-            pooled.append(clip[0])
-        return {"prompt_embeds": torch.stack(embeds).float(), "prompt_attention_mask": mask,
-                "pooled_prompt_embeds": torch.stack(pooled).float()}
-
-    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
-        """Qwen's text and its mask, CLIP's pooled embedding; i2v the first frame's latents."""
-        return pooled_and_image_shapes(self, super().condition_shapes(bucket))
+        """Each caption encoded alone, as the pipeline encodes one prompt: its rows first, zeros after them."""
+        pipeline, device, length = self._text_pipeline(encoders), encoders["text_encoder"].device, self.max_text_tokens
+        texts = [pipeline.encode_prompt([caption], max_sequence_length=length, device=device, dtype=torch.float32)[:2]
+                 for caption in captions]
+        rows = torch.tensor([qwen.shape[1] for qwen, _ in texts], device=device)
+        embeds = [F.pad(qwen[0].float(), (0, 0, 0, length - len(qwen[0]))) for qwen, _ in texts]
+        return {"prompt_embeds": torch.stack(embeds),
+                "prompt_attention_mask": (torch.arange(length, device=device) < rows[:, None]).float(),
+                "pooled_prompt_embeds": torch.stack([clip[0] for _, clip in texts]).float()}
 
     @torch.no_grad()
     def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
-        """The pipeline call's `prompt_embeds_qwen` (1, n, D) unpadded, `prompt_embeds_clip` and
-        `prompt_cu_seqlens` ([0, n]): what its own encode_prompt returns for the prompt."""
+        """What the pipeline's encode_prompt returns: Qwen's rows unpadded, CLIP's, `prompt_cu_seqlens` [0, n]."""
         stored = self.encode_text(encoders, [prompt])
         rows = int(stored["prompt_attention_mask"].sum())
         return {"prompt_embeds_qwen": stored["prompt_embeds"][:, :rows],
                 "prompt_embeds_clip": stored["pooled_prompt_embeds"],
                 "prompt_cu_seqlens": torch.tensor([0, rows], dtype=torch.int32)}
 
-    @torch.no_grad()
-    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """{"latents": mode x scaling_factor}; i2v adds `image_latents`, the first frame encoded alone (the
-        VAE's group norms span all frames, so the clip's first latent frame is not the image's)."""
-        return with_image_latents(self, encoders, video, super().encode_video(encoders, video))
-
-    # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """The pipeline's transformer call for one prompt, once per sample with its own text rows, stacked
-        back as (B, C, F, H, W). One call per sample, not per caption length: each sample's prediction then
-        is the same computation in every data-parallel slicing (the attention rounds q and k to bfloat16,
-        so a call over two samples may round a few elements unlike two calls over one)."""
+        """The pipeline's transformer call for one prompt, once per sample with its own text rows (docs/families.md)."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         weight = None
-        if self.config.task == "i2v":
-            noisy, weight = self._condition_first_frame(batch, noisy)
-        dtype = input_dtype(transformer)
-        hidden = self._visual_input(transformer, noisy).to(dtype)
+        if self.config.task == "i2v":  # the first latent frame: the clean image latents, weight 0 in the loss
+            noisy = torch.cat([image_latents(batch).to(noisy), noisy[:, :, 1:]], dim=2)
+            weight = noisy.new_ones(noisy.shape[0], 1, noisy.shape[2], 1, 1)
+            weight[:, :, 0] = 0.0
+        dtype, g, device = input_dtype(transformer), self.geometry, x0.device
+        hidden = channel_last(transformer, noisy, 0 if self.config.task == "i2v" else None).to(dtype)
         _, frames, height, width, _ = hidden.shape
-        g, device = self.geometry, x0.device
         shared = dict(  # as the pipeline: RoPE positions, its resolution rule, its sparse attention
             visual_rope_pos=[torch.arange(n, device=device) for n in (frames, height // g.patch, width // g.patch)],
             scale_factor=self._rules._get_scale_factor(height * g.spatial, width * g.spatial),
@@ -177,26 +142,6 @@ class Kandinsky5Spec(ModelSpec):
         prediction = torch.cat(outputs)
         return Prediction(prediction=prediction.permute(0, 4, 1, 2, 3).float(), target=noise - x0, weight=weight)
 
-    def _condition_first_frame(self, batch, noisy: Tensor) -> tuple[Tensor, Tensor]:
-        """The first latent frame becomes the clean image latents, left out of the loss (weight 0)."""
-        if "image_latents" not in batch:
-            raise KeyError("task i2v needs batch['image_latents']; precompute the shards with model.task = \"i2v\"")
-        noisy = torch.cat([batch["image_latents"].to(noisy), noisy[:, :, 1:]], dim=2)
-        weight = noisy.new_ones(noisy.shape[0], 1, noisy.shape[2], 1, 1)
-        weight[:, :, 0] = 0.0
-        return noisy, weight
-
-    def _visual_input(self, transformer, latents: Tensor) -> Tensor:
-        """(B, C, F, H, W) -> the pipelines' channel-last input: with `visual_cond`, [latents, zeros, mask]
-        (mask 1 on the first frame for i2v, 0 everywhere for t2v)."""
-        latents = latents.permute(0, 2, 3, 4, 1)
-        if not transformer.config.visual_cond:
-            return latents
-        mask = latents.new_zeros(*latents.shape[:-1], 1)
-        if self.config.task == "i2v":
-            mask[:, 0] = 1.0
-        return torch.cat([latents, torch.zeros_like(latents), mask], dim=-1)
-
     def _sparse_params(self, transformer, hidden: Tensor) -> dict[str, Any] | None:
         """The pipeline's own `get_sparse_params` for this input (None unless the config says "nabla")."""
         if transformer.config.attention_type != "nabla":
@@ -210,10 +155,8 @@ class Kandinsky5Spec(ModelSpec):
         rules = SimpleNamespace(transformer=transformer, fast_sta_nabla=self._rules.fast_sta_nabla)
         return type(self._rules).get_sparse_params(rules, hidden, hidden.device)
 
-    # ----------------------------------------------------------------------------- validation
     def build_pipeline(self, transformer, *args, **kwargs):
-        """As the base; for i2v the VAE in the transformer's dtype: Kandinsky5I2VPipeline casts the image to
-        the transformer's dtype before encoding it (a CPU run keeps the VAE in float32 and a bf16 transformer)."""
+        """i2v: the VAE in the transformer's dtype, in which Kandinsky5I2VPipeline hands it the image."""
         pipeline = super().build_pipeline(transformer, *args, **kwargs)
         vae = getattr(pipeline, "vae", None)
         if self.config.task == "i2v" and vae is not None and vae.dtype != pipeline.transformer.dtype:
@@ -221,9 +164,7 @@ class Kandinsky5Spec(ModelSpec):
         return pipeline
 
     def pipeline_inputs(self, prompt: str, bucket: Bucket, *args, **kwargs) -> dict[str, Any]:
-        """As the base; warns (once per bucket) where Kandinsky5I2VPipeline's first-frame normalisation
-        (`normalize_first_frame`: the first 4 latent frames rescaled to the statistics of the next ones)
-        has no later frames to read and turns the video into NaN: i2v validation needs 17 frames or more."""
+        """Warns (once per bucket) where i2v's first-frame normalisation has no later frames to read (NaN video)."""
         latent_frames = self.latent_shape(bucket)[1]
         if self.config.task == "i2v" and latent_frames <= I2V_NORMALISED_FRAMES and bucket.name not in _WARNED:
             _WARNED.add(bucket.name)
@@ -233,14 +174,11 @@ class Kandinsky5Spec(ModelSpec):
                         I2V_NORMALISED_FRAMES * self.geometry.temporal + 1)
         return super().pipeline_inputs(prompt, bucket, *args, **kwargs)
 
-    # ----------------------------------------------------------------------------- export
     def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
-        """The pipeline's `load_lora_weights`; a ComfyUI file (`diffusion_model.` keys, which that loader
-        skips) is renamed to the diffusers keys first, its `.alpha` scales (other writers') folded in."""
+        """A ComfyUI file (`diffusion_model.` keys, which `load_lora_weights` skips) is renamed, `.alpha` folded in."""
         from safetensors.torch import load_file
 
-        path = Path(folder) / (weight_name or lora_weight_name(expert))
-        state = load_file(str(path))
+        state = load_file(str(Path(folder) / (weight_name or lora_weight_name(expert))))
         if not state or not all(key.startswith(comfy.PREFIX) for key in state):
             return super().load_lora(pipeline, folder, weight_name, expert)
         renamed = {}
@@ -252,10 +190,7 @@ class Kandinsky5Spec(ModelSpec):
                 renamed[f"transformer.{module}.lora_{kind}"] = value
         pipeline.load_lora_weights(renamed)
 
-    # ----------------------------------------------------------------------------- parallel plans
     def tp_plan(self) -> TensorParallelPlan:
-        """Every attention's q/k/v and FFN input column-wise, their outputs row-wise, in text and visual blocks (q/k
-        norms and rotary tables span one head; the modulations stay whole)."""
         attention = ("self_attention", "cross_attention")
         return TensorParallelPlan(
             colwise=(*(f"{a}.{p}" for a in attention for p in ("to_query", "to_key", "to_value")),
@@ -264,9 +199,6 @@ class Kandinsky5Spec(ModelSpec):
             attention=attention, heads_attribute="num_heads", optional=("cross_attention",))
 
     def cp_plan(self) -> ContextParallelPlan:
-        """Split the visual tokens at the first visual block, gather after the last (the output layer needs the whole
-        grid); the text blocks run whole on every rank. NABLA is refused: its per-head block mask under Ulysses
-        is unchecked (FlexAttention has no CPU backward)."""
         if self.sparse_attention:
             raise Unplanned(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no CP plan "
                             "(its FlexAttention block mask under Ulysses is not checked); set parallel.cp = 1")

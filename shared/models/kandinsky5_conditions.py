@@ -1,30 +1,19 @@
-"""What Kandinsky 5 and 6 store and read beside Qwen's text and the latents: CLIP's pooled embedding, the i2v first
-frame's latents, and each caption's text rows (their transformers take no text mask)."""
+"""What Kandinsky 5 and 6 read beside the latents: the i2v first frame's latents, each caption's text rows (stage 1
+stores them padded), and their transformers' channel-last input."""
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 from vt.shared.caption_table import mask_rows
 from vt.shared.errors import UserError
 
 
-def pooled_and_image_shapes(spec, shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
-    """`shapes` with CLIP's pooled embedding and, for i2v, the first frame's latents (C, 1, H, W): what Kandinsky 5
-    and 6 store beside Qwen's text and the latents."""
-    shapes = {**shapes, "pooled_prompt_embeds": (spec.text_width("text_encoder_2"),)}
-    if spec.config.task == "i2v":
-        shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
-    return shapes
-
-
-def with_image_latents(spec, encoders, video: Tensor, out: dict[str, Tensor]) -> dict[str, Tensor]:
-    """`out` with, for i2v, `image_latents`: the first frame encoded alone (mode x scaling_factor; the VAE's group
-    norms span all frames, so the clip's first latent frame is not the image's)."""
-    if spec.config.task == "i2v":
-        vae = encoders["vae"]
-        out["image_latents"] = (spec._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
-    return out
+def image_latents(batch: dict[str, Tensor]) -> Tensor:
+    if "image_latents" not in batch:
+        raise KeyError("task i2v needs batch['image_latents']; precompute the shards with model.task = \"i2v\"")
+    return batch["image_latents"]
 
 
 def caption_lengths(mask: Tensor) -> list[int]:
@@ -35,3 +24,14 @@ def caption_lengths(mask: Tensor) -> list[int]:
         raise UserError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
                          "at least the template's closing token per caption; re-run stage 1 for these shards")
     return lengths
+
+
+def channel_last(transformer, latents: Tensor, mask_frame: int | None) -> Tensor:
+    """(B, C, F, H, W) -> the channel-last input; with `visual_cond` [latents, zeros, mask 1 on frame `mask_frame`]."""
+    latents = latents.permute(0, 2, 3, 4, 1)
+    if not transformer.config.visual_cond:
+        return latents
+    mask = latents.new_zeros(*latents.shape[:-1], 1)
+    if mask_frame is not None:
+        mask[:, mask_frame] = 1.0
+    return torch.cat([latents, torch.zeros_like(latents), mask], dim=-1)

@@ -15,14 +15,11 @@ from vt.shared.buckets import Bucket
 from vt.shared.models.roles import AudioFormat, SoundStream
 from vt.shared.video_io import Sound
 
-# What only the sound stream trains: its embeddings, text blocks, decoder halves and the two cross-stream
-# attentions with their modulations (searched in parameter names).
+# What only the sound stream trains: its embeddings, text blocks, decoder halves and cross-stream attentions.
 AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|va_|av_)")
 
 
 class Kandinsky6Sound(SoundStream):
-    """Kandinsky 6's sound stream: the mono track through MMAudio's mel VAE, its BigVGAN vocoder's waveform."""
-
     parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern  # one timestep for both streams in diffusers' class
 
     def format(self) -> AudioFormat:
@@ -41,8 +38,7 @@ class Kandinsky6Sound(SoundStream):
 
     @torch.no_grad()
     def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, N)}: each mono track padded with silence to N whole latent hops (N the
-        pipeline's length for its duration), MMAudioVAE's posterior mode x scaling_factor."""
+        """Each mono track padded with silence to whole latent hops, MMAudioVAE's posterior mode x scaling_factor."""
         if audio.ndim != 3 or audio.shape[1] != 1:
             raise ValueError(f"audio must be (B, 1, samples) in [-1, 1], got shape {tuple(audio.shape)}")
         vae = encoders["audio_vae"]
@@ -52,6 +48,5 @@ class Kandinsky6Sound(SoundStream):
         return {"audio_latents": (latents[:, :, :frames] * vae.config.scaling_factor).cpu()}
 
     def output(self, pipeline, output) -> Sound:
-        """The first sample's mono waveform from MMAudio's vocoder, at the audio VAE's rate."""
         waveform = np.ascontiguousarray(output.audio[0], dtype=np.float32)  # output_type "np": numpy already
         return Sound(waveform.reshape(1, -1).clip(-1, 1), int(pipeline.audio_sample_rate))

@@ -1,14 +1,9 @@
 """LoRA for every family: adding adapters, what a full fine-tune trains, and the exported files.
 
-Mixed into ModelSpec. A family declares data, not code: `default_lora_targets`, the modules no adapter
-may reach (`lora_exclusions`, a regular expression, e.g. a text refiner whose original q/k/v are one
-module), and its ComfyUI key table (`original_names`, `comfy_fused`, `comfy_alpha`; comfy.py). The few
-that need more override a hook: `check_lora` (refuse targets that would never train),
-`comfy_tensors` (reorder a tensor to the original layout), `comfy_out_features`.
-
-Export writes pytorch_lora_weights.safetensors (read by the pipeline's `load_lora_weights`) and
-lora_comfyui.safetensors (original module names), and refuses a tensor that is NaN or inf: a diverged
-run would otherwise ship a LoRA that renders black videos.
+A family declares data: `default_lora_targets`, `lora_exclusions` (modules no adapter may reach) and its ComfyUI
+key table (`original_names`, `comfy_fused`, `comfy_alpha`; comfy.py). Export writes the pipeline's
+`load_lora_weights` file and lora_comfyui.safetensors, and refuses a NaN or inf tensor (a diverged run would ship
+a LoRA that renders black videos).
 """
 
 from __future__ import annotations
@@ -23,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from vt.shared.errors import UserError
-from vt.shared.models import comfy
+from vt.shared.weights import comfy
 
 log = logging.getLogger(__name__)
 

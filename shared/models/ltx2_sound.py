@@ -9,35 +9,29 @@ import torch
 from torch import Tensor
 
 from vt.shared.buckets import Bucket
-from vt.shared.models.mel import log_mel
+from vt.shared.mel import log_mel
 from vt.shared.models.roles import AudioFormat, SoundStream
 from vt.shared.video_io import Sound
 
 # The audio VAE's input: its STFT size is Lightricks' (ltx_core's AudioEncoder n_fft, the checkpoint's
 # preprocessing.stft.filter_length); diffusers' AutoencoderKLLTX2Audio config does not carry it.
 AUDIO_N_FFT = 1024
-# Parameters of the audio stream and of the audio <-> video cross-attention: no gradient reaches them
-# in video-only training, so a full fine-tune leaves them frozen (and LoRA must not target them).
+# The audio stream's and the audio <-> video cross-attention's parameters: no gradient reaches them without audio.
 AUDIO_PARAMETERS = re.compile(r"(^|\.)(audio_|av_cross_attn_|video_to_audio|video_a2v_)|(^|\.)cross_attn_(audio_)?rope")
 
 
 class LTX2Sound(SoundStream):
-    """LTX-2's sound stream: stereo log-mel spectrograms through its audio VAE, LTX2Pipeline's vocoder."""
-
     parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
     # LTX2Pipeline steps both streams at one sigma; its transformer takes a timestep per stream
     timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
 
     def format(self) -> AudioFormat:
-        """The audio VAE's sample rate and spectrogram channels (stereo for LTX-2)."""
         config = self.spec.load_config("audio_vae")
         return AudioFormat(sample_rate=config["sample_rate"], channels=config["in_channels"])
 
     def latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
-        """(latent channels, frames, mel bins / 4): what LTX2Pipeline generates for `bucket.frames` frames at the
-        spec's frame rate (its `audio_num_frames`: the duration x sample rate / hop / 4, rounded)."""
+        """(latent channels, frames, mel bins / 4): LTX2Pipeline's `audio_num_frames` for the clip's duration."""
         from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
-
         config = self.spec.load_config("audio_vae")
         per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
         frames = round(bucket.frames / self.spec.frame_rate * per_second)
@@ -45,10 +39,8 @@ class LTX2Sound(SoundStream):
 
     @torch.no_grad()
     def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, C, frames, mel bins / 4)} float32: the log-mel of `audio`, the audio VAE's posterior
-        mode cut to the pipeline's length, normalised as LTX2Pipeline denormalises (docs/families.md, LTX-2)."""
+        """The log-mel's posterior mode, cut to the pipeline's length, normalised as LTX2Pipeline denormalises."""
         from diffusers import LTX2Pipeline
-
         vae = encoders["audio_vae"]
         config = vae.config
         mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
@@ -64,7 +56,6 @@ class LTX2Sound(SoundStream):
         return {"audio_latents": LTX2Pipeline._unpack_audio_latents(packed, frames, latents.shape[3]).float()}
 
     def output(self, pipeline, output) -> Sound:
-        """The first sample's waveform from LTX2Pipeline's vocoder (2.0: 24 kHz, 2.3 with bandwidth
-        extension: 48 kHz), at the rate the vocoder's config gives."""
+        """At the vocoder's rate (2.0: 24 kHz, 2.3 with bandwidth extension: 48 kHz)."""
         waveform = output.audio[0].float().cpu().numpy()
         return Sound(waveform.reshape(-1, waveform.shape[-1]), int(pipeline.vocoder.config.output_sampling_rate))

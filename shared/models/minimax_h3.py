@@ -1,9 +1,7 @@
 """MiniMax H3 (MiniMax, audio + video): Qwen3-VL conditioner (hidden state 50), a video VAE of ImageNet-normalised
 pixels (17n+5 frames -> 5n+2 latent frames, x16 space, 24 channels), a mono audio VAE (32 kHz, 40 latents/s, stereo
 as two channels) and one DiT over a single packed sequence [text | audio | video] (no cross-attention).
-
-What is particular to it, and why: docs/families.md, "MiniMax H3 (audio + video)".
-"""
+What is particular to it, and why: docs/families.md, "MiniMax H3 (audio + video)"."""
 
 from __future__ import annotations
 
@@ -18,27 +16,25 @@ from torch import Tensor
 from vt.shared.buckets import Bucket
 from vt.shared.caption_table import mask_rows
 from vt.shared.errors import UserError
-from vt.shared.models import comfy
 from vt.shared.models.flow import Prediction, flow_inputs, flow_match_noisy
-from vt.shared.models.minimax_h3_layout import (TextTokenTypes, normalise_pixels, packed_layout,
-                                                pipeline_constants, text_encoder_width, unpatchify)
+from vt.shared.models.minimax_h3_layout import (TextTokenTypes, normalise_pixels, packed_layout, pipeline_constants,
+                                                unpatchify)
 from vt.shared.models.minimax_h3_sound import STEREO, MiniMaxH3Sound
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.roles import SoundStream
 from vt.shared.models.spec import ModelSpec, VaeGeometry
+from vt.shared.weights import comfy
 
 TEXT_LAYER = 50  # MiniMaxH3ModularPipeline.text_encoder_layer
-_BLOCKS, _REFINER = r"transformer_blocks\.(\d+)", r"token_refiner\.refiner_blocks\.(\d+)"
-SWIGLU_INPUTS = rf"({_BLOCKS}|{_REFINER})\.ff\.net\.0\.proj"
+# The joint blocks and the text refiner's, whose modules are named alike: (diffusers name, original name) templates.
+STACKS = (("transformer_blocks.{}", "blocks.{}"), ("token_refiner.refiner_blocks.{}", "token_refiner.blocks.{}"))
+SWIGLU_INPUTS = r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.ff\.net\.0\.proj"
 
 
 class MiniMaxH3Spec(ModelSpec):
     family: ClassVar[str] = "minimax-h3"
     example_hub_id: ClassVar[str] = "MiniMaxAI/MiniMax-H3"
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
-    # No `processor`: t2va text holds no vision tokens, so its token types are all text (`TextTokenTypes`), and
-    # Qwen3VLProcessor needs torchvision.
-    stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "vae")
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}
     single_frame: ClassVar[bool] = False  # frames 17n+5
     sound_stream: ClassVar[type[SoundStream]] = MiniMaxH3Sound
@@ -46,25 +42,18 @@ class MiniMaxH3Spec(ModelSpec):
     # The original checkpoint's module names, which ComfyUI's MiniMaxH3Model (comfy/ldm/minimax/model.py) has and
     # diffusers' own H3 LoRA reader converts back (`_convert_non_diffusers_minimax_h3_lora_to_diffusers`): q/k/v
     # fused into `qkv_proj` ([q; k; v]), `fc1` holding SwiGLU's halves as [gate; value] (`comfy_tensors`).
-    original_names: ClassVar[tuple[tuple[str, str], ...]] = (
-        (rf"{_BLOCKS}\.attn\.to_out\.0", r"blocks.\1.attn.out_proj"),
-        (rf"{_BLOCKS}\.ff\.net\.0\.proj", r"blocks.\1.mlp.fc1"),
-        (rf"{_BLOCKS}\.ff\.net\.2", r"blocks.\1.mlp.fc2"),
-        (rf"{_BLOCKS}\.adaln_proj\.linear", r"blocks.\1.adaln_proj.linear"),
-        (rf"{_REFINER}\.attn\.to_out\.0", r"token_refiner.blocks.\1.attn.out_proj"),
-        (rf"{_REFINER}\.ff\.net\.0\.proj", r"token_refiner.blocks.\1.mlp.fc1"),
-        (rf"{_REFINER}\.ff\.net\.2", r"token_refiner.blocks.\1.mlp.fc2"),
-        (r"proj_in", "video_patch_proj"), (r"audio_proj_in", "audio_patch_proj"),
-        (r"context_embedder", "condition_proj"), (r"proj_out", "final_layer.video_out"),
-        (r"audio_proj_out", "final_layer.audio_out"), (r"norm_out\.linear", "final_layer.adaln_proj.linear"),
-        (r"time_embedder\.linear_1", "time_embedder.proj_in"), (r"time_embedder\.linear_2", "time_embedder.proj_out"),
-    )
-    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = (
-        comfy.Fused(rf"{_BLOCKS}\.attn", ("to_q", "to_k", "to_v"), r"blocks.\1.attn.qkv_proj"),
-        comfy.Fused(rf"{_REFINER}\.attn", ("to_q", "to_k", "to_v"), r"token_refiner.blocks.\1.attn.qkv_proj"),
-    )
+    original_names: ClassVar[tuple[tuple[str, str], ...]] = comfy.templated([
+        *((f"{block}.{name}", f"{original}.{renamed}") for block, original in STACKS for name, renamed in
+          (("attn.to_out.0", "attn.out_proj"), ("ff.net.0.proj", "mlp.fc1"), ("ff.net.2", "mlp.fc2"))),
+        ("transformer_blocks.{}.adaln_proj.linear", "blocks.{}.adaln_proj.linear"), ("proj_in", "video_patch_proj"),
+        ("audio_proj_in", "audio_patch_proj"), ("context_embedder", "condition_proj"),
+        ("proj_out", "final_layer.video_out"), ("audio_proj_out", "final_layer.audio_out"),
+        ("norm_out.linear", "final_layer.adaln_proj.linear"), ("time_embedder.linear_1", "time_embedder.proj_in"),
+        ("time_embedder.linear_2", "time_embedder.proj_out")])
+    comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = comfy.fused_templates(
+        [(f"{block}.attn", ("to_q", "to_k", "to_v"), f"{original}.attn.qkv_proj") for block, original in STACKS])
     comfy_alpha: ClassVar[bool] = False  # published H3 LoRAs carry none; the scale goes into lora_B
-    components: ClassVar[dict[str, str]] = {
+    components: ClassVar[dict[str, str]] = {  # no `processor`: `TextTokenTypes` stands in for it
         "text_encoder": "transformers:Qwen3VLForConditionalGeneration",
         "vae": "diffusers:AutoencoderKLMiniMaxH3", "audio_vae": "diffusers:AutoencoderKLMiniMaxH3Audio",
         "audio_scheduler": "diffusers:MiniMaxH3Scheduler", "transformer": "diffusers:MiniMaxH3Transformer3DModel"}
@@ -77,7 +66,6 @@ class MiniMaxH3Spec(ModelSpec):
             raise UserError(f"model.audio with {self.family} needs buckets.fps = {fps}: its audio and video rows share "
                              f"one rotary clock at {fps} fps (40 audio latents per second), got {frame_rate:g}")
 
-    # ----------------------------------------------------------------------------- geometry
     def _geometry_from_config(self) -> VaeGeometry:
         vae = self._vae_without_weights()
         patch = tuple(self.load_config("transformer").get("patch_size", (1, 2, 2)))
@@ -90,7 +78,7 @@ class MiniMaxH3Spec(ModelSpec):
     @property
     def frame_chunk(self) -> tuple[int, int]:
         """(pixel frames per VAE chunk, latent frames it keeps): 17n+5 frames encode to 5n+2 latent frames."""
-        self.geometry
+        self.geometry  # read with the VAE's config
         return self._chunk
 
     def check_bucket(self, bucket: Bucket) -> None:
@@ -106,28 +94,16 @@ class MiniMaxH3Spec(ModelSpec):
                                  f"buckets.sizes (e.g. {max(pixels, value // pixels * pixels)})")
 
     def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
-        self.check_bucket(bucket)
+        channels, _, height, width = super().latent_shape(bucket)
         chunk, kept = self.frame_chunk
-        g = self.geometry
-        return (g.channels, (bucket.frames - kept) // chunk * kept + 2, bucket.height // g.spatial,
-                bucket.width // g.spatial)
+        return channels, (bucket.frames - kept) // chunk * kept + 2, height, width
 
-    def tokens_per_sample(self, latent_shape: tuple[int, ...]) -> int:
-        """Video rows only (text and audio rows come on top: the packed sequence)."""
-        return super().tokens_per_sample(latent_shape)
-
-    def text_width(self, name: str = "text_encoder") -> int:
-        return self.load_config(name).text_config.hidden_size
-
-    # ----------------------------------------------------------------------------- stage 1
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
-        """float32 {"prompt_embeds": (B, L, D), "prompt_attention_mask": (B, L)}: each caption encoded alone as
-        MiniMaxH3TextEncoderStep encodes a prompt, at most L = max_text_tokens rows, zeros after them."""
+        """Each caption encoded alone as MiniMaxH3TextEncoderStep encodes a prompt: max_text_tokens rows at most."""
         from diffusers.modular_pipelines.minimax_h3.encoders import get_qwen3vl_prompt_embeds
-
-        text_encoder, width = encoders["text_encoder"], text_encoder_width(encoders["text_encoder"])
-        embeds = torch.zeros(len(captions), self.max_text_tokens, width)
+        text_encoder = encoders["text_encoder"]
+        embeds = torch.zeros(len(captions), self.max_text_tokens, text_encoder.config.text_config.hidden_size)
         mask = torch.zeros(len(captions), self.max_text_tokens)
         for row, caption in enumerate(captions):
             ids = encoders["tokenizer"](caption, add_special_tokens=False)["input_ids"][:self.max_text_tokens]
@@ -139,17 +115,9 @@ class MiniMaxH3Spec(ModelSpec):
             mask[row, :len(ids)] = 1
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
-    def condition_shapes(self, bucket: Bucket) -> dict[str, tuple[int, ...]]:
-        shapes = {"prompt_embeds": (self.max_text_tokens, self.text_width()),
-                  "prompt_attention_mask": (self.max_text_tokens,), "latents": self.latent_shape(bucket)}
-        if self.config.audio:
-            shapes["audio_latents"] = self.sound.latent_shape(bucket)
-        return shapes
-
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """Latents normalised as the pipeline's decode step denormalises them; pixels as its VAE takes them
-        (ImageNet-normalised over [0, 1]); the posterior mode (stage 1 is deterministic)."""
+        """Latents normalised as the pipeline's decode step denormalises them, of pixels as its VAE takes them."""
         self._check_video(video)
         vae = encoders["vae"]
         pixels = normalise_pixels(video.to(vae.device, torch.float32))
@@ -158,28 +126,26 @@ class MiniMaxH3Spec(ModelSpec):
                      for k in ("latents_mean", "latents_std"))
         return {"latents": ((latents - mean) / std).cpu()}
 
-    # ----------------------------------------------------------------------------- stage 2
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """One transformer call per sample over its packed sequence (docs/families.md, MiniMax H3); both streams at
-        the sample's sigma, targets x0 - noise (the data-ward velocity)."""
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import patchify_video_latents
-
-        from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTimestepsStep
+        """One transformer call per sample over its packed sequence; targets x0 - noise (the data-ward velocity)."""
+        from diffusers.modular_pipelines.minimax_h3.before_denoise import (MiniMaxH3SetTimestepsStep,
+                                                                           patchify_video_latents)
 
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         audio = "audio_latents" in batch
         # the audio rows' sigma: paired with the video's by the two schedules, or its own (model.audio_timesteps)
         audio_sigmas = batch["audio_sigmas"].to(sigmas) if "audio_sigmas" in batch else self.audio_sigmas(sigmas)
+        frames = 0
         if audio:
             audio_x0 = batch["audio_latents"].float().to(x0.device)
             audio_noise = batch["audio_noise"].to(audio_x0)
             audio_noisy = flow_match_noisy(audio_x0, audio_noise, audio_sigmas)
+            frames = audio_x0.shape[-1]
         rows = mask_rows(batch["prompt_attention_mask"])
         patch = (1, self.geometry.patch, self.geometry.patch)
         video_out, audio_out = [], []
         for b in range(x0.shape[0]):
-            frames = audio_x0.shape[-1] if audio else 0
             position_ids, token_tags, video_indices, audio_indices, text_indices = (
                 t.to(x0.device) for t in packed_layout(rows[b], x0.shape[1:], frames, patch))
             video_rows = patchify_video_latents(noisy[b:b + 1], patch)
@@ -217,38 +183,27 @@ class MiniMaxH3Spec(ModelSpec):
 
     def comfy_tensors(self, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
         """SwiGLU's lora_B halves in the original order: diffusers' [value; gate], the checkpoint's [gate; value]."""
-        def swapped(value: Tensor) -> Tensor:
-            first, second = value.chunk(2, dim=0)
-            return torch.cat([second, first], dim=0)
-
-        return {key: swapped(value) if re.fullmatch(SWIGLU_INPUTS + r"\.lora_B\.weight", key) else value
+        swiglu = re.compile(SWIGLU_INPUTS + r"\.lora_B\.weight")
+        return {key: torch.cat(value.chunk(2)[::-1]) if swiglu.fullmatch(key) else value
                 for key, value in tensors.items()}
 
     def cp_plan(self) -> ContextParallelPlan:
-        """One self-attention over the packed [text | audio | video] rows (its rotary tables the whole sequence's):
-        split the rows where the first block receives them and each block's AdaLN row indices, gather after the
-        last block (the output heads pick their rows from the whole sequence). Its length follows each caption's
-        text rows (unpadded: the model passes no mask), so the chunks may differ by one row (`uneven`)."""
+        """Ulysses over the packed rows, split at the first block with each block's AdaLN row indices, gathered after
+        the last; chunks one row apart where cp does not divide the sequence (docs/parallel.md, `minimax-h3`)."""
         layers = int(self.load_config("transformer")["num_layers"])
         split = {f"transformer_blocks.{index}": {"adaln_indices": 0} for index in range(layers)}
         split["transformer_blocks.0"] = {"hidden_states": 1, "adaln_indices": 0}
         return ContextParallelPlan(split_inputs=split, gather_output=f"transformer_blocks.{layers - 1}",
                                    self_attention=("attn",), sequence_to_heads=("to_q", "to_k", "to_v"), uneven=True)
 
-    # ----------------------------------------------------------------------------- validation
-    def validation_frames(self, bucket: Bucket) -> int:
-        """The frames validation generates: the bucket's, or the pipeline's shortest video (5 s at 24 fps, 124 frames)
-        for a shorter bucket, which the pipeline refuses."""
-        from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline as P
-
-        h3 = pipeline_constants()
-        shortest = math.ceil(P.min_duration.fget(None) * h3.MINIMAX_H3_FPS)
-        return h3.align_num_frames(max(bucket.frames, shortest), *self.frame_chunk)
-
     def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None, last_image=None,
                         control=None) -> dict[str, Any]:
+        """`num_frames`: the bucket's, or for a shorter bucket (which the pipeline refuses) its shortest video: 5 s at
+        24 fps, 124 frames."""
         kwargs = super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image, control)
-        return {**kwargs, "num_frames": self.validation_frames(bucket)}
+        h3 = pipeline_constants()
+        shortest = math.ceil(h3.MiniMaxH3ModularPipeline.min_duration.fget(None) * h3.MINIMAX_H3_FPS)
+        return {**kwargs, "num_frames": h3.align_num_frames(max(bucket.frames, shortest), *self.frame_chunk)}
 
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
         """The prompt's conditions only: the checkpoint is guidance-distilled (no negative prompt, one pass a step)."""

@@ -1,10 +1,11 @@
 """vt's handle on diffusers' MiniMax H3 modular pipeline (the `t2va` workflow), the `pipelines` entry of the
-`minimax-h3` family (minimax_h3.py): built from components like a DiffusionPipeline, loaded and saved in the
-modular layout, called like one."""
+`minimax-h3` family (minimax_h3.py)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,10 +25,10 @@ class H3Output:
 
 
 class MiniMaxH3Pipeline:
-    """vt's handle on diffusers' MiniMaxH3ModularPipeline (the `t2va` workflow): built from components like a
-    DiffusionPipeline (validation passes the trained transformer), loaded with `from_pretrained` from the modular
-    layout, called like one. It runs the pipeline's own blocks; given `prompt_embeds` (stage 1's, unpadded) it runs
-    them without the text encoder block, and `output_type="latent"` stops before the decode blocks."""
+    """Built from components like a DiffusionPipeline (validation passes the trained transformer), loaded with
+    `from_pretrained` from the modular layout, called like one. It runs the pipeline's own blocks; given
+    `prompt_embeds` (stage 1's, unpadded) it runs them without the text encoder block, and `output_type="latent"`
+    stops before the decode blocks."""
 
     _parts = ("transformer", "vae", "audio_vae", "scheduler", "audio_scheduler", "text_encoder", "tokenizer",
               "processor")
@@ -35,7 +36,6 @@ class MiniMaxH3Pipeline:
     def __init__(self, transformer=None, vae=None, audio_vae=None, scheduler=None, audio_scheduler=None,
                  text_encoder=None, tokenizer=None, processor=None):
         from diffusers.modular_pipelines import MiniMaxH3Blocks
-
         self.modular = MiniMaxH3Blocks().init_pipeline()
         self.modular.update_components(**{name: value for name, value in dict(
             transformer=transformer, vae=vae, audio_vae=audio_vae, scheduler=scheduler, audio_scheduler=audio_scheduler,
@@ -53,7 +53,6 @@ class MiniMaxH3Pipeline:
     def from_pretrained(cls, path, **kwargs):
         """The t2va components of a MiniMax H3 folder or hub id (modular_model_index.json)."""
         from diffusers.modular_pipelines import ModularPipeline
-
         modular = ModularPipeline.from_pretrained(str(path), workflow="t2va")
         modular.load_components(**kwargs)
         if getattr(modular, "processor", None) is None:
@@ -64,9 +63,6 @@ class MiniMaxH3Pipeline:
 
     def save_pretrained(self, out, **_):
         """The modular layout; the processor entry names the real class without files (vt's stand-in is not saved)."""
-        import json
-        from pathlib import Path
-
         self.modular.save_pretrained(str(out), overwrite_modular_index=True)
         index_path = Path(out) / "modular_model_index.json"
         index = json.loads(index_path.read_text())
@@ -84,7 +80,6 @@ class MiniMaxH3Pipeline:
     def save_lora_weights(*args, **kwargs):
         """The modular pipeline's own LoRA writer (MiniMaxH3LoraLoaderMixin), which its `load_lora_weights` reads."""
         from diffusers.loaders import MiniMaxH3LoraLoaderMixin
-
         return MiniMaxH3LoraLoaderMixin.save_lora_weights(*args, **kwargs)
 
     def load_lora_weights(self, *args, **kwargs):
@@ -92,7 +87,6 @@ class MiniMaxH3Pipeline:
 
     def _run(self, drop: tuple[str, ...], outputs: list[str], **inputs):
         from diffusers.modular_pipelines import MiniMaxH3Blocks
-
         blocks = MiniMaxH3Blocks()
         for name in drop:
             blocks.sub_blocks.pop(name)
@@ -108,25 +102,21 @@ class MiniMaxH3Pipeline:
     def __call__(self, prompt=None, height=None, width=None, num_frames=None, num_inference_steps=30, generator=None,
                  max_sequence_length: int = 512, prompt_embeds=None, prompt_attention_mask=None,
                  output_type: str = "np", **kwargs) -> H3Output:
-        """One video and its sound (`frames`, `audio` (1, 2, samples), `sampling_rate`); `max_sequence_length`
-        truncates the prompt's tokens as stage 1 does (the modular pipeline itself never truncates)."""
-        drop = ["decode"] if output_type == "latent" else []
+        """One video and its sound (`audio` (1, 2, samples)); `max_sequence_length` truncates the prompt's tokens as
+        stage 1 does (the modular pipeline itself never truncates)."""
+        drop = ("decode",) if output_type == "latent" else ()
         inputs = dict(height=height, width=width, num_frames=num_frames, num_inference_steps=num_inference_steps,
                       generator=generator, **kwargs)
         if prompt_embeds is None:
             ids = self.modular.tokenizer(prompt, add_special_tokens=False)["input_ids"][:max_sequence_length]
-            prompt = self.modular.tokenizer.decode(ids) if len(ids) == max_sequence_length else prompt
-            inputs["prompt"] = prompt
+            inputs["prompt"] = self.modular.tokenizer.decode(ids) if len(ids) == max_sequence_length else prompt
         else:
             rows = mask_rows(prompt_attention_mask)[0] if prompt_attention_mask is not None else prompt_embeds.shape[1]
-            drop.append("text_encoder")
-            device = self.modular.transformer.device
-            inputs.update(prompt_embeds=prompt_embeds[:, :rows].to(device, self.modular.transformer.dtype),
+            drop += ("text_encoder",)
+            transformer = self.modular.transformer
+            inputs.update(prompt_embeds=prompt_embeds[:, :rows].to(transformer.device, transformer.dtype),
                           text_token_tags=torch.full((rows,), pipeline_constants().MINIMAX_H3_TEXT_TAG,
                                                      dtype=torch.long))
         if output_type == "latent":
-            latents, audio = self._run(tuple(drop), ["latents", "audio_latents"], **inputs)
-            return H3Output(frames=latents, audio=audio)
-        videos, audio, rate = self._run(tuple(drop), ["videos", "audio", "sampling_rate"], output_type=output_type,
-                                        **inputs)
-        return H3Output(frames=videos, audio=audio, sampling_rate=rate)
+            return H3Output(*self._run(drop, ["latents", "audio_latents"], **inputs))
+        return H3Output(*self._run(drop, ["videos", "audio", "sampling_rate"], output_type=output_type, **inputs))

@@ -21,8 +21,6 @@ STEREO = 2  # MiniMaxH3ModularPipeline.audio_channels: stereo rows, channel-majo
 
 
 class MiniMaxH3Sound(SoundStream):
-    """MiniMax H3's sound stream: each stereo channel through the mono audio VAE, the modular pipeline's track."""
-
     parameters: ClassVar[str] = AUDIO_PARAMETERS.pattern
     # The pipeline pairs the streams' sigmas through their schedules; its rows take a timestep each
     timestep_modes: ClassVar[tuple[str, ...]] = ("shared", "independent")
@@ -35,19 +33,15 @@ class MiniMaxH3Sound(SoundStream):
     def format(self) -> AudioFormat:
         return AudioFormat(sample_rate=int(self.spec.load_config("audio_vae")["sampling_rate"]), channels=STEREO)
 
-    def hop(self) -> int:
-        return math.prod(self.spec.load_config("audio_vae")["encoder_rates"])
-
     def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
         """(2 stereo channels, latent channels, N): the VAE pads the waveform to whole hops."""
         self.spec.check_bucket(bucket)
-        return (STEREO, self.spec.load_config("audio_vae")["latent_channels"],
-                math.ceil(self.samples(bucket) / self.hop()))
+        config = self.spec.load_config("audio_vae")
+        return STEREO, config["latent_channels"], math.ceil(self.samples(bucket) / math.prod(config["encoder_rates"]))
 
     @torch.no_grad()
     def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
-        """{"audio_latents": (B, 2, C, N)}: each stereo channel through the mono audio VAE (posterior mode), normalised
-        as the pipeline's audio decode step denormalises them."""
+        """(B, 2, C, N): each channel's posterior mode, normalised as the pipeline's audio decode step denormalises."""
         if audio.ndim != 3 or audio.shape[1] != STEREO:
             raise ValueError(f"audio must be (B, {STEREO}, samples) in [-1, 1], got shape {tuple(audio.shape)}")
         vae = encoders["audio_vae"]

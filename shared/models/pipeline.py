@@ -1,11 +1,9 @@
 """The family's own diffusers pipeline: stage 1 encodes text with it, validation samples with it.
 
-Mixed into ModelSpec. A family declares its pipelines by task (`ModelSpec.pipelines`); what differs is
-data here too: the call's names for stored conditions (`pipeline_text_names`), constructor settings
-(`pipeline_options`), attributes set on the built pipeline (`pipeline_attributes`), and the call
-arguments that must match training (`inference_settings`, which `inference_mismatches` reports where
-the pipeline's defaults differ). Image-to-video validation takes one image per prompt, first-and-last-frame
-(flf2v) two, checked here once.
+What differs between families is data: the call's names for stored conditions (`pipeline_text_names`),
+constructor settings (`pipeline_options`), attributes set on the built pipeline (`pipeline_attributes`) and the
+call arguments that must match training (`inference_settings`; `inference_mismatches` reports where the
+pipeline's defaults differ).
 """
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from torch import Tensor
 from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy, input_dtype
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.roles import PerFrameNoise
-from vt.shared.models.spec import ModelSpec, VaeGeometry
-from vt.shared.models.wan import WanSpec, _latent_stats
+from vt.shared.models.spec import VaeGeometry
+from vt.shared.models.wan import WanSpec
 
 DF_PIPELINES = {"t2v": "diffusers:SkyReelsV2DiffusionForcingPipeline",
                 "i2v": "diffusers:SkyReelsV2DiffusionForcingImageToVideoPipeline"}
@@ -35,23 +35,23 @@ class SkyReelsV2Spec(WanSpec):
                                            "i2v": "diffusers:SkyReelsV2ImageToVideoPipeline"}
 
     @property
-    def forcing(self) -> bool:
-        """`model.diffusion_forcing`: a noise level per latent frame, and the DF pipelines for validation."""
+    def forcing(self) -> bool:  # `model.diffusion_forcing`: a noise level per latent frame, the DF pipelines
         return self.config.diffusion_forcing
 
+    # Under diffusion forcing i2v conditions on a clean first latent frame alone: no CLIP, no condition frames.
     @property
     def clip_image_conditioning(self) -> bool:  # type: ignore[override]
-        """CLIP image tokens for the I2V checkpoints; the DF image-to-video pipeline conditions on a clean
-        first latent frame alone."""
         return not self.forcing
 
     @property
+    def condition_frames(self) -> bool:
+        return super().condition_frames and not self.forcing
+
+    @property
     def task_components(self) -> dict[str, dict[str, str]]:  # type: ignore[override]
-        """Wan 2.1 i2v's CLIP image encoder and processor, but none under diffusion forcing."""
         return {} if self.forcing else WanSpec.task_components
 
     def pipeline_class(self) -> type:
-        """SkyReelsV2Pipeline / ImageToVideoPipeline, or their diffusion-forcing pipelines."""
         return load_class((DF_PIPELINES if self.forcing else self.pipelines)[self.config.task])
 
     @cached_property
@@ -65,16 +65,14 @@ class SkyReelsV2Spec(WanSpec):
         return bool(self.load_config("transformer").get("inject_sample_info"))
 
     def _check_task_fits(self, transformer: dict, g: VaeGeometry) -> None:
-        """Wan's checks, except that diffusion forcing takes the text-to-video transformer for both tasks,
-        and that only the diffusion-forcing pipelines feed a transformer that embeds the frame rate."""
+        """Wan's; diffusion forcing takes the t2v transformer for both tasks, and alone one embedding the frame rate."""
         where = self.source("transformer")[0]
         if not self.forcing:
             if transformer.get("inject_sample_info"):
                 raise UserError(f"the transformer at {where!r} embeds the frame rate (inject_sample_info, a "
                                  "SkyReels-V2-DF checkpoint), which only the diffusion-forcing pipelines feed: set "
                                  "model.diffusion_forcing = true")
-            super()._check_task_fits(transformer, g)
-            return
+            return super()._check_task_fits(transformer, g)
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim")}
         if found["in_channels"] != g.channels or found["image_dim"]:
             raise UserError(f"model.diffusion_forcing = true needs a text-to-video SkyReels V2 transformer "
@@ -82,39 +80,19 @@ class SkyReelsV2Spec(WanSpec):
                              f"Diffusers), for i2v too; the one at {where!r} has {found}")
 
     def check_bucket(self, bucket: Bucket) -> None:
-        """Diffusion forcing with causal blocks of several latent frames: whole blocks only (the
-        transformer's causal mask is built per block)."""
+        """Diffusion forcing: whole causal blocks only (the transformer builds its causal mask per block)."""
         super().check_bucket(bucket)
         frames = (bucket.frames - 1) // self.geometry.temporal + 1
         if self.forcing and frames % self.causal_block:
             raise UserError(f"bucket {bucket.name}: {frames} latent frames do not make whole causal blocks of "
                              f"{self.causal_block} (the transformer's num_frame_per_block); change buckets.sizes")
 
-    # ----------------------------------------------------------------------------- stage 1
-    @torch.no_grad()
-    def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
-        """Wan's; under diffusion forcing the latents alone, for both tasks (an i2v condition is their
-        first frame)."""
-        if not self.forcing:
-            return super().encode_video(encoders, video)
-        self._check_video(video)
-        latents = self._vae_mode(encoders["vae"], video)
-        mean, std = _latent_stats(encoders["vae"], latents)
-        return {"latents": ((latents - mean) / std).float()}
-
-    def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
-        """Wan's; the latents alone under diffusion forcing (what `encode_video` stores)."""
-        return ModelSpec.condition_shapes(self, bucket) if self.forcing else super().condition_shapes(bucket)
-
-    # ----------------------------------------------------------------------------- stage 2
     @property
-    def per_frame_noise(self) -> PerFrameNoise:  # type: ignore[override]
-        """One sigma per causal block under diffusion forcing."""
+    def per_frame_noise(self) -> PerFrameNoise:  # type: ignore[override]  # one sigma per causal block
         return PerFrameNoise(lambda latent_shape: latent_shape[1] // self.causal_block)
 
     def frame_sigmas(self, sigmas: Tensor, frames: int) -> Tensor:
-        """(B, frames) sigmas from the trainer's (B,) (every frame alike: the pipeline's synchronous
-        schedule) or (B, blocks) (each causal block's frames at its level)."""
+        """(B, frames) sigmas from (B,) (every frame alike: the synchronous schedule) or (B, causal blocks)."""
         if sigmas.ndim == 1:
             return sigmas[:, None].expand(-1, frames).clone()
         if sigmas.shape[1] * self.causal_block != frames:
@@ -124,69 +102,36 @@ class SkyReelsV2Spec(WanSpec):
 
     def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
                 generators: list[torch.Generator] | None = None) -> Prediction:
-        """Wan's forward; under diffusion forcing the DF pipelines' call (docs/families.md, SkyReels V2)."""
+        """Wan's; under diffusion forcing the DF pipelines' call, a timestep per frame."""
         if not self.forcing:
             return super().forward(transformer, batch, sigmas, noise, generators)
         x0 = batch["latents"].float()
         noise = noise.to(x0)
-        batch_size, _, frames = x0.shape[:3]
-        per_frame = self.frame_sigmas(sigmas.to(x0), frames)
-        weight = None
-        if self.config.task == "i2v":  # the clean image latent at timestep 0, left out of the loss
+        per_frame = self.frame_sigmas(sigmas.to(x0), x0.shape[2])
+        i2v = self.config.task == "i2v"
+        if i2v:  # the clean image latent at timestep 0, left out of the loss
             per_frame[:, 0] = 0
-            weight = torch.ones(1, 1, frames, 1, 1, device=x0.device)
-            weight[:, :, 0] = 0
-        noisy = flow_match_noisy(x0, noise, per_frame.view(batch_size, 1, frames, 1, 1))
-        dtype = input_dtype(transformer)
-        # One fps index for the whole batch: the run has one frame rate, and diffusers' DF forward adds the
-        # fps projection repeated per frame, which broadcasts over the batch only from a single entry.
-        fps = {"fps": [self.fps_index]} if self.sample_info else {}
-        prediction = transformer(
-            hidden_states=noisy.to(dtype),
-            timestep=per_frame * NUM_TRAIN_TIMESTEPS,  # (B, F) float32, per frame as the DF pipelines pass it
-            encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
-            enable_diffusion_forcing=True,
-            return_dict=False,
-            **fps,
-        )[0]
-        return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
+        noisy = flow_match_noisy(x0, noise, per_frame[:, None, :, None, None])
+        # One fps index for the batch: diffusers' DF forward broadcasts the fps projection over it only from one.
+        fps = {"fps": [0 if round(self.frame_rate) == FPS_INDEX_0_RATE else 1]} if self.sample_info else {}
+        return self._predict(transformer, batch, x0, noise, noisy, per_frame * NUM_TRAIN_TIMESTEPS,
+                             clean_first_frame=i2v, enable_diffusion_forcing=True, **fps)
 
-    @property
-    def fps_index(self) -> int:
-        """The DF pipelines' fps embedding index of the bucket frame rate (0 at 16 fps, else 1)."""
-        return 0 if self.inference_fps == FPS_INDEX_0_RATE else 1
-
-    @property
-    def inference_fps(self) -> int:
-        """The bucket frame rate as the DF pipelines' integer `fps` argument."""
-        return round(self.frame_rate)
-
-    # ----------------------------------------------------------------------------- validation
     def inference_settings(self) -> dict[str, Any]:
-        """The text length, and the frame rate where the transformer embeds it (DF-1.3B)."""
-        fps = {"fps": self.inference_fps} if self.forcing and self.sample_info else {}
+        """The text length, and the frame rate as the DF pipelines' integer `fps` where the transformer embeds it."""
+        fps = {"fps": round(self.frame_rate)} if self.forcing and self.sample_info else {}
         return {**super().inference_settings(), **fps}
 
     def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
                         **kwargs) -> dict[str, Any]:
-        """The DF pipelines denoise the bucket's frames in one window (`base_num_frames`), as training saw
-        them; a longer video would need its overlapping long-video mode."""
+        """The DF pipelines denoise the bucket's frames in one window (`base_num_frames`), as training saw them."""
         inputs = super().pipeline_inputs(prompt, bucket, steps, seed, image, **kwargs)
         if self.forcing:
             inputs["base_num_frames"] = bucket.frames
         return inputs
 
-    # ----------------------------------------------------------------------------- parallel plans
     def cp_plan(self) -> ContextParallelPlan:
-        """Wan's plan; under diffusion forcing the per-frame modulations are split instead of the timestep.
-
-        The DF transformer expands its (B, F) timestep to per-token modulations inside its forward
-        (`temb` (B, 6, tokens, D) for each block, and (B, tokens, D) for the output norm), so each block's
-        `temb` is cut along the tokens with the hidden states, and the sequence is gathered after the last
-        block: the output norm and projection then run on every token on each cp rank (their gradient is
-        the same on all of them, which the cp averaging keeps). Any token count cp divides works,
-        whatever the frame count.
-        """
+        """Wan's; under diffusion forcing each block's modulations (`temb`) split too, gathered after the last block."""
         if not self.forcing:
             return super().cp_plan()
         layers = int(self.load_config("transformer")["num_layers"])

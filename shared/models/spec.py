@@ -1,12 +1,9 @@
 """The Model Spec API: everything both stages need to know about one model family.
 
-A family file (wan.py, ltx_video.py) subclasses `ModelSpec` and declares what it is: its components and
-pipelines by import string, its block lists, LoRA exclusions and ComfyUI key table (lora.py), the
-pipeline settings validation must match (pipeline.py), its experts (experts.py). It overrides only what
-is really its own: `encode_text` / `encode_video` (stage 1 calls them with the components it loads,
-`load_stage1`), `forward` (stage 2: prediction, target and loss weight, so first-frame conditioning or
-other target changes stay inside the family and the trainer's loss stays generic), and the parts of its
-tiny preset (`presets/<module>.py`). docs/families.md lists every place a new family touches.
+A family module subclasses `ModelSpec` and declares what it is (components and pipelines by import string, block
+lists, LoRA key tables, optional roles); it overrides only what is its own: `encode_text` / `encode_video` (stage
+1), `forward` (stage 2: prediction, target and loss weight, so the trainer's loss stays generic) and its plans.
+docs/model_spec.md has the contract; docs/families.md what a new family touches.
 """
 
 from __future__ import annotations
@@ -281,11 +278,8 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # ----------------------------------------------------------------------------- tiny preset
     @classmethod
     def make_tiny(cls, out_dir, seed: int = 0, task: str = "t2v", parts=None) -> Path:
-        """The tiny preset of `task` in diffusers layout, built from `seed` (identical weights for a seed) by the
-        family's preset module, `vt.shared.models.presets.<module>`: `parts(task)`, the pipeline's arguments (real
-        classes at a tiny config, tokenizers from vt.shared.models.tiny), or `parts` (another preset of the family's,
-        e.g. presets.ltx2.parts_23); optionally `pipeline(task)`, the class that saves it (else the task's
-        pipeline), and `INDEX_NAMES`, model_index.json entries as the real checkpoints name them (`save_tiny`)."""
+        """The tiny preset of `task` in diffusers layout, identical for a seed, from the family's preset module
+        (`presets/<module>.py`: `parts(task)` or the given `parts`, optionally `pipeline(task)` and `INDEX_NAMES`)."""
         if task not in cls.tasks:
             raise ValueError(f"no tiny {cls.family} preset for task {task!r}; tasks: {list(cls.tasks)}")
         preset = importlib.import_module(f"vt.shared.models.presets.{cls.__module__.rsplit('.', 1)[-1]}")

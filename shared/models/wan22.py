@@ -11,8 +11,6 @@ from typing import Any, ClassVar
 from vt.shared.errors import UserError
 from vt.shared.models.wan import WanSpec
 
-HIGH, LOW = "high_noise", "low_noise"
-
 
 class Wan22Spec(WanSpec):
     family: ClassVar[str] = "wan2.2"
@@ -31,17 +29,16 @@ class Wan22Spec(WanSpec):
             index = DiffusionPipeline.load_config(self.config.path)
         except (OSError, ValueError) as err:
             raise self.load_error("model_index.json", self.config.path, err) from err
-        ratio = index.get("boundary_ratio")
-        if not ratio:
+        if not index.get("boundary_ratio"):
             hint = ("family \"wan2.2-ti2v\" for Wan 2.2 TI2V-5B" if index.get("expand_timesteps")
                     else "family \"wan\" for one transformer")
             raise UserError(f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
                              f"not a two-expert Wan 2.2 pipeline; use {hint}")
-        return float(ratio)
+        return float(index["boundary_ratio"])
 
     def experts(self) -> dict[str, tuple[str, tuple[float, float]]]:
         boundary = self.boundary
-        return {HIGH: ("transformer", (boundary, 1.0)), LOW: ("transformer_2", (0.0, boundary))}
+        return {"high_noise": ("transformer", (boundary, 1.0)), "low_noise": ("transformer_2", (0.0, boundary))}
 
     def pipeline_options(self) -> dict[str, Any]:
         return {"boundary_ratio": self.boundary}

@@ -317,7 +317,7 @@ def test_hunyuan_video15_loader_reads_fused_and_separate_qkv(spec_of, tmp_path):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file, save_file
 
-    from vt.shared.models import comfy
+    from vt.shared.weights import comfy
     from vt.shared.models.hunyuan_video15_lora import NAMES, SEPARATE_QKV, load_lora
 
     spec = spec_of("hunyuan-video-1.5", "t2v")

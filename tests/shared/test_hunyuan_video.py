@@ -14,7 +14,7 @@ from lora_init import randomise_lora
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
-from vt.shared.models.comfy import comfy_state_dict
+from vt.shared.weights.comfy import comfy_state_dict
 
 BUCKET = Bucket(5, 32, 48)
 PROMPT = "a big rabbit walks in the meadow"

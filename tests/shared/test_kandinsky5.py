@@ -163,7 +163,7 @@ def test_lora_files_of_other_writers_load_and_limits_are_refused(tiny_model_fact
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from vt.shared.models import comfy
+    from vt.shared.weights import comfy
     from vt.shared.models.kandinsky5_conditions import caption_lengths
 
     folder = tiny_model_factory(FAMILY)

@@ -13,7 +13,7 @@ import torch
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
-from vt.shared.models.mel import hz_to_mel, log_mel, mel_filterbank, mel_to_hz
+from vt.shared.mel import hz_to_mel, log_mel, mel_filterbank, mel_to_hz
 
 BUCKET = Bucket(9, 32, 64)
 RATE = 16000

@@ -13,7 +13,7 @@ from lora_init import randomise_lora
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import FAMILIES, build_spec, get_spec_class
-from vt.shared.models.comfy import filename as comfy_filename
+from vt.shared.weights.comfy import filename as comfy_filename
 from vt.shared.models.components import ModelLoadError
 
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)

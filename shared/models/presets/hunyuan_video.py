@@ -1,5 +1,4 @@
-"""The hunyuan_video family's tiny preset (`hunyuan_video.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""HunyuanVideo's tiny preset (`hunyuan_video.py`): `parts(task)`, the pipeline's arguments at a tiny config."""
 
 from __future__ import annotations
 
@@ -8,38 +7,31 @@ from typing import Any
 from vt.shared.models.hunyuan_video import LLAVA_CHAT_TOKENS
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, bpe_vocab, build_clip_tokenizer, build_llama_tokenizer
 
-
 INDEX_NAMES = {"image_processor": ["transformers", "CLIPImageProcessor"]}  # as the real checkpoints name it
 
 
 def parts(task: str) -> dict[str, Any]:
-    """diffusers' test sizes (1 double + 1 single block, 1 refiner layer, 2 heads x 10), patch 2;
-    4-level VAE (x4 time, x8 space), 2-layer Llama and CLIP with locally built BPE tokenizers;
-    HunyuanVideoPipeline layout with the checkpoint's scheduler (flow-match Euler, shift 7).
-
-    task "i2v": HunyuanVideoImageToVideoPipeline layout with the token_replace transformer (as
-    hunyuanvideo-community/HunyuanVideo-I2V: 4 input channels, guidance embedding) and a Llava (a 3-layer
-    Llama, a 2-layer CLIP vision tower on 32 x 32 images: 16 image tokens) whose tokenizer has
-    the Llama-3 chat tokens the pipeline's template and crop use (`build_llava_tokenizer`)."""
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler
-    from transformers import CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, LlamaConfig, LlamaModel
+    """diffusers' test sizes; i2v: the token_replace transformer (as HunyuanVideo-I2V) and a Llava."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, LlamaConfig,
+                              LlamaModel, LlavaConfig, LlavaForConditionalGeneration)
 
     i2v = task == "i2v"
     tokenizer, tokenizer_2 = build_llava_tokenizer() if i2v else build_llama_tokenizer(), build_clip_tokenizer()
     transformer = tiny_hunyuan_transformer(**({"image_condition_type": "token_replace"} if i2v else {}))
-    vae = AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
-        temporal_compression_ratio=4, mid_block_add_attention=True,
-    )
-    llama = LlamaConfig(
+    vae = tiny_hunyuan_vae()
+    llama = LlamaConfig(  # i2v: 3 layers, so the pipeline's third-to-last hidden states have read the image
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id, hidden_size=16, intermediate_size=37, num_attention_heads=4,
-        # i2v: 3 layers, so the pipeline's third-to-last hidden states (not the 2-layer model's input
-        # embeddings) have read the image tokens before the caption
         num_hidden_layers=3 if i2v else 2, vocab_size=len(tokenizer), hidden_act="gelu")
-    text_encoder = tiny_llava(llama, tokenizer) if i2v else LlamaModel(llama)
+    if i2v:  # 32 x 32 images in 8 x 8 patches: 16 image tokens
+        vision = CLIPVisionConfig(hidden_size=8, intermediate_size=37, projection_dim=32, num_attention_heads=4,
+                                  num_hidden_layers=2, image_size=32, patch_size=8)
+        text_encoder = LlavaForConditionalGeneration(LlavaConfig(
+            vision_config=vision, text_config=llama, pad_token_id=tokenizer.pad_token_id,
+            image_token_index=tokenizer.convert_tokens_to_ids("<image>")))
+    else:
+        text_encoder = LlamaModel(llama)
     text_encoder_2 = CLIPTextModel(CLIPTextConfig(
         bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
         pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=4,
@@ -60,16 +52,15 @@ def tiny_hunyuan_transformer(**config):
     return HunyuanVideoTransformer3DModel(**{**settings, **config})
 
 
-def tiny_llava(llama, tokenizer):
-    """I2V's text encoder: a Llava of the tiny Llama and a 2-layer CLIP vision tower (32 x 32 images in 8 x 8
-    patches: 16 image tokens)."""
-    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+def tiny_hunyuan_vae():
+    """HunyuanVideo's VAE at 4 levels (x4 time, x8 space, 4 channels); Kandinsky 5's and 6's presets take it too."""
+    from diffusers import AutoencoderKLHunyuanVideo
 
-    vision = CLIPVisionConfig(hidden_size=8, intermediate_size=37, projection_dim=32, num_attention_heads=4,
-                              num_hidden_layers=2, image_size=32, patch_size=8)
-    config = LlavaConfig(vision_config=vision, text_config=llama, pad_token_id=tokenizer.pad_token_id,
-                         image_token_index=tokenizer.convert_tokens_to_ids("<image>"))
-    return LlavaForConditionalGeneration(config)
+    return AutoencoderKLHunyuanVideo(
+        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
+        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+        temporal_compression_ratio=4, mid_block_add_attention=True)
 
 
 def build_llava_tokenizer(words: list[str] = TINY_WORDS):

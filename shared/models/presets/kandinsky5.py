@@ -1,13 +1,12 @@
-"""The kandinsky5 family's tiny preset (`kandinsky5.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""Kandinsky 5's tiny preset (`kandinsky5.py`): `parts(task)`, the pipeline's arguments at a tiny config."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vt.shared.models.kandinsky5 import PROMPT_TEMPLATE_TOKENS
+from vt.shared.models.presets.hunyuan_video import tiny_hunyuan_vae
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, build_clip_tokenizer
-
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
@@ -15,26 +14,19 @@ VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_
 
 
 def parts(task: str) -> dict[str, Any]:
-    """diffusers' test sizes: 1 text + 1 visual block of 2 heads x 8 (axes 2, 2, 4), visual_cond on (as
-    every release), modulations drawn (the class zeroes them, which would leave every block an identity);
-    4-level HunyuanVideo VAE (x4 time, x8 space, 4 channels); 2-layer Qwen2.5-VL and CLIP with locally
-    built tokenizers (`build_qwen_tokenizer`); flow-match Euler with Lite's shift 5. One preset for both
-    tasks, saved in the task's pipeline layout."""
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, Kandinsky5Transformer3DModel
+    """diffusers' test sizes, visual_cond on (as every release); one preset for both tasks."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline, Kandinsky5Transformer3DModel
     from transformers import CLIPTextConfig, CLIPTextModel, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    tokenizer, tokenizer_2 = build_qwen_tokenizer(), build_clip_tokenizer()
+    prefix = Kandinsky5T2VPipeline(*([None] * 7)).prompt_template.split("{}")[0]
+    tokenizer, tokenizer_2 = build_template_tokenizer(prefix, PROMPT_TEMPLATE_TOKENS), build_clip_tokenizer()
     transformer = Kandinsky5Transformer3DModel(
         in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
         model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=1, axes_dims=(2, 2, 4), visual_cond=True)
     for name, module in transformer.named_modules():
-        if name.endswith("modulation"):
+        if name.endswith("modulation"):  # drawn: the class zeroes them, which would leave every block an identity
             module.out_layer.reset_parameters()
-    vae = AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
-        temporal_compression_ratio=4, mid_block_add_attention=True)
+    vae = tiny_hunyuan_vae()
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKENS.items()}
     text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
@@ -49,15 +41,7 @@ def parts(task: str) -> dict[str, Any]:
         num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=8))
     return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                 text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
-
-
-def build_qwen_tokenizer(words: list[str] = TINY_WORDS):
-    """Kandinsky 5's tiny Qwen tokenizer: its prompt template's 128 cropped tokens (`build_template_tokenizer`)."""
-    from diffusers import Kandinsky5T2VPipeline
-
-    prefix = Kandinsky5T2VPipeline(*([None] * 7)).prompt_template.split("{}")[0]
-    return build_template_tokenizer(prefix, PROMPT_TEMPLATE_TOKENS, words)
+                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))  # Lite's
 
 
 def build_template_tokenizer(prefix: str, template_tokens: int, words: list[str] = TINY_WORDS):

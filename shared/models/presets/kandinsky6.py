@@ -1,5 +1,4 @@
-"""The kandinsky6 family's tiny preset (`kandinsky6.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""Kandinsky 6's tiny preset (`kandinsky6.py`): `parts(task)`, the pipeline's arguments at a tiny config."""
 
 from __future__ import annotations
 
@@ -7,12 +6,8 @@ from typing import Any
 
 
 def parts(task: str) -> dict[str, Any]:
-    """One text block per stream and two fused blocks of 2 heads x 8 (axes 2, 2, 4) on both streams, with the
-    released checkpoints' switches (padded text, cross-stream RoPE and gates, fixed modulation, two token types for
-    the appended image frame), modulations drawn (the class zeroes none, but a tiny width leaves them near zero);
-    Kandinsky 5's tiny HunyuanVideo VAE (x4 time, x8 space, 4 channels) and CLIP; a 2-layer Qwen2.5-VL whose
-    tokenizer makes the pipeline's 129 cropped template tokens; MMAudio's VAE and vocoder at 8 kHz with a mel hop of 64
-    (62.5 latents a second; the real one: 44.1 kHz, 43); flow-match Euler with shift 5. One preset for both tasks."""
+    """Kandinsky 5's tiny parts, two fused blocks with the release's switches, MMAudio's VAE and vocoder at 8 kHz with a
+    mel hop of 64 (62.5 latents a second; the real one: 44.1 kHz, 43). One preset for both tasks."""
     from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky6Transformer3DModel, MMAudioVAE, MMAudioVocoder
     from diffusers.pipelines.kandinsky6.pipeline_kandinsky6_ti2va import _PROMPT_TEMPLATE, _QWEN_CROP_START
 
@@ -24,7 +19,7 @@ def parts(task: str) -> dict[str, Any]:
     text_encoder = shared["text_encoder"]
     text_encoder.resize_token_embeddings(len(tokenizer))
     latent = 4
-    transformer = Kandinsky6Transformer3DModel(
+    transformer = Kandinsky6Transformer3DModel(  # padded text, cross-stream RoPE and gates, two token types
         in_visual_dim=latent, out_visual_dim=latent, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
         model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=2, axes_dims=(2, 2, 4), visual_cond=True,
         in_audio_dim=latent, out_audio_dim=latent, model_dim_a=16, time_dim_a=16, ff_dim_a=32, axes_dims_a=(2, 2, 4),
@@ -33,7 +28,8 @@ def parts(task: str) -> dict[str, Any]:
     audio_vae = MMAudioVAE(mel_bins=16, latent_channels=latent, hidden_channels=8, channel_multipliers=(1, 2),
                            layers_per_block=1, sample_rate=8000, n_fft=256, hop_length=64)
     vocoder = MMAudioVocoder(num_mels=16, upsample_initial_channel=16, upsample_rates=(4, 4, 4),
-                             upsample_kernel_sizes=(8, 8, 8), resblock_kernel_sizes=(3,), resblock_dilation_sizes=((1,),))
+                             upsample_kernel_sizes=(8, 8, 8), resblock_kernel_sizes=(3,),
+                             resblock_dilation_sizes=((1,),))
     return dict(transformer=transformer, vae=shared["vae"], text_encoder=text_encoder, tokenizer=tokenizer,
                 text_encoder_2=shared["text_encoder_2"], tokenizer_2=shared["tokenizer_2"],
                 scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), audio_vae=audio_vae, vocoder=vocoder)

@@ -1,5 +1,4 @@
-"""The ltx_video family's tiny preset (`ltx_video.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""LTX-Video's tiny preset (`ltx_video.py`): `parts(task)`, the pipeline's arguments: real classes at a tiny size."""
 
 from __future__ import annotations
 

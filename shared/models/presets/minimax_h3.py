@@ -1,11 +1,11 @@
-"""The minimax_h3 family's tiny preset (`minimax_h3.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""MiniMax H3's tiny preset (`minimax_h3.py`): `parts(task)`, the pipeline's arguments: real classes at a tiny size."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from vt.shared.models.minimax_h3 import TEXT_LAYER
+from vt.shared.models.tiny import build_qwen_tokenizer
 
 
 def parts(task: str) -> dict[str, Any]:
@@ -16,10 +16,11 @@ def parts(task: str) -> dict[str, Any]:
                            MiniMaxH3Transformer3DModel)
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    tokenizer = build_h3_tokenizer()
-    ids = {k: tokenizer.convert_tokens_to_ids(v) for k, v in (
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    tokenizer = build_qwen_tokenizer(system="<|h3_system|>", header_tokens=8)
+    vision = {"image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>",
+              "vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>"}
+    tokenizer.add_tokens(list(vision.values()), special_tokens=True)  # Qwen3-VL's, which the processor needs
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in vision.items()}
     text_encoder = Qwen3VLForConditionalGeneration(Qwen3VLConfig(
         text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16,
                          num_hidden_layers=TEXT_LAYER + 1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
@@ -47,12 +48,3 @@ def parts(task: str) -> dict[str, Any]:
     return dict(transformer=transformer, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
                 tokenizer=tokenizer, scheduler=MiniMaxH3Scheduler(shift=12.0),
                 audio_scheduler=MiniMaxH3Scheduler(shift=3.0))
-
-
-def build_h3_tokenizer():
-    """A byte-level Qwen2 tokenizer over the tiny words with Qwen3-VL's vision tokens (the processor needs them)."""
-    from vt.shared.models.tiny import build_qwen_tokenizer
-
-    tokenizer = build_qwen_tokenizer(system="<|h3_system|>", header_tokens=8)
-    tokenizer.add_tokens(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"], special_tokens=True)
-    return tokenizer

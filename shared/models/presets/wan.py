@@ -1,5 +1,4 @@
-"""The wan family's tiny preset (`wan.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""The wan family's tiny preset (vt.shared.models.tiny): `parts(task)`, the pipeline's arguments."""
 
 from __future__ import annotations
 
@@ -11,35 +10,31 @@ from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS
 from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 from vt.shared.models.wan import IMAGE_TASKS
 
-
 INDEX_NAMES = {"image_processor": ["transformers", "CLIPImageProcessor"]}  # as the real checkpoints name it
+# The tiny Wan DiT (SkyReels V2's and VACE's too): 2 layers of 4 heads x 16, patch 1x2x2, text width 64.
+TINY_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, text_dim=64, freq_dim=256,
+                ffn_dim=128, num_layers=2, rope_max_seq_len=64)
 
 
 def parts(task: str) -> dict[str, Any]:
-    """2-layer transformer, 3-level VAE (x4 time, x8 space), 2-layer UMT5; WanPipeline layout.
-
-    task "i2v": WanImageToVideoPipeline layout, as Wan 2.1 I2V: the transformer takes 36 channels
-    and has image projections (image_dim, added_kv_proj_dim = heads x head dim), plus a 2-layer
-    CLIP vision encoder on 32 x 32 crops (17 image tokens) and its CLIPImageProcessor. Task "flf2v":
-    the same with FLF2V's image position embedding over two images' tokens (pos_embed_seq_len 34),
-    drawn non-zero (diffusers starts it at zeros), so the order of the two images shows.
-    """
-    i2v = task in IMAGE_TASKS
-    heads, head_dim, z_dim, image_dim = 4, 16, 16, 32
-    vae = tiny_wan_vae(z_dim)
-    image = dict(in_channels=2 * z_dim + 4, image_dim=image_dim, added_kv_proj_dim=heads * head_dim) if i2v \
-        else dict(in_channels=z_dim)
-    if task == "flf2v":
-        image["pos_embed_seq_len"] = 2 * 17
-    transformer = tiny_wan_transformer(out_channels=z_dim, **image)
+    """WanPipeline's layout; i2v: Wan 2.1 I2V's (WanImageToVideoPipeline); flf2v: also FLF2V's position embedding
+    over two images' tokens, drawn non-zero (diffusers starts it at zeros) so the order of the two images shows."""
+    vae = tiny_wan_vae()
+    flf2v = {"pos_embed_seq_len": 2 * 17} if task == "flf2v" else {}
+    transformer = tiny_wan_transformer(out_channels=16, **image_channels(task in IMAGE_TASKS), **flf2v)
     if task == "flf2v":
         with torch.no_grad():
             transformer.condition_embedder.image_embedder.pos_embed.normal_(0.0, 0.5)
     text_encoder = tiny_t5_encoder(umt5=True)
-    parts = tiny_image_parts(image_dim) if i2v else {}
+    parts = tiny_image_parts(32) if task in IMAGE_TASKS else {}
     # Wan2.1-T2V-1.3B-Diffusers' (and I2V-480P's) scheduler: UniPC on flow sigmas with shift 3.
     return dict(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
                 scheduler=flow_unipc_scheduler(3.0), transformer=transformer, **parts)
+
+
+def image_channels(i2v: bool) -> dict[str, int]:
+    """16 latent channels; i2v 36 ([noisy, mask, condition]) and projections of 32-wide CLIP tokens to 4 x 16."""
+    return dict(in_channels=36, image_dim=32, added_kv_proj_dim=64) if i2v else dict(in_channels=16)
 
 
 def tiny_wan_vae(z_dim: int = 16, **config):
@@ -51,11 +46,9 @@ def tiny_wan_vae(z_dim: int = 16, **config):
 
 
 def tiny_wan_transformer(**config):
-    """A 2-layer Wan transformer of 4 heads x 16 (patch 1x2x2, text width 64)."""
     from diffusers import WanTransformer3DModel
 
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, text_dim=64,
-                                 freq_dim=256, ffn_dim=128, num_layers=2, rope_max_seq_len=64, **config)
+    return WanTransformer3DModel(**TINY_DIT, **config)
 
 
 def flow_unipc_scheduler(shift: float):

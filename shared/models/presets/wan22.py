@@ -1,5 +1,4 @@
-"""The wan22 family's tiny preset (`wan22.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""The wan22 family's tiny preset (vt.shared.models.tiny): `parts(task)`, the pipeline's arguments."""
 
 from __future__ import annotations
 
@@ -10,9 +9,8 @@ from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 
 def parts(task: str) -> dict[str, Any]:
-    """Two 2-layer experts (different weights), the tiny Wan VAE and UMT5; WanPipeline layout
-    (boundary 0.875), or for "i2v" WanImageToVideoPipeline's (36-channel experts, no image encoder,
-    boundary 0.9), as T2V-A14B and I2V-A14B."""
+    """Two tiny Wan experts (different weights), as T2V-A14B (WanPipeline, boundary 0.875) or I2V-A14B
+    (WanImageToVideoPipeline: 36-channel experts, no image encoder, boundary 0.9)."""
     i2v = task == "i2v"
     vae = tiny_wan_vae()
     high, low = (tiny_wan_transformer(in_channels=36 if i2v else 16, out_channels=16) for _ in range(2))

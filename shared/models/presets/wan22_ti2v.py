@@ -1,5 +1,4 @@
-"""The wan22_ti2v family's tiny preset (`wan22_ti2v.py`): real classes at a tiny config, weights drawn from torch's
-seeded RNG, tokenizers built here or in vt.shared.models.tiny; `parts(task)` are the pipeline's arguments."""
+"""The wan22_ti2v family's tiny preset (vt.shared.models.tiny): `parts(task)`, the pipeline's arguments."""
 
 from __future__ import annotations
 
@@ -7,13 +6,14 @@ from typing import Any
 
 import torch
 
+from vt.shared.models.components import load_class
 from vt.shared.models.presets.wan import flow_unipc_scheduler, tiny_wan_transformer, tiny_wan_vae
 from vt.shared.models.tiny import build_t5_tokenizer, tiny_t5_encoder
 
 
 def parts(task: str) -> dict[str, Any]:
-    """A 2-layer 48-channel transformer, a 3-level residual 48-channel VAE (patch 2: x16 space, x4
-    time, non-trivial latent statistics) and UMT5; the checkpoint's scheduler (shift 5)."""
+    """A 2-layer 48-channel transformer, a 3-level residual 48-channel VAE (patch 2: x16 space, x4 time, non-trivial
+    latent statistics) and UMT5; the checkpoint's scheduler (shift 5)."""
     z_dim = 48
     stats = torch.rand(2, z_dim)
     vae = tiny_wan_vae(z_dim, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
@@ -25,8 +25,5 @@ def parts(task: str) -> dict[str, Any]:
 
 
 def pipeline(task: str) -> type:
-    """WanPipeline(expand_timesteps=True) for both tasks, as the TI2V-5B checkpoint (i2v loads it with
-    WanImageToVideoPipeline)."""
-    from diffusers import WanPipeline
-
-    return WanPipeline
+    """WanPipeline for both tasks, as the TI2V-5B checkpoint saves it (i2v loads it as WanImageToVideoPipeline)."""
+    return load_class("diffusers:WanPipeline")
