@@ -56,6 +56,25 @@ def read_header(path: Path) -> tuple[dict[str, Entry], dict[str, str]]:
     return entries, metadata
 
 
+def block_of(name: str, full: tuple[int, ...], offsets, shape) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(offsets, shape) of a block of tensor `name` (of shape `full`): the whole tensor where they are None; a
+    block outside it is a ValueError."""
+    offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
+    shape = tuple(shape) if shape is not None else full
+    if len(offsets) != len(full) or len(shape) != len(full) or any(
+            o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, full)):
+        raise ValueError(f"block at {offsets} of shape {shape} is outside {name} {full}")
+    return offsets, shape
+
+
+def narrowed(tensor: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], first_dim: int = 0) -> torch.Tensor:
+    """The block at `offsets` of `shape` of `tensor` along its dims from `first_dim` on, contiguous."""
+    for dim in range(first_dim, tensor.ndim):
+        if (offsets[dim], shape[dim]) != (0, tensor.shape[dim]):
+            tensor = tensor.narrow(dim, offsets[dim], shape[dim])
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
+
+
 class Weights:
     """The tensors of a component folder's safetensors files, read on demand."""
 
@@ -101,7 +120,7 @@ class Weights:
     def scale(self, name: str) -> None:
         return None
 
-    def quantized_modules(self) -> dict[str, tuple[int, int]]:
+    def quantized_modules(self) -> dict:
         """Modules whose weight is stored in quantized blocks: none in safetensors (a GGUF file has them)."""
         return {}
 
@@ -109,30 +128,27 @@ class Weights:
         """Tensor `name` in its stored dtype on the CPU, or its block at `offsets` of `shape`."""
         entry = self.entries[name]
         full = entry.shape
-        offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
-        shape = tuple(shape) if shape is not None else full
-        if len(offsets) != len(full) or len(shape) != len(full) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, full)):
-            raise ValueError(f"block at {offsets} of shape {shape} is outside {name} {full}")
+        offsets, shape = block_of(name, full, offsets, shape)
         if not full:  # a scalar
             return self._read_bytes(entry, entry.start, entry.end - entry.start).view(entry.dtype).reshape(())
         row_bytes = (entry.end - entry.start) // max(full[0], 1)
         rows = self._read_bytes(entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes)
-        block = rows.view(entry.dtype).reshape(shape[0], *full[1:])
-        for dim in range(1, len(full)):
-            if (offsets[dim], shape[dim]) != (0, full[dim]):
-                block = block.narrow(dim, offsets[dim], shape[dim])
-        return block if block.is_contiguous() else block.contiguous()
+        return narrowed(rows.view(entry.dtype).reshape(shape[0], *full[1:]), offsets, shape, first_dim=1)
 
     @staticmethod
-    def _read_bytes(entry: Entry, start: int, count: int) -> torch.Tensor:
-        buffer = torch.empty(count, dtype=torch.uint8)
-        with open(entry.file, "rb", buffering=0) as f:
-            f.seek(start)
-            view, done = memoryview(buffer.numpy()), 0
-            while done < count:
-                got = f.readinto(view[done:])
-                if not got:
-                    raise OSError(f"{entry.file} ends before the bytes its header names (truncated file?)")
-                done += got
-        return buffer
+    def _read_bytes(entry, start: int, count: int) -> torch.Tensor:
+        return read_bytes(entry, start, count)
+
+
+def read_bytes(entry, start: int, count: int) -> torch.Tensor:
+    """`count` bytes of `entry.file` from `start`, with plain reads into a buffer of their own."""
+    buffer = torch.empty(count, dtype=torch.uint8)
+    with open(entry.file, "rb", buffering=0) as f:
+        f.seek(start)
+        view, done = memoryview(buffer.numpy()), 0
+        while done < count:
+            got = f.readinto(view[done:])
+            if not got:
+                raise OSError(f"{entry.file} ends before the bytes its header names (truncated file?)")
+            done += got
+    return buffer

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vt.shared.errors import UserError
-from vt.shared.weights.folder import Weights
+from vt.shared.weights.folder import block_of, narrowed, read_bytes
 from vt.shared.weights.gguf_quants import BLOCK_SIZES, NAMES, dequantize
 
 PLAIN = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml type id -> torch dtype
@@ -90,28 +90,19 @@ class GgufWeights:
             raise ValueError(f"{name} is not a 2-D quantized tensor")
         rows = entry.shape[0] - start if rows is None else rows
         row_bytes = (entry.end - entry.start) // entry.shape[0]
-        return Weights._read_bytes(entry, entry.start + start * row_bytes, rows * row_bytes).view(rows, row_bytes)
+        return read_bytes(entry, entry.start + start * row_bytes, rows * row_bytes).view(rows, row_bytes)
 
     def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
         """Tensor `name` (a quantized one dequantized to float32), or its block at `offsets` of `shape`."""
         entry = self.entries[name]
         full = entry.shape
-        offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
-        shape = tuple(shape) if shape is not None else full
-        if len(offsets) != len(full) or len(shape) != len(full) or any(
-                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, full)):
-            raise ValueError(f"block at {offsets} of shape {shape} is outside {name} {full}")
+        offsets, shape = block_of(name, full, offsets, shape)
         if full and entry.stored == full:  # dim-0 rows are byte ranges: read only the block's
             row_bytes = (entry.end - entry.start) // full[0]
-            raw = Weights._read_bytes(entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes)
-            block, dims = _decode(entry, raw, shape[0]).reshape(shape[0], *full[1:]), range(1, len(full))
-        else:  # a scalar, or stored reshaped
-            raw = Weights._read_bytes(entry, entry.start, entry.end - entry.start)
-            block, dims = _decode(entry, raw, 1).reshape(full), range(len(full))
-        for dim in dims:
-            if (offsets[dim], shape[dim]) != (0, full[dim]):
-                block = block.narrow(dim, offsets[dim], shape[dim])
-        return block if block.is_contiguous() else block.contiguous()
+            raw = read_bytes(entry, entry.start + offsets[0] * row_bytes, shape[0] * row_bytes)
+            return narrowed(_decode(entry, raw, shape[0]).reshape(shape[0], *full[1:]), offsets, shape, first_dim=1)
+        raw = read_bytes(entry, entry.start, entry.end - entry.start)  # a scalar, or stored reshaped
+        return narrowed(_decode(entry, raw, 1).reshape(full), offsets, shape)
 
 
 def _decode(entry: GgufEntry, raw: torch.Tensor, rows: int) -> torch.Tensor:
