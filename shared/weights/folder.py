@@ -75,7 +75,22 @@ def narrowed(tensor: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, .
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-class Weights:
+class TensorTable:
+    """The lookups of the reading interface over `entries` (name -> an entry with `shape`): `in`, `names`, `shape`."""
+
+    entries: dict
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.entries[name].shape
+
+
+class Weights(TensorTable):
     """The tensors of a component folder's safetensors files, read on demand."""
 
     def __init__(self, files: list[Path]):
@@ -102,15 +117,6 @@ class Weights:
         if not files:
             raise FileNotFoundError(f"{folder} holds no .safetensors weights")
         return cls(files)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name].shape
 
     def scaled_modules(self) -> set[str]:
         """Modules whose weight is stored with a per-tensor scale: none in a diffusers-layout folder (a single

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from vt.shared.errors import UserError
-from vt.shared.weights.folder import block_of, narrowed, read_bytes
+from vt.shared.weights.folder import TensorTable, block_of, narrowed, read_bytes
 from vt.shared.weights.gguf_quants import BLOCK_SIZES, NAMES, dequantize
 
 PLAIN = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # ggml type id -> torch dtype
@@ -45,7 +45,7 @@ def _orig_shapes(reader) -> dict[str, tuple[int, ...]]:
     return out
 
 
-class GgufWeights:
+class GgufWeights(TensorTable):
     """The tensors of one .gguf file, read on demand (`Weights`' interface: `in`, `names`, `shape`, `read`)."""
 
     def __init__(self, file: Path):
@@ -69,15 +69,6 @@ class GgufWeights:
                 Path(file), PLAIN.get(kind, torch.float32), shapes.get(tensor.name, stored), int(tensor.data_offset),
                 int(tensor.data_offset) + int(tensor.n_bytes), None if kind in PLAIN else kind, stored)
         del reader  # its map of the file
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.entries
-
-    def names(self) -> list[str]:
-        return list(self.entries)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.entries[name].shape
 
     def qtype(self, name: str) -> int | None:
         """The ggml block type `name` is stored in, None for a plain tensor."""
