@@ -43,7 +43,7 @@ def unstaged(trainer, component: str, mode: str):
     from vt.train.model_build import build_transformer
 
     train = trainer.config.train
-    world = SimpleNamespace(dims=SimpleNamespace(fsdp_enabled=False), device=trainer.device, is_main=False)
+    world = SimpleNamespace(dims=SimpleNamespace(fsdp_enabled=False, tp=1), device=trainer.device, is_main=False)
     lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
     model = build_transformer(trainer.spec, component, world, mode=mode, lora=lora,
                               storage_dtype=trainer.dtypes.storage(mode), compute_dtype=trainer.dtypes.compute,
