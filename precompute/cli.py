@@ -29,12 +29,12 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
     """
     cfg = load_or_exit(config, set)
     from vt.precompute.processors import ProcessorBug
-    from vt.precompute.service import Precompute
+    from vt.precompute.service import run_stage1
 
     from vt.shared.runtime import rank, world_size
 
     try:
-        Precompute(cfg, rank(), world_size()).run()  # logs its summary line (every rank its own), once
+        run_stage1(cfg, rank(), world_size())  # logs its summary line (every rank its own), once per data set
     except (*USER_ERRORS, ProcessorBug) as err:  # ProcessorBug: its traceback is logged above
         raise fail(str(err)) from err
 

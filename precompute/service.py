@@ -57,7 +57,7 @@ from vt.shared.provenance import component_records, fingerprint, provenance
 from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
 from vt.shared.shards import CommitRecord, encode_shard
 from vt.shared.startup import StartupTimeline
-from vt.shared.window import Window
+from vt.shared.window import Window, eval_window_uri
 
 log = get_logger("vt.precompute")
 
@@ -81,13 +81,37 @@ def sound_request(spec, config: Config) -> SoundRequest:
     return SoundRequest(audio.sample_rate, audio.channels, config.data.missing_audio)
 
 
+def held_out_config(config: Config) -> Config:
+    """The config `data.eval` is encoded with: its raw data into the window's eval/ prefix, kept (read by every
+    evaluation), its reports in <run.dir>/eval/, and no validation inputs (the training window holds them)."""
+    return config.model_copy(update={
+        "data": config.data.model_copy(update={"raw": config.data.eval, "eval": None}),
+        "window": config.window.model_copy(update={"uri": eval_window_uri(config.window.uri), "size": "keep"}),
+        "run": config.run.model_copy(update={"dir": str(config.run_dir / "eval")}),
+        "train": config.train.model_copy(update={"validation_prompts": [], "validation_images": [],
+                                                 "validation_last_images": [], "validation_videos": []})})
+
+
+def run_stage1(config: Config, rank: int = 0, world_size: int = 1) -> Report:
+    """`vt-precompute run`: this rank's share of `data.eval` (if set) into the window's eval/ prefix, then of
+    `data.raw` into the window, with the encoders loaded once; returns the training data's report."""
+    encoders = None
+    if config.data.eval:
+        held_out = Precompute(held_out_config(config), rank, world_size)
+        held_out.run()
+        encoders = held_out.encoders
+    return Precompute(config, rank, world_size, encoders=encoders).run()
+
+
 class Precompute:
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1):
+    def __init__(self, config: Config, rank: int = 0, world_size: int = 1, encoders: dict | None = None):
+        """`encoders`: stage 1's components already loaded (another Precompute's: run_stage1), else loaded here."""
         self.startup = StartupTimeline()
         self.startup.mark("imports")  # the interpreter and the CLI's imports, up to here
         map_large_allocations()  # decoded clips and encoder activations go back to the OS when freed
         self.config = config
         self.rank, self.world_size = rank, world_size
+        self.encoders = encoders
         pre = config.precompute
         # The decode workers start first: a spawned worker spends seconds importing torch and PyAV, which then
         # overlaps this process's imports of the encoders' libraries and its model loads (closed by run()).
@@ -139,7 +163,8 @@ class Precompute:
 
     def _load_encoders(self) -> None:
         pre = self.config.precompute
-        self.encoders = load_encoders(self.spec, self.device, pre.text_encoder_offload, pre.vae_tiling)
+        if self.encoders is None:
+            self.encoders = load_encoders(self.spec, self.device, pre.text_encoder_offload, pre.vae_tiling)
         self.tiled = tiled_buckets(self.spec, self.encoders, self.buckets, self.device, pre.vae_tiling)
         self.text_cache = TextCache(self._encode_text)
 

@@ -89,6 +89,9 @@ class DataConfig(_Section):
     # model.audio: a clip without a sound track is skipped (listed in rejects.jsonl as `missing_audio`) or
     # trained on silence. Part of the shards' provenance.
     missing_audio: Literal["skip", "silence"] = "skip"
+    # Held-out raw data (as `raw`: a folder, tar, glob, s3:// prefix or manifest), encoded by vt-precompute into the
+    # window's eval/ prefix and never trained on: the trainer's held-out loss (train.eval_every, train/eval_loss.py).
+    eval: str | None = None
 
     @field_validator("control")
     @classmethod
@@ -204,6 +207,10 @@ class TrainConfig(_Section):
     # fits a sample's (frames from its start at buckets.fps, scaled to cover, center-cropped).
     validation_videos: list[str] = Field(default_factory=list)
     validation_steps: int = Field(4, ge=1)
+    # The held-out loss over data.eval every this many optimizer steps and at the end (0 with data.eval: at the end
+    # only), at each of `eval_sigmas` with fixed noise per sample (train/eval_loss.py)
+    eval_every: int = Field(0, ge=0)
+    eval_sigmas: list[float] = Field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], min_length=1)
     # An exponential moving average of the trained weights (train/ema.py): its decay per optimizer step (None: off),
     # kept in checkpoints, exported in <run.dir>/ema/; `ema_validation` renders validation with it.
     ema_decay: float | None = Field(None, gt=0, lt=1)
@@ -296,6 +303,16 @@ class Config(_Section):
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir)
+
+    @model_validator(mode="after")
+    def _eval_needs_data(self) -> "Config":
+        if self.train.eval_every and not self.data.eval:
+            raise UserError(f"train.eval_every = {self.train.eval_every} computes the held-out loss over data.eval, "
+                             "which is not set: set data.eval to held-out raw data (a folder, tar or manifest that "
+                             "data.raw does not hold), or remove train.eval_every")
+        if any(not 0 < sigma <= 1 for sigma in self.train.eval_sigmas):
+            raise UserError(f"train.eval_sigmas = {self.train.eval_sigmas}: each must be in (0, 1]")
+        return self
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,7 +1,7 @@
 """The report's training curves as plotly figures (train/report.py puts them on the page).
 
-One figure per quantity, each from metrics.jsonl alone: every loss-like metric (loss, audio_loss, any
-key ending in `loss`) raw and as a moving average, the learning rate, the gradient norm, samples/s,
+One figure per quantity, each from metrics.jsonl alone: every loss-like metric (loss, audio_loss, the held-out
+eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the learning rate, the gradient norm, samples/s,
 transformer tokens/s, the wait for data, and the peak memory of every rank. plotly writes the HTML and
 the JavaScript that draws it; vt writes none.
 """
@@ -68,7 +68,9 @@ def loss_figure(records: list[dict]):
     for key in loss_keys(records):
         steps, values = _series(records, key)
         x, y = _thin(steps, values)
-        fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=key, opacity=0.35))
+        sparse = key == "eval_loss"  # computed every train.eval_every steps: its points marked
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers" if sparse else "lines", name=key,
+                                 opacity=1.0 if sparse else 0.35))
         window = _window(len(values))
         if window > 1 and len(values) >= window:  # the average over every point, then thinned
             x, y = _thin(steps[window - 1:], moving_average(np.array(values), window).tolist())
@@ -87,6 +89,21 @@ def _single(records: list[dict], key: str, title: str, y_title: str, from_zero: 
     fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers" if len(values) < 50 else "lines", name=key))
     if from_zero:
         _from_zero(fig, values)
+    return fig
+
+
+def held_out_figure(records: list[dict]):
+    """The held-out loss per sigma of `train.eval_sigmas` (`eval_loss/sigma_<s>`), one curve each."""
+    import plotly.graph_objects as go
+
+    keys = sorted({key for r in records for key in r if key.startswith("eval_loss/sigma_")},
+                  key=lambda key: float(key.rsplit("_", 1)[-1]))
+    if not keys:
+        return None
+    fig = _figure("held-out loss per sigma (data.eval, fixed noise)", "loss")
+    for key in keys:
+        x, y = _thin(*_series(records, key))
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"sigma {key.rsplit('_', 1)[-1]}"))
     return fig
 
 
@@ -112,7 +129,7 @@ def curve_figures(records: list[dict]) -> list:
     """The figures that have data, in page order (an empty list for a run that has logged nothing)."""
     if not records:
         return []
-    figures = [loss_figure(records) if loss_keys(records) else None,
+    figures = [loss_figure(records) if loss_keys(records) else None, held_out_figure(records),
                _single(records, "lr", "learning rate", "lr", from_zero=True),
                _single(records, "grad_norm", "gradient norm (before clipping)", "norm"),
                _single(records, "samples_s", "samples/s", "samples/s", from_zero=True),

@@ -45,6 +45,7 @@ from vt.shared.models.components import keeps_float32
 from vt.train.checkpoint import Checkpointer
 from vt.train.data import Batch, BatchReader, watermark
 from vt.train.ema import EMA, checkpoint_has_ema
+from vt.train.eval_loss import Draws, HeldOut
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
@@ -59,6 +60,7 @@ from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.offload import OffloadSaved
 from vt.train.parallel.order import OrderFromRankZero
 from vt.train.parallel.pp import Pipeline, one_sample_microbatches
+from vt.train.parallel.pp_validation import staged_inference
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
 from vt.train.read_ahead import ReadAhead
@@ -201,6 +203,12 @@ class Trainer:
         self._checkpointed = -1
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
+        # data.eval: the held-out loss every train.eval_every steps and at the end (train/eval_loss.py)
+        self.held_out = HeldOut(config, self.spec, self.world, self.shards.check, self._route_losses,
+                                inference=self._staged if self.pipeline is not None else None) \
+            if config.data.eval else None
+        self._evaluated = -1  # the last step the held-out loss was computed at
+        self._logged: dict = {}  # the last logged step's values (a final held-out loss joins them)
         self.startup.mark("window_and_validator")
 
     # -- set-up --------------------------------------------------------------------------------------
@@ -365,8 +373,11 @@ class Trainer:
             stats.samples += sum(len(b) for b in micro)
             stats.tokens += sum(len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:])
                                 for b in micro)  # transformer tokens of the whole job
+            evaluate = self.held_out is not None and train.eval_every and self.step % train.eval_every == 0
+            if evaluate:  # every rank at once (its forwards are sharded like the training step's)
+                metrics.update(self.evaluate())
             unlogged = (metrics, stats)
-            if self._log_due():  # the only host reads of a step, on every rank alike
+            if evaluate or self._log_due():  # the only host reads of a step, on every rank alike
                 last_loss = self._log_step(*unlogged)
                 unlogged, stats = None, StepStats()
                 progress.update(1, loss=last_loss)
@@ -378,9 +389,21 @@ class Trainer:
                 self.validate()
         progress.close()
         read_ahead.close()
+        final = self.evaluate() if self.held_out is not None and 0 < self.step != self._evaluated else {}
         if unlogged is not None:  # the last step always reaches the metrics, whatever the interval
-            last_loss = self._log_step(*unlogged)
+            last_loss = self._log_step({**unlogged[0], **final}, unlogged[1])
+        elif final:  # the last step's record again, with the held-out loss
+            self.tracker.log(self.step, {**self._logged, **final}, force=True)
         return self.finish(last_loss)
+
+    def evaluate(self) -> dict[str, float]:
+        """The held-out loss of the model as it is now (every rank calls it; train/eval_loss.py)."""
+        self._evaluated = self.step
+        return self.held_out.evaluate(self.transformer)
+
+    def _staged(self):
+        """Each held-out forward as one pass over the pipeline stages (parallel/pp_validation.py)."""
+        return staged_inference(list(expert_modules(self.transformer).values()), self.device)
 
     def _write_startup(self) -> None:
         """<run.dir>/startup.json: seconds from launch at which each start-up part ended, up to the first step."""
@@ -409,6 +432,7 @@ class Trainer:
         memory = self.world.gather_floats(peak_memory_gb(self.device))
         values.update({f"peak_mem_gb/rank{r}": m for r, m in enumerate(memory)})
         self.tracker.log(self.step, values, force=True)
+        self._logged = values
         self.report.update()  # report.html, at most every log.report_every_seconds
         return values["loss"]
 
@@ -473,28 +497,36 @@ class Trainer:
     def _scheduler_config(self) -> dict:
         return dict(self.spec.load_config("scheduler"))
 
-    def _route_losses(self, model: torch.nn.Module, part: Slice):
-        """(loss, audio loss or None, real rows) of each route of `part` (the one transformer, or each expert's
-        rows), lazily: a caller's backward of one route runs before the next route's forward. Sigmas and noise
-        (and with model.audio the audio noise, and the spec's own draws) come from each sample's key
-        (parallel/batching.py)."""
+    def _draws(self, part: Slice) -> Draws:
+        """This step's sigmas and noise for `part` (and with model.audio the audio noise and independent audio
+        sigmas, and the spec's own generators), each from its sample's key (parallel/batching.py)."""
         train = self.config.train
-        tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
         levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
         shift = self._shift(part.tensors["latents"].shape[1:])
+        density = dict(logit_mean=train.logit_mean, logit_std=train.logit_std, mode_scale=train.mode_scale)
         sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, shift,
-                                    self.spec.sigma_range(), levels, logit_mean=train.logit_mean,
-                                    logit_std=train.logit_std, mode_scale=train.mode_scale)
-        audio_sigmas = None
-        if "audio_latents" in tensors:
-            tensors["audio_noise"] = draw_audio_noise(part, train.seed, self.step).to(self.device)
+                                    self.spec.sigma_range(), levels, **density)
+        draws = Draws(sigmas, noise, spec_generators(part, train.seed, self.step))
+        if "audio_latents" in part.tensors:
+            draws.audio_noise = draw_audio_noise(part, train.seed, self.step)
             if self.spec.audio_timesteps == "independent":
                 shift = self.config.model.audio_shift or self.spec.sound.default_shift or shift
-                audio_sigmas = draw_audio_sigmas(part, train.seed, self.step, train.sigma_sampling, shift,
-                                                 logit_mean=train.logit_mean, logit_std=train.logit_std,
-                                                 mode_scale=train.mode_scale)
-                tensors["audio_sigmas"] = audio_sigmas.to(self.device)
-        generators = spec_generators(part, train.seed, self.step)
+                draws.audio_sigmas = draw_audio_sigmas(part, train.seed, self.step, train.sigma_sampling, shift,
+                                                       **density)
+        return draws
+
+    def _route_losses(self, model: torch.nn.Module, part: Slice, draws: Draws | None = None):
+        """(loss, audio loss or None, real rows) of each route of `part` (the one transformer, or each expert's
+        rows), lazily: a caller's backward of one route runs before the next route's forward. `draws`: this
+        step's (`_draws`), or the held-out loss's fixed ones (train/eval_loss.py)."""
+        train = self.config.train
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
+        draws = draws or self._draws(part)
+        sigmas, noise, generators, audio_sigmas = draws.sigmas, draws.noise, draws.generators, draws.audio_sigmas
+        if draws.audio_noise is not None:
+            tensors["audio_noise"] = draws.audio_noise.to(self.device)
+        if audio_sigmas is not None:
+            tensors["audio_sigmas"] = audio_sigmas.to(self.device)
         models = expert_modules(model)
         for route in routes(self.spec, sigmas, part.count):
             rows = slice(None) if route.expert is None else route.rows

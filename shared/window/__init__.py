@@ -37,15 +37,15 @@ from ..shards import CommitRecord
 from ..storage import Storage
 from . import cleaning, ledger
 from .layout import (CONSUMER, ProducerConflict, ShardCorruptError, WindowTimeout, commit_path, data_path,
-                     empty_caption_path, producer_path, seq_of, validation_key, validation_path)
+                     empty_caption_path, eval_window_uri, producer_path, seq_of, validation_key, validation_path)
 from .reader import Reader
 from .state import window_state
 from .writer import Writer
 from vt.shared.errors import UserError
 
 __all__ = ["CONSUMER", "ProducerConflict", "ProducerFenced", "ShardCorruptError", "Window", "WindowTimeout",
-           "commit_path", "data_path", "empty_caption_path", "producer_path", "seq_of", "validation_key",
-           "validation_path"]
+           "commit_path", "data_path", "empty_caption_path", "eval_window_uri", "producer_path", "seq_of",
+           "validation_key", "validation_path"]
 
 
 class Window:

@@ -34,6 +34,14 @@ class ProducerConflict(UserError, RuntimeError):
     """A commit record for this seq already exists with other content: two producers of one rank."""
 
 
+EVAL_PREFIX = "eval"  # data.eval's window: under the training window's URI, never in its order
+
+
+def eval_window_uri(uri: str) -> str:
+    """Where vt-precompute writes `data.eval` (held-out samples) and the trainer reads them: the window's eval/."""
+    return f"{uri.rstrip('/')}/{EVAL_PREFIX}"
+
+
 def data_path(rank: int, seq: int, sha256: str, generation: int = 0) -> str:
     """Named by seq, writer generation and content: two writers never share a name, so neither can
     overwrite or delete the other's bytes."""

@@ -1,0 +1,129 @@
+"""The held-out loss: the flow-matching loss over samples never trained on, at a fixed grid of sigmas with fixed noise.
+
+`data.eval` names raw data (as `data.raw` does) that `vt-precompute run` encodes first, into the window's `eval/`
+prefix (`shared.window.eval_window_uri`): a window of its own, kept, never in the training order. Every `train.eval_every`
+optimizer steps (and at the end) the trainer computes, for each held-out sample and each sigma of
+`train.eval_sigmas`, the loss of the model's prediction at that sigma with noise drawn once per sample from a key
+of its own, so two evaluations differ only by the weights: it is the curve to compare runs and steps by, where the
+training loss moves with each step's random sigmas and noise.
+
+The work is shared by the data-parallel ranks as a batch is (each bucket's samples sliced by `slice_bounds`, a rank
+with fewer runs weight-0 stand-ins, so sharded forwards stay in step); each transformer call takes one sample at one
+sigma, so the number does not depend on how the samples were sliced, and the per-sample losses are summed over the
+data-parallel ranks into one table (zeros elsewhere: the sum is exact) that every rank reduces in the same order.
+Under pipeline parallel each call runs over the stages (parallel/pp_validation.py). The eval set is read once, at
+the first evaluation, and held in host memory: it is meant to be small (tens of clips).
+
+Logged as `eval_loss` (the mean over samples and sigmas) and `eval_loss/sigma_<s>` (per sigma), beside the training
+loss in metrics.jsonl, the trackers and the run page.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vt.shared.errors import UserError
+from vt.shared.runtime import keyed_generator
+from vt.shared.window import Window, eval_window_uri
+from vt.train.data import Batch, BatchReader
+from vt.train.objectives import sample_noise
+from vt.train.parallel.batching import Slice, take_slice
+
+@dataclass
+class Draws:
+    """What a forward of a slice is given besides its data: sigmas, noise and the spec's own generators, and with
+    model.audio the audio noise (and independent audio sigmas)."""
+
+    sigmas: torch.Tensor
+    noise: torch.Tensor
+    generators: list[torch.Generator]
+    audio_noise: torch.Tensor | None = None
+    audio_sigmas: torch.Tensor | None = None
+
+
+def fixed_draws(part: Slice, row: int, sigma: float, seed: int, levels: int, independent_audio: bool) -> Draws:
+    """The draws of row `row` of `part` (its sample `part.first_index + row` of the eval set) at `sigma`: the same
+    noise at every sigma and every evaluation, on keys of their own."""
+    index = part.first_index + row
+    latents = part.tensors["latents"][row:row + 1]
+    sigmas = torch.full((1,) if levels == 1 else (1, levels), float(sigma))
+    draws = Draws(sigmas, sample_noise(latents, keyed_generator(seed, "eval", "noise", index)),
+                  [keyed_generator(seed, "eval", "spec", index)])
+    if "audio_latents" in part.tensors:
+        audio = part.tensors["audio_latents"][row:row + 1]
+        draws.audio_noise = sample_noise(audio, keyed_generator(seed, "eval", "audio", index))
+        draws.audio_sigmas = torch.full((1,), float(sigma)) if independent_audio else None
+    return draws
+
+
+def one_row(part: Slice, row: int) -> Slice:
+    return Slice(part.bucket, part.epoch, part.keys[row:row + 1], {k: v[row:row + 1] for k, v in part.tensors.items()},
+                 part.first_index + row, 1)
+
+
+class HeldOut:
+    """`evaluate(model)` -> the held-out metrics, the same on every rank (every rank must call it)."""
+
+    def __init__(self, config, spec, world, check_record, losses: Callable[..., Iterator], inference=None):
+        """`check_record`: the trainer's shard check (its WindowMatch); `losses(model, part, draws)`: the trainer's
+        (loss, audio loss, count) per route of a one-row slice; `inference()`: a context every call runs in (the
+        stages' pass under pipeline parallel), None for none."""
+        from vt.train.parallel.order import OrderFromRankZero
+
+        train, window = config.train, config.window
+        self.sigmas = [float(s) for s in train.eval_sigmas]
+        self.seed = train.seed
+        self.spec, self.world, self.losses = spec, world, losses
+        self.inference = inference or contextlib.nullcontext
+        low, high = spec.sigma_range()  # one expert of several: its own part of the noise levels
+        self.levels = [low + (high - low) * s for s in self.sigmas]
+        self.window = Window(eval_window_uri(window.uri), "keep", window.poll_seconds, window.timeout_seconds)
+        self.reader = BatchReader(self.window, 2**62, check_record=check_record, on_read=lambda position: None,
+                                  order=OrderFromRankZero(self.window, world), dp_rank=world.dp_rank,
+                                  dp_size=world.dims.dp)
+        self.batches: list[tuple[Batch, int]] | None = None  # (bucket's batch, its first sample's index)
+        self.samples = 0
+
+    def _load(self) -> None:
+        registered = self.world.broadcast_object(self.window.world_size() if self.world.is_main else None)
+        if registered is None:  # never encoded: no producer registered there
+            raise UserError(f"data.eval is set but {self.window.uri} holds no held-out shards: run vt-precompute run "
+                             "with this config (it encodes data.eval first), or unset data.eval")
+        self.batches, offset = [], 0
+        for batch in self.reader:  # one batch per bucket: the whole eval set, this rank's rows of it
+            self.batches.append((batch, offset))
+            offset += len(batch)
+        self.samples = offset
+        if not offset:
+            raise RuntimeError(f"the held-out window {self.window.uri} holds no samples: did vt-precompute run with "
+                               "data.eval set? See its eval/precompute_report.json")
+
+    @torch.no_grad()
+    def evaluate(self, model) -> dict[str, float]:
+        if self.batches is None:
+            self._load()
+        levels = self.spec.noise_levels
+        independent = self.spec.audio_timesteps == "independent"
+        table = torch.zeros(self.samples, len(self.sigmas), dtype=torch.float64, device=self.world.comm_device)
+        for batch, offset in self.batches:
+            part = take_slice(batch, self.world.dp_rank, self.world.dims.dp, offset)
+            rounds = -(-len(batch) // self.world.dims.dp)  # every rank runs as many calls: stand-ins pad
+            for k in range(rounds):
+                row = min(k, part.tensors["latents"].shape[0] - 1)
+                sample = one_row(part, row)
+                for j, sigma in enumerate(self.levels):
+                    draws = fixed_draws(part, row, sigma, self.seed, levels(sample.tensors["latents"].shape[1:]),
+                                        independent)
+                    with self.inference():
+                        total = sum(loss.double() * count for loss, _, count in self.losses(model, sample, draws))
+                    if k < part.count:
+                        table[part.first_index + row, j] = total.to(table.device)
+        table = self.world.sum(table)  # each entry from the one rank that holds its sample, zeros elsewhere
+        means = table.cpu().mean(dim=0)
+        out = {"eval_loss": float(means.mean())}
+        out.update({f"eval_loss/sigma_{sigma:g}": float(value) for sigma, value in zip(self.sigmas, means)})
+        return out
