@@ -173,6 +173,9 @@ class TrainConfig(_Section):
     lora_alpha: float = Field(16.0, gt=0)
     lora_targets: list[str] = Field(default_factory=list)  # empty: the family's default targets
     batch_size: int = Field(2, ge=1)  # global samples per optimizer micro-step (all data-parallel ranks)
+    # A token budget in place of batch_size: each bucket's micro-batch holds as many samples as fit this many
+    # transformer tokens (at least one), so a small bucket takes a larger batch (train/data.py, bucket_batch_sizes)
+    tokens_per_batch: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1)
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)

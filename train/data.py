@@ -1,8 +1,9 @@
 """Window reader: latent shards in the window's fixed order -> one-bucket global batches, this rank's rows.
 
 Shards arrive one bucket each. The reader appends every shard's samples to its bucket's pending list
-and plans a batch as soon as a bucket holds `batch_size` samples, so a batch never mixes shapes and
-never needs padding. At the end of an epoch each bucket's remainder goes out as a smaller batch:
+and plans a batch as soon as a bucket holds its batch size (`train.batch_size`, or with `train.tokens_per_batch`
+as many samples as fit the token budget: `bucket_batch_sizes`), so a batch never mixes shapes and never needs
+padding. At the end of an epoch each bucket's remainder goes out as a smaller batch:
 every sample is trained on exactly once per epoch.
 
 Planning needs only the commit records (bucket, keys, epoch), never the data: every rank plans the
@@ -98,6 +99,15 @@ class StaleShardError(UserError, RuntimeError):
     """A shard was made with settings other than the trainer's config."""
 
 
+def bucket_batch_sizes(train, spec, buckets) -> dict[str, int]:
+    """bucket name -> samples per global micro-batch: `train.batch_size` for every bucket, or with
+    `train.tokens_per_batch` as many samples as fit that many transformer tokens (at least one)."""
+    if train.tokens_per_batch is None:
+        return {bucket.name: train.batch_size for bucket in buckets}
+    return {bucket.name: max(1, train.tokens_per_batch // spec.tokens_per_sample(spec.latent_shape(bucket)))
+            for bucket in buckets}
+
+
 class BatchReader:
     """Plans global batches; `passes` > 1 re-reads a kept window (precompute once, many epochs).
 
@@ -107,14 +117,14 @@ class BatchReader:
     (this rank's rows); `plans()` and `load` are the two halves a read-ahead runs apart (read_ahead.py).
     """
 
-    def __init__(self, window: Window, batch_size: int, passes: int = 1,
+    def __init__(self, window: Window, batch_size: int | Callable[[str], int], passes: int = 1,
                  check_record: Callable[[CommitRecord, Callable[[CommitRecord], dict]], None] | None = None,
                  on_read: Callable[[int], None] | None = None,
                  order: Callable[..., CommitRecord | None] | None = None, dp_rank: int = 0, dp_size: int = 1):
-        if batch_size < 1:
+        if not callable(batch_size) and batch_size < 1:
             raise UserError("train.batch_size must be at least 1")
         self.window = window
-        self.batch_size = batch_size
+        self.batch_size = batch_size if callable(batch_size) else (lambda bucket: batch_size)  # bucket -> samples
         self.passes = passes
         self.check_record = check_record
         self.on_read = on_read or window.publish_read
@@ -176,15 +186,15 @@ class BatchReader:
     def _full_batches(self) -> Iterator[Plan]:
         """Every full batch pending, by bucket name (only the bucket read last can hold one)."""
         for bucket in sorted(self.cursor.pending):
-            while len(self.cursor.pending.get(bucket, ())) >= self.batch_size:
-                yield self._take(bucket, self.batch_size)
+            while len(self.cursor.pending.get(bucket, ())) >= self.batch_size(bucket):
+                yield self._take(bucket, self.batch_size(bucket))
 
     def _flush(self) -> Iterator[Plan]:
         """The end of an epoch: full batches first, then each bucket's remainder as a smaller batch."""
         yield from self._full_batches()
         for bucket in sorted(self.cursor.pending):
             while self.cursor.pending.get(bucket):
-                yield self._take(bucket, min(self.batch_size, len(self.cursor.pending[bucket])))
+                yield self._take(bucket, min(self.batch_size(bucket), len(self.cursor.pending[bucket])))
 
     def _take(self, bucket: str, n: int) -> Plan:
         refs = self.cursor.pending[bucket][:n]

@@ -12,7 +12,8 @@ computing anything. Per rank, for the config's layout over `gpus` ranks:
 - buffers: FSDP2's gathered blocks in the compute dtype (the one running and the next one prefetched,
   with the all-gather's own buffers), the root's gathered parameters, a full fine-tune's block of
   unsharded gradients with its reduce-scatter buffers, DDP's gradient buckets;
-- activations: one micro-batch (this rank's share of train.batch_size) of the largest bucket, through
+- activations: one micro-batch (this rank's share of the bucket's batch: train.batch_size, or what fits
+  train.tokens_per_batch) of each bucket, the largest counted, through
   the family's forward and a backward, with and without activation checkpointing, divided over cp;
 - validation: the VAE and the pipeline's other frozen parts, and the most the pipeline's steps or the VAE's decode
   hold at once;
@@ -34,6 +35,7 @@ from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_param
 from vt.shared.models import spec_for
 from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
+from vt.train.data import bucket_batch_sizes
 from vt.train.model_build import Dtypes, prepare_transformer, quantized_base
 from vt.train.packed_base import PackedLinear
 from vt.train.parallel.dims import ParallelDims, layout_plan
@@ -83,11 +85,16 @@ class Plan:
     activations: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> {"checkpointing": b, "none": b}
     stage1: dict[str, int] = field(default_factory=dict)  # encoder -> bytes, "working" / "working_tiled" -> bytes
     validation: dict[str, int] = field(default_factory=dict)  # "frozen", "step", "decode" / "decode_tiled" -> bytes
-    micro_batch: int = 1
+    micro_batch: int = 1  # the largest bucket's; with train.tokens_per_batch each bucket has its own
+    micro_batches: dict[str, int] = field(default_factory=dict)  # bucket -> samples per rank per micro-step
     vae_tiled: bool = False  # validation decodes tiled (train.validation_vae_tiling, "auto" against the budget)
     # FLOPs of one micro-batch's forward and backward of the largest bucket, {"none": ..., "checkpointing": ...}
     # (memory_trace.FlopCount over the fake step; checkpointing adds the blocks' recomputed forward): step_cost.py
     flops: dict[str, int] = field(default_factory=dict)
+
+    def micro_for(self, bucket: str) -> int:
+        """Samples per rank in a micro-step of `bucket`."""
+        return self.micro_batches.get(bucket, self.micro_batch)
 
     def stage1_peak(self, tiled: bool | None = None) -> int:
         """Bytes one producer needs on its device: with `precompute.text_encoder_offload = "none"` every
@@ -234,13 +241,14 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     rank.buffers += widest
     if parallel.cpu_offload:
         rank.host = rank.weights + rank.gradients + rank.optimizer
-    micro = max(1, math.ceil(train.batch_size / dims.dp))
-    plan = Plan(config, dims, device, rank, micro_batch=micro)
+    sizes = bucket_batch_sizes(train, spec, parse_buckets(config.buckets.sizes))
+    micro = {name: max(1, math.ceil(size / dims.dp)) for name, size in sizes.items()}
+    plan = Plan(config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro)
     # Under FSDP2 the blocks compute with gathered copies in the param dtype; one process casts its float32
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), micro, stage1)
+           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), tuple(sorted(micro.items())), stage1)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
         _trace(plan, spec, dtypes, lora, gathered, stage1)
         _TRACES[key] = (plan.activations, plan.stage1, plan.validation, plan.flops)
@@ -339,10 +347,10 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
             if checkpointing:
                 apply_ac(model, spec)
             for bucket in buckets:
-                batch = _batch(shapes[bucket], plan.micro_batch)
+                batch = _batch(shapes[bucket], plan.micro_for(bucket.name))
                 with KnownValues(), peak_bytes() as step, FlopCount() as counted:
                     with _autocast(amp):
-                        out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
+                        out = spec.forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
                                            torch.zeros_like(batch["latents"]))
                     joint_loss(out, config.model.audio_weight)[0].backward()
                 plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
@@ -351,7 +359,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                 if checkpointing:  # with parallel.activation_offload: the saved inputs in host memory
                     with KnownValues(), peak_bytes() as offloaded, _TraceOffload()():
                         with _autocast(amp):
-                            out = spec.forward(model, batch, torch.full((plan.micro_batch,), 0.5),
+                            out = spec.forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
                                                torch.zeros_like(batch["latents"]))
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     plan.activations[bucket.name]["offload"] = offloaded.peak
@@ -509,7 +517,9 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
     rank, config = plan.rank, plan.config
     where = "GPU" if plan.device == "cuda" else "host"
     decode = plan.validation.get("decode_tiled" if plan.vae_tiled else "decode", 0)
-    lines = [f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, micro-batch {plan.micro_batch} per rank",
+    micro = f"micro-batch {plan.micro_batch} per rank" if len(set(plan.micro_batches.values())) <= 1 else \
+        "micro-batches per rank " + ", ".join(f"{name} {n}" for name, n in plan.micro_batches.items())
+    lines = [f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, {micro}",
              f"per rank ({where}):",
              f"  weights       {rank.weights / GIB:8.2f} GiB",
              f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments"
@@ -562,7 +572,7 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
 def plan_json(plan: Plan) -> dict:
     rank = plan.rank
     return {"family": plan.config.model.family, "mode": plan.config.train.mode, "layout": plan.dims.describe(),
-            "device": plan.device, "micro_batch": plan.micro_batch,
+            "device": plan.device, "micro_batch": plan.micro_batch, "micro_batches": plan.micro_batches,
             "per_rank_bytes": {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
                                "buffers": rank.buffers, "activations": rank.activations,
                                "validation": rank.validation, "host": rank.host, "swapped": rank.swapped,

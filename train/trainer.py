@@ -43,7 +43,7 @@ from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.caption_dropout import drop_captions, dropped
 from vt.shared.models.components import keeps_float32
 from vt.train.checkpoint import Checkpointer
-from vt.train.data import Batch, BatchReader, watermark
+from vt.train.data import Batch, BatchReader, bucket_batch_sizes, watermark
 from vt.train.ema import EMA, checkpoint_has_ema
 from vt.train.eval_loss import Draws, HeldOut
 from vt.train.experts import expert_modules, routes
@@ -184,7 +184,8 @@ class Trainer:
                              config.window.timeout_seconds)
         # The window's shards this run takes: checked against the config without reading an encoder it never loads.
         self.shards = WindowMatch(config, self.spec, self.world, loads=validation_loads(self.spec, config))
-        self.reader = BatchReader(self.window, train.batch_size, passes=train.epochs if keep else 1,
+        self.batch_sizes = bucket_batch_sizes(train, self.spec, self.buckets)  # train.tokens_per_batch: by bucket
+        self.reader = BatchReader(self.window, self.batch_sizes.__getitem__, passes=train.epochs if keep else 1,
                                   check_record=self.shards.check,
                                   # rank 0 writes the read position once a step (or before it waits for a commit)
                                   on_read=self.window.note_read if self.is_main else (lambda position: None),
@@ -547,8 +548,7 @@ class Trainer:
     def _pipeline_micro_step(self, part: Slice, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's slice through the pipeline stages (parallel.pp > 1), one sample
         per microbatch; returns the sum of its per-sample losses on the last stage (0 on the others)."""
-        train = self.config.train
-        per_rank = -(-train.batch_size // self.world.dims.dp)  # fixed across steps: stand-ins pad a smaller one
+        per_rank = -(-self.batch_sizes[part.bucket] // self.world.dims.dp)  # per bucket: stand-ins pad a smaller one
         microbatches = one_sample_microbatches(part, max(per_rank, self.world.dims.pp))
         losses: dict[int, torch.Tensor] = {}
 

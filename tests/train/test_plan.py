@@ -178,3 +178,22 @@ def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_fac
         step_seconds(dict(options)["parallel.activation_checkpointing=true"], fast_bus))
     line = format_plan(base, 100.0, options).splitlines()[-1]
     assert line.startswith("what fits 100 GiB, quickest first") and "TFLOPS" in line and "x)" in line
+
+
+def test_a_token_budget_plans_each_bucket_at_its_own_micro_batch(tiny_model_factory):
+    """train.tokens_per_batch: Wan's 9x64x64 (48 tokens a sample) takes 4 samples of a 192-token budget, 9x64x128
+    (96) takes 2; the plan traces each bucket at its own batch (the small bucket's activations grow, the wide one's
+    stay as at batch_size 2) and prints both."""
+    from vt.train.plan import format_plan, make_plan
+
+    def plan(**train):
+        config = build(Config, {"model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
+                                "buckets": {"sizes": ["9x64x64", "9x64x128"]}, "train": {"batch_size": 2, **train}})
+        return make_plan(config, 1, "cpu", stage1=False)
+
+    fixed, budget = plan(), plan(tokens_per_batch=192)
+    assert fixed.micro_batches == {"9x64x64": 2, "9x64x128": 2}
+    assert budget.micro_batches == {"9x64x64": 4, "9x64x128": 2} and budget.micro_batch == 4
+    assert budget.activations["9x64x64"]["none"] > fixed.activations["9x64x64"]["none"]
+    assert budget.activations["9x64x128"]["none"] == fixed.activations["9x64x128"]["none"]
+    assert "micro-batches per rank 9x64x64 4, 9x64x128 2" in format_plan(budget, None)
