@@ -215,9 +215,11 @@ class TrainConfig(_Section):
     eval_every: int = Field(0, ge=0)
     eval_sigmas: list[float] = Field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], min_length=1)
     # An exponential moving average of the trained weights (train/ema.py): its decay per optimizer step (None: off),
-    # kept in checkpoints, exported in <run.dir>/ema/; `ema_validation` renders validation with it.
+    # kept in checkpoints, exported in <run.dir>/ema/; `ema_validation` renders validation with it, `ema_eval` computes
+    # the held-out loss with it.
     ema_decay: float | None = Field(None, gt=0, lt=1)
     ema_validation: bool = False
+    ema_eval: bool = False  # the held-out loss (data.eval) of the average instead of the trained weights
     # Decode validation videos with the VAE tiled (vt.shared.vae_tiling): true, false, or "auto" (tiled when the
     # untiled decode would not fit in the GPU memory free at validation; untiled on a CPU).
     validation_vae_tiling: Literal["auto"] | bool = "auto"
@@ -313,6 +315,9 @@ class Config(_Section):
             raise UserError(f"train.eval_every = {self.train.eval_every} computes the held-out loss over data.eval, "
                              "which is not set: set data.eval to held-out raw data (a folder, tar or manifest that "
                              "data.raw does not hold), or remove train.eval_every")
+        if self.train.ema_eval and not (self.train.ema_decay and self.data.eval):
+            raise UserError("train.ema_eval = true computes the held-out loss of the weights' average: it needs "
+                             "train.ema_decay and data.eval set")
         if any(not 0 < sigma <= 1 for sigma in self.train.eval_sigmas):
             raise UserError(f"train.eval_sigmas = {self.train.eval_sigmas}: each must be in (0, 1]")
         return self

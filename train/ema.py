@@ -5,7 +5,7 @@ under the names torch's state-dict API gives them, so under FSDP2 (or TP) each c
 weight's own placements: every rank averages its shard with local ops after each optimizer step, nothing is
 gathered. It goes into the DCP checkpoints beside the weights (resumed exactly, also at another world size),
 and `swapped_in` puts it into the model for the EMA export (`<run.dir>/ema/`, the same files as the weights')
-and, with `train.ema_validation`, for validation.
+and, with `train.ema_validation`, for validation (with `train.ema_eval`, for the held-out loss).
 """
 
 from __future__ import annotations

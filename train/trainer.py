@@ -398,9 +398,12 @@ class Trainer:
         return self.finish(last_loss)
 
     def evaluate(self) -> dict[str, float]:
-        """The held-out loss of the model as it is now (every rank calls it; train/eval_loss.py)."""
+        """The held-out loss of the model as it is now, or with train.ema_eval of its average (every rank calls it;
+        train/eval_loss.py)."""
         self._evaluated = self.step
-        return self.held_out.evaluate(self.transformer)
+        average = self.ema is not None and self.config.train.ema_eval
+        with self.ema.swapped_in() if average else contextlib.nullcontext():
+            return self.held_out.evaluate(self.transformer)
 
     def _staged(self):
         """Each held-out forward as one pass over the pipeline stages (parallel/pp_validation.py)."""

@@ -51,6 +51,17 @@ def finish(proc, log: Path, timeout: float = 300) -> None:
         raise AssertionError(f"{' '.join(map(str, proc.args[:6]))} ... exited with {code}:\n{log.read_text()[-6000:]}")
 
 
+def kill_and_resume(config: Path, fault: str, folder: Path) -> None:
+    """One process of `config` killed (SIGKILL) at fault point `fault` (`point@count`), then started again to the
+    end; the second start must have resumed from a checkpoint."""
+    log = folder / "killed.log"
+    killed = single(config, log=log, env={"VT_FAULT_AT": fault})
+    assert killed.wait(timeout=300) == -9, log.read_text()[-3000:]
+    log = folder / "resumed.log"
+    finish(single(config, log=log), log)
+    assert "resumed from" in log.read_text()
+
+
 def losses(run_dir: Path) -> dict[int, float]:
     """step -> logged loss (a step logged twice, by a killed run and its resume: the last wins)."""
     out = {}

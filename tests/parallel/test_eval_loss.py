@@ -11,7 +11,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dist_runs import finish, single, torchrun
+from dist_runs import finish, kill_and_resume, single, torchrun
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
@@ -60,7 +60,8 @@ def test_the_held_out_loss_is_the_same_at_every_layout_and_after_a_resume(tmp_pa
     finish(single(held_out(tmp_path, "reference"), log=log), log)
     expected = evaluations(tmp_path / "reference")
     steps = sorted(expected)
-    assert len(steps) >= 2 and steps[-1] == max(m["step"] for m in read_metrics(tmp_path / "reference" / "metrics.jsonl"))
+    last = max(m["step"] for m in read_metrics(tmp_path / "reference" / "metrics.jsonl"))
+    assert len(steps) >= 2 and steps[-1] == last  # every step, the last one too
     assert all(0 < value < 100 for metrics in expected.values() for value in metrics.values())
     assert len({round(v, 6) for v in expected[steps[0]].values()}) == len(KEYS), "each sigma its own number"
     for name, overrides in (("ddp-2", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
@@ -72,14 +73,23 @@ def test_the_held_out_loss_is_the_same_at_every_layout_and_after_a_resume(tmp_pa
         for step in steps:
             assert got[step] == pytest.approx(expected[step], rel=1e-5), (name, step)
 
-    config = held_out(tmp_path, "resumed")
-    log = tmp_path / "killed.log"
-    killed = single(config, log=log, env={"VT_FAULT_AT": "train.after_checkpoint@1"})  # dies after step 1's checkpoint
-    assert killed.wait(timeout=300) == -9
-    log = tmp_path / "resumed.log"
-    finish(single(config, log=log), log)
-    assert "resumed from" in log.read_text()
+    kill_and_resume(held_out(tmp_path, "resumed"), "train.after_checkpoint@1", tmp_path)  # after step 1's checkpoint
     got = evaluations(tmp_path / "resumed")
     assert sorted(got) == steps
     for step in steps:
         assert got[step] == pytest.approx(expected[step], rel=1e-5), ("resumed", step)
+
+
+@pytest.mark.xdist_group("eval-loss")
+def test_the_held_out_loss_of_the_average_is_asked_for_with_ema_eval(tmp_path, held_out):
+    """train.ema_eval: the held-out loss is the weights' average's. An average that barely averages (decay 1e-9)
+    gives the trained weights' numbers; a slow one (0.9) others."""
+    runs = {"plain": {}, "near": {"ema_decay": 1e-9, "ema_eval": True}, "slow": {"ema_decay": 0.9, "ema_eval": True}}
+    got = {}
+    for name, train in runs.items():
+        log = tmp_path / f"{name}.log"
+        finish(single(held_out(tmp_path, name, **train), log=log), log)
+        got[name] = evaluations(tmp_path / name)
+    last = max(got["plain"])
+    assert got["near"][last] == pytest.approx(got["plain"][last], rel=1e-5)
+    assert got["slow"][last]["eval_loss"] != pytest.approx(got["plain"][last]["eval_loss"], rel=1e-4)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dist_runs import finish, single, torchrun
+from dist_runs import finish, kill_and_resume, single, torchrun
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
@@ -75,13 +75,7 @@ def test_a_token_budget_fills_each_bucket_and_every_layout_and_a_resume_train_al
             assert got[step]["batch"] == metrics["batch"], (name, step)
             assert got[step]["loss"] == pytest.approx(metrics["loss"], rel=1e-4), (name, step)
             assert got[step]["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), (name, step)
-    config = two_buckets(tmp_path, "resumed")
-    log = tmp_path / "killed.log"
-    killed = single(config, log=log, env={"VT_FAULT_AT": "train.after_checkpoint@2"})  # dies after step 4's checkpoint
-    assert killed.wait(timeout=300) == -9
-    log = tmp_path / "resumed.log"
-    finish(single(config, log=log), log)
-    assert "resumed from" in log.read_text()
+    kill_and_resume(two_buckets(tmp_path, "resumed"), "train.after_checkpoint@2", tmp_path)  # after step 4's
     got = steps(tmp_path / "resumed")
     assert sorted(got) == sorted(expected)
     for step, metrics in expected.items():
