@@ -234,6 +234,10 @@ class TrainConfig(_Section):
     # LoRA: keep the frozen transformer in float8 e4m3 and upcast it layer by layer for compute (half
     # the weight memory of bf16); adapters and optimizer stay fp32.
     fp8_base_weights: bool = False
+    # LoRA: quantize the frozen transformer's linear weights as they are read, kept so and dequantized for each matmul
+    # (train/packed_base.py, shared/weights/quantize.py): "nf4" (4-bit NormalFloat, 64-weight blocks: 0.56 bytes a
+    # weight) or "int8" (a scale per output feature: 1 byte); one process (a sharded layout divides the weights itself)
+    quantize_base: Literal["none", "nf4", "int8"] = "none"
     # Full fine-tuning: torchao float8 linear layers ("tensorwise" or "rowwise"; CUDA sm89+ only), on
     # the linear layers torchao's size filter picks (small ones stay bf16: float8 would not pay there).
     fp8_training: Literal["none", "tensorwise", "rowwise"] = "none"

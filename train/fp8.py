@@ -61,11 +61,15 @@ def check_fp8_training(train, device: torch.device) -> None:
 
 
 def check_fp8_base(train) -> None:
-    """fp8 base weights are for LoRA: full fine-tuning trains those weights (see train.fp8_training)."""
+    """fp8 base weights and quantized bases are for LoRA: full fine-tuning trains those weights (see
+    train.fp8_training); the two narrow storages exclude each other."""
     if train.fp8_base_weights and train.mode != "lora":
         raise UserError("train.fp8_base_weights = true stores frozen weights in float8, but train.mode = \"full\" "
                          "trains them all; use train.fp8_training = \"rowwise\" (or \"tensorwise\") for full "
                          "fine-tuning, or set train.mode = \"lora\"")
+    if train.quantize_base != "none" and (train.mode != "lora" or train.fp8_base_weights):
+        raise UserError(f"train.quantize_base = {train.quantize_base!r} quantizes the frozen base of a LoRA: it needs "
+                         "train.mode = \"lora\" and train.fp8_base_weights = false (one narrow storage)")
 
 
 def apply_fp8_training(model: nn.Module, recipe: str, fsdp: bool, module_filter=None) -> list[str]:

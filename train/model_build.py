@@ -39,9 +39,10 @@ from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
 from vt.shared.weights.packing import Packing
+from vt.shared.weights.quantize import QuantizingWeights
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
-from vt.train.packed_base import PackedLinear, pack_frozen
+from vt.train.packed_base import PackedLinear, linear_packings, pack_frozen
 
 __all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
 log = get_logger("vt.train.model")
@@ -121,14 +122,18 @@ class Dtypes:
 
 def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
                         sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
-                        scaled: Collection[str] = (), packed: dict[str, Packing] | None = None) -> nn.Module:
+                        scaled: Collection[str] = (), packed: dict[str, Packing] | None = None,
+                        quantize: str = "none") -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
     `lora`: rank, alpha, targets), "full" (what `spec.full_trainable` marks) or "frozen" (nothing trains:
     validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights' storage
     when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen;
     `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage);
-    `packed`: those whose weights a LoRA's base keeps in the file's quantized blocks (train/packed_base.py)."""
+    `packed`: those whose weights a LoRA's base keeps in the file's quantized blocks (train/packed_base.py);
+    `quantize`: train.quantize_base, every linear layer of a LoRA's base in one process quantized so."""
     model = spec.empty_component(component, dtype=frozen_dtype)
+    if quantize != "none" and mode == "lora" and not sharded:
+        packed = linear_packings(model, quantize)
     if storage_dtype is not None:  # before LoRA: the adapters stay float32
         store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE,
                      scaled=scaled if storage_dtype == FP8_STORAGE else ())
@@ -148,15 +153,23 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
 def build_transformer(spec, component: str, world, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
                       compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
                       parallelize: Callable[[nn.Module, Callable[[nn.Module], None]], None],
-                      seed: int, cpu_offload: bool = False) -> nn.Module:
+                      seed: int, cpu_offload: bool = False, quantize: str = "none") -> nn.Module:
     """`prepare_transformer`'s model, laid out and filled: `parallelize(model, materialize)` applies the
     parallel plan and calls `materialize` once its shards exist. With `cpu_offload` the shards are made in
     CPU memory (FSDP2 keeps them there and copies each block to the device for its all-gather) and the
     buffers on the device."""
     weights = spec.weights(component)
+    sharded = world.dims.fsdp_enabled or world.dims.tp > 1
+    if quantize != "none" and mode == "lora":
+        if weights.quantized_modules():
+            raise UserError(f"train.quantize_base = {quantize!r} quantizes a full-precision base, but the {component} "
+                             "file is quantized already; keep it as stored (unset train.quantize_base)")
+        if sharded and world.is_main:
+            log.info("%s: train.quantize_base = %r is for one process; a sharded layout keeps model.dtype", component,
+                     quantize)
+        weights = weights if sharded else QuantizingWeights(weights, quantize)
     scaled = weights.scaled_modules()
-    packed = quantized_base(weights, mode, world.dims.fsdp_enabled or world.dims.tp > 1, world.is_main, component,
-                            frozen_dtype)
+    packed = quantized_base(weights, mode, sharded, world.is_main, component, frozen_dtype)
     if scaled and storage_dtype != FP8_STORAGE and world.is_main:
         log.info("%s: %d fp8-scaled weights dequantized into %s; train.fp8_base_weights = true keeps them in float8 "
                  "with their scales (half the memory of bf16)", component, len(scaled), str(frozen_dtype)[6:])
@@ -231,8 +244,8 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
                                      tuple(tensor.shape), seed)
         elif checkpoint_key in weights:
             full = None
-            read = weights.read_scaled if plain_name(name) in slots else \
-                weights.read_packed if plain_name(name) in packed else weights.read
+            read = weights.read_packed if plain_name(name) in packed else \
+                weights.read_scaled if plain_name(name) in slots else weights.read
         elif isinstance(tensor, nn.Parameter):
             missing.append(checkpoint_key)
             continue
@@ -265,7 +278,7 @@ def _scale_slots(model: nn.Module, weights) -> dict[str, tuple[torch.Tensor, str
         scale = module._buffers.get("weight_scale")
         if scale is not None:
             key = file_key(f"{name}.weight")
-            if weights.scale(key) is None:
+            if key.removesuffix(".weight") not in weights.quantized_modules() and weights.scale(key) is None:
                 raise ValueError(f"{key} has a scale slot but the checkpoint has no scale for it (internal error)")
             slots[plain_name(f"{name}.weight")] = (scale, key)
     return slots

@@ -22,14 +22,27 @@ from torch import nn
 
 from vt.shared.weights.gguf_quants import dequantize
 from vt.shared.weights.packing import INT8, Packing
+from vt.shared.weights.quantize import NF4, dequantize_nf4, packing
 from vt.train.frozen_storage import skip_patterns
 
 
 def unpack(packed: torch.Tensor, kind: int | str, dtype: torch.dtype, scale: torch.Tensor | None) -> torch.Tensor:
-    """A stored weight's values in `dtype`: ggml blocks dequantized, or int8 values times their scale."""
+    """A stored weight's values in `dtype`: ggml blocks dequantized, NF4 codes by their levels and block absmax, or
+    int8 values times their scale."""
     if kind == INT8:
         return packed.to(dtype) * scale.to(dtype)
+    if kind == NF4:
+        return dequantize_nf4(packed, scale, dtype)
     return dequantize(packed, kind, dtype)
+
+
+def linear_packings(model: nn.Module, kind: str) -> dict[str, Packing]:
+    """How `train.quantize_base` stores each Linear of `model` (built on the meta device): its names -> Packing."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and (stored := packing(kind, module.out_features, module.in_features)):
+            out[name] = stored
+    return out
 
 
 class _DequantLinear(torch.autograd.Function):
@@ -73,7 +86,7 @@ def pack_frozen(model: nn.Module, packed: dict[str, Packing], compute_dtype: tor
         if name not in packed or not isinstance(module, nn.Linear) or any(re.search(p, name) for p in skip):
             continue
         kind, row_bytes, scale = packed[name]
-        dtype = torch.int8 if kind == INT8 else torch.uint8
+        dtype = torch.int8 if kind == INT8 else torch.uint8  # NF4: two 4-bit codes a byte
         module.weight = nn.Parameter(torch.empty((module.out_features, row_bytes), dtype=dtype,
                                                  device=module.weight.device), requires_grad=False)
         if scale is not None:

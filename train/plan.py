@@ -189,11 +189,14 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
                                 dtypes.frozen) if spec.single_file(component) else {}
         model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=dtypes.storage(mode),
                                     sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen,
-                                    packed=packed)
+                                    packed=packed, quantize="none" if dims.fsdp_enabled or dims.tp > 1
+                                    else train.quantize_base)
         gather = dtypes.param_dtype(mode)
-        for module in model.modules():  # a quantized weight, dequantized for its matmul
+        for module in model.modules():  # a quantized weight, dequantized for its matmul, and its scales
             if isinstance(module, PackedLinear):
                 widest = max(widest, module.in_features * module.out_features * dtypes.compute.itemsize)
+                scale = getattr(module, "weight_scale", None)
+                rank.weights += 0 if scale is None else scale.numel() * scale.element_size()
         layout = _Layout.of(spec, model, dims)
         names = {id(p): n for n, p in model.named_parameters()}
 
@@ -460,13 +463,15 @@ _VAE_PEAKS: dict[tuple, int] = {}
 
 # -- what makes it fit ---------------------------------------------------------------------------------
 def alternatives(config: Config, gpus: int, device: str, budget: int | None = None) -> list[tuple[str, Plan]]:
-    """Settings that would change the plan, each with its plan: fp8 base weights (LoRA), checkpointing,
-    activation offload, block swap (alone and with activation offload), CPU offload, context parallel, more
-    GPUs, a tiled validation decode; a list for `vt-train plan` to say which fit."""
+    """Settings that would change the plan, each with its plan: fp8 base weights or a quantized base (LoRA),
+    checkpointing, activation offload, block swap (alone and with activation offload), CPU offload, context
+    parallel, more GPUs, a tiled validation decode; a list for `vt-train plan` to say which fit."""
     train, parallel = config.train, config.parallel
     options: list[tuple[str, Config, int]] = []
-    if train.mode == "lora" and not train.fp8_base_weights:
+    if train.mode == "lora" and not train.fp8_base_weights and train.quantize_base == "none":
         options.append(("train.fp8_base_weights=true", _with(config, "train", fp8_base_weights=True), gpus))
+        for kind in ("int8", "nf4"):  # a quantized base: what fits where fp8 does not (dequantized per matmul)
+            options.append((f"train.quantize_base={kind}", _with(config, "train", quantize_base=kind), gpus))
     if not parallel.activation_checkpointing:
         options.append(("parallel.activation_checkpointing=true",
                         _with(config, "parallel", activation_checkpointing=True), gpus))

@@ -265,7 +265,7 @@ class Trainer:
                                  storage_dtype=self.dtypes.storage(mode), compute_dtype=self.dtypes.compute,
                                  frozen_dtype=self.dtypes.frozen,
                                  parallelize=lay_out, seed=train.seed,
-                                 cpu_offload=parallel.cpu_offload and dims.fsdp_enabled)
+                                 cpu_offload=parallel.cpu_offload and dims.fsdp_enabled, quantize=train.quantize_base)
 
     def _swap_blocks(self) -> BlockSwap | None:
         resident = self.config.parallel.blocks_on_gpu

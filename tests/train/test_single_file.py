@@ -173,14 +173,14 @@ def spec_of(case: dict, transformer=None, dtype: str = "float32", path=None):
                                   components=components), 8.0)
 
 
-def build(spec, mode: str, storage=None, frozen=torch.float32, world=None):
+def build(spec, mode: str, storage=None, frozen=torch.float32, world=None, quantize: str = "none"):
     """The trainer's build on the CPU (float32 compute); under FSDP2 the all-gather upcasts float8 storage."""
     world = world or setup_world(ParallelConfig(), "cpu")
     gather = torch.float32 if storage == FP8_STORAGE and world.dims.fsdp_enabled else None
     return build_transformer(spec, spec.trained_component, world, mode=mode, lora={"rank": 4, "alpha": 4.0, "targets": []},
                              storage_dtype=storage, compute_dtype=torch.float32, frozen_dtype=frozen, seed=0,
                              parallelize=lambda model, fill: parallelize(model, spec, world, param_dtype=gather,
-                                                                         materialize=fill))
+                                                                         materialize=fill), quantize=quantize)
 
 
 def batch_of(spec) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -500,7 +500,8 @@ def test_the_plan_counts_a_quantized_base_as_stored(preset, quantized, kind):
 
     model = build(spec_of(case, base["file"]), "lora")
     packed = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    saved = sum(m.in_features * m.out_features * 4 - m.weight.numel() for m in packed)
+    scales = sum(m.weight_scale.numel() * 4 for m in packed if hasattr(m, "weight_scale"))  # int8's, counted too
+    saved = sum(m.in_features * m.out_features * 4 - m.weight.numel() for m in packed) - scales
     stored, dequantized = plan(base["file"]), plan(base["dequantized"])
     assert saved > 0 and stored.weights == dequantized.weights - saved
     assert stored.buffers >= max(m.in_features * m.out_features * 4 for m in packed)
@@ -526,3 +527,53 @@ def load_file_tensors(path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_base_quantized_as_it_is_read_trains_like_its_dequantized_model(preset, kind, tmp_path):
+    """train.quantize_base: the diffusers folder's float weights quantized at fill (NF4 in 64-weight blocks: uint8
+    codes, two a byte, and a float32 absmax per block; int8 with a scale per row), the embedders and projections
+    diffusers keeps in their dtype left as they are; a LoRA on it trains exactly as on the model of its dequantized
+    weights, and the plan counts the stored bytes."""
+    from vt.shared.config import Config, build as build_config
+    from vt.train.packed_base import unpack
+    from vt.train.plan import make_plan
+
+    case = preset("wan")
+    spec = spec_of(case)
+    model = build(spec, "lora", quantize=kind)
+    packed = {n: m for n, m in model.named_modules() if isinstance(m, PackedLinear)}
+    assert "blocks.0.attn1.to_q.base_layer" in packed and len(packed) >= 16
+    query = packed["blocks.0.attn1.to_q.base_layer"]
+    rows, width = query.out_features, query.in_features
+    if kind == "nf4":
+        assert query.weight.dtype == torch.uint8 and query.weight.shape == (rows, width // 2)
+        assert query.weight_scale.shape == (rows, width // 64)
+    else:
+        assert query.weight.dtype == torch.int8 and query.weight_scale.shape == (rows, 1)
+    dequantized = {n: p.detach() for n, p in build(spec, "frozen").state_dict().items()}
+    for name, module in packed.items():
+        values = unpack(module.weight, module.kind, torch.float32, module.weight_scale)
+        original = dequantized[name.replace(".base_layer", "") + ".weight"]
+        assert values.shape == original.shape and not torch.equal(values, original), name  # quantized, not copied
+        assert float((values - original).abs().max()) <= float(original.abs().max()) * (0.2 if kind == "nf4" else 0.01)
+        dequantized[name.replace(".base_layer", "") + ".weight"] = values
+    save_file({k: v.contiguous() for k, v in dequantized.items()}, tmp_path / "dequantized.safetensors")
+    reference = build(spec_of(case, tmp_path / "dequantized.safetensors"), "lora")
+    randomize_lora(model)
+    randomize_lora(reference)
+    got, want = train(spec, model), train(spec, reference)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-6) and got["losses"][1] != got["losses"][0]
+    for name, grad in want["grads"].items():
+        assert float(grad.abs().max()) > 0 and relative(got["grads"][name], grad) < 1e-5, name
+
+    def plan(quantize):
+        config = build_config(Config, {"model": {"family": "wan", "path": str(case["path"]), "max_text_tokens": 16},
+                                       "buckets": {"sizes": ["5x64x64"]},
+                                       "train": {"batch_size": 1, "quantize_base": quantize}})
+        return make_plan(config, 1, "cpu", stage1=False).rank
+
+    saved = sum(m.in_features * m.out_features * 4 - m.weight.numel() * m.weight.element_size()
+                - m.weight_scale.numel() * 4 for m in packed.values())
+    assert saved > 0 and plan(kind).weights == plan("none").weights - saved
+
