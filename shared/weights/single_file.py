@@ -8,7 +8,7 @@ Keys are read in diffusers' layout as they are, or in the original checkpoint's 
 optionally under `model.diffusion_model.` / `diffusion_model.` (keys outside the prefix, a full checkpoint's VAE
 and text encoders, are left out). The original layout is mapped by diffusers' own `checkpoint_mapping_fn` for the
 transformer's class (`SINGLE_FILE_LOADABLE_CLASSES`), run once on meta tensors of the file's shapes while a
-torch-function mode records which file tensors each result comes from:
+torch-function mode records which file tensors each result comes from (lineage.py):
 - a tensor the mapping only renames comes back as the very object it was given, and is read from the file
   lazily, block by block (`Weights.read`), exactly as a diffusers-layout weight is;
 - a tensor it computes (HunyuanVideo's fused `img_attn_qkv` split in three, a scale/shift swap) belongs to the
@@ -29,18 +29,16 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from math import prod
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_leaves
 
 from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.weights.folder import Weights
 from vt.shared.weights.gguf_file import GgufWeights
+from vt.shared.weights.lineage import mapping_function, trace_mapping
 from vt.shared.weights.packing import INT8, Packing
 
 log = get_logger("vt.weights.single_file")
@@ -85,42 +83,6 @@ def resolve_file(value: str, key: str) -> Path:
         raise ModelLoadError(f"cannot fetch {key} = {value!r} (no such local file; as a hub file: {filename} of "
                              f"{repo}): {why}. Download it where there is network "
                              f"(`hf download {repo} {filename} --local-dir DIR`) and set {key} to the local file") from err
-
-
-def mapping_function(cls: type) -> Callable | None:
-    """diffusers' `checkpoint_mapping_fn` for a model class (its own entry, else a base class's), or None."""
-    import diffusers
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES as classes
-
-    entry = classes.get(cls.__name__) or next(
-        (e for name, e in classes.items() if isinstance(getattr(diffusers, name, None), type)
-         and issubclass(cls, getattr(diffusers, name))), None)
-    return entry["checkpoint_mapping_fn"] if entry else None
-
-
-class _Lineage(TorchFunctionMode):
-    """Records, for every tensor the torch functions inside it make, the file keys it was computed from."""
-
-    def __init__(self, sources: dict[int, frozenset[str]]):
-        super().__init__()
-        self.of = dict(sources)
-        self.modified: set[int] = set()
-        self._keep: list[torch.Tensor] = []  # so no id is reused while tracing
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        found = frozenset().union(*(self.of.get(id(t), frozenset()) for t in inputs))
-        name = getattr(func, "__name__", "")
-        if inputs and (name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
-            self.modified.add(id(inputs[0]))  # an in-place op: the tensor is no longer what the file holds
-            self.of[id(inputs[0])] = found
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor) and id(tensor) not in self.of:
-                self.of[id(tensor)] = found
-                self._keep.append(tensor)
-        return out
 
 
 class SingleFileWeights:
@@ -234,42 +196,8 @@ class SingleFileWeights:
 
     def _trace(self):
         """Which diffusers name is which file tensor (renamed), and which are computed from groups of them."""
-        inputs = self._meta_inputs()
-        ids = {id(t): name for name, t in inputs.items()}
-        mode = _Lineage({id(t): frozenset([name]) for name, t in inputs.items()})
-        with mode:
-            out = self._run_mapping(dict(inputs))
-        renamed, lineage = {}, {}
-        for name, tensor in out.items():
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            source = ids.get(id(tensor))
-            if source is not None and id(tensor) not in mode.modified:
-                renamed[name] = (source, tuple(tensor.shape))
-            elif mode.of.get(id(tensor)):
-                lineage[name] = (mode.of[id(tensor)], tuple(tensor.shape))
-            else:
-                raise SingleFileError(f"diffusers' {self._mapping.__name__} made {name} from no tensor of the file")
-        del mode  # the trace's intermediates
-        root: dict[str, str] = {}  # union-find over the file keys that computed tensors share
-
-        def find(key: str) -> str:
-            while root.setdefault(key, key) != key:
-                key = root[key]
-            return key
-
-        for sources, _ in lineage.values():
-            first, *rest = sorted(sources)
-            for other in rest:
-                root[find(other)] = find(first)
-        group_ids: dict[str, int] = {}
-        groups: dict[int, set[str]] = {}
-        computed = {}
-        for name, (sources, shape) in lineage.items():
-            group = group_ids.setdefault(find(next(iter(sources))), len(group_ids))
-            groups.setdefault(group, set()).update(sources)
-            computed[name] = (group, shape, sources)
-        return renamed, computed, groups
+        return trace_mapping(self._meta_inputs(), self._run_mapping,
+                             self._mapping.__name__ if self._mapping else "reading as diffusers' layout")
 
     # ----------------------------------------------------------------------------- the Weights interface
     def __contains__(self, name: str) -> bool:

@@ -223,6 +223,17 @@ def randomize_lora(model) -> None:
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
+def trains_alike(spec, model, reference) -> None:
+    """With the same LoRA factors, `model` and `reference` train alike: losses within 1e-6, each adapter's first
+    gradient within 1e-5 (and the adapters do train)."""
+    randomize_lora(model)
+    randomize_lora(reference)
+    got, want = train(spec, model), train(spec, reference)
+    assert got["losses"] == pytest.approx(want["losses"], rel=1e-6) and got["losses"][1] != got["losses"][0]
+    for name, grad in want["grads"].items():
+        assert float(grad.abs().max()) > 0 and relative(got["grads"][name], grad) < 1e-5, name
+
+
 def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
@@ -453,12 +464,7 @@ def test_lora_on_a_quantized_base_keeps_its_stored_form_and_trains_like_the_dequ
         unpacked = unpack(module.weight, module.kind, torch.float32, module._buffers.get("weight_scale"))
         assert torch.equal(unpacked, expected[f"{name}.weight"]), name
     assert not any("weight_scale" in n for n in [*dict(model.named_parameters()), *model.state_dict()])
-    randomize_lora(model)
-    randomize_lora(reference)
-    got, want = train(spec, model), train(spec, reference)
-    assert got["losses"] == pytest.approx(want["losses"], rel=1e-6) and got["losses"][1] != got["losses"][0]
-    for name, grad in want["grads"].items():
-        assert float(grad.abs().max()) > 0 and relative(got["grads"][name], grad) < 1e-5, name
+    trains_alike(spec, model, reference)
     spec.save_lora(get_peft_model_state_dict(model), tmp_path)
     comfy = load_file(tmp_path / "lora_comfyui.safetensors")
     modules = {k.removeprefix("diffusion_model.").removesuffix(".lora_A.weight") for k in comfy if "lora_A" in k}
@@ -560,12 +566,7 @@ def test_a_base_quantized_as_it_is_read_trains_like_its_dequantized_model(preset
         dequantized[name.replace(".base_layer", "") + ".weight"] = values
     save_file({k: v.contiguous() for k, v in dequantized.items()}, tmp_path / "dequantized.safetensors")
     reference = build(spec_of(case, tmp_path / "dequantized.safetensors"), "lora")
-    randomize_lora(model)
-    randomize_lora(reference)
-    got, want = train(spec, model), train(spec, reference)
-    assert got["losses"] == pytest.approx(want["losses"], rel=1e-6) and got["losses"][1] != got["losses"][0]
-    for name, grad in want["grads"].items():
-        assert float(grad.abs().max()) > 0 and relative(got["grads"][name], grad) < 1e-5, name
+    trains_alike(spec, model, reference)
 
     def plan(quantize):
         config = build_config(Config, {"model": {"family": "wan", "path": str(case["path"]), "max_text_tokens": 16},
