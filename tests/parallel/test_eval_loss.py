@@ -1,5 +1,5 @@
-"""The held-out loss (train/eval_loss.py): the same number in one process, DDP(2) and FSDP2(2), and after a kill and
-a resume, for the same weights.
+"""The held-out loss (train/eval_loss.py): the same number in one process, DDP(2), FSDP2(2) and over two pipeline
+stages, and after a kill and a resume, for the same weights.
 
 The real sample clips' raw shards split in two: the last one is `data.eval`, which vt-precompute encodes into the
 window's `eval/` prefix, the others train (Wan's tiny preset, LoRA). Every step is evaluated, at three sigmas.
@@ -65,7 +65,7 @@ def test_the_held_out_loss_is_the_same_at_every_layout_and_after_a_resume(tmp_pa
     assert all(0 < value < 100 for metrics in expected.values() for value in metrics.values())
     assert len({round(v, 6) for v in expected[steps[0]].values()}) == len(KEYS), "each sigma its own number"
     for name, overrides in (("ddp-2", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-                            ("fsdp-2", ["parallel.dp_shard=2"])):
+                            ("fsdp-2", ["parallel.dp_shard=2"]), ("pp-2", ["parallel.pp=2", "parallel.dp_shard=1"])):
         log = tmp_path / f"{name}.log"
         finish(torchrun(held_out(tmp_path, name), 2, *overrides, log=log), log)
         got = evaluations(tmp_path / name)
