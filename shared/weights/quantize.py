@@ -26,15 +26,20 @@ NF4_LEVELS = torch.tensor([
 KINDS = (NF4, INT8)
 
 
-def quantize_nf4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes uint8 (out, in / 2), absmax float32 (out, in / 64)) of a 2-D weight whose rows are whole blocks."""
+def quantize_nf4(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes uint8 (out, in / 2), absmax float32 (out, in / 64)) of a 2-D weight whose rows are whole blocks,
+    `chunk` rows at a time (the float32 and index temporaries of a few rows, never of the whole weight)."""
     rows, width = weight.shape
-    blocks = weight.float().reshape(rows, width // NF4_BLOCK, NF4_BLOCK)
-    absmax = blocks.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
-    scaled = (blocks / absmax.unsqueeze(-1)).reshape(rows, width)
+    codes = torch.empty(rows, width // 2, dtype=torch.uint8)
+    absmax = torch.empty(rows, width // NF4_BLOCK, dtype=torch.float32)
     midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-    codes = torch.bucketize(scaled, midpoints).to(torch.uint8)  # the nearest level's index
-    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous(), absmax
+    for start in range(0, rows, chunk):
+        blocks = weight[start:start + chunk].float().reshape(-1, width // NF4_BLOCK, NF4_BLOCK)
+        peak = blocks.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
+        index = torch.bucketize((blocks / peak.unsqueeze(-1)).reshape(-1, width), midpoints, out_int32=True)
+        codes[start:start + chunk] = (index[:, 0::2] | (index[:, 1::2] << 4)).to(torch.uint8)  # the nearest levels
+        absmax[start:start + chunk] = peak
+    return codes, absmax
 
 
 def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -45,10 +50,16 @@ def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype
     return values.reshape(rows, -1).to(dtype)
 
 
-def quantize_int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int8 values, float32 scale (out, 1)): absmax / 127 per output feature."""
-    scale = (weight.float().abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    return (weight.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+def quantize_int8_rows(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 values, float32 scale (out, 1)): absmax / 127 per output feature, `chunk` rows at a time."""
+    values = torch.empty(weight.shape, dtype=torch.int8)
+    scale = torch.empty(weight.shape[0], 1, dtype=torch.float32)
+    for start in range(0, weight.shape[0], chunk):
+        rows = weight[start:start + chunk].float()
+        part = (rows.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+        values[start:start + chunk] = (rows / part).round().clamp(-127, 127).to(torch.int8)
+        scale[start:start + chunk] = part
+    return values, scale
 
 
 def packing(kind: str, rows: int, width: int) -> Packing | None:
