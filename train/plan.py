@@ -35,6 +35,7 @@ from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_param
 from vt.shared.models import spec_for
 from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
+from vt.shared.weights.quantize import NF4
 from vt.train.data import bucket_batch_sizes
 from vt.train.model_build import Dtypes, prepare_transformer, quantized_base
 from vt.train.packed_base import PackedLinear
@@ -194,7 +195,8 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
         gather = dtypes.param_dtype(mode)
         for module in model.modules():  # a quantized weight, dequantized for its matmul, and its scales
             if isinstance(module, PackedLinear):
-                widest = max(widest, module.in_features * module.out_features * dtypes.compute.itemsize)
+                widest = max(widest, module.in_features * module.out_features * unpacked_bytes(module.kind,
+                                                                                                 dtypes.compute))
                 scale = getattr(module, "weight_scale", None)
                 rank.weights += 0 if scale is None else scale.numel() * scale.element_size()
         layout = _Layout.of(spec, model, dims)
@@ -506,6 +508,12 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
         except ValueError:  # a layout refused (Unplanned, ParallelConfigError ...: UserErrors are ValueErrors)
             continue
     return out
+
+
+def unpacked_bytes(kind, compute: torch.dtype) -> int:
+    """Bytes a weight of a packed layer (train/packed_base.py) takes while it is dequantized for its matmul: the
+    float32 values, their copy in the compute dtype (none for float32), and NF4's int32 index of each byte."""
+    return 4 + (0 if compute == torch.float32 else compute.itemsize) + (2 if kind == NF4 else 0)
 
 
 def dims_one(config: Config) -> bool:

@@ -42,12 +42,16 @@ def quantize_nf4(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, 
     return codes, absmax
 
 
+# byte -> its two values (low nibble first): one lookup per byte, no index tensor of a weight's size in int64
+NF4_PAIRS = torch.stack([NF4_LEVELS.repeat(16), NF4_LEVELS.repeat_interleave(16)], dim=1)
+
+
 def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The (out, in) weight of `quantize_nf4`'s codes and absmax, in `dtype`."""
+    """The (out, in) weight of `quantize_nf4`'s codes and absmax, in `dtype`: the codes looked up as int32 byte
+    indices (2 bytes a weight) into float32 values (4), scaled in place, then cast."""
     rows = codes.shape[0]
-    indices = torch.stack([codes & 0x0F, codes >> 4], dim=2).reshape(rows, -1).long()
-    values = NF4_LEVELS.to(codes.device)[indices].reshape(rows, -1, NF4_BLOCK) * absmax.unsqueeze(-1).float()
-    return values.reshape(rows, -1).to(dtype)
+    values = torch.nn.functional.embedding(codes.int(), NF4_PAIRS.to(codes.device)).reshape(rows, -1, NF4_BLOCK)
+    return values.mul_(absmax.unsqueeze(-1).float()).reshape(rows, -1).to(dtype)
 
 
 def quantize_int8_rows(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
