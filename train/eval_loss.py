@@ -1,8 +1,8 @@
 """The held-out loss: the flow-matching loss over samples never trained on, at a fixed grid of sigmas with fixed noise.
 
 `data.eval` names raw data (as `data.raw` does) that `vt-precompute run` encodes first, into the window's `eval/`
-prefix (`shared.window.eval_window_uri`): a window of its own, kept, never in the training order. Every `train.eval_every`
-optimizer steps (and at the end) the trainer computes, for each held-out sample and each sigma of
+prefix (`shared.window.eval_window_uri`): a window of its own, kept, never in the training order. Every
+`train.eval_every` optimizer steps (and at the end) the trainer computes, for each held-out sample and each sigma of
 `train.eval_sigmas`, the loss of the model's prediction at that sigma with noise drawn once per sample from a key
 of its own, so two evaluations differ only by the weights: it is the curve to compare runs and steps by, where the
 training loss moves with each step's random sigmas and noise.
@@ -33,6 +33,7 @@ from vt.train.data import Batch, BatchReader
 from vt.train.objectives import sample_noise
 from vt.train.parallel.batching import Slice, take_slice
 
+
 @dataclass
 class Draws:
     """What a forward of a slice is given besides its data: sigmas, noise and the spec's own generators, and with
@@ -45,19 +46,17 @@ class Draws:
     audio_sigmas: torch.Tensor | None = None
 
 
-def fixed_draws(part: Slice, row: int, sigma: float, seed: int, levels: int, independent_audio: bool) -> Draws:
-    """The draws of row `row` of `part` (its sample `part.first_index + row` of the eval set) at `sigma`: the same
-    noise at every sigma and every evaluation, on keys of their own."""
-    index = part.first_index + row
-    latents = part.tensors["latents"][row:row + 1]
-    sigmas = torch.full((1,) if levels == 1 else (1, levels), float(sigma))
-    draws = Draws(sigmas, sample_noise(latents, keyed_generator(seed, "eval", "noise", index)),
-                  [keyed_generator(seed, "eval", "spec", index)])
-    if "audio_latents" in part.tensors:
-        audio = part.tensors["audio_latents"][row:row + 1]
-        draws.audio_noise = sample_noise(audio, keyed_generator(seed, "eval", "audio", index))
-        draws.audio_sigmas = torch.full((1,), float(sigma)) if independent_audio else None
-    return draws
+def fixed_draws(sample: Slice, sigmas: list[float], seed: int, levels: int, independent_audio: bool) -> Iterator[Draws]:
+    """The draws of a one-row slice (sample `sample.first_index` of the eval set) at each of `sigmas`: the same
+    noise at every sigma and every evaluation, on keys of their own; the spec's generator drawn anew for each."""
+    index = sample.first_index
+    noise = sample_noise(sample.tensors["latents"], keyed_generator(seed, "eval", "noise", index))
+    audio = sample.tensors.get("audio_latents")
+    audio_noise = None if audio is None else sample_noise(audio, keyed_generator(seed, "eval", "audio", index))
+    for sigma in sigmas:
+        yield Draws(torch.full((1,) if levels == 1 else (1, levels), float(sigma)), noise,
+                    [keyed_generator(seed, "eval", "spec", index)], audio_noise,
+                    torch.full((1,), float(sigma)) if audio is not None and independent_audio else None)
 
 
 def one_row(part: Slice, row: int) -> Slice:
@@ -115,9 +114,9 @@ class HeldOut:
             for k in range(rounds):
                 row = min(k, part.tensors["latents"].shape[0] - 1)
                 sample = one_row(part, row)
-                for j, sigma in enumerate(self.levels):
-                    draws = fixed_draws(part, row, sigma, self.seed, levels(sample.tensors["latents"].shape[1:]),
-                                        independent)
+                draws_at = fixed_draws(sample, self.levels, self.seed, levels(sample.tensors["latents"].shape[1:]),
+                                       independent)
+                for j, draws in enumerate(draws_at):
                     with self.inference():
                         total = sum(loss.double() * count for loss, _, count in self.losses(model, sample, draws))
                     if k < part.count:

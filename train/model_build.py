@@ -274,11 +274,12 @@ def _scale_slots(model: nn.Module, weights) -> dict[str, tuple[torch.Tensor, str
     """plain weight name -> (its layer's `weight_scale` buffer, the weight's checkpoint key), for every layer
     store_frozen gave a scale slot; each must have a scale in `weights`."""
     slots = {}
+    quantized = weights.quantized_modules()  # their scales are there by construction
     for name, module in model.named_modules():
         scale = module._buffers.get("weight_scale")
         if scale is not None:
             key = file_key(f"{name}.weight")
-            if key.removesuffix(".weight") not in weights.quantized_modules() and weights.scale(key) is None:
+            if key.removesuffix(".weight") not in quantized and weights.scale(key) is None:
                 raise ValueError(f"{key} has a scale slot but the checkpoint has no scale for it (internal error)")
             slots[plain_name(f"{name}.weight")] = (scale, key)
     return slots

@@ -85,12 +85,12 @@ class Reader:
             self._committed = {k: 0 for k in range(self._world)}
         while True:
             seq, rank = self._next
-            if len(self._done) == self._world and seq >= max(self._done.values()):
+            if self._past_end(seq):
                 self.ended = True
                 return False
             what = f"producer {rank} shard {seq} ({commit_path(rank, seq)}) or its done marker"
             present = self.wait(lambda: self._slot_state(rank, seq), block, what)
-            self._next = (seq, rank + 1) if rank + 1 < self._world else (seq + 1, 0)
+            self._step()
             if present:
                 self.resolved.append((rank, seq))
                 return True
@@ -103,10 +103,9 @@ class Reader:
         only a slot still missing then reads its producer's registration, for the done marker, and lists that
         producer's commits again after it (commits never follow the marker)."""
         done, committed = self._done, self._committed
-        if rank in done and seq >= done[rank]:
-            return False
-        if seq < committed[rank]:
-            return True
+        known = self._known(rank, seq)
+        if known is not None:
+            return known
         for other, count in ledger.next_seqs(self.storage, self.consumer()).items():
             committed[other] = max(committed.get(other, 0), count)
         if seq < committed[rank]:
@@ -181,17 +180,28 @@ class Reader:
         seqs, done markers): no storage request; the first slot it cannot answer is left to `_resolve_next`."""
         while len(self.resolved) < limit and self._world is not None and not self.ended:
             seq, rank = self._next
-            if len(self._done) == self._world and seq >= max(self._done.values()):
+            present = None if self._past_end(seq) else self._known(rank, seq)
+            if present is None:
                 return
-            if rank in self._done and seq >= self._done[rank]:
-                present = False
-            elif seq < self._committed[rank]:
-                present = True
-            else:
-                return
-            self._next = (seq, rank + 1) if rank + 1 < self._world else (seq + 1, 0)
+            self._step()
             if present:
                 self.resolved.append((rank, seq))
+
+    def _known(self, rank: int, seq: int) -> bool | None:
+        """What the walk knows of slot (rank, seq), asking storage nothing: True committed, False past its producer's
+        last shard, None not known yet."""
+        if rank in self._done and seq >= self._done[rank]:
+            return False
+        return True if seq < self._committed[rank] else None
+
+    def _past_end(self, seq: int) -> bool:
+        """Every producer is done and `seq` is past the last shard of each: the order has ended."""
+        return len(self._done) == self._world and seq >= max(self._done.values())
+
+    def _step(self) -> None:
+        """On to the next candidate slot: the next rank of this seq, or the first of the next seq."""
+        seq, rank = self._next
+        self._next = (seq, rank + 1) if rank + 1 < self._world else (seq + 1, 0)
 
     def read_shard(self, record: CommitRecord) -> bytes:
         """The data bytes of a committed shard, checked against the record's size and sha256."""
