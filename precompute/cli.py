@@ -24,19 +24,30 @@ def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/d
         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
     """Encode raw webdataset shards (local or s3://) into latent shards in the window.
 
-    Under `torchrun --nproc-per-node P` every rank takes its share of the raw shards. Killed and
-    started again, a producer carries on where it stopped.
+    Start as many as you like, by any launcher (torchrun, a Slurm array, by hand), at any time: they share
+    the window's lanes (precompute.lanes) by claiming them. Killed and started again, or replaced by
+    another producer, the work carries on where it stopped.
     """
     cfg = load_or_exit(config, set)
     from vt.precompute.processors import ProcessorBug
     from vt.precompute.service import run_stage1
 
-    from vt.shared.runtime import rank, world_size
-
+    stop_on_sigterm()
     try:
-        run_stage1(cfg, rank(), world_size())  # logs its summary line (every rank its own), once per data set
+        run_stage1(cfg)  # logs its summary line (every producer its own), once per data set
     except (*USER_ERRORS, ProcessorBug) as err:  # ProcessorBug: its traceback is logged above
         raise fail(str(err)) from err
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (scancel, a time limit, Kubernetes) ends the run as an exception does: its lanes are released for
+    other producers to take at once, and its report written."""
+    import signal
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 @app.command()
@@ -87,6 +98,24 @@ def inspect(window: str = typer.Argument(..., help="window URI: a folder or s3:/
     except (UserError, OSError) as err:
         raise fail(f"cannot read the window {window}: {err}") from err
     typer.echo(json.dumps(state, indent=1) if as_json else format_state(state))
+
+
+@app.command()
+def status(window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
+           as_json: bool = typer.Option(False, "--json", help="print the status as JSON")) -> None:
+    """Print how far stage 1 is: raw shards complete / being worked / waiting, each lane's holder, each
+    producer's lanes, samples committed and rate, and the rejects by reason."""
+    from vt.precompute.status import format_status, window_status
+    from vt.shared.storage import Storage
+
+    try:
+        storage = Storage(window)
+        if not storage.list(""):
+            raise fail(f"{window} holds no window (nothing there); give the window.uri of a run")
+        found = window_status(storage)
+    except (UserError, OSError) as err:
+        raise fail(f"cannot read the window {window}: {err}") from err
+    typer.echo(json.dumps(found, indent=1) if as_json else format_status(found))
 
 
 def format_state(state: dict) -> str:

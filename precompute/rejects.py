@@ -5,8 +5,8 @@
 
 `shard` is the raw tar as listed, `position` the sample's ordinal in it (0, 1, ...), `key` the
 sample's key as latent shards and logs name it (`<shard name>/<key in the tar>`, see sources.py),
-`reason` the counter name of precompute_report.json. With several producer ranks each writes its
-own file, `rejects.rank<r>.jsonl`, next to its report.
+`reason` the counter name of precompute_report.json. With several lanes each has its own file,
+`rejects.lane<l>.jsonl`, written by whichever producer holds the lane.
 
 Lines are appended and flushed as samples are rejected, so a killed producer's file holds what it
 rejected so far. A restarted producer keeps the file and its lines, and writes each (epoch, shard,
@@ -21,9 +21,9 @@ import json
 from pathlib import Path
 
 
-def rejects_name(rank: int, world_size: int) -> str:
-    """The file name: rejects.jsonl, or rejects.rank<r>.jsonl with several ranks (like the report)."""
-    return "rejects.jsonl" if world_size == 1 else f"rejects.rank{rank}.jsonl"
+def rejects_name(lane: int, lanes: int) -> str:
+    """The file name: rejects.jsonl, or rejects.lane<l>.jsonl with several lanes."""
+    return "rejects.jsonl" if lanes == 1 else f"rejects.lane{lane}.jsonl"
 
 
 class RejectLog:

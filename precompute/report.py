@@ -7,9 +7,9 @@ JSON at the end of a run, also when it fails (with the error), so a crashed or s
 says how far it got. Counts cover this process's run; after a restart, `skipped_committed` and
 `skipped_shards` count what earlier runs had already committed.
 
-`ProgressBar`: one line on stderr with clips/s, MB written, shards and the window fill (this
-producer's committed-unread shards against its share). Rank 0 only: several ranks' bars would
-interleave into garbage; every rank logs its summary line at the end.
+`ProgressBar`: one line on stderr with clips/s, MB written, shards and the window fill (the latest
+lane's committed-unread shards against its share), unless log.progress is off; every producer logs
+its summary line at the end.
 """
 
 from __future__ import annotations
@@ -28,15 +28,16 @@ STAGES = ("read", "decode", "text_encode", "vae_encode", "write", "wait")
 
 @dataclass
 class Report:
-    rank: int = 0
+    producer: str = "producer"  # this producer's name (precompute/lanes.py producer_name)
+    lanes: list[int] = field(default_factory=list)  # the lanes it worked, in the order it took them
     seen: int = 0
     committed: int = 0
     skipped_committed: int = 0  # samples an earlier run of this producer already committed
     skipped_shards: int = 0  # raw shards an earlier run had fully handled (not read again)
     shards: int = 0
     bytes: int = 0
-    generation: int | None = None  # this run's lease generation (1 for a first start)
-    resumed_at: int = 0  # the seq this run started committing at
+    generation: int | None = None  # its first lane's lease generation (1 for a first start)
+    resumed_at: int = 0  # the seq its first lane started committing at
     status: str = "running"
     rejects_file: str | None = None  # where the rejected samples are listed (rejects.jsonl)
     rejected: Counter = field(default_factory=Counter)
@@ -50,7 +51,7 @@ class Report:
 
     def to_dict(self) -> dict:
         elapsed = time.perf_counter() - self.started
-        return {"rank": self.rank, "status": self.status, "seen": self.seen, "committed": self.committed,
+        return {"producer": self.producer, "lanes": self.lanes, "status": self.status, "seen": self.seen, "committed": self.committed,
                 "rejected": dict(sorted(self.rejected.items())), "rejected_total": sum(self.rejected.values()),
                 "skipped_committed": self.skipped_committed, "skipped_shards": self.skipped_shards,
                 "shards": self.shards, "bytes": self.bytes, "generation": self.generation,
@@ -66,7 +67,8 @@ class Report:
         listed = f", listed in {self.rejects_file}" if self.rejects_file else ""
         resumed = f"; resumed at shard {self.resumed_at}" if self.resumed_at else ""
         resumed += f"; decode actors replaced: {self.decode_restarts}" if self.decode_restarts else ""
-        return (f"precompute rank {self.rank}: {d['committed']}/{d['seen']} samples committed in {d['shards']} shards "
+        lanes = ",".join(map(str, self.lanes)) or "none"
+        return (f"precompute {self.producer} (lanes {lanes}): {d['committed']}/{d['seen']} samples committed in {d['shards']} shards "
                 f"({d['bytes'] / 1e6:.2f} MB) in {d['elapsed_s']:.1f}s, {d['samples_per_s']:.2f} samples/s; "
                 f"rejected {d['rejected_total']} ({reasons}){listed}{resumed}")
 
@@ -79,12 +81,12 @@ class Report:
 
 
 class ProgressBar:
-    """clips/s, MB written, shards and window fill on one stderr line (rank 0; quiet in logs)."""
+    """clips/s, MB written, shards and window fill on one stderr line (quiet in logs)."""
 
     def __init__(self, report: Report, enabled: bool = True):
         self.report = report
         self.fill = "-"
-        self._bar = Progress(None, f"precompute[{report.rank}]", enabled=enabled, unit="clip")
+        self._bar = Progress(None, f"precompute[{report.producer}]", enabled=enabled, unit="clip")
 
     def window(self, unread: int, share: int) -> None:
         """This producer's window fill after its latest commit wait ("keep" windows have no share)."""

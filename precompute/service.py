@@ -9,15 +9,17 @@ is the error policy's call (processors/policy.py, passed to the chain in the wor
 exception in a processor is a bug, which stops the run at once as ProcessorBug (its traceback
 logged, the buffered samples never written, so the window holds whole shards only).
 
-Many producers: each rank (torchrun's RANK / WORLD_SIZE) takes every world_size-th raw shard and
-writes its own sequence into the one window; they coordinate through the window alone.
-Crash-safe: a start takes the rank's lease (a second producer of the rank stops), removes orphans,
-and resumes from its progress record (precompute/resume.py): raw shards already handled are skipped,
-the partial ones re-read without their committed samples. So a producer killed at any point and
-started again commits every accepted sample exactly once.
+Many producers: the window's raw shards are dealt to a fixed number of lanes (lane l: every L-th raw
+shard from the l-th), each lane writing its own sequence into the one window. Any number of producers,
+from any launcher, claim lanes through the window's storage (precompute/lanes.py): each works the lanes
+it holds a commit at a time, and takes one more while all of them wait for the trainer.
+Crash-safe: taking a lane removes its orphans and resumes from its progress record
+(precompute/resume.py): raw shards already handled are skipped, the partial ones re-read without their
+committed samples. So a producer killed at any point, its lane taken by another or by itself started
+again, commits every accepted sample exactly once.
 
 Samples are keyed by raw shard and key (`RawSample.sample_id`, see sources.py), named from the
-whole raw shard list before the per-rank split. The processor chain (`precompute.processors`, run in
+whole raw shard list before the per-lane split. The processor chain (`precompute.processors`, run in
 the decode workers) may make several samples of one raw sample, keyed `<sample_id>#<suffix>`; each
 is committed once on its own, and a restart drops the parts of a re-decoded clip already committed. Every rejected sample is listed with its reason in
 the run folder's rejects.jsonl (precompute/rejects.py), each once across restarts.
@@ -30,11 +32,14 @@ row per sample key as every tensor. Without model.audio no sound is read and sha
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
+from vt.precompute.lanes import LaneHolder, producer_name, wanted_lanes
 from vt.precompute.encoders import (encode_sounds, encode_texts_with_images, encode_videos, load_encoders,
                                     text_phase, tiled_buckets)
 from vt.precompute.prepare import Prepare, ShardEnd
@@ -55,9 +60,9 @@ from vt.shared.log import get_logger
 from vt.shared.models import spec_for
 from vt.shared.provenance import component_records, fingerprint, provenance
 from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
-from vt.shared.shards import CommitRecord, encode_shard
+from vt.shared.shards import encode_shard
 from vt.shared.startup import StartupTimeline
-from vt.shared.window import Window, eval_window_uri
+from vt.shared.window import ProducerFenced, Window, eval_window_uri
 
 log = get_logger("vt.precompute")
 
@@ -92,26 +97,42 @@ def held_out_config(config: Config) -> Config:
                                                  "validation_last_images": [], "validation_videos": []})})
 
 
-def run_stage1(config: Config, rank: int = 0, world_size: int = 1) -> Report:
-    """`vt-precompute run`: this rank's share of `data.eval` (if set) into the window's eval/ prefix, then of
-    `data.raw` into the window, with the encoders loaded once; returns the training data's report."""
+def run_stage1(config: Config) -> Report:
+    """`vt-precompute run`: lanes of `data.eval` (if set) into the window's eval/ prefix, then of `data.raw` into
+    the window, with the encoders loaded once, until every lane is done; returns the training data's report."""
     encoders = None
     if config.data.eval:
-        held_out = Precompute(held_out_config(config), rank, world_size)
+        held_out = Precompute(held_out_config(config))
         held_out.run()
         encoders = held_out.encoders
-    return Precompute(config, rank, world_size, encoders=encoders).run()
+    return Precompute(config, encoders=encoders).run()
+
+
+BLOCKED, COMMITTED = "blocked", "committed"  # what a lane's steps yield: its window share is full, a shard is in
+
+
+@dataclass
+class LaneRun:
+    """One held lane's work: its raw shards, where its stream stands, its next seq and lease generation."""
+
+    index: int
+    generation: int
+    raw_shards: list[str]
+    shards_id: str
+    seq: int = 0
+    rejects: RejectLog | None = None
+    blocked_since: float | None = None
 
 
 class Precompute:
-    def __init__(self, config: Config, rank: int = 0, world_size: int = 1, encoders: dict | None = None):
+    def __init__(self, config: Config, encoders: dict | None = None):
         """`encoders`: stage 1's components already loaded (another Precompute's: run_stage1), else loaded here."""
         self.startup = StartupTimeline()
         self.startup.mark("imports")  # the interpreter and the CLI's imports, up to here
         map_large_allocations()  # decoded clips and encoder activations go back to the OS when freed
         self.config = config
-        self.rank, self.world_size = rank, world_size
         self.encoders = encoders
+        self.name = producer_name()
         pre = config.precompute
         # The decode workers start first: a spawned worker spends seconds importing torch and PyAV, which then
         # overlaps this process's imports of the encoders' libraries and its model loads (closed by run()).
@@ -120,7 +141,7 @@ class Precompute:
             self.pool.warm_up()
         self.startup.mark("decode_workers_spawned")
         try:
-            self._set_up(config, rank, world_size)
+            self._set_up(config)
         except BaseException:
             self.close()
             raise
@@ -131,7 +152,7 @@ class Precompute:
             self.pool.close()
             self.pool = None
 
-    def _set_up(self, config: Config, rank: int, world_size: int) -> None:
+    def _set_up(self, config: Config) -> None:
         pre = config.precompute
         self.buckets = parse_buckets(config.buckets.sizes)
         self.chain = build_chain(pre.processors)
@@ -139,10 +160,8 @@ class Precompute:
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
         self.startup.mark("model_spec")
-        every_shard = list_raw_shards(config.data.raw)
-        self.shard_names = shard_names(every_shard)  # from the whole list: every rank names shards alike
-        self.raw_shards = split_for_rank(every_shard, rank, world_size)
-        self.shards_id = shards_digest(self.raw_shards)
+        self.every_shard = list_raw_shards(config.data.raw)
+        self.shard_names = shard_names(self.every_shard)  # from the whole list: every lane names shards alike
         # The member each sample's control video is read from, for a family that trains on one (else none).
         self.control = config.data.control if self.spec.control_video else None
         # Each sample's sound at the family's rate and channels, for a run that trains audio (else none is read).
@@ -156,10 +175,10 @@ class Precompute:
         self.startup.mark("raw_list_and_weight_digests")
         self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
                              config.window.timeout_seconds)
-        self.report = Report(rank=rank, startup=self.startup)
+        self.lanes = self.window.lanes(wanted_lanes(pre.lanes), len(self.every_shard))
+        self.report = Report(producer=self.name, startup=self.startup)
         self.progress: ProgressBar | None = None
-        self.rejects: RejectLog | None = None
-        self.seq = 0
+        self.holder: LaneHolder | None = None
 
     def _load_encoders(self) -> None:
         pre = self.config.precompute
@@ -174,7 +193,7 @@ class Precompute:
             return self.spec.encode_text(self.encoders, captions)
 
     def run(self) -> Report:
-        """Produce this rank's share of every epoch into the window, resuming where an earlier run stopped."""
+        """Work the window's lanes, each over every epoch, until all are done; resumes where earlier runs stopped."""
         try:
             self._run()
             if self.report.status == "running":
@@ -185,32 +204,26 @@ class Precompute:
             self.report.status = f"failed: {type(err).__name__}: {err}"
             raise
         finally:
+            if self.holder is not None:
+                self.holder.close()  # releases the lanes still held, on an error too
             self.close()
             self._write_report()
         return self.report
 
+    def _status(self) -> dict:
+        """This producer's counts for its workers/ record (`vt-precompute status`)."""
+        d = self.report.to_dict()
+        return {"worked": list(self.report.lanes),
+                **{key: d[key] for key in ("status", "committed", "seen", "rejected", "samples_per_s", "elapsed_s")}}
+
     def _run(self) -> None:
         pre = self.config.precompute
-        self.report.generation = self.window.acquire(self.rank)
-        if not self.window.register_producer(self.rank, self.world_size, self.fingerprint):
+        self.holder = LaneHolder(self.window.storage, self.lanes, pre.claim_seconds, self.name, self._status)
+        if self.holder.all_done():
+            log.info("every lane of %s is done already", self.window.uri)
             self.report.status = "already done"
             return
-        self.window.clean_orphans(self.rank)
-        state, self.seq = resume_state(self.window, self.rank, self.shards_id)
-        self.report.resumed_at = self.seq
-        # An earlier run's list stays (its raw shards may not be read again) unless nothing it did is kept.
-        rejects_path = self.config.run_dir / rejects_name(self.rank, self.world_size)
-        self.rejects = RejectLog(rejects_path, keep=self.seq > 0 or not state.is_empty())
-        self.report.rejects_file = str(rejects_path)
-        if self.seq:
-            log.info("producer %d resumes at shard %d (epoch %d, %d raw shards done)", self.rank, self.seq,
-                     state.epoch, len(state.complete))
-        tracker = Tracker(state)
-        passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
         self.startup.mark("window")
-        if state.epoch >= passes:  # every pass is done: nothing to decode
-            self.close()
-        pool = self.pool
         self.progress = ProgressBar(self.report, enabled=self.config.log.progress)
         try:
             self._load_encoders()  # while the workers start
@@ -221,19 +234,94 @@ class Precompute:
                     write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
                                                 self.storage_dtype)
                 self.startup.mark("empty_caption_and_validation_prompts")
-                for epoch in range(state.epoch, passes):
-                    tracker.start_epoch(epoch)
-                    self._run_epoch(epoch, pool, tracker)
+                self._work()
         finally:
-            self.report.decode_restarts = getattr(pool, "restarts", 0)
+            self.report.decode_restarts = getattr(self.pool, "restarts", 0)
             self.progress.close()
-            self.rejects.close()
-            self.close()
-        self.window.finish_producer(self.rank, self.seq)
 
-    def _raw_items(self, tracker: Tracker) -> Iterator[tuple[int, RawSample] | ShardEnd]:
-        """(raw index, sample) of this rank's raw shards, minus what is committed; ShardEnd after each."""
-        for index, shard in enumerate(self.raw_shards):
+    def _work(self) -> None:
+        """Step every held lane in turn, a commit at a time; take one more lane while all held ones wait for the
+        trainer, or while none is held; end once every lane is done."""
+        held: dict[int, Iterator[str]] = {}
+        runs: dict[int, LaneRun] = {}
+        next_look = 0.0
+        while True:
+            moved = False
+            for index in list(held):
+                try:
+                    step = next(held[index])
+                except StopIteration:
+                    del held[index]
+                    runs.pop(index).rejects.close()
+                    self.holder.let_go(index)
+                    moved = True
+                    continue
+                except ProducerFenced as err:  # taken over while this producer was silent: the taker goes on
+                    log.warning("%s", err)
+                    del held[index]
+                    runs.pop(index).rejects.close()
+                    self.holder.lost(index)
+                    moved = True
+                    continue
+                moved |= step == COMMITTED
+            if moved:
+                continue
+            if time.monotonic() >= next_look:  # every held lane waits (or none is held): look for another
+                taken = self.holder.take()
+                if taken is not None:
+                    run = self._lane(*taken)
+                    runs[run.index], held[run.index] = run, self._lane_steps(run)
+                    continue
+                if not held and self.holder.all_done():
+                    return
+                next_look = time.monotonic() + min(self.config.precompute.claim_seconds / 4, 2.0)
+            self._check_blocked(runs.values())
+            started = time.perf_counter()
+            time.sleep(self.config.window.poll_seconds)
+            self.report.seconds["wait"] += time.perf_counter() - started
+
+    def _check_blocked(self, runs) -> None:
+        """Raise WindowTimeout once a lane has waited window.timeout_seconds for room (the trainer is gone)."""
+        for run in runs:
+            if run.blocked_since is not None and time.monotonic() - run.blocked_since > self.window.timeout_seconds:
+                unread, share = self.window.room(run.index)
+                raise self.window.writer.timeout(run.index, unread, share)
+
+    def _lane(self, index: int, generation: int) -> LaneRun:
+        raw_shards = split_for_rank(self.every_shard, index, self.lanes)
+        self.window.hold(index, generation)
+        self.report.lanes.append(index)
+        if self.report.generation is None:
+            self.report.generation = generation
+        return LaneRun(index, generation, raw_shards, shards_digest(raw_shards))
+
+    def _lane_steps(self, run: LaneRun) -> Iterator[str]:
+        """One lane over every epoch, from where its progress record says; yields BLOCKED while its share of the
+        window is full and COMMITTED after each shard; ends at its done marker."""
+        lane = run.index
+        if not self.window.register_producer(lane, self.lanes, self.fingerprint):
+            return
+        self.window.clean_orphans(lane)
+        state, run.seq = resume_state(self.window, lane, run.shards_id)
+        if len(self.report.lanes) == 1:
+            self.report.resumed_at = run.seq
+        # An earlier run's list stays (its raw shards may not be read again) unless nothing it did is kept.
+        rejects_path = self.config.run_dir / rejects_name(lane, self.lanes)
+        run.rejects = RejectLog(rejects_path, keep=run.seq > 0 or not state.is_empty())
+        self.report.rejects_file = str(rejects_path if self.lanes == 1 else self.config.run_dir / "rejects.lane*.jsonl")
+        if run.seq:
+            log.info("lane %d resumes at shard %d (epoch %d, %d raw shards done)", lane, run.seq, state.epoch,
+                     len(state.complete))
+        tracker = Tracker(state)
+        passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
+        for epoch in range(state.epoch, passes):
+            tracker.start_epoch(epoch)
+            yield from self._run_epoch(run, epoch, tracker)
+        self.window.finish_producer(lane, run.seq)
+
+    def _raw_items(self, run: LaneRun, tracker: Tracker) -> Iterator[tuple[int, RawSample] | ShardEnd]:
+        """(raw index, sample) of the lane's raw shards, minus what is committed; ShardEnd after each."""
+        for index, shard in enumerate(run.raw_shards):
             if index in tracker.state.complete:
                 self.report.skipped_shards += 1
                 continue
@@ -248,7 +336,7 @@ class Precompute:
                 started = time.perf_counter()
             yield ShardEnd(index)
 
-    def _run_epoch(self, epoch: int, pool, tracker: Tracker) -> None:
+    def _run_epoch(self, run: LaneRun, epoch: int, tracker: Tracker) -> Iterator[str]:
         pre = self.config.precompute
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
         failures_in_a_row = 0
@@ -256,9 +344,10 @@ class Precompute:
         prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
         # Enough queued that the workers keep decoding while a full shard is encoded (at most about
         # one shard more in memory than the bucket buffers hold).
+        pool = self.pool
         workers = pool.workers if pool is not None else 0
         inflight = max(2, 2 * workers, workers + pre.samples_per_shard)
-        items = self._raw_items(tracker)
+        items = self._raw_items(run, tracker)
         stream = map(prepare, items) if pool is None else pool.map(prepare, items, inflight, prepare.crashed)
         for item in stream:
             if isinstance(item, ShardEnd):
@@ -270,7 +359,7 @@ class Precompute:
             self.report.seconds["decode"] += outcome.seconds
             if outcome.samples is None:
                 self.report.reject(outcome.reason)
-                self.rejects.add(epoch, outcome.shard, outcome.position, outcome.key, outcome.reason, outcome.detail)
+                run.rejects.add(epoch, outcome.shard, outcome.position, outcome.key, outcome.reason, outcome.detail)
                 log.debug("skipped %s: %s %s", outcome.key, outcome.reason, outcome.detail)
                 failures_in_a_row += 1
                 if failures_in_a_row >= pre.max_consecutive_failures:
@@ -290,10 +379,10 @@ class Precompute:
                 bucket_samples = pending.setdefault(sample.bucket, [])
                 bucket_samples.append((index, sample))
                 if len(bucket_samples) >= pre.samples_per_shard:
-                    self._write_shard(pending.pop(sample.bucket), epoch, tracker)
+                    yield from self._write_shard(run, pending.pop(sample.bucket), epoch, tracker)
             self.progress.update()
         for bucket in sorted(pending):  # the epoch's remainders: smaller shards, every sample kept
-            self._write_shard(pending[bucket], epoch, tracker)
+            yield from self._write_shard(run, pending[bucket], epoch, tracker)
 
     def _stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Floating tensors in the storage dtype, others as they are."""
@@ -314,7 +403,8 @@ class Precompute:
             return encode_texts_with_images(self.spec, self.encoders, [s.caption for s in samples],
                                             [s.video for s in samples], self.device)
 
-    def _write_shard(self, items: list[tuple[int, PreparedSample]], epoch: int, tracker: Tracker) -> CommitRecord:
+    def _write_shard(self, run: LaneRun, items: list[tuple[int, PreparedSample]], epoch: int,
+                     tracker: Tracker) -> Iterator[str]:
         pre = self.config.precompute
         samples = [sample for _, sample in items]
         bucket = samples[0].bucket
@@ -337,26 +427,31 @@ class Precompute:
         if any(s.clip for s in samples):  # a manifest's clips: where each came from, and its metadata
             meta["clips"] = {s.key: s.clip for s in samples if s.clip}
         data = encode_shard(tensors, keys, meta, captions)
+        while True:  # the lane's share of the window full: the other lanes go on meanwhile (_work)
+            unread, share = self.window.room(run.index)
+            if unread < share or self.config.window.size == "keep":
+                break
+            run.blocked_since = run.blocked_since or time.monotonic()
+            yield BLOCKED
+        run.blocked_since = None
         started = time.perf_counter()
-        unread, share = self.window.wait_for_room(self.rank)
-        self.report.seconds["wait"] += time.perf_counter() - started
-        started = time.perf_counter()
-        record = self.window.prepare(self.rank, self.seq, epoch, data, bucket.name, keys, self.fingerprint)
+        record = self.window.prepare(run.index, run.seq, epoch, data, bucket.name, keys, self.fingerprint)
         committed = [(index, sample.key) for index, sample in items]
         # Write-ahead: the progress record must name this shard before it can be read and evicted.
-        self.window.write_progress(self.rank, tracker.intent(self.seq, committed, self.shards_id,
-                                                             self.report.generation))
-        record = self.window.publish(record, data)
+        self.window.write_progress(run.index, tracker.intent(run.seq, committed, run.shards_id, run.generation))
+        self.window.publish(record, data)
         tracker.committed(committed)
         self.report.seconds["write"] += time.perf_counter() - started
-        self.seq += 1
+        run.seq += 1
         self.report.shards += 1
         self.report.committed += len(samples)
         self.report.bytes += len(data)
         self.progress.window(unread + 1, share)
-        return record
+        yield COMMITTED
 
     def _write_report(self) -> None:
-        name = "precompute_report.json" if self.world_size == 1 else f"precompute_report.rank{self.rank}.json"
+        alone = (self.lanes == 1 and (self.report.lanes == [0] or self.report.status == "already done")
+                 and "SLURM_ARRAY_TASK_ID" not in os.environ)
+        name = "precompute_report.json" if alone else f"precompute_report.{self.name}.json"
         self.report.write(self.config.run_dir / name)
         log.info(self.report.summary_line())

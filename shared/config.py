@@ -143,6 +143,11 @@ class PrecomputeConfig(_Section):
     ray_actors: int = Field(0, ge=0)
     ray_tries: int = Field(3, ge=1)
     ray_timeout_seconds: float = Field(600.0, gt=0)
+    # Producers share a window's raw shards by claiming lanes (precompute/lanes.py): `lanes` fixed slices of the raw
+    # shards, set by the window's first producer (None: torchrun's WORLD_SIZE, a Slurm array's task count, else 1).
+    # A lane whose holder fell silent for `claim_seconds` (or whose process is gone from this host) is taken over.
+    lanes: int | None = Field(None, ge=1)
+    claim_seconds: float = Field(60.0, gt=0)
     device: str = "auto"
     # Where the text (and image) encoders live (precompute/encoders.py): "none" on the device beside the VAE;
     # "model" in CPU memory, moved onto the device for each shard's text phase; "blocks" streamed block by
@@ -172,6 +177,9 @@ class TrainConfig(_Section):
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(16.0, gt=0)
     lora_targets: list[str] = Field(default_factory=list)  # empty: the family's default targets
+    # The adapters train.mode = "lora" trains on those targets, at lora_rank and lora_alpha (vt.shared.adapters):
+    # LoRA, DoRA (LoRA with a trained magnitude per output), LoHa (Hadamard product) or LoKr (Kronecker product)
+    adapter: Literal["lora", "dora", "loha", "lokr"] = "lora"
     batch_size: int = Field(2, ge=1)  # global samples per optimizer micro-step (all data-parallel ranks)
     # A token budget in place of batch_size: each bucket's micro-batch holds as many samples as fit this many
     # transformer tokens (at least one), so a small bucket takes a larger batch (train/data.py, bucket_batch_sizes)
@@ -197,6 +205,9 @@ class TrainConfig(_Section):
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
     # Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample).
     caption_dropout: float = Field(0.0, ge=0, le=1)
+    # Guidance-distilled bases (MiniMax H3): each target becomes u + w (target - u), u the frozen base's prediction
+    # for the empty caption (train/guidance.py); w = 1 is plain flow matching. None: off. LoRA only, no pipeline stages.
+    guidance_scale: float | None = Field(None, gt=0)
     # The sigmas' shift towards noise (> 1: more). "auto": the family's scheduler's own, at each bucket's size where it
     # shifts by resolution (`use_dynamic_shifting`: LTX-Video, LTX-2), else its fixed `shift` / `flow_shift`.
     shift: float | Literal["auto"] = 1.0
@@ -324,6 +335,23 @@ class Config(_Section):
                              "train.ema_decay and data.eval set")
         if any(not 0 < sigma <= 1 for sigma in self.train.eval_sigmas):
             raise UserError(f"train.eval_sigmas = {self.train.eval_sigmas}: each must be in (0, 1]")
+        return self
+
+    @model_validator(mode="after")
+    def _guidance_needs_lora(self) -> "Config":
+        """train.guidance_scale takes the frozen base's prediction from the trained transformer with its adapters
+        switched off: a full fine-tune has no frozen base, and pipeline stages no whole model to call twice."""
+        scale = self.train.guidance_scale
+        if scale is None:
+            return self
+        if self.train.mode != "lora":
+            raise UserError(f"train.guidance_scale = {scale} guides each target with the frozen base's prediction, "
+                             "the transformer with its adapters switched off; a full fine-tune has no frozen base: "
+                             "set train.mode = \"lora\" or remove train.guidance_scale")
+        if self.parallel.pp > 1:
+            raise UserError(f"train.guidance_scale = {scale} with parallel.pp = {self.parallel.pp}: the base's extra "
+                             "forward is not carried through the pipeline stages; set parallel.pp = 1 or remove "
+                             "train.guidance_scale")
         return self
 
 

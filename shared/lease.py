@@ -1,6 +1,6 @@
-"""Producer leases: one writer per producer rank, even when a second one is started by mistake.
+"""Producer leases: one writer per lane (a producer rank of the window), even when two producers want it.
 
-Each start of a producer takes the next generation of its rank by creating
+Each taker of a lane takes the next generation of it by creating
 `leases/p<rank>/<generation:08d>.json` exclusively (the newest generation is the owner). Before it
 writes a shard and again before it creates the commit record, a producer lists its rank's leases;
 if a newer generation exists it stops with `ProducerFenced`. Object stores cannot tie a write to a
@@ -55,11 +55,45 @@ def acquire(storage: Storage, rank: int) -> int:
     while not storage.create_exclusive(lease_path(rank, generation),
                                        json.dumps({**info, "generation": generation}).encode()):
         generation += 1  # another start raced us to this generation: take the next one
+    _prune(storage, rank, generation)
+    return generation
+
+
+def read_lease(storage: Storage, rank: int, generation: int) -> dict | None:
+    """A lease's record: {"rank", "host", "pid", "producer", "beat", "released", ...}; None once pruned."""
+    try:
+        return json.loads(storage.read(lease_path(rank, generation)))
+    except FileNotFoundError:
+        return None
+
+
+def claim(storage: Storage, rank: int, after: int | None, info: dict) -> int | None:
+    """Take lane `rank` as generation after + 1 (exclusive create): of two takers that saw the same newest
+    generation `after`, one wins. Returns the generation, or None when another taker got there first."""
+    generation = (after or 0) + 1
+    record = {**info, "rank": rank, "generation": generation, "beat": 0, "released": False}
+    if not storage.create_exclusive(lease_path(rank, generation), json.dumps(record).encode()):
+        return None
+    _prune(storage, rank, generation)
+    return generation
+
+
+def renew(storage: Storage, rank: int, generation: int, record: dict) -> None:
+    """The holder's heartbeat: the lease rewritten with its beat counted up (what a taker watches change)."""
+    record["beat"] = record.get("beat", 0) + 1
+    storage.put_atomic(lease_path(rank, generation), json.dumps(record).encode())
+
+
+def release(storage: Storage, rank: int, generation: int, record: dict) -> None:
+    """Let the lane go: any producer may take it at once (its progress record says where to go on)."""
+    storage.put_atomic(lease_path(rank, generation), json.dumps({**record, "released": True}).encode())
+
+
+def _prune(storage: Storage, rank: int, generation: int) -> None:
     for folder, path in (("leases", lease_path), ("progress", progress_path)):
         for old in _generations(storage, f"{folder}/p{rank}"):
             if old <= generation - KEEP_GENERATIONS:
                 storage.delete(path(rank, old))
-    return generation
 
 
 def check(storage: Storage, rank: int, generation: int) -> None:
@@ -72,9 +106,9 @@ def check(storage: Storage, rank: int, generation: int) -> None:
         except FileNotFoundError:
             where = ""
         raise ProducerFenced(
-            f"two producers are writing as rank {rank} of {storage.uri}: this one (generation {generation}) "
-            f"was replaced by generation {newest}{where} and stops. Run exactly one producer per rank; "
-            "the newest one carries on from the last committed shard")
+            f"lane {rank} of {storage.uri} was taken over by generation {newest}{where} while this producer "
+            f"(generation {generation}) held it, silent for longer than precompute.claim_seconds: this producer "
+            "lets the lane go and the new holder carries on from the last committed shard")
 
 
 def write_progress(storage: Storage, rank: int, generation: int, payload: dict) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -54,3 +57,17 @@ def finish(proc: Forked, log: Path | None = None, timeout: float = 300) -> None:
     if code != 0:
         text = log.read_text()[-4000:] if log and log.exists() else ""
         raise AssertionError(f"{proc.args[0]} exited with {code}:\n{text}")
+
+
+def run_bounded(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output, text) in a session of its own, killed with all its children (decode workers
+    hold its pipes) once `timeout` passes: a hung CLI fails the test with its output instead of hanging it."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=30)
+        raise AssertionError(f"{args[:3]} did not end within {timeout}s:\n{err[-4000:]}") from None
+    return subprocess.CompletedProcess(args, proc.returncode, out, err)

@@ -7,14 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runs import write_config
+from cli_runs import run_bounded, write_config
 
 BIN = Path(sys.executable).parent
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=120)
+    return run_bounded([str(BIN / args[0]), *args[1:]], timeout=120)
 
 
 @pytest.mark.parametrize("stage", ["vt-precompute", "vt-train"])
@@ -74,8 +74,7 @@ def test_a_hub_id_offline_is_one_line_naming_component_id_and_fix(tmp_path, raw_
     module = {"vt-precompute": "vt.precompute.cli", "vt-train": "vt.train.cli"}[stage]
     args = ["--set", f'run.dir="{tmp_path / "run"}"', "--set", f'window.uri="{tmp_path / "window"}"',
             "--set", f'data.raw="{raw_shards}"', "--set", "log.wandb=false"]
-    result = subprocess.run([sys.executable, "-c", EACH_CONFIG, module, ",".join(map(str, SHIPPED)), *args],
-                            capture_output=True, text=True, timeout=300)
+    result = run_bounded([sys.executable, "-c", EACH_CONFIG, module, ",".join(map(str, SHIPPED)), *args], timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     runs = result.stderr.split("=== ")[1:]
     outputs = dict(zip(runs[0::2], runs[1::2]))  # "<config>\n<its output>" -> "exit <code>\n"
@@ -112,6 +111,6 @@ def test_a_users_error_is_one_line_and_a_bug_keeps_its_traceback(tmp_path, tiny_
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "frames must be 8k+1" in errors[0] and "buckets.sizes" in errors[0], result.stderr
-    bug = subprocess.run([sys.executable, "-c", BUG, str(config)], capture_output=True, text=True, timeout=120)
+    bug = run_bounded([sys.executable, "-c", BUG, str(config)], timeout=120)
     assert bug.returncode != 0 and "Traceback" in bug.stderr and "ValueError: boom inside vt" in bug.stderr
     assert not any(line.startswith("error:") for line in bug.stderr.splitlines())

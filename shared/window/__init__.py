@@ -121,6 +121,16 @@ class Window:
     def wait_for_room(self, rank: int) -> tuple[int, int]:
         return self.writer.wait_for_room(rank)
 
+    def room(self, rank: int) -> tuple[int, int]:
+        return self.writer.room(rank)
+
+    def hold(self, rank: int, generation: int) -> None:
+        self.writer.hold(rank, generation)
+
+    def lanes(self, wanted: int, raw_shards: int | None = None) -> int:
+        """The window's lane count: fixed by its first producer (`wanted`), the same for every later one."""
+        return ledger.fix_lanes(self.storage, wanted, raw_shards)
+
     def prepare(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
                 fingerprint: str) -> CommitRecord:
         return self.writer.prepare(rank, seq, epoch, data, bucket, keys, fingerprint)

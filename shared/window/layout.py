@@ -2,6 +2,7 @@
 
     data/p<rank>/<seq:08d>-g<gen>-<sha16>.safetensors  shard data, written first (atomically)
     commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
+    lanes.json                           {"lanes": L}: the number of lanes (producer ranks), fixed by the first producer
     producers/p<rank>.json               {"rank", "world_size", "size", "done", "num_shards", "fingerprint"}
     leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
     progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
@@ -19,6 +20,7 @@ import re
 from vt.shared.errors import UserError
 
 CONSUMER = "consumer.json"
+LANES = "lanes.json"
 _SEQ = re.compile(r"(\d+)")
 
 

@@ -10,7 +10,7 @@ import json
 
 from ..shards import CommitRecord
 from ..storage import Storage
-from .layout import CONSUMER, commit_path, producer_path, rank_of, seq_of, seqs
+from .layout import CONSUMER, LANES, commit_path, producer_path, rank_of, seq_of, seqs
 
 
 def producers(storage: Storage) -> dict[int, dict]:
@@ -29,8 +29,22 @@ def producer(storage: Storage, rank: int) -> dict | None:
         return None
 
 
+def fix_lanes(storage: Storage, wanted: int, raw_shards: int | None = None) -> int:
+    """The window's lane count (lanes.json, with the number of raw shards dealt to them): `wanted` if this call
+    fixes it, else what its first producer fixed (a window written before lanes.json: its registrations')."""
+    known = world_size(storage)
+    if known is None and storage.create_exclusive(LANES, json.dumps({"lanes": wanted,
+                                                                     "raw_shards": raw_shards}).encode()):
+        return wanted
+    return known if known is not None else json.loads(storage.read(LANES))["lanes"]
+
+
 def world_size(storage: Storage) -> int | None:
-    """The producers' world size from their registrations (None before any registered)."""
+    """The number of lanes (producer ranks): lanes.json, else the registrations' world size (None before either)."""
+    try:
+        return json.loads(storage.read(LANES))["lanes"]
+    except FileNotFoundError:
+        pass
     sizes = {info["world_size"] for info in producers(storage).values()}
     if len(sizes) > 1:
         raise RuntimeError(f"producers of {storage.uri} registered different world sizes {sorted(sizes)}; "

@@ -61,6 +61,11 @@ class Writer:
         self.expected.pop(rank, None)
         return self.generation[rank]
 
+    def hold(self, rank: int, generation: int) -> None:
+        """Write as lane `rank` under a lease generation this process claimed (precompute/lanes.py)."""
+        self.generation[rank] = generation
+        self.expected.pop(rank, None)
+
     def check_lease(self, rank: int) -> None:
         if rank in self.generation:
             lease.check(self.storage, rank, self.generation[rank])
@@ -93,31 +98,40 @@ class Writer:
         self.storage.put_atomic(producer_path(rank), json.dumps(info).encode())
         return True
 
-    def wait_for_room(self, rank: int) -> tuple[int, int]:
-        """Block while this producer's committed-unread shards fill its share of the window.
-
-        Evicts this rank's shards below the watermark while waiting (the trainer may be gone).
-        Returns (unread, share) at the moment there was room: the producer's window fill.
-        """
+    def room(self, rank: int) -> tuple[int, int]:
+        """(unread, share): this producer's committed-unread shards and its share of the window; room while
+        unread < share. Evicts this rank's shards below the watermark when it is full (the trainer may be gone)."""
         if self.size == "keep":
             return 0, 0
         info = ledger.producer(self.storage, rank)
         if info is None:
             raise RuntimeError(f"producer {rank} is not registered in {self.storage.uri}; call register_producer first")
         share = max(1, self.size // info["world_size"])
+        positions = ledger.consumer(self.storage)
+        unread = ledger.next_seq(self.storage, rank, positions) - positions["read"].get(rank, 0)
+        if unread >= share:
+            cleaning.evict(self.storage, rank)
+        return unread, share
+
+    def wait_for_room(self, rank: int) -> tuple[int, int]:
+        """Block while this producer's committed-unread shards fill its share of the window (`room`).
+
+        Returns (unread, share) at the moment there was room: the producer's window fill.
+        """
         deadline = time.monotonic() + self.timeout_seconds
         while True:
-            positions = ledger.consumer(self.storage)
-            unread = ledger.next_seq(self.storage, rank, positions) - positions["read"].get(rank, 0)
-            if unread < share:
+            unread, share = self.room(rank)
+            if unread < share or self.size == "keep":
                 return unread, share
-            cleaning.evict(self.storage, rank)
             if time.monotonic() > deadline:
-                raise WindowTimeout(
-                    f"producer {rank}: {unread} committed shards in {self.storage.uri} are unread (its share of "
-                    f"window.size={self.size} is {share}) after {self.timeout_seconds:.0f}s; is vt-train "
-                    "running and reading this window? Raise window.timeout_seconds or use size='keep'")
+                raise self.timeout(rank, unread, share)
             time.sleep(self.poll_seconds)
+
+    def timeout(self, rank: int, unread: int, share: int) -> WindowTimeout:
+        return WindowTimeout(
+            f"producer {rank}: {unread} committed shards in {self.storage.uri} are unread (its share of "
+            f"window.size={self.size} is {share}) after {self.timeout_seconds:.0f}s; is vt-train "
+            "running and reading this window? Raise window.timeout_seconds or use size='keep'")
 
     def prepare(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
                 fingerprint: str) -> CommitRecord:

@@ -1,6 +1,6 @@
 """`precompute.engine = "ray"`: the decode chain on a real Ray cluster (`ray start --head` in a session of its own,
 started and torn down by this module), reached through RAY_ADDRESS as on a real cluster, with a decode actor's
-process killed mid-run: the producer exits 0, the killed actor is replaced, every sample is committed exactly once."""
+process killed mid-run: the producers exit 0, the killed actor is replaced, every sample is committed exactly once."""
 
 from __future__ import annotations
 
@@ -38,31 +38,40 @@ def decode_actors(sid: int) -> list[int]:
 
 
 def test_a_killed_decode_actor_costs_a_retry_never_a_sample(tmp_path, tiny_model_factory, raw_shards, ray_cluster):
+    """Two producers (processes) on one Ray cluster share the window's two lanes, each with a decode actor; one
+    actor's process is killed mid-run: both exit 0, the actor is replaced, every sample is committed once."""
     address, sid = ray_cluster
     window = tmp_path / "window"
     config = write_config(tmp_path / "ray.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
                           str(window), window={"size": "keep"},
-                          precompute={"engine": "ray", "ray_actors": 2, "samples_per_shard": 1, "encode_batch": 1})
-    log = tmp_path / "producer.log"
-    with open(log, "wb") as out:
-        producer = subprocess.Popen([sys.executable, "-m", "vt.precompute", "run", str(config)], stdout=out,
-                                    stderr=subprocess.STDOUT,
-                                    env={**os.environ, **RAY_ENV, "RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1"})
+                          precompute={"engine": "ray", "ray_actors": 1, "samples_per_shard": 1, "encode_batch": 1,
+                                      "lanes": 2})
+    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1"}
+    logs = [tmp_path / f"producer{i}.log" for i in range(2)]
+    producers = []
+    for log in logs:
+        with open(log, "wb") as out:
+            producers.append(subprocess.Popen([sys.executable, "-m", "vt.precompute", "run", str(config)], stdout=out,
+                                              stderr=subprocess.STDOUT, env=env))
     try:
         actors = wait_for(lambda: len(decode_actors(sid)) == 2 and decode_actors(sid), timeout=180,
-                          what="two decode actors on the cluster")
+                          what="a decode actor per producer on the cluster")
         wait_for(lambda: any((window / "commits").rglob("*.json")), timeout=180, what="a first committed shard")
-        os.kill(actors[0], signal.SIGKILL)  # mid-run: the producer has samples left to decode
-        assert producer.wait(timeout=600) == 0, log.read_text()[-4000:]
+        os.kill(actors[0], signal.SIGKILL)  # mid-run: its producer has samples left to decode
+        for producer, log in zip(producers, logs):
+            assert producer.wait(timeout=600) == 0, log.read_text()[-4000:]
     finally:
-        if producer.poll() is None:
-            producer.kill()
-    report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
-    assert report["decode_restarts"] >= 1 and report["status"] == "done", report
-    assert "decode actors replaced: " in log.read_text()
+        for producer in producers:
+            if producer.poll() is None:
+                producer.kill()
+                producer.wait()
+    reports = [json.loads(path.read_text()) for path in (tmp_path / "run").glob("precompute_report.*.json")]
+    assert len(reports) == 2 and {r["status"] for r in reports} <= {"done", "already done"}, reports
+    assert sum(r["decode_restarts"] for r in reports) >= 1 and sum(r["rejected_total"] for r in reports) == 0
+    assert sorted(lane for r in reports for lane in r["lanes"]) == [0, 1]
+    assert any("decode actors replaced: " in log.read_text() for log in logs)
     keys = Counter(key for _, record in Window(str(window)).order() for key in record.keys)
     assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}  # every sample, exactly once
-    assert report["rejected_total"] == 0
 
 
 def test_a_hung_clip_runs_again_on_a_fresh_actor_and_a_killer_clip_is_rejected(ray_cluster, tmp_path, monkeypatch):
