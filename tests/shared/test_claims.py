@@ -1,0 +1,96 @@
+"""Claims on a window's lanes (shared/claims.py, shared/lease.py), on local disk and a real S3 server: a lane is
+free when never held, released, its holder's process gone, or its beat silent for claim_seconds on the taker's
+clock; of two takers one wins; the loser of a takeover is fenced."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from polling import wait_for
+
+from vt.shared import lease
+from vt.shared.claims import HOST, Liveness, free, process_gone
+from vt.shared.storage import Storage
+
+
+class Clock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["local", "s3"])
+def storage(request, tmp_path):
+    if request.param == "local":
+        return Storage(str(tmp_path / "window"))
+    return Storage(request.getfixturevalue("s3_bucket") + "/window")
+
+
+def alive() -> dict:
+    import os
+
+    return {"producer": "me", "host": HOST, "pid": os.getpid()}
+
+
+def test_a_lane_is_free_until_claimed_and_of_two_takers_one_wins(storage):
+    liveness = Liveness(60.0, Clock())
+    assert free(storage, 0, liveness) == (True, None)
+    assert lease.claim(storage, 0, None, alive()) == 1
+    assert lease.claim(storage, 0, None, alive()) is None  # saw the same newest generation: refused
+    assert free(storage, 0, liveness) == (False, 1)
+    assert free(storage, 1, liveness) == (True, None)  # lanes are independent
+
+
+def test_released_and_gone_holders_free_the_lane_at_once(storage):
+    liveness = Liveness(60.0, Clock())
+    generation = lease.claim(storage, 0, None, alive())
+    record = lease.read_lease(storage, 0, generation)
+    lease.release(storage, 0, generation, record)
+    assert free(storage, 0, liveness) == (True, 1)
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    assert lease.claim(storage, 0, 1, {"producer": "gone", "host": HOST, "pid": dead.pid}) == 2
+    assert free(storage, 0, liveness) == (True, 2)
+    assert lease.claim(storage, 0, 2, {"producer": "far", "host": "another-host", "pid": dead.pid}) == 3
+    assert free(storage, 0, liveness) == (False, 3)  # another host's pid says nothing here
+
+
+def test_a_silent_holder_is_taken_over_after_claim_seconds_on_the_takers_clock(storage):
+    clock = Clock()
+    liveness = Liveness(60.0, clock)
+    generation = lease.claim(storage, 0, None, {"producer": "far", "host": "another-host", "pid": 1})
+    record = lease.read_lease(storage, 0, generation)
+    assert free(storage, 0, liveness) == (False, 1)  # first seen now
+    clock.now += 59
+    assert free(storage, 0, liveness) == (False, 1)
+    lease.renew(storage, 0, generation, record)  # a beat: the watch starts again
+    clock.now += 59
+    assert free(storage, 0, liveness) == (False, 1)
+    clock.now += 59
+    assert free(storage, 0, liveness) == (False, 1)
+    clock.now += 2
+    assert free(storage, 0, liveness) == (True, 1)  # 61 s without a beat
+
+    assert lease.claim(storage, 0, 1, alive()) == 2
+    with pytest.raises(lease.ProducerFenced, match="lane 0 of .* was taken over by generation 2"):
+        lease.check(storage, 0, generation)  # the silent holder, back, finds it at its next commit
+
+
+def state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_zombie_is_gone_and_a_live_process_is_not():
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        wait_for(lambda: state(zombie.pid) == "Z", timeout=60, what="the child to exit (not reaped)")
+        assert process_gone({"host": HOST, "pid": zombie.pid})
+    finally:
+        zombie.wait(timeout=60)
+    assert not process_gone(alive())
