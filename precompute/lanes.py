@@ -22,9 +22,8 @@ import zlib
 from collections.abc import Callable
 
 from vt.shared import lease
-from vt.shared.claims import HOST, Liveness, free
+from vt.shared.claims import HOST, Liveness, free, look
 from vt.shared.storage import Storage
-from vt.shared.window import ledger
 
 log = logging.getLogger("vt.precompute")
 
@@ -80,36 +79,29 @@ class LaneHolder:
 
     def take(self) -> tuple[int, int] | None:
         """Claim a free lane that is not done, this producer's own first; (lane, generation), or None."""
+        seen = look(self.storage, self.lanes)
         for lane in [(self.first + i) % self.lanes for i in range(self.lanes)]:
-            if lane in self.held or self.done(lane):
-                continue
-            may, newest = free(self.storage, lane, self.liveness)
-            if not may:
+            if lane in self.held or not free(self.storage, lane, seen[lane], self.liveness):
                 continue
             record = {"producer": self.name, "host": HOST, "pid": os.getpid(), "started": time.time()}
-            generation = lease.claim(self.storage, lane, newest, record)
+            generation = lease.claim(self.storage, lane, seen[lane].generation, record)
             if generation is not None:
                 with self._lock:
                     self.held[lane] = (generation, {**record, "rank": lane, "generation": generation, "beat": 0})
-                if newest is not None:
+                if seen[lane].generation is not None:
                     log.info("producer %s took lane %d over (generation %d)", self.name, lane, generation)
                 return lane, generation
         return None
 
-    def done(self, lane: int) -> bool:
-        info = ledger.producer(self.storage, lane)
-        return bool(info and info.get("done"))
-
     def all_done(self) -> bool:
-        """Every lane of the window has its done marker."""
-        registered = ledger.producers(self.storage)
-        return all(registered.get(lane, {}).get("done") for lane in range(self.lanes))
+        """Every lane of the window has its done marker (one listing)."""
+        return len(self.storage.list("done")) >= self.lanes
 
     def let_go(self, lane: int) -> None:
         """Release a held lane (its work done, or this producer stopping): another may take it at once."""
         with self._lock:
-            generation, record = self.held.pop(lane)
-        lease.release(self.storage, lane, generation, record)
+            generation, _ = self.held.pop(lane)
+        lease.release(self.storage, lane, generation)
 
     def lost(self, lane: int) -> None:
         """Forget a lane another producer took over (this one was fenced): nothing to release."""

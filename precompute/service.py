@@ -123,6 +123,10 @@ class LaneRun:
     rejects: RejectLog | None = None
     blocked_since: float | None = None
 
+    def close(self) -> None:
+        if self.rejects is not None:
+            self.rejects.close()
+
 
 class Precompute:
     def __init__(self, config: Config, encoders: dict | None = None):
@@ -240,41 +244,44 @@ class Precompute:
             self.progress.close()
 
     def _work(self) -> None:
-        """Step every held lane in turn, a commit at a time; take one more lane while all held ones wait for the
-        trainer, or while none is held; end once every lane is done."""
+        """Step every held lane in turn, a commit at a time; look for one more lane while all held ones wait for the
+        trainer, or while none is held (backing off while looks find none); end once every lane is done."""
         held: dict[int, Iterator[str]] = {}
         runs: dict[int, LaneRun] = {}
-        next_look = 0.0
+        base = min(self.config.precompute.claim_seconds / 4, 2.0)
+        longest = self.config.precompute.claim_seconds * max(1.0, self.lanes / 1000)
+        wait, next_look, next_end_check = base, 0.0, 0.0
         while True:
             moved = False
             for index in list(held):
                 try:
                     step = next(held[index])
-                except StopIteration:
+                except (StopIteration, ProducerFenced) as err:
+                    if isinstance(err, ProducerFenced):  # taken over while this producer was silent: the taker goes on
+                        log.warning("%s", err)
+                        self.holder.lost(index)
+                    else:
+                        self.holder.let_go(index)
                     del held[index]
-                    runs.pop(index).rejects.close()
-                    self.holder.let_go(index)
-                    moved = True
-                    continue
-                except ProducerFenced as err:  # taken over while this producer was silent: the taker goes on
-                    log.warning("%s", err)
-                    del held[index]
-                    runs.pop(index).rejects.close()
-                    self.holder.lost(index)
-                    moved = True
+                    runs.pop(index).close()
+                    wait, next_look, moved = base, 0.0, True
                     continue
                 moved |= step == COMMITTED
             if moved:
                 continue
-            if time.monotonic() >= next_look:  # every held lane waits (or none is held): look for another
+            now = time.monotonic()
+            if now >= next_look:  # every held lane waits (or none is held): look for another
                 taken = self.holder.take()
                 if taken is not None:
                     run = self._lane(*taken)
                     runs[run.index], held[run.index] = run, self._lane_steps(run)
+                    wait = base
                     continue
-                if not held and self.holder.all_done():
+                wait, next_look = min(2 * wait, longest), now + wait
+            if not held and now >= next_end_check:
+                if self.holder.all_done():
                     return
-                next_look = time.monotonic() + min(self.config.precompute.claim_seconds / 4, 2.0)
+                next_end_check = now + base
             self._check_blocked(runs.values())
             started = time.perf_counter()
             time.sleep(self.config.window.poll_seconds)

@@ -1,12 +1,15 @@
 """Whether a lane of a window may be taken: the judgement every producer makes before it claims one.
 
-A lane is free when it was never held, when its holder released it, when its holder's process is gone
-from this host (killed, or a zombie not yet reaped), or when its holder fell silent: the beat in its
-lease (counted up by the holder's heartbeat, shared/lease.py `renew`) has not changed for
+A lane is free when it is not done and was never held, its holder released it, its holder's process is
+gone from this host (killed, or a zombie not yet reaped), or its holder fell silent: its lease, rewritten
+by the holder's heartbeat every claim_seconds / 4 (shared/lease.py `renew`), stayed unchanged for
 `claim_seconds` as the taker watched it, on the taker's own clock. No two machines' clocks are ever
 compared, so clock skew between hosts cannot make a live holder look dead.
 
-Taking a free lane is `lease.claim`: of two takers that judged it free, one creates the next
+One look is two listings (`leases/` with each file's stamp, `done/`); a lease is read only when the
+taker sees it for the first time or once it missed a beat (unchanged for claim_seconds / 4), to learn
+whether its holder's process is gone from this host. So producers watching live holders cost listings
+only. Taking a free lane is `lease.claim`: of two takers that judged it free, one creates the next
 generation and the other is refused.
 """
 
@@ -16,6 +19,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from . import lease
 from .storage import Storage
@@ -23,21 +27,62 @@ from .storage import Storage
 HOST = socket.gethostname()
 
 
+@dataclass
+class LaneSeen:
+    """A lane as one look saw it: its newest lease generation and that file's stamp, released, done."""
+
+    generation: int | None = None
+    stamp: str | None = None
+    released: bool = False
+    done: bool = False
+
+
+def look(storage: Storage, lanes: int) -> dict[int, LaneSeen]:
+    """Every lane's state from one listing of leases/ and one of done/."""
+    seen = {lane: LaneSeen() for lane in range(lanes)}
+    released = set()
+    for rel, stamp in storage.stamps("leases").items():
+        lane, generation = int(rel.split("/")[1][1:]), lease.generation_of(rel)
+        if lane not in seen:
+            continue
+        if rel.endswith(".released"):
+            released.add((lane, generation))
+        elif rel.endswith(".json") and generation > (seen[lane].generation or 0):
+            seen[lane].generation, seen[lane].stamp = generation, stamp
+    for lane, info in seen.items():
+        info.released = (lane, info.generation) in released
+    for rel in storage.list("done"):
+        lane = int(rel.rsplit("/", 1)[1][1:])
+        if lane in seen:
+            seen[lane].done = True
+    return seen
+
+
 class Liveness:
-    """What a taker saw of each lane's lease, and since when on its clock: silence is a beat unchanged that long."""
+    """What a taker saw of each lane's lease, and since when on its clock."""
 
     def __init__(self, claim_seconds: float, clock: Callable[[], float] = time.monotonic):
         self.claim_seconds = claim_seconds
         self.clock = clock
-        self._seen: dict[int, tuple[tuple, float]] = {}  # lane -> ((generation, beat), first seen at)
+        self._seen: dict[int, tuple[tuple, float]] = {}  # lane -> ((generation, stamp), first seen at)
+        self._read: set[tuple] = set()  # (lane, mark, phase) whose lease was read
 
-    def silent(self, lane: int, mark: tuple) -> bool:
+    def unchanged_for(self, lane: int, mark: tuple) -> float | None:
+        """Seconds `mark` has stayed the lane's lease; None when it is new to this taker."""
         now = self.clock()
         seen = self._seen.get(lane)
         if seen is None or seen[0] != mark:
             self._seen[lane] = (mark, now)
+            return None
+        return now - seen[1]
+
+    def should_read(self, lane: int, mark: tuple, quiet: float | None) -> bool:
+        """Read the lease when it is new to this taker, and once more after it missed a beat."""
+        phase = "new" if quiet is None else "missed a beat" if quiet >= self.claim_seconds / 4 else None
+        if phase is None or (lane, mark, phase) in self._read:
             return False
-        return now - seen[1] >= self.claim_seconds
+        self._read.add((lane, mark, phase))
+        return True
 
 
 def process_gone(record: dict) -> bool:
@@ -58,13 +103,17 @@ def process_gone(record: dict) -> bool:
         return False
 
 
-def free(storage: Storage, lane: int, liveness: Liveness) -> tuple[bool, int | None]:
-    """(may be taken, its newest lease generation or None): see the module docstring."""
-    newest = lease.newest_generation(storage, lane)
-    if newest is None:
-        return True, None
-    record = lease.read_lease(storage, lane, newest)
-    if record is None:  # pruned by a newer claim between the listing and the read: held
-        return False, newest
-    gone = record.get("released") or process_gone(record)
-    return bool(gone) or liveness.silent(lane, (newest, record.get("beat"))), newest
+def free(storage: Storage, lane: int, seen: LaneSeen, liveness: Liveness) -> bool:
+    """May `lane`, as `look` saw it, be taken now? See the module docstring."""
+    if seen.done:
+        return False
+    if seen.generation is None or seen.released:
+        return True
+    mark = (seen.generation, seen.stamp)
+    quiet = liveness.unchanged_for(lane, mark)
+    if quiet is not None and quiet >= liveness.claim_seconds:
+        return True
+    if liveness.should_read(lane, mark, quiet):
+        record = lease.read_lease(storage, lane, seen.generation)
+        return record is not None and process_gone(record)
+    return False

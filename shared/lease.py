@@ -1,7 +1,9 @@
 """Producer leases: one writer per lane (a producer rank of the window), even when two producers want it.
 
 Each taker of a lane takes the next generation of it by creating
-`leases/p<rank>/<generation:08d>.json` exclusively (the newest generation is the owner). Before it
+`leases/p<rank>/<generation:08d>.json` exclusively (the newest generation is the owner), rewrites it
+with its beat counted up while it holds the lane (`renew`), and lets it go with a marker beside it,
+`<generation:08d>.released` (shared/claims.py says when a lane may be taken). Before it
 writes a shard and again before it creates the commit record, a producer lists its rank's leases;
 if a newer generation exists it stops with `ProducerFenced`. Object stores cannot tie a write to a
 lease, so a replaced producer may still finish the one commit it was in the middle of; the window
@@ -39,8 +41,17 @@ def progress_path(rank: int, generation: int) -> str:
     return f"progress/p{rank}/{generation:08d}.json"
 
 
+def released_path(rank: int, generation: int) -> str:
+    return f"leases/p{rank}/{generation:08d}.released"
+
+
+def generation_of(rel: str) -> int:
+    """The generation in a lease, progress or release marker path ("leases/p0/00000003.json" -> 3)."""
+    return int(rel.rsplit("/", 1)[1].split(".", 1)[0])
+
+
 def _generations(storage: Storage, folder: str) -> list[int]:
-    return sorted(int(rel.rsplit("/", 1)[1].split(".", 1)[0]) for rel in storage.list(folder))
+    return sorted(generation_of(rel) for rel in storage.list(folder) if rel.endswith(".json"))
 
 
 def newest_generation(storage: Storage, rank: int) -> int | None:
@@ -60,7 +71,7 @@ def acquire(storage: Storage, rank: int) -> int:
 
 
 def read_lease(storage: Storage, rank: int, generation: int) -> dict | None:
-    """A lease's record: {"rank", "host", "pid", "producer", "beat", "released", ...}; None once pruned."""
+    """A lease's record: {"rank", "host", "pid", "producer", "beat", ...}; None once pruned."""
     try:
         return json.loads(storage.read(lease_path(rank, generation)))
     except FileNotFoundError:
@@ -71,7 +82,7 @@ def claim(storage: Storage, rank: int, after: int | None, info: dict) -> int | N
     """Take lane `rank` as generation after + 1 (exclusive create): of two takers that saw the same newest
     generation `after`, one wins. Returns the generation, or None when another taker got there first."""
     generation = (after or 0) + 1
-    record = {**info, "rank": rank, "generation": generation, "beat": 0, "released": False}
+    record = {**info, "rank": rank, "generation": generation, "beat": 0}
     if not storage.create_exclusive(lease_path(rank, generation), json.dumps(record).encode()):
         return None
     _prune(storage, rank, generation)
@@ -84,16 +95,17 @@ def renew(storage: Storage, rank: int, generation: int, record: dict) -> None:
     storage.put_atomic(lease_path(rank, generation), json.dumps(record).encode())
 
 
-def release(storage: Storage, rank: int, generation: int, record: dict) -> None:
-    """Let the lane go: any producer may take it at once (its progress record says where to go on)."""
-    storage.put_atomic(lease_path(rank, generation), json.dumps({**record, "released": True}).encode())
+def release(storage: Storage, rank: int, generation: int) -> None:
+    """Let the lane go: any producer may take it at once (its progress record says where to go on). A marker
+    beside the lease, so a listing shows it without reading the lease."""
+    storage.put_atomic(released_path(rank, generation), b"{}")
 
 
 def _prune(storage: Storage, rank: int, generation: int) -> None:
-    for folder, path in (("leases", lease_path), ("progress", progress_path)):
-        for old in _generations(storage, f"{folder}/p{rank}"):
-            if old <= generation - KEEP_GENERATIONS:
-                storage.delete(path(rank, old))
+    for folder in ("leases", "progress"):
+        for rel in storage.list(f"{folder}/p{rank}"):
+            if generation_of(rel) <= generation - KEEP_GENERATIONS:
+                storage.delete(rel)
 
 
 def check(storage: Storage, rank: int, generation: int) -> None:

@@ -132,6 +132,15 @@ class Storage:
             return {}
         return {self.relative(full): size for full, size in found.items()}
 
+    def stamps(self, prefix: str = "") -> dict[str, str]:
+        """{relative path: a token that changes when the file is rewritten} under `prefix`, from one listing (S3:
+        the ETag; local: inode and mtime). Only for telling "rewritten since I last looked" on one's own clock."""
+        try:
+            found = self._retrying("list", prefix, self.backend.find_stamps, self.path(prefix))
+        except FileNotFoundError:
+            return {}
+        return {self.relative(full): stamp for full, stamp in found.items()}
+
     # -- writes --------------------------------------------------------------------------------
     def put_atomic(self, rel: str, data: bytes) -> None:
         """Write `data` so that readers see all of it or none of it."""

@@ -59,6 +59,19 @@ class LocalBackend:
                         pass
         return out
 
+    def find_stamps(self, base: str) -> dict[str, str]:
+        out = {}
+        for folder, _, files in os.walk(base):
+            for name in files:
+                if TEMP_MARK not in name:
+                    full = os.path.join(folder, name)
+                    try:
+                        stat = os.stat(full)
+                    except FileNotFoundError:  # deleted while we walked
+                        continue
+                    out[full] = f"{stat.st_ino}-{stat.st_mtime_ns}-{stat.st_size}"
+        return out
+
     def put(self, full: str, data: bytes, point: str) -> None:
         os.replace(_write_temp(full, data, point), full)
 

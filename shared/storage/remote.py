@@ -48,6 +48,11 @@ class FsspecBackend:
         return {p: int(info.get("size") or 0) for p, info in found.items()
                 if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")}
 
+    def find_stamps(self, base: str) -> dict[str, str]:
+        found = self.fs.find(base, detail=True)
+        return {p: str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
+                for p, info in found.items() if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")}
+
     def put(self, full: str, data: bytes, point: str) -> None:
         fault_point(point)  # a killed client's PUT never completes: the store keeps nothing of it
         self.fs.pipe_file(full, bytes(data))

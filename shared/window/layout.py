@@ -4,6 +4,7 @@
     commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
     lanes.json                           {"lanes": L}: the number of lanes (producer ranks), fixed by the first producer
     producers/p<rank>.json               {"rank", "world_size", "size", "done", "num_shards", "fingerprint"}
+    done/p<rank>                         written with the done flag: one listing tells the finished lanes
     leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
     progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
     consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
@@ -56,6 +57,11 @@ def commit_path(rank: int, seq: int) -> str:
 
 def producer_path(rank: int) -> str:
     return f"producers/p{rank}.json"
+
+
+def done_path(rank: int) -> str:
+    """An empty marker beside the registration's done flag: one listing of done/ tells every finished lane."""
+    return f"done/p{rank}"
 
 
 def empty_caption_path(fingerprint: str) -> str:

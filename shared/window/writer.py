@@ -26,8 +26,8 @@ from ..shard_rows import header_size
 from ..shards import CommitRecord, read_shard_metadata
 from ..storage import Storage
 from . import cleaning, ledger
-from .layout import (ProducerConflict, WindowTimeout, commit_path, data_path, empty_caption_path, producer_path,
-                     validation_path)
+from .layout import (ProducerConflict, WindowTimeout, commit_path, data_path, done_path, empty_caption_path,
+                     producer_path, validation_path)
 from vt.shared.errors import UserError
 
 log = logging.getLogger("vt.window")
@@ -86,6 +86,7 @@ class Writer:
         current = ledger.producer(self.storage, rank)
         if current is not None and current.get("done"):
             log.info("producer %d of %s is already done with %d shards", rank, uri, current["num_shards"])
+            self.storage.put_atomic(done_path(rank), b"")  # a window from before done/ markers: listed from now
             return False
         if (current is not None and current.get("fingerprint") not in (None, fingerprint)
                 and ledger.next_seq(self.storage, rank)):
@@ -218,6 +219,7 @@ class Writer:
         self.clean_orphans(rank, beyond=num_shards)
         info.update(done=True, num_shards=num_shards)
         self.storage.put_atomic(producer_path(rank), json.dumps(info).encode())
+        self.storage.put_atomic(done_path(rank), b"")
 
     def clean_orphans(self, rank: int, beyond: int | None = None) -> list[str]:
         """cleaning.clean_orphans, keeping the uncommitted data it found for `publish` to settle."""

@@ -11,7 +11,7 @@ import pytest
 from polling import wait_for
 
 from vt.shared import lease
-from vt.shared.claims import HOST, Liveness, free, process_gone
+from vt.shared.claims import HOST, Liveness, free, look, process_gone
 from vt.shared.storage import Storage
 
 
@@ -36,28 +36,44 @@ def alive() -> dict:
     return {"producer": "me", "host": HOST, "pid": os.getpid()}
 
 
+def judge(storage, lane: int, liveness: Liveness) -> bool:
+    return free(storage, lane, look(storage, 2)[lane], liveness)
+
+
 def test_a_lane_is_free_until_claimed_and_of_two_takers_one_wins(storage):
     liveness = Liveness(60.0, Clock())
-    assert free(storage, 0, liveness) == (True, None)
+    assert judge(storage, 0, liveness)
     assert lease.claim(storage, 0, None, alive()) == 1
     assert lease.claim(storage, 0, None, alive()) is None  # saw the same newest generation: refused
-    assert free(storage, 0, liveness) == (False, 1)
-    assert free(storage, 1, liveness) == (True, None)  # lanes are independent
+    assert not judge(storage, 0, liveness) and look(storage, 2)[0].generation == 1
+    assert judge(storage, 1, liveness)  # lanes are independent
 
 
-def test_released_and_gone_holders_free_the_lane_at_once(storage):
+def test_released_gone_and_done(storage):
     liveness = Liveness(60.0, Clock())
     generation = lease.claim(storage, 0, None, alive())
-    record = lease.read_lease(storage, 0, generation)
-    lease.release(storage, 0, generation, record)
-    assert free(storage, 0, liveness) == (True, 1)
+    lease.release(storage, 0, generation)
+    assert judge(storage, 0, liveness)
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
     assert lease.claim(storage, 0, 1, {"producer": "gone", "host": HOST, "pid": dead.pid}) == 2
-    assert free(storage, 0, liveness) == (True, 2)
+    assert judge(storage, 0, liveness)  # its process is gone from this host: at once
     assert lease.claim(storage, 0, 2, {"producer": "far", "host": "another-host", "pid": dead.pid}) == 3
-    assert free(storage, 0, liveness) == (False, 3)  # another host's pid says nothing here
+    assert not judge(storage, 0, liveness)  # another host's pid says nothing here
+    storage.put_atomic("done/p0", b"")
+    lease.release(storage, 0, 3)
+    assert not judge(storage, 0, liveness) and look(storage, 2)[0].done  # done: never taken again
+
+
+class CountingStorage(Storage):
+    def __init__(self, uri):
+        super().__init__(uri)
+        self.reads = 0
+
+    def read(self, rel):
+        self.reads += 1
+        return super().read(rel)
 
 
 def test_a_silent_holder_is_taken_over_after_claim_seconds_on_the_takers_clock(storage):
@@ -65,16 +81,19 @@ def test_a_silent_holder_is_taken_over_after_claim_seconds_on_the_takers_clock(s
     liveness = Liveness(60.0, clock)
     generation = lease.claim(storage, 0, None, {"producer": "far", "host": "another-host", "pid": 1})
     record = lease.read_lease(storage, 0, generation)
-    assert free(storage, 0, liveness) == (False, 1)  # first seen now
-    clock.now += 59
-    assert free(storage, 0, liveness) == (False, 1)
+    counted = CountingStorage(storage.uri)
+    assert not judge(counted, 0, liveness) and counted.reads == 1  # first seen now: its lease is read once
+    clock.now += 14
+    assert not judge(counted, 0, liveness) and counted.reads == 1  # beating in time: listings only
+    clock.now += 45
+    assert not judge(counted, 0, liveness) and counted.reads == 2  # it missed a beat: read once more
     lease.renew(storage, 0, generation, record)  # a beat: the watch starts again
     clock.now += 59
-    assert free(storage, 0, liveness) == (False, 1)
+    assert not judge(counted, 0, liveness)
     clock.now += 59
-    assert free(storage, 0, liveness) == (False, 1)
+    assert not judge(counted, 0, liveness)
     clock.now += 2
-    assert free(storage, 0, liveness) == (True, 1)  # 61 s without a beat
+    assert judge(counted, 0, liveness)  # 61 s without a beat
 
     assert lease.claim(storage, 0, 1, alive()) == 2
     with pytest.raises(lease.ProducerFenced, match="lane 0 of .* was taken over by generation 2"):
