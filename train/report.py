@@ -115,10 +115,10 @@ def _window(config: dict) -> str:
         state = Window(uri).state()
     except (OSError, ValueError, KeyError) as err:
         return f"<p class='muted'>cannot read the window {_esc(uri)}: {_esc(err)}</p>"
-    totals = _table(["producers", "committed", "read", "watermark", "evicted", "present", "unread", "MB"],
+    totals = _table(["lanes", "committed", "read", "watermark", "evicted", "present", "unread", "MB"],
                     [[state["world_size"], state["committed"], state["read"], state["watermark"], state["evicted"],
                       state["present"], state["unread"], f"{state['bytes'] / 1e6:.2f}"]])
-    producers = _table(["producer", "generation", "done", "committed", "read", "unread", "watermark", "fingerprint"],
+    producers = _table(["lane", "generation", "done", "committed", "read", "unread", "watermark", "fingerprint"],
                        [[f"p{rank}", p["generation"] or "-", "yes" if p["done"] else "no", p["committed"], p["read"],
                          p["unread"], p["watermark"], p["fingerprint"] or "-"] for rank, p in state["producers"].items()])
     buckets = _table(["bucket", "shards", "samples"],
@@ -136,14 +136,15 @@ def _precompute(run_dir: Path) -> str:
             report = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError):
             continue  # being rewritten: the next rebuild reads it
-        rows.append([report.get("rank", 0), report.get("status"), report.get("seen"), report.get("committed"),
+        name = f"{report.get('producer', '-')} (lanes {','.join(map(str, report.get('lanes', []))) or '-'})"
+        rows.append([name, report.get("status"), report.get("seen"), report.get("committed"),
                      report.get("rejected_total"), report.get("shards"), f"{report.get('bytes', 0) / 1e6:.2f}",
                      report.get("elapsed_s"), report.get("samples_per_s")])
         for stage, seconds in sorted(report.get("seconds", {}).items()):
             rate = report.get("committed", 0) / seconds if seconds else None
-            stage_rows.append([report.get("rank", 0), stage, seconds, f"{rate:.2f}" if rate else "-"])
-    out = _table(["rank", "status", "seen", "committed", "rejected", "shards", "MB", "elapsed s", "samples/s"], rows)
-    out += "<h3>seconds per stage</h3>" + _table(["rank", "stage", "seconds", "samples/s of the stage"], stage_rows)
+            stage_rows.append([name, stage, seconds, f"{rate:.2f}" if rate else "-"])
+    out = _table(["producer", "status", "seen", "committed", "rejected", "shards", "MB", "elapsed s", "samples/s"], rows)
+    out += "<h3>seconds per stage</h3>" + _table(["producer", "stage", "seconds", "samples/s of the stage"], stage_rows)
     return out + _rejects(run_dir)
 
 
