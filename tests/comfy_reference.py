@@ -16,6 +16,8 @@ conversion for these video models (comfy/utils.py has `*_to_diffusers` for UNet,
 AuraFlow, Flux and Z-Image only), so the functions below list each model's per-block Linear weights
 with their (out, in) shapes as ComfyUI's model classes build them (the files and lines are named at
 each). Only transformer blocks are listed: vt's key tables name nothing outside them.
+
+LoHa and LoKr files (`load_lycoris`, `lycoris_delta`, at the end) were read at the commits named there.
 """
 
 from __future__ import annotations
@@ -330,3 +332,67 @@ def weight_delta(patch: tuple, shape: Shape, strength: float = 1.0) -> Tensor:
     if up.shape[1] != down.shape[0] or (up.shape[0], down.shape[1]) != tuple(shape):
         raise ValueError(f"LoRA up {tuple(up.shape)} x down {tuple(down.shape)} does not make a {tuple(shape)} weight")
     return strength * scale * torch.mm(up.flatten(1).float(), down.flatten(1).float()).reshape(shape)
+
+
+# LoHa and LoKr (the LyCORIS adapters vt writes ComfyUI files for, shared/weights/comfy_adapters.py). comfy/lora.py
+# `load_lora` reads `x.alpha` (None without one), then offers `x` to every class of comfy/weight_adapter/__init__.py
+# `adapters` (LoRAAdapter, LoHaAdapter, LoKrAdapter, GLoRAAdapter, OFTAdapter, BOFTAdapter: read at
+# comfyanonymous/ComfyUI@0bca89ebbb08bbebdf79247bdb2a0f8d05f0d9ed); each `load` that finds its keys returns an adapter
+# and adds the keys it read to `loaded_keys`. Read at comfyanonymous/ComfyUI: comfy/weight_adapter/loha.py
+# @17adbb5cacc2d08310dad408e043a5d18e3ec013, comfy/weight_adapter/lokr.py @179c2d35c84beb3d9761fcd146ffcba77273413e
+# (`load` and `calculate_weight` the same at @e8f3bc5ab766ba0149ac8ba8f67c328f8bb3da7d).
+LYCORIS = "comfyanonymous/ComfyUI@17adbb5c (weight_adapter/loha.py), @179c2d35 and @e8f3bc5a (weight_adapter/lokr.py)"
+LOKR_PARTS = ("w1", "w2", "w1_a", "w1_b", "w2_a", "w2_b", "t2")
+
+
+def load_lycoris(lora: dict[str, Tensor], key_map: dict[str, str]) -> tuple[dict[str, tuple], list[str]]:
+    """comfy/lora.py `load_lora` for LoHa and LoKr keys: (weight key -> ("loha", (w1_a, w1_b, alpha, w2_a, w2_b)) or
+    ("lokr", (w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, t2)), the file's keys ComfyUI logs as "lora key not loaded").
+    LoHaAdapter.load (loha.py): present when `x.hada_w1_a` is, reads hada_w1_a/w1_b/w2_a/w2_b (hada_t1/t2, Tucker
+    factors of convolutions, none here). LoKrAdapter.load (lokr.py): present when any of `x.lokr_w1`, `x.lokr_w2`,
+    `x.lokr_w1_a`, `x.lokr_w2_a` is; every lokr_* key it finds is loaded, a missing one is None."""
+    patches: dict[str, tuple] = {}
+    loaded: set[str] = set()
+    for x, weight in key_map.items():
+        alpha = None
+        if f"{x}.alpha" in lora:
+            alpha = lora[f"{x}.alpha"].item()
+            loaded.add(f"{x}.alpha")
+        if f"{x}.hada_w1_a" in lora:
+            names = [f"{x}.hada_{part}" for part in ("w1_a", "w1_b", "w2_a", "w2_b")]
+            w1_a, w1_b, w2_a, w2_b = (lora[name] for name in names)
+            patches[weight] = ("loha", (w1_a, w1_b, alpha, w2_a, w2_b))
+            loaded.update(names)
+        parts = {part: lora.get(f"{x}.lokr_{part}") for part in LOKR_PARTS}
+        loaded.update(f"{x}.lokr_{part}" for part, value in parts.items() if value is not None)
+        if any(parts[part] is not None for part in ("w1", "w2", "w1_a", "w2_a")):
+            patches[weight] = ("lokr", (parts["w1"], parts["w2"], alpha, parts["w1_a"], parts["w1_b"], parts["w2_a"],
+                                        parts["w2_b"], parts["t2"]))
+    return patches, [key for key in lora if key not in loaded]
+
+
+def lycoris_delta(patch: tuple, shape: Shape, strength: float = 1.0) -> Tensor:
+    """What LoHaAdapter / LoKrAdapter.calculate_weight add to a weight of `shape` (no dora_scale).
+
+    LoHa: strength x (alpha / w1_b.shape[0], or 1 without alpha) x ((w1_a @ w1_b) * (w2_a @ w2_b)).reshape(shape).
+    LoKr: w1 = lokr_w1, or lokr_w1_a @ lokr_w1_b (dim = w1_b.shape[0]); w2 = lokr_w2, or lokr_w2_a @ lokr_w2_b (dim =
+    w2_b.shape[0], overriding w1's); scale alpha / dim only when there is an alpha AND a split factor, else 1 (two
+    whole factors ignore `.alpha`); strength x scale x kron(w1, w2).reshape(shape). ComfyUI logs an error and leaves
+    the weight as it was where the reshape fails; that raises here."""
+    kind, values = patch
+    if kind == "loha":
+        w1_a, w1_b, alpha, w2_a, w2_b = (v.float() if isinstance(v, Tensor) else v for v in values)
+        scale = alpha / w1_b.shape[0] if alpha is not None else 1.0
+        return strength * scale * ((w1_a @ w1_b) * (w2_a @ w2_b)).reshape(shape)
+    w1, w2, alpha, w1_a, w1_b, w2_a, w2_b, t2 = (v.float() if isinstance(v, Tensor) else v for v in values)
+    if t2 is not None:
+        raise ValueError("lokr_t2 (a convolution's Tucker core): vt writes none")
+    dim = None
+    if w1 is None:
+        dim = w1_b.shape[0]
+        w1 = w1_a @ w1_b
+    if w2 is None:
+        dim = w2_b.shape[0]
+        w2 = w2_a @ w2_b
+    scale = alpha / dim if alpha is not None and dim is not None else 1.0
+    return strength * scale * torch.kron(w1, w2).reshape(shape)

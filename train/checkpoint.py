@@ -26,6 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from vt.shared.adapters import is_adapter, saved_name
 from vt.train.parallel.pp import gather_stages, pipeline_split
 
 STATE_FILE = "state.json"
@@ -108,11 +109,11 @@ def gather_full_state_dict(model: torch.nn.Module, trainable_only: bool) -> dict
 
 
 def lora_weights(model: torch.nn.Module, adapter: str = "default") -> dict[str, torch.Tensor]:
-    """The adapter weights of a local (unsharded) model under peft's saved names (`...lora_A.weight`).
+    """The adapter weights of a local (unsharded) model under peft's saved names (`...lora_A.weight`, or another
+    kind's: shared/adapters.py).
 
     Names come from torch's state-dict API, which strips wrapper segments (activation checkpointing,
     compile); peft's own `get_peft_model_state_dict` finds nothing in a model with wrapped blocks.
     """
     state = get_model_state_dict(model, options=StateDictOptions(ignore_frozen_params=True))
-    return {name.replace(f".{adapter}.", "."): tensor.detach().cpu() for name, tensor in state.items()
-            if ".lora_" in name}
+    return {saved_name(name, adapter): tensor.detach().cpu() for name, tensor in state.items() if is_adapter(name)}

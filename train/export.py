@@ -1,7 +1,7 @@
 """Exports at the end of a run, without one host holding the whole model.
 
-- LoRA: only the adapters are gathered (to rank 0's CPU), then written by the spec (diffusers and
-  ComfyUI files).
+- LoRA (or another adapter kind, train.adapter): only the adapters are gathered (to rank 0's CPU), then
+  written by the spec (diffusers and ComfyUI files).
 - Full weights: a diffusers-layout folder (config.json, `diffusion_pytorch_model[-0000i-of-0000n].safetensors`
   and their index) written tensor by tensor. The file layout and every tensor's byte range follow from
   the shapes and dtypes alone, so each file's header is written first; then every rank gathers one
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vt.shared.adapters import is_adapter, saved_name
 from vt.shared.weights.folder import DTYPES
 from vt.train.checkpoint import gather_full_state_dict
 from vt.train.parallel.pp import pipeline_split
@@ -38,7 +39,8 @@ def _is_main() -> bool:
 
 def lora_states(model: nn.Module, adapter: str = "default") -> dict[str | None, dict[str, torch.Tensor]]:
     """The adapters of the training model (plain, sharded, or an nn.ModuleDict of experts) under peft's saved
-    names (`...lora_A.weight`), per expert (None: the one transformer), on rank 0; {} on the other ranks.
+    names (`...lora_A.weight`, `...hada_w1_a`; shared/adapters.py), per expert (None: the one transformer), on
+    rank 0; {} on the other ranks.
     Every rank must call it: only the adapters are gathered."""
     state = gather_full_state_dict(model, trainable_only=True)
     if not _is_main():
@@ -46,12 +48,12 @@ def lora_states(model: nn.Module, adapter: str = "default") -> dict[str | None, 
     experts = list(model.keys()) if isinstance(model, nn.ModuleDict) else [None]
     out: dict[str | None, dict[str, torch.Tensor]] = {expert: {} for expert in experts}
     for name, tensor in state.items():
-        if ".lora_" not in name:
+        if not is_adapter(name):
             continue
         expert = None
         if experts != [None]:
             expert, name = name.split(".", 1)
-        out[expert][name.replace(f".{adapter}.", ".")] = tensor.detach().cpu()
+        out[expert][saved_name(name, adapter)] = tensor.detach().cpu()
     return out
 
 

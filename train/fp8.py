@@ -62,7 +62,7 @@ def check_fp8_training(train, device: torch.device) -> None:
 
 def check_fp8_base(train) -> None:
     """fp8 base weights and quantized bases are for LoRA: full fine-tuning trains those weights (see
-    train.fp8_training); the two narrow storages exclude each other."""
+    train.fp8_training); the two narrow storages exclude each other, and DoRA takes neither."""
     if train.fp8_base_weights and train.mode != "lora":
         raise UserError("train.fp8_base_weights = true stores frozen weights in float8, but train.mode = \"full\" "
                          "trains them all; use train.fp8_training = \"rowwise\" (or \"tensorwise\") for full "
@@ -70,6 +70,12 @@ def check_fp8_base(train) -> None:
     if train.quantize_base != "none" and (train.mode != "lora" or train.fp8_base_weights):
         raise UserError(f"train.quantize_base = {train.quantize_base!r} quantizes the frozen base of a LoRA: it needs "
                          "train.mode = \"lora\" and train.fp8_base_weights = false (one narrow storage)")
+    if train.mode == "lora" and train.adapter == "dora" and (train.fp8_base_weights or train.quantize_base != "none"):
+        setting = "train.fp8_base_weights = true" if train.fp8_base_weights else \
+            f"train.quantize_base = {train.quantize_base!r}"
+        raise UserError(f"train.adapter = \"dora\" with {setting}: DoRA divides by the base weight's row norms in "
+                         "every forward, which a float8 or quantized base does not give as peft computes them; "
+                         "set train.adapter = \"lora\" (or \"loha\", \"lokr\"), or keep the base in model.dtype")
 
 
 def apply_fp8_training(model: nn.Module, recipe: str, fsdp: bool, module_filter=None) -> list[str]:

@@ -21,12 +21,13 @@
   `train.fp8_base_weights` kept as stored, float8 values and per-tensor scale (train/frozen_storage.py).
 - LoRA adapters start as peft's default (lora_A Kaiming-uniform, lora_B zero) drawn from a generator
   keyed by (train.seed, component, parameter name): the same adapters in every layout and on every
-  rank, with no broadcast.
+  rank, with no broadcast. The other kinds (train.adapter) start so too (shared/adapters.py: the zero factor
+  zero, the others Kaiming-uniform); DoRA's magnitude is the base weight's row norms, computed once the base is
+  filled, each rank from its own rows (FSDP2 shards the base weight and the magnitude alike, by rows).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -35,16 +36,17 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from vt.shared import adapters
 from vt.shared.errors import UserError
 from vt.shared.log import get_logger
-from vt.shared.runtime import keyed_generator
 from vt.shared.weights.packing import Packing
 from vt.shared.weights.quantize import QuantizingWeights
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
 from vt.train.packed_base import PackedLinear, linear_packings, pack_frozen
 
-__all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init"]
+__all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init",
+           "fill_magnitudes"]
 log = get_logger("vt.train.model")
 
 # Segments wrappers add to parameter names: activation checkpointing's and torch.compile's.
@@ -60,22 +62,18 @@ def plain_name(name: str) -> str:
 
 def file_key(name: str) -> str | None:
     """The checkpoint key of a parameter or buffer: its plain name without peft's `base_layer.`; None
-    for LoRA adapters, which no checkpoint holds."""
+    for adapters (of any kind), which no checkpoint holds."""
     name = plain_name(name)
-    if ".lora_" in name:
+    if adapters.is_adapter(name):
         return None
     return name.replace(".base_layer.", ".")
 
 
 def lora_init(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """peft's default start for the adapter weight `name` (plain name): lora_A Kaiming-uniform (a = sqrt 5),
-    lora_B and anything else zero; drawn from a generator keyed by (seed, name)."""
-    out = torch.zeros(shape)
-    if ".lora_A." in name:
-        torch.nn.init.kaiming_uniform_(out, a=math.sqrt(5), generator=keyed_generator("lora", seed, name))
-    elif ".lora_magnitude_vector" in name:
-        raise UserError(f"{name}: DoRA adapters are not supported; use plain LoRA")
-    return out
+    """peft's default start for the adapter weight `name` (plain name) of any kind: lora_A Kaiming-uniform
+    (a = sqrt 5), lora_B zero, and so on (shared/adapters.py); drawn from a generator keyed by (seed, name).
+    DoRA's magnitude starts zero here: `fill_magnitudes` sets it from the filled base weight."""
+    return adapters.initial(name, shape, seed)
 
 
 @dataclass(frozen=True)
@@ -125,9 +123,9 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
                         scaled: Collection[str] = (), packed: dict[str, Packing] | None = None,
                         quantize: str = "none") -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
-    `lora`: rank, alpha, targets), "full" (what `spec.full_trainable` marks) or "frozen" (nothing trains:
-    validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights' storage
-    when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen;
+    `lora`: rank, alpha, targets and kind, train.adapter), "full" (what `spec.full_trainable` marks) or "frozen"
+    (nothing trains: validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights'
+    storage when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen;
     `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage);
     `packed`: those whose weights a LoRA's base keeps in the file's quantized blocks (train/packed_base.py);
     `quantize`: train.quantize_base, every linear layer of a LoRA's base in one process quantized so."""
@@ -137,11 +135,17 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
     if storage_dtype is not None:  # before LoRA: the adapters stay float32
         store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE,
                      scaled=scaled if storage_dtype == FP8_STORAGE else ())
+    kind = lora.get("kind", "lora") if mode == "lora" else None
+    if kind == "dora" and (packed or storage_dtype == FP8_STORAGE):
+        raise UserError("train.adapter = \"dora\" needs the base weights as numbers (DoRA divides by their row norms "
+                         "in every forward), but this base is kept " + ("in the file's quantized blocks (a quantized "
+                         "checkpoint in one process)" if packed else "in float8") + "; train.adapter = \"lora\" trains "
+                         "on it, or use a full-precision checkpoint")
     if packed and mode == "lora":
         pack_frozen(model, packed, compute_dtype)
     model.requires_grad_(False)
     if mode == "lora":
-        spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None)
+        spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None, kind=kind)
     elif mode == "full":
         spec.full_trainable(model)
     for param in model.parameters():  # float32 for whatever trains (master weights under FSDP2's mixed precision)
@@ -227,7 +231,8 @@ def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[i
 @torch.no_grad()
 def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "slices") -> None:
     """Fill every parameter (and every persistent buffer the checkpoint holds) of a materialized model:
-    checkpoint tensors from `weights`, LoRA adapters from `lora_init` keyed by (`seed`, `key`, name).
+    checkpoint tensors from `weights`, adapters from `lora_init` keyed by (`seed`, `key`, name), then DoRA's
+    magnitudes from their base weights (`fill_magnitudes`).
 
     `fill_from="slices"`: each rank reads its own block of each tensor. `"rank0"`: rank 0 reads whole
     tensors and scatters them (every rank must call this). A layer with a `weight_scale` slot (fp8-scaled file,
@@ -268,6 +273,24 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
                          "weights do not match the component's config")
     for scale, checkpoint_key in slots.values():
         scale.copy_(weights.scale(checkpoint_key))
+    fill_magnitudes(model)
+
+
+@torch.no_grad()
+def fill_magnitudes(model: nn.Module) -> None:
+    """DoRA's magnitudes from their filled base weights (peft's start: the rows' norms), each rank from the
+    rows it holds: FSDP2 shards a base weight and its magnitude by the same rows (TP is refused for DoRA)."""
+    for name, module in model.named_modules():
+        magnitudes = getattr(module, adapters.MAGNITUDE, None)
+        if not isinstance(magnitudes, nn.ModuleDict) or not magnitudes:
+            continue
+        base, base_offsets, base_shape = _local(module.get_base_layer().weight)
+        for layer in magnitudes.values():
+            local, offsets, shape = _local(layer.weight)
+            if (offsets[0], shape[0]) != (base_offsets[0], base_shape[0]) or len(base_shape) != 2:
+                raise RuntimeError(f"{name}: DoRA's magnitude holds rows {offsets[0]}+{shape[0]} on this rank, its "
+                                   f"base weight rows {base_offsets[0]}+{base_shape[0]} (internal error)")
+            local.copy_(adapters.row_norms(base))
 
 
 def _scale_slots(model: nn.Module, weights) -> dict[str, tuple[torch.Tensor, str]]:

@@ -174,7 +174,7 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     dims = ParallelDims.from_config(config.parallel, gpus)
     train, parallel = config.train, config.parallel
     dtypes = run_dtypes(config, device)
-    lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
+    lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets, "kind": train.adapter}
     trained = spec.trained_experts or {None: spec.trained_component}
     resident = dict(trained)
     if train.validation_prompts and spec.experts() and not spec.trains_all_experts:
@@ -253,7 +253,8 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), bool(train.validation_prompts), device, str(dtypes), str(gathered), tuple(sorted(micro.items())), stage1)
+           tuple(train.lora_targets), train.adapter, bool(train.validation_prompts), device, str(dtypes),
+           str(gathered), tuple(sorted(micro.items())), stage1)
     if key not in _TRACES:  # alternatives of one config share what the fake runs measured
         _trace(plan, spec, dtypes, lora, gathered, stage1)
         _TRACES[key] = (plan.activations, plan.stage1, plan.validation, plan.flops)

@@ -49,6 +49,7 @@ from vt.train.eval_loss import Draws, HeldOut
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
+from vt.train.guidance import guidance_for
 from vt.train.model_build import Dtypes, build_transformer
 from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel import parallelize
@@ -204,6 +205,7 @@ class Trainer:
         self._checkpointed = -1
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
+        self.guidance = guidance_for(config, self.spec, self.empty_caption)  # train.guidance_scale: train/guidance.py
         # data.eval: the held-out loss every train.eval_every steps and at the end (train/eval_loss.py)
         self.held_out = HeldOut(config, self.spec, self.world, self.shards.check, self._route_losses,
                                 inference=self._staged if self.pipeline is not None else None) \
@@ -260,7 +262,8 @@ class Trainer:
                         compile=parallel.compile and trains, param_dtype=param_dtype if dims.fsdp_enabled else None,
                         cpu_offload=parallel.cpu_offload, materialize=materialize)
 
-        lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
+        lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets,
+                "kind": train.adapter}
         return build_transformer(self.spec, component, self.world, mode=mode, lora=lora,
                                  storage_dtype=self.dtypes.storage(mode), compute_dtype=self.dtypes.compute,
                                  frozen_dtype=self.dtypes.frozen,
@@ -537,10 +540,11 @@ class Trainer:
             with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                                 enabled=self.amp_dtype is not None), \
                     (self.offload() if self.offload is not None else contextlib.nullcontext()):
-                out = self.spec.forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
-                                        sigmas[rows].to(self.device), noise[rows].to(self.device),
-                                        generators=generators if route.expert is None
-                                        else [generators[row] for row in route.rows.tolist()])
+                forward = self.spec.forward if self.guidance is None else self.guidance.forward  # guided targets
+                out = forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
+                              sigmas[rows].to(self.device), noise[rows].to(self.device),
+                              generators=generators if route.expert is None
+                              else [generators[row] for row in route.rows.tolist()])
             weights = loss_weights(sigmas[rows], train.loss_weighting)  # None: unweighted
             audio_weights = None if audio_sigmas is None else loss_weights(audio_sigmas[rows], train.loss_weighting)
             loss, audio_loss = joint_loss(out, self.config.model.audio_weight,
@@ -574,10 +578,15 @@ class Trainer:
         rows = [row - batch.first for row in held if dropped(train.seed, self.step, first + row, train.caption_dropout)]
         if not rows:
             return batch
+        return replace(batch, tensors=drop_captions(batch.tensors, self.empty_caption(), rows))
+
+    def empty_caption(self) -> dict[str, torch.Tensor]:
+        """The window's empty-caption conditions (name -> one sample's tensor, float32), read once when first needed:
+        caption dropout's stand-in text and the guided targets' unconditional input."""
         if self._empty_caption is None:
             stored = decode_caption(self.window.empty_caption(self.fingerprint))
             self._empty_caption = {name: tensor.float() for name, tensor in stored.items()}
-        return replace(batch, tensors=drop_captions(batch.tensors, self._empty_caption, rows))
+        return self._empty_caption
 
     def _log_samples(self, micro: list[Batch], parts: list[Slice]) -> None:
         """log.samples: the step's global keys (rank 0) and, when distributed, each rank's own slice."""

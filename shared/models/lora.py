@@ -3,7 +3,8 @@
 A family declares data: `default_lora_targets`, `lora_exclusions` (modules no adapter may reach) and its ComfyUI
 key table (`original_names`, `comfy_fused`, `comfy_alpha`; comfy.py). Export writes the pipeline's
 `load_lora_weights` file and lora_comfyui.safetensors, and refuses a NaN or inf tensor (a diverged run would ship
-a LoRA that renders black videos).
+a LoRA that renders black videos). The adapters are LoRA or another kind (`train.adapter`, vt/shared/adapters.py);
+comfy_adapters.py writes the ComfyUI file of a LoHa or LoKr.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from vt.shared import adapters
 from vt.shared.errors import UserError
-from vt.shared.weights import comfy
+from vt.shared.weights import comfy, comfy_adapters
 
 log = logging.getLogger(__name__)
 
@@ -65,19 +67,18 @@ class LoraMixin:
         if self.sound is None or self.config.audio:
             return
         audio = re.compile(self.sound.parameters)
-        reached = sorted({n.split(".lora_")[0] for n, _ in transformer.named_parameters()
-                          if "lora_" in n and audio.search(n)})
+        reached = sorted({adapters.module_of(n) for n, _ in transformer.named_parameters()
+                          if adapters.is_adapter(n) and audio.search(n)})
         if reached:
             raise UserError(f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
                              f"{self.family} trains only with model.audio = true; set it to train the sound, or name "
                              f"other modules (suffixes such as {self.default_lora_targets[0]!r}), or leave "
                              "train.lora_targets unset")
 
-    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None) -> None:
-        """Freeze the transformer and inject peft LoRA layers on `targets` (names matched by suffix, or one
-        regular expression matched whole), never on `lora_exclusions`; only the adapters train."""
-        from peft import LoraConfig
-
+    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None,
+                 kind: str = "lora") -> None:
+        """Freeze the transformer and inject peft adapters of `kind` (train.adapter) on `targets` (names matched
+        by suffix, or one regular expression matched whole), never on `lora_exclusions`; only the adapters train."""
         if rank < 1:
             raise UserError(f"train.lora_rank must be >= 1, got {rank}")
         targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
@@ -88,16 +89,14 @@ class LoraMixin:
         with warnings.catch_warnings():  # peft warns when the targets never reached the excluded modules anyway
             warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
             try:
-                transformer.add_adapter(LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets,
-                                                   exclude_modules=excluded, init_lora_weights=True))
+                transformer.add_adapter(adapters.peft_config(adapters.metadata(kind, rank, alpha, targets, excluded)))
             except ValueError as err:  # peft: no module targeted
                 raise unmatched from err
-        if not any("lora_" in n for n, _ in transformer.named_parameters()):
+        if not any(adapters.is_adapter(n) for n, _ in transformer.named_parameters()):
             raise unmatched
         self.check_lora(transformer, targets)
-        self._lora_metadata = {"r": rank, "lora_alpha": alpha, "target_modules": targets}
-        if excluded and self.exclusions_in_metadata:
-            self._lora_metadata["exclude_modules"] = excluded
+        self._lora_metadata = adapters.metadata(kind, rank, alpha, targets,
+                                                excluded if self.exclusions_in_metadata else None)
 
     def full_trainable(self, transformer) -> None:
         """Mark what a full fine-tune trains: every parameter, but the sound stream's (`sound.parameters`) in a
@@ -124,9 +123,9 @@ class LoraMixin:
         if metadata is None:
             raise UserError("save_lora needs the LoRA rank and alpha: call add_lora on this spec first "
                              "or pass lora_config={'r': ..., 'lora_alpha': ..., 'target_modules': [...]}")
-        if not lora_state_dict or not all(".lora_" in k for k in lora_state_dict):
+        if not lora_state_dict or not all(adapters.is_adapter(k) for k in lora_state_dict):
             raise ValueError("lora_state_dict must be peft's get_peft_model_state_dict(transformer): "
-                             "keys like 'blocks.0.attn1.to_q.lora_A.weight'")
+                             "keys like 'blocks.0.attn1.to_q.lora_A.weight' (or another kind's, adapters.py)")
         check_finite(lora_state_dict, step)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -172,20 +171,26 @@ class LoraMixin:
         return self._linear_sizes[module]
 
     def save_comfy_lora(self, tensors: dict[str, Tensor], path: Path, metadata: dict) -> Path | None:
-        """The ComfyUI form of a LoRA; None (with a warning) when the family has no key table or a
-        module has no original name."""
+        """The ComfyUI form of a LoRA (or LoHa, LoKr: comfy_adapters.py); None (with a warning) when the family
+        has no key table, a module has no original name, or ComfyUI would load the kind otherwise (DoRA)."""
         from safetensors.torch import save_file
 
+        kind = adapters.kind_of(tensors)
         try:
             if not self.original_names and not self.comfy_fused:
                 raise ValueError(f"family {self.family!r} has no original key table")
-            state = comfy.comfy_state_dict(self.comfy_tensors(tensors), self.original_names, int(metadata["r"]),
-                                           float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha,
-                                           fused=self.comfy_fused, out_features=self.comfy_out_features)
+            if kind != "lora":
+                state = comfy_adapters.comfy_state_dict(kind, tensors, self.original_names, int(metadata["r"]),
+                                                        float(metadata["alpha" if "alpha" in metadata else
+                                                                       "lora_alpha"]), fused=self.comfy_fused)
+            else:
+                state = comfy.comfy_state_dict(self.comfy_tensors(tensors), self.original_names, int(metadata["r"]),
+                                               float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha,
+                                               fused=self.comfy_fused, out_features=self.comfy_out_features)
         except ValueError as err:
-            log.warning("LoRA saved for diffusers only: %s", err)
+            log.warning("%s saved for diffusers only: %s", "LoRA" if kind == "lora" else kind, err)
             return None
-        save_file(state, str(path), metadata={"format": "pt", "vt_family": self.family})
+        save_file(state, str(path), metadata={"format": "pt", "vt_family": self.family, "vt_adapter": kind})
         return path
 
     def save_full(self, transformer, out_dir) -> Path:

@@ -14,7 +14,9 @@ AC -> compile -> FSDP -> fill -> DDP, train/model_build.py). A peft LoRA layer i
   column-wise, so the LoRA update lands on the same output channels as the base;
 - row-wise base: lora_A is split row-wise (it reads the sharded input; its small rank-r output is
   summed over tp), lora_B stays replicated.
-Adding LoRA after TP is not supported: peft would size the adapter from the full layer.
+Adding LoRA after TP is not supported: peft would size the adapter from the full layer. Only LoRA's two
+factors split so: the other adapter kinds (train.adapter: DoRA's magnitude normalises whole rows, LoHa's and
+LoKr's products mix the factors' rows and columns) are refused with tp > 1.
 
 Gradients: tp ranks compute the same loss. Split parameters (DTensor) get their own shard of the
 true gradient; replicated ones get the full gradient on every tp rank (DTensor's input conversion
@@ -31,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from vt.shared.adapters import kind_of
 from vt.shared.errors import UserError
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec
@@ -52,6 +55,11 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
                            f"{applied} was already applied to this transformer")
     if tp_mesh.size() == 1:
         return
+    kind = kind_of(name for name, _ in transformer.named_parameters())
+    if kind != "lora":
+        raise UserError(f"train.adapter = {kind!r} with parallel.tp = {tp_mesh.size()}: tensor parallel splits only "
+                         "LoRA's two factors; set train.adapter = \"lora\", or parallel.tp = 1 (FSDP2 shards any "
+                         "adapter: parallel.dp_shard)")
     plan = layout_plan(spec, "tp")
     for where, block in spec.named_blocks(transformer):
         has = _present(block, plan)
