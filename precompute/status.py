@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 from vt.shared import lease
+from vt.shared.claims import LaneSeen, look
 from vt.shared.storage import Storage
 from vt.shared.window import ledger
 from vt.shared.window.layout import LANES
@@ -24,30 +25,23 @@ def _raw_shards(storage: Storage) -> int | None:
         return None
 
 
-def _lane(storage: Storage, lane: int, lanes: int, total: int | None, info: dict) -> dict:
+def _lane(storage: Storage, lane: int, lanes: int, total: int | None, seen: LaneSeen) -> dict:
     mine = len(range(lane, total, lanes)) if total is not None else None
-    newest = lease.newest_generation(storage, lane)
-    holder = lease.read_lease(storage, lane, newest) if newest is not None else None
+    holder = lease.read_lease(storage, lane, seen.generation) if seen.generation is not None else None
     records = lease.read_progress(storage, lane)
     after = records[0][1]["after"] if records else {"epoch": 0, "complete": []}
     complete = sum(last - first + 1 for first, last in after["complete"])
-    if info.get("done"):
-        state = "done"
-    elif holder is not None and not holder.get("released"):
-        state = "held"
-    else:
-        state = "waiting"
+    state = "done" if seen.done else "held" if seen.generation is not None and not seen.released else "waiting"
     return {"state": state, "raw_shards": mine, "complete": mine if state == "done" else complete,
-            "pass": after["epoch"], "holder": holder.get("producer") if state == "held" else None,
-            "generation": newest, "shards": info.get("num_shards") if state == "done" else None}
+            "pass": after["epoch"], "holder": (holder or {}).get("producer") if state == "held" else None,
+            "generation": seen.generation}
 
 
 def window_status(storage: Storage) -> dict:
     """The window's lanes and producers as `vt-precompute status` prints them (also its --json)."""
     lanes = ledger.world_size(storage) or 0
     total = _raw_shards(storage)
-    registered = ledger.producers(storage)
-    by_lane = {lane: _lane(storage, lane, lanes, total, registered.get(lane, {})) for lane in range(lanes)}
+    by_lane = {lane: _lane(storage, lane, lanes, total, seen) for lane, seen in look(storage, lanes).items()}
     counts = Counter()
     for lane in by_lane.values():
         left = (lane["raw_shards"] or 0) - lane["complete"]
