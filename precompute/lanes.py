@@ -71,6 +71,7 @@ class LaneHolder:
         index = launcher_index()
         self.first = (index if index is not None else zlib.crc32(name.encode())) % lanes
         self.held: dict[int, tuple[int, dict]] = {}  # lane -> (generation, lease record)
+        self.finished = False  # every lane had its done marker at the last look (`take`)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._write_record()  # shown by `vt-precompute status` from its start
@@ -80,6 +81,7 @@ class LaneHolder:
     def take(self) -> tuple[int, int] | None:
         """Claim a free lane that is not done, this producer's own first; (lane, generation), or None."""
         seen = look(self.storage, self.lanes)
+        self.finished = all(lane.done for lane in seen.values())
         for lane in [(self.first + i) % self.lanes for i in range(self.lanes)]:
             if lane in self.held or not free(self.storage, lane, seen[lane], self.liveness):
                 continue

@@ -249,8 +249,9 @@ class Precompute:
         held: dict[int, Iterator[str]] = {}
         runs: dict[int, LaneRun] = {}
         base = min(self.config.precompute.claim_seconds / 4, 2.0)
-        longest = self.config.precompute.claim_seconds * max(1.0, self.lanes / 1000)
-        wait, next_look, next_end_check = base, 0.0, 0.0
+        longest = {True: self.config.precompute.claim_seconds * max(1.0, self.lanes / 1000),  # holding lanes
+                   False: base * max(1.0, self.lanes / 250)}  # holding none: how late it may exit after the last lane
+        wait, next_look = base, 0.0
         while True:
             moved = False
             for index in list(held):
@@ -277,11 +278,11 @@ class Precompute:
                     runs[run.index], held[run.index] = run, self._lane_steps(run)
                     wait = base
                     continue
-                wait, next_look = min(2 * wait, longest), now + wait
-            if not held and now >= next_end_check:
-                if self.holder.all_done():
+                if not held and self.holder.finished:
                     return
-                next_end_check = now + base
+                # Back off while looks find nothing (docs/scale.md "Claims"); a producer with nothing to do learns from
+                # its looks when every lane is done.
+                wait, next_look = min(2 * wait, longest[bool(held)]), now + wait
             self._check_blocked(runs.values())
             started = time.perf_counter()
             time.sleep(self.config.window.poll_seconds)

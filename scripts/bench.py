@@ -8,8 +8,10 @@
    against a bare `python -c "import torch, diffusers"` (scripts/bench_startup.py);
 6. precompute samples/s in steady state against a naive one-at-a-time loop and against encoding
    alone (scripts/bench_precompute_throughput.py).
-Then FSDP2 scaling (scripts/bench_parallel.py) and the bytes each data-parallel trainer rank reads per
-step at 1, 2, 4 and 8 ranks (scripts/bench_scale.py), each with a table of its own.
+Then FSDP2 scaling (scripts/bench_parallel.py), the bytes each data-parallel trainer rank reads per
+step at 1, 2, 4 and 8 ranks (scripts/bench_scale.py), stage 1 with one producer against two on one window
+(scripts/bench_producers.py) and decode ms per clip at Wan 2.1's 480p and 720p buckets on one core
+(scripts/bench_decode_cores.py), each with a table of its own.
 
 Prints one table (benchmark, vt, baseline, ratio, goal, ok?) and writes it with every raw
 measurement to <out>/results.json. Working files go to <out>/work and are replaced each run.
@@ -152,6 +154,12 @@ def main(argv: list[str] | None = None) -> int:
     # bench_scale.py: bytes read per trainer rank at 1, 2, 4 and 8 ranks (context rows, no goal)
     __import__("bench_scale").main(["--out", str(args.out), "--config", str(args.config), "--model", str(args.model),
                                     "--raw", str(args.raw), "--threads", str(args.threads or 1)])
+    # bench_producers.py: samples/s of 1 vs 2 producers on one window of 2 lanes, the claims' overhead (context rows)
+    __import__("bench_producers").main(["--out", str(args.out / "producers"), "--config", str(args.config),
+                                        "--model", str(args.model), "--raw", str(args.raw),
+                                        "--threads", str(args.threads or 1)])
+    # bench_decode_cores.py: decode ms per real clip at 81x480x832 and 81x720x1280 on one core (context rows)
+    __import__("bench_decode_cores").main(["--out", str(args.out)])
     return 1 if failed and args.strict else 0
 
 

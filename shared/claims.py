@@ -6,11 +6,13 @@ by the holder's heartbeat every claim_seconds / 4 (shared/lease.py `renew`), sta
 `claim_seconds` as the taker watched it, on the taker's own clock. No two machines' clocks are ever
 compared, so clock skew between hosts cannot make a live holder look dead.
 
-One look is two listings (`leases/` with each file's stamp, `done/`); a lease is read only when the
-taker sees it for the first time or once it missed a beat (unchanged for claim_seconds / 4), to learn
-whether its holder's process is gone from this host. So producers watching live holders cost listings
-only. Taking a free lane is `lease.claim`: of two takers that judged it free, one creates the next
-generation and the other is refused.
+One look is two listings (`leases/` with each file's stamp and each generation's host marker, `done/`); a
+lease is read only when its holder runs on the taker's host (or names none), the first time the taker sees
+its generation and once each time it missed a beat (unchanged for claim_seconds / 4), to learn whether
+its process is gone. So producers watching live holders cost listings only.
+
+Taking a free lane is `lease.claim`: of two takers that judged it free, one creates the next generation
+and the other is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class LaneSeen:
 
     generation: int | None = None
     stamp: str | None = None
+    host: str | None = None
     released: bool = False
     done: bool = False
 
@@ -40,17 +43,20 @@ class LaneSeen:
 def look(storage: Storage, lanes: int) -> dict[int, LaneSeen]:
     """Every lane's state from one listing of leases/ and one of done/."""
     seen = {lane: LaneSeen() for lane in range(lanes)}
-    released = set()
+    released, hosts = set(), {}
     for rel, stamp in storage.stamps("leases").items():
         lane, generation = int(rel.split("/")[1][1:]), lease.generation_of(rel)
         if lane not in seen:
             continue
         if rel.endswith(".released"):
             released.add((lane, generation))
+        elif lease.HOST_MARK in rel.rsplit("/", 1)[1]:
+            hosts[lane, generation] = rel.rsplit(lease.HOST_MARK, 1)[1]
         elif rel.endswith(".json") and generation > (seen[lane].generation or 0):
             seen[lane].generation, seen[lane].stamp = generation, stamp
     for lane, info in seen.items():
         info.released = (lane, info.generation) in released
+        info.host = hosts.get((lane, info.generation))
     for rel in storage.list("done"):
         lane = int(rel.rsplit("/", 1)[1][1:])
         if lane in seen:
@@ -77,11 +83,17 @@ class Liveness:
         return now - seen[1]
 
     def should_read(self, lane: int, mark: tuple, quiet: float | None) -> bool:
-        """Read the lease when it is new to this taker, and once more after it missed a beat."""
-        phase = "new" if quiet is None else "missed a beat" if quiet >= self.claim_seconds / 4 else None
-        if phase is None or (lane, mark, phase) in self._read:
+        """Read the lease when its generation is new to this taker, and once each time it missed a beat (not at
+        every beat: a live holder's beats change its stamp, and reading then would cost a GET per lane per look)."""
+        if quiet is None:
+            key = (lane, mark[0])  # the generation: a new holder
+        elif quiet >= self.claim_seconds / 4:
+            key = (lane, mark)  # this silence
+        else:
             return False
-        self._read.add((lane, mark, phase))
+        if key in self._read:
+            return False
+        self._read.add(key)
         return True
 
 
@@ -113,7 +125,7 @@ def free(storage: Storage, lane: int, seen: LaneSeen, liveness: Liveness) -> boo
     quiet = liveness.unchanged_for(lane, mark)
     if quiet is not None and quiet >= liveness.claim_seconds:
         return True
-    if liveness.should_read(lane, mark, quiet):
+    if seen.host in (None, HOST) and liveness.should_read(lane, mark, quiet):  # a holder elsewhere: silence only
         record = lease.read_lease(storage, lane, seen.generation)
         return record is not None and process_gone(record)
     return False

@@ -3,7 +3,8 @@
 Each taker of a lane takes the next generation of it by creating
 `leases/p<rank>/<generation:08d>.json` exclusively (the newest generation is the owner), rewrites it
 with its beat counted up while it holds the lane (`renew`), and lets it go with a marker beside it,
-`<generation:08d>.released` (shared/claims.py says when a lane may be taken). Before it
+`<generation:08d>.released`; a second marker, `<generation:08d>.on-<host>`, names the holder's host so a
+listing tells it (shared/claims.py says when a lane may be taken). Before it
 writes a shard and again before it creates the commit record, a producer lists its rank's leases;
 if a newer generation exists it stops with `ProducerFenced`. Object stores cannot tie a write to a
 lease, so a replaced producer may still finish the one commit it was in the middle of; the window
@@ -43,6 +44,13 @@ def progress_path(rank: int, generation: int) -> str:
 
 def released_path(rank: int, generation: int) -> str:
     return f"leases/p{rank}/{generation:08d}.released"
+
+
+HOST_MARK = ".on-"  # <generation:08d>.on-<host>: the host a generation's holder runs on
+
+
+def host_path(rank: int, generation: int, host: str) -> str:
+    return f"leases/p{rank}/{generation:08d}{HOST_MARK}{host}"
 
 
 def generation_of(rel: str) -> int:
@@ -85,6 +93,8 @@ def claim(storage: Storage, rank: int, after: int | None, info: dict) -> int | N
     record = {**info, "rank": rank, "generation": generation, "beat": 0}
     if not storage.create_exclusive(lease_path(rank, generation), json.dumps(record).encode()):
         return None
+    if info.get("host"):  # the holder's host, shown by a listing: takers elsewhere need not read the lease
+        storage.put_atomic(host_path(rank, generation, info["host"]), b"")
     _prune(storage, rank, generation)
     return generation
 

@@ -148,3 +148,29 @@ def test_scale_rows_compare_each_world_with_one_process_and_its_share():
     assert [round(r.ratio, 3) for r in rows] == [1.0, round(540 / 680, 3), 0.5, round(270 / 340, 3)]
     with pytest.raises(SystemExit):
         scale_args(["--worlds", "1", "3"])  # 3 does not divide the batch of 8
+
+
+def test_producers_bench_commits_every_sample_with_one_and_two_producers(tmp_path, tiny_model_factory, raw_shards,
+                                                                         capsys):
+    """bench_producers.py --quick: one round of each side over 2 copies of the raw shards, 2 lanes; both sides
+    commit every sample once, the two producers split the lanes, and the ratio is printed."""
+    import json
+    import re
+
+    from bench_producers import main
+    from cli_runs import raw_keys
+
+    assert main(["--quick", "--model", str(tiny_model_factory("ltx-video")), "--raw", str(raw_shards),
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "producers.json").read_text())
+    samples = 2 * len(raw_keys(raw_shards))
+    assert {side: [r["committed"] for r in runs] for side, runs in result["runs"].items()} == {
+        "1 producer": [samples], "2 producers": [samples]}
+    (one,), (two,) = result["runs"]["1 producer"], result["runs"]["2 producers"]
+    assert sorted(lane for lanes in one["lanes"].values() for lane in lanes) == [0, 1] and len(one["lanes"]) == 1
+    assert len(two["lanes"]) == 2 and len(two["exits_s"]) == 2  # both producers ran to their exit
+    assert sorted(lane for lanes in two["lanes"].values() for lane in lanes) == [0, 1]  # each lane worked once
+    ratio = float(re.search(r"ratio 2 producers / 1 producer: ([0-9.]+)x", out).group(1))
+    assert ratio == pytest.approx(result["ratio"], abs=1e-3) and ratio > 0
+    assert "producers samples/s: 2 vs 1" in out

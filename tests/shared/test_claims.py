@@ -59,8 +59,10 @@ def test_released_gone_and_done(storage):
     dead.wait(timeout=60)
     assert lease.claim(storage, 0, 1, {"producer": "gone", "host": HOST, "pid": dead.pid}) == 2
     assert judge(storage, 0, liveness)  # its process is gone from this host: at once
+    counted = CountingStorage(storage.uri)
     assert lease.claim(storage, 0, 2, {"producer": "far", "host": "another-host", "pid": dead.pid}) == 3
-    assert not judge(storage, 0, liveness)  # another host's pid says nothing here
+    assert not judge(counted, 0, liveness) and counted.reads == 0  # another host's: silence only, no read
+    assert look(storage, 2)[0].host == "another-host"
     storage.put_atomic("done/p0", b"")
     lease.release(storage, 0, 3)
     assert not judge(storage, 0, liveness) and look(storage, 2)[0].done  # done: never taken again
@@ -82,14 +84,13 @@ def test_a_silent_holder_is_taken_over_after_claim_seconds_on_the_takers_clock(s
     generation = lease.claim(storage, 0, None, {"producer": "far", "host": "another-host", "pid": 1})
     record = lease.read_lease(storage, 0, generation)
     counted = CountingStorage(storage.uri)
-    assert not judge(counted, 0, liveness) and counted.reads == 1  # first seen now: its lease is read once
+    assert not judge(counted, 0, liveness)  # first seen now
     clock.now += 14
-    assert not judge(counted, 0, liveness) and counted.reads == 1  # beating in time: listings only
-    clock.now += 45
-    assert not judge(counted, 0, liveness) and counted.reads == 2  # it missed a beat: read once more
-    lease.renew(storage, 0, generation, record)  # a beat: the watch starts again
-    clock.now += 59
     assert not judge(counted, 0, liveness)
+    clock.now += 45
+    assert not judge(counted, 0, liveness)
+    lease.renew(storage, 0, generation, record)  # a beat: the watch starts again
+    assert not judge(counted, 0, liveness) and counted.reads == 0  # a holder on another host: listings only
     clock.now += 59
     assert not judge(counted, 0, liveness)
     clock.now += 2
@@ -103,6 +104,22 @@ def test_a_silent_holder_is_taken_over_after_claim_seconds_on_the_takers_clock(s
 def state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_a_holder_on_this_host_is_read_when_new_and_once_per_missed_beat_never_per_beat(storage):
+    clock = Clock()
+    liveness = Liveness(60.0, clock)
+    generation = lease.claim(storage, 0, None, alive())
+    record = lease.read_lease(storage, 0, generation)
+    counted = CountingStorage(storage.uri)
+    assert not judge(counted, 0, liveness) and counted.reads == 1  # a new generation here: is its pid alive?
+    clock.now += 14
+    lease.renew(storage, 0, generation, record)
+    assert not judge(counted, 0, liveness) and counted.reads == 1  # a beat is not a new holder
+    clock.now += 16
+    assert not judge(counted, 0, liveness) and counted.reads == 2  # it missed a beat: read once
+    clock.now += 16
+    assert not judge(counted, 0, liveness) and counted.reads == 2
 
 
 def test_a_zombie_is_gone_and_a_live_process_is_not():
