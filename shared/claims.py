@@ -17,7 +17,6 @@ and the other is refused.
 
 from __future__ import annotations
 
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 
 from . import lease
 from .storage import Storage
+from .storage.local import process_gone as pid_gone
 
 HOST = socket.gethostname()
 
@@ -99,20 +99,7 @@ class Liveness:
 
 def process_gone(record: dict) -> bool:
     """The lease's holder ran on this host and its process no longer runs (or is a zombie)."""
-    if record.get("host") != HOST or not isinstance(record.get("pid"), int):
-        return False
-    pid = record["pid"]
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+    return record.get("host") == HOST and isinstance(record.get("pid"), int) and pid_gone(record["pid"])
 
 
 def free(storage: Storage, lane: int, seen: LaneSeen, liveness: Liveness) -> bool:

@@ -306,6 +306,14 @@ def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[st
     return key_map
 
 
+def _alpha(lora: dict, x: str, loaded: set[str]) -> float | None:
+    """comfy/lora.py: a module's `.alpha`, read (and counted as loaded) when the file has one."""
+    if f"{x}.alpha" not in lora:
+        return None
+    loaded.add(f"{x}.alpha")
+    return lora[f"{x}.alpha"].item()
+
+
 def load_lora(lora: dict[str, Tensor], key_map: dict[str, str]) -> tuple[dict[str, tuple], list[str]]:
     """comfy/lora.py `load_lora` (lines 37-95) for the forms vt writes (`.alpha`, and LoRAAdapter.load's
     `x.lora_B.weight` with `x.lora_A.weight`, weight_adapter/lora.py lines 95, 110-113): (weight key ->
@@ -313,10 +321,7 @@ def load_lora(lora: dict[str, Tensor], key_map: dict[str, str]) -> tuple[dict[st
     patches: dict[str, tuple] = {}
     loaded: set[str] = set()
     for x, weight in key_map.items():
-        alpha = None
-        if f"{x}.alpha" in lora:
-            alpha = lora[f"{x}.alpha"].item()
-            loaded.add(f"{x}.alpha")
+        alpha = _alpha(lora, x, loaded)
         up, down = f"{x}.lora_B.weight", f"{x}.lora_A.weight"
         if up in lora:
             patches[weight] = (lora[up], lora[down], alpha)
@@ -354,10 +359,7 @@ def load_lycoris(lora: dict[str, Tensor], key_map: dict[str, str]) -> tuple[dict
     patches: dict[str, tuple] = {}
     loaded: set[str] = set()
     for x, weight in key_map.items():
-        alpha = None
-        if f"{x}.alpha" in lora:
-            alpha = lora[f"{x}.alpha"].item()
-            loaded.add(f"{x}.alpha")
+        alpha = _alpha(lora, x, loaded)
         if f"{x}.hada_w1_a" in lora:
             names = [f"{x}.hada_{part}" for part in ("w1_a", "w1_b", "w2_a", "w2_b")]
             w1_a, w1_b, w2_a, w2_b = (lora[name] for name in names)

@@ -48,29 +48,10 @@ class LocalBackend:
         return os.path.getsize(full)
 
     def find(self, base: str) -> dict[str, int]:
-        out = {}
-        for folder, _, files in os.walk(base):
-            for name in files:
-                if TEMP_MARK not in name:
-                    full = os.path.join(folder, name)
-                    try:
-                        out[full] = os.path.getsize(full)
-                    except FileNotFoundError:  # deleted (evicted) while we walked
-                        pass
-        return out
+        return {full: stat.st_size for full, stat in _walk(base)}
 
     def find_stamps(self, base: str) -> dict[str, str]:
-        out = {}
-        for folder, _, files in os.walk(base):
-            for name in files:
-                if TEMP_MARK not in name:
-                    full = os.path.join(folder, name)
-                    try:
-                        stat = os.stat(full)
-                    except FileNotFoundError:  # deleted while we walked
-                        continue
-                    out[full] = f"{stat.st_ino}-{stat.st_mtime_ns}-{stat.st_size}"
-        return out
+        return {full: f"{stat.st_ino}-{stat.st_mtime_ns}-{stat.st_size}" for full, stat in _walk(base)}
 
     def put(self, full: str, data: bytes, point: str) -> None:
         os.replace(_write_temp(full, data, point), full)
@@ -109,6 +90,33 @@ class LocalBackend:
                 except FileNotFoundError:
                     pass
         return removed
+
+
+def _walk(base: str):
+    """(full path, stat) of every finished file under `base` (temp files left out)."""
+    for folder, _, files in os.walk(base):
+        for name in files:
+            if TEMP_MARK not in name:
+                full = os.path.join(folder, name)
+                try:
+                    yield full, os.stat(full)
+                except FileNotFoundError:  # deleted (evicted) while we walked
+                    pass
+
+
+def process_gone(pid: int) -> bool:
+    """No process `pid` runs on this host, or it is a zombie (exited, not reaped yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _temp_files(base: str, name: str | None) -> list[str]:
@@ -154,13 +162,7 @@ def _temp_is_debris(full: str, name: str) -> bool:
         return False  # not our naming: only by age
     if host != _HOST or pid == os.getpid():
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return process_gone(pid)
 
 
 def _older_than(full: str, seconds: float) -> bool:
