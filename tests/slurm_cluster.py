@@ -24,13 +24,13 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENT_TIMEOUT = 15.0  # seconds any one sbatch/squeue/scancel/sinfo call may take
@@ -44,12 +44,11 @@ def _end(pids: list[int], alive) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + GRACE
-        while time.monotonic() < deadline:
+        try:
+            wait_for(lambda: not alive(), timeout=GRACE, interval=0.1, what=f"processes {pids} to end")
+            return
+        except AssertionError:
             pids = alive()
-            if not pids:
-                return
-            time.sleep(0.1)
     if alive():
         warnings.warn(f"slurm_cluster: processes {alive()} outlived SIGKILL", stacklevel=2)
 
@@ -220,17 +219,20 @@ class SlurmCluster:
     def wait(self, condition, timeout: float, what, daemon: str | None = None):
         """Poll `condition()` until truthy and return its value; fail with the daemons' logs after `timeout` s or
         once a daemon died. `what` (a string, or a callable making one at the failure) names what was awaited."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = condition()
-            if value:
-                return value
+        def ready():
             dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
-            if dead or time.monotonic() > deadline:
-                why = f"{', '.join(dead)} exited" if dead else f"timed out after {timeout:.0f} s"
-                raise AssertionError(f"{why} waiting for {what() if callable(what) else what}\n"
+            if dead:
+                raise AssertionError(f"{', '.join(dead)} exited waiting for {what() if callable(what) else what}\n"
                                      f"{self.diagnosis(daemon)}")
-            time.sleep(0.2)
+            return condition()
+
+        try:
+            return wait_for(ready, timeout=timeout, interval=0.2, what="a condition")
+        except AssertionError as err:
+            if not str(err).startswith("timed out"):
+                raise
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}\n"
+                                 f"{self.diagnosis(daemon)}") from None
 
     def diagnosis(self, daemon: str | None = None) -> str:
         """The tail of each daemon's log and output (or of one daemon's)."""
