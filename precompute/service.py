@@ -121,7 +121,8 @@ class LaneRun:
     shards_id: str
     seq: int = 0
     rejects: RejectLog | None = None
-    blocked_since: float | None = None
+    blocked_since: float | None = None  # waiting for room since (monotonic), else None
+    fill: tuple[int, int] = (0, 0)  # (unread, share) at its latest look at the window's room
 
     def close(self) -> None:
         if self.rejects is not None:
@@ -292,8 +293,7 @@ class Precompute:
         """Raise WindowTimeout once a lane has waited window.timeout_seconds for room (the trainer is gone)."""
         for run in runs:
             if run.blocked_since is not None and time.monotonic() - run.blocked_since > self.window.timeout_seconds:
-                unread, share = self.window.room(run.index)
-                raise self.window.writer.timeout(run.index, unread, share)
+                raise self.window.writer.timeout(run.index, *run.fill)
 
     def _lane(self, index: int, generation: int) -> LaneRun:
         raw_shards = split_for_rank(self.every_shard, index, self.lanes)
@@ -436,7 +436,7 @@ class Precompute:
             meta["clips"] = {s.key: s.clip for s in samples if s.clip}
         data = encode_shard(tensors, keys, meta, captions)
         while True:  # the lane's share of the window full: the other lanes go on meanwhile (_work)
-            unread, share = self.window.room(run.index)
+            unread, share = run.fill = self.window.room(run.index)
             if unread < share or self.config.window.size == "keep":
                 break
             run.blocked_since = run.blocked_since or time.monotonic()
