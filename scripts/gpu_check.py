@@ -21,7 +21,9 @@ the Model Spec's forward (flow-matching loss, AdamW), in one process on one GPU:
   configs, start-up to validation and export: a Wan 2.1 14B LoRA at 81x480x832 and a HunyuanVideo 1.5
   LoRA at 121x480x848, each with its measured peak beside the plan's, step time and MFU, and the Wan 2.1 14B
   LoRA again on one GPU capped at 24 GiB (torch.cuda.set_per_process_memory_fraction) with the settings
-  docs/memory.md names for a 24 GB card, block swap (10 blocks resident) and activation offload
+  docs/memory.md names for a 24 GB card, block swap (10 blocks resident) and activation offload, then an NF4 base
+  with activation offload, each row with its start-up peak, page-locked and peak host memory beside the plan's
+  and its step time (against the uncapped row's: what the copies cost)
   (scripts/gpu_real_run.py; ~75 GB of disk for the random weights, freed once no later row uses them).
 
 MFU counts model FLOPs (forward + backward = 3 x forward; recomputation not counted) against the

@@ -4,7 +4,8 @@
 # against bf16 (14B widths), LoRA on fp8 against bf16 base weights; and `vt-train run` itself under torchrun
 # on every GPU at real size (Wan 2.1 14B and HunyuanVideo 1.5 LoRA with validation, random-weight real
 # configs: measured peak beside the plan, step time, MFU; the 14B LoRA again under a 24 GiB cap with block swap and
-# activation offload). See scripts/gpu_check.py, scripts/gpu_real_run.py.
+# activation offload, and with an NF4 base and activation offload: start-up peak, page-locked and peak host memory
+# beside the plan's). See scripts/gpu_check.py, scripts/gpu_real_run.py.
 #   scripts/gpu_check.sh              first GPU (CUDA_VISIBLE_DEVICES picks another), real sizes
 #   scripts/gpu_check.sh --dry        CPU, tiny shapes, one step per row: checks every row's path runs
 # Extra arguments go to scripts/gpu_check.py (see --help), e.g. --only fp8 --json runs/gpu_check.json.

@@ -36,9 +36,13 @@ RUNS = {
     "run, Wan 2.1 14B LoRA": ("wan2.1-14b", "81x480x832", "9x64x96"),
     "run, HunyuanVideo 1.5 480p LoRA": ("hunyuanvideo1.5-480p-t2v", "121x480x848", "9x64x96"),
     "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
+    "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
 }
-# rows on one GPU under a memory cap: (GiB, the parallel settings docs/memory.md names for that card)
-CAPPED = {"run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": (24, {"blocks_on_gpu": 10, "activation_offload": True})}
+# rows on one GPU under a memory cap: (GiB, the parallel and train settings docs/memory.md names for that card)
+CAPPED = {"run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB":
+          (24, {"blocks_on_gpu": 10, "activation_offload": True}, {}),
+          "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB":
+          (24, {"activation_offload": True}, {"quantize_base": "nf4"})}
 PROMPT = "a red fox running through fresh snow, cinematic"
 STEPS = 4
 
@@ -80,7 +84,7 @@ def model_folder(key: str, folder: Path, dry: bool, device: str) -> Path:
 
 
 def run_config(folder: Path, key: str, bucket: str, run_dir: Path, window: Path, gpus: int, dry: bool,
-               parallel: dict | None = None) -> Path:
+               parallel: dict | None = None, train: dict | None = None) -> Path:
     from vt.shared.config import Config, build, to_toml
 
     tree = {"run": {"dir": str(run_dir)},
@@ -90,7 +94,7 @@ def run_config(folder: Path, key: str, bucket: str, run_dir: Path, window: Path,
             "window": {"uri": str(window), "size": "keep"},
             "train": {"mode": "lora", "lora_rank": 32, "lora_alpha": 32.0, "batch_size": gpus, "max_steps": STEPS,
                       "lr": 1e-5, "validation_prompts": [PROMPT], "validation_steps": 2,
-                      "device": "cpu" if dry else "cuda", "mixed_precision": "auto"},
+                      "device": "cpu" if dry else "cuda", "mixed_precision": "auto", **(train or {})},
             "parallel": {"activation_checkpointing": True, **(parallel or {})},
             "log": {"every_steps": 1, "progress": False}}
     path = run_dir.with_suffix(".toml")
@@ -199,8 +203,9 @@ def measured(run_dir: Path, gpus: int) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     rates = [r["samples_s"] for r in records if "samples_s" in r][1:] or [r["samples_s"] for r in records]
     step_s = statistics.median(gpus / rate for rate in rates)  # batch_size = gpus: one sample per rank
-    peak = max(memory["gpu_peak_gb"]) if "gpu_peak_gb" in memory else None
-    return {"step_s": step_s, "peak_gib": peak * 1e9 / 2**30 if peak is not None else None,
+    largest = {name: max(values) for name, values in memory.items()}  # memory.json's figures are GiB
+    return {"step_s": step_s, "peak_gib": largest.get("gpu_peak_gb"), "startup_gib": largest.get("gpu_startup_peak_gb"),
+            "host_gib": largest.get("host_peak_gb"), "pinned_gib": largest.get("host_pinned_gb"),
             "losses": [r["loss"] for r in records if "loss" in r]}
 
 
@@ -219,22 +224,24 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     key, bucket, dry_bucket = RUNS[label]
     bucket = dry_bucket if dry else bucket
     device = "cpu" if dry else "cuda"
-    cap_gib, parallel = CAPPED.get(label, (None, {}))
+    cap_gib, parallel, train = CAPPED.get(label, (None, {}, {}))
     gpus = 1 if cap_gib else gpus
     row = {"case": label, "group": "run", "gpus": gpus}
     slug = key.replace(".", "_")
     folder = model_folder(key, work / f"{slug}-{'tiny' if dry else 'real'}", dry, device)
-    slug += f"-cap{cap_gib}" if cap_gib else ""
+    slug += f"-cap{cap_gib}" + "".join(f"-{v}" for v in train.values()) if cap_gib else ""
     run_dir, window = work / f"{slug}-run", work / f"{slug}-window"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(window, ignore_errors=True)
-    config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry, parallel)
+    config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry, parallel, train)
     config = load_config(config_path)
     fill_window(config, window, samples=gpus * (STEPS + 1), device=device)
     budget = None if dry else int(cap_gib * 2**30) if cap_gib else _gpu_bytes()  # "auto" VAE tiling, as the run
     plan = make_plan(config, gpus, device="cpu" if dry else "cuda", stage1=False, budget=budget)
     row["validation_tiled"] = plan.vae_tiled
     row["plan_gib"] = plan.rank.device_total / 2**30
+    row["plan_startup_gib"], row["plan_host_gib"] = plan.rank.startup / 2**30, plan.rank.host_peak / 2**30
+    row["plan_pinned_gib"] = (plan.rank.swapped + plan.rank.offloaded) / 2**30
     tokens, flops = _tokens(config, parse_buckets([bucket])[0]), forward_flops(config, bucket)
     started = time.perf_counter()
     log = run_dir.with_suffix(".log")
@@ -258,6 +265,10 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     finite = all(math.isfinite(v) for v in row["losses"])
     row["note"] = ("" if finite else "loss not finite; ") + \
         f"plan {row['plan_gib']:.1f} GiB on {gpus} GPU(s), {row['videos']} validation video(s)"
+    if cap_gib and not dry:  # what the first 24 GB card meets: start-up, page-locked host memory, beside the plan
+        row["note"] += (f"; start-up {row['startup_gib']:.1f} GiB (plan {row['plan_startup_gib']:.1f}), pinned "
+                        f"{row['pinned_gib']:.1f} GiB (plan {row['plan_pinned_gib']:.1f}), host peak "
+                        f"{row['host_gib']:.1f} GiB (plan {row['plan_host_gib']:.1f} + the process)")
     return row
 
 

@@ -5,7 +5,7 @@ every model component's config.json replaced by the real one and no weights at a
 configs only; the tiny tokenizers stand in, text lengths are the family pipelines'). Then the plan of a
 LoRA (rank 32) and a full fine-tune (bf16 weights, AdamW, batch 1 per GPU, activation checkpointing)
 at the model's usual bucket, on one GPU and on 8 (FSDP2), and the settings that make a one-GPU run fit
-in 24, 32, 48 and 80 GB. Each card's plan decides "auto" VAE tiling against that card; stage 1's line gives each
+in 24, 32, 48 and 80 GiB (cards are sold as "GB" but hold GiB: a 24 GB card has 24 GiB). Each card's plan decides "auto" VAE tiling against that card; stage 1's line gives each
 producer's peak with the text encoders beside the VAE and in a phase of their own.
 
     python scripts/memory_table.py [--out docs/memory.md] [--work runs/memory-table] [--only wan2.1-14b]
@@ -84,55 +84,65 @@ def run_config(folder: Path, key: str, mode: str, gpus: int):
 
 
 def table(key: str, folder: Path) -> str:
-    from vt.train.plan import alternatives, make_plan
+    from vt.train.plan import make_plan
+    from vt.train.plan_search import alternatives
 
     title, bucket, *_ = MODELS[key]
     lines = [f"### {title}, {bucket}", "",
              "| mode | GPUs | weights | grads + optimizer | buffers | activations (AC on / off) | validation "
-             "(decode untiled / tiled) | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? | one GPU: changes that fit, under the smallest card each fits |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "(decode untiled / tiled) | per GPU (80 GiB card) | host | fits 24 / 32 / 48 / 80 GiB? | one GPU: what fits "
+             "(alone or in pairs), under the smallest card each fits, with the host memory it needs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     pruned = []
     for mode in ("lora", "full"):
         for gpus in (1, 8):
             config = run_config(folder, key, mode, gpus)
-            plans = {budget: make_plan(config, gpus, "cuda", budget=budget * 10**9) for budget in BUDGETS}
+            plans = {budget: make_plan(config, gpus, "cuda", budget=budget * GIB) for budget in BUDGETS}
             plan = plans[80]
             rank = plan.rank
             worst = max(plan.activations.values(), key=lambda a: a["none"])
-            fits = " / ".join("yes" if plans[b].rank.device_total <= b * 1e9 else "no" for b in BUDGETS)
+            fits = " / ".join("yes" if plans[b].rank.device_total <= b * GIB else "no" for b in BUDGETS)
             changes = ""
-            failing = [budget for budget in BUDGETS if plans[budget].rank.device_total > budget * 1e9]
+            failing = [budget for budget in BUDGETS if plans[budget].rank.device_total > budget * GIB]
             if gpus == 1 and failing:  # planned once, against the smallest card ("auto" tiling tiles most there)
-                changes = _by_smallest_card(alternatives(config, 1, "cuda", failing[0] * 10**9), failing)
+                changes = _by_smallest_card(alternatives(config, 1, "cuda", None), failing)
             elif gpus == 1:
                 changes = "-"
             lines.append(f"| {mode} | {gpus} | {_g(rank.weights)} | {_g(rank.gradients + rank.optimizer)} | "
                          f"{_g(rank.buffers)} | {_g(worst['checkpointing'])} / {_g(worst['none'])} | "
-                         f"{_validation(plans)} | **{_g(rank.device_total)}** | {fits} | {changes} |")
+                         f"{_validation(plans)} | **{_g(rank.device_total)}** | {_g(rank.host_peak)} | {fits} | "
+                         f"{changes} |")
             if key in PRUNED:
                 pruned.append(_pruned_row(key, config, mode, gpus, plan))
     lines += ["", _stage1(key, folder), ""]
     if pruned:
         name, *_ = PRUNED[key]
         lines += [f"### {name}, {bucket} (estimated from the base's plan)", "",
-                  "| mode | GPUs | weights | grads + optimizer | per GPU (80 GB card) | fits 24 / 32 / 48 / 80 GB? |",
+                  "| mode | GPUs | weights | grads + optimizer | per GPU (80 GiB card) | fits 24 / 32 / 48 / 80 GiB? |",
                   "| --- | --- | --- | --- | --- | --- |", *pruned, ""]
     return "\n".join(lines)
 
 
 def _by_smallest_card(options, cards: list[int]) -> str:
-    """"24 GB: a, b; 48 GB: c": each change that fits one of `cards` (the cards the row does not fit as it is)
-    listed once, under the smallest it fits (it fits the larger ones too); "none" where no change fits any."""
-    listed = {card: [] for card in cards}
-    for label, alt in options:
-        card = next((card for card in cards if alt.rank.device_total <= card * 1e9), None)
-        if card is not None:
-            listed[card].append(label)
-    return "; ".join(f"{card} GB: {', '.join(labels)}" for card, labels in listed.items() if labels) or "none"
+    """"24 GiB: a (host 13.1 GiB), b (...); 48 GiB: c ...": what fits each of `cards` (the cards the row does not fit
+    as it is), minimal (a pair whose one change fits alone is left out), quickest first, each listed once under the
+    smallest card it fits (it fits the larger ones too), with the host memory it needs; "none" where nothing fits."""
+    from vt.train.step_cost import step_seconds
+
+    listed, done = {card: [] for card in cards}, set()
+    for card in cards:
+        fits = {label: plan for label, plan in options if plan.rank.device_total <= card * GIB}
+        minimal = [label for label in fits if not any(
+            other != label and set(other.split(" + ")) < set(label.split(" + ")) for other in fits)]
+        for label in sorted(minimal, key=lambda name: step_seconds(fits[name]) or 0.0):
+            if label not in done:
+                done.add(label)
+                listed[card].append(f"{label} (host {_g(fits[label].rank.host_peak)})")
+    return "; ".join(f"{card} GiB: {', '.join(labels)}" for card, labels in listed.items() if labels) or "none"
 
 
 def _validation(plans) -> str:
-    """The validation phase on an 80 GB card, with the decode's untiled / tiled peaks (tiled where traced)."""
+    """The validation phase on an 80 GiB card, with the decode's untiled / tiled peaks (tiled where traced)."""
     parts = plans[80].validation
     tiled = next((p.validation["decode_tiled"] for p in plans.values() if "decode_tiled" in p.validation), None)
     decode = f"{_g(parts['decode'])} / {_g(tiled) if tiled is not None else 'not needed'}"
@@ -178,7 +188,7 @@ def _pruned_row(key: str, config, mode: str, gpus: int, plan) -> str:
     weights = rank.weights * (1 - share)
     trained = (rank.gradients + rank.optimizer) * (1 - share if mode == "full" else 1)
     per_gpu = rank.device_total - (rank.weights - weights) - (rank.gradients + rank.optimizer - trained)
-    fits = " / ".join("yes" if per_gpu <= budget * 1e9 else "no" for budget in BUDGETS)
+    fits = " / ".join("yes" if per_gpu <= budget * GIB else "no" for budget in BUDGETS)
     return f"| {mode} | {gpus} | {_g(weights)} | {_g(trained)} | **{_g(per_gpu)}** | {fits} |"
 
 

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -73,11 +73,13 @@ class FlopCount(TorchDispatchMode):
 
 
 class PeakLive(TorchDispatchMode):
-    """Bytes of the storages ops create while the mode is on: `live` now, `peak` at most, over one region."""
+    """Bytes of the storages ops create while the mode is on: `live` now, `peak` at most, over one region. A storage
+    counts until it is freed: a weak reference's callback (a storage keeps its Python object while any tensor uses
+    it, so the callback comes when the last view goes), so no op pays for a sweep over what is alive."""
 
     def __init__(self):
         super().__init__()
-        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.storages: dict[int, weakref.ref] = {}
         self.live = 0
         self.peak = 0
 
@@ -92,21 +94,20 @@ class PeakLive(TorchDispatchMode):
                 storage = tensor.untyped_storage()
                 key = storage._cdata
                 if key not in self.storages and key not in inputs:
-                    size = storage.nbytes()
-                    self.storages[key] = (StorageWeakRef(storage), size)
-                    self.live += size
-        if self.live > self.peak:  # `live` counts freed storages until a sweep: only a new peak needs one
-            self._sweep()
-            self.peak = max(self.peak, self.live)
+                    self._track(storage, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
         return out
 
-    def _sweep(self) -> None:
-        for key in [k for k, (ref, _) in self.storages.items() if ref.expired()]:
-            self.live -= self.storages.pop(key)[1]
+    def _track(self, storage, key: int, size: int) -> None:
+        def freed(_, key=key, size=size):
+            if self.storages.pop(key, None) is not None:
+                self.live -= size
+
+        self.storages[key] = weakref.ref(storage, freed)
+        self.live += size
 
     def current(self) -> int:
         """Bytes alive now."""
-        self._sweep()
         return self.live
 
 

@@ -54,27 +54,39 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
          gpu_memory: float = typer.Option(0.0, "--gpu-memory", min=0.0,
                                           help="GiB per GPU, e.g. 80: says whether it fits and what would"),
          device: str = typer.Option("cuda", "--device", help="cuda (GPU memory), or cpu (a CPU run's host memory)"),
+         host_memory: float = typer.Option(0.0, "--host-memory", min=0.0,
+                                           help="GiB of host memory per rank, e.g. 64: what fits must fit it too"),
          as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
          set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
-    """Memory per rank (weights, gradients, optimizer, activations per bucket, stage-1 encoders) from the
-    components' config files alone: no weights are loaded."""
+    """Memory per rank (start-up, weights, gradients, optimizer, activations per bucket, validation, host memory,
+    stage-1 encoders) from the components' config files alone: no weights are loaded. With --gpu-memory, the
+    settings (alone and in pairs) that would fit, quickest first."""
     import json
 
     cfg = load_or_exit(config, set)
-    from vt.train.plan import alternatives, format_plan, make_plan, plan_json
+    from vt.train.plan import format_plan, make_plan, plan_json
+    from vt.train.plan_search import alternatives, format_fits
 
     if device not in ("cuda", "cpu"):
         raise fail(f"--device must be cuda or cpu, got {device!r}")
+    host = host_memory or None
     try:
         cfg, picked = auto_layout_for_plan(cfg, gpus, device, gpu_memory)
         budget = int(gpu_memory * 2**30) if gpu_memory else None  # "auto" VAE tiling decides against it
         result = make_plan(cfg, gpus, device, budget=budget)
-        options = alternatives(cfg, gpus, device, budget) if gpu_memory and not as_json else []
+        fitting = alternatives(cfg, gpus, device, budget, None if host is None else int(host * 2**30)) \
+            if gpu_memory and not as_json else []
     except USER_ERRORS as err:
         raise fail(str(err)) from err
-    if picked and not as_json:
+    if as_json:
+        typer.echo(json.dumps(plan_json(result), indent=1))
+        return
+    if picked:
         typer.echo(picked)
-    typer.echo(json.dumps(plan_json(result), indent=1) if as_json else format_plan(result, gpu_memory, options))
+    lines = [format_plan(result, gpu_memory, host)]
+    if gpu_memory:
+        lines += format_fits(result, fitting, gpu_memory, host)
+    typer.echo("\n".join(lines))
 
 
 def auto_layout_for_plan(cfg, gpus: int, device: str, gpu_memory: float):

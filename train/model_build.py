@@ -38,6 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from vt.shared import adapters
 from vt.shared.errors import UserError
+from vt.shared.host_memory import HostBuffer, layout_bytes, views
 from vt.shared.log import get_logger
 from vt.shared.weights.packing import Packing
 from vt.shared.weights.quantize import QuantizingWeights
@@ -157,11 +158,13 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
 def build_transformer(spec, component: str, world, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
                       compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
                       parallelize: Callable[[nn.Module, Callable[[nn.Module], None]], None],
-                      seed: int, cpu_offload: bool = False, quantize: str = "none") -> nn.Module:
+                      seed: int, cpu_offload: bool = False, quantize: str = "none",
+                      host_blocks: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
     """`prepare_transformer`'s model, laid out and filled: `parallelize(model, materialize)` applies the
     parallel plan and calls `materialize` once its shards exist. With `cpu_offload` the shards are made in
     CPU memory (FSDP2 keeps them there and copies each block to the device for its all-gather) and the
-    buffers on the device."""
+    buffers on the device. `host_blocks(laid-out model)`: blocks whose frozen weights are made, filled (and
+    quantized) in host memory, never on the device (block swap's)."""
     weights = spec.weights(component)
     sharded = world.dims.fsdp_enabled or world.dims.tp > 1
     if quantize != "none" and mode == "lora":
@@ -172,6 +175,9 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
             log.info("%s: train.quantize_base = %r is for one process; a sharded layout keeps model.dtype", component,
                      quantize)
         weights = weights if sharded else QuantizingWeights(weights, quantize)
+        if not sharded and world.is_main:
+            log.info("%s: %d linear weights quantized to %s as they are read (train.quantize_base)", component,
+                     len(weights.quantized_modules()), quantize)
     scaled = weights.scaled_modules()
     packed = quantized_base(weights, mode, sharded, world.is_main, component, frozen_dtype)
     if scaled and storage_dtype != FP8_STORAGE and world.is_main:
@@ -182,7 +188,8 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
                                 frozen_dtype=frozen_dtype, scaled=scaled, packed=packed)
 
     def materialize_and_fill(laid_out: nn.Module) -> None:
-        materialize(laid_out, torch.device("cpu") if cpu_offload else world.device)
+        materialize(laid_out, torch.device("cpu") if cpu_offload else world.device,
+                    host_blocks=host_blocks(laid_out) if host_blocks is not None else ())
         fill(laid_out, weights, seed=seed, key=component)
         if cpu_offload:
             for module in laid_out.modules():
@@ -207,15 +214,44 @@ def quantized_base(weights, mode: str, sharded: bool, main: bool, component: str
     return quantized
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
+def materialize(model: nn.Module, device: torch.device, host_blocks: Collection[nn.Module] = ()) -> None:
     """Give the meta parameters (plain or sharded) storage on `device`, keeping the buffers the constructor
-    computed (non-persistent ones, such as rotary tables, are in no checkpoint)."""
+    computed (non-persistent ones, such as rotary tables, are in no checkpoint). The frozen parameters of
+    `host_blocks` get theirs in host memory instead, one arena per block (vt.shared.host_memory: page-locked
+    for a CUDA `device`, exactly their bytes), which the block keeps; nothing of them is ever on the device."""
     buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers() if not buffer.is_meta}
-    model.to_empty(device=device)
+    if host_blocks:
+        _materialize_apart(model, device, host_blocks)
+    else:
+        model.to_empty(device=device)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name in buffers:
                 buffer.copy_(buffers[name])
+
+
+def _materialize_apart(model: nn.Module, device: torch.device, host_blocks: Collection[nn.Module]) -> None:
+    """`to_empty(device)` by hand, parameter by parameter, with `host_blocks`' frozen ones in host arenas (one
+    process: no FSDP2 parameter, whose `to_empty` only the module itself may do)."""
+    made: dict[int, nn.Parameter] = {}
+    for block in host_blocks:
+        frozen = [p for p in block.parameters() if not p.requires_grad]
+        shapes = [(p.shape, p.dtype) for p in frozen]
+        arena = HostBuffer(layout_bytes(shapes), device)
+        block._vt_host_arena = arena  # the block keeps its arena (and its page lock) as long as it lives
+        for param, view in zip(frozen, views(arena.bytes, shapes)):
+            made[id(param)] = nn.Parameter(view, requires_grad=False)
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in made:
+                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
+                                               requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None:
+                module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
 def _local(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]]:
@@ -268,10 +304,14 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
                                  f"model's {tuple(tensor.shape)}: the weights do not match the component's config")
             block = read(checkpoint_key, offsets, shape)
         local.copy_(block)
+        del block
+        if plain_name(name) in slots:  # its scale at once: a base quantized at read holds it only until then
+            scale, scale_key = slots.pop(plain_name(name))
+            scale.copy_(weights.scale(scale_key))
     if missing:
         raise UserError(f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
                          "weights do not match the component's config")
-    for scale, checkpoint_key in slots.values():
+    for scale, checkpoint_key in slots.values():  # (a scale slot whose weight was scattered from rank 0)
         scale.copy_(weights.scale(checkpoint_key))
     fill_magnitudes(model)
 

@@ -36,6 +36,26 @@ def unpack(packed: torch.Tensor, kind: int | str, dtype: torch.dtype, scale: tor
     return dequantize(packed, kind, dtype)
 
 
+_UNPACK_PEAKS: dict[tuple, int] = {}
+
+
+def unpack_peak(module: "PackedLinear") -> int:
+    """The most bytes `unpack` holds at once for `module`'s weight (the dequantize's temporaries and its result in
+    the compute dtype), measured on fake tensors, once per kind, shape and dtype: what each matmul of the layer adds,
+    forward and backward (`vt-train plan` counts the widest layer's)."""
+    from vt.shared.memory_trace import fake_mode, peak_bytes
+
+    scale = module._buffers.get("weight_scale")
+    key = (module.kind, tuple(module.weight.shape), module.compute_dtype, None if scale is None else tuple(scale.shape))
+    if key not in _UNPACK_PEAKS:
+        with fake_mode(), peak_bytes() as peak:
+            packed = torch.empty(module.weight.shape, dtype=module.weight.dtype)
+            scales = None if scale is None else torch.empty(scale.shape, dtype=scale.dtype)
+            unpack(packed, module.kind, module.compute_dtype, scales)
+        _UNPACK_PEAKS[key] = peak.peak
+    return _UNPACK_PEAKS[key]
+
+
 def linear_packings(model: nn.Module, kind: str) -> dict[str, Packing]:
     """How `train.quantize_base` stores each Linear of `model` (built on the meta device): its names -> Packing."""
     out = {}
@@ -90,7 +110,9 @@ def pack_frozen(model: nn.Module, packed: dict[str, Packing], compute_dtype: tor
         module.weight = nn.Parameter(torch.empty((module.out_features, row_bytes), dtype=dtype,
                                                  device=module.weight.device), requires_grad=False)
         if scale is not None:
-            module.register_buffer("weight_scale", torch.full(scale, float("nan")), persistent=False)
+            # where the weight is (the meta device: made on the device it trains on, never whole on the host)
+            module.register_buffer("weight_scale", torch.full(scale, float("nan"), device=module.weight.device),
+                                   persistent=False)
         if module.bias is not None:
             module.bias.data = module.bias.data.to(compute_dtype)
         module.__class__ = PackedLinear

@@ -24,6 +24,7 @@ With `parallel.cpu_offload`, weights, gradients and optimizer state are host mem
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -31,14 +32,16 @@ from torch import nn
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
+from vt.shared.host_memory import aligned
 from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_parameters, peak_bytes
 from vt.shared.models import spec_for
 from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
-from vt.shared.weights.quantize import NF4
 from vt.train.data import bucket_batch_sizes
 from vt.train.model_build import Dtypes, prepare_transformer, quantized_base
-from vt.train.packed_base import PackedLinear
+from vt.train.packed_base import PackedLinear, unpack_peak
+from vt.train import refusals
+from vt.train.parallel import block_swap
 from vt.train.parallel.dims import ParallelDims, layout_plan
 from vt.train.parallel.fsdp import ROOT_UNIT
 from vt.train.parallel.fsdp import units as fsdp_units
@@ -49,11 +52,16 @@ GIB = 2**30
 
 @dataclass
 class RankPlan:
-    """Bytes one rank needs; `host` is what lives in CPU memory (CPU offload) rather than on the device.
+    """Bytes one rank needs, on its device and in host memory.
 
-    Training and validation are phases: the gradients (freed after each optimizer step) and a step's
-    activations live in the first, validation's VAE and working memory in the second; weights, optimizer
-    state and buffers are resident across both. The total is what is resident plus the larger phase."""
+    A run's device memory is phases: start-up (the model built and filled: the weights that stay on the device,
+    nothing else), training (a step's gradients, freed after each optimizer step, its activations and the blocks
+    block swap has in flight) and validation (the pipeline's parts, loaded for it and moved to host memory after
+    it, and its working memory); weights, optimizer state and buffers are resident from the first step on. The
+    device total is the largest of start-up and resident plus the larger of training and validation. Host memory
+    (`host_total`) is what the run keeps there all along: CPU offload's weights, gradients and optimizer state
+    (`host`), block swap's arenas (`swapped`), activation offload's arena (`offloaded`), the validation pipeline's
+    parts between validations (`validation_host`)."""
 
     weights: int = 0
     gradients: int = 0
@@ -61,8 +69,13 @@ class RankPlan:
     buffers: int = 0
     activations: int = 0
     validation: int = 0
-    host: int = 0
-    swapped: int = 0  # parallel.blocks_on_gpu: frozen block weights in host memory (not in `weights`)
+    host: int = 0  # parallel.cpu_offload: weights, gradients and optimizer state in host memory
+    swapped: int = 0  # parallel.blocks_on_gpu: the swapped blocks' frozen weights in host memory (not in `weights`)
+    in_flight: int = 0  # parallel.blocks_on_gpu: the swapped frozen weights on the device at once (two blocks)
+    offloaded: int = 0  # parallel.activation_offload: the host arena of one micro-step's saved inputs
+    validation_host: int = 0  # the validation pipeline's parts (the VAE ...) in host memory between validations
+    startup: int = 0  # on the device while the model is built and filled
+    fill: int = 0  # in host memory while the model is filled: the largest tensor read at once
 
     @property
     def resident(self) -> int:
@@ -70,11 +83,26 @@ class RankPlan:
 
     @property
     def training(self) -> int:
-        return self.activations + (0 if self.host else self.gradients)
+        return self.activations + self.in_flight + (0 if self.host else self.gradients)
+
+    @property
+    def validating(self) -> int:
+        return self.validation + (self.in_flight if self.validation else 0)
 
     @property
     def device_total(self) -> int:
-        return self.resident + max(self.training, self.validation)
+        return max(self.startup, self.resident + max(self.training, self.validating))
+
+    @property
+    def host_total(self) -> int:
+        """Host memory from the first step on."""
+        return self.host + self.swapped + self.offloaded + self.validation_host
+
+    @property
+    def host_peak(self) -> int:
+        """The most host memory at once: from the first step on, or at start-up (the arenas being filled and the
+        tensor being read)."""
+        return max(self.host_total, self.host + self.swapped + self.fill)
 
 
 @dataclass
@@ -92,6 +120,8 @@ class Plan:
     # FLOPs of one micro-batch's forward and backward of the largest bucket, {"none": ..., "checkpointing": ...}
     # (memory_trace.FlopCount over the fake step; checkpointing adds the blocks' recomputed forward): step_cost.py
     flops: dict[str, int] = field(default_factory=dict)
+    dequantized: int = 0  # bytes a quantized base's layers unpack in one pass (forward, or backward): step_cost.py
+    offload_largest: int = 0  # the largest saved input activation offload moves (its first copy back is exposed)
 
     def micro_for(self, bucket: str) -> int:
         """Samples per rank in a micro-step of `bucket`."""
@@ -165,13 +195,15 @@ def run_dtypes(config: Config, device: str) -> Dtypes:
 
 
 def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = True,
-              budget: int | None = None) -> Plan:
+              budget: int | None = None, lean: bool = False) -> Plan:
     """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs);
     `stage1=False` leaves out what stage 1's encoding works in (the trainer's own plans need none of it, and
-    tracing a large VAE's encode takes minutes). `budget`: the bytes a rank has, against which
+    tracing a large VAE's encode takes minutes); `lean=True` traces only the step the config runs (with or without
+    checkpointing, offloaded or not), not the others the printed plan compares. `budget`: the bytes a rank has, against which
     `train.validation_vae_tiling = "auto"` and `precompute.vae_tiling = "auto"` decide (None: untiled)."""
     spec = spec_for(config)
     dims = ParallelDims.from_config(config.parallel, gpus)
+    refusals.check(config, spec, dims.world_size)  # what the trainer refuses, the plan refuses alike
     train, parallel = config.train, config.parallel
     dtypes = run_dtypes(config, device)
     lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets, "kind": train.adapter}
@@ -182,7 +214,7 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
             if component not in resident.values():
                 resident[f"frozen:{component}"] = component
     rank = RankPlan()
-    largest_unit, largest_grad_unit, root, widest = 0, 0, 0, 0
+    largest_unit, largest_grad_unit, root, widest, dequantized = 0, 0, 0, 0, 0
     split = not parallel.compile  # FSDP2 units: a block's large parts, the root's large parts (parallel/fsdp.py)
     for key, component in resident.items():
         mode = "frozen" if str(key).startswith("frozen:") else train.mode
@@ -195,10 +227,14 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
         gather = dtypes.param_dtype(mode)
         for module in model.modules():  # a quantized weight, dequantized for its matmul, and its scales
             if isinstance(module, PackedLinear):
-                widest = max(widest, module.in_features * module.out_features * unpacked_bytes(module.kind,
-                                                                                                 dtypes.compute))
+                widest = max(widest, unpack_peak(module))
+                dequantized += unpack_peak(module) if mode != "frozen" else 0
+                if train.quantize_base != "none":  # quantized at read from the file's full-precision weight
+                    rank.fill = max(rank.fill, module.in_features * module.out_features * dtypes.frozen.itemsize)
                 scale = getattr(module, "weight_scale", None)
-                rank.weights += 0 if scale is None else scale.numel() * scale.element_size()
+                scales = 0 if scale is None else scale.numel() * scale.element_size()
+                rank.weights += scales
+                rank.startup += scales if mode != "frozen" else 0
         layout = _Layout.of(spec, model, dims)
         names = {id(p): n for n, p in model.named_parameters()}
 
@@ -219,6 +255,8 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
             largest_grad_unit = max(largest_grad_unit, unit_bytes(params, 4))
         for name, param in model.named_parameters():
             rank.weights += layout.local(name, param)
+            if not param.requires_grad and mode != "frozen":  # the fill reads one tensor at a time into host memory
+                rank.fill = max(rank.fill, layout.local(name, param))
             if param.requires_grad:
                 rank.gradients += layout.local(name, param, 4)
                 rank.optimizer += (3 if train.ema_decay else 2) * layout.local(name, param, 4)  # AdamW's moments, EMA
@@ -226,12 +264,14 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
                 root += _gathered_bytes(name, param, layout, gather)
             if dtypes.storage(mode) is not None and gather is None:  # a linear upcast for its matmul
                 widest = max(widest, param.numel() * torch.empty((), dtype=dtypes.compute).element_size())
-        if parallel.blocks_on_gpu is not None:  # the swapped blocks' frozen weights: in host memory but two in flight
-            frozen = [sum(layout.local(names[id(p)], p) for p in block.parameters() if not p.requires_grad)
-                      for _, block in spec.named_blocks(model)][parallel.blocks_on_gpu:]
-            moved = sum(frozen) - 2 * max(frozen, default=0)
-            rank.weights -= max(moved, 0)
-            rank.swapped += max(moved, 0)
+        if parallel.blocks_on_gpu is not None and mode != "frozen":  # built and kept in host memory, two in flight
+            swap = block_swap.memory(spec, model, parallel.blocks_on_gpu)
+            rank.weights -= swap.frozen
+            rank.swapped += swap.host
+            rank.in_flight = max(rank.in_flight, swap.device)
+        if mode != "frozen":  # what start-up builds on the device (validation's other expert comes at validation)
+            rank.startup += sum(layout.local(name, param) for name, param in model.named_parameters()) - \
+                (swap.frozen if parallel.blocks_on_gpu is not None else 0)
     if dims.fsdp_enabled:
         # A gathered unit is its unsharded parameters; gathering one also holds the all-gather's output and
         # this rank's copied-in shard until the copy-out: the unit running plus the next one fetched ahead
@@ -246,25 +286,32 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     rank.buffers += widest
     if parallel.cpu_offload:
         rank.host = rank.weights + rank.gradients + rank.optimizer
+        rank.startup = 0  # built and filled in host memory
     sizes = bucket_batch_sizes(train, spec, parse_buckets(config.buckets.sizes))
     micro = {name: max(1, math.ceil(size / dims.dp)) for name, size in sizes.items()}
-    plan = Plan(config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro)
+    plan = Plan(config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro,
+                dequantized=dequantized)
     # Under FSDP2 the blocks compute with gathered copies in the param dtype; one process casts its float32
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
     key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), train.adapter, bool(train.validation_prompts), device, str(dtypes),
-           str(gathered), tuple(sorted(micro.items())), stage1)
-    if key not in _TRACES:  # alternatives of one config share what the fake runs measured
-        _trace(plan, spec, dtypes, lora, gathered, stage1)
-        _TRACES[key] = (plan.activations, plan.stage1, plan.validation, plan.flops)
-    activations, stage1_bytes, validation, flops = _TRACES[key]
-    plan.activations, plan.stage1, plan.validation, plan.flops = activations, dict(stage1_bytes), dict(validation), flops
-    worst = max(plan.activations.values(), key=lambda a: a["none"])
-    # Offloaded inputs leave a GPU's memory; on a CPU host memory is where they were already.
-    offload = parallel.activation_offload and device == "cuda"
+           tuple(train.lora_targets), train.adapter, bool(train.validation_prompts), device,
+           str(replace(dtypes, fp8_base=False)),  # (the trace holds frozen weights as they compute: fp8 the same)
+           str(gathered), tuple(sorted(micro.items())), train.guidance_scale)
+    offload = parallel.activation_offload and device == "cuda"  # (on a CPU host memory is where they were already)
     kind = "offload" if offload else "checkpointing" if parallel.activation_checkpointing else "none"
+    kinds = frozenset({kind} if lean else {"none", "checkpointing", "offload"})
+    traced = _cached(key, stage1, kinds, lean)
+    if traced is None:  # alternatives of one config share what the fake runs measured
+        _trace(plan, spec, dtypes, lora, gathered, stage1, kinds, largest_only=lean)
+        traced = _TRACES[(key, stage1, kinds, not lean)] = (plan.activations, plan.stage1, plan.validation, plan.flops)
+    activations, stage1_bytes, validation, flops = traced
+    plan.activations, plan.stage1, plan.validation, plan.flops = activations, dict(stage1_bytes), dict(validation), flops
+    worst = max(plan.activations.values(), key=lambda a: a[kind])
     rank.activations = worst[kind] // dims.cp
+    if offload:
+        rank.offloaded = max(a.get("offload_host", 0) for a in plan.activations.values()) // dims.cp
+        plan.offload_largest = max(a.get("offload_largest", 0) for a in plan.activations.values()) // dims.cp
     _choose_tiling(plan, spec, budget, stage1)
     return plan
 
@@ -289,6 +336,9 @@ def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:
         if plan.vae_tiled:
             parts["decode_tiled"] = _vae_peak(config, spec, largest, "decode", vae_dtype, tiled=True)
             rank.validation = parts["frozen"] + max(parts["step"], parts["decode_tiled"])
+        rank.validation_host = parts["frozen"]  # moved to host memory between validations (train/validation.py)
+        if config.train.ema_decay and config.train.ema_validation:  # the trained weights kept while the EMA renders
+            rank.validation += rank.gradients
     setting = config.precompute.vae_tiling
     if stage1 and tileable and (setting is True or (setting == "auto" and budget is not None)):
         if setting is True or plan.stage1_peak(tiled=False) > budget:
@@ -304,7 +354,15 @@ def _largest(config: Config):
     return max(parse_buckets(config.buckets.sizes), key=lambda b: b.frames * b.height * b.width)
 
 
-_TRACES: dict[tuple, tuple] = {}
+_TRACES: dict[tuple, tuple] = {}  # (config key, with stage 1, kinds traced, every bucket) -> what the trace measured
+
+
+def _cached(key: tuple, stage1: bool, kinds: frozenset, lean: bool) -> tuple | None:
+    """A trace of `key` that measured at least what this plan needs."""
+    for (other, with_stage1, traced, every_bucket), value in _TRACES.items():
+        if other == key and (with_stage1 or not stage1) and traced >= kinds and (every_bucket or lean):
+            return value
+    return None
 
 
 def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torch.dtype | None) -> int:
@@ -313,21 +371,26 @@ def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torc
     return layout.gathered().local(name, param, size)
 
 
-def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None, stage1: bool = True) -> None:
-    """Activations per bucket (one micro-batch's forward and backward, with and without checkpointing),
-    validation's working memory and stage 1's encoders, all on fake tensors."""
+def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None, stage1: bool = True,
+           kinds=frozenset({"none", "checkpointing", "offload"}), largest_only: bool = False) -> None:
+    """Activations per bucket (one micro-batch's forward and backward of each of `kinds`: without checkpointing,
+    with it, and with it and activation offload), validation's working memory and stage 1's encoders, all on fake
+    tensors."""
     from vt.train.objectives import joint_loss
     from vt.train.parallel import apply_ac
 
     config, train = plan.config, plan.config.train
     device_type = "cuda" if plan.device == "cuda" else "cpu"
     buckets = parse_buckets(config.buckets.sizes)
+    if largest_only:  # the peak's bucket: the most transformer tokens in a micro-batch
+        tokens = {b: spec.tokens_per_sample(spec.latent_shape(b)) * plan.micro_for(b.name) for b in buckets}
+        buckets = [b for b in buckets if tokens[b] == max(tokens.values())]
     component = next(iter(spec.trained_experts.values()), None) or spec.trained_component
     # Built on the meta device as the trainer builds them (peft's adapters cannot be made on fake tensors),
     # then given fake parameters to run; a narrower storage changes no activation, so frozen weights are
     # held in their compute dtype here (diffusers' casting hooks cannot move fake tensors).
-    modules = [name for name in spec.stage1_components
-               if isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)]
+    modules = [name for name in spec.stage1_components if stage1
+               and isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)]
     parts = {name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
              for name in modules}
     vae_dtype = dtypes.pipeline_parts
@@ -335,7 +398,7 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
     amp = dtypes.autocast
     models = {checkpointing: prepare_transformer(spec, component, mode=train.mode, lora=lora, storage_dtype=None,
                                                  sharded=False, compute_dtype=dtypes.compute, frozen_dtype=frozen)
-              for checkpointing in (False, True)}
+              for checkpointing, wanted in ((False, "none" in kinds), (True, bool(kinds - {"none"}))) if wanted}
     shapes = {bucket: spec.condition_shapes(bucket) for bucket in buckets}  # the configs' geometry, before faking
     if gathered is not None:
         for model in models.values():
@@ -354,24 +417,30 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                 apply_ac(model, spec)
             for bucket in buckets:
                 batch = _batch(shapes[bucket], plan.micro_for(bucket.name))
-                with KnownValues(), peak_bytes() as step, FlopCount() as counted:
-                    with _autocast(amp):
-                        out = spec.forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
-                                           torch.zeros_like(batch["latents"]))
-                    joint_loss(out, config.model.audio_weight)[0].backward()
-                plan.activations.setdefault(bucket.name, {})["checkpointing" if checkpointing else "none"] = step.peak
+                forward = _forward(spec, config, batch)
+                measured = plan.activations.setdefault(bucket.name, {})
                 kind = "checkpointing" if checkpointing else "none"
-                plan.flops[kind] = max(plan.flops.get(kind, 0), counted.total)  # the largest bucket's
-                if checkpointing:  # with parallel.activation_offload: the saved inputs in host memory
-                    with KnownValues(), peak_bytes() as offloaded, _TraceOffload()():
+                if kind in kinds:
+                    with KnownValues(), peak_bytes() as step, FlopCount() as counted:
                         with _autocast(amp):
-                            out = spec.forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
-                                               torch.zeros_like(batch["latents"]))
+                            out = forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
+                                          torch.zeros_like(batch["latents"]))
                         joint_loss(out, config.model.audio_weight)[0].backward()
-                    plan.activations[bucket.name]["offload"] = offloaded.peak
+                    measured[kind] = step.peak
+                    plan.flops[kind] = max(plan.flops.get(kind, 0), counted.total)  # the largest bucket's
+                if checkpointing and "offload" in kinds:  # parallel.activation_offload: saved inputs in host memory
+                    offload = _TraceOffload()
+                    with KnownValues(), peak_bytes() as offloaded, FlopCount() as counted:
+                        with _autocast(amp), offload():
+                            out = forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
+                                          torch.zeros_like(batch["latents"]))
+                        joint_loss(out, config.model.audio_weight)[0].backward()
+                    measured["offload"] = offloaded.peak + offload.largest
+                    measured["offload_host"], measured["offload_largest"] = offload.host, offload.largest
+                    plan.flops.setdefault("checkpointing", counted.total)  # the same step's (lean plans)
         if train.validation_prompts:
             plan.validation = {"frozen": _validation_parts(spec, vae_dtype),
-                               "step": _denoise_bytes(shapes, models[False], spec, amp)}
+                               "step": _denoise_bytes(shapes, next(iter(models.values())), spec, amp)}
     if train.validation_prompts:  # the decode of one clip of the largest bucket, untiled
         plan.validation["decode"] = _vae_peak(config, spec, _largest(config), "decode", vae_dtype)
     for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
@@ -381,16 +450,43 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
 
 class _TraceOffload(OffloadSaved):
     """parallel.activation_offload in the trace: what would go to host memory is dropped when saved and made
-    anew (a fake tensor: device memory again) when backward unpacks it, with a CUDA run's size threshold."""
+    anew (a fake tensor: device memory again) when backward unpacks it, with a CUDA run's size threshold. `host`: the
+    bytes its host arena takes (each tensor once, aligned as the arena lays it out); `largest`: the largest tensor
+    sent, of which one more is on the device while its copy back runs ahead of its use."""
 
     def __init__(self):
         super().__init__(torch.device("cpu"), min_bytes=2**20)
+        self.sent: dict[int, tuple] = {}
+        self.host = self.largest = 0
 
     def pack(self, tensor):
-        return tensor if self._keeps(tensor) else (tensor.shape, tensor.dtype)
+        if self._keeps(tensor):
+            return tensor
+        sent = self.sent.get(id(tensor))
+        if sent is None or sent[0]() is not tensor:  # (saved again while alive: one host copy)
+            size = tensor.numel() * tensor.element_size()
+            self.host += aligned(size)
+            self.largest = max(self.largest, size)
+            sent = self.sent[id(tensor)] = (weakref.ref(tensor), tensor.shape, tensor.dtype)
+        return sent
 
     def unpack(self, packed):
-        return packed if isinstance(packed, torch.Tensor) else torch.zeros(packed[0], dtype=packed[1])
+        if isinstance(packed, torch.Tensor):
+            return packed
+        original, shape, dtype = packed
+        return original() if original() is not None else torch.zeros(shape, dtype=dtype)
+
+
+def _forward(spec, config: Config, batch: dict[str, torch.Tensor]):
+    """The step's forward: the family's, or with `train.guidance_scale` the guided one (train/guidance.py: the base's
+    forward on the empty caption first, no gradients, its prediction kept through the step's), its empty caption the
+    batch's first row of conditions."""
+    if config.train.guidance_scale is None:
+        return spec.forward
+    from vt.train.guidance import guidance_for
+
+    empty = {name: tensor[0] for name, tensor in batch.items() if name not in ("latents", "audio_latents")}
+    return guidance_for(config, spec, lambda: empty).forward
 
 
 REAL_CONDITION = 1 << 22  # elements: a condition up to this size is a real tensor in the trace
@@ -464,59 +560,6 @@ def _vae_peak(config: Config, spec, bucket, what: str, dtype: torch.dtype, tiled
 _VAE_PEAKS: dict[tuple, int] = {}
 
 
-# -- what makes it fit ---------------------------------------------------------------------------------
-def alternatives(config: Config, gpus: int, device: str, budget: int | None = None) -> list[tuple[str, Plan]]:
-    """Settings that would change the plan, each with its plan: fp8 base weights or a quantized base (LoRA),
-    checkpointing, activation offload, block swap (alone and with activation offload), CPU offload, context
-    parallel, more GPUs, a tiled validation decode; a list for `vt-train plan` to say which fit."""
-    train, parallel = config.train, config.parallel
-    options: list[tuple[str, Config, int]] = []
-    if train.mode == "lora" and not train.fp8_base_weights and train.quantize_base == "none":
-        options.append(("train.fp8_base_weights=true", _with(config, "train", fp8_base_weights=True), gpus))
-        for kind in ("int8", "nf4"):  # a quantized base: what fits where fp8 does not (dequantized per matmul)
-            options.append((f"train.quantize_base={kind}", _with(config, "train", quantize_base=kind), gpus))
-    if not parallel.activation_checkpointing:
-        options.append(("parallel.activation_checkpointing=true",
-                        _with(config, "parallel", activation_checkpointing=True), gpus))
-    if gpus == 1 and train.mode == "lora" and parallel.blocks_on_gpu is None and dims_one(config):  # frozen weights
-        for resident in (20, 10, 5, 0):  # the first K blocks on the GPU, the rest swapped a block ahead
-            options.append((f"parallel.blocks_on_gpu={resident}", _with(config, "parallel", activation_checkpointing=True,
-                                                                        blocks_on_gpu=resident), gpus))
-            options.append((f"parallel.blocks_on_gpu={resident} + parallel.activation_offload=true", _with(
-                config, "parallel", activation_checkpointing=True, blocks_on_gpu=resident, activation_offload=True), gpus))
-    if not parallel.activation_offload:
-        options.append(("parallel.activation_offload=true", _with(config, "parallel", activation_checkpointing=True,
-                                                                  activation_offload=True), gpus))
-    if not parallel.cpu_offload:
-        options.append(("parallel.cpu_offload=true", _with(config, "parallel", cpu_offload=True), gpus))
-    spec = spec_for(config)
-    try:
-        has_cp = spec.cp_plan() is not None
-    except Unplanned:
-        has_cp = False
-    for cp in (2, 4, 8) if has_cp else ():
-        if gpus % (cp * parallel.tp * parallel.dp_replicate) == 0 and cp > parallel.cp:
-            options.append((f"parallel.cp={cp}", _with(config, "parallel", cp=cp), gpus))
-    for more in (2, 4, 8, 16, 32):
-        if more > gpus:
-            options.append((f"{more} GPUs (FSDP2)", config, more))
-    if train.validation_prompts and train.validation_vae_tiling is not True and _tileable(spec):
-        options.append(("train.validation_vae_tiling=true", _with(config, "train", validation_vae_tiling=True), gpus))
-    out = []
-    for label, changed, count in options:
-        try:
-            out.append((label, make_plan(changed, count, device, budget=budget)))
-        except ValueError:  # a layout refused (Unplanned, ParallelConfigError ...: UserErrors are ValueErrors)
-            continue
-    return out
-
-
-def unpacked_bytes(kind, compute: torch.dtype) -> int:
-    """Bytes a weight of a packed layer (train/packed_base.py) takes while it is dequantized for its matmul: the
-    float32 values, their copy in the compute dtype (none for float32), and NF4's int32 index of each byte."""
-    return 4 + (0 if compute == torch.float32 else compute.itemsize) + (2 if kind == NF4 else 0)
-
-
 def dims_one(config: Config) -> bool:
     """A layout block swap takes: no context, tensor or pipeline parallelism, one transformer."""
     parallel = config.parallel
@@ -527,7 +570,7 @@ def _with(config: Config, section: str, **values) -> Config:
     return config.model_copy(update={section: getattr(config, section).model_copy(update=values)})
 
 
-def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[str, Plan]] = ()) -> str:
+def format_plan(plan: Plan, budget_gib: float | None, host_gib: float | None = None) -> str:
     rank, config = plan.rank, plan.config
     where = "GPU" if plan.device == "cuda" else "host"
     decode = plan.validation.get("decode_tiled" if plan.vae_tiled else "decode", 0)
@@ -548,18 +591,20 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
              f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE and the pipeline's other frozen parts, and the "
              f"larger of a denoising step and "
              f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
-    if rank.host:
-        lines.append(f"  in host memory (CPU offload): {rank.host / GIB:.2f} GiB (weights, gradients, optimizer)")
-    if rank.swapped:
-        lines.append(f"  in host memory (block swap): {rank.swapped / GIB:.2f} GiB of frozen block weights")
-    lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}: resident + the larger phase"
-                 + (f", of {budget_gib:g} GiB: {'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
-                    if budget_gib else ""))
+    if rank.in_flight:
+        lines.append(f"    (both phases: {rank.in_flight / GIB:.2f} GiB of swapped block weights in flight, two blocks)")
+    lines.append(f"  start-up      {rank.startup / GIB:8.2f} GiB  (the model built and filled: what stays on the device)")
+    lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}: the larger of start-up and resident + "
+                 "the larger phase" + (f", of {budget_gib:g} GiB: "
+                                       f"{'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
+                                       if budget_gib else ""))
+    if plan.device == "cuda":
+        lines += _host_lines(rank, host_gib)
     lines.append("activations per bucket (one micro-batch, before / cp):")
     for bucket, sizes in plan.activations.items():
-        lines.append(f"  {bucket:<12} no checkpointing {sizes['none'] / GIB:8.2f} GiB   "
-                     f"checkpointing {sizes['checkpointing'] / GIB:8.2f} GiB"
-                     + (f"   with offload {sizes['offload'] / GIB:8.2f} GiB" if "offload" in sizes else ""))
+        lines.append(f"  {bucket:<12} " + "   ".join(f"{name} {sizes[kind] / GIB:8.2f} GiB" for kind, name in (
+            ("none", "no checkpointing"), ("checkpointing", "checkpointing"), ("offload", "with offload"))
+            if kind in sizes))
     encoders = ", ".join(f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items()
                          if not name.startswith("working"))
     if plan.stage1:
@@ -570,17 +615,23 @@ def format_plan(plan: Plan, budget_gib: float | None, alternatives: list[tuple[s
                      f"({'tiled' if tiled else 'untiled'}, largest bucket); peak {plan.stage1_peak(tiled) / GIB:.2f} GiB "
                      f"(precompute.text_encoder_offload = {pre.text_encoder_offload}"
                      + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")"))
-    if budget_gib and alternatives:
-        from vt.train.step_cost import CARD, by_step_time
-
-        fits = by_step_time(plan, [(label, alt) for label, alt in alternatives
-                                   if alt.rank.device_total <= budget_gib * GIB])
-        lines.append(f"what fits {budget_gib:g} GiB, quickest first (step time against the config as is, estimated "
-                     f"at {CARD.flops / 1e12:g} TFLOPS and {CARD.pcie / 1e9:g} GB/s over PCIe: train/step_cost.py): "
-                     + (", ".join(f"{label} ({alt.rank.device_total / GIB:.1f} GiB"
-                                  + (f", ~{ratio:.2f}x)" if ratio is not None else ")") for label, alt, ratio in fits)
-                        or "none of the single changes tried"))
     return "\n".join(lines)
+
+
+def _host_lines(rank: RankPlan, host_gib: float | None) -> list[str]:
+    """Host memory per rank: what each setting keeps there, and the peak (start-up's arenas and the tensor being read,
+    or the steady state's)."""
+    parts = [(rank.host, "CPU offload: weights, gradients, optimizer"),
+             (rank.swapped, "block swap: the swapped blocks' frozen weights, page-locked, exactly their bytes"),
+             (rank.offloaded, "activation offload: one micro-step's saved inputs, page-locked"),
+             (rank.validation_host, "the validation pipeline's parts between validations"),
+             (rank.fill, "start-up: the largest tensor read at once")]
+    lines = ["host memory per rank (beside the process itself, ~3 GiB):"]
+    lines += [f"  {size / GIB:8.2f} GiB  {what}" for size, what in parts if size]
+    fits = "" if host_gib is None else \
+        f", of {host_gib:g} GiB: {'fits' if rank.host_peak <= host_gib * GIB else 'does NOT fit'}"
+    lines.append(f"  peak     {rank.host_peak / GIB:8.2f} GiB{fits}")
+    return lines
 
 
 def plan_json(plan: Plan) -> dict:
@@ -590,11 +641,13 @@ def plan_json(plan: Plan) -> dict:
             "per_rank_bytes": {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
                                "buffers": rank.buffers, "activations": rank.activations,
                                "validation": rank.validation, "host": rank.host, "swapped": rank.swapped,
-                               "resident": rank.resident,
-                               "total": rank.device_total},
+                               "in_flight": rank.in_flight, "offloaded": rank.offloaded,
+                               "validation_host": rank.validation_host, "startup": rank.startup,
+                               "fill": rank.fill, "resident": rank.resident, "total": rank.device_total,
+                               "host_total": rank.host_total, "host_peak": rank.host_peak},
             "validation": plan.validation, "validation_vae_tiled": plan.vae_tiled,
             "activations": plan.activations, "stage1": plan.stage1, "flops": plan.flops,
             **({"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1)} if plan.stage1 else {})}
 
 
-__all__ = ["Plan", "RankPlan", "make_plan", "alternatives", "format_plan", "plan_json"]
+__all__ = ["Plan", "RankPlan", "make_plan", "format_plan", "plan_json"]

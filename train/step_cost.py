@@ -2,10 +2,12 @@
 
 One rank's optimizer step is `train.grad_accum` micro-batches, each the plan's measured FLOPs of the largest
 bucket's forward and backward (vt.shared.memory_trace.FlopCount over the fake step: checkpointing's recomputed
-forward is in the count) over the context- and tensor-parallel degrees, at an achieved throughput, overlapped with
-what the setting moves over PCIe per micro-batch: the saved block inputs out and back
+forward is in the count) over the context- and tensor-parallel degrees, at an achieved throughput, plus a quantized
+base's dequantizing (each packed weight unpacked once a pass, its bytes written and read at the device memory's
+rate), overlapped with what the setting moves over PCIe per micro-batch: the saved block inputs out and back
 (`parallel.activation_offload`), the swapped blocks' frozen weights in for the forward and again for the backward
-(`parallel.blocks_on_gpu`). CPU offload (`parallel.cpu_offload`) adds, once a step and not overlapped, the weights
+(`parallel.blocks_on_gpu`); what cannot overlap is added: the first input backward takes back, the first swapped
+block's weights when no resident block runs before it. CPU offload (`parallel.cpu_offload`) adds, once a step and not overlapped, the weights
 and gradients crossing PCIe and the optimizer's step over host memory. Collectives are left out (the same for the
 settings compared on one layout).
 
@@ -24,6 +26,7 @@ class Rates:
     flops: float = 70e12  # achieved FLOP/s of the card
     pcie: float = 22e9  # bytes/s host <-> device, pinned
     host: float = 10e9  # bytes/s of an optimizer step over host memory (read and write of each state)
+    memory: float = 0.8e12  # bytes/s of device memory (an RTX 4090's 1 TB/s as achieved): what dequantizing costs
 
 
 CARD = Rates()
@@ -36,13 +39,18 @@ def step_seconds(plan, rates: Rates = CARD) -> float | None:
     if not plan.flops.get(kind):
         return None
     compute = plan.flops[kind] / (plan.dims.cp * plan.dims.tp) / rates.flops
-    moved = 0
-    if parallel.activation_offload and plan.activations:
-        worst = max(plan.activations.values(), key=lambda a: a["none"])
-        moved += 2 * max(worst["checkpointing"] - worst.get("offload", worst["checkpointing"]), 0)
+    # A quantized base dequantizes each packed weight for each matmul: forward, backward and, under checkpointing,
+    # the recomputed forward; each pass writes and reads what `unpack` makes (plan.dequantized: its bytes).
+    passes = 3 if parallel.activation_checkpointing else 2
+    compute += passes * 2 * plan.dequantized / rates.memory
+    moved, exposed = 0, 0
+    if parallel.activation_offload:
+        moved += 2 * rank.offloaded
+        exposed += plan.offload_largest  # the first input backward takes back has no compute to overlap
     if parallel.blocks_on_gpu is not None:
         moved += 2 * rank.swapped
-    per_micro = max(compute, moved / rates.pcie)
+        exposed += rank.in_flight / 2 if parallel.blocks_on_gpu == 0 else 0  # the first block, before any compute
+    per_micro = max(compute, moved / rates.pcie) + exposed / rates.pcie
     offload = (rank.weights + rank.gradients) / rates.pcie + rank.optimizer / rates.host if parallel.cpu_offload else 0
     return plan.config.train.grad_accum * per_micro + offload
 

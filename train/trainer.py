@@ -33,6 +33,7 @@ from vt.shared.caption_table import decode_caption
 from vt.shared.config import Config, to_toml
 from vt.shared.errors import UserError
 from vt.shared.faults import fault_point
+from vt.shared.host_memory import pinned_bytes
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
 from vt.shared.progress import Progress
@@ -48,15 +49,14 @@ from vt.train.ema import EMA, checkpoint_has_ema
 from vt.train.eval_loss import Draws, HeldOut
 from vt.train.experts import expert_modules, routes
 from vt.train.export import lora_states, write_full_weights
-from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_base, check_fp8_training
+from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_training
 from vt.train.guidance import guidance_for
 from vt.train.model_build import Dtypes, build_transformer
 from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel import parallelize
 from vt.train.parallel.batching import (Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators,
                                         take_slice)
-from vt.train.parallel.block_swap import BlockSwap
-from vt.train.parallel.dims import ParallelConfigError
+from vt.train.parallel.block_swap import BlockSwap, swapped_blocks
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.offload import OffloadSaved
 from vt.train.parallel.order import OrderFromRankZero
@@ -64,6 +64,7 @@ from vt.train.parallel.pp import Pipeline, one_sample_microbatches
 from vt.train.parallel.pp_validation import staged_inference
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
+from vt.train import refusals
 from vt.train.read_ahead import ReadAhead
 from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
@@ -77,12 +78,18 @@ log = get_logger("vt.train")
 def autocast_dtype(setting: str, device: torch.device) -> torch.dtype | None:
     if setting == "no":
         return None
-    supported = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    supported = device.type != "cpu" and _bf16_supported(device)
     if setting == "bf16" and not supported and device.type != "cpu":
         raise UserError(f"train.mixed_precision = 'bf16' is not supported on {device}; use 'no'")
     if setting == "bf16" or supported:
         return torch.bfloat16
     return None
+
+
+def _bf16_supported(device: torch.device) -> bool:
+    """Whether `device`'s backend (torch.cuda, torch.xpu, or any registered one) computes in bfloat16."""
+    check = getattr(getattr(torch, device.type, None), "is_bf16_supported", None)
+    return bool(check is not None and check())
 
 
 def host_peak_gb() -> float:
@@ -152,25 +159,18 @@ class Trainer:
         self.buckets = parse_buckets(config.buckets.sizes)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
-        if train.caption_dropout > 0 and self.spec.text_with_image:
-            raise UserError(f"train.caption_dropout = {train.caption_dropout}: {self.spec.family}'s text encoder reads "
-                             "each caption together with its clip's first frame, so the window's empty caption cannot "
-                             "stand in for a sample's text; set train.caption_dropout = 0")
-        if train.loss_weighting != "none" and config.model.diffusion_forcing:
-            raise UserError(f"train.loss_weighting = {train.loss_weighting!r} weights each sample by its sigma, but "
-                             "model.diffusion_forcing draws one sigma per latent frame; set train.loss_weighting = "
-                             "\"none\"")
+        refusals.check(config, self.spec, self.world.dims.world_size)  # before anything is built
         if self.is_main:
             for line in self.spec.inference_mismatches():
                 log.warning(line)
         self.startup.mark("model_spec")
 
-        self._check_pipeline()
         self.transformer = self._build_model()
         self.pipeline = Pipeline(self.transformer, self.world, config.parallel.pp_schedule) \
             if self.world.dims.pp > 1 else None
         self.block_swap = self._swap_blocks()  # parallel.blocks_on_gpu (parallel/block_swap.py); None: off
         self.startup.mark("model_built")
+        self.startup_peak_gb = peak_memory_gb(self.device)  # the start-up phase's (memory.json, beside the plan's)
         self.params = [p for p in self.transformer.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=train.lr, weight_decay=train.weight_decay)
         self.ema = EMA(self.transformer, train.ema_decay) if train.ema_decay else None  # train/ema.py
@@ -231,22 +231,6 @@ class Trainer:
             check_backend(train.validation_attention_backend, self.device, training=False,
                           key="train.validation_attention_backend")
         check_fp8_training(train, self.device)
-        check_fp8_base(train)
-
-    def _check_pipeline(self) -> None:
-        """parallel.pp > 1 (train/parallel/pp.py): what pipeline stages cannot run yet stops the run here."""
-        pp = self.config.parallel.pp
-        if pp == 1:
-            return
-        if self.spec.pipeline_refusal:
-            raise UserError(f"parallel.pp = {pp} with {self.spec.family}: {self.spec.pipeline_refusal}; set "
-                             "parallel.pp = 1")
-        if self.config.model.audio:
-            raise UserError(f"parallel.pp = {pp} with model.audio: the audio stream's loss is not carried through "
-                             "the pipeline stages; set parallel.pp = 1 to train sound")
-        if self.spec.trained_experts:
-            raise UserError(f"parallel.pp = {pp} with several experts in one run: each expert would need its own "
-                             "pipeline; train one expert per run (model.expert) or set parallel.pp = 1")
 
     def _build_transformer(self, component: str, mode: str) -> torch.nn.Module:
         """Transformer `component` built on the meta device, laid out by the run's parallel plan and filled
@@ -264,20 +248,19 @@ class Trainer:
 
         lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets,
                 "kind": train.adapter}
+        resident = parallel.blocks_on_gpu if trains else None  # block swap: those blocks built in host memory
         return build_transformer(self.spec, component, self.world, mode=mode, lora=lora,
                                  storage_dtype=self.dtypes.storage(mode), compute_dtype=self.dtypes.compute,
                                  frozen_dtype=self.dtypes.frozen,
                                  parallelize=lay_out, seed=train.seed,
-                                 cpu_offload=parallel.cpu_offload and dims.fsdp_enabled, quantize=train.quantize_base)
+                                 cpu_offload=parallel.cpu_offload and dims.fsdp_enabled, quantize=train.quantize_base,
+                                 host_blocks=None if resident is None else
+                                 lambda model: swapped_blocks(self.spec, model, resident))
 
     def _swap_blocks(self) -> BlockSwap | None:
         resident = self.config.parallel.blocks_on_gpu
         if resident is None:
             return None
-        if self.world.dims.world_size > 1 or self.spec.trained_experts:
-            raise ParallelConfigError(f"parallel.blocks_on_gpu = {resident} is for one process training one "
-                                      "transformer; with more GPUs shard the model instead (parallel.dp_shard), or "
-                                      "train one expert per run (model.expert)")
         blocks = [block for _, block in self.spec.named_blocks(self.transformer)]
         swap = BlockSwap(blocks, resident, self.device)
         log.info("block swap: %d of %d blocks on %s, %d in host memory", min(resident, len(blocks)), len(blocks),
@@ -467,6 +450,8 @@ class Trainer:
             for loss, audio_loss, count in self._route_losses(self.transformer, part):
                 sample_losses = loss * count  # sum of these rows' per-sample losses
                 (sample_losses * scale).backward()
+                if self.offload is not None:
+                    self.offload.done()  # every saved tensor came back: the host arena is free again
                 loss_sum += sample_losses.detach().double().to(loss_sum.device)
                 if audio_loss is not None:
                     audio_sum += (audio_loss.detach() * count).double().to(audio_sum.device)
@@ -486,6 +471,8 @@ class Trainer:
             self.ema.update()
         if self.block_swap is not None:
             self.block_swap.release()
+        if self.offload is not None:
+            self.offload.done()  # (pipeline stages: the step's backwards are over only now)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self._log_samples(micro, parts)
@@ -666,12 +653,15 @@ class Trainer:
 
     def _write_memory(self) -> None:
         """<run.dir>/memory.json: every rank's peak over the whole run (validation and export included):
-        host resident set, the part of it that was there before the trainer built anything (imports),
-        and on CUDA the peak allocated GPU memory. Every rank calls it (a gather)."""
+        host resident set, the part of it that was there before the trainer built anything (imports), the host
+        memory vt page-locked (block swap's and activation offload's arenas), and on CUDA the peak allocated GPU
+        memory, over the run and over start-up alone. Every rank calls it (a gather)."""
         memory = {"host_peak_gb": self.world.gather_floats(host_peak_gb()),
-                  "host_baseline_gb": self.world.gather_floats(self.host_baseline_gb)}
+                  "host_baseline_gb": self.world.gather_floats(self.host_baseline_gb),
+                  "host_pinned_gb": self.world.gather_floats(pinned_bytes() / 2**30)}
         if self.device.type == "cuda":
             memory["gpu_peak_gb"] = self.world.gather_floats(peak_memory_gb(self.device))
+            memory["gpu_startup_peak_gb"] = self.world.gather_floats(self.startup_peak_gb)
         if self.is_main:
             (self.run_dir / "memory.json").write_text(json.dumps(memory, indent=1))
 

@@ -2,7 +2,8 @@
 
 No second copy and no text encoder:
 - the pipeline wraps the live transformer (under FSDP2 the sharded one: its forward gathers block by
-  block), with the VAE and the other parts it needs, built at the first validation and kept;
+  block), with the VAE and the other parts it needs, built at the first validation and kept: in host memory
+  between validations, on the device during one (`parts_to`);
   tokenizers, text and image encoders stay out;
 - each prompt's conditions, and the negative prompt's, come from the window, where stage 1 stored them
   as the pipeline's call takes them (vt.shared.validation_inputs); a trainer whose prompts are not
@@ -147,6 +148,7 @@ class Validator:
                                                       dtype=self.parts_dtype,
                                                       **self.extra_parts())
         pipeline = self._pipeline
+        parts_to(pipeline, self.world.device)  # (kept in host memory between validations)
         if self._tiled is None:
             self._tiled = self._decode_tiled(pipeline.vae)
         coordinate = self.world.dims.coordinate(self.world.rank)
@@ -181,6 +183,7 @@ class Validator:
         finally:
             transformer.train(was_training)
             reshard(transformer, held)
+            parts_to(pipeline, torch.device("cpu"))  # the device memory goes back to training
         if paths:
             log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
         return paths
@@ -200,6 +203,15 @@ class Validator:
             log.info("validation decodes %s with the VAE %s (train.validation_vae_tiling = %s: %s)", self.bucket.name,
                      "tiled" if tiled else "untiled", str(setting).lower(), why)
         return tiled
+
+
+def parts_to(pipeline, device: torch.device) -> None:
+    """The validation pipeline's own modules (the VAE, text connectors, an audio VAE and vocoder; not the
+    transformers, which are the trainer's) moved to `device`: onto the GPU for a validation, to host memory between
+    validations, so training's steps have that memory (what `vt-train plan` counts: host memory, not resident)."""
+    for name, module in pipeline.components.items():
+        if isinstance(module, torch.nn.Module) and not name.startswith("transformer"):
+            module.to(device)
 
 
 def _read_control(path: str, bucket: Bucket, fps: float):

@@ -43,6 +43,11 @@ class MiniMaxH3Pipeline:
             if value is not None})
         self._progress = {}
 
+    @property
+    def components(self) -> dict:
+        """name -> part, as a DiffusionPipeline's `components`."""
+        return {name: getattr(self, name) for name in MiniMaxH3Pipeline._parts}
+
     def __getattr__(self, name):
         modular = self.__dict__.get("modular")
         if name in MiniMaxH3Pipeline._parts and modular is not None:

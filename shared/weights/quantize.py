@@ -44,13 +44,22 @@ def quantize_nf4(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, 
 
 # byte -> its two values (low nibble first): one lookup per byte, no index tensor of a weight's size in int64
 NF4_PAIRS = torch.stack([NF4_LEVELS.repeat(16), NF4_LEVELS.repeat_interleave(16)], dim=1)
+_PAIRS_ON: dict[torch.device, torch.Tensor] = {torch.device("cpu"): NF4_PAIRS}
+
+
+def pairs_on(device: torch.device) -> torch.Tensor:
+    """NF4_PAIRS on `device`, copied there once per process: a dequantize per matmul (hundreds a step) reads it
+    where it is, with no host copy and no wait for one."""
+    if device not in _PAIRS_ON:
+        _PAIRS_ON[device] = NF4_PAIRS.to(device)
+    return _PAIRS_ON[device]
 
 
 def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The (out, in) weight of `quantize_nf4`'s codes and absmax, in `dtype`: the codes looked up as int32 byte
     indices (2 bytes a weight) into float32 values (4), scaled in place, then cast."""
     rows = codes.shape[0]
-    values = torch.nn.functional.embedding(codes.int(), NF4_PAIRS.to(codes.device)).reshape(rows, -1, NF4_BLOCK)
+    values = torch.nn.functional.embedding(codes.int(), pairs_on(codes.device)).reshape(rows, -1, NF4_BLOCK)
     return values.mul_(absmax.unsqueeze(-1).float()).reshape(rows, -1).to(dtype)
 
 

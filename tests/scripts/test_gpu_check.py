@@ -52,7 +52,8 @@ def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
     assert gpu_check.main(["--dry", "--only", "run", "--json", str(out), "--work", str(tmp_path / "work")]) == 0
     rows = json.loads(out.read_text())
     assert [r["case"] for r in rows] == ["run, Wan 2.1 14B LoRA", "run, HunyuanVideo 1.5 480p LoRA",
-                                         "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB"]
+                                         "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB",
+                                         "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB"]
     for row in rows:
         assert row["note"].startswith("plan ") and row["videos"] == 1, row  # vt-train exited 0 and validated
         assert len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
@@ -60,5 +61,8 @@ def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
     # the small-card row trains with the settings docs/memory.md names for a 24 GB card, through the capped launcher
     log = (tmp_path / "work" / "wan2_1-14b-cap24-run.log").read_text()
     assert rows[2]["gpus"] == 1 and "block swap: " in log and rows[2]["losses"] == rows[0]["losses"]
+    assert all(row["pinned_gib"] == 0 and row["host_gib"] > 0 for row in rows)  # nothing page-locked on a CPU
+    nf4 = (tmp_path / "work" / "wan2_1-14b-cap24-nf4-run.log").read_text()
+    assert rows[3]["gpus"] == 1 and "quantize" in nf4.lower() and rows[3]["losses"] != rows[0]["losses"]
     table = capsys.readouterr().out
-    assert table.count("| run, ") == 3
+    assert table.count("| run, ") == 4

@@ -154,15 +154,16 @@ def test_ltx2_plans_a_run_that_trains_sound(tiny_model_factory):
 
 def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_factory):
     """`vt-train plan --gpu-memory` lists what fits quickest first: the estimate counts checkpointing's recomputed
-    forward from the fake step's FLOPs, the bytes offload and block swap move over PCIe, and a second GPU halving
-    each rank's micro-batch; the line names the rates it assumes."""
-    from vt.train.plan import alternatives, format_plan, make_plan
+    forward from the fake step's FLOPs, the bytes offload and block swap move over PCIe (and the first swapped block,
+    which no compute hides), and a second GPU halving each rank's micro-batch; the line names the rates it assumes."""
+    from vt.train.plan import make_plan
+    from vt.train.plan_search import alternatives, format_fits
     from vt.train.step_cost import Rates, by_step_time, step_seconds
 
     config = config_for(tiny_model_factory("wan"), "wan")
     base = make_plan(config, 1, "cpu")
     assert base.flops["checkpointing"] > 1.2 * base.flops["none"] > 0  # the blocks' forward, run twice
-    options = alternatives(config, 1, "cpu", budget=100 * 2**30)
+    options = alternatives(config, 1, "cpu")
     rows = {label: ratio for label, _, ratio in by_step_time(base, options)}
     assert rows["parallel.activation_checkpointing=true"] == pytest.approx(
         base.flops["checkpointing"] / base.flops["none"])
@@ -170,14 +171,16 @@ def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_fac
     ordered = [ratio for _, _, ratio in by_step_time(base, options)]
     assert ordered == sorted(ordered)
     swap = dict(options)["parallel.blocks_on_gpu=0"]
-    swap.rank.swapped = 3 * 2**20  # two tiny blocks leave nothing to swap: what a real model's would move
-    slow_bus = Rates(pcie=1.0)  # bytes moved dominate: the swapped weights, in for the forward and the backward
-    assert step_seconds(swap, slow_bus) == pytest.approx(2 * swap.rank.swapped * config.train.grad_accum)
+    swap.rank.swapped = 3 * 2**20  # two tiny blocks leave little to swap: what a real model's would move
+    slow_bus = Rates(pcie=1.0)  # bytes moved dominate: the swapped weights in for the forward and the backward,
+    assert step_seconds(swap, slow_bus) == pytest.approx(  # and the first block's, which nothing overlaps
+        (2 * swap.rank.swapped + swap.rank.in_flight / 2) * config.train.grad_accum)
     fast_bus = Rates(pcie=float("inf"))  # nothing to wait for: a swap run computes as a checkpointed one
     assert step_seconds(swap, fast_bus) == pytest.approx(
         step_seconds(dict(options)["parallel.activation_checkpointing=true"], fast_bus))
-    line = format_plan(base, 100.0, options).splitlines()[-1]
-    assert line.startswith("what fits 100 GiB, quickest first") and "TFLOPS" in line and "x)" in line
+    lines = format_fits(base, alternatives(config, 1, "cpu", budget=100 * 2**30), 100.0, None)
+    assert lines[0].startswith("what fits 100 GiB, quickest first") and "TFLOPS" in lines[0]
+    assert "x" in lines[1] and "GiB host" in lines[1]
 
 
 def test_a_token_budget_plans_each_bucket_at_its_own_micro_batch(tiny_model_factory):
@@ -197,3 +200,23 @@ def test_a_token_budget_plans_each_bucket_at_its_own_micro_batch(tiny_model_fact
     assert budget.activations["9x64x64"]["none"] > fixed.activations["9x64x64"]["none"]
     assert budget.activations["9x64x128"]["none"] == fixed.activations["9x64x128"]["none"]
     assert "micro-batches per rank 9x64x64 4, 9x64x128 2" in format_plan(budget, None)
+
+
+def test_what_is_live_is_what_is_counted(tiny_model_factory):
+    """The validation pipeline's parts are in host memory between validations (train/validation.py `parts_to`) and on
+    the device only in the validation phase; the EMA's swap-in keeps the trained weights beside the average while it
+    renders; a guided step also runs the base's forward, whose prediction stays through the step's."""
+    from vt.train.plan import make_plan
+
+    model = tiny_model_factory("wan")
+    plain = make_plan(config_for(model, "wan"), 1, "cuda", stage1=False)
+    rank = plain.rank
+    assert rank.validation_host == plain.validation["frozen"] > 0
+    assert rank.resident == rank.weights + rank.optimizer + rank.buffers  # the parts are not resident
+    assert rank.device_total == max(rank.startup, rank.resident + max(rank.training, rank.validating))
+    ema = make_plan(config_for(model, "wan", ema_decay=0.9, ema_validation=True), 1, "cuda", stage1=False)
+    assert ema.rank.validation == rank.validation + rank.gradients  # the trained weights' float32 copy
+    guided = make_plan(config_for(model, "wan", guidance_scale=3.0), 1, "cuda", stage1=False)
+    assert guided.activations != plain.activations  # the guided step's own trace
+    bucket = next(iter(plain.activations))
+    assert guided.activations[bucket]["none"] > plain.activations[bucket]["none"]

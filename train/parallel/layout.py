@@ -113,7 +113,7 @@ def plan_layout(config, world_size: int, device: torch.device, local_ranks: int)
     def peak(dp_replicate: int, dp_shard: int) -> int:
         parallel = config.parallel.model_copy(update={"dp_replicate": dp_replicate, "dp_shard": dp_shard})
         return make_plan(config.model_copy(update={"parallel": parallel}), world_size, where,
-                         stage1=False, budget=budget).rank.device_total
+                         stage1=False, budget=budget, lean=True).rank.device_total
 
     budget, source = device_budget(device, local_ranks)
     choice = choose(peak(data_parallel, 1), peak(1, data_parallel), budget, data_parallel)
