@@ -22,7 +22,8 @@ import zlib
 from collections.abc import Callable
 
 from vt.shared import lease
-from vt.shared.claims import HOST, Liveness, free, look
+from vt.shared.claims import Liveness, free, look
+from vt.shared.identity import HOST, identity, pid_tag
 from vt.shared.storage import Storage
 
 log = logging.getLogger("vt.precompute")
@@ -49,11 +50,12 @@ def launcher_index() -> int | None:
 
 
 def producer_name() -> str:
-    """How reports and `vt-precompute status` name this producer: its launcher index, else host and pid."""
+    """How reports and `vt-precompute status` name this producer: its launcher index, else host and pid (and, in a
+    pid namespace of its own, that namespace: containers sharing a hostname may each run it as pid 1)."""
     index = launcher_index()
     if index is not None:
         return f"rank{index}" if "SLURM_ARRAY_TASK_ID" not in os.environ else f"task{index}"
-    return f"{HOST}-{os.getpid()}"
+    return f"{HOST}-{os.getpid()}{pid_tag()}"
 
 
 def worker_path(name: str) -> str:
@@ -85,7 +87,7 @@ class LaneHolder:
         for lane in [(self.first + i) % self.lanes for i in range(self.lanes)]:
             if lane in self.held or not free(self.storage, lane, seen[lane], self.liveness):
                 continue
-            record = {"producer": self.name, "host": HOST, "pid": os.getpid(), "started": time.time()}
+            record = {"producer": self.name, **identity(), "started": time.time()}
             generation = lease.claim(self.storage, lane, seen[lane].generation, record)
             if generation is not None:
                 with self._lock:
@@ -134,6 +136,6 @@ class LaneHolder:
                             self.claim_seconds / 4)
 
     def _write_record(self) -> None:
-        record = {"producer": self.name, "host": HOST, "pid": os.getpid(), "lanes": sorted(self.held),
+        record = {"producer": self.name, **identity(), "lanes": sorted(self.held),
                   "updated": time.time(), **self.status()}
         self.storage.put_atomic(worker_path(self.name), json.dumps(record).encode())

@@ -1,15 +1,17 @@
 """Whether a lane of a window may be taken: the judgement every producer makes before it claims one.
 
 A lane is free when it is not done and was never held, its holder released it, its holder's process is
-gone from this host (killed, or a zombie not yet reaped), or its holder fell silent: its lease, rewritten
-by the holder's heartbeat every claim_seconds / 4 (shared/lease.py `renew`), stayed unchanged for
-`claim_seconds` as the taker watched it, on the taker's own clock. No two machines' clocks are ever
-compared, so clock skew between hosts cannot make a live holder look dead.
+gone (killed, or a zombie not yet reaped) from the taker's own pid space (the same host, boot and pid
+namespace, shared/identity.py: a container beside the taker, sharing its hostname, is judged by silence
+only, since its pids are not the taker's), or its holder fell silent: its lease, rewritten by the holder's
+heartbeat every claim_seconds / 4 (shared/lease.py `renew`), stayed unchanged for `claim_seconds` as the
+taker watched it, on the taker's own clock. No two machines' clocks are ever compared, so clock skew
+between hosts cannot make a live holder look dead.
 
 One look is two listings (`leases/` with each file's stamp and each generation's host marker, `done/`); a
 lease is read only when its holder runs on the taker's host (or names none), the first time the taker sees
 its generation and once each time it missed a beat (unchanged for claim_seconds / 4), to learn whether
-its process is gone. So producers watching live holders cost listings only.
+it shares the taker's pid space and its process is gone. So producers watching live holders cost listings only.
 
 Taking a free lane is `lease.claim`: of two takers that judged it free, one creates the next generation
 and the other is refused.
@@ -17,16 +19,14 @@ and the other is refused.
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import lease
+from .identity import HOST, shares_pids
 from .storage import Storage
 from .storage.local import process_gone as pid_gone
-
-HOST = socket.gethostname()
 
 
 @dataclass
@@ -98,8 +98,9 @@ class Liveness:
 
 
 def process_gone(record: dict) -> bool:
-    """The lease's holder ran on this host and its process no longer runs (or is a zombie)."""
-    return record.get("host") == HOST and isinstance(record.get("pid"), int) and pid_gone(record["pid"])
+    """The lease's holder ran in this process's pid space (host, boot and pid namespace) and its process no longer
+    runs (or is a zombie). Of a holder anywhere else, its pid says nothing here."""
+    return shares_pids(record) and isinstance(record.get("pid"), int) and pid_gone(record["pid"])
 
 
 def free(storage: Storage, lane: int, seen: LaneSeen, liveness: Liveness) -> bool:
@@ -112,7 +113,7 @@ def free(storage: Storage, lane: int, seen: LaneSeen, liveness: Liveness) -> boo
     quiet = liveness.unchanged_for(lane, mark)
     if quiet is not None and quiet >= liveness.claim_seconds:
         return True
-    if seen.host in (None, HOST) and liveness.should_read(lane, mark, quiet):  # a holder elsewhere: silence only
+    if seen.host in (None, HOST) and liveness.should_read(lane, mark, quiet):  # another host's: silence only
         record = lease.read_lease(storage, lane, seen.generation)
         return record is not None and process_gone(record)
     return False

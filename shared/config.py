@@ -145,7 +145,8 @@ class PrecomputeConfig(_Section):
     ray_timeout_seconds: float = Field(600.0, gt=0)
     # Producers share a window's raw shards by claiming lanes (precompute/lanes.py): `lanes` fixed slices of the raw
     # shards, set by the window's first producer (None: torchrun's WORLD_SIZE, a Slurm array's task count, else 1).
-    # A lane whose holder fell silent for `claim_seconds` (or whose process is gone from this host) is taken over.
+    # A lane whose holder fell silent for `claim_seconds` (or whose process is gone from this host and pid namespace) is
+    # taken over.
     lanes: int | None = Field(None, ge=1)
     claim_seconds: float = Field(60.0, gt=0)
     device: str = "auto"

@@ -19,10 +19,9 @@ overwrite its successor's record. The newest few generations are kept; older one
 from __future__ import annotations
 
 import json
-import os
-import socket
 import time
 
+from .identity import identity
 from .storage import Storage
 
 from vt.shared.errors import UserError
@@ -70,7 +69,7 @@ def newest_generation(storage: Storage, rank: int) -> int | None:
 def acquire(storage: Storage, rank: int) -> int:
     """Take the next generation of `rank` (exclusive create); returns it. Prunes old generations."""
     generation = (newest_generation(storage, rank) or 0) + 1
-    info = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    info = {"rank": rank, **identity(), "started": time.time()}
     while not storage.create_exclusive(lease_path(rank, generation),
                                        json.dumps({**info, "generation": generation}).encode()):
         generation += 1  # another start raced us to this generation: take the next one
@@ -79,7 +78,8 @@ def acquire(storage: Storage, rank: int) -> int:
 
 
 def read_lease(storage: Storage, rank: int, generation: int) -> dict | None:
-    """A lease's record: {"rank", "host", "pid", "producer", "beat", ...}; None once pruned."""
+    """A lease's record: {"rank", "producer", "host", "boot_id", "pid_ns", "pid", "beat", ...} (the holder's
+    identity, shared/identity.py); None once pruned."""
     try:
         return json.loads(storage.read(lease_path(rank, generation)))
     except FileNotFoundError:

@@ -9,13 +9,16 @@ The window protocol (vt.shared.window) needs exactly two guarantees from storage
 - `create_exclusive`: of two writers creating the same path, exactly one wins.
   Local: write a temp file, then `os.link` it to the target, which fails if the target exists.
   S3: a conditional PUT (`If-None-Match: *`). memory:// (one process only): check-then-put under a lock.
+  A store that ignores the condition would let both win: `check_exclusive` finds that out (the window's
+  first write calls it) and refuses the store.
 
-Transient failures (connection refused or reset, timeouts, HTTP 5xx, throttling) are retried here,
-in one place, with a bounded exponential backoff (`RetryPolicy`, retry.py); botocore's and s3fs's own
-retry loops are switched off so the bound is the one written here. Logical answers (404 not found,
-412 precondition failed, 403) are never retried: they are the protocol's information. A retried
-exclusive create is ambiguous (the first PUT may have landed before its reply was lost), so after a
-transient failure an "already exists" holding exactly our bytes counts as our own create.
+Transient failures (connection refused or reset, timeouts, HTTP 5xx, throttling, AWS's 409
+ConditionalRequestConflict to conditional creates racing for one key) are retried here, in one place,
+with a bounded exponential backoff (`RetryPolicy`, retry.py); botocore's and s3fs's own retry loops are
+switched off so the bound is the one written here. Logical answers (404 not found, 412 precondition
+failed, 403) are never retried: they are the protocol's information. A retried exclusive create is
+ambiguous (the first PUT may have landed before its reply was lost), so after a transient failure an
+"already exists" holding exactly our bytes counts as our own create.
 
 A killed writer can leave invisible debris, which `clean_incomplete` removes and `incomplete` lists:
 local temp files (named with host and pid, so a dead writer's files are told from a live one's,
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 from .local import STALE_TEMP_SECONDS, LocalBackend
 from .remote import MemoryBackend, S3Backend
@@ -163,6 +167,24 @@ class Storage:
             except FileNotFoundError:
                 return False
         return False
+
+    def check_exclusive(self) -> None:
+        """Raise UserError unless the store refuses a second exclusive create of one path (a store that ignores
+        S3's `If-None-Match: *` overwrites instead). Two creates and a delete of a probe of its own, once per window:
+        a producer's first write to it (shared/window/ledger.py `fix_lanes`)."""
+        rel = f"exclusive-probe-{uuid.uuid4().hex}"  # at the root: no folder left behind
+        try:
+            self.create_exclusive(rel, b"first")
+            refused = not self.create_exclusive(rel, b"second")
+        finally:
+            self.delete(rel)
+        if not refused:
+            where = f" (endpoint {self.backend.endpoint()})" if hasattr(self.backend, "endpoint") else ""
+            raise UserError(
+                f"the store at {self.uri}{where} let a second exclusive create of {rel!r} overwrite the first: it "
+                "ignores conditional writes (If-None-Match: *), so two producers could both take one lane and "
+                "overwrite each other's commit records. Use a store that honours them (AWS S3, MinIO, moto), or "
+                "point AWS_ENDPOINT_URL at one")
 
     def delete(self, rel: str) -> None:
         """Delete `rel`; a missing file is fine (eviction and orphan cleaning may race)."""

@@ -87,9 +87,10 @@ class MemoryBackend(FsspecBackend):
 
 class S3Backend(FsspecBackend):
     """S3: an exclusive create is a PUT with `If-None-Match: *` (s3fs `pipe_file(mode="create")`,
-    FileExistsError on a 412). AWS S3 honours it since 2024, as do moto and MinIO; a store that ignores
-    the header would silently overwrite, so use one that supports conditional writes. A killed writer's
-    debris is a multipart upload never completed."""
+    FileExistsError on a 412; a 409 ConditionalRequestConflict, AWS's answer to two such creates racing, is
+    retried as transient). AWS S3 honours it since 2024, as do moto and MinIO; a store that ignores the header
+    would silently overwrite, and the window's first write refuses it (`Storage.check_exclusive`). A killed
+    writer's debris is a multipart upload never completed."""
 
     def __init__(self, root: str, retrying):
         # Own instance (not fsspec's shared one) so that switching off s3fs's retry loop touches no one else.
@@ -114,6 +115,10 @@ class S3Backend(FsspecBackend):
             return True
         except FileExistsError:
             return False
+
+    def endpoint(self) -> str:
+        """The URL requests go to (AWS_ENDPOINT_URL, or AWS's own for the region), for messages."""
+        return self.fs.s3.meta.endpoint_url
 
     def _uploads(self, base: str, name: str | None) -> list[dict]:
         bucket, _, key = base.partition("/")

@@ -1,5 +1,5 @@
-"""Transient failures (connection refused or reset, timeouts, HTTP 5xx, throttling), told apart from
-the protocol's answers (404, 412, 403), and the one bounded backoff that retries them."""
+"""Transient failures (connection refused or reset, timeouts, HTTP 5xx, throttling, a conditional write's 409
+conflict), told apart from the protocol's answers (404, 412, 403), and the one bounded backoff that retries them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,11 @@ from dataclasses import dataclass
 from vt.shared.errors import UserError
 
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestTimeout",
-                    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "ProvisionedThroughputExceeded"}
+                    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "ProvisionedThroughputExceeded",
+                    # 409: AWS's answer to a conditional write racing another for the same key (two `If-None-Match: *`
+                    # creates at once): this one was not applied, and AWS documents a retry, whose 412 then says the
+                    # other won (shared/storage Storage.create_exclusive).
+                    "ConditionalRequestConflict"}
 
 
 class StorageUnavailable(UserError, OSError):

@@ -31,11 +31,16 @@ def producer(storage: Storage, rank: int) -> dict | None:
 
 def fix_lanes(storage: Storage, wanted: int, raw_shards: int | None = None) -> int:
     """The window's lane count (lanes.json, with the number of raw shards dealt to them): `wanted` if this call
-    fixes it, else what its first producer fixed (a window written before lanes.json: its registrations')."""
+    fixes it, else what its first producer fixed (a window written before lanes.json: its registrations').
+
+    A producer's first write to a window: while there is no lanes.json, the store is first checked to refuse a
+    second exclusive create (`Storage.check_exclusive`), since every lease and commit record relies on it; a store
+    that does not is refused before anything is written, by every producer that starts on it."""
     known = world_size(storage)
-    if known is None and storage.create_exclusive(LANES, json.dumps({"lanes": wanted,
-                                                                     "raw_shards": raw_shards}).encode()):
-        return wanted
+    if known is None:
+        storage.check_exclusive()
+        if storage.create_exclusive(LANES, json.dumps({"lanes": wanted, "raw_shards": raw_shards}).encode()):
+            return wanted
     return known if known is not None else json.loads(storage.read(LANES))["lanes"]
 
 

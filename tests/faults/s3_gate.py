@@ -3,7 +3,9 @@
 Real stores fail in ways a healthy moto never does: connections refused or cut, 503 SlowDown, a
 reply lost after the request was applied, the server restarting. The gate passes bytes through
 untouched and, on demand, produces exactly those failures at the socket level, so the code under
-test sees what a client of a real store sees.
+test sees what a client of a real store sees. Two answers moto never gives are made from the HTTP
+request itself: AWS's 409 ConditionalRequestConflict to a conditional create (`If-None-Match: *`)
+racing another, and a store that ignores the condition and overwrites.
 
 A restart is made fair (a real S3 outage loses no objects) with moto's request recorder: every
 request the server handles is appended to a journal; a fresh server process replays the journal's
@@ -27,6 +29,13 @@ from polling import wait_for
 _BUSY_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 BUSY_REPLY = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
               b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+# What AWS S3 answers a conditional create that races another for the same key (its documented body).
+_CONFLICT_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code><Message>'
+                  b"A conflicting operation occurred. If using PutObject you can retry the request. If using multipart "
+                  b"upload you should initiate another CreateMultipartUpload request and re-upload each part.</Message>"
+                  b"<RequestId>VTGATE409</RequestId></Error>")
+CONFLICT_REPLY = (b"HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+                  b"Content-Length: %d\r\n\r\n%s" % (len(_CONFLICT_BODY), _CONFLICT_BODY))
 
 
 class Gate:
@@ -34,6 +43,12 @@ class Gate:
 
     `busy = n`: the next n connections get a 503 SlowDown and are closed. `lose_replies = n`: the next
     n connections reach the server, but its reply is dropped and the connection cut.
+
+    Read as HTTP, one request a connection (told `Connection: close`) while either is set: `conflicts = n`:
+    the next n conditional creates of a key holding `conflict_keys` get AWS's 409 ConditionalRequestConflict
+    (counted in `conflicted`), as racing creates do on AWS; `ignore_conditions`: `If-None-Match` is taken
+    off every conditional create (counted in `unconditioned`), so the server overwrites as a store without
+    conditional writes does.
     """
 
     def __init__(self, upstream: int):
@@ -41,7 +56,10 @@ class Gate:
         self.mode = "open"
         self.busy = 0
         self.lose_replies = 0
-        self.refused = self.answered_busy = self.replies_lost = 0
+        self.conflicts = 0
+        self.conflict_keys = ""
+        self.ignore_conditions = False
+        self.refused = self.answered_busy = self.replies_lost = self.conflicted = self.unconditioned = 0
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -62,6 +80,7 @@ class Gate:
             mode = self.mode
             busy = self.busy > 0 and mode == "open"
             lose = not busy and self.lose_replies > 0 and mode == "open"
+            read_http = not (busy or lose) and mode == "open" and (self.conflicts > 0 or self.ignore_conditions)
             self.busy -= busy
             self.lose_replies -= lose
             self.refused += mode == "down"
@@ -75,6 +94,9 @@ class Gate:
             with self._lock:
                 self.answered_busy += 1
             return
+        request = self._request(client) if read_http else b""
+        if request is None:
+            return
         try:
             upstream = socket.create_connection(("127.0.0.1", self.upstream))
         except OSError:
@@ -82,8 +104,47 @@ class Gate:
             return
         with self._lock:
             self._sockets.update((client, upstream))
-        threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
+        if request:
+            upstream.sendall(request)
+        else:
+            threading.Thread(target=self._pipe, args=(client, upstream, False), daemon=True).start()
         self._pipe(upstream, client, lose)
+
+    def _request(self, client: socket.socket) -> bytes | None:
+        """The client's request as it goes on to the server (told to close after its reply), or None when the
+        gate answered it itself (409) or the client sent nothing."""
+        try:
+            head, _, body = _read_head(client).partition(b"\r\n\r\n")
+            start, *lines = head.split(b"\r\n")
+            fields = {line.split(b":", 1)[0].strip().lower(): line.split(b":", 1)[1].strip() for line in lines}
+            assert b"transfer-encoding" not in fields, "the gate reads bodies by Content-Length only"
+            if fields.get(b"expect", b"").lower() == b"100-continue":
+                client.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+            while head and len(body) < int(fields.get(b"content-length", b"0")):
+                chunk = client.recv(65536)
+                if not chunk:
+                    break
+                body += chunk
+        except OSError:  # the client went away (a down() cut it, or it gave up)
+            head = b""
+        if not head:
+            _close(client)
+            return None
+        method, target = start.split(b" ")[:2]
+        conditional = method == b"PUT" and fields.get(b"if-none-match") == b"*"
+        with self._lock:
+            conflict = conditional and self.conflicts > 0 and self.conflict_keys.encode() in target
+            strip = conditional and self.ignore_conditions and not conflict
+            self.conflicts -= conflict
+            self.conflicted += conflict
+            self.unconditioned += strip
+        if conflict:
+            client.sendall(CONFLICT_REPLY)
+            _close(client)
+            return None
+        dropped = (b"connection", b"expect", *((b"if-none-match",) if strip else ()))
+        kept = [line for line in lines if line.split(b":", 1)[0].strip().lower() not in dropped]
+        return b"\r\n".join([start, *kept, b"Connection: close"]) + b"\r\n\r\n" + body
 
     def _pipe(self, source: socket.socket, sink: socket.socket, lose: bool) -> None:
         try:

@@ -1,9 +1,11 @@
 """Claims on a window's lanes (shared/claims.py, shared/lease.py), on local disk and a real S3 server: a lane is
-free when never held, released, its holder's process gone, or its beat silent for claim_seconds on the taker's
-clock; of two takers one wins; the loser of a takeover is fenced."""
+free when never held, released, its holder's process gone (judged only in the taker's own host, boot and pid
+namespace), or its beat silent for claim_seconds on the taker's clock; of two takers one wins; the loser of a
+takeover is fenced."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -12,6 +14,7 @@ from polling import wait_for
 
 from vt.shared import lease
 from vt.shared.claims import HOST, Liveness, free, look, process_gone
+from vt.shared.identity import identity
 from vt.shared.storage import Storage
 
 
@@ -31,9 +34,7 @@ def storage(request, tmp_path):
 
 
 def alive() -> dict:
-    import os
-
-    return {"producer": "me", "host": HOST, "pid": os.getpid()}
+    return {"producer": "me", **identity()}
 
 
 def judge(storage, lane: int, liveness: Liveness) -> bool:
@@ -57,8 +58,8 @@ def test_released_gone_and_done(storage):
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
-    assert lease.claim(storage, 0, 1, {"producer": "gone", "host": HOST, "pid": dead.pid}) == 2
-    assert judge(storage, 0, liveness)  # its process is gone from this host: at once
+    assert lease.claim(storage, 0, 1, {"producer": "gone", **identity(), "pid": dead.pid}) == 2
+    assert judge(storage, 0, liveness)  # its process is gone from this host and pid namespace: at once
     counted = CountingStorage(storage.uri)
     assert lease.claim(storage, 0, 2, {"producer": "far", "host": "another-host", "pid": dead.pid}) == 3
     assert not judge(counted, 0, liveness) and counted.reads == 0  # another host's: silence only, no read
@@ -101,6 +102,25 @@ def test_a_silent_holder_is_taken_over_after_claim_seconds_on_the_takers_clock(s
         lease.check(storage, 0, generation)  # the silent holder, back, finds it at its next commit
 
 
+def test_a_holder_in_another_pid_namespace_of_this_host_is_not_judged_gone_by_its_pid(storage):
+    """Containers with host networking share the hostname, not the pids: a pid gone here may run in the holder's
+    namespace. Only a holder of this host, boot and pid namespace is judged by its pid; any other by silence."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(timeout=60)
+    with open("/proc/sys/kernel/random/boot_id") as boot:
+        here = {"host": HOST, "boot_id": boot.read().strip(), "pid_ns": os.readlink("/proc/self/ns/pid"),
+                "pid": dead.pid}
+    elsewhere = {**here, "pid_ns": "pid:[4026500001]"}
+    assert not process_gone(elsewhere) and not process_gone({**here, "boot_id": "another-boot"})
+    assert process_gone(here)
+
+    liveness = Liveness(60.0, Clock())
+    assert lease.claim(storage, 0, None, {"producer": "container", **elsewhere}) == 1
+    assert not judge(storage, 0, liveness)  # its lease is read (this host), its pid not trusted
+    assert lease.claim(storage, 0, 1, {"producer": "sibling", **here}) == 2
+    assert judge(storage, 0, liveness)  # the same namespace: its process is gone, the lane free at once
+
+
 def state(pid: int) -> str:
     with open(f"/proc/{pid}/stat") as stat:
         return stat.read().rsplit(")", 1)[1].split()[0]
@@ -126,7 +146,7 @@ def test_a_zombie_is_gone_and_a_live_process_is_not():
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         wait_for(lambda: state(zombie.pid) == "Z", timeout=60, what="the child to exit (not reaped)")
-        assert process_gone({"host": HOST, "pid": zombie.pid})
+        assert process_gone({**identity(), "pid": zombie.pid})
     finally:
         zombie.wait(timeout=60)
     assert not process_gone(alive())
