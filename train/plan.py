@@ -220,10 +220,9 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
         mode = "frozen" if str(key).startswith("frozen:") else train.mode
         packed = quantized_base(spec.weights(component), mode, dims.fsdp_enabled or dims.tp > 1, False, component,
                                 dtypes.frozen) if spec.single_file(component) else {}
-        model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=dtypes.storage(mode),
-                                    sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen,
-                                    packed=packed, quantize="none" if dims.fsdp_enabled or dims.tp > 1
-                                    else train.quantize_base)
+        model = _prepared(spec, config.model, component, mode=mode, lora=lora, storage_dtype=dtypes.storage(mode),
+                          sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen,
+                          packed=packed, quantize="none" if dims.fsdp_enabled or dims.tp > 1 else train.quantize_base)
         gather = dtypes.param_dtype(mode)
         for module in model.modules():  # a quantized weight, dequantized for its matmul, and its scales
             if isinstance(module, PackedLinear):
@@ -314,6 +313,20 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
         plan.offload_largest = max(a.get("offload_largest", 0) for a in plan.activations.values()) // dims.cp
     _choose_tiling(plan, spec, budget, stage1)
     return plan
+
+
+_PREPARED: dict[tuple, nn.Module] = {}
+
+
+def _prepared(spec, model_config, component: str, **settings) -> nn.Module:
+    """`prepare_transformer`'s meta-device model, built once per model and settings: the alternatives `vt-train plan`
+    tries (block swap depths, offload, CP ...) share it, and nothing here changes it. The last few are kept."""
+    key = (model_config.model_dump_json(), component, repr(sorted(settings.items(), key=lambda item: item[0])))
+    if key not in _PREPARED:
+        if len(_PREPARED) >= 4:
+            _PREPARED.pop(next(iter(_PREPARED)))
+        _PREPARED[key] = prepare_transformer(spec, component, **settings)
+    return _PREPARED[key]
 
 
 def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:

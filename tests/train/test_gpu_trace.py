@@ -1,66 +1,100 @@
 """The trainer's real start-up and step at real size, on a GPU stand-in that counts bytes (tests/gpu_standin.py),
 against `vt-train plan`: start-up device peak, steady device peak and host peak within 5%.
 
-The trainer runs unchanged (train.device is the stand-in) on fake tensors: Wan 2.1 14B's real config, random-free
-(no weights at all: the checkpoint is a table of names and shapes), at its usual 81x480x832 bucket; a family with
-sound (Kandinsky 6 Lite, video and audio streams) likewise. The plan is computed from the same config files by its own
-code (a meta-device build and a fake-tensor trace of the family's forward), not from this run: the two agree only if
-the plan models what the trainer really allocates where. Before block swap was built in host memory, the start-up
-device peak of the swap rows here was the whole bf16 model (27.1 GiB for 14B), the plan's 7.4.
+The trainer runs unchanged (train.device is the stand-in) on fake tensors: Wan 2.1 14B's real config, no weights at
+all (the checkpoint is a table of names and shapes), at its usual 81x480x832 bucket; a family with sound (Kandinsky 6
+Lite, video and audio streams) likewise. The traces run in a process of their own (tests/gpu_trace_worker.py: the
+stand-in device is process-wide), started once for the module, while this process plans the same configs with the
+plan's own code (a meta-device build and a fake-tensor trace of the family's forward, on the CPU): the two agree only
+if the plan models what the trainer really allocates where. Before block swap was built in host memory, the swap
+row's start-up device peak here was the whole bf16 model, 27.4 GiB (the plan: 7.4).
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 import gpu_standin as standin
+from polling import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 SWAP = {"blocks_on_gpu": 10}
 OFFLOAD = {"activation_offload": True}
+WORKER = Path(__file__).resolve().parents[1] / "gpu_trace_worker.py"
+
+
+def tree(folder: Path, work: Path, family: str, bucket: str, parallel: dict, train: dict, **model) -> dict:
+    return {"model": {"family": family, "path": str(folder), "dtype": "bfloat16", **model},
+            "buckets": {"sizes": [bucket]}, "window": {"uri": str(work / "window")}, "run": {"dir": str(work / "run")},
+            "train": {"device": f"{standin.NAME}:0", "mixed_precision": "bf16", "batch_size": 1, "lora_rank": 32,
+                      "lora_alpha": 32.0, **train},
+            "parallel": {"dp_shard": 1, "activation_checkpointing": True, **parallel}, "log": {"progress": False}}
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """Config-only folders of the real models (scripts/memory_table.py: real component configs, no weights)."""
+def cases(tmp_path_factory):
+    """name -> (config tree, GGUF block type); the worker starts tracing them all at once."""
     from memory_table import config_only_model
 
-    standin.install()  # before the first backward of this process: autograd sizes its device queues then
-    root = tmp_path_factory.mktemp("real-configs")
-    return lambda key: config_only_model(key, root / key)
+    root = tmp_path_factory.mktemp("gpu-trace")
+    wan, k6 = config_only_model("wan2.1-14b", root / "wan"), config_only_model("kandinsky6-lite", root / "k6")
+    return {"swap+offload": (tree(wan, root / "a", "wan", "81x480x832", {**SWAP, **OFFLOAD}, {}, max_text_tokens=512),
+                             None),
+            "nf4+offload": (tree(wan, root / "b", "wan", "81x480x832", OFFLOAD, {"quantize_base": "nf4"},
+                                 max_text_tokens=512), None),
+            "q4_k": (tree(wan, root / "c", "wan", "81x480x832", {}, {}, max_text_tokens=512), 12),
+            "sound": (tree(k6, root / "d", "kandinsky6", "121x480x864", {"blocks_on_gpu": 8, **OFFLOAD}, {},
+                           max_text_tokens=1024, audio=True), None),
+            "root": root}
 
 
-def run_config(models, tmp_path, key: str, family: str, bucket: str, parallel: dict, train: dict, **model):
+@pytest.fixture(scope="module")
+def traces(cases):
+    """traces(name) -> the worker's trace of case `name` (waits for it; the worker runs beside this process)."""
+    root = cases["root"]
+    spec = {name: {"config": case[0], "gguf": case[1]} for name, case in cases.items() if name != "root"}
+    (root / "cases.json").write_text(json.dumps(spec))
+    out, log = root / "traces.json", (root / "worker.log").open("w")
+    worker = subprocess.Popen([sys.executable, str(WORKER), str(root / "cases.json"), str(out)], stdout=log,
+                              stderr=subprocess.STDOUT)
+
+    def read(name: str):
+        def done():
+            if worker.poll() not in (None, 0):
+                raise AssertionError(f"the trace worker exited {worker.returncode}:\n"
+                                     + (root / "worker.log").read_text()[-3000:])
+            try:
+                return json.loads(out.read_text()).get(name)
+            except (OSError, ValueError):
+                return None
+        return wait_for(done, timeout=900, interval=0.5, what=f"the trace of {name}")
+
+    yield read
+    worker.kill()
+    worker.wait(timeout=30)
+    log.close()
+
+
+def plan_of(config_tree: dict, gguf: int | None):
     from vt.shared.config import Config, build
-
-    return build(Config, {
-        "model": {"family": family, "path": str(models(key)), "dtype": "bfloat16", **model},
-        "buckets": {"sizes": [bucket]}, "window": {"uri": str(tmp_path / "window")}, "run": {"dir": str(tmp_path / "run")},
-        "train": {"device": f"{standin.NAME}:0", "mixed_precision": "bf16", "batch_size": 1, "lora_rank": 32,
-                  "lora_alpha": 32.0, **train},
-        "parallel": {"dp_shard": 1, "activation_checkpointing": True, **parallel}, "log": {"progress": False}})
-
-
-def plan_and_trace(config, gguf_type: int | None = None):
-    """(the plan of `config` on one CUDA GPU, the trace of the trainer's start-up and steady step)."""
-    from vt.shared.buckets import parse_buckets
     from vt.shared.models import spec_for
     from vt.train.plan import make_plan
 
+    config = build(Config, config_tree)
     spec = spec_for(config)
     meta = spec.empty_component("transformer")
-    packings = standin.linear_packings(meta, gguf_type) if gguf_type else None
-    weights = standin.FakeWeights(meta, torch.bfloat16, packings)
-    shapes = spec.condition_shapes(parse_buckets(config.buckets.sizes)[0])
-    with standin.standin_components(weights, "transformer.gguf" if gguf_type else None):
-        plan = make_plan(config, 1, "cuda", stage1=False, lean=True)
-        sample = {name: (torch.ones if "mask" in name else torch.zeros)(shape) for name, shape in shapes.items()}
-        traced = standin.trace_trainer(config, sample)
-    return plan, traced
+    weights = standin.FakeWeights(meta, torch.bfloat16, standin.linear_packings(meta, gguf) if gguf else None)
+    with standin.standin_components(weights, "transformer.gguf" if gguf else None):  # (the table of a GGUF file)
+        return config, make_plan(config, 1, "cuda", stage1=False, lean=True)
 
 
-def assert_plan_matches(plan, traced, tolerance: float = 0.05):
+def assert_plan_matches(plan, traced, tolerance: float = 0.05) -> dict:
     rank = plan.rank
     host = max(traced["startup"].get("cpu", 0), traced["step"].get("cpu", 0))
     rows = {"start-up device": (rank.startup, traced["startup"][standin.NAME]),
@@ -72,10 +106,9 @@ def assert_plan_matches(plan, traced, tolerance: float = 0.05):
     return rows
 
 
-def test_block_swap_with_activation_offload_starts_with_the_resident_blocks_only(models, tmp_path):
-    config = run_config(models, tmp_path, "wan2.1-14b", "wan", "81x480x832", {**SWAP, **OFFLOAD}, {},
-                        max_text_tokens=512)
-    plan, traced = plan_and_trace(config)
+def test_block_swap_with_activation_offload_starts_with_the_resident_blocks_only(cases, traces):
+    _, plan = plan_of(*cases["swap+offload"])
+    traced = traces("swap+offload")
     rows = assert_plan_matches(plan, traced)
     # Built where it lives: 30 of 40 blocks' frozen weights (19.6 GiB) never reach the device ...
     assert standin.gib(rows["start-up device"][1]) < 8 and standin.gib(rows["host"][1]) > 19
@@ -84,73 +117,47 @@ def test_block_swap_with_activation_offload_starts_with_the_resident_blocks_only
     assert traced["pinned"] == plan.rank.swapped and standin.gib(plan.rank.swapped) < 20
 
 
-def test_nf4_base_with_activation_offload(models, tmp_path):
-    config = run_config(models, tmp_path, "wan2.1-14b", "wan", "81x480x832", OFFLOAD, {"quantize_base": "nf4"},
-                        max_text_tokens=512)
-    plan, traced = plan_and_trace(config)
-    assert_plan_matches(plan, traced)
+def test_nf4_base_with_activation_offload(cases, traces):
+    _, plan = plan_of(*cases["nf4+offload"])
+    assert_plan_matches(plan, traces("nf4+offload"))
     assert standin.gib(plan.rank.device_total) < 24  # what docs/memory.md says fits a 24 GB card without block swap
 
 
-def test_gguf_q4_k_base(models, tmp_path):
-    config = run_config(models, tmp_path, "wan2.1-14b", "wan", "81x480x832", {}, {}, max_text_tokens=512)
-    plan, traced = plan_and_trace(config, gguf_type=12)
-    assert_plan_matches(plan, traced)
+def test_gguf_q4_k_base(cases, traces):
+    _, plan = plan_of(*cases["q4_k"])
+    assert_plan_matches(plan, traces("q4_k"))
 
 
-def test_a_family_with_sound_swapped_and_offloaded(models, tmp_path):
-    config = run_config(models, tmp_path, "kandinsky6-lite", "kandinsky6", "121x480x864", {"blocks_on_gpu": 8, **OFFLOAD},
-                        {}, max_text_tokens=1024, audio=True)
-    plan, traced = plan_and_trace(config)
-    assert_plan_matches(plan, traced)
+def test_a_family_with_sound_swapped_and_offloaded(cases, traces):
+    _, plan = plan_of(*cases["sound"])
+    assert_plan_matches(plan, traces("sound"))
 
 
-def test_the_nf4_table_goes_to_the_device_once(models):
+def test_the_nf4_table_goes_to_the_device_once(traces):
     """Each NF4 matmul dequantizes through a 256-entry table: copied to the device once per process, not once per
     dequantize from pageable host memory (a host sync each, ~1,200 a Wan 14B step)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from vt.shared.weights.quantize import NF4_PAIRS
 
-    from vt.shared.weights import quantize
-
-    fake = FakeTensorMode(allow_non_fake_inputs=True)
-    copies = []
-
-    class CountCopies(standin.DeviceBytes):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu" and \
-                    (kwargs or {}).get("device") == standin.DEVICE:
-                copies.append(tuple(args[0].shape))
-            return super().__torch_dispatch__(func, types, args, kwargs)
-
-    try:
-        with fake, CountCopies(fake):
-            codes = torch.empty(64, 32, dtype=torch.uint8, device=standin.DEVICE)
-            absmax = torch.empty(64, 1, device=standin.DEVICE)
-            for _ in range(3):
-                quantize.dequantize_nf4(codes, absmax, torch.bfloat16)
-    finally:
-        quantize._PAIRS_ON.pop(standin.DEVICE, None)
-    assert copies == [tuple(quantize.NF4_PAIRS.shape)]
+    assert traces("nf4_table_copies") == [list(NF4_PAIRS.shape)]
 
 
-def test_what_fits_24_gib_is_searched_in_pairs_cheapest_first(models, tmp_path):
+def test_what_fits_24_gib_is_searched_in_pairs_cheapest_first(cases):
     """`vt-train plan --gpu-memory 24` for Wan 2.1 14B's LoRA: no single change fits one 24 GiB card, pairs do (a
     quantized base or block swap with activation offload); each listed once, minimal, quickest first, none that the
-    trainer would refuse. (Runs after the traces above in this process: it reuses their plan traces.)"""
-    from vt.train.plan import make_plan
+    trainer would refuse. (After the plans above in this process: it reuses their traces.)"""
     from vt.train.plan_search import alternatives
+    from vt.train.step_cost import step_seconds
 
-    config = run_config(models, tmp_path, "wan2.1-14b", "wan", "81x480x832", {}, {}, max_text_tokens=512)
+    config, plan = plan_of(tree(Path(cases["swap+offload"][0]["model"]["path"]), cases["root"] / "e", "wan",
+                                "81x480x832", {}, {}, max_text_tokens=512), None)
     budget = 24 * 2**30
+    assert plan.rank.device_total > budget  # as it is, it does not fit
     fitting = alternatives(config, 1, "cuda", budget, host_budget=64 * 2**30)
     labels = [label for label, _ in fitting]
     assert "train.quantize_base=nf4 + parallel.activation_offload=true" in labels
     assert any("parallel.blocks_on_gpu=" in label and "activation_offload" in label for label in labels)
-    assert all(plan.rank.device_total <= budget and plan.rank.host_peak <= 64 * 2**30 for _, plan in fitting)
-    single = [label for label in labels if " + " not in label and "GPUs" not in label]
-    assert not any(label.startswith(f"{one} + ") or label.endswith(f" + {one}") for one in single for label in labels)
-    from vt.train.step_cost import step_seconds
-
-    times = [step_seconds(plan) for _, plan in fitting]
+    assert all(p.rank.device_total <= budget and p.rank.host_peak <= 64 * 2**30 for _, p in fitting)
+    single = [label for label in labels if " + " not in label]
+    assert not any(one in label.split(" + ") for one in single for label in labels if label != one)
+    times = [step_seconds(p) for _, p in fitting]
     assert times == sorted(times)
-    assert make_plan(config, 1, "cuda", stage1=False, lean=True).rank.device_total > budget  # as is: it does not fit

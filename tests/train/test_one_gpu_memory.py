@@ -52,7 +52,12 @@ def assert_same(got, expected):
 
 def test_offloaded_block_inputs_train_as_without(run):
     offloaded = run("offloaded", activation_offload=True)
-    assert offloaded[0].offload.offloaded >= 3 * 2  # at least every block's input of every step went to host memory
+    offload = offloaded[0].offload
+    assert offload.offloaded >= 3 * 2  # at least every block's input of every step went to host memory
+    # each input came back ahead of its use (the one saved before it, while it was in use), and the host arena is
+    # one buffer of the most a step saved, taken again by every step after the first
+    assert offload.fetched_ahead >= 3 * 1 and not offload.arena.extra
+    assert offload.arena.grow_to == offload.arena.peak > 0 or offload.arena.buffer.size == offload.arena.peak
     assert_same(offloaded, run("plain"))
 
 
