@@ -3,9 +3,10 @@
 `precompute.text_encoder_offload` decides where the text (and image) encoders live, for encoders that do
 not fit on the device beside the VAE's work:
 - "none": on the device, with the VAE (small models, or a GPU with room for both);
-- "model": in CPU memory; each shard's text phase moves them onto the device, encodes the shard's new
-  captions and moves them back (freeing the device memory) before the VAE runs. For an encoder that
-  fits on the GPU alone but not beside a VAE encoding long, high-resolution clips;
+- "model": in page-locked host memory (one arena per encoder, exactly its bytes); a text phase copies them onto
+  the device, encodes the new captions of the next `precompute.text_phase_shards` shards together and drops the
+  device copies (nothing is copied back: the weights are frozen) before the VAE runs. For an encoder that fits on
+  the GPU alone but not beside a VAE encoding long, high-resolution clips;
 - "blocks": in CPU memory, streamed onto the device block by block as they run (diffusers' group
   offloading, with a CUDA stream prefetching the next block): an encoder larger than the GPU
   (MiniMax H3's 32B Qwen3-VL, 64 GB in bf16) runs on any GPU, at the cost of moving its weights
@@ -31,6 +32,7 @@ shard's sounds, cut or padded to the bucket's length (`spec.sound.samples`).
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -38,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vt.shared.errors import UserError
+from vt.shared.host_memory import HostBuffer, layout_bytes, views
 from vt.shared.log import get_logger
 from vt.shared.runtime import encoder_dtype
 from vt.shared.vae_tiling import decide, enable_tiling, free_device_memory, pass_peak, tiling
@@ -118,21 +121,69 @@ def layer_paths(module: nn.Module) -> list[str]:
     return sorted({name for path in outermost for name in path.split(".")[:-1]})
 
 
+class HostCopy:
+    """A frozen module's weights kept in one page-locked host arena (vt.shared.host_memory: exactly their bytes),
+    moved onto the device for a text phase and dropped after it. The weights never change, so going back copies
+    nothing: each parameter and buffer points at its host view again and the device copies are freed. Copies in
+    are asynchronous (page-locked), half the bytes of `module.to(device)` then `module.to("cpu")`."""
+
+    def __init__(self, module: nn.Module, device: torch.device):
+        self.device = device
+        self.slots = [(owner, name, kind) for owner in module.modules()
+                      for kind, table in (("param", owner._parameters), ("buffer", owner._buffers))
+                      for name, tensor in table.items() if tensor is not None]
+        tensors = [self._get(slot) for slot in self.slots]
+        self.arena = HostBuffer(layout_bytes([(t.shape, t.dtype) for t in tensors]), device)
+        self.host = views(self.arena.bytes, [(t.shape, t.dtype) for t in tensors])
+        for slot, tensor, view in zip(self.slots, tensors, self.host):
+            view.copy_(tensor)
+            self._set(slot, view)
+        self.moves = 0  # times moved onto the device (tests and logs)
+
+    @staticmethod
+    def _get(slot) -> torch.Tensor:
+        owner, name, kind = slot
+        return owner._parameters[name] if kind == "param" else owner._buffers[name]
+
+    def _set(self, slot, tensor: torch.Tensor) -> None:
+        owner, name, kind = slot
+        if kind == "param":
+            owner._parameters[name].data = tensor
+        else:
+            owner._buffers[name] = tensor
+
+    def to_device(self) -> None:
+        self.moves += 1
+        for slot, view in zip(self.slots, self.host):
+            self._set(slot, view.to(self.device, non_blocking=True))
+
+    def to_host(self) -> None:
+        for slot, view in zip(self.slots, self.host):
+            self._set(slot, view)
+
+
+HOST_COPIES: "weakref.WeakKeyDictionary[nn.Module, HostCopy]" = weakref.WeakKeyDictionary()
+
+
 @contextlib.contextmanager
 def text_phase(encoders: dict, spec, device: torch.device, offload: str) -> Iterator[None]:
-    """Around text encoding: with "model" offload the text parts are on `device` inside the block and back
-    in CPU memory (the device memory freed) after it; otherwise nothing moves."""
+    """Around text encoding: with "model" offload the text parts are on `device` inside the block (copied from
+    their page-locked host arena, made at the first phase) and only in host memory after it (the device memory
+    freed); otherwise nothing moves. How often a run enters it: once per `precompute.text_phase_shards` shards
+    (service.py encodes their captions together)."""
     modules = [encoders[n] for n in text_components(spec) if isinstance(encoders[n], nn.Module)]
     if offload != "model" or device.type == "cpu":
         yield
         return
     for module in modules:
-        module.to(device)
+        if module not in HOST_COPIES:
+            HOST_COPIES[module] = HostCopy(module, device)
+        HOST_COPIES[module].to_device()
     try:
         yield
     finally:
         for module in modules:
-            module.to("cpu")
+            HOST_COPIES[module].to_host()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

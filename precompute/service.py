@@ -2,8 +2,9 @@
 
 Decoding (PyAV, CPU) runs in worker processes ahead of the encoder process, bounded so a long stream
 never piles up in memory. Samples of one bucket are buffered until a shard is full, then encoded in
-batches (captions through a per-run cache) and committed into the window, which blocks while the
-trainer is behind. A bad sample is skipped and counted by reason; too many failures in a row stop the
+batches (captions through a per-run cache; `precompute.text_phase_shards` full shards wait so that their new
+captions are encoded in one text phase, an offloaded text encoder crossing to the GPU once for all of them) and
+committed into the window, in the order they filled, which blocks while the trainer is behind. A bad sample is skipped and counted by reason; too many failures in a row stop the
 run, since that means the input or the settings are wrong rather than a few clips. What is bad data
 is the error policy's call (processors/policy.py, passed to the chain in the workers): any other
 exception in a processor is a bug, which stops the run at once as ProcessorBug (its traceback
@@ -347,6 +348,7 @@ class Precompute:
     def _run_epoch(self, run: LaneRun, epoch: int, tracker: Tracker) -> Iterator[str]:
         pre = self.config.precompute
         pending: dict[Bucket, list[tuple[int, PreparedSample]]] = {}
+        full: list[list[tuple[int, PreparedSample]]] = []  # full shards waiting for their text phase
         failures_in_a_row = 0
         # Bad data is rejected and counted; a processor's bug stops the run (processors/policy.py).
         prepare = Prepare(self.chain, self.buckets, self.config.buckets.fps, bad_data_only, self.sound)
@@ -387,10 +389,24 @@ class Precompute:
                 bucket_samples = pending.setdefault(sample.bucket, [])
                 bucket_samples.append((index, sample))
                 if len(bucket_samples) >= pre.samples_per_shard:
-                    yield from self._write_shard(run, pending.pop(sample.bucket), epoch, tracker)
+                    full.append(pending.pop(sample.bucket))
+                    if len(full) >= pre.text_phase_shards:
+                        yield from self._write_shards(run, full, epoch, tracker)
+                        full = []
             self.progress.update()
-        for bucket in sorted(pending):  # the epoch's remainders: smaller shards, every sample kept
-            yield from self._write_shard(run, pending[bucket], epoch, tracker)
+        # the epoch's remainders: smaller shards, every sample kept
+        yield from self._write_shards(run, full + [pending[bucket] for bucket in sorted(pending)], epoch, tracker)
+
+    def _write_shards(self, run: LaneRun, shards: list[list[tuple[int, PreparedSample]]], epoch: int,
+                      tracker: Tracker) -> Iterator[str]:
+        """`shards` written in order, their new captions encoded first in one text phase (with
+        `precompute.text_encoder_offload = "model"` the encoders cross to the device once for all of them)."""
+        if len(shards) > 1 and not self.spec.text_with_image:
+            started = time.perf_counter()
+            self.text_cache.encode([sample.caption for items in shards for _, sample in items])
+            self.report.seconds["text_encode"] += time.perf_counter() - started
+        for items in shards:
+            yield from self._write_shard(run, items, epoch, tracker)
 
     def _stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Floating tensors in the storage dtype, others as they are."""

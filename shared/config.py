@@ -151,9 +151,12 @@ class PrecomputeConfig(_Section):
     claim_seconds: float = Field(60.0, gt=0)
     device: str = "auto"
     # Where the text (and image) encoders live (precompute/encoders.py): "none" on the device beside the VAE;
-    # "model" in CPU memory, moved onto the device for each shard's text phase; "blocks" streamed block by
+    # "model" in page-locked host memory, copied onto the device for each text phase; "blocks" streamed block by
     # block from CPU memory (an encoder larger than the GPU).
     text_encoder_offload: Literal["none", "model", "blocks"] = "none"
+    # Full shards whose captions one text phase encodes together (their decoded clips wait in host memory meanwhile,
+    # uint8): with text_encoder_offload = "model" the encoders cross to the device once per this many shards.
+    text_phase_shards: int = Field(1, ge=1)
     # Encode clips in overlapping tiles (vt.shared.vae_tiling): true, false, or "auto" (the buckets whose untiled
     # encode would not fit in the GPU memory free). `true` is part of the shards' provenance.
     vae_tiling: Literal["auto"] | bool = "auto"

@@ -10,6 +10,11 @@
   another dtype than the frozen weights are stored in (fp8; bf16 weights without autocast, e.g. on a
   CPU), each layer is upcast for its compute (store_frozen). A full fine-tune without autocast keeps
   its few frozen weights float32, since nothing would cast between them.
+- Host blocks: with block swap (`host_blocks`) the frozen weights of the swapped blocks are made in host
+  memory, one page-locked arena per block (vt.shared.host_memory), and filled there, so the device only ever
+  holds what stays on it: the start-up peak is the steady state's weights. A base quantized at read is quantized
+  on the host, tensor by tensor (each layer's scale copied as soon as its weight is), before anything reaches the
+  device.
 - Fill: each rank reads from the safetensors files only the block of each tensor that its shard
   holds (`Weights.read` at the DTensor's local offsets): under FSDP2 start-up memory and bytes read
   fall as 1/N, a single process fills straight onto its GPU, and there is no whole copy anywhere.

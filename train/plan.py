@@ -142,6 +142,19 @@ class Plan:
             return text_bytes + vae_phase
         return max(text_bytes, vae_phase)
 
+    def stage1_host(self) -> int:
+        """Bytes one producer holds in host memory beyond the process itself: the text encoders where they wait
+        between text phases (`text_encoder_offload` "model": page-locked, "blocks": streamed from there), and the
+        decoded clips (uint8) of the shards waiting for their text phase (`precompute.text_phase_shards`) and of the
+        bucket buffers."""
+        pre, spec = self.config.precompute, spec_for(self.config)
+        text = set(spec.stage1_components) - {"vae", *(spec.sound.components if spec.sound else ())}
+        waiting = sum(size for name, size in self.stage1.items() if name in text) \
+            if pre.text_encoder_offload != "none" else 0
+        largest = _largest(self.config)
+        clips = (pre.text_phase_shards + 1) * pre.samples_per_shard * 3 * largest.frames * largest.height * largest.width
+        return waiting + clips
+
 
 @dataclass
 class _Layout:
@@ -627,7 +640,9 @@ def format_plan(plan: Plan, budget_gib: float | None, host_gib: float | None = N
                      f"{plan.stage1.get('working_tiled' if tiled else 'working', 0) / GIB:.2f} GiB more "
                      f"({'tiled' if tiled else 'untiled'}, largest bucket); peak {plan.stage1_peak(tiled) / GIB:.2f} GiB "
                      f"(precompute.text_encoder_offload = {pre.text_encoder_offload}"
-                     + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")"))
+                     + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")")
+                     + f"; host memory {plan.stage1_host() / GIB:.2f} GiB (text encoders waiting, the decoded clips of "
+                       f"{pre.text_phase_shards} shard(s) waiting for their text phase and a bucket buffer)")
     return "\n".join(lines)
 
 
@@ -660,7 +675,8 @@ def plan_json(plan: Plan) -> dict:
                                "host_total": rank.host_total, "host_peak": rank.host_peak},
             "validation": plan.validation, "validation_vae_tiled": plan.vae_tiled,
             "activations": plan.activations, "stage1": plan.stage1, "flops": plan.flops,
-            **({"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1)} if plan.stage1 else {})}
+            **({"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1),
+                "stage1_host": plan.stage1_host()} if plan.stage1 else {})}
 
 
 __all__ = ["Plan", "RankPlan", "make_plan", "format_plan", "plan_json"]
