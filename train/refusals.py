@@ -35,10 +35,10 @@ def check(config: Config, spec, world_size: int) -> None:
     if train.loss_weighting != "none" and config.model.diffusion_forcing:
         raise UserError(f"train.loss_weighting = {train.loss_weighting!r} weights each sample by its sigma, but "
                          "model.diffusion_forcing draws one sigma per latent frame; set train.loss_weighting = \"none\"")
-    _check_pipeline_stages(config, spec)
+    check_pipeline_stages(config, spec)
 
 
-def _check_pipeline_stages(config: Config, spec) -> None:
+def check_pipeline_stages(config: Config, spec) -> None:
     """parallel.pp > 1 (train/parallel/pp.py): what pipeline stages cannot run yet."""
     pp = config.parallel.pp
     if pp == 1:

@@ -66,14 +66,14 @@ def test_pipeline_refuses_sound_and_several_experts():
     the check reads the config and the spec only)."""
     from types import SimpleNamespace
 
-    from vt.train.trainer import Trainer
+    from vt.train.refusals import check_pipeline_stages  # what the trainer and `vt-train plan` check at start-up
 
-    def trainer(audio: bool, experts: dict):
+    def check(audio: bool, experts: dict):
         config = SimpleNamespace(parallel=SimpleNamespace(pp=2), model=SimpleNamespace(audio=audio))
-        return SimpleNamespace(config=config, spec=SimpleNamespace(trained_experts=experts, pipeline_refusal=""))
+        check_pipeline_stages(config, SimpleNamespace(trained_experts=experts, pipeline_refusal=""))
 
     with pytest.raises(ValueError, match="set parallel.pp = 1 to train sound"):
-        Trainer._check_pipeline(trainer(True, {}))
+        check(True, {})
     with pytest.raises(ValueError, match="train one expert per run"):
-        Trainer._check_pipeline(trainer(False, {"high_noise": "transformer", "low_noise": "transformer_2"}))
-    Trainer._check_pipeline(trainer(False, {}))  # video alone, one transformer: runs
+        check(False, {"high_noise": "transformer", "low_noise": "transformer_2"})
+    check(False, {})  # video alone, one transformer: runs
