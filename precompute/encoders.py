@@ -3,14 +3,17 @@
 `precompute.text_encoder_offload` decides where the text (and image) encoders live, for encoders that do
 not fit on the device beside the VAE's work:
 - "none": on the device, with the VAE (small models, or a GPU with room for both);
-- "model": in page-locked host memory (one arena per encoder, exactly its bytes); a text phase copies them onto
-  the device, encodes the new captions of the next `precompute.text_phase_shards` shards together and drops the
-  device copies (nothing is copied back: the weights are frozen) before the VAE runs. For an encoder that fits on
-  the GPU alone but not beside a VAE encoding long, high-resolution clips;
+- "model": in host memory (one arena per encoder, exactly its bytes, page-locked on a GPU: HostCopy); a text phase
+  copies them onto the device, encodes the new captions of the next `precompute.text_phase_shards` full shards (a
+  shard's worth of captions per batch, so the encoder works in what one shard's phase took) and drops the device
+  copies (nothing is copied back: the weights are frozen) before the VAE runs. For an encoder that fits on the GPU
+  alone but not beside a VAE encoding long, high-resolution clips;
 - "blocks": in CPU memory, streamed onto the device block by block as they run (diffusers' group
   offloading, with a CUDA stream prefetching the next block): an encoder larger than the GPU
   (MiniMax H3's 32B Qwen3-VL, 64 GB in bf16) runs on any GPU, at the cost of moving its weights
-  once per caption batch. Captions are encoded once each (text cache), so this is rarely the bottleneck.
+  once per call of the family's text encoding (the new captions of `precompute.text_phase_shards` shards are one
+  call; MiniMax H3's encodes caption by caption). Captions are encoded once each (text cache), so this is
+  rarely the bottleneck.
 Why not shard the encoder over the producers (FSDP2 in lockstep): producers are independent processes
 that start, stop and restart on their own; a collective text encoder would tie every producer to the
 slowest and stop all of them when one dies. The choice keeps each producer self-contained.
@@ -121,70 +124,111 @@ def layer_paths(module: nn.Module) -> list[str]:
     return sorted({name for path in outermost for name in path.split(".")[:-1]})
 
 
+MOVE_ON_CPU = False  # tests: a CPU run's "model" offload moves the text parts too (through the arena, counted)
+
+
+def moves_text(device: torch.device, offload: str) -> bool:
+    """Whether text phases move the text parts: "model" offload onto a GPU. On a CPU the device is host memory
+    already and nothing moves, unless `MOVE_ON_CPU` (the same arena and copies, for tests to count and compare)."""
+    return offload == "model" and (device.type != "cpu" or MOVE_ON_CPU)
+
+
 class HostCopy:
-    """A frozen module's weights kept in one page-locked host arena (vt.shared.host_memory: exactly their bytes),
-    moved onto the device for a text phase and dropped after it. The weights never change, so going back copies
-    nothing: each parameter and buffer points at its host view again and the device copies are freed. Copies in
-    are asynchronous (page-locked), half the bytes of `module.to(device)` then `module.to("cpu")`."""
+    """A frozen module's weights and buffers in one host arena (vt.shared.host_memory: exactly their bytes, page-
+    locked for a CUDA device; torch's caching host allocator would round each tensor up to a power of two), each a
+    view of it; copied onto the device for a text phase and dropped after it. The weights never change, so going
+    back copies nothing: each parameter and buffer is its host view again and the device copies are freed. Copies in
+    are asynchronous (page-locked), half the bytes of `module.to(device)` then `module.to("cpu")`.
+
+    The arena is filled tensor by tensor, each original freed once copied (where nothing else holds it), and
+    page-locked only when full (locking commits every page at once), so making it holds the module about once, not
+    twice. A tensor held in several places (tied weights) is one view and one copy. Phases nest: an inner one finds
+    the module on the device and moves nothing."""
 
     def __init__(self, module: nn.Module, device: torch.device):
         self.device = device
-        self.slots = [(owner, name, kind) for owner in module.modules()
-                      for kind, table in (("param", owner._parameters), ("buffer", owner._buffers))
-                      for name, tensor in table.items() if tensor is not None]
-        tensors = [self._get(slot) for slot in self.slots]
-        self.arena = HostBuffer(layout_bytes([(t.shape, t.dtype) for t in tensors]), device)
-        self.host = views(self.arena.bytes, [(t.shape, t.dtype) for t in tensors])
-        for slot, tensor, view in zip(self.slots, tensors, self.host):
-            view.copy_(tensor)
-            self._set(slot, view)
-        self.moves = 0  # times moved onto the device (tests and logs)
+        self.slots: list[list[tuple]] = []  # per distinct tensor, every (owner, name, kind) holding it
+        index: dict[int, int] = {}
+        for owner in module.modules():
+            for kind, table in (("param", owner._parameters), ("buffer", owner._buffers)):
+                for name, tensor in (item for item in table.items() if item[1] is not None):
+                    if id(tensor) not in index:
+                        index[id(tensor)] = len(self.slots)
+                        self.slots.append([])
+                    self.slots[index[id(tensor)]].append((owner, name, kind))
+        layout = [(t.shape, t.dtype) for t in (self._get(slots[0]) for slots in self.slots)]
+        self.arena = HostBuffer(layout_bytes(layout), device, lock_later=True)
+        self.host = views(self.arena.bytes, layout)
+        for slots, view in zip(self.slots, self.host):
+            view.copy_(self._get(slots[0]))
+            self._put(slots, view)  # the original is freed here (nothing else holds it)
+        self.arena.lock()
+        self.depth = 0  # text phases entered and not left
+        self.moves = 0  # times copied onto the device (tests and logs)
 
     @staticmethod
     def _get(slot) -> torch.Tensor:
         owner, name, kind = slot
         return owner._parameters[name] if kind == "param" else owner._buffers[name]
 
-    def _set(self, slot, tensor: torch.Tensor) -> None:
-        owner, name, kind = slot
-        if kind == "param":
-            owner._parameters[name].data = tensor
-        else:
-            owner._buffers[name] = tensor
+    @staticmethod
+    def _put(slots, tensor: torch.Tensor) -> None:
+        for owner, name, kind in slots:
+            if kind == "param":
+                owner._parameters[name].data = tensor
+            else:
+                owner._buffers[name] = tensor
 
     def to_device(self) -> None:
+        self.depth += 1
+        if self.depth > 1:
+            return
         self.moves += 1
-        for slot, view in zip(self.slots, self.host):
-            self._set(slot, view.to(self.device, non_blocking=True))
+        for slots, view in zip(self.slots, self.host):  # a copy even where the device is the host (MOVE_ON_CPU)
+            self._put(slots, torch.empty_like(view, device=self.device).copy_(view, non_blocking=True))
 
     def to_host(self) -> None:
-        for slot, view in zip(self.slots, self.host):
-            self._set(slot, view)
+        self.depth -= 1
+        if self.depth == 0:
+            for slots, view in zip(self.slots, self.host):
+                self._put(slots, view)
 
 
 HOST_COPIES: "weakref.WeakKeyDictionary[nn.Module, HostCopy]" = weakref.WeakKeyDictionary()
 
 
+def _text_modules(encoders: dict, spec) -> list[nn.Module]:
+    return [encoders[n] for n in text_components(spec) if isinstance(encoders[n], nn.Module)]
+
+
+def text_moves(encoders: dict, spec) -> int:
+    """How many times the text parts were copied onto the device (text phases that moved them)."""
+    return max((HOST_COPIES[m].moves for m in _text_modules(encoders, spec) if m in HOST_COPIES), default=0)
+
+
 @contextlib.contextmanager
 def text_phase(encoders: dict, spec, device: torch.device, offload: str) -> Iterator[None]:
     """Around text encoding: with "model" offload the text parts are on `device` inside the block (copied from
-    their page-locked host arena, made at the first phase) and only in host memory after it (the device memory
-    freed); otherwise nothing moves. How often a run enters it: once per `precompute.text_phase_shards` shards
-    (service.py encodes their captions together)."""
-    modules = [encoders[n] for n in text_components(spec) if isinstance(encoders[n], nn.Module)]
-    if offload != "model" or device.type == "cpu":
+    their host arena, made at the first phase) and only in host memory after it (the device memory freed);
+    otherwise nothing moves. Phases nest (the outermost moves). How often a run enters one: at start (the empty
+    caption and the validation prompts together), then once per `precompute.text_phase_shards` shards with a
+    caption not encoded yet (service.py encodes their captions together)."""
+    if not moves_text(device, offload):
         yield
         return
-    for module in modules:
+    copies = []
+    for module in _text_modules(encoders, spec):
         if module not in HOST_COPIES:
             HOST_COPIES[module] = HostCopy(module, device)
-        HOST_COPIES[module].to_device()
+        copies.append(HOST_COPIES[module])
+    for copy in copies:
+        copy.to_device()
     try:
         yield
     finally:
-        for module in modules:
-            HOST_COPIES[module].to_host()
-        if device.type == "cuda":
+        for copy in copies:
+            copy.to_host()
+        if device.type == "cuda" and not any(copy.depth for copy in copies):
             torch.cuda.empty_cache()
 
 

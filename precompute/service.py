@@ -1,14 +1,14 @@
 """Stage 1: raw webdataset shards -> decode workers -> per-bucket buffers -> encode -> shard window.
 
-Decoding (PyAV, CPU) runs in worker processes ahead of the encoder process, bounded so a long stream
-never piles up in memory. Samples of one bucket are buffered until a shard is full, then encoded in
-batches (captions through a per-run cache; `precompute.text_phase_shards` full shards wait so that their new
-captions are encoded in one text phase, an offloaded text encoder crossing to the GPU once for all of them) and
-committed into the window, in the order they filled, which blocks while the trainer is behind. A bad sample is skipped and counted by reason; too many failures in a row stop the
-run, since that means the input or the settings are wrong rather than a few clips. What is bad data
-is the error policy's call (processors/policy.py, passed to the chain in the workers): any other
-exception in a processor is a bug, which stops the run at once as ProcessorBug (its traceback
-logged, the buffered samples never written, so the window holds whole shards only).
+Decoding (PyAV, CPU) runs in worker processes ahead of the encoder process, bounded so a long stream never piles
+up in memory. Samples of one bucket are buffered until a shard is full, then encoded in batches (captions through a
+per-run cache) and committed into the window, which blocks while the trainer is behind. With an offloaded text
+encoder, `precompute.text_phase_shards` full shards wait (uncommitted: a crash decodes them again) for one text
+phase to encode all their new captions, then are committed in the order they filled. A bad sample is skipped and
+counted by reason; too many failures in a row stop the run, since that means the input or the settings are wrong
+rather than a few clips. What is bad data is the error policy's call (processors/policy.py, passed to the chain in
+the workers): any other exception in a processor is a bug, which stops the run at once as ProcessorBug (its
+traceback logged, the buffered samples never written, so the window holds whole shards only).
 
 Many producers: the window's raw shards are dealt to a fixed number of lanes (lane l: every L-th raw
 shard from the l-th), each lane writing its own sequence into the one window. Any number of producers,
@@ -66,6 +66,7 @@ from vt.shared.startup import StartupTimeline
 from vt.shared.window import ProducerFenced, Window, eval_window_uri
 
 log = get_logger("vt.precompute")
+_warned: set[str] = set()  # settings that do nothing, warned about once per process
 
 
 class TooManyFailures(UserError, RuntimeError):
@@ -185,17 +186,30 @@ class Precompute:
         self.report = Report(producer=self.name, startup=self.startup)
         self.progress: ProgressBar | None = None
         self.holder: LaneHolder | None = None
+        self.phase_shards = pre.text_phase_shards if pre.text_encoder_offload != "none" else 1
+        if pre.text_phase_shards > 1 and pre.text_encoder_offload == "none" and "phase_shards" not in _warned:
+            _warned.add("phase_shards")
+            log.warning("precompute.text_phase_shards = %d does nothing with precompute.text_encoder_offload = "
+                        "\"none\" (the text encoders stay on the device): each shard is written as it fills",
+                        pre.text_phase_shards)
 
     def _load_encoders(self) -> None:
         pre = self.config.precompute
         if self.encoders is None:
             self.encoders = load_encoders(self.spec, self.device, pre.text_encoder_offload, pre.vae_tiling)
         self.tiled = tiled_buckets(self.spec, self.encoders, self.buckets, self.device, pre.vae_tiling)
-        self.text_cache = TextCache(self._encode_text)
+        # "model": a phase's captions a shard's worth per call (the encoder's working memory as with one shard);
+        # "blocks" streams the encoder once per call, so a phase's new captions are one call.
+        batch = pre.samples_per_shard if pre.text_encoder_offload == "model" else None
+        self.text_cache = TextCache(self._encode_text, batch=batch)
+
+    def _text_phase(self):
+        """The text encoders on the device for the block (precompute/encoders.py; nested ones move nothing)."""
+        return text_phase(self.encoders, self.spec, self.device, self.config.precompute.text_encoder_offload)
 
     def _encode_text(self, captions: list[str]) -> dict[str, torch.Tensor]:
-        """A shard's new captions, in its text phase (precompute/encoders.py)."""
-        with text_phase(self.encoders, self.spec, self.device, self.config.precompute.text_encoder_offload):
+        """New captions, in a text phase (the caller's, or one of their own)."""
+        with self._text_phase():
             return self.spec.encode_text(self.encoders, captions)
 
     def run(self) -> Report:
@@ -234,11 +248,11 @@ class Precompute:
         try:
             self._load_encoders()  # while the workers start
             self.startup.mark("encoders_loaded")
-            with torch.inference_mode():
+            with torch.inference_mode(), self._text_phase():  # the empty caption and the prompts: one phase
                 self._write_empty_caption()
-                with text_phase(self.encoders, self.spec, self.device, pre.text_encoder_offload):
-                    write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
-                                                self.storage_dtype)
+                write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
+                                            self.storage_dtype)
+            with torch.inference_mode():
                 self.startup.mark("empty_caption_and_validation_prompts")
                 self._work()
         finally:
@@ -390,7 +404,7 @@ class Precompute:
                 bucket_samples.append((index, sample))
                 if len(bucket_samples) >= pre.samples_per_shard:
                     full.append(pending.pop(sample.bucket))
-                    if len(full) >= pre.text_phase_shards:
+                    if len(full) >= self.phase_shards:
                         yield from self._write_shards(run, full, epoch, tracker)
                         full = []
             self.progress.update()
@@ -399,14 +413,22 @@ class Precompute:
 
     def _write_shards(self, run: LaneRun, shards: list[list[tuple[int, PreparedSample]]], epoch: int,
                       tracker: Tracker) -> Iterator[str]:
-        """`shards` written in order, their new captions encoded first in one text phase (with
-        `precompute.text_encoder_offload = "model"` the encoders cross to the device once for all of them)."""
-        if len(shards) > 1 and not self.spec.text_with_image:
-            started = time.perf_counter()
-            self.text_cache.encode([sample.caption for items in shards for _, sample in items])
-            self.report.seconds["text_encode"] += time.perf_counter() - started
+        """`shards` committed one by one in the order they filled, after one text phase for all of them (none if
+        every caption is encoded already): their new captions into the text cache and, where the text encoder reads
+        each caption with its clip's first frame, every sample's conditions."""
+        samples = [sample for items in shards for _, sample in items]
+        started = time.perf_counter()
+        sample_text: dict[str, list[torch.Tensor]] = {}
+        if self.spec.text_with_image or self.text_cache.new([s.caption for s in samples]):
+            with self._text_phase():
+                self.text_cache.fill([s.caption for s in samples])
+                sample_text = self._encode_text_with_images(samples)
+        self.report.seconds["text_encode"] += time.perf_counter() - started
+        first = 0
         for items in shards:
-            yield from self._write_shard(run, items, epoch, tracker)
+            part = {name: rows[first:first + len(items)] for name, rows in sample_text.items()}
+            first += len(items)
+            yield from self._write_shard(run, items, epoch, tracker, part)
 
     def _stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Floating tensors in the storage dtype, others as they are."""
@@ -418,24 +440,21 @@ class Precompute:
         self.window.put_empty_caption(self.fingerprint, encode_caption(conditions, self.spec.text_masks))
 
     def _encode_text_with_images(self, samples: list[PreparedSample]) -> dict[str, list[torch.Tensor]]:
-        """Per-sample text conditions, in the text phase, where the family's text encoder reads each caption
-        with its clip's first frame (`spec.text_with_image`: a Llava reading the frame inside the prompt);
-        {} otherwise."""
+        """Per-sample text conditions (in the caller's text phase) where the family's text encoder reads each caption
+        with its clip's first frame (`spec.text_with_image`: a Llava reading the frame inside the prompt); {}
+        otherwise."""
         if not self.spec.text_with_image:
             return {}
-        with text_phase(self.encoders, self.spec, self.device, self.config.precompute.text_encoder_offload):
-            return encode_texts_with_images(self.spec, self.encoders, [s.caption for s in samples],
-                                            [s.video for s in samples], self.device)
+        return encode_texts_with_images(self.spec, self.encoders, [s.caption for s in samples],
+                                        [s.first_frame for s in samples], self.device)
 
     def _write_shard(self, run: LaneRun, items: list[tuple[int, PreparedSample]], epoch: int,
-                     tracker: Tracker) -> Iterator[str]:
+                     tracker: Tracker, sample_text: dict[str, list[torch.Tensor]]) -> Iterator[str]:
+        """One shard encoded and committed, its text conditions made in _write_shards' text phase."""
         pre = self.config.precompute
         samples = [sample for _, sample in items]
         bucket = samples[0].bucket
-        started = time.perf_counter()
         captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
-        sample_text = self._encode_text_with_images(samples)  # {} unless the text encoder reads the first frame
-        self.report.seconds["text_encode"] += time.perf_counter() - started
         started = time.perf_counter()
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,

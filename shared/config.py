@@ -154,8 +154,10 @@ class PrecomputeConfig(_Section):
     # "model" in page-locked host memory, copied onto the device for each text phase; "blocks" streamed block by
     # block from CPU memory (an encoder larger than the GPU).
     text_encoder_offload: Literal["none", "model", "blocks"] = "none"
-    # Full shards whose captions one text phase encodes together (their decoded clips wait in host memory meanwhile,
-    # uint8): with text_encoder_offload = "model" the encoders cross to the device once per this many shards.
+    # Full shards whose new captions one text phase encodes together (their decoded clips wait in host memory
+    # meanwhile, uint8, uncommitted): with text_encoder_offload = "model" the encoders cross to the device once per
+    # this many shards; with "blocks" their new captions are one call of the family's text encoding (one streaming
+    # pass where the family batches captions); with "none" it does nothing (warned).
     text_phase_shards: int = Field(1, ge=1)
     # Encode clips in overlapping tiles (vt.shared.vae_tiling): true, false, or "auto" (the buckets whose untiled
     # encode would not fit in the GPU memory free). `true` is part of the shards' provenance.

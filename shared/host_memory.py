@@ -8,8 +8,9 @@ the driver (`cudaHostRegister`), one allocation per arena: a swapped block's fro
 activations. Tensors are views into an arena; a copy from one to the GPU with `non_blocking=True` is asynchronous,
 as from any pinned memory.
 
-- `HostBuffer(nbytes, device)`: one arena of bytes, page-locked when `pins(device)` and unlocked when the buffer
-  object goes (its owner keeps it as long as any view of it is in use).
+- `HostBuffer(nbytes, device)`: one arena of bytes, page-locked when `pins(device)` (at once, or once filled:
+  `lock_later`, then `lock()`) and unlocked when the buffer object goes (its owner keeps it as long as any view of
+  it is in use).
 - `views(buffer, tensors)`: tensors of the given shapes and dtypes laid out in one buffer (each aligned).
 - `Arena`: a bump allocator over a buffer that grows to the most one round (a training step) took, then stays.
 
@@ -46,15 +47,24 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 class HostBuffer:
-    """`nbytes` of host memory (uint8, `.bytes`), page-locked with the driver when `pins(device)`."""
+    """`nbytes` of host memory (uint8, `.bytes`), page-locked with the driver when `pins(device)`: at once, or with
+    `lock_later` when `lock()` is called (page-locking commits every page, so a buffer filled from tensors that are
+    freed as they are copied, and locked once full, never holds both at once)."""
 
-    def __init__(self, size: int, device: torch.device):
-        global _pinned
+    def __init__(self, size: int, device: torch.device, lock_later: bool = False):
         self.bytes = torch.empty(size, dtype=torch.uint8)
-        self.pinned = pins(device) and size > 0
-        if self.pinned:
+        self.device = device
+        self.pinned = False
+        if not lock_later:
+            self.lock()
+
+    def lock(self) -> None:
+        """Page-lock the bytes (if `pins(device)`; once)."""
+        global _pinned
+        if pins(self.device) and self.size > 0 and not self.pinned:
             _register(self.bytes)
-            _pinned += size
+            _pinned += self.size
+            self.pinned = True
 
     @property
     def size(self) -> int:

@@ -37,6 +37,11 @@ class PreparedSample:
         return to_model_range(self.pixels)
 
     @property
+    def first_frame(self) -> torch.Tensor:
+        """(3, 1, H, W): `video`'s first frame, made from that frame alone."""
+        return to_model_range(self.pixels[:, :1])
+
+    @property
     def control(self) -> torch.Tensor | None:
         """The control video as `video` is made, (3, F, H, W) float32 in [-1, 1]; None without one."""
         return None if self.control_pixels is None else to_model_range(self.control_pixels)
