@@ -11,14 +11,16 @@ TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup demo test bench gpu-check precompute train pipeline assets clean
+.PHONY: setup system demo test bench gpu-check precompute train pipeline assets clean
 
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
-	touch $@
+	@started=$$(date +%s); set -e; \
+	$(PYTHON) -m venv $(VENV); \
+	$(PY) -m pip install -q --upgrade pip; \
+	$(PY) -m pip install -q torch==2.13.0; \
+	$(PY) -m pip install -q -e '.[dev]'; \
+	touch $@; \
+	echo "bootstrap (virtualenv and packages): $$(( $$(date +%s) - started )) s"
 
 setup: $(VENV)/.installed
 
@@ -51,8 +53,19 @@ precompute: assets
 train: assets
 	$(VENV)/bin/vt-train run $(CONFIG) $(SET)
 
-test: setup
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+# The system packages some tests run (Slurm's daemons, Chromium), installed before the suite's clock starts; where
+# they cannot be, those tests say why.
+system:
+	@started=$$(date +%s); \
+	scripts/ensure_slurm.sh >/dev/null || echo "Slurm not installed: the Slurm tests will say why"; \
+	scripts/ensure_browser.sh >/dev/null || echo "Chromium not installed: the page tests will say why"; \
+	echo "system packages: $$(( $$(date +%s) - started )) s"
+
+test: setup system
+	@started=$$(date +%s); status=0; \
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40 tests || status=$$?; \
+	echo "suite: $$(( $$(date +%s) - started )) s (from the first test's start-up, bootstrap and system packages apart)"; \
+	exit $$status
 
 bench: assets
 	$(PY) scripts/bench.py
