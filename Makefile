@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup system demo test bench gpu-check precompute train pipeline assets clean
+.PHONY: setup system lint format demo test bench gpu-check precompute train pipeline assets clean
 
 $(VENV)/.installed: pyproject.toml
 	@started=$$(date +%s); set -e; \
@@ -61,7 +61,14 @@ system:
 	scripts/ensure_browser.sh >/dev/null || echo "Chromium not installed: the page tests will say why"; \
 	echo "system packages: $$(( $$(date +%s) - started )) s"
 
-test: setup system
+# The tree as ruff formats and checks it (pyproject.toml [tool.ruff]); `make format` fixes what it can.
+lint: setup
+	$(VENV)/bin/ruff format --check --quiet . && $(VENV)/bin/ruff check --quiet .
+
+format: setup
+	$(VENV)/bin/ruff format --quiet . && $(VENV)/bin/ruff check --fix --quiet .
+
+test: setup system lint
 	@started=$$(date +%s); status=0; \
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=40 tests || status=$$?; \
 	echo "suite: $$(( $$(date +%s) - started )) s (from the first test's start-up, bootstrap and system packages apart)"; \

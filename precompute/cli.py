@@ -10,8 +10,12 @@ import typer
 from vt.shared.cli import SET_HELP, USER_ERRORS, fail, load_or_exit
 from vt.shared.errors import UserError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Stage 1: stream raw video shards into a rolling window of latent shards.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Stage 1: stream raw video shards into a rolling window of latent shards.",
+)
 
 
 @app.callback()
@@ -20,8 +24,10 @@ def main() -> None:
 
 
 @app.command()
-def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
-        set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+def run(
+    config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
+    set: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
     """Encode raw webdataset shards (local or s3://) into latent shards in the window.
 
     Start as many as you like, by any launcher (torchrun, a Slurm array, by hand), at any time: they share
@@ -51,8 +57,10 @@ def stop_on_sigterm() -> None:
 
 
 @app.command()
-def prompts(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
-            set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+def prompts(
+    config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
+    set: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
     """Encode the config's validation prompts (and i2v images) into its window, for the trainer.
 
     Loads only the text (and image) encoders. vt-precompute run does this too; use this command for
@@ -69,10 +77,12 @@ def prompts(config: Path = typer.Argument(..., help="TOML run config, e.g. confi
 
 
 @app.command()
-def pack(folder: str = typer.Argument(..., help="folder (local or s3://) of clips and images with .txt/.json captions"),
-         out: str = typer.Argument(..., help="where the tars go: a folder or s3://bucket/prefix"),
-         shard_size: str = typer.Option("1GB", "--shard-size", help="close a tar once it holds this much, e.g. 512MB"),
-         prefix: str = typer.Option("raw", "--prefix", help="tar names: <prefix>-000000.tar, ...")) -> None:
+def pack(
+    folder: str = typer.Argument(..., help="folder (local or s3://) of clips and images with .txt/.json captions"),
+    out: str = typer.Argument(..., help="where the tars go: a folder or s3://bucket/prefix"),
+    shard_size: str = typer.Option("1GB", "--shard-size", help="close a tar once it holds this much, e.g. 512MB"),
+    prefix: str = typer.Option("raw", "--prefix", help="tar names: <prefix>-000000.tar, ..."),
+) -> None:
     """Write a folder of media files as webdataset tars of about --shard-size each (for object storage)."""
     from vt.precompute.pack import pack_folder, parse_size
 
@@ -85,8 +95,10 @@ def pack(folder: str = typer.Argument(..., help="folder (local or s3://) of clip
 
 
 @app.command()
-def inspect(window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
-            as_json: bool = typer.Option(False, "--json", help="print the state as JSON")) -> None:
+def inspect(
+    window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
+    as_json: bool = typer.Option(False, "--json", help="print the state as JSON"),
+) -> None:
     """Print a window's state: producers, committed, consumed watermark, evicted, bytes, buckets, fingerprint."""
     from vt.shared.storage import Storage
     from vt.shared.window import Window
@@ -101,8 +113,10 @@ def inspect(window: str = typer.Argument(..., help="window URI: a folder or s3:/
 
 
 @app.command()
-def status(window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
-           as_json: bool = typer.Option(False, "--json", help="print the status as JSON")) -> None:
+def status(
+    window: str = typer.Argument(..., help="window URI: a folder or s3://bucket/prefix"),
+    as_json: bool = typer.Option(False, "--json", help="print the status as JSON"),
+) -> None:
     """Print how far stage 1 is: raw shards complete / being worked / waiting, each lane's holder, each
     producer's lanes, samples committed and rate, and the rejects by reason."""
     from vt.precompute.status import format_status, window_status
@@ -120,14 +134,18 @@ def status(window: str = typer.Argument(..., help="window URI: a folder or s3://
 
 def format_state(state: dict) -> str:
     """The window state as a short human-readable table."""
-    lines = [f"window {state['uri']}  size={state['size']}  producers={state['world_size']}",
-             f"committed {state['committed']} shards, present {state['present']}, unread {state['unread']}, "
-             f"evicted {state['evicted']}; {state['bytes'] / 1e6:.2f} MB",
-             f"consumer: read position {state['read']}, watermark position {state['watermark']}",
-             "producer  gen  done  committed  read  watermark  fingerprint"]
+    lines = [
+        f"window {state['uri']}  size={state['size']}  producers={state['world_size']}",
+        f"committed {state['committed']} shards, present {state['present']}, unread {state['unread']}, "
+        f"evicted {state['evicted']}; {state['bytes'] / 1e6:.2f} MB",
+        f"consumer: read position {state['read']}, watermark position {state['watermark']}",
+        "producer  gen  done  committed  read  watermark  fingerprint",
+    ]
     for rank, p in state["producers"].items():
-        lines.append(f"p{rank:<8} {p['generation'] or '-':>3}  {'yes' if p['done'] else 'no':>4}  "
-                     f"{p['committed']:>9}  {p['read']:>4}  {p['watermark']:>9}  {p['fingerprint'] or '-'}")
+        lines.append(
+            f"p{rank:<8} {p['generation'] or '-':>3}  {'yes' if p['done'] else 'no':>4}  "
+            f"{p['committed']:>9}  {p['read']:>4}  {p['watermark']:>9}  {p['fingerprint'] or '-'}"
+        )
     lines.append("bucket      shards  samples")
     for bucket, counts in state["buckets"].items():
         lines.append(f"{bucket:<11} {counts['shards']:>6}  {counts['samples']:>7}")
@@ -135,8 +153,10 @@ def format_state(state: dict) -> str:
     if state["orphans"]:
         lines.append(f"orphan data files (uncommitted or left by a crash): {len(state['orphans'])}")
     if state["leftovers"]:
-        lines.append(f"unfinished writes (temp files or S3 uploads; a killed writer's are cleaned by its role's "
-                     f"next start): {len(state['leftovers'])}")
+        lines.append(
+            f"unfinished writes (temp files or S3 uploads; a killed writer's are cleaned by its role's "
+            f"next start): {len(state['leftovers'])}"
+        )
         lines += [f"  {rel}  {age}s old" for rel, age in state["leftovers"].items()]
     return "\n".join(lines)
 

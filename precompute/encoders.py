@@ -61,8 +61,11 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool | s
     text_parts = text_components(spec)
     dtype = encoder_dtype(device, spec.frozen_dtype)
     if dtype != spec.frozen_dtype:
-        log.info("stage 1 on a CPU: the encoders compute in float32, not model.dtype %s (their reduced-precision "
-                 "kernels run tens of times slower there)", str(spec.frozen_dtype).removeprefix("torch."))
+        log.info(
+            "stage 1 on a CPU: the encoders compute in float32, not model.dtype %s (their reduced-precision "
+            "kernels run tens of times slower there)",
+            str(spec.frozen_dtype).removeprefix("torch."),
+        )
     encoders = {}
     for name in spec.stage1_components:
         on_cpu = name in text_parts and offload != "none"
@@ -73,18 +76,29 @@ def load_encoders(spec, device: torch.device, offload: str, vae_tiling: bool | s
 
         for name in text_parts:
             if isinstance(encoders[name], nn.Module):
-                apply_group_offloading(encoders[name], onload_device=device, offload_device="cpu",
-                                       offload_type="block_level", num_blocks_per_group=1,
-                                       use_stream=device.type == "cuda", block_modules=layer_paths(encoders[name]))
+                apply_group_offloading(
+                    encoders[name],
+                    onload_device=device,
+                    offload_device="cpu",
+                    offload_type="block_level",
+                    num_blocks_per_group=1,
+                    use_stream=device.type == "cuda",
+                    block_modules=layer_paths(encoders[name]),
+                )
     if vae_tiling is True:
         vae = encoders["vae"]
         if not hasattr(vae, "enable_tiling"):
-            raise UserError(f"precompute.vae_tiling = true, but the {spec.family} VAE ({type(vae).__name__}) "
-                             "has no tiled encoding; set precompute.vae_tiling = false")
+            raise UserError(
+                f"precompute.vae_tiling = true, but the {spec.family} VAE ({type(vae).__name__}) "
+                "has no tiled encoding; set precompute.vae_tiling = false"
+            )
         enable_tiling(vae)
     if offload != "none":
-        log.info("text encoders in CPU memory (precompute.text_encoder_offload = %s): %s", offload,
-                 ", ".join(n for n in text_parts if isinstance(encoders[n], nn.Module)))
+        log.info(
+            "text encoders in CPU memory (precompute.text_encoder_offload = %s): %s",
+            offload,
+            ", ".join(n for n in text_parts if isinstance(encoders[n], nn.Module)),
+        )
     return encoders
 
 
@@ -99,11 +113,19 @@ def tiled_buckets(spec, encoders: dict, buckets, device: torch.device, setting: 
         return set()
     tiled = set()
     for bucket in buckets:
-        untiled = pass_peak(spec.empty_component("vae", vae.dtype), "encode",
-                            (1, 3, bucket.frames, bucket.height, bucket.width), run=spec._vae_mode)
+        untiled = pass_peak(
+            spec.empty_component("vae", vae.dtype),
+            "encode",
+            (1, 3, bucket.frames, bucket.height, bucket.width),
+            run=spec._vae_mode,
+        )
         tile, why = decide("auto", untiled, free, True)
-        log.info("bucket %s: the VAE encodes %s (precompute.vae_tiling = auto: %s)", bucket.name,
-                 "tiled" if tile else "untiled", why)
+        log.info(
+            "bucket %s: the VAE encodes %s (precompute.vae_tiling = auto: %s)",
+            bucket.name,
+            "tiled" if tile else "untiled",
+            why,
+        )
         if tile:
             tiled.add(bucket.name)
     return tiled
@@ -235,12 +257,20 @@ def text_phase(encoders: dict, spec, device: torch.device, offload: str) -> Iter
 def is_out_of_memory(err: BaseException) -> bool:
     """A GPU out-of-memory error, or the CPU allocator failing to allocate (what the CPU says instead)."""
     return isinstance(err, torch.OutOfMemoryError) or (
-        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err)
+    )
 
 
-def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, device: torch.device,
-                  bucket: str, tiled: bool,
-                  controls: list[torch.Tensor] | None = None) -> dict[str, list[torch.Tensor]]:
+def encode_videos(
+    spec,
+    encoders: dict,
+    videos: list[torch.Tensor],
+    batch: int,
+    device: torch.device,
+    bucket: str,
+    tiled: bool,
+    controls: list[torch.Tensor] | None = None,
+) -> dict[str, list[torch.Tensor]]:
     """`spec.encode_video` over `videos` in batches of `batch` (with each clip's control video as
     `control=` where `controls` is given: `spec.control_video`), the VAE tiled if `tiled`; a batch that runs
     out of memory is retried one clip at a time, and a clip that still does not fit raises VaeOutOfMemory
@@ -252,8 +282,8 @@ def encode_videos(spec, encoders: dict, videos: list[torch.Tensor], batch: int, 
 def _encode_videos(spec, encoders, videos, batch, device, bucket, tiled, controls) -> dict[str, list[torch.Tensor]]:
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(videos), batch):
-        group = videos[start:start + batch]
-        paired = controls[start:start + batch] if controls is not None else [None] * len(group)
+        group = videos[start : start + batch]
+        paired = controls[start : start + batch] if controls is not None else [None] * len(group)
         try:
             control = {} if controls is None else {"control": torch.stack(paired).to(device)}
             parts = [spec.encode_video(encoders, torch.stack(group).to(device), **control)]
@@ -261,16 +291,19 @@ def _encode_videos(spec, encoders, videos, batch, device, bucket, tiled, control
             if not is_out_of_memory(err):
                 raise
             _free(device)
-            parts = [_encode_one(spec, encoders, video, device, bucket, tiled, control)
-                     for video, control in zip(group, paired)]
+            parts = [
+                _encode_one(spec, encoders, video, device, bucket, tiled, control)
+                for video, control in zip(group, paired)
+            ]
         for part in parts:
             for name, tensor in part.items():
                 out.setdefault(name, []).append(tensor.cpu())
     return out
 
 
-def encode_sounds(spec, encoders: dict, sounds: list[torch.Tensor], bucket, batch: int,
-                  device: torch.device) -> dict[str, list[torch.Tensor]]:
+def encode_sounds(
+    spec, encoders: dict, sounds: list[torch.Tensor], bucket, batch: int, device: torch.device
+) -> dict[str, list[torch.Tensor]]:
     """`spec.sound.encode` over the samples' `sounds` (channels, samples) in batches of `batch`, each cut or
     padded with silence to `spec.sound.samples(bucket)` (the decoder's rounding is the spec's; this keeps
     the family's length the one truth)."""
@@ -278,14 +311,15 @@ def encode_sounds(spec, encoders: dict, sounds: list[torch.Tensor], bucket, batc
     fitted = [F.pad(s[:, :length], (0, max(0, length - s.shape[1]))) for s in sounds]
     out: dict[str, list[torch.Tensor]] = {}
     for start in range(0, len(fitted), batch):
-        group = torch.stack(fitted[start:start + batch]).to(device, torch.float32)
+        group = torch.stack(fitted[start : start + batch]).to(device, torch.float32)
         for name, tensor in spec.sound.encode(encoders, group).items():
             out.setdefault(name, []).append(tensor.cpu())
     return out
 
 
-def encode_texts_with_images(spec, encoders: dict, captions: list[str], videos: list[torch.Tensor],
-                             device: torch.device) -> dict[str, list[torch.Tensor]]:
+def encode_texts_with_images(
+    spec, encoders: dict, captions: list[str], videos: list[torch.Tensor], device: torch.device
+) -> dict[str, list[torch.Tensor]]:
     """`spec.text_with_image.encode` of each caption with its clip's first frame, one sample at a time (the
     pipeline's prompt crop handles a caption cut at the text length only in a batch of one)."""
     out: dict[str, list[torch.Tensor]] = {}
@@ -296,8 +330,9 @@ def encode_texts_with_images(spec, encoders: dict, captions: list[str], videos: 
     return out
 
 
-def _encode_one(spec, encoders, video, device, bucket: str, tiled: bool,
-                control: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def _encode_one(
+    spec, encoders, video, device, bucket: str, tiled: bool, control: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
     try:
         extra = {} if control is None else {"control": control.unsqueeze(0).to(device)}
         return spec.encode_video(encoders, video.unsqueeze(0).to(device), **extra)
@@ -305,10 +340,15 @@ def _encode_one(spec, encoders, video, device, bucket: str, tiled: bool,
         if not is_out_of_memory(err):
             raise
         _free(device)
-        fix = ("use smaller buckets.sizes (fewer frames or pixels), or more GPU memory"
-               if tiled else "set precompute.vae_tiling = true (tiled encoding), or use smaller buckets.sizes")
-        raise VaeOutOfMemory(f"the {spec.family} VAE ran out of memory encoding one clip of bucket {bucket} on "
-                             f"{device} ({type(err).__name__}): {fix}") from err
+        fix = (
+            "use smaller buckets.sizes (fewer frames or pixels), or more GPU memory"
+            if tiled
+            else "set precompute.vae_tiling = true (tiled encoding), or use smaller buckets.sizes"
+        )
+        raise VaeOutOfMemory(
+            f"the {spec.family} VAE ran out of memory encoding one clip of bucket {bucket} on "
+            f"{device} ({type(err).__name__}): {fix}"
+        ) from err
 
 
 def _free(device: torch.device) -> None:

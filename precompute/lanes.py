@@ -65,8 +65,9 @@ def worker_path(name: str) -> str:
 class LaneHolder:
     """This producer's claims on one window's lanes, renewed by a heartbeat thread until `close`."""
 
-    def __init__(self, storage: Storage, lanes: int, claim_seconds: float, name: str,
-                 status: Callable[[], dict] = dict):
+    def __init__(
+        self, storage: Storage, lanes: int, claim_seconds: float, name: str, status: Callable[[], dict] = dict
+    ):
         self.storage, self.lanes, self.name, self.status = storage, lanes, name, status
         self.claim_seconds = claim_seconds
         self.liveness = Liveness(claim_seconds)
@@ -120,8 +121,9 @@ class LaneHolder:
             try:
                 self.let_go(lane)
             except Exception as err:  # noqa: BLE001 - its holder stops anyway; the lane is taken once silent
-                log.warning("lane %d of %s not released (%s); it is taken over once silent", lane,
-                            self.storage.uri, err)
+                log.warning(
+                    "lane %d of %s not released (%s); it is taken over once silent", lane, self.storage.uri, err
+                )
         self._write_record()
 
     def _heartbeat(self) -> None:
@@ -132,10 +134,16 @@ class LaneHolder:
                         lease.renew(self.storage, lane, generation, record)
                 self._write_record()
             except Exception as err:  # noqa: BLE001 - an outage past the retries: the next beat tries again
-                log.warning("heartbeat of producer %s failed (%s); retrying in %.0fs", self.name, err,
-                            self.claim_seconds / 4)
+                log.warning(
+                    "heartbeat of producer %s failed (%s); retrying in %.0fs", self.name, err, self.claim_seconds / 4
+                )
 
     def _write_record(self) -> None:
-        record = {"producer": self.name, **identity(), "lanes": sorted(self.held),
-                  "updated": time.time(), **self.status()}
+        record = {
+            "producer": self.name,
+            **identity(),
+            "lanes": sorted(self.held),
+            "updated": time.time(),
+            **self.status(),
+        }
         self.storage.put_atomic(worker_path(self.name), json.dumps(record).encode())

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import PurePosixPath
 
 import fsspec
+
 from vt.shared.errors import UserError
 
 UNIT_CLIPS = 64
@@ -60,8 +61,10 @@ def _parquet():
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError("data.raw is a parquet manifest, which needs pyarrow: pip install 'vt[parquet]', or "
-                         "write the manifest as JSON lines (.jsonl)") from None
+        raise UserError(
+            "data.raw is a parquet manifest, which needs pyarrow: pip install 'vt[parquet]', or "
+            "write the manifest as JSON lines (.jsonl)"
+        ) from None
     return pq
 
 
@@ -79,7 +82,7 @@ def unit_name(unit: str) -> str:
     if is_curator_meta(unit):
         return ""
     name = PurePosixPath(unit.split("#", 1)[0]).name
-    return name[:name.rfind(".")] if "." in name else name
+    return name[: name.rfind(".")] if "." in name else name
 
 
 def iter_manifest_records(unit: str) -> Iterator[tuple[str, dict, str]]:
@@ -129,8 +132,13 @@ def clip_of(record: dict, folder: str) -> tuple[dict, str | None, str]:
     uri = next((record.pop(f) for f in VIDEO_FIELDS if isinstance(record.get(f), str)), None)
     caption = next((record.pop(f) for f in CAPTION_FIELDS if isinstance(record.get(f), str)), None)
     start, end = record.pop("start", None), record.pop("end", None)
-    clip = {"uri": _resolve(uri, folder) if uri else None, "start": start, "end": end, "caption": caption,
-            "meta": _plain(record)}
+    clip = {
+        "uri": _resolve(uri, folder) if uri else None,
+        "start": start,
+        "end": end,
+        "caption": caption,
+        "meta": _plain(record),
+    }
     if uri is None:
         return clip, "missing_video", f"no {' / '.join(VIDEO_FIELDS)} field"
     if not _span_ok(start, end):
@@ -152,8 +160,7 @@ def _curator_clip(record: dict) -> tuple[dict, str | None, str]:
     if location and fsspec.core.url_to_fs(location)[0].exists(location):
         clip = {"uri": location, "start": None, "end": None, "caption": caption, "meta": meta}
     else:
-        clip = {"uri": record.get("source_video"), "start": span[0], "end": span[1], "caption": caption,
-                "meta": meta}
+        clip = {"uri": record.get("source_video"), "start": span[0], "end": span[1], "caption": caption, "meta": meta}
     if not record.get("valid", True):
         return clip, "invalid_clip", f"Curator marked clip {record.get('span_uuid')} invalid"
     if not clip["uri"]:

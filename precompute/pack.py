@@ -91,7 +91,7 @@ def parse_size(text: str) -> int:
     units = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
     cleaned = text.strip().lower().removesuffix("b")
     number = cleaned.rstrip("kmgti")
-    unit = cleaned[len(number):]
+    unit = cleaned[len(number) :]
     try:
         value = float(number)
     except ValueError:

@@ -31,8 +31,14 @@ class Outcome:
     seconds: float
 
     @classmethod
-    def of(cls, raw: RawSample, samples: list[PreparedSample] | None, reason: str | None = None, detail: str = "",
-           seconds: float = 0.0) -> "Outcome":
+    def of(
+        cls,
+        raw: RawSample,
+        samples: list[PreparedSample] | None,
+        reason: str | None = None,
+        detail: str = "",
+        seconds: float = 0.0,
+    ) -> "Outcome":
         return cls(raw.sample_id, raw.shard, raw.position, samples, reason, detail, seconds)
 
 
@@ -43,8 +49,14 @@ class ShardEnd:
     index: int
 
 
-def prepare_timed(raw: RawSample, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
-                  sound: SoundRequest | None = None) -> Outcome:
+def prepare_timed(
+    raw: RawSample,
+    chain: Chain,
+    buckets: list[Bucket],
+    fps: float,
+    policy: ErrorPolicy,
+    sound: SoundRequest | None = None,
+) -> Outcome:
     """Runs in a decode worker: a sample in, its prepared samples (with their sound when `sound` asks for
     it) or the reason it was rejected out.
 
@@ -62,8 +74,9 @@ class Prepare:
     """Picklable `prepare_timed` bound to the chain, bucket table, error policy and sound request; (raw index,
     sample) -> (raw index, Outcome)."""
 
-    def __init__(self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy,
-                 sound: SoundRequest | None = None):
+    def __init__(
+        self, chain: Chain, buckets: list[Bucket], fps: float, policy: ErrorPolicy, sound: SoundRequest | None = None
+    ):
         self.chain, self.buckets, self.fps, self.policy, self.sound = chain, buckets, fps, policy, sound
 
     def __call__(self, item: tuple[int, RawSample] | ShardEnd) -> tuple[int, Outcome] | ShardEnd:
@@ -83,5 +96,6 @@ class Prepare:
         if isinstance(item, ShardEnd):
             return item
         index, raw = item
-        return index, Outcome.of(raw, None, "decoder_crashed",
-                                 "the decode worker process (or Ray actor) died on this clip")
+        return index, Outcome.of(
+            raw, None, "decoder_crashed", "the decode worker process (or Ray actor) died on this clip"
+        )

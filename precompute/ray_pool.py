@@ -41,16 +41,19 @@ class DecodeActor:
 
 
 class RayDecodePool:
-    def __init__(self, actors: int, initializer: Callable[[], None] | None = None, tries: int = 3,
-                 timeout_seconds: float = 600.0):
+    def __init__(
+        self, actors: int, initializer: Callable[[], None] | None = None, tries: int = 3, timeout_seconds: float = 600.0
+    ):
         if not os.environ.get("RAY_ADDRESS"):  # a local cluster of this process's own: before ray reads them
             for name, value in LOCAL_CLUSTER_ENVIRONMENT.items():
                 os.environ.setdefault(name, value)
         try:
             import ray
         except ImportError as err:
-            raise UserError("precompute.engine = \"ray\" needs Ray: pip install 'vt[ray]' (ray==2.60.0), or set "
-                            "precompute.engine = \"local\"") from err
+            raise UserError(
+                "precompute.engine = \"ray\" needs Ray: pip install 'vt[ray]' (ray==2.60.0), or set "
+                'precompute.engine = "local"'
+            ) from err
         self.ray = ray
         self.tries, self.timeout = tries, timeout_seconds
         self.crashes = 0  # clips rejected for taking `tries` actors with them
@@ -86,11 +89,12 @@ class RayDecodePool:
         try:
             return self.ray.get(refs, timeout=self.timeout)
         except self.ray.exceptions.GetTimeoutError as err:
-            raise UserError(f"the Ray cluster answered nothing in precompute.ray_timeout_seconds = {self.timeout:g}: "
-                            "is it up (RAY_ADDRESS)?") from err
+            raise UserError(
+                f"the Ray cluster answered nothing in precompute.ray_timeout_seconds = {self.timeout:g}: "
+                "is it up (RAY_ADDRESS)?"
+            ) from err
 
-    def map(self, fn: Callable[[Any], Any], items: Iterable, inflight: int,
-            on_crash: Callable[[Any], Any]) -> Iterator:
+    def map(self, fn: Callable[[Any], Any], items: Iterable, inflight: int, on_crash: Callable[[Any], Any]) -> Iterator:
         """fn over items in order, with at most `inflight` submitted (no eager read-ahead)."""
         fn_ref = self.ray.put(fn)  # sent once, not with every clip
         queue: deque = deque()
@@ -131,5 +135,8 @@ class RayDecodePool:
         self.ray.kill(actor)
         self.actors[index] = self._remote.remote(self.initializer)
         self.restarts += 1
-        log.warning("decode actor %d %s; replaced, its clips run again", index,
-                    "passed precompute.ray_timeout_seconds on one clip" if timed_out else "died")
+        log.warning(
+            "decode actor %d %s; replaced, its clips run again",
+            index,
+            "passed precompute.ray_timeout_seconds on one clip" if timed_out else "died",
+        )

@@ -41,7 +41,7 @@ class RejectLog:
 
     def _load(self) -> None:
         data = self.path.read_bytes()
-        whole = data[:data.rfind(b"\n") + 1]  # a line cut short by a kill is dropped
+        whole = data[: data.rfind(b"\n") + 1]  # a line cut short by a kill is dropped
         if len(whole) != len(data):
             self.path.write_bytes(whole)
         for line in whole.decode("utf-8").splitlines():
@@ -55,8 +55,7 @@ class RejectLog:
         if identity in self.listed:
             return False
         self.listed.add(identity)
-        entry = {"epoch": epoch, "shard": shard, "position": position, "key": key, "reason": reason,
-                 "detail": detail}
+        entry = {"epoch": epoch, "shard": shard, "position": position, "key": key, "reason": reason, "detail": detail}
         self._file.write(json.dumps(entry, ensure_ascii=False) + "\n")
         self._file.flush()
         return True

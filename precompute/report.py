@@ -51,15 +51,27 @@ class Report:
 
     def to_dict(self) -> dict:
         elapsed = time.perf_counter() - self.started
-        return {"producer": self.producer, "lanes": self.lanes, "status": self.status, "seen": self.seen, "committed": self.committed,
-                "rejected": dict(sorted(self.rejected.items())), "rejected_total": sum(self.rejected.values()),
-                "skipped_committed": self.skipped_committed, "skipped_shards": self.skipped_shards,
-                "shards": self.shards, "bytes": self.bytes, "generation": self.generation,
-                "resumed_at": self.resumed_at, "rejects_file": self.rejects_file,
-                "decode_restarts": self.decode_restarts,
-                "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())},
-                "elapsed_s": round(elapsed, 3), "samples_per_s": round(self.committed / max(elapsed, 1e-9), 3),
-                **({"startup": self.startup.to_dict()} if self.startup else {})}
+        return {
+            "producer": self.producer,
+            "lanes": self.lanes,
+            "status": self.status,
+            "seen": self.seen,
+            "committed": self.committed,
+            "rejected": dict(sorted(self.rejected.items())),
+            "rejected_total": sum(self.rejected.values()),
+            "skipped_committed": self.skipped_committed,
+            "skipped_shards": self.skipped_shards,
+            "shards": self.shards,
+            "bytes": self.bytes,
+            "generation": self.generation,
+            "resumed_at": self.resumed_at,
+            "rejects_file": self.rejects_file,
+            "decode_restarts": self.decode_restarts,
+            "seconds": {k: round(v, 3) for k, v in sorted(self.seconds.items())},
+            "elapsed_s": round(elapsed, 3),
+            "samples_per_s": round(self.committed / max(elapsed, 1e-9), 3),
+            **({"startup": self.startup.to_dict()} if self.startup else {}),
+        }
 
     def summary_line(self) -> str:
         d = self.to_dict()
@@ -68,9 +80,11 @@ class Report:
         resumed = f"; resumed at shard {self.resumed_at}" if self.resumed_at else ""
         resumed += f"; decode actors replaced: {self.decode_restarts}" if self.decode_restarts else ""
         lanes = ",".join(map(str, self.lanes)) or "none"
-        return (f"precompute {self.producer} (lanes {lanes}): {d['committed']}/{d['seen']} samples committed in {d['shards']} shards "
-                f"({d['bytes'] / 1e6:.2f} MB) in {d['elapsed_s']:.1f}s, {d['samples_per_s']:.2f} samples/s; "
-                f"rejected {d['rejected_total']} ({reasons}){listed}{resumed}")
+        return (
+            f"precompute {self.producer} (lanes {lanes}): {d['committed']}/{d['seen']} samples committed in {d['shards']} shards "
+            f"({d['bytes'] / 1e6:.2f} MB) in {d['elapsed_s']:.1f}s, {d['samples_per_s']:.2f} samples/s; "
+            f"rejected {d['rejected_total']} ({reasons}){listed}{resumed}"
+        )
 
     def write(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,8 +107,13 @@ class ProgressBar:
         self.fill = f"{unread}/{share}" if share else "keep"
 
     def update(self) -> None:
-        self._bar.update(1, MB=f"{self.report.bytes / 1e6:.1f}", shards=self.report.shards, window=self.fill,
-                         rejected=sum(self.report.rejected.values()))
+        self._bar.update(
+            1,
+            MB=f"{self.report.bytes / 1e6:.1f}",
+            shards=self.report.shards,
+            window=self.fill,
+            rejected=sum(self.report.rejected.values()),
+        )
 
     def close(self) -> None:
         self._bar.close()

@@ -63,13 +63,17 @@ class StreamState:
     partial: dict[int, set[str]] = field(default_factory=dict)  # raw index -> committed keys in `epoch`
 
     def to_json(self) -> dict:
-        return {"epoch": self.epoch, "complete": _to_ranges(self.complete),
-                "partial": {str(i): sorted(keys) for i, keys in sorted(self.partial.items())}}
+        return {
+            "epoch": self.epoch,
+            "complete": _to_ranges(self.complete),
+            "partial": {str(i): sorted(keys) for i, keys in sorted(self.partial.items())},
+        }
 
     @classmethod
     def from_json(cls, obj: dict) -> "StreamState":
-        return cls(obj["epoch"], _from_ranges(obj["complete"]),
-                   {int(i): set(keys) for i, keys in obj["partial"].items()})
+        return cls(
+            obj["epoch"], _from_ranges(obj["complete"]), {int(i): set(keys) for i, keys in obj["partial"].items()}
+        )
 
     def copy(self) -> "StreamState":
         return StreamState(self.epoch, set(self.complete), {i: set(k) for i, k in self.partial.items()})
@@ -116,8 +120,14 @@ class Tracker:
     def intent(self, seq: int, samples: list[tuple[int, str]], shards: str, generation: int) -> dict:
         """The progress record to store before committing shard `seq` (see the module docstring)."""
         after, _ = self.with_commit(samples)
-        return {"seq": seq, "keys": sorted(key for _, key in samples), "shards": shards,
-                "generation": generation, "before": self.state.to_json(), "after": after.to_json()}
+        return {
+            "seq": seq,
+            "keys": sorted(key for _, key in samples),
+            "shards": shards,
+            "generation": generation,
+            "before": self.state.to_json(),
+            "after": after.to_json(),
+        }
 
     def committed(self, samples: list[tuple[int, str]]) -> None:
         self.state, self.buffered = self.with_commit(samples)
@@ -142,14 +152,16 @@ def resume_state(window, rank: int, shards: str) -> tuple[StreamState, int]:
             raise ResumeError(
                 f"{window.uri} holds {next_seq} shards of producer {rank} but no progress record for it, "
                 "so a restart cannot tell which samples they hold; it was written by an older vt or the "
-                "progress/ folder was removed. Precompute into a fresh window (window.uri)")
+                "progress/ folder was removed. Precompute into a fresh window (window.uri)"
+            )
         return StreamState(), 0
-    for generation, intent in records:
+    for _generation, intent in records:
         if intent["shards"] != shards:
             raise ResumeError(
                 f"producer {rank}'s raw shard list changed since it wrote into {window.uri} (data.raw now "
                 "lists other tars), so its progress no longer applies. Restore data.raw or precompute "
-                "into a fresh window")
+                "into a fresh window"
+            )
         seq = intent["seq"]
         if seq == next_seq:  # written before a commit that never happened
             return StreamState.from_json(intent["before"]), next_seq
@@ -160,4 +172,5 @@ def resume_state(window, rank: int, shards: str) -> tuple[StreamState, int]:
     raise ResumeError(
         f"producer {rank}'s progress records in {window.uri} do not match its commits (shard "
         f"{next_seq - 1} was committed by a producer whose progress is gone): two producers of one rank "
-        "overlapped. Precompute into a fresh window")
+        "overlapped. Precompute into a fresh window"
+    )

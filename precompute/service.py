@@ -40,12 +40,17 @@ from dataclasses import dataclass
 
 import torch
 
+from vt.precompute.encoders import (
+    encode_sounds,
+    encode_texts_with_images,
+    encode_videos,
+    load_encoders,
+    text_phase,
+    tiled_buckets,
+)
 from vt.precompute.lanes import LaneHolder, producer_name, wanted_lanes
-from vt.precompute.encoders import (encode_sounds, encode_texts_with_images, encode_videos, load_encoders,
-                                    text_phase, tiled_buckets)
 from vt.precompute.prepare import Prepare, ShardEnd
-from vt.precompute.processors import (PreparedSample, ProcessorBug, SoundRequest, bad_data_only, build_chain,
-                                      worker_init)
+from vt.precompute.processors import PreparedSample, ProcessorBug, SoundRequest, bad_data_only, build_chain, worker_init
 from vt.precompute.rejects import RejectLog, rejects_name
 from vt.precompute.report import ProgressBar, Report
 from vt.precompute.resume import Tracker, resume_state, shards_digest
@@ -91,12 +96,21 @@ def sound_request(spec, config: Config) -> SoundRequest:
 def held_out_config(config: Config) -> Config:
     """The config `data.eval` is encoded with: its raw data into the window's eval/ prefix, kept (read by every
     evaluation), its reports in <run.dir>/eval/, and no validation inputs (the training window holds them)."""
-    return config.model_copy(update={
-        "data": config.data.model_copy(update={"raw": config.data.eval, "eval": None}),
-        "window": config.window.model_copy(update={"uri": eval_window_uri(config.window.uri), "size": "keep"}),
-        "run": config.run.model_copy(update={"dir": str(config.run_dir / "eval")}),
-        "train": config.train.model_copy(update={"validation_prompts": [], "validation_images": [],
-                                                 "validation_last_images": [], "validation_videos": []})})
+    return config.model_copy(
+        update={
+            "data": config.data.model_copy(update={"raw": config.data.eval, "eval": None}),
+            "window": config.window.model_copy(update={"uri": eval_window_uri(config.window.uri), "size": "keep"}),
+            "run": config.run.model_copy(update={"dir": str(config.run_dir / "eval")}),
+            "train": config.train.model_copy(
+                update={
+                    "validation_prompts": [],
+                    "validation_images": [],
+                    "validation_last_images": [],
+                    "validation_videos": [],
+                }
+            ),
+        }
+    )
 
 
 def run_stage1(config: Config) -> Report:
@@ -180,8 +194,9 @@ class Precompute:
         self.fingerprint = fingerprint(self.provenance)
         self.sources = components  # beside the provenance in every shard: what a trainer checks unloaded encoders by
         self.startup.mark("raw_list_and_weight_digests")
-        self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
-                             config.window.timeout_seconds)
+        self.window = Window(
+            config.window.uri, config.window.size, config.window.poll_seconds, config.window.timeout_seconds
+        )
         self.lanes = self.window.lanes(wanted_lanes(pre.lanes), len(self.every_shard))
         self.report = Report(producer=self.name, startup=self.startup)
         self.progress: ProgressBar | None = None
@@ -189,9 +204,11 @@ class Precompute:
         self.phase_shards = pre.text_phase_shards if pre.text_encoder_offload != "none" else 1
         if pre.text_phase_shards > 1 and pre.text_encoder_offload == "none" and "phase_shards" not in _warned:
             _warned.add("phase_shards")
-            log.warning("precompute.text_phase_shards = %d does nothing with precompute.text_encoder_offload = "
-                        "\"none\" (the text encoders stay on the device): each shard is written as it fills",
-                        pre.text_phase_shards)
+            log.warning(
+                "precompute.text_phase_shards = %d does nothing with precompute.text_encoder_offload = "
+                '"none" (the text encoders stay on the device): each shard is written as it fills',
+                pre.text_phase_shards,
+            )
 
     def _load_encoders(self) -> None:
         pre = self.config.precompute
@@ -233,8 +250,10 @@ class Precompute:
     def _status(self) -> dict:
         """This producer's counts for its workers/ record (`vt-precompute status`)."""
         d = self.report.to_dict()
-        return {"worked": list(self.report.lanes),
-                **{key: d[key] for key in ("status", "committed", "seen", "rejected", "samples_per_s", "elapsed_s")}}
+        return {
+            "worked": list(self.report.lanes),
+            **{key: d[key] for key in ("status", "committed", "seen", "rejected", "samples_per_s", "elapsed_s")},
+        }
 
     def _run(self) -> None:
         pre = self.config.precompute
@@ -250,8 +269,9 @@ class Precompute:
             self.startup.mark("encoders_loaded")
             with torch.inference_mode(), self._text_phase():  # the empty caption and the prompts: one phase
                 self._write_empty_caption()
-                write_validation_conditions(self.spec, self.encoders, self.config, self.window, self.fingerprint,
-                                            self.storage_dtype)
+                write_validation_conditions(
+                    self.spec, self.encoders, self.config, self.window, self.fingerprint, self.storage_dtype
+                )
             with torch.inference_mode():
                 self.startup.mark("empty_caption_and_validation_prompts")
                 self._work()
@@ -265,8 +285,10 @@ class Precompute:
         held: dict[int, Iterator[str]] = {}
         runs: dict[int, LaneRun] = {}
         base = min(self.config.precompute.claim_seconds / 4, 2.0)
-        longest = {True: self.config.precompute.claim_seconds * max(1.0, self.lanes / 1000),  # holding lanes
-                   False: base * max(1.0, self.lanes / 250)}  # holding none: how late it may exit after the last lane
+        longest = {
+            True: self.config.precompute.claim_seconds * max(1.0, self.lanes / 1000),  # holding lanes
+            False: base * max(1.0, self.lanes / 250),
+        }  # holding none: how late it may exit after the last lane
         wait, next_look = base, 0.0
         while True:
             moved = False
@@ -333,8 +355,13 @@ class Precompute:
         run.rejects = RejectLog(rejects_path, keep=run.seq > 0 or not state.is_empty())
         self.report.rejects_file = str(rejects_path if self.lanes == 1 else self.config.run_dir / "rejects.lane*.jsonl")
         if run.seq:
-            log.info("lane %d resumes at shard %d (epoch %d, %d raw shards done)", lane, run.seq, state.epoch,
-                     len(state.complete))
+            log.info(
+                "lane %d resumes at shard %d (epoch %d, %d raw shards done)",
+                lane,
+                run.seq,
+                state.epoch,
+                len(state.complete),
+            )
         tracker = Tracker(state)
         passes = 1 if self.config.window.size == "keep" else self.config.train.epochs
         for epoch in range(state.epoch, passes):
@@ -389,7 +416,8 @@ class Precompute:
                 if failures_in_a_row >= pre.max_consecutive_failures:
                     raise TooManyFailures(
                         f"{failures_in_a_row} samples in a row failed (last: {outcome.key}: {outcome.reason} "
-                        f"{outcome.detail}). Check data.raw and the bucket table; counts are in the report.")
+                        f"{outcome.detail}). Check data.raw and the bucket table; counts are in the report."
+                    )
                 self.progress.update()
                 continue
             failures_in_a_row = 0
@@ -411,8 +439,9 @@ class Precompute:
         # the epoch's remainders: smaller shards, every sample kept
         yield from self._write_shards(run, full + [pending[bucket] for bucket in sorted(pending)], epoch, tracker)
 
-    def _write_shards(self, run: LaneRun, shards: list[list[tuple[int, PreparedSample]]], epoch: int,
-                      tracker: Tracker) -> Iterator[str]:
+    def _write_shards(
+        self, run: LaneRun, shards: list[list[tuple[int, PreparedSample]]], epoch: int, tracker: Tracker
+    ) -> Iterator[str]:
         """`shards` committed one by one in the order they filled, after one text phase for all of them (none if
         every caption is encoded already): their new captions into the text cache and, where the text encoder reads
         each caption with its clip's first frame, every sample's conditions."""
@@ -426,7 +455,7 @@ class Precompute:
         self.report.seconds["text_encode"] += time.perf_counter() - started
         first = 0
         for items in shards:
-            part = {name: rows[first:first + len(items)] for name, rows in sample_text.items()}
+            part = {name: rows[first : first + len(items)] for name, rows in sample_text.items()}
             first += len(items)
             yield from self._write_shard(run, items, epoch, tracker, part)
 
@@ -445,11 +474,18 @@ class Precompute:
         otherwise."""
         if not self.spec.text_with_image:
             return {}
-        return encode_texts_with_images(self.spec, self.encoders, [s.caption for s in samples],
-                                        [s.first_frame for s in samples], self.device)
+        return encode_texts_with_images(
+            self.spec, self.encoders, [s.caption for s in samples], [s.first_frame for s in samples], self.device
+        )
 
-    def _write_shard(self, run: LaneRun, items: list[tuple[int, PreparedSample]], epoch: int,
-                     tracker: Tracker, sample_text: dict[str, list[torch.Tensor]]) -> Iterator[str]:
+    def _write_shard(
+        self,
+        run: LaneRun,
+        items: list[tuple[int, PreparedSample]],
+        epoch: int,
+        tracker: Tracker,
+        sample_text: dict[str, list[torch.Tensor]],
+    ) -> Iterator[str]:
         """One shard encoded and committed, its text conditions made in _write_shards' text phase."""
         pre = self.config.precompute
         samples = [sample for _, sample in items]
@@ -457,11 +493,22 @@ class Precompute:
         captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
         started = time.perf_counter()
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
-        latents = encode_videos(self.spec, self.encoders, [s.video for s in samples], pre.encode_batch, self.device,
-                                bucket.name, bucket.name in self.tiled, controls)
+        latents = encode_videos(
+            self.spec,
+            self.encoders,
+            [s.video for s in samples],
+            pre.encode_batch,
+            self.device,
+            bucket.name,
+            bucket.name in self.tiled,
+            controls,
+        )
         if self.sound is not None:  # model.audio: `audio_latents`, one row per sample as the latents
-            latents.update(encode_sounds(self.spec, self.encoders, [s.sound for s in samples], bucket,
-                                         pre.encode_batch, self.device))
+            latents.update(
+                encode_sounds(
+                    self.spec, self.encoders, [s.sound for s in samples], bucket, pre.encode_batch, self.device
+                )
+            )
         self.report.seconds["vae_encode"] += time.perf_counter() - started
         tensors = self._stored({name: torch.cat(parts) for name, parts in {**latents, **sample_text}.items()})
         captions.conditions = self._stored(captions.conditions)
@@ -493,8 +540,11 @@ class Precompute:
         yield COMMITTED
 
     def _write_report(self) -> None:
-        alone = (self.lanes == 1 and (self.report.lanes == [0] or self.report.status == "already done")
-                 and "SLURM_ARRAY_TASK_ID" not in os.environ)
+        alone = (
+            self.lanes == 1
+            and (self.report.lanes == [0] or self.report.status == "already done")
+            and "SLURM_ARRAY_TASK_ID" not in os.environ
+        )
         name = "precompute_report.json" if alone else f"precompute_report.{self.name}.json"
         self.report.write(self.config.run_dir / name)
         log.info(self.report.summary_line())

@@ -46,8 +46,15 @@ from typing import Iterator
 import fsspec
 from braceexpand import braceexpand
 
-from vt.precompute.manifests import (clip_of, curator_metas, is_curator_meta, is_manifest, iter_manifest_records,
-                                     manifest_units, unit_name)
+from vt.precompute.manifests import (
+    clip_of,
+    curator_metas,
+    is_curator_meta,
+    is_manifest,
+    iter_manifest_records,
+    manifest_units,
+    unit_name,
+)
 from vt.precompute.media_files import pick_media, read_media_sample, split_key
 from vt.precompute.media_ref import MediaRef
 from vt.shared.errors import UserError
@@ -56,11 +63,50 @@ from vt.shared.errors import UserError
 # picked when a sample holds several. Raw H.264 / HEVC elementary streams (.h264, .264, .hevc) are
 # left out: they carry no timestamps to sample by.
 VIDEO_EXTS = (
-    "mp4", "m4v", "mov", "qt", "mkv", "mk3d", "webm", "avi", "divx",  # MPEG-4 / QuickTime, Matroska, AVI
-    "ts", "m2ts", "mts", "m2t", "tsv",  # MPEG transport stream (broadcast, AVCHD cameras)
-    "mpg", "mpeg", "mpe", "m1v", "m2v", "mpv", "vob", "evo", "mod", "tod",  # MPEG program / elementary, DVD
-    "wmv", "asf", "flv", "f4v", "3gp", "3g2", "ogv", "ogm",  # Windows Media, Flash, mobile, Ogg
-    "mxf", "dv", "dif", "y4m", "nut", "ivf", "rm", "rmvb", "wtv", "dvr-ms", "amv", "nsv",  # broadcast, raw, others
+    "mp4",
+    "m4v",
+    "mov",
+    "qt",
+    "mkv",
+    "mk3d",
+    "webm",
+    "avi",
+    "divx",  # MPEG-4 / QuickTime, Matroska, AVI
+    "ts",
+    "m2ts",
+    "mts",
+    "m2t",
+    "tsv",  # MPEG transport stream (broadcast, AVCHD cameras)
+    "mpg",
+    "mpeg",
+    "mpe",
+    "m1v",
+    "m2v",
+    "mpv",
+    "vob",
+    "evo",
+    "mod",
+    "tod",  # MPEG program / elementary, DVD
+    "wmv",
+    "asf",
+    "flv",
+    "f4v",
+    "3gp",
+    "3g2",
+    "ogv",
+    "ogm",  # Windows Media, Flash, mobile, Ogg
+    "mxf",
+    "dv",
+    "dif",
+    "y4m",
+    "nut",
+    "ivf",
+    "rm",
+    "rmvb",
+    "wtv",
+    "dvr-ms",
+    "amv",
+    "nsv",  # broadcast, raw, others
     "video",  # webdataset's generic name
 )
 # Still images: samples of one-frame buckets (1xHxW). A sample with a video and an image is its video.
@@ -161,7 +207,7 @@ def _strip_suffix(name: str) -> str:
         return split_key(name)[0]  # a media file's name is its sample key
     lower = name.lower()
     suffix = next((s for s in SHARD_SUFFIXES if lower.endswith(s)), "")
-    return name[:len(name) - len(suffix)] if suffix else name
+    return name[: len(name) - len(suffix)] if suffix else name
 
 
 def shard_names(shards: list[str]) -> dict[str, str]:
@@ -263,26 +309,49 @@ class _Samples:
         video = image if still else video
         caption, error = _caption(files)
         detail = ""
-        control = next((files[f"{self.control}.{ext}"] for ext in MEDIA_EXTS if f"{self.control}.{ext}" in files),
-                       None) if self.control else None
+        control = (
+            next((files[f"{self.control}.{ext}"] for ext in MEDIA_EXTS if f"{self.control}.{ext}" in files), None)
+            if self.control
+            else None
+        )
         if video is None:
             error = "missing_video"  # no video or image outranks any caption problem: nothing to train on
         elif self.control and control is None:  # as does a missing control video, for a family that needs one
             error = "missing_control"
-            detail = (f"no {key}.{self.control}.mp4 (or another video extension) beside it in {self.shard}: "
-                      f"the model family trains on a control video per sample (data.control names the member)")
+            detail = (
+                f"no {key}.{self.control}.mp4 (or another video extension) beside it in {self.shard}: "
+                f"the model family trains on a control video per sample (data.control names the member)"
+            )
         if key in self.seen:  # a repeat outranks everything: the first sample of the key is the one
             error, caption, video, control = "duplicate_key", None, None, None  # nothing of it is used
             detail = f"key {key!r} came earlier in {self.shard}; the first sample with it is kept"
         self.seen.add(key)
-        return self._next(RawSample(key=key, shard=self.shard, video=video, caption=caption, error=error,
-                                    detail=detail, meta=_meta(files) if video is not None else None,
-                                    still=still and video is not None, control=control))
+        return self._next(
+            RawSample(
+                key=key,
+                shard=self.shard,
+                video=video,
+                caption=caption,
+                error=error,
+                detail=detail,
+                meta=_meta(files) if video is not None else None,
+                still=still and video is not None,
+                control=control,
+            )
+        )
 
     def damaged(self, key: str) -> RawSample:
         """The marker that ends a damaged tar; `key` is the sample that was being read."""
-        return self._next(RawSample(key=key, shard=self.shard, video=None, caption=None, error="truncated_tar",
-                                    detail=f"the tar ends or is damaged after {self.position} samples"))
+        return self._next(
+            RawSample(
+                key=key,
+                shard=self.shard,
+                video=None,
+                caption=None,
+                error="truncated_tar",
+                detail=f"the tar ends or is damaged after {self.position} samples",
+            )
+        )
 
     def _next(self, sample: RawSample) -> RawSample:
         sample.name, sample.position = self.name, self.position
@@ -376,13 +445,26 @@ def _manifest_samples(unit: str, name: str, control: str | None) -> Iterator[Raw
         if error is None:
             uri = clip["uri"]
             still = split_key(uri)[1] in IMAGE_EXTS
-            video = _read_still(uri) if still else MediaRef(uri, float(clip["start"] or 0.0),
-                                                             None if clip["end"] is None else float(clip["end"]))
+            video = (
+                _read_still(uri)
+                if still
+                else MediaRef(uri, float(clip["start"] or 0.0), None if clip["end"] is None else float(clip["end"]))
+            )
             if video is None:
                 error, detail, still = "missing_video", f"{uri} is not there", False
-        yield RawSample(key=key, shard=unit, video=video, caption=caption, error=error, detail=detail, name=name,
-                        position=position, still=still, meta=clip.get("meta") if video is not None else None,
-                        clip={k: clip.get(k) for k in ("uri", "start", "end", "meta")} if video is not None else None)
+        yield RawSample(
+            key=key,
+            shard=unit,
+            video=video,
+            caption=caption,
+            error=error,
+            detail=detail,
+            name=name,
+            position=position,
+            still=still,
+            meta=clip.get("meta") if video is not None else None,
+            clip={k: clip.get(k) for k in ("uri", "start", "end", "meta")} if video is not None else None,
+        )
 
 
 def _read_still(uri: str) -> bytes | None:

@@ -32,9 +32,14 @@ def _lane(storage: Storage, lane: int, lanes: int, total: int | None, seen: Lane
     after = records[0][1]["after"] if records else {"epoch": 0, "complete": []}
     complete = sum(last - first + 1 for first, last in after["complete"])
     state = "done" if seen.done else "held" if seen.generation is not None and not seen.released else "waiting"
-    return {"state": state, "raw_shards": mine, "complete": mine if state == "done" else complete,
-            "pass": after["epoch"], "holder": (holder or {}).get("producer") if state == "held" else None,
-            "generation": seen.generation}
+    return {
+        "state": state,
+        "raw_shards": mine,
+        "complete": mine if state == "done" else complete,
+        "pass": after["epoch"],
+        "holder": (holder or {}).get("producer") if state == "held" else None,
+        "generation": seen.generation,
+    }
 
 
 def window_status(storage: Storage) -> dict:
@@ -52,25 +57,36 @@ def window_status(storage: Storage) -> dict:
         record = json.loads(storage.read(rel))
         rejected.update(record.get("rejected", {}))
         producers[record["producer"]] = {**record, "seconds_since_update": round(time.time() - record["updated"], 1)}
-    return {"uri": storage.uri, "lanes": lanes, "raw_shards": total, **{k: counts[k] for k in
-            ("complete", "being_worked", "waiting")}, "by_lane": by_lane, "producers": producers,
-            "rejected": dict(sorted(rejected.items()))}
+    return {
+        "uri": storage.uri,
+        "lanes": lanes,
+        "raw_shards": total,
+        **{k: counts[k] for k in ("complete", "being_worked", "waiting")},
+        "by_lane": by_lane,
+        "producers": producers,
+        "rejected": dict(sorted(rejected.items())),
+    }
 
 
 def format_status(status: dict) -> str:
-    lines = [f"window {status['uri']}: {status['lanes']} lanes over {status['raw_shards'] or '?'} raw shards",
-             f"raw shards: {status['complete']} complete, {status['being_worked']} being worked, "
-             f"{status['waiting']} waiting (in each lane's current pass)",
-             "lane  state    pass  complete  holder"]
+    lines = [
+        f"window {status['uri']}: {status['lanes']} lanes over {status['raw_shards'] or '?'} raw shards",
+        f"raw shards: {status['complete']} complete, {status['being_worked']} being worked, "
+        f"{status['waiting']} waiting (in each lane's current pass)",
+        "lane  state    pass  complete  holder",
+    ]
     for lane, info in status["by_lane"].items():
         mine = "?" if info["raw_shards"] is None else info["raw_shards"]
-        lines.append(f"{lane:<5} {info['state']:<8} {info['pass']:>4}  {info['complete']:>4}/{mine:<4} "
-                     f"{info['holder'] or '-'}")
+        lines.append(
+            f"{lane:<5} {info['state']:<8} {info['pass']:>4}  {info['complete']:>4}/{mine:<4} {info['holder'] or '-'}"
+        )
     lines.append("producer                    lanes     status   committed  samples/s  updated")
     for name, p in sorted(status["producers"].items()):
         lanes = ",".join(map(str, p.get("lanes") or p.get("worked") or [])) or "-"  # held now, else worked
-        lines.append(f"{name:<27} {lanes:<9} {p.get('status', '?'):<8} {p.get('committed', 0):>9}  "
-                     f"{p.get('samples_per_s', 0):>9.2f}  {p['seconds_since_update']:.0f}s ago")
+        lines.append(
+            f"{name:<27} {lanes:<9} {p.get('status', '?'):<8} {p.get('committed', 0):>9}  "
+            f"{p.get('samples_per_s', 0):>9.2f}  {p['seconds_since_update']:.0f}s ago"
+        )
     reasons = ", ".join(f"{k} {v}" for k, v in status["rejected"].items()) or "none"
     lines.append(f"rejected: {reasons}")
     return "\n".join(lines)

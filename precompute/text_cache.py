@@ -11,8 +11,12 @@ class TextCache:
     """`encode` is the family's text encoding of a list of captions; `batch` caps how many one call gets (None: all
     the new captions of a `fill` in one call)."""
 
-    def __init__(self, encode: Callable[[list[str]], dict[str, torch.Tensor]], max_entries: int = 100_000,
-                 batch: int | None = None):
+    def __init__(
+        self,
+        encode: Callable[[list[str]], dict[str, torch.Tensor]],
+        max_entries: int = 100_000,
+        batch: int | None = None,
+    ):
         self.encode_batch = encode
         self.max_entries = max_entries
         self.batch = batch
@@ -34,7 +38,7 @@ class TextCache:
             self.entries = {c: self.entries[c] for c in dict.fromkeys(captions) if c in self.entries}
         step = self.batch or len(missing)
         for start in range(0, len(missing), step):
-            chunk = missing[start:start + step]
+            chunk = missing[start : start + step]
             fresh = self.encode_batch(chunk)
             for i, caption in enumerate(chunk):
                 self.entries[caption] = {k: v[i].cpu() for k, v in fresh.items()}

@@ -23,8 +23,9 @@ def text_components(spec) -> list[str]:
 
 
 @torch.inference_mode()
-def write_validation_conditions(spec, encoders: dict, config, window, fingerprint: str,
-                                storage_dtype: torch.dtype) -> int:
+def write_validation_conditions(
+    spec, encoders: dict, config, window, fingerprint: str, storage_dtype: torch.dtype
+) -> int:
     """Encode and store every validation input the window lacks for `fingerprint`; returns how many."""
     written = 0
     images, pairs = bool(spec.image_conditions), bool(spec.text_with_image)
@@ -56,5 +57,11 @@ def encode_validation_inputs(config) -> int:
     window = Window(config.window.uri, config.window.size)
     device = pick_device(config.precompute.device)
     encoders = {name: spec.load_component(name, device) for name in text_components(spec)}
-    return write_validation_conditions(spec, encoders, config, window, fingerprint(provenance(config, spec=spec)),
-                                       DTYPES[config.precompute.storage_dtype])
+    return write_validation_conditions(
+        spec,
+        encoders,
+        config,
+        window,
+        fingerprint(provenance(config, spec=spec)),
+        DTYPES[config.precompute.storage_dtype],
+    )

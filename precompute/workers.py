@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
 from vt.shared.errors import UserError
 
 
@@ -31,8 +32,9 @@ class DecodePool:
 
     def _restart(self) -> None:
         self.close()
-        self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                             initializer=self.initializer)
+        self._executor = ProcessPoolExecutor(
+            self.workers, mp_context=multiprocessing.get_context("spawn"), initializer=self.initializer
+        )
 
     def warm_up(self) -> None:
         """Start every worker process now (the executor starts them at the first tasks): a spawned worker
@@ -50,8 +52,7 @@ class DecodePool:
             process.terminate()
         self._executor = None
 
-    def map(self, fn: Callable[[Any], Any], items: Iterable, inflight: int,
-            on_crash: Callable[[Any], Any]) -> Iterator:
+    def map(self, fn: Callable[[Any], Any], items: Iterable, inflight: int, on_crash: Callable[[Any], Any]) -> Iterator:
         """fn over items in order, with at most `inflight` submitted (no eager read-ahead)."""
         queue: deque = deque()
         for item in items:

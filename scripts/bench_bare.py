@@ -57,8 +57,14 @@ class BareLoop:
         model = LTXVideoTransformer3DModel.from_pretrained(str(transformer_dir), torch_dtype=torch.float32)
         model = model.to(self.device)
         model.requires_grad_(False)
-        model.add_adapter(LoraConfig(r=settings.lora_rank, lora_alpha=settings.lora_alpha,
-                                     target_modules=list(settings.lora_targets), init_lora_weights=True))
+        model.add_adapter(
+            LoraConfig(
+                r=settings.lora_rank,
+                lora_alpha=settings.lora_alpha,
+                target_modules=list(settings.lora_targets),
+                init_lora_weights=True,
+            )
+        )
         model.train()
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -73,8 +79,9 @@ class BareLoop:
             if param.requires_grad:
                 param.copy_(values[name].detach())
 
-    def step(self, batch: dict[str, torch.Tensor], sigmas: torch.Tensor | None = None,
-             noise: torch.Tensor | None = None) -> float:
+    def step(
+        self, batch: dict[str, torch.Tensor], sigmas: torch.Tensor | None = None, noise: torch.Tensor | None = None
+    ) -> float:
         """One optimizer step; draws its own sigmas (B,) and noise (like the latents) unless given."""
         s = self.settings
         x0 = batch["latents"].to(self.device).float()
@@ -90,9 +97,17 @@ class BareLoop:
         b, c, f, h, w = noisy.shape
         tokens = noisy.permute(0, 2, 3, 4, 1).reshape(b, f * h * w, c)  # frame-major tokens, patch 1
         with torch.autocast(self.device.type, dtype=s.amp_dtype or torch.float32, enabled=s.amp_dtype is not None):
-            out = self.model(hidden_states=tokens, encoder_hidden_states=text, timestep=sigmas * NUM_TRAIN_TIMESTEPS,
-                             encoder_attention_mask=mask, num_frames=f, height=h, width=w,
-                             rope_interpolation_scale=s.rope_scale, return_dict=False)[0]
+            out = self.model(
+                hidden_states=tokens,
+                encoder_hidden_states=text,
+                timestep=sigmas * NUM_TRAIN_TIMESTEPS,
+                encoder_attention_mask=mask,
+                num_frames=f,
+                height=h,
+                width=w,
+                rope_interpolation_scale=s.rope_scale,
+                return_dict=False,
+            )[0]
         prediction = out.reshape(b, f, h, w, c).permute(0, 4, 1, 2, 3)
         loss = ((prediction.float() - (noise - x0)) ** 2).mean()
         loss.backward()
@@ -118,7 +133,7 @@ def read_shard(path: Path) -> dict[str, torch.Tensor]:
         table = rows.new_zeros((len(kept), full, *rows.shape[1:]))
         starts = [sum(kept[:c]) for c in range(len(kept))]
         for caption, (start, n) in enumerate(zip(starts, kept)):
-            table[caption, :n] = rows[start:start + n]
+            table[caption, :n] = rows[start : start + n]
         out[name] = table[stored["text_index"]]
     return out
 
@@ -135,7 +150,7 @@ def window_batches(window: Path, batch_size: int) -> Iterator[dict[str, torch.Te
             tensors = read_shard(Path(window) / json.loads(path.read_text())["data"])
             rows = next(iter(tensors.values())).shape[0]
             for start in range(0, rows, batch_size):
-                yield {name: t[start:start + batch_size].float() for name, t in tensors.items()}
+                yield {name: t[start : start + batch_size].float() for name, t in tensors.items()}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -109,9 +109,14 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None}
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "load_avg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
     try:
         import diffusers
 
@@ -129,21 +134,29 @@ def child_env(threads: int) -> dict:
     return env
 
 
-def run_timed(args: list[str], log: Path, threads: int, timeout: float = 300,
-              env: dict[str, str] | None = None) -> tuple[float, float, str]:
+def run_timed(
+    args: list[str], log: Path, threads: int, timeout: float = 300, env: dict[str, str] | None = None
+) -> tuple[float, float, str]:
     """Run a child process (`env`: variables on top of `child_env`); returns (wall-clock start, seconds it ran,
     its output). Fails loudly."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     clock = time.perf_counter()
     with open(log, "wb") as out:
-        proc = subprocess.run(args, stdout=out, stderr=subprocess.STDOUT, env={**child_env(threads), **(env or {})},
-                              cwd=ROOT, timeout=timeout)
+        proc = subprocess.run(
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**child_env(threads), **(env or {})},
+            cwd=ROOT,
+            timeout=timeout,
+        )
     seconds = time.perf_counter() - clock
     text = log.read_text(errors="replace")
     if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, args[:3]))} ... exited with {proc.returncode}; "
-                           f"its output is in {log}:\n{text[-3000:]}")
+        raise RuntimeError(
+            f"{' '.join(map(str, args[:3]))} ... exited with {proc.returncode}; its output is in {log}:\n{text[-3000:]}"
+        )
     return started, seconds, text
 
 

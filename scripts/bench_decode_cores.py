@@ -60,8 +60,10 @@ def source_size(path: Path) -> str:
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
         seconds = float(stream.duration * stream.time_base) if stream.duration else 0.0
-        return f"{stream.codec_context.width}x{stream.codec_context.height} {float(stream.average_rate):g} fps " \
-               f"{seconds:.2f} s"
+        return (
+            f"{stream.codec_context.width}x{stream.codec_context.height} {float(stream.average_rate):g} fps "
+            f"{seconds:.2f} s"
+        )
 
 
 def time_one(pool, prepare, raw) -> dict:
@@ -80,8 +82,12 @@ def time_one(pool, prepare, raw) -> dict:
     started = time.perf_counter()
     to_model_range(sample.pixels)
     to_float = time.perf_counter() - started
-    return {"decode_s": outcome.seconds, "hand_off_s": round_trip - outcome.seconds, "to_float_s": to_float,
-            "pixels_bytes": sample.pixels.numel()}
+    return {
+        "decode_s": outcome.seconds,
+        "hand_off_s": round_trip - outcome.seconds,
+        "to_float_s": to_float,
+        "pixels_bytes": sample.pixels.numel(),
+    }
 
 
 def bench_decode(clips: list[Path], sizes: list[str], fps: float, repeats: int) -> dict:
@@ -95,8 +101,9 @@ def bench_decode(clips: list[Path], sizes: list[str], fps: float, repeats: int) 
 
     torch.set_num_threads(1)  # this process stands for the encoder's: its to_model_range on one thread
     prepares = {size: Prepare(build_chain([]), parse_buckets([size]), fps, bad_data_only) for size in sizes}
-    raws = {clip.stem: RawSample(key=clip.stem, shard="bench", video=clip.read_bytes(), caption="a clip")
-            for clip in clips}
+    raws = {
+        clip.stem: RawSample(key=clip.stem, shard="bench", video=clip.read_bytes(), caption="a clip") for clip in clips
+    }
     times: dict[str, dict[str, list[dict]]] = {size: {name: [] for name in raws} for size in sizes}
     skipped: dict[str, dict[str, str]] = {size: {} for size in sizes}
     pool = DecodePool(1, initializer=worker_init)  # the service's worker: spawned, one torch thread, quiet FFmpeg
@@ -114,13 +121,20 @@ def bench_decode(clips: list[Path], sizes: list[str], fps: float, repeats: int) 
                         times[size][name].append(result)
     finally:
         pool.close()
-    per_clip = {size: {name: {key: median([r[key] for r in runs]) for key in ("decode_s", "hand_off_s", "to_float_s")}
-                       | {"pixels_bytes": runs[0]["pixels_bytes"], "runs": len(runs)}
-                       for name, runs in clips_of.items() if runs}
-                for size, clips_of in times.items()}
-    return {"per_clip": per_clip, "skipped": skipped, "raw_s": {size: {name: [r["decode_s"] for r in runs]
-                                                                       for name, runs in c.items()}
-                                                                for size, c in times.items()}}
+    per_clip = {
+        size: {
+            name: {key: median([r[key] for r in runs]) for key in ("decode_s", "hand_off_s", "to_float_s")}
+            | {"pixels_bytes": runs[0]["pixels_bytes"], "runs": len(runs)}
+            for name, runs in clips_of.items()
+            if runs
+        }
+        for size, clips_of in times.items()
+    }
+    return {
+        "per_clip": per_clip,
+        "skipped": skipped,
+        "raw_s": {size: {name: [r["decode_s"] for r in runs] for name, runs in c.items()} for size, c in times.items()},
+    }
 
 
 def vae_encode_flops(model: str, sizes: list[str]) -> dict[str, float]:
@@ -150,16 +164,24 @@ def rows_for(result: dict, sources: dict[str, str], encode_s: float | None) -> l
     rows = []
     for size, clips in result["per_clip"].items():
         for name, numbers in clips.items():
-            rows.append(Row(f"decode ms per clip, {size}, {name}", numbers["decode_s"] * 1e3, "ms",
-                            note=f"source {sources[name]}; pool round trip beyond it "
-                                 f"{numbers['hand_off_s'] * 1e3:.0f} ms, to float {numbers['to_float_s'] * 1e3:.0f} ms "
-                                 f"on one thread; "
-                                 f"{numbers['pixels_bytes'] / 2**20:.0f} MiB of uint8 pixels"))
+            rows.append(
+                Row(
+                    f"decode ms per clip, {size}, {name}",
+                    numbers["decode_s"] * 1e3,
+                    "ms",
+                    note=f"source {sources[name]}; pool round trip beyond it "
+                    f"{numbers['hand_off_s'] * 1e3:.0f} ms, to float {numbers['to_float_s'] * 1e3:.0f} ms "
+                    f"on one thread; "
+                    f"{numbers['pixels_bytes'] / 2**20:.0f} MiB of uint8 pixels",
+                )
+            )
         if clips:
             decode = median([n["decode_s"] for n in clips.values()])
-            note = (f"median over {len(clips)} clips; one core each: cores per GPU encoder = decode s / encode s"
-                    + (f" = {decode:.3f} / {encode_s:g} = {decode / encode_s:.2f} at --encode-s {encode_s:g}"
-                       if encode_s else ""))
+            note = f"median over {len(clips)} clips; one core each: cores per GPU encoder = decode s / encode s" + (
+                f" = {decode:.3f} / {encode_s:g} = {decode / encode_s:.2f} at --encode-s {encode_s:g}"
+                if encode_s
+                else ""
+            )
             rows.append(Row(f"  decode ms per clip, {size}, median of the clips", decode * 1e3, "ms", note=note))
     return rows
 
@@ -171,13 +193,25 @@ def estimate_rows(result: dict, model: str, achieved: list[float]) -> list[Row]:
     for size, flops in result["vae_flops"].items():
         clips = result["per_clip"].get(size)
         decode = median([n["decode_s"] for n in clips.values()]) if clips else None
-        rows.append(Row(f"{model} VAE encode TFLOP per clip, {size}", flops / 1e12, "TFLOP",
-                        note="counted on fake tensors (bf16, the real config, untiled)"))
+        rows.append(
+            Row(
+                f"{model} VAE encode TFLOP per clip, {size}",
+                flops / 1e12,
+                "TFLOP",
+                note="counted on fake tensors (bf16, the real config, untiled)",
+            )
+        )
         for tflops in achieved:
             encode = flops / (tflops * 1e12)
             cores = f"{decode / encode:.2f} decode cores per GPU encoder" if decode else "no decoded clip"
-            rows.append(Row(f"  ESTIMATE at {tflops:g} TFLOP/s: encode s per clip, {size}", encode, "s",
-                            note=f"{cores} (decode {decode:.3f} s / encode {encode:.3f} s)" if decode else cores))
+            rows.append(
+                Row(
+                    f"  ESTIMATE at {tflops:g} TFLOP/s: encode s per clip, {size}",
+                    encode,
+                    "s",
+                    note=f"{cores} (decode {decode:.3f} s / encode {encode:.3f} s)" if decode else cores,
+                )
+            )
     return rows
 
 
@@ -187,14 +221,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), help="buckets FxHxW the clips are fitted to")
     parser.add_argument("--fps", type=float, default=FPS, help="sampling rate (buckets.fps)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per clip and size (after one warm-up)")
-    parser.add_argument("--encode-s", type=float, default=None,
-                        help="a VAE's encode seconds per clip at these sizes: print the decode cores it needs")
-    parser.add_argument("--vae", default="wan2.1-14b",
-                        help="a VAE of scripts/real_models.json whose encode FLOPs are counted on fake tensors "
-                             "(none: skip)")
-    parser.add_argument("--achieved-tflops", type=float, nargs="+", default=[250.0, 400.0, 600.0],
-                        help="assumed bf16 TFLOP/s a GPU reaches on the VAE's encode (an estimate: 25/40/60%% of an "
-                             "H100/H200's 989 dense peak)")
+    parser.add_argument(
+        "--encode-s",
+        type=float,
+        default=None,
+        help="a VAE's encode seconds per clip at these sizes: print the decode cores it needs",
+    )
+    parser.add_argument(
+        "--vae",
+        default="wan2.1-14b",
+        help="a VAE of scripts/real_models.json whose encode FLOPs are counted on fake tensors (none: skip)",
+    )
+    parser.add_argument(
+        "--achieved-tflops",
+        type=float,
+        nargs="+",
+        default=[250.0, 400.0, 600.0],
+        help="assumed bf16 TFLOP/s a GPU reaches on the VAE's encode (an estimate: 25/40/60%% of an "
+        "H100/H200's 989 dense peak)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "runs/bench", help="decode_cores.json goes here")
     args = parser.parse_args(argv)
     if args.repeats < 1:
@@ -215,12 +260,23 @@ def main(argv: list[str] | None = None) -> int:
     for size, skipped in result["skipped"].items():
         for name, why in skipped.items():
             print(f"  left out at {size}: {name} ({why})")
-    print(f"one core (OMP_NUM_THREADS=1, 1 torch thread), {args.fps:g} fps, median of {args.repeats}; 1-minute load "
-          f"{info['load_avg_at_start'][0]:.1f} at the start, {info['load_avg_at_end'][0]:.1f} at the end")
+    print(
+        f"one core (OMP_NUM_THREADS=1, 1 torch thread), {args.fps:g} fps, median of {args.repeats}; 1-minute load "
+        f"{info['load_avg_at_start'][0]:.1f} at the start, {info['load_avg_at_end'][0]:.1f} at the end"
+    )
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode_cores.json").write_text(json.dumps({**result, "sources": sources, "machine": info,
-                                                            "settings": {k: str(v) for k, v in vars(args).items()},
-                                                            "rows": [r.to_dict() for r in rows]}, indent=1))
+    (args.out / "decode_cores.json").write_text(
+        json.dumps(
+            {
+                **result,
+                "sources": sources,
+                "machine": info,
+                "settings": {k: str(v) for k, v in vars(args).items()},
+                "rows": [r.to_dict() for r in rows],
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -29,9 +29,16 @@ def main(config_path: str, how: str, out: str) -> None:
     spec = spec_for(config)
     dist.barrier()
     started = time.perf_counter()
-    model = model_build.prepare_transformer(spec, "transformer", mode="lora",
-                                            lora={"rank": 16, "alpha": 16.0, "targets": []}, storage_dtype=None,
-                                            sharded=True, compute_dtype=spec.frozen_dtype, frozen_dtype=spec.frozen_dtype)
+    model = model_build.prepare_transformer(
+        spec,
+        "transformer",
+        mode="lora",
+        lora={"rank": 16, "alpha": 16.0, "targets": []},
+        storage_dtype=None,
+        sharded=True,
+        compute_dtype=spec.frozen_dtype,
+        frozen_dtype=spec.frozen_dtype,
+    )
     weights = spec.weights("transformer")
 
     def materialize(laid_out):

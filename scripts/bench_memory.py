@@ -69,8 +69,9 @@ def build_model(folder: Path) -> Path:
     transformer.to(torch.bfloat16).save_pretrained(folder / "transformer", safe_serialization=True)
     del transformer
     text = dict(REAL["components"]["text_encoder"]["config"], num_layers=1)
-    UMT5EncoderModel(UMT5Config(**text)).to(torch.bfloat16).save_pretrained(folder / "text_encoder",
-                                                                           safe_serialization=True)
+    UMT5EncoderModel(UMT5Config(**text)).to(torch.bfloat16).save_pretrained(
+        folder / "text_encoder", safe_serialization=True
+    )
     (folder / ".done").write_text("ok\n")
     return folder
 
@@ -124,24 +125,38 @@ def bf16_weights_bytes(folder: Path) -> int:
     return sum(entry.end - entry.start for entry in weights.entries.values())
 
 
-def write_config(path: Path, model: Path, raw: Path, window: Path, run: Path, transformer: Path | None = None,
-                 **train) -> Path:
+def write_config(
+    path: Path, model: Path, raw: Path, window: Path, run: Path, transformer: Path | None = None, **train
+) -> Path:
     from vt.shared.config import Config, build, to_toml
 
     tree = {
         "run": {"dir": str(run)},
         # 64 text tokens (Wan's pipeline encodes 512, mostly padding): the cross-attention over them is most of
         # a step's work at this bucket, and its memory is a sliver of the weights'.
-        "model": {"family": "wan", "path": str(model), "dtype": "bfloat16", "max_text_tokens": 64,
-                  **({"components": {"transformer": str(transformer)}} if transformer else {})},
+        "model": {
+            "family": "wan",
+            "path": str(model),
+            "dtype": "bfloat16",
+            "max_text_tokens": 64,
+            **({"components": {"transformer": str(transformer)}} if transformer else {}),
+        },
         "data": {"raw": str(raw)},
         "buckets": {"sizes": ["9x64x96"], "fps": 8.0},
         "window": {"uri": str(window), "size": "keep", "poll_seconds": 0.05},
         "precompute": {"workers": 0, "samples_per_shard": 4, "encode_batch": 4},
         # mixed_precision "auto": on a CPU, float32 compute (bf16 matmuls without bf16 instructions run ~100x
         # slower), the frozen bf16 layers upcast one at a time, as the trainer does there.
-        "train": {"mode": "lora", "batch_size": 4, "max_steps": 1, "lr": 1e-4, "checkpoint_every": 0,
-                  "validation_prompts": [PROMPT], "validation_steps": 1, **train},
+        "train": {
+            "mode": "lora",
+            "batch_size": 4,
+            "max_steps": 1,
+            "lr": 1e-4,
+            "checkpoint_every": 0,
+            "validation_prompts": [PROMPT],
+            "validation_steps": 1,
+            **train,
+        },
         "parallel": {"activation_checkpointing": True, "dp_shard": -1},  # FSDP2, as `vt-train plan` plans it
         "log": {"progress": False},
     }
@@ -155,7 +170,15 @@ def run_trainer(config: Path, ranks: int, log: Path) -> dict:
     if ranks == 1:
         args = [str(BIN / "vt-train"), "run", str(config)]
     else:
-        args = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={ranks}", "-m", "vt.train", "run", str(config)]
+        args = [
+            str(BIN / "torchrun"),
+            "--standalone",
+            f"--nproc-per-node={ranks}",
+            "-m",
+            "vt.train",
+            "run",
+            str(config),
+        ]
     started = time.perf_counter()
     with open(log, "wb") as out:
         code = subprocess.call(args, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -169,8 +192,12 @@ def run_trainer(config: Path, ranks: int, log: Path) -> dict:
 
 def planned(config: Path, ranks: int) -> int:
     """`vt-train plan --device cpu --json`'s total per rank, in bytes."""
-    out = subprocess.run([str(BIN / "vt-train"), "plan", str(config), "--gpus", str(ranks), "--device", "cpu",
-                          "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [str(BIN / "vt-train"), "plan", str(config), "--gpus", str(ranks), "--device", "cpu", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout)["per_rank_bytes"]["total"]
 
 
@@ -181,9 +208,20 @@ def bench_fill(config: Path, work: Path) -> list[dict]:
         log = work / f"fill-{how}.log"
         out = work / f"fill-{how}.json"
         with open(log, "wb") as handle:
-            code = subprocess.call([str(BIN / "torchrun"), "--standalone", "--nproc-per-node=2",
-                                    str(ROOT / "scripts" / "bench_fill_worker.py"), str(config), how, str(out)],
-                                   stdout=handle, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            code = subprocess.call(
+                [
+                    str(BIN / "torchrun"),
+                    "--standalone",
+                    "--nproc-per-node=2",
+                    str(ROOT / "scripts" / "bench_fill_worker.py"),
+                    str(config),
+                    how,
+                    str(out),
+                ],
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
         if code != 0:
             raise RuntimeError(f"the {how} fill failed; see {log}")
         rows.append({"how": how, **json.loads(out.read_text())})
@@ -196,8 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--raw", type=Path, default=ROOT / "runs" / "data" / "raw")
     parser.add_argument("--skip-full", action="store_true", help="leave out the full fine-tune row")
     parser.add_argument("--only-full", action="store_true", help="the full fine-tune row (and its plan row) alone")
-    parser.add_argument("--only-quantized", action="store_true",
-                        help="the one-process LoRA rows alone: bf16, Q8_0 and int8 bases")
+    parser.add_argument(
+        "--only-quantized", action="store_true", help="the one-process LoRA rows alone: bf16, Q8_0 and int8 bases"
+    )
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     # Built in child processes: a run started from a process that grew would inherit its high-water mark in its
@@ -220,27 +259,64 @@ def main(argv: list[str] | None = None) -> dict:
         measured[name] = {**run_trainer(config, ranks, runs / f"{name}.log"), "planned": planned(config, ranks)}
     for kind in () if args.only_full else ("Q8_0", "int8", "nf4"):
         name = f"lora-1-{kind}"
-        config = write_config(runs / f"{name}.toml", model, args.raw, window, runs / name, quantize_base="nf4") \
-            if kind == "nf4" else write_config(runs / f"{name}.toml", model, args.raw, window, runs / name,
-                                               transformer=in_child(build_quantized, model, args.out, kind))
+        config = (
+            write_config(runs / f"{name}.toml", model, args.raw, window, runs / name, quantize_base="nf4")
+            if kind == "nf4"
+            else write_config(
+                runs / f"{name}.toml",
+                model,
+                args.raw,
+                window,
+                runs / name,
+                transformer=in_child(build_quantized, model, args.out, kind),
+            )
+        )
         measured[name] = {**run_trainer(config, 1, runs / f"{name}.log"), "planned": planned(config, 1)}
     one_plan, full_layers = 0, None
     if not (args.skip_full or args.only_quantized):
         full_layers, transformer = full_fine_tune_depth(args.out, model, args.raw, window, runs)
-        full = lambda name: write_config(runs / f"{name}.toml", model, args.raw, window, runs / name,  # noqa: E731
-                                         transformer=transformer, mode="full", lr=1e-5)
+        full = lambda name: write_config(
+            runs / f"{name}.toml",
+            model,
+            args.raw,
+            window,
+            runs / name,  # noqa: E731
+            transformer=transformer,
+            mode="full",
+            lr=1e-5,
+        )
         one_plan = planned(full("full-1"), 1)
         config = full("full-2")
-        measured["full-2"] = {**run_trainer(config, 2, runs / "full-2.log"), "planned": planned(config, 2),
-                              "layers": full_layers}
-    fill = [] if args.only_full or args.only_quantized else bench_fill(
-        write_config(runs / "fill.toml", model, args.raw, window, runs / "fill"), runs)
+        measured["full-2"] = {
+            **run_trainer(config, 2, runs / "full-2.log"),
+            "planned": planned(config, 2),
+            "layers": full_layers,
+        }
+    fill = (
+        []
+        if args.only_full or args.only_quantized
+        else bench_fill(write_config(runs / "fill.toml", model, args.raw, window, runs / "fill"), runs)
+    )
     rows = rows_of(measured, weights, one_plan, fill)
-    return {"machine": machine(), "weights_bytes": weights, "runs": measured, "fill": fill,
-            "out": str(args.out / ("results-full.json" if args.only_full else "results-quantized.json"
-                                   if args.only_quantized else "results.json")),
-            "rows": [r.to_dict() for r in rows], "table": format_table(rows), "notes": [
-                f"{r.name}: {r.note}" for r in rows if r.note]}
+    return {
+        "machine": machine(),
+        "weights_bytes": weights,
+        "runs": measured,
+        "fill": fill,
+        "out": str(
+            args.out
+            / (
+                "results-full.json"
+                if args.only_full
+                else "results-quantized.json"
+                if args.only_quantized
+                else "results.json"
+            )
+        ),
+        "rows": [r.to_dict() for r in rows],
+        "table": format_table(rows),
+        "notes": [f"{r.name}: {r.note}" for r in rows if r.note],
+    }
 
 
 def host_memory() -> int:
@@ -270,41 +346,96 @@ def rows_of(measured: dict, weights: int, full_one_plan: int, fill: list[dict]) 
     one = measured.get("lora-1")
     one_net = net(one, 0) if one else 0.0
     if one:
-        rows.append(Row("LoRA 1 process: peak vs bf16 weights", gib(one_net), "GiB", gib(weights), max_ratio=1.3,
-                        note=f"peak {one['host_peak_gb'][0]:.2f} GiB less the {one['host_baseline_gb'][0]:.2f} "
-                             "GiB the process held before building anything"))
-    for kind, how, goal in (("Q8_0", "kept as stored", 0.75), ("int8", "kept as stored", 0.75),
-                            ("nf4", "quantized as read", 0.6)):
+        rows.append(
+            Row(
+                "LoRA 1 process: peak vs bf16 weights",
+                gib(one_net),
+                "GiB",
+                gib(weights),
+                max_ratio=1.3,
+                note=f"peak {one['host_peak_gb'][0]:.2f} GiB less the {one['host_baseline_gb'][0]:.2f} "
+                "GiB the process held before building anything",
+            )
+        )
+    for kind, how, goal in (
+        ("Q8_0", "kept as stored", 0.75),
+        ("int8", "kept as stored", 0.75),
+        ("nf4", "quantized as read", 0.6),
+    ):
         result = measured.get(f"lora-1-{kind}")
         if one and result:
-            rows.append(Row(f"LoRA 1 process, {kind} base {how}: peak vs the bf16 base's", gib(net(result, 0)),
-                            "GiB", gib(one_net), max_ratio=goal, note=f"peak {result['host_peak_gb'][0]:.2f} GiB"))
+            rows.append(
+                Row(
+                    f"LoRA 1 process, {kind} base {how}: peak vs the bf16 base's",
+                    gib(net(result, 0)),
+                    "GiB",
+                    gib(one_net),
+                    max_ratio=goal,
+                    note=f"peak {result['host_peak_gb'][0]:.2f} GiB",
+                )
+            )
     for ranks, goal in ((2, 0.6), (4, 0.35)) if one and "lora-2" in measured else ():
         result = measured[f"lora-{ranks}"]
         largest = max(range(ranks), key=lambda r: net(result, r))
-        rows.append(Row(f"LoRA FSDP2 {ranks} ranks: largest rank vs 1 process", gib(net(result, largest)), "GiB",
-                        gib(one_net), max_ratio=goal,
-                        note=f"rank {largest}; peaks {', '.join(f'{g:.2f}' for g in result['host_peak_gb'])} GiB"))
+        rows.append(
+            Row(
+                f"LoRA FSDP2 {ranks} ranks: largest rank vs 1 process",
+                gib(net(result, largest)),
+                "GiB",
+                gib(one_net),
+                max_ratio=goal,
+                note=f"rank {largest}; peaks {', '.join(f'{g:.2f}' for g in result['host_peak_gb'])} GiB",
+            )
+        )
     full = measured.get("full-2")
     if full:
         largest = max(range(2), key=lambda r: net(full, r))
         total = REAL["components"]["transformer"]["config"]["num_layers"]
         depth = "" if full["layers"] == total else f" ({full['layers']} of {total} blocks)"
-        rows.append(Row(f"full FSDP2 2 ranks{depth}: largest rank vs plan's 1 process", gib(net(full, largest)),
-                        "GiB", gib(full_one_plan), max_ratio=0.6,
-                        note=f"rank {largest}; peaks {', '.join(f'{g:.2f}' for g in full['host_peak_gb'])} GiB" +
-                             (f"; {total} blocks do not fit 2 ranks in this host's memory" if depth else "")))
+        rows.append(
+            Row(
+                f"full FSDP2 2 ranks{depth}: largest rank vs plan's 1 process",
+                gib(net(full, largest)),
+                "GiB",
+                gib(full_one_plan),
+                max_ratio=0.6,
+                note=f"rank {largest}; peaks {', '.join(f'{g:.2f}' for g in full['host_peak_gb'])} GiB"
+                + (f"; {total} blocks do not fit 2 ranks in this host's memory" if depth else ""),
+            )
+        )
     for name, result in measured.items():
         largest = max(net(result, r) for r in range(len(result["host_peak_gb"])))
-        rows.append(Row(f"vt-train plan vs measured: {name}", gib(result["planned"]), "GiB", gib(largest),
-                        max_ratio=1.15, min_ratio=0.85))
+        rows.append(
+            Row(
+                f"vt-train plan vs measured: {name}",
+                gib(result["planned"]),
+                "GiB",
+                gib(largest),
+                max_ratio=1.15,
+                min_ratio=0.85,
+            )
+        )
     by = {entry["how"]: entry for entry in fill}
     if not by:
         return rows
-    rows.append(Row("fill 2 ranks: rank 0 reads + scatters vs own slices", by["rank0"]["seconds"], "s",
-                    by["slices"]["seconds"], note="start-up seconds of the sharded model"))
-    rows.append(Row("fill 2 ranks: its largest rank's peak vs own slices", gib(by["rank0"]["peak_bytes"]), "GiB",
-                    gib(by["slices"]["peak_bytes"]), note="peak resident set less the import baseline"))
+    rows.append(
+        Row(
+            "fill 2 ranks: rank 0 reads + scatters vs own slices",
+            by["rank0"]["seconds"],
+            "s",
+            by["slices"]["seconds"],
+            note="start-up seconds of the sharded model",
+        )
+    )
+    rows.append(
+        Row(
+            "fill 2 ranks: its largest rank's peak vs own slices",
+            gib(by["rank0"]["peak_bytes"]),
+            "GiB",
+            gib(by["slices"]["peak_bytes"]),
+            note="peak resident set less the import baseline",
+        )
+    )
     return rows
 
 

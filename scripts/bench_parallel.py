@@ -39,9 +39,20 @@ def build_wan(layers: int, heads: int, head_dim: int, ffn: int, text_dim: int, s
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
-                                      in_channels=16, out_channels=16, text_dim=text_dim, freq_dim=256, ffn_dim=ffn,
-                                      num_layers=layers, cross_attn_norm=True, eps=1e-6, rope_max_seq_len=1024)
+        model = WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            in_channels=16,
+            out_channels=16,
+            text_dim=text_dim,
+            freq_dim=256,
+            ffn_dim=ffn,
+            num_layers=layers,
+            cross_attn_norm=True,
+            eps=1e-6,
+            rope_max_seq_len=1024,
+        )
     return model.train().requires_grad_(True)
 
 
@@ -50,8 +61,10 @@ def wan_batch(samples: int, frames: int, height: int, width: int, text_len: int,
     import torch
 
     generator = torch.Generator().manual_seed(seed)
-    return {"latents": torch.randn(samples, 16, frames, height, width, generator=generator),
-            "prompt_embeds": torch.randn(samples, text_len, text_dim, generator=generator)}
+    return {
+        "latents": torch.randn(samples, 16, frames, height, width, generator=generator),
+        "prompt_embeds": torch.randn(samples, text_len, text_dim, generator=generator),
+    }
 
 
 def local_bytes(tensors) -> int:
@@ -91,12 +104,20 @@ def worker(rank: int, world: int, store: str, settings: dict, queue) -> None:
         meshes = dims.build_mesh("cpu")
     try:
         spec = build_spec(ModelConfig(family="wan"), frame_rate=16.0)
-        model = build_wan(settings["layers"], settings["heads"], settings["head_dim"], settings["ffn"], settings["text_dim"])
+        model = build_wan(
+            settings["layers"], settings["heads"], settings["head_dim"], settings["ffn"], settings["text_dim"]
+        )
         parallelize(model, spec, World(dims, rank, 0, torch.device("cpu"), meshes))
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-4)
-        tensors = wan_batch(settings["batch"], settings["frames"], settings["size"], settings["size"],
-                            settings["text_len"], settings["text_dim"])
+        tensors = wan_batch(
+            settings["batch"],
+            settings["frames"],
+            settings["size"],
+            settings["size"],
+            settings["text_len"],
+            settings["text_dim"],
+        )
         batch = Batch("bench", 0, [f"s{i}" for i in range(settings["batch"])], tensors)
         part = take_slice(batch, dims.dp_rank(rank), dims.dp)
         sigmas, noise = draw_inputs(part, 0, 0, "logit_normal", 1.0)
@@ -112,8 +133,17 @@ def worker(rank: int, world: int, store: str, settings: dict, queue) -> None:
             if step >= settings["warmup"]:
                 times.append(time.perf_counter() - started)
         state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.ndim]
-        queue.put((rank, {"params": local_bytes(params), "grads": grads, "optim": local_bytes(state),
-                          "step_s": statistics.median(times)}))
+        queue.put(
+            (
+                rank,
+                {
+                    "params": local_bytes(params),
+                    "grads": grads,
+                    "optim": local_bytes(state),
+                    "step_s": statistics.median(times),
+                },
+            )
+        )
     finally:
         if world > 1:
             dist.destroy_process_group()
@@ -126,8 +156,9 @@ def measure(world: int, settings: dict) -> list[dict]:
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as folder:
-        mp.start_processes(worker, args=(world, os.path.join(folder, "store"), settings, queue), nprocs=world,
-                           start_method="spawn")
+        mp.start_processes(
+            worker, args=(world, os.path.join(folder, "store"), settings, queue), nprocs=world, start_method="spawn"
+        )
     results = dict(queue.get() for _ in range(world))
     return [results[r] for r in range(world)]
 
@@ -140,12 +171,25 @@ def rows_for(per_world: dict[int, list[dict]], settings: dict) -> list[Row]:
             continue
         for key, what in (("params", "parameters"), ("grads", "gradients"), ("optim", "optimizer state")):
             worst = max(r[key] for r in ranks)
-            rows.append(Row(f"FSDP2 {what} per rank, world {world}", worst, "B", baseline=one[key] / world,
-                            max_ratio=MEMORY_GOAL, note=f"largest rank; one process holds {one[key]:,} B"
-                            if key == "params" else ""))
-        rows.append(Row(f"FSDP2 step time, world {world} vs 1 process", ranks[0]["step_s"] * 1e3, "ms",
-                        baseline=one["step_s"] * 1e3,
-                        note=f"global batch {settings['batch']}, {world} ranks on {os.cpu_count()} cores"))
+            rows.append(
+                Row(
+                    f"FSDP2 {what} per rank, world {world}",
+                    worst,
+                    "B",
+                    baseline=one[key] / world,
+                    max_ratio=MEMORY_GOAL,
+                    note=f"largest rank; one process holds {one[key]:,} B" if key == "params" else "",
+                )
+            )
+        rows.append(
+            Row(
+                f"FSDP2 step time, world {world} vs 1 process",
+                ranks[0]["step_s"] * 1e3,
+                "ms",
+                baseline=one["step_s"] * 1e3,
+                note=f"global batch {settings['batch']}, {world} ranks on {os.cpu_count()} cores",
+            )
+        )
     return rows
 
 
@@ -188,9 +232,18 @@ def main(argv: list[str] | None = None) -> int:
         if row.note:
             print(f"  {row.name}: {row.note}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "parallel.json").write_text(json.dumps(
-        {"machine": machine(), "settings": settings, "per_world": per_world, "rows": [r.to_dict() for r in rows],
-         "table": table}, indent=1))
+    (args.out / "parallel.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "settings": settings,
+                "per_world": per_world,
+                "rows": [r.to_dict() for r in rows],
+                "table": table,
+            },
+            indent=1,
+        )
+    )
     failed = [r.name for r in rows if r.ok is False]
     if failed:
         print(f"over goal: {', '.join(failed)}")

@@ -35,8 +35,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench_common import (ROOT, Row, asset_arguments, format_table, median, run_timed, toml_string,
-                          write_run_config)  # noqa: E402
+from bench_common import (
+    ROOT,
+    Row,
+    asset_arguments,
+    format_table,
+    median,
+    run_timed,
+    toml_string,
+    write_run_config,  # noqa: E402
+)
 
 SIDES = ("service", "naive", "encode_only")
 GOAL_VS_NAIVE = 1.3  # the service's samples/s at least 1.3x the naive loop's
@@ -64,10 +72,17 @@ def make_corpus(raw: Path, out: Path, repeats: int) -> Path:
 
 def throughput_overrides(model: Path, raw: Path, run_dir: Path, window: Path, workers: int, batch: int) -> list[str]:
     """One pass into a kept window; shards and VAE batches of `batch` samples per bucket."""
-    return [f"model.path={toml_string(model)}", f"data.raw={toml_string(raw)}", f"run.dir={toml_string(run_dir)}",
-            f"window.uri={toml_string(window)}", 'window.size="keep"', "log.progress=false",
-            f"precompute.workers={workers}", f"precompute.samples_per_shard={batch}",
-            f"precompute.encode_batch={batch}"]
+    return [
+        f"model.path={toml_string(model)}",
+        f"data.raw={toml_string(raw)}",
+        f"run.dir={toml_string(run_dir)}",
+        f"window.uri={toml_string(window)}",
+        'window.size="keep"',
+        "log.progress=false",
+        f"precompute.workers={workers}",
+        f"precompute.samples_per_shard={batch}",
+        f"precompute.encode_batch={batch}",
+    ]
 
 
 # ----------------------------------------------------------------------------------------- child sides
@@ -105,10 +120,14 @@ def _run_naive(config) -> int:
                     sample = prepare_sample(raw, buckets, config.buckets.fps)
                 except SampleError:
                     continue
-                tensors = {**spec.encode_text(encoders, [sample.caption]),
-                           **spec.encode_video(encoders, sample.video[None].to(device))}
-                save_file({k: v[0].to("cpu", dtype).contiguous() for k, v in tensors.items()},
-                          str(out / f"{done:06d}.safetensors"))
+                tensors = {
+                    **spec.encode_text(encoders, [sample.caption]),
+                    **spec.encode_video(encoders, sample.video[None].to(device)),
+                }
+                save_file(
+                    {k: v[0].to("cpu", dtype).contiguous() for k, v in tensors.items()},
+                    str(out / f"{done:06d}.safetensors"),
+                )
                 done += 1
     return done
 
@@ -151,8 +170,10 @@ def _run_encode_only(config, decoded: _Decoded) -> int:
 
     producer = service.Precompute(config)
     if not hasattr(producer, "chain"):
-        raise RuntimeError("vt.precompute.service no longer runs its processors as Precompute.chain; "
-                           "update _run_encode_only in scripts/bench_precompute_throughput.py")
+        raise RuntimeError(
+            "vt.precompute.service no longer runs its processors as Precompute.chain; "
+            "update _run_encode_only in scripts/bench_precompute_throughput.py"
+        )
     producer.chain = decoded  # in-process (workers = 0), so the stand-in is what runs
     return producer.run().committed
 
@@ -211,22 +232,38 @@ def file_outputs(folder: Path) -> tuple[list[int], list[int]]:
     return [f.stat().st_mtime_ns for f in files], [1] * len(files)
 
 
-def bench_throughput(base_config: Path, model: Path, raw: Path, work: Path, rounds: int, threads: int,
-                     repeats: int = 8, workers: int = 1, batch: int = 8) -> dict:
+def bench_throughput(
+    base_config: Path,
+    model: Path,
+    raw: Path,
+    work: Path,
+    rounds: int,
+    threads: int,
+    repeats: int = 8,
+    workers: int = 1,
+    batch: int = 8,
+) -> dict:
     """`rounds` x every side in a fresh process over `repeats` copies of the raw tars; rows compare
     steady-state seconds per sample (start-up excluded, see steady_rate)."""
     corpus = make_corpus(raw, work / "corpus", repeats)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for round_index in range(rounds):
-        order = SIDES[round_index % len(SIDES):] + SIDES[:round_index % len(SIDES)]
+        order = SIDES[round_index % len(SIDES) :] + SIDES[: round_index % len(SIDES)]
         for side in order:
             run_dir = work / f"{side}-{round_index}"
             shutil.rmtree(run_dir, ignore_errors=True)
             side_workers = workers if side == "service" else 0  # encode-only must run in-process
-            config = write_run_config(base_config, run_dir.with_suffix(".toml"), throughput_overrides(
-                model, corpus, run_dir, run_dir / "window", side_workers, batch))
-            _, _, text = run_timed([sys.executable, __file__, "--child", side, str(config)],
-                                   work / f"{side}-{round_index}.log", threads, timeout=900)
+            config = write_run_config(
+                base_config,
+                run_dir.with_suffix(".toml"),
+                throughput_overrides(model, corpus, run_dir, run_dir / "window", side_workers, batch),
+            )
+            _, _, text = run_timed(
+                [sys.executable, __file__, "--child", side, str(config)],
+                work / f"{side}-{round_index}.log",
+                threads,
+                timeout=900,
+            )
             result = json.loads(text.strip().splitlines()[-1])
             outputs = file_outputs(run_dir / "naive") if side == "naive" else window_outputs(run_dir / "window", batch)
             result["s_per_sample"], result["steady_samples"] = steady_rate(*outputs)
@@ -234,20 +271,39 @@ def bench_throughput(base_config: Path, model: Path, raw: Path, work: Path, roun
     per_sample = {side: median([r["s_per_sample"] for r in results]) for side, results in runs.items()}
     samples = runs["service"][0]["samples"]
     if any(r["samples"] != samples for results in runs.values() for r in results):
-        raise RuntimeError(f"the sides committed different sample counts: "
-                           f"{ {side: [r['samples'] for r in results] for side, results in runs.items()} }")
+        raise RuntimeError(
+            f"the sides committed different sample counts: "
+            f"{ {side: [r['samples'] for r in results] for side, results in runs.items()} }"
+        )
     service, naive, encode = per_sample["service"], per_sample["naive"], per_sample["encode_only"]
     rows = [
-        Row("precompute s/sample vs naive loop", service, "s", baseline=naive, max_ratio=round(1 / GOAL_VS_NAIVE, 3),
-            note=f"steady state over {samples} samples; goal: {GOAL_VS_NAIVE:g}x the naive samples/s"),
-        Row("precompute s/sample vs encode-only", service, "s", baseline=encode, max_ratio=round(1 / GOAL_VS_ENCODE, 3),
-            note=f"goal: {GOAL_VS_ENCODE:g}x the samples/s of encoding alone"),
+        Row(
+            "precompute s/sample vs naive loop",
+            service,
+            "s",
+            baseline=naive,
+            max_ratio=round(1 / GOAL_VS_NAIVE, 3),
+            note=f"steady state over {samples} samples; goal: {GOAL_VS_NAIVE:g}x the naive samples/s",
+        ),
+        Row(
+            "precompute s/sample vs encode-only",
+            service,
+            "s",
+            baseline=encode,
+            max_ratio=round(1 / GOAL_VS_ENCODE, 3),
+            note=f"goal: {GOAL_VS_ENCODE:g}x the samples/s of encoding alone",
+        ),
         Row("  precompute samples/s: service", 1 / service, "/s"),
         Row("  precompute samples/s: naive loop", 1 / naive, "/s"),
         Row("  precompute samples/s: encode-only", 1 / encode, "/s"),
     ]
-    return {"rows": rows, "s_per_sample": per_sample, "runs": runs, "samples": samples,
-            "settings": {"repeats": repeats, "workers": workers, "batch": batch, "rounds": rounds}}
+    return {
+        "rows": rows,
+        "s_per_sample": per_sample,
+        "runs": runs,
+        "samples": samples,
+        "settings": {"repeats": repeats, "workers": workers, "batch": batch, "rounds": rounds},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +326,9 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.model / "model_index.json").exists() or not sorted(args.raw.glob("*.tar")):
         parser.error(f"missing {args.model} or the tars in {args.raw}: build them with `make assets`")
     shutil.rmtree(args.out, ignore_errors=True)
-    result = bench_throughput(args.config, args.model, args.raw, args.out, args.rounds, args.threads,
-                              args.repeats, args.workers, args.batch)
+    result = bench_throughput(
+        args.config, args.model, args.raw, args.out, args.rounds, args.threads, args.repeats, args.workers, args.batch
+    )
     print(format_table(result["rows"]))
     print(json.dumps({"s_per_sample": result["s_per_sample"], "settings": result["settings"]}))
     return 0

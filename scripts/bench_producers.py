@@ -39,8 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from bench_common import (BIN, ROOT, Row, asset_arguments, child_env, format_table, machine, median,
-                          write_run_config)  # noqa: E402
+from bench_common import (
+    BIN,
+    ROOT,
+    Row,
+    asset_arguments,
+    child_env,
+    format_table,
+    machine,
+    median,
+    write_run_config,  # noqa: E402
+)
 from bench_precompute_throughput import steady_rate, throughput_overrides, window_outputs  # noqa: E402
 
 LANES = 2
@@ -57,11 +66,13 @@ def make_lane_corpus(raw: Path, out: Path, repeats: int) -> Path:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     for copy in range(repeats):
-        rotated = tars[copy % len(tars):] + tars[:copy % len(tars)]
+        rotated = tars[copy % len(tars) :] + tars[: copy % len(tars)]
         for slot, tar in enumerate(rotated):
             prefix = f"c{copy:03d}"
-            with tarfile.open(tar) as source, tarfile.open(out / f"{prefix}-{slot}-{tar.name}", "w",
-                                                           format=tarfile.USTAR_FORMAT) as dest:
+            with (
+                tarfile.open(tar) as source,
+                tarfile.open(out / f"{prefix}-{slot}-{tar.name}", "w", format=tarfile.USTAR_FORMAT) as dest,
+            ):
                 for member in source:
                     data = source.extractfile(member) if member.isfile() else None
                     member.name = f"{prefix}-{member.name}"
@@ -71,8 +82,9 @@ def make_lane_corpus(raw: Path, out: Path, repeats: int) -> Path:
 
 def committed_keys(window: Path) -> list[str]:
     """Every sample key of the window's commit records (each lane's `commits/p<l>/`)."""
-    return [key for record in sorted((window / "commits").rglob("*.json"))
-            for key in json.loads(record.read_text())["keys"]]
+    return [
+        key for record in sorted((window / "commits").rglob("*.json")) for key in json.loads(record.read_text())["keys"]
+    ]
 
 
 def run_side(config: Path, producers: int, work: Path, name: str, threads: int, timeout: float) -> dict:
@@ -80,8 +92,12 @@ def run_side(config: Path, producers: int, work: Path, name: str, threads: int, 
     logs = [open(work / f"{name}.p{i}.log", "wb") for i in range(producers)]
     env = child_env(threads)
     started = time.perf_counter()
-    procs = [subprocess.Popen([str(BIN / "vt-precompute"), "run", str(config)], stdout=log, stderr=subprocess.STDOUT,
-                              env=env, cwd=ROOT) for log in logs]
+    procs = [
+        subprocess.Popen(
+            [str(BIN / "vt-precompute"), "run", str(config)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
+        )
+        for log in logs
+    ]
     exits: dict[int, float] = {}
     try:
         while len(exits) < len(procs):  # each one's own exit time, in whichever order they end
@@ -102,25 +118,38 @@ def run_side(config: Path, producers: int, work: Path, name: str, threads: int, 
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
         text = (work / f"{name}.p{failed[0]}.log").read_text(errors="replace")
-        raise RuntimeError(f"vt-precompute producer {failed[0]} of {name} exited with {procs[failed[0]].returncode}; "
-                           f"its output is in {work / f'{name}.p{failed[0]}.log'}:\n{text[-3000:]}")
+        raise RuntimeError(
+            f"vt-precompute producer {failed[0]} of {name} exited with {procs[failed[0]].returncode}; "
+            f"its output is in {work / f'{name}.p{failed[0]}.log'}:\n{text[-3000:]}"
+        )
     return {"wall_s": wall, "exits_s": sorted(exits.values())}
 
 
-def bench_producers(base_config: Path, model: Path, raw: Path, work: Path, rounds: int, threads: int,
-                    repeats: int = 40, batch: int = 8, workers: int = 1, timeout: float = 600) -> dict:
+def bench_producers(
+    base_config: Path,
+    model: Path,
+    raw: Path,
+    work: Path,
+    rounds: int,
+    threads: int,
+    repeats: int = 40,
+    batch: int = 8,
+    workers: int = 1,
+    timeout: float = 600,
+) -> dict:
     """`rounds` x both sides (fresh processes, a fresh window each), alternating which goes first; medians."""
     corpus = make_lane_corpus(raw, work / "corpus", repeats)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     names = list(SIDES)
     for round_index in range(rounds):
-        for side in (names if round_index % 2 == 0 else names[::-1]):
+        for side in names if round_index % 2 == 0 else names[::-1]:
             producers = SIDES[side]
             label = f"{side.replace(' ', '-')}-{round_index}"
             run_dir = work / label
             shutil.rmtree(run_dir, ignore_errors=True)
             overrides = throughput_overrides(model, corpus, run_dir, run_dir / "window", workers, batch) + [
-                f"precompute.lanes={LANES}"]
+                f"precompute.lanes={LANES}"
+            ]
             config = write_run_config(base_config, run_dir.with_suffix(".toml"), overrides)
             result = run_side(config, producers, work, label, threads, timeout)
             keys = committed_keys(run_dir / "window")
@@ -128,16 +157,21 @@ def bench_producers(base_config: Path, model: Path, raw: Path, work: Path, round
             if len(reports) != producers:
                 raise RuntimeError(f"{label}: {len(reports)} producer reports in {run_dir}, expected {producers}")
             if sum(r["committed"] for r in reports) != len(keys) or len(set(keys)) != len(keys):
-                raise RuntimeError(f"{label}: the reports count {sum(r['committed'] for r in reports)} samples, the "
-                                   f"window holds {len(keys)} ({len(set(keys))} distinct)")
+                raise RuntimeError(
+                    f"{label}: the reports count {sum(r['committed'] for r in reports)} samples, the "
+                    f"window holds {len(keys)} ({len(set(keys))} distinct)"
+                )
             try:
                 steady, _ = steady_rate(*window_outputs(run_dir / "window", batch))
             except RuntimeError:  # too few full shards (the quick size): no steady-state rate
                 steady = None
-            result.update(committed=len(keys), samples_per_s=len(keys) / result["wall_s"],
-                          steady_samples_per_s=None if steady is None else 1 / steady,
-                          lanes={r["producer"]: r["lanes"] for r in reports},
-                          elapsed_s={r["producer"]: r["elapsed_s"] for r in reports})
+            result.update(
+                committed=len(keys),
+                samples_per_s=len(keys) / result["wall_s"],
+                steady_samples_per_s=None if steady is None else 1 / steady,
+                lanes={r["producer"]: r["lanes"] for r in reports},
+                elapsed_s={r["producer"]: r["elapsed_s"] for r in reports},
+            )
             runs[side].append(result)
     counts = {side: [r["committed"] for r in results] for side, results in runs.items()}
     samples = counts["1 producer"][0]
@@ -146,36 +180,73 @@ def bench_producers(base_config: Path, model: Path, raw: Path, work: Path, round
     one = median([r["samples_per_s"] for r in runs["1 producer"]])
     two = median([r["samples_per_s"] for r in runs["2 producers"]])
     cores = os.cpu_count() or 1
-    rows = [Row("producers samples/s: 2 vs 1 on one window (2 lanes)", two, "/s", baseline=one,
-                note=f"{samples} samples, wall from launch to the last exit (start-up included), median of {rounds}; "
-                     f"{cores} cores for 2 producers of {1 + workers} busy process{'es' if workers else ''} each: "
-                     + ("CPU-bound, the ratio is the claims' overhead plus shared cores, not a speed-up"
-                        if cores < 2 * (1 + workers) else "each producer has cores of its own"))]
+    rows = [
+        Row(
+            "producers samples/s: 2 vs 1 on one window (2 lanes)",
+            two,
+            "/s",
+            baseline=one,
+            note=f"{samples} samples, wall from launch to the last exit (start-up included), median of {rounds}; "
+            f"{cores} cores for 2 producers of {1 + workers} busy process{'es' if workers else ''} each: "
+            + (
+                "CPU-bound, the ratio is the claims' overhead plus shared cores, not a speed-up"
+                if cores < 2 * (1 + workers)
+                else "each producer has cores of its own"
+            ),
+        )
+    ]
     for side, results in runs.items():
         rows.append(Row(f"  producers wall s: {side}", median([r["wall_s"] for r in results]), "s"))
-    steady = {side: [r["steady_samples_per_s"] for r in results if r["steady_samples_per_s"]]
-              for side, results in runs.items()}
+    steady = {
+        side: [r["steady_samples_per_s"] for r in results if r["steady_samples_per_s"]]
+        for side, results in runs.items()
+    }
     if all(steady.values()):
-        rows.append(Row("  producers samples/s, first to last full shard: 2 vs 1", median(steady["2 producers"]), "/s",
-                        baseline=median(steady["1 producer"]), note="start-up left out (steady_rate)"))
-    return {"rows": rows, "samples": samples, "samples_per_s": {"1 producer": one, "2 producers": two},
-            "ratio": two / one, "runs": runs,
-            "settings": {"rounds": rounds, "repeats": repeats, "batch": batch, "lanes": LANES, "threads": threads,
-                         "workers": workers}}
+        rows.append(
+            Row(
+                "  producers samples/s, first to last full shard: 2 vs 1",
+                median(steady["2 producers"]),
+                "/s",
+                baseline=median(steady["1 producer"]),
+                note="start-up left out (steady_rate)",
+            )
+        )
+    return {
+        "rows": rows,
+        "samples": samples,
+        "samples_per_s": {"1 producer": one, "2 producers": two},
+        "ratio": two / one,
+        "runs": runs,
+        "settings": {
+            "rounds": rounds,
+            "repeats": repeats,
+            "batch": batch,
+            "lanes": LANES,
+            "threads": threads,
+            "workers": workers,
+        },
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     asset_arguments(parser, ROOT / "runs/bench-producers")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides, alternating which goes first")
-    parser.add_argument("--repeats", type=int, default=40,
-                        help="copies of the raw tars in the corpus (even: both lanes get the same samples)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=40,
+        help="copies of the raw tars in the corpus (even: both lanes get the same samples)",
+    )
     parser.add_argument("--batch", type=int, default=8, help="samples per shard and per VAE batch")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per producer")
     parser.add_argument("--workers", type=int, default=1, help="decode workers per producer (precompute.workers)")
-    parser.add_argument("--quick", action="store_true",
-                        help="1 round over 2 copies, decoding in each producer's own process (workers 0): the test's "
-                             "size, for the plumbing, not for numbers")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="1 round over 2 copies, decoding in each producer's own process (workers 0): the test's "
+        "size, for the plumbing, not for numbers",
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.repeats, args.workers = 1, 2, 0
@@ -187,18 +258,22 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     info = machine()
     started = time.perf_counter()
-    result = bench_producers(args.config, args.model, args.raw, args.out, args.rounds, args.threads, args.repeats,
-                             args.batch, args.workers)
+    result = bench_producers(
+        args.config, args.model, args.raw, args.out, args.rounds, args.threads, args.repeats, args.batch, args.workers
+    )
     info["load_avg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(format_table(result["rows"]))
     for row in result["rows"]:
         if row.note:
             print(f"  {row.name.strip()}: {row.note}")
-    print(f"ratio 2 producers / 1 producer: {result['ratio']:.3f}x ({time.perf_counter() - started:.0f}s, 1-minute "
-          f"load {info['load_avg_at_start'][0]:.1f} at the start, {info['load_avg_at_end'][0]:.1f} at the end)")
+    print(
+        f"ratio 2 producers / 1 producer: {result['ratio']:.3f}x ({time.perf_counter() - started:.0f}s, 1-minute "
+        f"load {info['load_avg_at_start'][0]:.1f} at the start, {info['load_avg_at_end'][0]:.1f} at the end)"
+    )
     out = {k: v for k, v in result.items() if k != "rows"}
-    (args.out / "producers.json").write_text(json.dumps({**out, "machine": info,
-                                                         "rows": [r.to_dict() for r in result["rows"]]}, indent=1))
+    (args.out / "producers.json").write_text(
+        json.dumps({**out, "machine": info, "rows": [r.to_dict() for r in result["rows"]]}, indent=1)
+    )
     return 0
 
 

@@ -27,31 +27,49 @@ from bench_common import ROOT, Row, asset_arguments, format_table, median, run_t
 from bench_precompute_throughput import make_corpus, steady_rate, throughput_overrides, window_outputs  # noqa: E402
 from ray_head import RAY_ENV, start_head, stop_head  # noqa: E402
 
-SIDES = {"local workers 1": ["precompute.workers=1"],
-         "ray actors 1": ['precompute.engine="ray"', "precompute.ray_actors=1"],
-         "ray actors 2": ['precompute.engine="ray"', "precompute.ray_actors=2"]}
-def bench_ray_decode(base_config: Path, model: Path, raw: Path, work: Path, rounds: int, threads: int,
-                     repeats: int = 6, batch: int = 8) -> dict:
+SIDES = {
+    "local workers 1": ["precompute.workers=1"],
+    "ray actors 1": ['precompute.engine="ray"', "precompute.ray_actors=1"],
+    "ray actors 2": ['precompute.engine="ray"', "precompute.ray_actors=2"],
+}
+
+
+def bench_ray_decode(
+    base_config: Path, model: Path, raw: Path, work: Path, rounds: int, threads: int, repeats: int = 6, batch: int = 8
+) -> dict:
     corpus = make_corpus(raw, work / "corpus", repeats)
     head, address = start_head(work / "ray-head.log", cpus=os.cpu_count() or 2)
     runs: dict[str, list[float]] = {side: [] for side in SIDES}
     names = list(SIDES)
     try:
         for round_index in range(rounds):
-            for side in names[round_index % len(names):] + names[:round_index % len(names)]:
+            for side in names[round_index % len(names) :] + names[: round_index % len(names)]:
                 run_dir = work / f"{side.replace(' ', '-')}-{round_index}"
                 shutil.rmtree(run_dir, ignore_errors=True)
                 overrides = throughput_overrides(model, corpus, run_dir, run_dir / "window", 0, batch) + SIDES[side]
                 config = write_run_config(base_config, run_dir.with_suffix(".toml"), overrides)
-                run_timed([str(Path(sys.executable).with_name("vt-precompute")), "run", str(config)],
-                          run_dir.with_suffix(".log"), threads, timeout=900, env={**RAY_ENV, "RAY_ADDRESS": address})
+                run_timed(
+                    [str(Path(sys.executable).with_name("vt-precompute")), "run", str(config)],
+                    run_dir.with_suffix(".log"),
+                    threads,
+                    timeout=900,
+                    env={**RAY_ENV, "RAY_ADDRESS": address},
+                )
                 runs[side].append(steady_rate(*window_outputs(run_dir / "window", batch))[0])
     finally:
         stop_head(head)
     local = median(runs["local workers 1"])
-    rows = [Row(f"precompute s/sample: {side} vs local workers 1", median(values), "s", baseline=local,
-                note="steady state; Ray on this machine's cores" if side == "ray actors 1" else "")
-            for side, values in runs.items() if side != "local workers 1"]
+    rows = [
+        Row(
+            f"precompute s/sample: {side} vs local workers 1",
+            median(values),
+            "s",
+            baseline=local,
+            note="steady state; Ray on this machine's cores" if side == "ray actors 1" else "",
+        )
+        for side, values in runs.items()
+        if side != "local workers 1"
+    ]
     rows.append(Row("  precompute samples/s: local workers 1", 1 / local, "/s"))
     return {"rows": rows, "s_per_sample": {side: median(values) for side, values in runs.items()}, "runs": runs}
 

@@ -27,16 +27,35 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from bench_common import (BIN, ROOT, Row, asset_arguments, format_table, machine, run_timed,
-                          toml_string, write_run_config)  # noqa: E402
+from bench_common import (
+    BIN,
+    ROOT,
+    Row,
+    asset_arguments,
+    format_table,
+    machine,
+    run_timed,
+    toml_string,  # noqa: E402
+    write_run_config,
+)
 
 
 def train_overrides(model: Path, run_dir: Path, window: Path, batch: int, world: int) -> list[str]:
     """One epoch over the even window at global batch `batch`, DDP over `world` ranks, no validation."""
-    return [f"model.path={toml_string(model)}", f"run.dir={toml_string(run_dir)}",
-            f"window.uri={toml_string(f'counted://{window}')}", 'window.size="keep"', f"train.batch_size={batch}",
-            "train.epochs=1", "train.max_steps=0", "train.checkpoint_every=0", "train.validation_prompts=[]",
-            "log.progress=false", f"parallel.dp_replicate={world}", "parallel.dp_shard=1"]
+    return [
+        f"model.path={toml_string(model)}",
+        f"run.dir={toml_string(run_dir)}",
+        f"window.uri={toml_string(f'counted://{window}')}",
+        'window.size="keep"',
+        f"train.batch_size={batch}",
+        "train.epochs=1",
+        "train.max_steps=0",
+        "train.checkpoint_every=0",
+        "train.validation_prompts=[]",
+        "log.progress=false",
+        f"parallel.dp_replicate={world}",
+        "parallel.dp_shard=1",
+    ]
 
 
 def measure(args: argparse.Namespace, work: Path, window: Path, world: int) -> dict:
@@ -45,13 +64,17 @@ def measure(args: argparse.Namespace, work: Path, window: Path, world: int) -> d
 
     run_dir = work / f"train-{world}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    config = write_run_config(args.config, work / f"train-{world}.toml",
-                              train_overrides(args.model, run_dir, window, args.batch, world))
+    config = write_run_config(
+        args.config, work / f"train-{world}.toml", train_overrides(args.model, run_dir, window, args.batch, world)
+    )
     counts = work / f"counts-{world}"
     os.environ["VT_STORAGE_COUNTS"] = str(counts)  # run_timed's child environment starts from this one
-    _, seconds, _ = run_timed([str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}",
-                               str(COUNTING_WORKER), "run", str(config)], work / f"train-{world}.log", args.threads,
-                              timeout=600)
+    _, seconds, _ = run_timed(
+        [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={world}", str(COUNTING_WORKER), "run", str(config)],
+        work / f"train-{world}.log",
+        args.threads,
+        timeout=600,
+    )
     steps = len((run_dir / "metrics.jsonl").read_text().splitlines())
     return {"seconds": seconds, "steps": steps, "ranks": read_counts(counts, world)}
 
@@ -66,13 +89,26 @@ def rows_for(per_world: dict[int, dict], run) -> list[Row]:
         worst = max(ranks, key=lambda row: row["data_bytes"])
         per_step = worst["data_bytes"] / steps
         one = per_step if world == 1 else one
-        rows.append(Row(f"bytes read per rank per step, {world} rank{'s' * (world > 1)}", per_step, "B",
-                        baseline=one, note=f"largest rank; 1/D = {1 / world:.3f}; of it headers "
-                        f"{worst['header_bytes'] / steps:,.0f} B ({worst['header_requests']} over the run, one per "
-                        f"shard touched) and caption tables {worst['table_bytes'] / steps:,.0f} B; "
-                        f"{worst['data_requests'] / steps:.1f} requests per step"))
-        rows.append(Row(f"  rows and captions per rank per step vs 1/D of the batch, {world}",
-                        max(r["rows_bytes"] for r in ranks) / steps, "B", baseline=run.global_bytes / world / steps))
+        rows.append(
+            Row(
+                f"bytes read per rank per step, {world} rank{'s' * (world > 1)}",
+                per_step,
+                "B",
+                baseline=one,
+                note=f"largest rank; 1/D = {1 / world:.3f}; of it headers "
+                f"{worst['header_bytes'] / steps:,.0f} B ({worst['header_requests']} over the run, one per "
+                f"shard touched) and caption tables {worst['table_bytes'] / steps:,.0f} B; "
+                f"{worst['data_requests'] / steps:.1f} requests per step",
+            )
+        )
+        rows.append(
+            Row(
+                f"  rows and captions per rank per step vs 1/D of the batch, {world}",
+                max(r["rows_bytes"] for r in ranks) / steps,
+                "B",
+                baseline=run.global_bytes / world / steps,
+            )
+        )
     return rows
 
 
@@ -107,8 +143,15 @@ def real_size_rows(work: Path, worlds: list[int], batch: int = 8, shards: int = 
             tokens = int(torch.randint(60, 250, (1,), generator=generator))
             text[i, :tokens] = torch.randn(tokens, REAL_TEXT[1], generator=generator).to(torch.bfloat16)
         captions = Captions({"prompt_embeds": text}, list(range(per_shard)))
-        window.commit(0, seq, 0, encode_shard({"latents": latents}, keys, {"bucket": "81x480x832"}, captions),
-                      "81x480x832", keys, "fp")
+        window.commit(
+            0,
+            seq,
+            0,
+            encode_shard({"latents": latents}, keys, {"bucket": "81x480x832"}, captions),
+            "81x480x832",
+            keys,
+            "fp",
+        )
     window.finish_producer(0, shards)
     steps = shards * per_shard // batch
     rows, one = [], None
@@ -132,10 +175,16 @@ def real_size_rows(work: Path, worlds: list[int], batch: int = 8, shards: int = 
         worst, requests = max(per_rank)
         per_step = worst / steps
         one = per_step if world == 1 else one
-        rows.append(Row(f"bytes read per rank per step, Wan 480p-size samples, {world} rank{'s' * (world > 1)}",
-                        per_step / 2**20, "MiB", baseline=one / 2**20,
-                        note=f"the reader alone; largest rank; 1/D = {1 / world:.3f}; {requests / steps:.1f} "
-                             f"requests per step; {shards} shards of {per_shard}, global batch {batch}"))
+        rows.append(
+            Row(
+                f"bytes read per rank per step, Wan 480p-size samples, {world} rank{'s' * (world > 1)}",
+                per_step / 2**20,
+                "MiB",
+                baseline=one / 2**20,
+                note=f"the reader alone; largest rank; 1/D = {1 / world:.3f}; {requests / steps:.1f} "
+                f"requests per step; {shards} shards of {per_shard}, global batch {batch}",
+            )
+        )
     shutil.rmtree(uri, ignore_errors=True)
     return rows
 
@@ -179,20 +228,32 @@ def main(argv: list[str] | None = None) -> int:
     rows += real_size_rows(work, sorted(set(args.worlds)), args.batch)
     table = format_table(rows)
     captions = sorted({len(shard.caption_bytes) for shard in run.shards})
-    print(f"\nBytes read per trainer rank ({args.samples} samples in shards of {args.per_shard}, global batch "
-          f"{args.batch}, {len(run.batches)} steps; a sample's rows and caption "
-          f"{run.global_bytes / args.samples:,.0f} B on average, a shard's header {run.shards[0].header:,} B; "
-          f"{'-'.join(map(str, captions))} distinct caption(s) per shard: a rank reads a caption once per shard, "
-          "so one process reads a shared caption once where D ranks read it once each)\n")
+    print(
+        f"\nBytes read per trainer rank ({args.samples} samples in shards of {args.per_shard}, global batch "
+        f"{args.batch}, {len(run.batches)} steps; a sample's rows and caption "
+        f"{run.global_bytes / args.samples:,.0f} B on average, a shard's header {run.shards[0].header:,} B; "
+        f"{'-'.join(map(str, captions))} distinct caption(s) per shard: a rank reads a caption once per shard, "
+        "so one process reads a shared caption once where D ranks read it once each)\n"
+    )
     print(table)
     for row in rows:
         if row.note:
             print(f"  {row.name}: {row.note}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scale.json").write_text(json.dumps(
-        {"machine": machine(), "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-         "global_bytes": run.global_bytes, "per_world": per_world, "rows": [r.to_dict() for r in rows],
-         "table": table, "seconds": round(time.perf_counter() - started, 1)}, indent=1))
+    (args.out / "scale.json").write_text(
+        json.dumps(
+            {
+                "machine": machine(),
+                "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+                "global_bytes": run.global_bytes,
+                "per_world": per_world,
+                "rows": [r.to_dict() for r in rows],
+                "table": table,
+                "seconds": round(time.perf_counter() - started, 1),
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -42,9 +42,17 @@ def precompute_start(config: Path, model: Path, raw: Path, work: Path, name: str
 
 def train_start(config: Path, model: Path, window: Path, work: Path, name: str, threads: int) -> dict:
     run_dir = work / name
-    overrides = [f"model.path={toml_string(model)}", f"window.uri={toml_string(window)}", 'window.size="keep"',
-                 f"run.dir={toml_string(run_dir)}", "train.max_steps=2", "train.validate_every=0",
-                 "train.checkpoint_every=0", "train.validation_prompts=[]", "log.progress=false"]
+    overrides = [
+        f"model.path={toml_string(model)}",
+        f"window.uri={toml_string(window)}",
+        'window.size="keep"',
+        f"run.dir={toml_string(run_dir)}",
+        "train.max_steps=2",
+        "train.validate_every=0",
+        "train.checkpoint_every=0",
+        "train.validation_prompts=[]",
+        "log.progress=false",
+    ]
     cfg = write_run_config(config, work / f"{name}.toml", overrides)
     started, seconds, _ = run_timed([str(BIN / "vt-train"), "run", str(cfg)], work / f"{name}.log", threads)
     first_step = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])["time"]
@@ -62,7 +70,7 @@ def bench_startup(config: Path, model: Path, raw: Path, window: Path, work: Path
     runs: dict[str, list] = {"bare": [], "precompute": [], "train": []}
     order = ["bare", "precompute", "bare", "train"]  # the bare side between the two vt sides
     for index in range(rounds):
-        for side in (order if index % 2 == 0 else order[::-1]):
+        for side in order if index % 2 == 0 else order[::-1]:
             name = f"startup-{side}-{index}-{len(runs[side])}"
             if side == "bare":
                 runs["bare"].append(bare_import(work, name, threads))
@@ -77,14 +85,30 @@ def bench_startup(config: Path, model: Path, raw: Path, window: Path, work: Path
         return "parts: " + ", ".join(f"{k} {v:.2f}s" for k, v in parts[side].items())
 
     rows = [
-        Row("launch -> first decoded sample: vt-precompute vs bare import", median([r["first_s"] for r in
-            runs["precompute"]]), "s", baseline=bare, max_ratio=GOAL,
-            note=f"median of {rounds}; baseline `python -c \"{BARE}\"` ({len(runs['bare'])} runs); {note('precompute')}"),
-        Row("launch -> first step: vt-train (ready window) vs bare import", median([r["first_s"] for r in
-            runs["train"]]), "s", baseline=bare, max_ratio=GOAL, note=note("train")),
+        Row(
+            "launch -> first decoded sample: vt-precompute vs bare import",
+            median([r["first_s"] for r in runs["precompute"]]),
+            "s",
+            baseline=bare,
+            max_ratio=GOAL,
+            note=f'median of {rounds}; baseline `python -c "{BARE}"` ({len(runs["bare"])} runs); {note("precompute")}',
+        ),
+        Row(
+            "launch -> first step: vt-train (ready window) vs bare import",
+            median([r["first_s"] for r in runs["train"]]),
+            "s",
+            baseline=bare,
+            max_ratio=GOAL,
+            note=note("train"),
+        ),
     ]
-    return {"rows": rows, "bare_s": runs["bare"], "precompute": runs["precompute"], "train": runs["train"],
-            "parts_s": parts}
+    return {
+        "rows": rows,
+        "bare_s": runs["bare"],
+        "precompute": runs["precompute"],
+        "train": runs["train"],
+        "parts_s": parts,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(result["rows"]))
     for row in result["rows"]:
         print(f"  {row.name}: {row.note}")
-    (args.out / "results.json").write_text(json.dumps({k: v for k, v in result.items() if k != "rows"}
-                                                      | {"rows": [r.to_dict() for r in result["rows"]]}, indent=1))
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {k: v for k, v in result.items() if k != "rows"} | {"rows": [r.to_dict() for r in result["rows"]]}, indent=1
+        )
+    )
     return 0
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-
 from bench_common import Row
 
 
@@ -51,19 +50,39 @@ def bench_storage(window: Path, work: Path, samples: int) -> dict:
         raise RuntimeError(f"the window {window} holds no shard data; run the precompute bench first")
     baseline_total, baseline_samples = fp32_per_sample_bytes(window, work / "fp32-per-sample")
     if baseline_samples != samples:
-        raise RuntimeError(f"the window holds {baseline_samples} samples but precompute committed {samples}: "
-                           "was it written by another run? Delete it and run the bench again")
+        raise RuntimeError(
+            f"the window holds {baseline_samples} samples but precompute committed {samples}: "
+            "was it written by another run? Delete it and run the bench again"
+        )
     stored = sum(sizes.values())
     rows = [
-        Row("stored bytes/sample (window, all files)", stored / samples, "B", baseline=baseline_total / samples,
-            max_ratio=0.25, note="baseline: fp32 torch.save, one file per sample"),
+        Row(
+            "stored bytes/sample (window, all files)",
+            stored / samples,
+            "B",
+            baseline=baseline_total / samples,
+            max_ratio=0.25,
+            note="baseline: fp32 torch.save, one file per sample",
+        ),
         Row("  stored bytes/sample (shard data only)", sizes["data"] / samples, "B", baseline=baseline_total / samples),
     ]
     wan = wan21_layout_bytes()
-    rows.append(Row(f"  Wan 2.1 {wan['bucket']} shard bytes/sample (layout)", wan["after"], "B", baseline=wan["before"],
-                    note=f"baseline: v1 layout, text padded per sample; {wan['tokens']}-token captions"))
-    return {"rows": rows, "window_bytes": sizes, "fp32_total_bytes": baseline_total, "samples": samples,
-            "wan21_layout": wan}
+    rows.append(
+        Row(
+            f"  Wan 2.1 {wan['bucket']} shard bytes/sample (layout)",
+            wan["after"],
+            "B",
+            baseline=wan["before"],
+            note=f"baseline: v1 layout, text padded per sample; {wan['tokens']}-token captions",
+        )
+    )
+    return {
+        "rows": rows,
+        "window_bytes": sizes,
+        "fp32_total_bytes": baseline_total,
+        "samples": samples,
+        "wan21_layout": wan,
+    }
 
 
 def wan21_layout_bytes(samples: int = 4, tokens: int = 120, bucket: str = "81x480x832") -> dict:
@@ -81,5 +100,11 @@ def wan21_layout_bytes(samples: int = 4, tokens: int = 120, bucket: str = "81x48
     keys = [f"s{i}" for i in range(samples)]
     before = encode_shard({"latents": latents, "prompt_embeds": text}, keys, {})
     after = encode_shard({"latents": latents}, keys, {}, Captions({"prompt_embeds": text}, list(range(samples))))
-    return {"bucket": bucket, "tokens": tokens, "before": len(before) / samples, "after": len(after) / samples,
-            "latent_bytes": latents[0].numel() * 2, "text_bytes": text[0].numel() * 2}
+    return {
+        "bucket": bucket,
+        "tokens": tokens,
+        "before": len(before) / samples,
+        "after": len(after) / samples,
+        "latent_bytes": latents[0].numel() * 2,
+        "text_bytes": text[0].numel() * 2,
+    }

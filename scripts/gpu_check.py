@@ -124,8 +124,11 @@ def cases(args, training_backends: list[str]) -> list[Case]:
     compile_ok = not args.dry
     # native_math materialises every 32k x 32k score matrix: a dry-run row only. flex is fused only
     # when compiled (eager flex is the same materialising fallback), so its row compiles.
-    full = [Case("full", big, backend=b, compile=b == "flex" and compile_ok)
-            for b in training_backends if args.dry or b != "native_math"]
+    full = [
+        Case("full", big, backend=b, compile=b == "flex" and compile_ok)
+        for b in training_backends
+        if args.dry or b != "native_math"
+    ]
     full += [Case("full", big, ac=False)] + ([Case("full", big, compile=True)] if compile_ok else [])
     fp8 = [Case("fp8", wide, compile=compile_ok, fp8=recipe) for recipe in ("none", "tensorwise", "rowwise")]
     lora = [Case("lora", big, lora_base=base) for base in ("bf16", "fp8")]
@@ -137,9 +140,12 @@ def cases(args, training_backends: list[str]) -> list[Case]:
 def model_flops_per_sample(shape: Shape) -> float:
     """Forward + backward matmul FLOPs of one sample (3 x forward; recomputation not counted)."""
     d, f, s, t = shape.heads * shape.head_dim, shape.ffn, shape.tokens, shape.text_len
-    per_layer = (2 * s * (6 * d * d + 2 * d * f)  # self-attn q,k,v,o + cross-attn q,o + FFN, on video tokens
-                 + 2 * t * 2 * d * d  # cross-attn k, v on text tokens
-                 + 4 * s * s * d + 4 * s * t * d)  # attention scores and weighted sums (self, cross)
+    per_layer = (
+        2 * s * (6 * d * d + 2 * d * f)  # self-attn q,k,v,o + cross-attn q,o + FFN, on video tokens
+        + 2 * t * 2 * d * d  # cross-attn k, v on text tokens
+        + 4 * s * s * d
+        + 4 * s * t * d
+    )  # attention scores and weighted sums (self, cross)
     embed = 2 * t * (shape.text_dim * d + d * d) + 2 * s * (16 * 4 * d + d * 16 * 4)  # text embedder, patch in/out
     return 3.0 * (shape.layers * per_layer + embed)
 
@@ -173,8 +179,9 @@ def build(case: Case, args, device):
         model.requires_grad_(False).to(torch.bfloat16)
         if case.lora_base == "fp8":
             store_base_fp8(model, torch.bfloat16, sharded=False)
-        model.add_adapter(LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank,
-                                     target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+        model.add_adapter(
+            LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank, target_modules=["to_q", "to_k", "to_v", "to_out.0"])
+        )
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.float()
@@ -239,10 +246,15 @@ def measure(case: Case, args, device) -> dict:
         step_s = statistics.median(times)
         peak = peak_tflops(args, device)
         flops = model_flops_per_sample(shape) / step_s
-        row.update(tokens=shape.tokens, step_ms=step_s * 1e3, tokens_s=shape.tokens / step_s,
-                   mfu=(flops / (peak * 1e12)) if peak and not case.lora_base else None,
-                   peak_gib=(torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
-                   losses=losses, note="" if all(map(math.isfinite, losses)) else "loss not finite")
+        row.update(
+            tokens=shape.tokens,
+            step_ms=step_s * 1e3,
+            tokens_s=shape.tokens / step_s,
+            mfu=(flops / (peak * 1e12)) if peak and not case.lora_base else None,
+            peak_gib=(torch.cuda.max_memory_allocated(device) / 2**30) if device.type == "cuda" else None,
+            losses=losses,
+            note="" if all(map(math.isfinite, losses)) else "loss not finite",
+        )
         if case.group == "plan":
             row["plan_gib"] = planned_gib(case, args)
             row["note"] = (row["note"] + f" plan {row['plan_gib']:.1f} GiB").strip()
@@ -265,7 +277,8 @@ def planned_gib(case: Case, args) -> float:
     from the real Wan 2.1 14B configs, or the tiny preset's in a dry run."""
     import tempfile
 
-    from vt.shared.config import Config, build as build_config
+    from vt.shared.config import Config
+    from vt.shared.config import build as build_config
     from vt.train.plan import make_plan
 
     shape = case.shape
@@ -278,12 +291,21 @@ def planned_gib(case: Case, args) -> float:
             from memory_table import config_only_model
 
             folder = config_only_model("wan2.1-14b", Path(work) / "wan")
-        config = build_config(Config, {
-            "model": {"family": "wan", "path": str(folder), "dtype": "bfloat16", "max_text_tokens": shape.text_len},
-            "buckets": {"sizes": [f"{4 * (shape.frames - 1) + 1}x{8 * shape.height}x{8 * shape.width}"]},
-            "train": {"mode": "lora", "lora_rank": args.lora_rank, "lora_alpha": float(args.lora_rank),
-                      "lora_targets": ["to_q", "to_k", "to_v", "to_out.0"], "batch_size": 1},
-            "parallel": {"activation_checkpointing": case.ac}})
+        config = build_config(
+            Config,
+            {
+                "model": {"family": "wan", "path": str(folder), "dtype": "bfloat16", "max_text_tokens": shape.text_len},
+                "buckets": {"sizes": [f"{4 * (shape.frames - 1) + 1}x{8 * shape.height}x{8 * shape.width}"]},
+                "train": {
+                    "mode": "lora",
+                    "lora_rank": args.lora_rank,
+                    "lora_alpha": float(args.lora_rank),
+                    "lora_targets": ["to_q", "to_k", "to_v", "to_out.0"],
+                    "batch_size": 1,
+                },
+                "parallel": {"activation_checkpointing": case.ac},
+            },
+        )
         return make_plan(config, 1, "cuda").rank.device_total / 2**30
 
 
@@ -298,12 +320,16 @@ def format_rows(rows: list[dict]) -> str:
     def num(value, fmt):
         return "-" if value is None else format(value, fmt)
 
-    lines = ["| case | tokens | step ms | tokens/s | MFU | peak GiB | note |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        "| case | tokens | step ms | tokens/s | MFU | peak GiB | note |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
-        lines.append(f"| {r['case']} | {num(r.get('tokens'), ',')} | {num(r.get('step_ms'), '.1f')} | "
-                     f"{num(r.get('tokens_s'), ',.0f')} | {num(r.get('mfu'), '.1%')} | "
-                     f"{num(r.get('peak_gib'), '.1f')} | {r.get('note', '')} |")
+        lines.append(
+            f"| {r['case']} | {num(r.get('tokens'), ',')} | {num(r.get('step_ms'), '.1f')} | "
+            f"{num(r.get('tokens_s'), ',.0f')} | {num(r.get('mfu'), '.1%')} | "
+            f"{num(r.get('peak_gib'), '.1f')} | {r.get('note', '')} |"
+        )
     return "\n".join(lines)
 
 
@@ -325,9 +351,11 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_real_run import run_rows
 
         rows += run_rows(args.dry, args.work, peak_tflops(args, device))
-    print(f"vt gpu check on {name}: torch {torch.__version__}, attention backends {', '.join(backends)}, "
-          f"peak {peak_tflops(args, device) or 'unknown'} TFLOP/s bf16, {args.steps} timed step(s) per row, "
-          f"{time.perf_counter() - started:.0f} s")
+    print(
+        f"vt gpu check on {name}: torch {torch.__version__}, attention backends {', '.join(backends)}, "
+        f"peak {peak_tflops(args, device) or 'unknown'} TFLOP/s bf16, {args.steps} timed step(s) per row, "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     print(format_rows(rows))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

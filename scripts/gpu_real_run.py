@@ -39,10 +39,14 @@ RUNS = {
     "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
 }
 # rows on one GPU under a memory cap: (GiB, the parallel and train settings docs/memory.md names for that card)
-CAPPED = {"run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB":
-          (24, {"blocks_on_gpu": 10, "activation_offload": True}, {}),
-          "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB":
-          (24, {"activation_offload": True}, {"quantize_base": "nf4"})}
+CAPPED = {
+    "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": (24, {"blocks_on_gpu": 10, "activation_offload": True}, {}),
+    "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": (
+        24,
+        {"activation_offload": True},
+        {"quantize_base": "nf4"},
+    ),
+}
 PROMPT = "a red fox running through fresh snow, cinematic"
 STEPS = 4
 
@@ -83,20 +87,41 @@ def model_folder(key: str, folder: Path, dry: bool, device: str) -> Path:
     return folder
 
 
-def run_config(folder: Path, key: str, bucket: str, run_dir: Path, window: Path, gpus: int, dry: bool,
-               parallel: dict | None = None, train: dict | None = None) -> Path:
+def run_config(
+    folder: Path,
+    key: str,
+    bucket: str,
+    run_dir: Path,
+    window: Path,
+    gpus: int,
+    dry: bool,
+    parallel: dict | None = None,
+    train: dict | None = None,
+) -> Path:
     from vt.shared.config import Config, build, to_toml
 
-    tree = {"run": {"dir": str(run_dir)},
-            "model": {"family": real_models()[key]["family"], "path": str(folder), "dtype": "bfloat16"},
-            "data": {"raw": str(window / "no-raw")},
-            "buckets": {"sizes": [bucket], "fps": 16.0},
-            "window": {"uri": str(window), "size": "keep"},
-            "train": {"mode": "lora", "lora_rank": 32, "lora_alpha": 32.0, "batch_size": gpus, "max_steps": STEPS,
-                      "lr": 1e-5, "validation_prompts": [PROMPT], "validation_steps": 2,
-                      "device": "cpu" if dry else "cuda", "mixed_precision": "auto", **(train or {})},
-            "parallel": {"activation_checkpointing": True, **(parallel or {})},
-            "log": {"every_steps": 1, "progress": False}}
+    tree = {
+        "run": {"dir": str(run_dir)},
+        "model": {"family": real_models()[key]["family"], "path": str(folder), "dtype": "bfloat16"},
+        "data": {"raw": str(window / "no-raw")},
+        "buckets": {"sizes": [bucket], "fps": 16.0},
+        "window": {"uri": str(window), "size": "keep"},
+        "train": {
+            "mode": "lora",
+            "lora_rank": 32,
+            "lora_alpha": 32.0,
+            "batch_size": gpus,
+            "max_steps": STEPS,
+            "lr": 1e-5,
+            "validation_prompts": [PROMPT],
+            "validation_steps": 2,
+            "device": "cpu" if dry else "cuda",
+            "mixed_precision": "auto",
+            **(train or {}),
+        },
+        "parallel": {"activation_checkpointing": True, **(parallel or {})},
+        "log": {"every_steps": 1, "progress": False},
+    }
     path = run_dir.with_suffix(".toml")
     path.write_text(to_toml(build(Config, tree)))
     return path
@@ -151,9 +176,12 @@ def fill_window(config, window_dir: Path, samples: int, device: str) -> str:
     window.register_producer(0, 1, fp)
     encoders = random_text_encoders(spec, device)
     with torch.inference_mode():
+
         def encode(captions):
-            return {k: v.to("cpu", torch.bfloat16) if v.is_floating_point() else v.cpu()
-                    for k, v in spec.encode_text(encoders, captions).items()}
+            return {
+                k: v.to("cpu", torch.bfloat16) if v.is_floating_point() else v.cpu()
+                for k, v in spec.encode_text(encoders, captions).items()
+            }
 
         window.put_empty_caption(fp, encode_caption(encode([""]), spec.text_masks))
         write_validation_conditions(spec, encoders, config, window, fp, torch.bfloat16)
@@ -163,8 +191,12 @@ def fill_window(config, window_dir: Path, samples: int, device: str) -> str:
         torch.cuda.empty_cache()
     shapes = {name: shape for name, shape in spec.condition_shapes(bucket).items() if name not in captions.conditions}
     generator = torch.Generator().manual_seed(0)
-    tensors = {name: torch.ones(samples, *shape) if "mask" in name else
-               torch.randn(samples, *shape, generator=generator).to(torch.bfloat16) for name, shape in shapes.items()}
+    tensors = {
+        name: torch.ones(samples, *shape)
+        if "mask" in name
+        else torch.randn(samples, *shape, generator=generator).to(torch.bfloat16)
+        for name, shape in shapes.items()
+    }
     keys = [f"sample-{i}" for i in range(samples)]
     meta = {"provenance": prov, "sources": components, "bucket": bucket.name, "epoch": 0}
     window.commit(0, 0, 0, encode_shard(tensors, keys, meta, captions), bucket.name, keys, fp)
@@ -204,9 +236,14 @@ def measured(run_dir: Path, gpus: int) -> dict:
     rates = [r["samples_s"] for r in records if "samples_s" in r][1:] or [r["samples_s"] for r in records]
     step_s = statistics.median(gpus / rate for rate in rates)  # batch_size = gpus: one sample per rank
     largest = {name: max(values) for name, values in memory.items()}  # memory.json's figures are GiB
-    return {"step_s": step_s, "peak_gib": largest.get("gpu_peak_gb"), "startup_gib": largest.get("gpu_startup_peak_gb"),
-            "host_gib": largest.get("host_peak_gb"), "pinned_gib": largest.get("host_pinned_gb"),
-            "losses": [r["loss"] for r in records if "loss" in r]}
+    return {
+        "step_s": step_s,
+        "peak_gib": largest.get("gpu_peak_gb"),
+        "startup_gib": largest.get("gpu_startup_peak_gb"),
+        "host_gib": largest.get("host_peak_gb"),
+        "pinned_gib": largest.get("host_pinned_gb"),
+        "losses": [r["loss"] for r in records if "loss" in r],
+    }
 
 
 def _gpu_bytes() -> int:
@@ -247,28 +284,43 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     log = run_dir.with_suffix(".log")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     trainer = [str(ROOT / "scripts" / "gpu_capped_run.py"), str(cap_gib)] if cap_gib else ["-m", "vt.train"]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
-               *trainer, "run", str(config_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={gpus}",
+        *trainer,
+        "run",
+        str(config_path),
+    ]
     with open(log, "w") as out:
         code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
     row["wall_s"] = time.perf_counter() - started
-    if not dry and not any(RUNS[other][0] == key for other in list(RUNS)[list(RUNS).index(label) + 1:]):
+    if not dry and not any(RUNS[other][0] == key for other in list(RUNS)[list(RUNS).index(label) + 1 :]):
         shutil.rmtree(folder, ignore_errors=True)  # tens of GB of random weights, once no later row uses them
     if code != 0:
         row["note"] = f"vt-train exited {code}: " + log.read_text().strip().splitlines()[-1][:100]
         return row
     row.update(measured(run_dir, gpus))
-    row.update(tokens=tokens, step_ms=row["step_s"] * 1e3, tokens_s=tokens * gpus / row["step_s"],
-               videos=len(list((run_dir / "validation").rglob("*.mp4"))))
+    row.update(
+        tokens=tokens,
+        step_ms=row["step_s"] * 1e3,
+        tokens_s=tokens * gpus / row["step_s"],
+        videos=len(list((run_dir / "validation").rglob("*.mp4"))),
+    )
     # each rank trains one sample a step: 3 x its forward FLOPs per step against one GPU's peak
     row["mfu"] = (3 * flops / row["step_s"] / (peak_tflops * 1e12)) if flops and peak_tflops else None
     finite = all(math.isfinite(v) for v in row["losses"])
-    row["note"] = ("" if finite else "loss not finite; ") + \
-        f"plan {row['plan_gib']:.1f} GiB on {gpus} GPU(s), {row['videos']} validation video(s)"
+    row["note"] = (
+        "" if finite else "loss not finite; "
+    ) + f"plan {row['plan_gib']:.1f} GiB on {gpus} GPU(s), {row['videos']} validation video(s)"
     if cap_gib and not dry:  # what the first 24 GB card meets: start-up, page-locked host memory, beside the plan
-        row["note"] += (f"; start-up {row['startup_gib']:.1f} GiB (plan {row['plan_startup_gib']:.1f}), pinned "
-                        f"{row['pinned_gib']:.1f} GiB (plan {row['plan_pinned_gib']:.1f}), host peak "
-                        f"{row['host_gib']:.1f} GiB (plan {row['plan_host_gib']:.1f} + the process)")
+        row["note"] += (
+            f"; start-up {row['startup_gib']:.1f} GiB (plan {row['plan_startup_gib']:.1f}), pinned "
+            f"{row['pinned_gib']:.1f} GiB (plan {row['plan_pinned_gib']:.1f}), host peak "
+            f"{row['host_gib']:.1f} GiB (plan {row['plan_host_gib']:.1f} + the process)"
+        )
     return row
 
 

@@ -78,7 +78,9 @@ def cut_clip(clip: Path, seconds: float, max_side: int) -> list[bytes]:
     pieces: list[bytes] = []
     with av.open(str(clip)) as source:
         stream = source.streams.video[0]
-        duration = float(stream.duration * stream.time_base) if stream.duration else float(source.duration) / av.time_base
+        duration = (
+            float(stream.duration * stream.time_base) if stream.duration else float(source.duration) / av.time_base
+        )
         total = int(duration // seconds)
         rate = stream.average_rate or stream.guessed_rate or Fraction(25)
         height, width = _output_size(stream.codec_context.height, stream.codec_context.width, max_side)
@@ -124,7 +126,9 @@ def with_sound(video: bytes, kind: str, index: int = 0) -> bytes:
     out = io.BytesIO()
     with av.open(io.BytesIO(video)) as source, av.open(out, mode="w", format="mp4") as target:
         stream = source.streams.video[0]
-        seconds = float(stream.duration * stream.time_base) if stream.duration else float(source.duration) / av.time_base
+        seconds = (
+            float(stream.duration * stream.time_base) if stream.duration else float(source.duration) / av.time_base
+        )
         copy = target.add_stream_from_template(stream)
         audio = target.add_stream("aac", rate=SOUND_RATE, layout="stereo")
         for packet in source.demux(stream):
@@ -152,10 +156,22 @@ def control_video(video: bytes, kind: str = "edges") -> bytes:
             luma = frame.to_ndarray(format="gray").astype(np.float32)
             if kind == "edges":
                 padded = np.pad(luma, 1, mode="edge")
-                gx = (padded[:-2, 2:] + 2 * padded[1:-1, 2:] + padded[2:, 2:]
-                      - padded[:-2, :-2] - 2 * padded[1:-1, :-2] - padded[2:, :-2])
-                gy = (padded[2:, :-2] + 2 * padded[2:, 1:-1] + padded[2:, 2:]
-                      - padded[:-2, :-2] - 2 * padded[:-2, 1:-1] - padded[:-2, 2:])
+                gx = (
+                    padded[:-2, 2:]
+                    + 2 * padded[1:-1, 2:]
+                    + padded[2:, 2:]
+                    - padded[:-2, :-2]
+                    - 2 * padded[1:-1, :-2]
+                    - padded[2:, :-2]
+                )
+                gy = (
+                    padded[2:, :-2]
+                    + 2 * padded[2:, 1:-1]
+                    + padded[2:, 2:]
+                    - padded[:-2, :-2]
+                    - 2 * padded[:-2, 1:-1]
+                    - padded[:-2, 2:]
+                )
                 luma = np.hypot(gx, gy) / 4
             gray = np.clip(luma, 0, 255).astype(np.uint8)
             rgb = np.ascontiguousarray(np.repeat(gray[..., None], 3, axis=2))
@@ -169,10 +185,18 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_shard: int = 8,
-                       max_side: int = 480, captions: dict[str, str] | None = None,
-                       caption_format: str = "txt", interleave: bool = False, control: str | None = None,
-                       sound: str = "none") -> list[Path]:
+def make_sample_shards(
+    clips: list[Path],
+    out: Path,
+    seconds: float = 1.5,
+    per_shard: int = 8,
+    max_side: int = 480,
+    captions: dict[str, str] | None = None,
+    caption_format: str = "txt",
+    interleave: bool = False,
+    control: str | None = None,
+    sound: str = "none",
+) -> list[Path]:
     """Write raw shards out/raw-000000.tar ... and return their paths.
 
     `captions` maps a clip's file stem to its caption (defaults cover the four sample clips);
@@ -191,8 +215,12 @@ def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_s
         caption = known.get(clip.stem)
         if caption is None:
             raise ValueError(f"no caption for clip {clip.name}; pass captions={{'{clip.stem}': '...'}}")
-        per_clip.append([(f"{clip.stem}-{number:03d}", with_sound(video, sound, len(per_clip) + number), caption)
-                         for number, video in enumerate(cut_clip(clip, seconds, max_side))])
+        per_clip.append(
+            [
+                (f"{clip.stem}-{number:03d}", with_sound(video, sound, len(per_clip) + number), caption)
+                for number, video in enumerate(cut_clip(clip, seconds, max_side))
+            ]
+        )
     if interleave:
         rounds = itertools.zip_longest(*per_clip)
         samples = [sample for one_round in rounds for sample in one_round if sample is not None]
@@ -207,7 +235,7 @@ def make_sample_shards(clips: list[Path], out: Path, seconds: float = 1.5, per_s
         path = out / f"raw-{first // per_shard:06d}.tar"
         partial = path.with_name(path.name + ".part")
         with tarfile.open(partial, "w", format=tarfile.USTAR_FORMAT) as tar:
-            for key, video, caption in samples[first:first + per_shard]:
+            for key, video, caption in samples[first : first + per_shard]:
                 _add(tar, f"{key}.mp4", video)
                 if control:
                     _add(tar, f"{key}.control.mp4", control_video(video, control))
@@ -242,9 +270,16 @@ def cut_stills(clip: Path, count: int, max_side: int, start: int = 0) -> list[tu
     return stills
 
 
-def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_side: int = 256,
-                      stills_per_clip: int = 3, pieces_per_clip: int | None = None,
-                      control: str | None = None, sound: str = "none") -> list[Path]:
+def make_media_folder(
+    clips: list[Path],
+    out: Path,
+    seconds: float = 1.5,
+    max_side: int = 256,
+    stills_per_clip: int = 3,
+    pieces_per_clip: int | None = None,
+    control: str | None = None,
+    sound: str = "none",
+) -> list[Path]:
     """A raw folder as the peers take it: `<clip>-<n>.mp4` pieces (at most `pieces_per_clip`) and
     `<clip>-still-<n>.jpg` / `.png` / `.webp` cut from the clips, each with a `.txt` caption (the
     clip's, plus "a still of" for images); returns the media files. `control` ("edges" or "gray") also
@@ -257,10 +292,14 @@ def make_media_folder(clips: list[Path], out: Path, seconds: float = 1.5, max_si
         caption = CAPTIONS.get(clip.stem)
         if caption is None:
             raise ValueError(f"no caption for clip {clip.name}; add it to CAPTIONS")
-        media = [(f"{clip.stem}-{n:03d}.mp4", with_sound(video, sound, len(written) + n), caption)
-                 for n, video in enumerate(cut_clip(clip, seconds, max_side)[:pieces_per_clip])]
-        media += [(f"{clip.stem}-still-{n:03d}.{ext}", image, f"a still of {caption}")
-                  for n, (ext, image) in enumerate(cut_stills(clip, stills_per_clip, max_side, start=stills))]
+        media = [
+            (f"{clip.stem}-{n:03d}.mp4", with_sound(video, sound, len(written) + n), caption)
+            for n, video in enumerate(cut_clip(clip, seconds, max_side)[:pieces_per_clip])
+        ]
+        media += [
+            (f"{clip.stem}-still-{n:03d}.{ext}", image, f"a still of {caption}")
+            for n, (ext, image) in enumerate(cut_stills(clip, stills_per_clip, max_side, start=stills))
+        ]
         stills += stills_per_clip
         for name, data, text in media:
             (out / name).write_bytes(data)
@@ -279,23 +318,51 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--per-shard", type=int, default=8)
     parser.add_argument("--max-side", type=int, default=480)
     parser.add_argument("--json", action="store_true", help="captions as <key>.json instead of <key>.txt")
-    parser.add_argument("--stills", type=int, default=0,
-                        help="write a media folder instead of tars: the pieces plus this many stills per clip")
-    parser.add_argument("--control", choices=CONTROLS, default=None,
-                        help="also write each piece's control video (<key>.control.mp4): its edges or its grayscale")
-    parser.add_argument("--sound", choices=SOUNDS, default="none",
-                        help="mux a sound track into every piece (a tone or noise, 44.1 kHz stereo AAC); default none")
+    parser.add_argument(
+        "--stills",
+        type=int,
+        default=0,
+        help="write a media folder instead of tars: the pieces plus this many stills per clip",
+    )
+    parser.add_argument(
+        "--control",
+        choices=CONTROLS,
+        default=None,
+        help="also write each piece's control video (<key>.control.mp4): its edges or its grayscale",
+    )
+    parser.add_argument(
+        "--sound",
+        choices=SOUNDS,
+        default="none",
+        help="mux a sound track into every piece (a tone or noise, 44.1 kHz stereo AAC); default none",
+    )
     args = parser.parse_args(argv)
     clips = sorted(args.clips.glob("*.mp4"))
     if not clips:
-        raise SystemExit(f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}")
+        raise SystemExit(
+            f"no .mp4 clips in {args.clips}; fetch some: python scripts/fetch_sample_clips.py {args.clips}"
+        )
     if args.stills:
-        written = make_media_folder(clips, args.out, args.seconds, args.max_side, stills_per_clip=args.stills,
-                                    control=args.control, sound=args.sound)
+        written = make_media_folder(
+            clips,
+            args.out,
+            args.seconds,
+            args.max_side,
+            stills_per_clip=args.stills,
+            control=args.control,
+            sound=args.sound,
+        )
     else:
-        written = make_sample_shards(clips, args.out, args.seconds, args.per_shard, args.max_side,
-                                     caption_format="json" if args.json else "txt", control=args.control,
-                                     sound=args.sound)
+        written = make_sample_shards(
+            clips,
+            args.out,
+            args.seconds,
+            args.per_shard,
+            args.max_side,
+            caption_format="json" if args.json else "txt",
+            control=args.control,
+            sound=args.sound,
+        )
     for path in written:
         print(path)
 

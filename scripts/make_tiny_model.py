@@ -41,8 +41,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=FAMILIES, help="model family")
     parser.add_argument("--seed", type=int, default=0, help="weights are identical for a seed")
-    parser.add_argument("--task", default="t2v", choices=("t2v", "i2v", "flf2v"),
-                        help="the preset for this task (its pipeline's layout)")
+    parser.add_argument(
+        "--task",
+        default="t2v",
+        choices=("t2v", "i2v", "flf2v"),
+        help="the preset for this task (its pipeline's layout)",
+    )
     parser.add_argument("out", type=Path, help="output folder (diffusers layout)")
     args = parser.parse_args(argv)
     print(make_tiny_model(args.family, args.out, seed=args.seed, task=args.task))

@@ -75,11 +75,18 @@ def run_config(folder: Path, key: str, mode: str, gpus: int):
     from vt.shared.config import Config, build
 
     _, bucket, model, fps = MODELS[key]
-    tree = {"model": {"family": REAL[key]["family"], "path": str(folder), "dtype": "bfloat16", **model},
-            "buckets": {"sizes": [bucket], "fps": fps},
-            "train": {"mode": mode, "lora_rank": 32, "lora_alpha": 32.0, "batch_size": gpus,
-                      "validation_prompts": ["a red fox running through fresh snow"]},
-            "parallel": {"activation_checkpointing": True}}
+    tree = {
+        "model": {"family": REAL[key]["family"], "path": str(folder), "dtype": "bfloat16", **model},
+        "buckets": {"sizes": [bucket], "fps": fps},
+        "train": {
+            "mode": mode,
+            "lora_rank": 32,
+            "lora_alpha": 32.0,
+            "batch_size": gpus,
+            "validation_prompts": ["a red fox running through fresh snow"],
+        },
+        "parallel": {"activation_checkpointing": True},
+    }
     return build(Config, tree)
 
 
@@ -88,11 +95,14 @@ def table(key: str, folder: Path) -> str:
     from vt.train.plan_search import alternatives
 
     title, bucket, *_ = MODELS[key]
-    lines = [f"### {title}, {bucket}", "",
-             "| mode | GPUs | weights | grads + optimizer | buffers | activations (AC on / off) | validation "
-             "(decode untiled / tiled) | per GPU (80 GiB card) | host | fits 24 / 32 / 48 / 80 GiB? | one GPU: what fits "
-             "(alone or in pairs), under the smallest card each fits, with the host memory it needs |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        f"### {title}, {bucket}",
+        "",
+        "| mode | GPUs | weights | grads + optimizer | buffers | activations (AC on / off) | validation "
+        "(decode untiled / tiled) | per GPU (80 GiB card) | host | fits 24 / 32 / 48 / 80 GiB? | one GPU: what fits "
+        "(alone or in pairs), under the smallest card each fits, with the host memory it needs |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     pruned = []
     for mode in ("lora", "full"):
         for gpus in (1, 8):
@@ -108,23 +118,30 @@ def table(key: str, folder: Path) -> str:
                 changes = _by_smallest_card(alternatives(config, 1, "cuda", None), failing)
             elif gpus == 1:
                 changes = "-"
-            lines.append(f"| {mode} | {gpus} | {_g(rank.weights)} | {_g(rank.gradients + rank.optimizer)} | "
-                         f"{_g(rank.buffers)} | {_g(worst['checkpointing'])} / {_g(worst['none'])} | "
-                         f"{_validation(plans)} | **{_g(rank.device_total)}** | {_g(rank.host_peak)} | {fits} | "
-                         f"{changes} |")
+            lines.append(
+                f"| {mode} | {gpus} | {_g(rank.weights)} | {_g(rank.gradients + rank.optimizer)} | "
+                f"{_g(rank.buffers)} | {_g(worst['checkpointing'])} / {_g(worst['none'])} | "
+                f"{_validation(plans)} | **{_g(rank.device_total)}** | {_g(rank.host_peak)} | {fits} | "
+                f"{changes} |"
+            )
             if key in PRUNED:
                 pruned.append(_pruned_row(key, config, mode, gpus, plan))
     lines += ["", _stage1(key, folder), ""]
     if pruned:
         name, *_ = PRUNED[key]
-        lines += [f"### {name}, {bucket} (estimated from the base's plan)", "",
-                  "| mode | GPUs | weights | grads + optimizer | per GPU (80 GiB card) | fits 24 / 32 / 48 / 80 GiB? |",
-                  "| --- | --- | --- | --- | --- | --- |", *pruned, ""]
+        lines += [
+            f"### {name}, {bucket} (estimated from the base's plan)",
+            "",
+            "| mode | GPUs | weights | grads + optimizer | per GPU (80 GiB card) | fits 24 / 32 / 48 / 80 GiB? |",
+            "| --- | --- | --- | --- | --- | --- |",
+            *pruned,
+            "",
+        ]
     return "\n".join(lines)
 
 
 def _by_smallest_card(options, cards: list[int]) -> str:
-    """"24 GiB: a (host 13.1 GiB), b (...); 48 GiB: c ...": what fits each of `cards` (the cards the row does not fit
+    """ "24 GiB: a (host 13.1 GiB), b (...); 48 GiB: c ...": what fits each of `cards` (the cards the row does not fit
     as it is), minimal (a pair whose one change fits alone is left out), quickest first, each listed once under the
     smallest card it fits (it fits the larger ones too), with the host memory it needs; "none" where nothing fits."""
     from vt.train.step_cost import step_seconds
@@ -132,8 +149,11 @@ def _by_smallest_card(options, cards: list[int]) -> str:
     listed, done = {card: [] for card in cards}, set()
     for card in cards:
         fits = {label: plan for label, plan in options if plan.rank.device_total <= card * GIB}
-        minimal = [label for label in fits if not any(
-            other != label and set(other.split(" + ")) < set(label.split(" + ")) for other in fits)]
+        minimal = [
+            label
+            for label in fits
+            if not any(other != label and set(other.split(" + ")) < set(label.split(" + ")) for other in fits)
+        ]
         for label in sorted(minimal, key=lambda name: step_seconds(fits[name]) or 0.0):
             if label not in done:
                 done.add(label)
@@ -164,12 +184,16 @@ def _stage1(key: str, folder: Path) -> str:
     untiled = make_plan(with_pre(vae_tiling=False), 1, "cuda")
     apart = make_plan(with_pre(vae_tiling=False, text_encoder_offload="model"), 1, "cuda")
     apart_tiled = make_plan(with_pre(vae_tiling=True, text_encoder_offload="model"), 1, "cuda")
-    encoders = ", ".join(f"{name} {_g(size)}" for name, size in untiled.stage1.items() if not name.startswith("working"))
-    return (f"Stage 1, per producer: {encoders} (bf16); the VAE encoding one {bucket} clip works in "
-            f"{_g(untiled.stage1['working'])} untiled, {_g(tiled.stage1['working_tiled'])} tiled. Peak per producer: "
-            f"{_g(untiled.stage1_peak())} untiled / {_g(tiled.stage1_peak())} tiled with the text encoders beside the "
-            f"VAE; {_g(apart.stage1_peak())} / {_g(apart_tiled.stage1_peak())} with `precompute.text_encoder_offload = "
-            f'"model"` (the text phase apart).')
+    encoders = ", ".join(
+        f"{name} {_g(size)}" for name, size in untiled.stage1.items() if not name.startswith("working")
+    )
+    return (
+        f"Stage 1, per producer: {encoders} (bf16); the VAE encoding one {bucket} clip works in "
+        f"{_g(untiled.stage1['working'])} untiled, {_g(tiled.stage1['working_tiled'])} tiled. Peak per producer: "
+        f"{_g(untiled.stage1_peak())} untiled / {_g(tiled.stage1_peak())} tiled with the text encoders beside the "
+        f"VAE; {_g(apart.stage1_peak())} / {_g(apart_tiled.stage1_peak())} with `precompute.text_encoder_offload = "
+        f'"model"` (the text phase apart).'
+    )
 
 
 def _pruned_row(key: str, config, mode: str, gpus: int, plan) -> str:
@@ -180,8 +204,9 @@ def _pruned_row(key: str, config, mode: str, gpus: int, plan) -> str:
 
     _, suffix, kept = PRUNED[key]
     transformer = spec_for(config).empty_component("transformer")
-    dropped = sum(p.numel() * (1 - kept / p.shape[1]) for name, p in transformer.named_parameters()
-                  if name.endswith(suffix))
+    dropped = sum(
+        p.numel() * (1 - kept / p.shape[1]) for name, p in transformer.named_parameters() if name.endswith(suffix)
+    )
     total = sum(p.numel() for p in transformer.parameters())
     share = dropped / total
     rank = plan.rank
@@ -198,8 +223,12 @@ def _g(value: int) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "memory.md",
-                        help="written after its MARKER line (the text above it stays)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=ROOT / "docs" / "memory.md",
+        help="written after its MARKER line (the text above it stays)",
+    )
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "memory-table")
     parser.add_argument("--only", nargs="*", default=list(MODELS))
     args = parser.parse_args(argv)
@@ -222,8 +251,9 @@ def kept_sections(tables: str) -> dict[str, str]:
     for part in ("\n" + tables).split("\n### ")[1:]:
         title = next((t for t, *_ in MODELS.values() if part.startswith(f"{t}, ")), title)
         if title:
-            sections[title] = sections.get(title, "") + ("\n" if title in sections else "") + "### " + \
-                part.rstrip("\n") + "\n"
+            sections[title] = (
+                sections.get(title, "") + ("\n" if title in sections else "") + "### " + part.rstrip("\n") + "\n"
+            )
     return sections
 
 

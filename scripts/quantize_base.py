@@ -96,11 +96,16 @@ def main(argv: list[str] | None = None) -> None:
     if (args.format == INT8) != (args.out.suffix == ".safetensors"):
         parser.error(f"--format {args.format} writes a {'.safetensors' if args.format == INT8 else '.gguf'} file")
     tensors = load_file(args.source)
-    stored = write_int8(tensors, args.out, args.per_row) if args.format == INT8 else \
-        write_gguf(tensors, args.out, args.format, args.arch)
+    stored = (
+        write_int8(tensors, args.out, args.per_row)
+        if args.format == INT8
+        else write_gguf(tensors, args.out, args.format, args.arch)
+    )
     quantized = sum(kind == args.format for kind in stored.values())
-    print(f"{args.out}: {quantized} of {len(stored)} tensors in {args.format}, "
-          f"{args.out.stat().st_size / 2**20:.1f} MiB (from {args.source.stat().st_size / 2**20:.1f} MiB)")
+    print(
+        f"{args.out}: {quantized} of {len(stored)} tensors in {args.format}, "
+        f"{args.out.stat().st_size / 2**20:.1f} MiB (from {args.source.stat().st_size / 2**20:.1f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -23,11 +23,21 @@ def start_head(log: Path, cpus: int = 2, timeout: float = 120) -> tuple[subproce
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # Ray's socket paths must stay short
-    command = [str(Path(sys.executable).with_name("ray")), "start", "--head", f"--port={port}", f"--num-cpus={cpus}",
-               "--include-dashboard=false", f"--temp-dir={temp}", f"--object-store-memory={256 << 20}", "--block"]
+    command = [
+        str(Path(sys.executable).with_name("ray")),
+        "start",
+        "--head",
+        f"--port={port}",
+        f"--num-cpus={cpus}",
+        "--include-dashboard=false",
+        f"--temp-dir={temp}",
+        f"--object-store-memory={256 << 20}",
+        "--block",
+    ]
     with open(log, "wb") as out:
-        head = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**os.environ, **RAY_ENV})
+        head = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **RAY_ENV}
+        )
     deadline = time.monotonic() + timeout
     while "Ray runtime started" not in log.read_text():
         if head.poll() is not None or time.monotonic() > deadline:

@@ -42,8 +42,9 @@ def regroup(source: Path, dest: Path, samples: int = 16, per_shard: int = 4) -> 
         raise ValueError(f"{samples} samples do not fill shards of {per_shard}")
     old = Window(str(source), size="keep")
     records = list(old.order())
-    bucket = max(sorted({r.bucket for _, r in records}), key=lambda b: sum(len(r.keys) for _, r in records
-                                                                          if r.bucket == b))
+    bucket = max(
+        sorted({r.bucket for _, r in records}), key=lambda b: sum(len(r.keys) for _, r in records if r.bucket == b)
+    )
     pool, text_names, meta, fingerprint = [], set(), None, None
     for _, record in records:
         if record.bucket != bucket:
@@ -114,8 +115,11 @@ class RunBytes:
     def caption_excess(self, samples: int) -> int:
         """The most `samples` samples' bytes can exceed their mean share by: a bucket's samples have rows of one
         size, but captions keep different numbers of text rows, so up to samples x (longest caption - mean)."""
-        caps = [shard.caption_bytes[shard.caption[r]] for batch in self.batches for shard, r in
-                ((self.shards[s], r) for s, r in batch)]
+        caps = [
+            shard.caption_bytes[shard.caption[r]]
+            for batch in self.batches
+            for shard, r in ((self.shards[s], r) for s, r in batch)
+        ]
         return -(-samples * (max(caps) * len(caps) - sum(caps)) // len(caps))
 
     def rank_reads(self, rank: int, dp: int) -> dict:
@@ -125,14 +129,22 @@ class RunBytes:
         rows = 0
         for batch in self.batches:
             start, stop = slice_bounds(len(batch), rank, dp)
-            for s, r in (batch[start:stop] if stop > start else batch[:1]):  # an empty slice: row 0 stands in
+            for s, r in batch[start:stop] if stop > start else batch[:1]:  # an empty slice: row 0 stands in
                 touched.setdefault(s, set()).add(r)
                 rows += self.shards[s].rows[r]
-        captions = sum(self.shards[s].caption_bytes[c] for s, rs in touched.items()
-                       for c in {self.shards[s].caption[r] for r in rs})
-        return {"shards": len(touched), "headers": sum(self.shards[s].header for s in touched),
-                "tables": sum(self.shards[s].table for s in touched), "rows": rows, "captions": captions,
-                "data": sum(self.shards[s].header + self.shards[s].table for s in touched) + rows + captions}
+        captions = sum(
+            self.shards[s].caption_bytes[c]
+            for s, rs in touched.items()
+            for c in {self.shards[s].caption[r] for r in rs}
+        )
+        return {
+            "shards": len(touched),
+            "headers": sum(self.shards[s].header for s in touched),
+            "tables": sum(self.shards[s].table for s in touched),
+            "rows": rows,
+            "captions": captions,
+            "data": sum(self.shards[s].header + self.shards[s].table for s in touched) + rows + captions,
+        }
 
 
 def shard_bytes(data: bytes) -> ShardBytes:
@@ -148,14 +160,16 @@ def shard_bytes(data: bytes) -> ShardBytes:
     lengths = layout.text_lengths
     if not lengths:
         return ShardBytes(layout.size, 0, [rows] * n, list(range(n)), [0] * n)
+
     def ints(name: str) -> list[int]:
         return torch.frombuffer(bytearray(data[slice(*table[name])]), dtype=torch.int64).tolist()
 
     index = ints("text_index")
     kept = {name: ints(ROWS_PREFIX + name) for name in lengths}
     captions = len(next(iter(kept.values())))
-    caption_bytes = [sum(kept[name][c] * layout.tensors[TEXT_PREFIX + name].row_bytes for name in lengths)
-                     for c in range(captions)]
+    caption_bytes = [
+        sum(kept[name][c] * layout.tensors[TEXT_PREFIX + name].row_bytes for name in lengths) for c in range(captions)
+    ]
     return ShardBytes(layout.size, sum(b - a for a, b in table.values()), [rows] * n, index, caption_bytes)
 
 
@@ -167,7 +181,7 @@ def run_bytes(window: Path, batch_size: int) -> RunBytes:
     win = Window(str(window), size="keep")
     shards = [shard_bytes(win.read_shard(record)) for _, record in win.order()]
     refs = [(s, r) for s, shard in enumerate(shards) for r in range(len(shard.rows))]
-    batches = [refs[i:i + batch_size] for i in range(0, len(refs), batch_size)]
+    batches = [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]
     return RunBytes(shards, batch_size, batches)
 
 
@@ -178,8 +192,14 @@ def read_counts(prefix: Path, nproc: int) -> list[dict]:
 
 def rank_row(counts: dict, expected: dict) -> dict:
     """One rank's counted reads of the data folder beside what it should have read."""
-    return {"data_bytes": counts.get("bytes:data", 0), "header_bytes": counts.get("header_bytes:data", 0),
-            "table_bytes": expected["tables"], "rows_bytes": counts.get("bytes:data", 0)
-            - counts.get("header_bytes:data", 0) - expected["tables"], "data_requests": counts.get("reads:data", 0),
-            "header_requests": counts.get("headers:data", 0), "shards": expected["shards"],
-            "lists": counts.get("lists", 0), "expected_data_bytes": expected["data"]}
+    return {
+        "data_bytes": counts.get("bytes:data", 0),
+        "header_bytes": counts.get("header_bytes:data", 0),
+        "table_bytes": expected["tables"],
+        "rows_bytes": counts.get("bytes:data", 0) - counts.get("header_bytes:data", 0) - expected["tables"],
+        "data_requests": counts.get("reads:data", 0),
+        "header_requests": counts.get("headers:data", 0),
+        "shards": expected["shards"],
+        "lists": counts.get("lists", 0),
+        "expected_data_bytes": expected["data"],
+    }

@@ -27,13 +27,18 @@ from vt.shared.runtime import keyed_generator
 KINDS: tuple[str, ...] = ("lora", "dora", "loha", "lokr")  # train.adapter's values
 MAGNITUDE = "lora_magnitude_vector"
 # Each kind's weights, by the part of the name that follows the module (peft's `adapter_layer_names`).
-PARTS = {"lora": ("lora_A", "lora_B"), "dora": ("lora_A", "lora_B", MAGNITUDE),
-         "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
-         "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b")}
+PARTS = {
+    "lora": ("lora_A", "lora_B"),
+    "dora": ("lora_A", "lora_B", MAGNITUDE),
+    "loha": ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"),
+    "lokr": ("lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2", "lokr_w2_a", "lokr_w2_b"),
+}
 # The factor that starts at zero, so that the adapted model starts as the base (peft's default init).
 ZERO_FACTORS = ("lora_B", "hada_w2_b", "lokr_w1", "lokr_w1_a")
-_PART = re.compile(r"\.(lora_A|lora_B|lora_magnitude_vector|hada_w[12]_[ab]|hada_t[12]|lokr_w[12](_[ab])?|lokr_t2)"
-                   r"(\.|$)")
+_PART = re.compile(
+    r"\.(lora_A|lora_B|lora_magnitude_vector|hada_w[12]_[ab]|hada_t[12]|lokr_w[12](_[ab])?|lokr_t2)"
+    r"(\.|$)"
+)
 
 
 def part_of(name: str) -> str | None:
@@ -54,7 +59,7 @@ def module_of(name: str) -> str:
     match = _PART.search(name)
     if match is None:
         raise ValueError(f"{name!r} is not an adapter weight")
-    return name[:match.start()]
+    return name[: match.start()]
 
 
 def kind_of(names) -> str:

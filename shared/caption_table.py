@@ -67,8 +67,10 @@ def kept_rows(conditions: Mapping[str, Tensor], masks: Mapping[str, str] = {}) -
         if name in masks:
             mask = conditions[masks[name]]
             if mask.shape[:2] != tensor.shape[:2]:
-                raise ValueError(f"mask {masks[name]!r} {tuple(mask.shape)} does not cover {name!r} "
-                                 f"{tuple(tensor.shape)} row for row")
+                raise ValueError(
+                    f"mask {masks[name]!r} {tuple(mask.shape)} does not cover {name!r} "
+                    f"{tuple(tensor.shape)} row for row"
+                )
             flat = mask.reshape(mask.shape[0], mask.shape[1], -1)
         used = (flat != 0).any(dim=2)  # (C, L): rows that hold something
         positions = torch.arange(1, used.shape[1] + 1).expand_as(used)
@@ -76,8 +78,9 @@ def kept_rows(conditions: Mapping[str, Tensor], masks: Mapping[str, str] = {}) -
     return out
 
 
-def pack(conditions: Mapping[str, Tensor], index: list[int], masks: Mapping[str, str] = {}
-         ) -> tuple[dict[str, Tensor], dict[str, int]]:
+def pack(
+    conditions: Mapping[str, Tensor], index: list[int], masks: Mapping[str, str] = {}
+) -> tuple[dict[str, Tensor], dict[str, int]]:
     """(tensors to store, name -> full row count) for C captions' conditions (C, L, ...) and the
     caption `index` of each sample."""
     count = {tensor.shape[0] for tensor in conditions.values()}
@@ -89,7 +92,7 @@ def pack(conditions: Mapping[str, Tensor], index: list[int], masks: Mapping[str,
     rows = kept_rows(conditions, masks)
     tensors = {INDEX: torch.tensor(index, dtype=torch.int64)}
     for name, tensor in conditions.items():
-        tensors[TEXT_PREFIX + name] = torch.cat([tensor[c, :int(n)] for c, n in enumerate(rows[name])])
+        tensors[TEXT_PREFIX + name] = torch.cat([tensor[c, : int(n)] for c, n in enumerate(rows[name])])
         tensors[ROWS_PREFIX + name] = rows[name]
     return tensors, {name: tensor.shape[1] for name, tensor in conditions.items()}
 
@@ -105,12 +108,13 @@ def unpack(stored: Mapping[str, Tensor], lengths: Mapping[str, int]) -> dict[str
     for name, full in lengths.items():
         rows, kept = stored[TEXT_PREFIX + name], stored[ROWS_PREFIX + name]
         if int(kept.sum()) != rows.shape[0] or (kept.numel() and int(kept.max()) > full):
-            raise ValueError(f"caption table {name!r}: {rows.shape[0]} stored rows for kept counts "
-                             f"{kept.tolist()} of at most {full}")
+            raise ValueError(
+                f"caption table {name!r}: {rows.shape[0]} stored rows for kept counts {kept.tolist()} of at most {full}"
+            )
         padded = rows.new_zeros((kept.shape[0], full, *rows.shape[1:]))
         start = 0
         for caption, n in enumerate(kept.tolist()):
-            padded[caption, :n] = rows[start:start + n]
+            padded[caption, :n] = rows[start : start + n]
             start += n
         out[name] = padded
     return out
@@ -129,8 +133,10 @@ def encode_caption(conditions: Mapping[str, Tensor], masks: Mapping[str, str] = 
     from safetensors.torch import save
 
     tensors, lengths = pack(conditions, [0], masks)
-    return save({n: t.detach().cpu().contiguous() for n, t in tensors.items()},
-                metadata={"format": "vt-caption", "text_lengths": json.dumps(lengths, sort_keys=True)})
+    return save(
+        {n: t.detach().cpu().contiguous() for n, t in tensors.items()},
+        metadata={"format": "vt-caption", "text_lengths": json.dumps(lengths, sort_keys=True)},
+    )
 
 
 def decode_caption(data: bytes) -> dict[str, Tensor]:
@@ -141,7 +147,7 @@ def decode_caption(data: bytes) -> dict[str, Tensor]:
     from safetensors.torch import load
 
     (header_len,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(bytes(data[8:8 + header_len])).get("__metadata__") or {}
+    metadata = json.loads(bytes(data[8 : 8 + header_len])).get("__metadata__") or {}
     if metadata.get("format") != "vt-caption":
         raise ValueError("not a vt caption file (no vt-caption metadata); write it with encode_caption")
     lengths = json.loads(metadata["text_lengths"])

@@ -25,15 +25,28 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from vt.shared.errors import UserError
 
 CORE_STEPS = ("sample_frames", "crop", "decode")
 
 # Phrases captioning models open with; `caption.strip_boilerplate` removes one at the start.
 BOILERPLATE = (
-    "the video shows", "the video features", "the video depicts", "the video captures", "the video presents",
-    "the video showcases", "the video begins with", "this video shows", "this video features", "the clip shows",
-    "the footage shows", "in this video,", "in the video,", "the scene shows", "the image shows",
+    "the video shows",
+    "the video features",
+    "the video depicts",
+    "the video captures",
+    "the video presents",
+    "the video showcases",
+    "the video begins with",
+    "this video shows",
+    "this video features",
+    "the clip shows",
+    "the footage shows",
+    "in this video,",
+    "in the video,",
+    "the scene shows",
+    "the image shows",
 )
 
 
@@ -117,13 +130,17 @@ def load_user_class(path: str) -> type:
     """`package.module:ClassName` -> the class; ValueError saying what is wrong otherwise."""
     module_name, sep, attr = path.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"processor {path!r} is neither a built-in ({', '.join(BUILTINS)}) "
-                         "nor an import path such as 'mypkg.module:MyProcessor'")
+        raise ValueError(
+            f"processor {path!r} is neither a built-in ({', '.join(BUILTINS)}) "
+            "nor an import path such as 'mypkg.module:MyProcessor'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
-        raise UserError(f"processor {path!r}: cannot import {module_name!r} ({err}); install the package "
-                         "in both stages' environment or fix the path") from None
+        raise UserError(
+            f"processor {path!r}: cannot import {module_name!r} ({err}); install the package "
+            "in both stages' environment or fix the path"
+        ) from None
     cls = getattr(module, attr, None)
     if not isinstance(cls, type) or not callable(cls):
         raise ValueError(f"processor {path!r}: {module_name} has no class {attr!r}")
@@ -153,7 +170,7 @@ def _option_problems(name: str, index: int, err: ValidationError, allowed: list[
 
 def _step(index: int, entry: Any) -> Step:
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
-        raise ValueError(f"processor {index} must be a table with a name, e.g. {{name = \"crop\", mode = \"random\"}}")
+        raise ValueError(f'processor {index} must be a table with a name, e.g. {{name = "crop", mode = "random"}}')
     options = {k: v for k, v in entry.items() if k != "name"}
     cls = options_class(entry["name"])
     try:
@@ -175,7 +192,7 @@ def resolve_chain(entries: list[dict[str, Any]]) -> list[Step]:
     for position, core in enumerate(CORE_STEPS):
         if core in names:
             continue
-        later = [names.index(c) for c in CORE_STEPS[position + 1:] if c in names]
+        later = [names.index(c) for c in CORE_STEPS[position + 1 :] if c in names]
         at = min(later) if later else len(steps)
         cls = BUILTINS[core].options
         steps.insert(at, Step(core, cls.VERSION, cls()))

@@ -40,11 +40,13 @@ class RunSection(_Section):
     @classmethod
     def _local(cls, value: str) -> str:
         if value.lower().startswith("file://"):
-            return value[len("file://"):]
+            return value[len("file://") :]
         if _URL.match(value):
-            raise UserError("the run folder (checkpoints, metrics, exports, videos) must be a local or mounted "
-                             "path; object storage is supported for data.raw and window.uri. "
-                             'Use e.g. run.dir = "runs/my-run"')
+            raise UserError(
+                "the run folder (checkpoints, metrics, exports, videos) must be a local or mounted "
+                "path; object storage is supported for data.raw and window.uri. "
+                'Use e.g. run.dir = "runs/my-run"'
+            )
         return value
 
 
@@ -97,8 +99,10 @@ class DataConfig(_Section):
     @classmethod
     def _member(cls, value: str) -> str:
         if not re.fullmatch(r"[A-Za-z0-9_-]+", value):
-            raise UserError("must be a member name of letters, digits, '_' or '-' (no dots or slashes): the "
-                             "control video of sample <key> is <key>.<name>.mp4, e.g. data.control = \"pose\"")
+            raise UserError(
+                "must be a member name of letters, digits, '_' or '-' (no dots or slashes): the "
+                'control video of sample <key> is <key>.<name>.mp4, e.g. data.control = "pose"'
+            )
         return value
 
 
@@ -112,7 +116,8 @@ def _bucket_size(text: str) -> str:
 
 class BucketsConfig(_Section):
     sizes: list[Annotated[str, AfterValidator(_bucket_size)]] = Field(
-        default_factory=lambda: ["9x64x96", "9x64x64", "9x96x64"], min_length=1)  # FxHxW
+        default_factory=lambda: ["9x64x96", "9x64x64", "9x96x64"], min_length=1
+    )  # FxHxW
     fps: float = Field(8.0, gt=0)  # frames are sampled at this rate before bucketing
 
 
@@ -173,8 +178,16 @@ class PrecomputeConfig(_Section):
 
 
 # The attention kernels a run may name (vt names; vt.train.attention maps them to diffusers' dispatcher).
-ATTENTION_BACKENDS = ("native", "native_cudnn", "native_flash", "native_efficient", "native_math", "flash",
-                      "flex", "xformers")
+ATTENTION_BACKENDS = (
+    "native",
+    "native_cudnn",
+    "native_flash",
+    "native_efficient",
+    "native_math",
+    "flash",
+    "flex",
+    "xformers",
+)
 VALIDATION_ATTENTION_BACKENDS = ("", *ATTENTION_BACKENDS, "sage")  # sage: forward only, so inference only
 
 
@@ -299,11 +312,15 @@ class ParallelConfig(_Section):
     @model_validator(mode="after")
     def _offload_needs_checkpointing(self) -> "ParallelConfig":
         if self.activation_offload and not self.activation_checkpointing:
-            raise UserError("activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
-                             "parallel.activation_checkpointing = true as well")
+            raise UserError(
+                "activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
+                "parallel.activation_checkpointing = true as well"
+            )
         if self.blocks_on_gpu is not None and not self.activation_checkpointing:
-            raise UserError("blocks_on_gpu swaps blocks' weights out after their forward, which only activation "
-                             "checkpointing leaves unsaved: set parallel.activation_checkpointing = true as well")
+            raise UserError(
+                "blocks_on_gpu swaps blocks' weights out after their forward, which only activation "
+                "checkpointing leaves unsaved: set parallel.activation_checkpointing = true as well"
+            )
         return self
 
     @field_validator("dp_shard", mode="before")
@@ -311,8 +328,10 @@ class ParallelConfig(_Section):
     def _auto_rest_or_positive(cls, value: Any) -> Any:
         if value == "auto" or (type(value) is int and (value == -1 or value >= 1)):
             return value
-        raise ValueError('must be "auto" (replicate if the model fits each device, else shard), '
-                         "-1 (the rest of the world size) or >= 1")
+        raise ValueError(
+            'must be "auto" (replicate if the model fits each device, else shard), '
+            "-1 (the rest of the world size) or >= 1"
+        )
 
 
 class Config(_Section):
@@ -333,12 +352,16 @@ class Config(_Section):
     @model_validator(mode="after")
     def _eval_needs_data(self) -> "Config":
         if self.train.eval_every and not self.data.eval:
-            raise UserError(f"train.eval_every = {self.train.eval_every} computes the held-out loss over data.eval, "
-                             "which is not set: set data.eval to held-out raw data (a folder, tar or manifest that "
-                             "data.raw does not hold), or remove train.eval_every")
+            raise UserError(
+                f"train.eval_every = {self.train.eval_every} computes the held-out loss over data.eval, "
+                "which is not set: set data.eval to held-out raw data (a folder, tar or manifest that "
+                "data.raw does not hold), or remove train.eval_every"
+            )
         if self.train.ema_eval and not (self.train.ema_decay and self.data.eval):
-            raise UserError("train.ema_eval = true computes the held-out loss of the weights' average: it needs "
-                             "train.ema_decay and data.eval set")
+            raise UserError(
+                "train.ema_eval = true computes the held-out loss of the weights' average: it needs "
+                "train.ema_decay and data.eval set"
+            )
         if any(not 0 < sigma <= 1 for sigma in self.train.eval_sigmas):
             raise UserError(f"train.eval_sigmas = {self.train.eval_sigmas}: each must be in (0, 1]")
         return self
@@ -351,13 +374,17 @@ class Config(_Section):
         if scale is None:
             return self
         if self.train.mode != "lora":
-            raise UserError(f"train.guidance_scale = {scale} guides each target with the frozen base's prediction, "
-                             "the transformer with its adapters switched off; a full fine-tune has no frozen base: "
-                             "set train.mode = \"lora\" or remove train.guidance_scale")
+            raise UserError(
+                f"train.guidance_scale = {scale} guides each target with the frozen base's prediction, "
+                "the transformer with its adapters switched off; a full fine-tune has no frozen base: "
+                'set train.mode = "lora" or remove train.guidance_scale'
+            )
         if self.parallel.pp > 1:
-            raise UserError(f"train.guidance_scale = {scale} with parallel.pp = {self.parallel.pp}: the base's extra "
-                             "forward is not carried through the pipeline stages; set parallel.pp = 1 or remove "
-                             "train.guidance_scale")
+            raise UserError(
+                f"train.guidance_scale = {scale} with parallel.pp = {self.parallel.pp}: the base's extra "
+                "forward is not carried through the pipeline stages; set parallel.pp = 1 or remove "
+                "train.guidance_scale"
+            )
         return self
 
 
@@ -410,14 +437,18 @@ def check_validation_videos(config: Config) -> None:
     if not train.validation_videos:
         return
     if not _takes_control_video(family):
-        raise ConfigError(f"train.validation_videos = {train.validation_videos!r}: model.family = {family!r} trains "
-                          "on no control video, so validation has no use for them; remove it (the families with "
-                          "control videos: docs/families.md)")
+        raise ConfigError(
+            f"train.validation_videos = {train.validation_videos!r}: model.family = {family!r} trains "
+            "on no control video, so validation has no use for them; remove it (the families with "
+            "control videos: docs/families.md)"
+        )
     prompts, videos = len(train.validation_prompts), len(train.validation_videos)
     if videos != prompts:
-        raise ConfigError(f"train.validation_videos has {videos} entries for {prompts} train.validation_prompts: "
-                          f"model.family = {family!r} renders each prompt under a control video (pose, depth ...); "
-                          "give one video file per prompt (the same file may repeat)")
+        raise ConfigError(
+            f"train.validation_videos has {videos} entries for {prompts} train.validation_prompts: "
+            f"model.family = {family!r} renders each prompt under a control video (pose, depth ...); "
+            "give one video file per prompt (the same file may repeat)"
+        )
 
 
 def _takes_control_video(family: str) -> bool:
@@ -435,15 +466,19 @@ def check_last_images(config: Config) -> None:
     task, train = config.model.task, config.train
     if task != "flf2v":
         if train.validation_last_images:
-            raise ConfigError(f"train.validation_last_images = {train.validation_last_images!r}: only model.task = "
-                              f"\"flf2v\" (first and last frame) takes last frames, this run's task is {task!r}; "
-                              "remove it, or set model.task = \"flf2v\"")
+            raise ConfigError(
+                f"train.validation_last_images = {train.validation_last_images!r}: only model.task = "
+                f'"flf2v" (first and last frame) takes last frames, this run\'s task is {task!r}; '
+                'remove it, or set model.task = "flf2v"'
+            )
         return
     prompts, last = len(train.validation_prompts), len(train.validation_last_images)
     if last != prompts:
-        raise ConfigError(f"train.validation_last_images has {last} entries for {prompts} train.validation_prompts: "
-                          "model.task = \"flf2v\" needs one last-frame image per validation prompt (and one "
-                          "train.validation_images entry for its first frame)")
+        raise ConfigError(
+            f"train.validation_last_images has {last} entries for {prompts} train.validation_prompts: "
+            'model.task = "flf2v" needs one last-frame image per validation prompt (and one '
+            "train.validation_images entry for its first frame)"
+        )
 
 
 def build(cls: type[BaseModel], tree: dict, prefix: str = "") -> Any:
@@ -468,7 +503,7 @@ _TYPES = {
     "finite_number": "must be a finite number",
     "bool_type": "must be true or false",
     "string_type": "must be a string (in quotes)",
-    "list_type": "must be a list, e.g. [\"a\", \"b\"]",
+    "list_type": 'must be a list, e.g. ["a", "b"]',
     "dict_type": "must be a table of name = value",
     "too_short": "must not be empty",
 }
@@ -490,8 +525,9 @@ def _describe(cls: type[BaseModel], prefix: str, problem: dict) -> str:
     elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
         # the field's whole range, not just the bound that failed: "must be >= 0 and <= 1"
         holders = info.metadata if info is not None else [ctx]
-        allowed = "must be " + " and ".join(f"{sign} {_bound(h, name)}" for h in holders
-                                            for name, sign in _BOUNDS if _bound(h, name) is not None)
+        allowed = "must be " + " and ".join(
+            f"{sign} {_bound(h, name)}" for h in holders for name, sign in _BOUNDS if _bound(h, name) is not None
+        )
     elif kind == "value_error":
         allowed = str(ctx["error"])
     else:

@@ -87,7 +87,7 @@ def views(buffer: torch.Tensor, shapes: Sequence[tuple[Sequence[int], torch.dtyp
     out, offset = [], 0
     for shape, dtype in shapes:
         size = nbytes(shape, dtype)
-        out.append(buffer[offset:offset + size].view(dtype).view(tuple(shape)))
+        out.append(buffer[offset : offset + size].view(dtype).view(tuple(shape)))
         offset += aligned(size)
     return out
 
@@ -119,7 +119,7 @@ class Arena:
         if self.buffer is None and self.grow_to:  # (made at the round's first take: the last round's are gone)
             self.buffer, self.grow_to = HostBuffer(self.grow_to, self.device), 0
         if self.buffer is not None and self.used + size <= self.buffer.size:
-            view = views(self.buffer.bytes[self.used:], [(shape, dtype)])[0]
+            view = views(self.buffer.bytes[self.used :], [(shape, dtype)])[0]
             self.used += size
             return view
         extra = HostBuffer(size, self.device)
@@ -148,8 +148,10 @@ class Arena:
 def _register(tensor: torch.Tensor) -> None:
     error = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
     if int(error) != 0:
-        raise RuntimeError(f"cudaHostRegister of {tensor.numel() / 2**30:.2f} GiB failed (error {int(error)}): the "
-                           "host may limit locked memory (ulimit -l), or have too little free")
+        raise RuntimeError(
+            f"cudaHostRegister of {tensor.numel() / 2**30:.2f} GiB failed (error {int(error)}): the "
+            "host may limit locked memory (ulimit -l), or have too little free"
+        )
 
 
 def _unregister(tensor: torch.Tensor) -> None:

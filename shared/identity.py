@@ -48,6 +48,6 @@ def shares_pids(record: dict) -> bool:
 
 
 def pid_tag() -> str:
-    """"" in the host's own pid namespace (or where it cannot be read), else "-ns<inode>": what tells apart two
+    """ "" in the host's own pid namespace (or where it cannot be read), else "-ns<inode>": what tells apart two
     processes of one host with one pid, each in a container of its own."""
-    return "" if PID_NS in ("", INITIAL_PID_NS) else f"-ns{PID_NS[len('pid:['):-1]}"
+    return "" if PID_NS in ("", INITIAL_PID_NS) else f"-ns{PID_NS[len('pid:[') : -1]}"

@@ -21,10 +21,10 @@ from __future__ import annotations
 import json
 import time
 
+from vt.shared.errors import UserError
+
 from .identity import identity
 from .storage import Storage
-
-from vt.shared.errors import UserError
 
 KEEP_GENERATIONS = 3  # progress records of the last few starts, for the rare overlap of two starts
 
@@ -70,8 +70,9 @@ def acquire(storage: Storage, rank: int) -> int:
     """Take the next generation of `rank` (exclusive create); returns it. Prunes old generations."""
     generation = (newest_generation(storage, rank) or 0) + 1
     info = {"rank": rank, **identity(), "started": time.time()}
-    while not storage.create_exclusive(lease_path(rank, generation),
-                                       json.dumps({**info, "generation": generation}).encode()):
+    while not storage.create_exclusive(
+        lease_path(rank, generation), json.dumps({**info, "generation": generation}).encode()
+    ):
         generation += 1  # another start raced us to this generation: take the next one
     _prune(storage, rank, generation)
     return generation
@@ -130,7 +131,8 @@ def check(storage: Storage, rank: int, generation: int) -> None:
         raise ProducerFenced(
             f"lane {rank} of {storage.uri} was taken over by generation {newest}{where} while this producer "
             f"(generation {generation}) held it, silent for longer than precompute.claim_seconds: this producer "
-            "lets the lane go and the new holder carries on from the last committed shard")
+            "lets the lane go and the new holder carries on from the last committed shard"
+        )
 
 
 def write_progress(storage: Storage, rank: int, generation: int, payload: dict) -> None:

@@ -44,9 +44,14 @@ def mel_filterbank(sample_rate: int, n_fft: int, n_mels: int) -> Tensor:
     """(n_fft // 2 + 1, n_mels) float32: triangular filters evenly spaced in Slaney mels from 0 to
     sample_rate / 2, each scaled by 2 / its width in Hz (Slaney's area normalisation)."""
     bins = torch.linspace(0, sample_rate // 2, n_fft // 2 + 1, dtype=torch.float64)  # each STFT bin's frequency
-    edges = mel_to_hz(torch.linspace(float(hz_to_mel(torch.tensor(0.0, dtype=torch.float64))),
-                                     float(hz_to_mel(torch.tensor(sample_rate / 2, dtype=torch.float64))),
-                                     n_mels + 2, dtype=torch.float64))
+    edges = mel_to_hz(
+        torch.linspace(
+            float(hz_to_mel(torch.tensor(0.0, dtype=torch.float64))),
+            float(hz_to_mel(torch.tensor(sample_rate / 2, dtype=torch.float64))),
+            n_mels + 2,
+            dtype=torch.float64,
+        )
+    )
     widths = edges[1:] - edges[:-1]
     offsets = edges[None, :] - bins[:, None]  # (bins, n_mels + 2): edge frequency minus bin frequency
     rising = -offsets[:, :-2] / widths[:-1]
@@ -61,7 +66,17 @@ def log_mel(waveform: Tensor, sample_rate: int, n_fft: int, hop_length: int, n_m
     batch, channels, samples = waveform.shape
     flat = waveform.reshape(batch * channels, samples).float()
     window = torch.hann_window(n_fft, periodic=True, device=flat.device, dtype=flat.dtype)
-    spectrum = torch.stft(flat, n_fft=n_fft, hop_length=hop_length, win_length=n_fft, window=window, center=True,
-                          pad_mode="reflect", normalized=False, onesided=True, return_complex=True).abs()
+    spectrum = torch.stft(
+        flat,
+        n_fft=n_fft,
+        hop_length=hop_length,
+        win_length=n_fft,
+        window=window,
+        center=True,
+        pad_mode="reflect",
+        normalized=False,
+        onesided=True,
+        return_complex=True,
+    ).abs()
     mel = torch.matmul(spectrum.transpose(1, 2), mel_filterbank(sample_rate, n_fft, n_mels).to(flat.device))
     return torch.log(torch.clamp(mel, min=LOG_FLOOR)).reshape(batch, channels, -1, n_mels)

@@ -38,8 +38,9 @@ def fake_parameters(model: torch.nn.Module) -> torch.nn.Module:
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is not None and param.is_meta:
-                module._parameters[name] = torch.nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
-                                                              requires_grad=param.requires_grad)
+                module._parameters[name] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=param.dtype), requires_grad=param.requires_grad
+                )
     return model
 
 
@@ -56,11 +57,15 @@ class FlopCount(TorchDispatchMode):
         self.formulas = dict(flop_counter.flop_registry)
         aten = torch.ops.aten
         self.formulas[aten._scaled_dot_product_flash_attention_for_cpu] = (
-            lambda query, key, value, *args, out_val=None, **kwargs:
-            flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape))
+            lambda query, key, value, *args, out_val=None, **kwargs: flop_counter.sdpa_flop_count(
+                query.shape, key.shape, value.shape
+            )
+        )
         self.formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
-            lambda grad_out, query, key, value, *args, out_val=None, **kwargs:
-            flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape))
+            lambda grad_out, query, key, value, *args, out_val=None, **kwargs: flop_counter.sdpa_backward_flop_count(
+                grad_out.shape, query.shape, key.shape, value.shape
+            )
+        )
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -128,8 +133,11 @@ class KnownValues(TorchDispatchMode):
 
         kwargs = kwargs or {}
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        known = all(not isinstance(t, FakeTensor) for t in tensors) and _small_result(func, args, kwargs) if tensors \
+        known = (
+            all(not isinstance(t, FakeTensor) for t in tensors) and _small_result(func, args, kwargs)
+            if tensors
             else func in self.CONSTANTS and math.prod(args[0]) <= SMALL
+        )
         # (real inputs with a large output, a mask's outer product at 50k tokens, make an activation: fake)
         if known:
             with _disable_current_modes():

@@ -24,8 +24,15 @@ class Progress:
         self.enabled = enabled and runtime.rank() == 0
         stream = sys.stderr
         tty = hasattr(stream, "isatty") and stream.isatty()
-        self._bar = tqdm(total=total or None, desc=desc, unit=unit, file=stream, disable=not self.enabled,
-                         dynamic_ncols=True, mininterval=TTY_REFRESH_SECONDS if tty else LOG_REFRESH_SECONDS)
+        self._bar = tqdm(
+            total=total or None,
+            desc=desc,
+            unit=unit,
+            file=stream,
+            disable=not self.enabled,
+            dynamic_ncols=True,
+            mininterval=TTY_REFRESH_SECONDS if tty else LOG_REFRESH_SECONDS,
+        )
 
     def update(self, n: int = 1, **postfix: float) -> None:
         """Advance by `n`; keyword values are shown after the bar (e.g. loss=0.12, samples_s=40)."""
@@ -50,4 +57,3 @@ def _short(value) -> str:
     if hasattr(value, "item"):
         value = value.item()
     return f"{value:.4g}" if isinstance(value, (int, float)) else str(value)
-

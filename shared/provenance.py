@@ -66,14 +66,17 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
         "max_text_tokens": spec.max_text_tokens,  # resolved: the family's default when unset
         "encoder_dtype": config.model.dtype,
         "storage_dtype": config.precompute.storage_dtype,
-        "processing": {"version": PROCESSING_VERSION, "fps": config.buckets.fps,
-                       "buckets": sorted(config.buckets.sizes),
-                       "processors": describe_chain(config.precompute.processors),
-                       **({"vae_tiling": True} if config.precompute.vae_tiling is True else {}),
-                       # which member of each sample holds its control video (a family that trains on one)
-                       **({"control": config.data.control} if spec.control_video else {}),
-                       # model.audio: the sound stored beside the latents (shards without it are refused)
-                       **({"audio": audio_settings(config, spec)} if config.model.audio else {})},
+        "processing": {
+            "version": PROCESSING_VERSION,
+            "fps": config.buckets.fps,
+            "buckets": sorted(config.buckets.sizes),
+            "processors": describe_chain(config.precompute.processors),
+            **({"vae_tiling": True} if config.precompute.vae_tiling is True else {}),
+            # which member of each sample holds its control video (a family that trains on one)
+            **({"control": config.data.control} if spec.control_video else {}),
+            # model.audio: the sound stored beside the latents (shards without it are refused)
+            **({"audio": audio_settings(config, spec)} if config.model.audio else {}),
+        },
         "weights": dict(sorted((weights if weights is not None else weights_digests(spec)).items())),
     }
 
@@ -209,9 +212,8 @@ def file_digest(path: Path) -> str:
 
 
 def describe_difference(expected: dict, found: dict) -> str:
-    """"key.path: shard has X, config wants Y; ..." for every setting that differs (nested keys dotted)."""
-    diffs = [f"{key}: shard has {theirs!r}, config wants {ours!r}"
-             for key, ours, theirs in _diff(expected, found, "")]
+    """ "key.path: shard has X, config wants Y; ..." for every setting that differs (nested keys dotted)."""
+    diffs = [f"{key}: shard has {theirs!r}, config wants {ours!r}" for key, ours, theirs in _diff(expected, found, "")]
     return "; ".join(diffs) or "fingerprints differ but the recorded settings match (format change?)"
 
 
@@ -228,6 +230,12 @@ def _diff(expected, found, prefix: str):
 
 def _same_chain(expected, found) -> bool:
     """Two processor lists with the same steps in the same order (their options may differ)."""
-    return (isinstance(expected, list) and isinstance(found, list) and len(expected) == len(found)
-            and all(isinstance(a, dict) and isinstance(b, dict) and "name" in a and a.get("name") == b.get("name")
-                    for a, b in zip(expected, found)))
+    return (
+        isinstance(expected, list)
+        and isinstance(found, list)
+        and len(expected) == len(found)
+        and all(
+            isinstance(a, dict) and isinstance(b, dict) and "name" in a and a.get("name") == b.get("name")
+            for a, b in zip(expected, found)
+        )
+    )

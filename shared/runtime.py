@@ -42,7 +42,7 @@ def world_size() -> int:
 
 
 def pick_device(setting: str = "auto") -> torch.device:
-    """"auto": this process's GPU (cuda:LOCAL_RANK modulo the GPUs seen) if there is one, else the CPU.
+    """ "auto": this process's GPU (cuda:LOCAL_RANK modulo the GPUs seen) if there is one, else the CPU.
 
     "cuda" without an index also means this process's GPU; anything else is taken as given.
     """

@@ -33,9 +33,20 @@ if TYPE_CHECKING:
 __all__ = ["RowsCorrupt", "ShardLayout", "digests_of", "header_size", "merge_ranges"]
 
 # safetensors dtype names -> torch dtype names (torch is imported late)
-DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-          "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-          "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 TEXT_PREFIX, ROWS_PREFIX, INDEX = "text.", "text_rows.", "text_index"  # caption_table.py's names
 
 Range = tuple[int, int]  # [start, stop) in bytes from the start of the file
@@ -101,8 +112,12 @@ class ShardLayout:
         size = header_size(header)
         obj = json.loads(bytes(header[8:size]))
         metadata = obj.pop("__metadata__", None) or {}
-        tensors = {name: TensorSpan(info["dtype"], tuple(info["shape"]), size + info["data_offsets"][0],
-                                    size + info["data_offsets"][1]) for name, info in obj.items()}
+        tensors = {
+            name: TensorSpan(
+                info["dtype"], tuple(info["shape"]), size + info["data_offsets"][0], size + info["data_offsets"][1]
+            )
+            for name, info in obj.items()
+        }
         return cls(size, tensors, metadata)
 
     # -- what the shard says about itself ---------------------------------------------------------
@@ -162,14 +177,22 @@ class ShardLayout:
         # The table first: which caption each row refers to, and how many rows each caption keeps.
         table_bytes = {name: pieces.get(*span) for name, span in table.items()}
         if lengths:
-            _check(b"".join(table_bytes[n] for n in sorted(table_bytes)), self.metadata["table_sha256"],
-                   "the caption table")
-        by_run = {name: {first: pieces.get(*span) for (first, _), span in zip(runs, ranges)}
-                  for name, ranges in sample.items()}
+            _check(
+                b"".join(table_bytes[n] for n in sorted(table_bytes)),
+                self.metadata["table_sha256"],
+                "the caption table",
+            )
+        by_run = {
+            name: {first: pieces.get(*span) for (first, _), span in zip(runs, ranges)}
+            for name, ranges in sample.items()
+        }
         digests = json.loads(self.metadata["row_sha256"])
         for row in set(wanted):
-            _check(b"".join(_row_bytes(by_run[name], runs, row, self.tensors[name].row_bytes) for name in sample),
-                   digests[row], f"sample row {row}")
+            _check(
+                b"".join(_row_bytes(by_run[name], runs, row, self.tensors[name].row_bytes) for name in sample),
+                digests[row],
+                f"sample row {row}",
+            )
         order = [_position(runs, row) for row in wanted]
         stacked = {name: self._rows_tensor(name, by_run[name], runs)[order] for name in sample}
         if lengths:
@@ -187,14 +210,17 @@ class ShardLayout:
             return torch.empty((count, *span.shape[1:]), dtype=getattr(torch, DTYPES[span.dtype]))
         return torch.frombuffer(data, dtype=getattr(torch, DTYPES[span.dtype])).reshape(count, *span.shape[1:])
 
-    def _captions(self, rows: list[int], table_bytes: dict[str, bytes], lengths: dict[str, int],
-                  fetch) -> dict[str, "Tensor"]:
+    def _captions(
+        self, rows: list[int], table_bytes: dict[str, bytes], lengths: dict[str, int], fetch
+    ) -> dict[str, "Tensor"]:
         """name -> (len(rows), L, ...): each row's caption text padded back to its full length."""
         import torch
 
         index = torch.frombuffer(bytearray(table_bytes[INDEX]), dtype=torch.int64).tolist()
-        kept = {name: torch.frombuffer(bytearray(table_bytes[ROWS_PREFIX + name]), dtype=torch.int64).tolist()
-                for name in lengths}
+        kept = {
+            name: torch.frombuffer(bytearray(table_bytes[ROWS_PREFIX + name]), dtype=torch.int64).tolist()
+            for name in lengths
+        }
         wanted = [index[row] for row in rows]
         ranges = self.caption_ranges(kept, wanted)
         pieces = _Pieces(fetch, [span for spans in ranges.values() for span in spans.values()])
@@ -207,10 +233,13 @@ class ShardLayout:
             for name, chunk in data.items():
                 span = self.tensors[TEXT_PREFIX + name]
                 dtype = getattr(torch, DTYPES[span.dtype])
-                stored = torch.frombuffer(bytearray(chunk), dtype=dtype).reshape(-1, *span.shape[1:]) if chunk \
+                stored = (
+                    torch.frombuffer(bytearray(chunk), dtype=dtype).reshape(-1, *span.shape[1:])
+                    if chunk
                     else torch.empty((0, *span.shape[1:]), dtype=dtype)
+                )
                 padded = stored.new_zeros((lengths[name], *span.shape[1:]))
-                padded[:stored.shape[0]] = stored
+                padded[: stored.shape[0]] = stored
                 per_caption[caption][name] = padded
         return {name: torch.stack([per_caption[c][name] for c in wanted]) for name in lengths}
 
@@ -227,7 +256,7 @@ class _Pieces:
             return b""
         for (a, b), chunk in zip(self.cover, self.data):
             if a <= start and stop <= b:
-                return chunk[start - a:stop - a]
+                return chunk[start - a : stop - a]
         raise AssertionError(f"range {start}-{stop} was not fetched")
 
 
@@ -249,7 +278,7 @@ def _row_bytes(chunks: dict[int, bytes], runs: list[tuple[int, int]], row: int, 
     for a, b in runs:
         if a <= row < b:
             start = (row - a) * row_bytes
-            return chunks[a][start:start + row_bytes]
+            return chunks[a][start : start + row_bytes]
     raise KeyError(row)
 
 
@@ -263,8 +292,12 @@ def digests_of(data: bytes) -> dict[str, str]:
     """The row digests `read_rows` checks, as header metadata, of a shard's safetensors bytes."""
     layout = ShardLayout.parse(data)
     keys = layout.keys
-    rows = [hashlib.sha256(b"".join(bytes(data[slice(*layout.tensors[n].rows(i, i + 1))])
-                                     for n in layout.sample_names())).hexdigest() for i in range(len(keys))]
+    rows = [
+        hashlib.sha256(
+            b"".join(bytes(data[slice(*layout.tensors[n].rows(i, i + 1))]) for n in layout.sample_names())
+        ).hexdigest()
+        for i in range(len(keys))
+    ]
     out = {"row_sha256": json.dumps(rows)}
     lengths = layout.text_lengths
     if lengths:
@@ -272,11 +305,16 @@ def digests_of(data: bytes) -> dict[str, str]:
         out["table_sha256"] = hashlib.sha256(b"".join(bytes(data[slice(*table[n])]) for n in sorted(table))).hexdigest()
         import torch
 
-        kept = {name: torch.frombuffer(bytearray(data[slice(*table[ROWS_PREFIX + name])]), dtype=torch.int64).tolist()
-                for name in lengths}
+        kept = {
+            name: torch.frombuffer(bytearray(data[slice(*table[ROWS_PREFIX + name])]), dtype=torch.int64).tolist()
+            for name in lengths
+        }
         captions = len(next(iter(kept.values())))
         ranges = layout.caption_ranges(kept, range(captions))
-        out["caption_sha256"] = json.dumps([
-            hashlib.sha256(b"".join(bytes(data[slice(*ranges[c][n])]) for n in sorted(ranges[c]))).hexdigest()
-            for c in range(captions)])
+        out["caption_sha256"] = json.dumps(
+            [
+                hashlib.sha256(b"".join(bytes(data[slice(*ranges[c][n])]) for n in sorted(ranges[c]))).hexdigest()
+                for c in range(captions)
+            ]
+        )
     return out

@@ -36,8 +36,9 @@ class ShardFormatError(UserError):
     """Bytes that are not a vt latent shard of this format version, or a malformed record."""
 
 
-def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict,
-                 captions: "Captions | None" = None) -> bytes:
+def encode_shard(
+    tensors: dict[str, "Tensor"], keys: list[str], meta: dict, captions: "Captions | None" = None
+) -> bytes:
     """Stacked tensors (dim 0 = sample, one row per key), plus the samples' text conditions once per
     distinct caption (`captions`), -> safetensors bytes."""
     import torch
@@ -61,14 +62,21 @@ def encode_shard(tensors: dict[str, "Tensor"], keys: list[str], meta: dict,
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"shard tensor {name!r} is a {type(tensor).__name__}, not a torch.Tensor")
         if tensor.dim() == 0 or tensor.shape[0] != len(keys):
-            raise ValueError(f"shard tensor {name!r} has shape {tuple(tensor.shape)}; dim 0 must "
-                             f"be the {len(keys)} samples (one row per key), stack them first")
+            raise ValueError(
+                f"shard tensor {name!r} has shape {tuple(tensor.shape)}; dim 0 must "
+                f"be the {len(keys)} samples (one row per key), stack them first"
+            )
     try:
         meta_json = json.dumps(meta, sort_keys=True)
     except TypeError as err:
         raise ValueError(f"shard meta must be JSON-serializable: {err}") from err
-    metadata = {"format": "vt-latent-shard", "format_version": str(FORMAT_VERSION),
-                "keys": json.dumps(keys), "meta": meta_json, "text_lengths": json.dumps(lengths, sort_keys=True)}
+    metadata = {
+        "format": "vt-latent-shard",
+        "format_version": str(FORMAT_VERSION),
+        "keys": json.dumps(keys),
+        "meta": meta_json,
+        "text_lengths": json.dumps(lengths, sort_keys=True),
+    }
     stored = {n: t.detach().cpu().contiguous() for n, t in {**tensors, **text}.items()}
     # The row digests hash the tensors' bytes as stored, so the file is laid out once without them; the
     # metadata does not move any tensor's bytes within the data, only the header's length.
@@ -109,17 +117,21 @@ def read_shard_metadata(data: bytes) -> dict[str, str]:
     if header_len > len(data) - 8:
         raise ShardFormatError("safetensors header length exceeds the data: truncated or not a shard")
     try:
-        header = json.loads(bytes(data[8:8 + header_len]))
+        header = json.loads(bytes(data[8 : 8 + header_len]))
     except ValueError as err:
         raise ShardFormatError(f"safetensors header is not JSON: {err}") from err
     metadata = header.get("__metadata__") or {}
     if metadata.get("format") != "vt-latent-shard":
-        raise ShardFormatError("safetensors file is not a vt latent shard (no vt metadata); "
-                               "write shards with vt.shared.shards.encode_shard")
+        raise ShardFormatError(
+            "safetensors file is not a vt latent shard (no vt metadata); "
+            "write shards with vt.shared.shards.encode_shard"
+        )
     if metadata.get("format_version") != str(FORMAT_VERSION):
-        raise ShardFormatError(f"shard format version {metadata.get('format_version')} is not "
-                               f"{FORMAT_VERSION} (version 2 stores each caption's text once); re-run "
-                               "vt-precompute with this vt version into a fresh window")
+        raise ShardFormatError(
+            f"shard format version {metadata.get('format_version')} is not "
+            f"{FORMAT_VERSION} (version 2 stores each caption's text once); re-run "
+            "vt-precompute with this vt version into a fresh window"
+        )
     return metadata
 
 
@@ -154,8 +166,10 @@ class CommitRecord:
             raise ShardFormatError("commit record must be a JSON object")
         version = obj.pop("format_version", None)
         if version != FORMAT_VERSION:
-            raise ShardFormatError(f"commit record format version {version} is not {FORMAT_VERSION}; "
-                                   "re-run vt-precompute with this vt version")
+            raise ShardFormatError(
+                f"commit record format version {version} is not {FORMAT_VERSION}; "
+                "re-run vt-precompute with this vt version"
+            )
         names = [f.name for f in fields(cls)]
         missing = [f.name for f in fields(cls) if f.name not in obj and f.default is MISSING]
         if missing:

@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 from torch import nn
+
 from vt.shared.errors import UserError
 
 Setting = Literal["auto"] | bool
@@ -34,8 +35,10 @@ def can_tile(vae: nn.Module) -> bool:
 def enable_tiling(vae: nn.Module) -> None:
     """Tile `vae`'s encode and decode, spatially and (where diffusers offers a plain switch) temporally."""
     if not can_tile(vae):
-        raise UserError(f"the VAE ({type(vae).__name__}) has no tiled encode or decode in diffusers; set the "
-                         "tiling setting to false and use smaller buckets.sizes")
+        raise UserError(
+            f"the VAE ({type(vae).__name__}) has no tiled encode or decode in diffusers; set the "
+            "tiling setting to false and use smaller buckets.sizes"
+        )
     vae.enable_tiling()
     if not hasattr(vae, "_enable_framewise_decoding"):  # a private switch: framewise changes the padding there
         for flag in TEMPORAL_FLAGS:
@@ -56,8 +59,9 @@ def tiling(vae: nn.Module, on: bool):
             setattr(vae, name, value)
 
 
-def pass_peak(vae: nn.Module, what: Literal["encode", "decode"], shape: tuple[int, ...], tiled: bool = False,
-              run=None) -> int:
+def pass_peak(
+    vae: nn.Module, what: Literal["encode", "decode"], shape: tuple[int, ...], tiled: bool = False, run=None
+) -> int:
     """The most bytes `vae` (built on the meta device, e.g. `spec.empty_component("vae")`) holds while it
     encodes a video of `shape` (batch, channels, frames, height, width) or decodes latents of `shape`, beyond
     its weights: traced on fake tensors, nothing computed. `run(vae, x)` replaces the plain encode or decode

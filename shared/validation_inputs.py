@@ -56,8 +56,11 @@ def validation_inputs(train, negative_prompt: str, images: bool, pairs: bool = F
     inputs = [prompt_input(text) for text in dict.fromkeys([*train.validation_prompts, negative_prompt])]
     if images:
         inputs += [image_input(path) for path in dict.fromkeys(train.validation_images)]
-        inputs += [image_input(path, "train.validation_last_images") for path in
-                   dict.fromkeys(train.validation_last_images) if path not in train.validation_images]
+        inputs += [
+            image_input(path, "train.validation_last_images")
+            for path in dict.fromkeys(train.validation_last_images)
+            if path not in train.validation_images
+        ]
     if pairs:
         inputs += [pair_input(*pair) for pair in dict.fromkeys(zip(train.validation_prompts, train.validation_images))]
     return inputs
@@ -67,8 +70,9 @@ def encode_conditions(tensors: dict[str, torch.Tensor], storage_dtype: torch.dty
     """One input's conditions as a safetensors file, floating tensors in the window's storage dtype."""
     from safetensors.torch import save
 
-    stored = {name: (t.to(storage_dtype) if t.is_floating_point() else t).contiguous().cpu()
-              for name, t in tensors.items()}
+    stored = {
+        name: (t.to(storage_dtype) if t.is_floating_point() else t).contiguous().cpu() for name, t in tensors.items()
+    }
     return save(stored, metadata={"format": "vt-validation-conditions"})
 
 
@@ -79,5 +83,7 @@ def decode_conditions(data: bytes) -> dict[str, torch.Tensor]:
 
     out = {}
     for name, tensor in load(data).items():
-        out[name] = tensor.round().long() if "mask" in name else tensor.float() if tensor.is_floating_point() else tensor
+        out[name] = (
+            tensor.round().long() if "mask" in name else tensor.float() if tensor.is_floating_point() else tensor
+        )
     return out

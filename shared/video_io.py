@@ -14,6 +14,7 @@ from pathlib import Path
 
 import av
 import numpy as np
+
 from vt.shared.errors import UserError
 
 
@@ -131,8 +132,12 @@ def read_fitted(path: str | Path, bucket, fps: float) -> np.ndarray:
         shown = None
         for frame in container.decode(stream):
             start = float((frame.pts - origin) * stream.time_base) if frame.pts is not None else None
-            while (shown is not None and start is not None and len(picked) < len(times)
-                   and start > times[len(picked)] + 1e-6):
+            while (
+                shown is not None
+                and start is not None
+                and len(picked) < len(times)
+                and start > times[len(picked)] + 1e-6
+            ):
                 picked.append(shown)
             if len(picked) == len(times):
                 break
@@ -142,8 +147,10 @@ def read_fitted(path: str | Path, bucket, fps: float) -> np.ndarray:
             while len(picked) < len(times) and end is not None and times[len(picked)] < end - 1e-6:
                 picked.append(shown)
     if len(picked) < len(times):
-        raise UserError(f"{path} holds {len(picked)} frames at {fps:g} fps; bucket {bucket.name} needs "
-                         f"{bucket.frames} ({bucket.frames / fps:.3f}s): give a longer video")
+        raise UserError(
+            f"{path} holds {len(picked)} frames at {fps:g} fps; bucket {bucket.name} needs "
+            f"{bucket.frames} ({bucket.frames / fps:.3f}s): give a longer video"
+        )
     out = np.empty((bucket.frames, bucket.height, bucket.width, 3), dtype=np.uint8)
     for index, frame in enumerate(picked):
         image = frame.to_image()
@@ -156,13 +163,17 @@ def read_fitted(path: str | Path, bucket, fps: float) -> np.ndarray:
 
 def _check_frames(frames) -> np.ndarray:
     if not isinstance(frames, np.ndarray):
-        raise TypeError(f"frames must be a numpy array (F, H, W, 3) uint8, got {type(frames).__name__}; "
-                        "for a torch tensor use tensor.cpu().numpy()")
+        raise TypeError(
+            f"frames must be a numpy array (F, H, W, 3) uint8, got {type(frames).__name__}; "
+            "for a torch tensor use tensor.cpu().numpy()"
+        )
     if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
         raise ValueError(f"frames must have shape (F, H, W, 3) with F, H, W >= 1, got {frames.shape}")
     if frames.dtype != np.uint8:
-        raise UserError(f"frames must be uint8 in [0, 255], got {frames.dtype}; for floats in [0, 1] "
-                         "use (frames * 255).round().clip(0, 255).astype(np.uint8)")
+        raise UserError(
+            f"frames must be uint8 in [0, 255], got {frames.dtype}; for floats in [0, 1] "
+            "use (frames * 255).round().clip(0, 255).astype(np.uint8)"
+        )
     return np.ascontiguousarray(frames)
 
 

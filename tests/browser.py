@@ -23,17 +23,33 @@ from pathlib import Path
 from polling import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run", "--no-default-browser-check",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync", "--mute-audio",
-         "--disable-dev-shm-usage", "--autoplay-policy=no-user-gesture-required",
-         "--host-resolver-rules=MAP * ~NOTFOUND",  # any host name fails to resolve: nothing reaches a network
-         "--remote-debugging-port=0", "--window-size=1400,1800"]
+FLAGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--no-default-browser-check",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--mute-audio",
+    "--disable-dev-shm-usage",
+    "--autoplay-policy=no-user-gesture-required",
+    "--host-resolver-rules=MAP * ~NOTFOUND",  # any host name fails to resolve: nothing reaches a network
+    "--remote-debugging-port=0",
+    "--window-size=1400,1800",
+]
 
 
 def chromium() -> str:
     """The browser binary; scripts/ensure_browser.sh installs Debian's chromium where there is none."""
-    out = subprocess.run([str(ROOT / "scripts" / "ensure_browser.sh")], stdin=subprocess.DEVNULL,
-                         capture_output=True, text=True, timeout=850)  # under pytest-timeout's 900 s
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "ensure_browser.sh")],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=850,
+    )  # under pytest-timeout's 900 s
     if out.returncode != 0:
         raise RuntimeError(f"no Chromium: {out.stderr.strip()[-2000:]}")
     return out.stdout.strip().splitlines()[-1]
@@ -97,8 +113,13 @@ def render(page: Path, script: str, screenshot: Path, timeout: float = 90.0) -> 
     deadline = time.monotonic() + timeout
     profile = Path(tempfile.mkdtemp(prefix="vt-chromium-"))
     log = open(profile.parent / f"{profile.name}.log", "wb")
-    proc = subprocess.Popen([binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-                            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     tools = None
     try:
         port = _wait_for_port(profile, proc, max(deadline - time.monotonic(), 1.0))
@@ -114,8 +135,11 @@ def render(page: Path, script: str, screenshot: Path, timeout: float = 90.0) -> 
             raise RuntimeError(f"the page's check failed: {result['exceptionDetails']}")
         shot = tools.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
         screenshot.write_bytes(b64decode(shot["data"]))
-        requests = [{"url": e["params"]["request"]["url"]} for e in tools.events
-                    if e.get("method") == "Network.requestWillBeSent"]
+        requests = [
+            {"url": e["params"]["request"]["url"]}
+            for e in tools.events
+            if e.get("method") == "Network.requestWillBeSent"
+        ]
         failed = [e["params"] for e in tools.events if e.get("method") == "Network.loadingFailed"]
         return result["result"].get("value"), requests + [{"failed": f} for f in failed]
     finally:

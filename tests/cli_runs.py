@@ -62,8 +62,15 @@ def finish(proc: Forked, log: Path | None = None, timeout: float = 300) -> None:
 def run_bounded(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(capture_output, text) in a session of its own, killed with all its children (decode workers
     hold its pipes) once `timeout` passes: a hung CLI fails the test with its output instead of hanging it."""
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                            start_new_session=True, **kwargs)
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+        **kwargs,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -190,8 +190,9 @@ def mochi_weights(depth: int, dim_x: int, dim_y: int, mlp_x: int, mlp_y: int) ->
     return out
 
 
-def kandinsky5_weights(num_text_blocks: int, num_visual_blocks: int, model_dim: int, time_dim: int,
-                       ff_dim: int) -> dict[str, Shape]:
+def kandinsky5_weights(
+    num_text_blocks: int, num_visual_blocks: int, model_dim: int, time_dim: int, ff_dim: int
+) -> dict[str, Shape]:
     """Kandinsky5 (comfy/ldm/kandinsky5/model.py 274-...; comfy/model_detection.py 629-641 reads its sizes off
     the checkpoint): `text_transformer_blocks.N` TransformerEncoderBlock (lines 213-236): text_modulation
     (Modulation, line 92: time_dim -> 6 x model_dim), self_attention SelfAttention (lines 106-112: to_query,
@@ -200,8 +201,10 @@ def kandinsky5_weights(num_text_blocks: int, num_visual_blocks: int, model_dim: 
     self_attention, cross_attention (CrossAttention(SelfAttention), line 148: keys/values from the text,
     already at model_dim), feed_forward."""
     out: dict[str, Shape] = {}
-    for kind, count, params, attentions in (("text", num_text_blocks, 6, ("self_attention",)),
-                                            ("visual", num_visual_blocks, 9, ("self_attention", "cross_attention"))):
+    for kind, count, params, attentions in (
+        ("text", num_text_blocks, 6, ("self_attention",)),
+        ("visual", num_visual_blocks, 9, ("self_attention", "cross_attention")),
+    ):
         for n in range(count):
             block = f"{kind}_transformer_blocks.{n}"
             out[f"{block}.{kind}_modulation.out_layer"] = (params * model_dim, time_dim)
@@ -213,8 +216,9 @@ def kandinsky5_weights(num_text_blocks: int, num_visual_blocks: int, model_dim: 
     return out
 
 
-def kandinsky6_weights(num_text_blocks: int, num_visual_blocks: int, dims: dict[str, int],
-                       cross_gates: bool) -> dict[str, Shape]:
+def kandinsky6_weights(
+    num_text_blocks: int, num_visual_blocks: int, dims: dict[str, int], cross_gates: bool
+) -> dict[str, Shape]:
     """Kandinsky6 (Comfy-Org/ComfyUI@0b61ce5b comfy/ldm/kandinsky6/model.py): `video_text_transformer_blocks.N` and
     `audio_text_transformer_blocks.N` are Kandinsky 5's TransformerEncoderBlock at each stream's widths (above);
     `visual_blocks.N` FusedTransformerDecoderBlock: `videoT` / `audioT` Kandinsky 5's TransformerDecoderBlock per
@@ -222,28 +226,53 @@ def kandinsky6_weights(num_text_blocks: int, num_visual_blocks: int, dims: dict[
     (to_query q -> q, to_key / to_value kv -> q, out_layer q -> q), `va_modulation` / `av_modulation` (with
     cross_gates: 2 x own + other widths, one parameter set). `dims`: model_dim, time_dim, ff_dim and their `_a`."""
     out: dict[str, Shape] = {}
-    streams = {"video": (dims["model_dim"], dims["time_dim"], dims["ff_dim"]),
-               "audio": (dims["model_dim_a"], dims["time_dim_a"], dims["ff_dim_a"])}
+    streams = {
+        "video": (dims["model_dim"], dims["time_dim"], dims["ff_dim"]),
+        "audio": (dims["model_dim_a"], dims["time_dim_a"], dims["ff_dim_a"]),
+    }
     for stream, (model, time, ff) in streams.items():
         text = kandinsky5_weights(num_text_blocks, 0, model, time, ff)
         out.update({f"{stream}_{name}": shape for name, shape in text.items()})
         fused = kandinsky5_weights(0, num_visual_blocks, model, time, ff)
         half = "videoT" if stream == "video" else "audioT"  # visual_blocks.N.<half>.<Kandinsky 5's name>
-        out.update({re.sub(r"^visual_transformer_blocks\.(\d+)\.", rf"visual_blocks.\1.{half}.", name): shape
-                    for name, shape in fused.items()})
+        out.update(
+            {
+                re.sub(r"^visual_transformer_blocks\.(\d+)\.", rf"visual_blocks.\1.{half}.", name): shape
+                for name, shape in fused.items()
+            }
+        )
     (model, time, _), (model_a, time_a, _) = streams["video"], streams["audio"]
     for n in range(num_visual_blocks):
         for name, (q, kv) in (("va_cross_attention", (model, model_a)), ("av_cross_attention", (model_a, model))):
-            out.update({f"visual_blocks.{n}.{name}.to_query": (q, q), f"visual_blocks.{n}.{name}.to_key": (q, kv),
-                        f"visual_blocks.{n}.{name}.to_value": (q, kv), f"visual_blocks.{n}.{name}.out_layer": (q, q)})
+            out.update(
+                {
+                    f"visual_blocks.{n}.{name}.to_query": (q, q),
+                    f"visual_blocks.{n}.{name}.to_key": (q, kv),
+                    f"visual_blocks.{n}.{name}.to_value": (q, kv),
+                    f"visual_blocks.{n}.{name}.out_layer": (q, q),
+                }
+            )
         out[f"visual_blocks.{n}.va_modulation.out_layer"] = (2 * model + model_a if cross_gates else 3 * model, time)
-        out[f"visual_blocks.{n}.av_modulation.out_layer"] = (2 * model_a + model if cross_gates else 3 * model_a, time_a)
+        out[f"visual_blocks.{n}.av_modulation.out_layer"] = (
+            2 * model_a + model if cross_gates else 3 * model_a,
+            time_a,
+        )
     return out
 
 
-def minimax_h3_weights(num_layers: int, refiner_layers: int, hidden: int, inner: int, ffn: int, t_dim: int,
-                       t_hidden: int, freq_dim: int, video_patch_dim: int, audio_dim: int,
-                       text_dim: int) -> dict[str, Shape]:
+def minimax_h3_weights(
+    num_layers: int,
+    refiner_layers: int,
+    hidden: int,
+    inner: int,
+    ffn: int,
+    t_dim: int,
+    t_hidden: int,
+    freq_dim: int,
+    video_patch_dim: int,
+    audio_dim: int,
+    text_dim: int,
+) -> dict[str, Shape]:
     """MiniMaxH3Model (comfy/ldm/minimax/model.py, `MiniMaxH3Model.__init__`; MINIMAX_H3 above), the dense form (no
     `adaln_curve_grid`: `time_embedder` present) with one output head each (no PDD head bank).
     `blocks.N` DiTBlock and `token_refiner.blocks.N` RefinerBlock share `Attention` (`qkv_proj`: hidden -> 3 x inner,
@@ -254,10 +283,14 @@ def minimax_h3_weights(num_layers: int, refiner_layers: int, hidden: int, inner:
     `adaln_proj.linear` (2 x hidden), `video_out`, `audio_out`; `video_patch_proj`, `audio_patch_proj`,
     `condition_proj`; TimeEmbedder `proj_in` (freq_dim -> t_hidden), `proj_out` (t_hidden -> t_dim)."""
     out: dict[str, Shape] = {
-        "video_patch_proj": (hidden, video_patch_dim), "audio_patch_proj": (hidden, audio_dim),
-        "condition_proj": (hidden, text_dim), "time_embedder.proj_in": (t_hidden, freq_dim),
-        "time_embedder.proj_out": (t_dim, t_hidden), "final_layer.adaln_proj.linear": (2 * hidden, t_dim),
-        "final_layer.video_out": (video_patch_dim, hidden), "final_layer.audio_out": (audio_dim, hidden),
+        "video_patch_proj": (hidden, video_patch_dim),
+        "audio_patch_proj": (hidden, audio_dim),
+        "condition_proj": (hidden, text_dim),
+        "time_embedder.proj_in": (t_hidden, freq_dim),
+        "time_embedder.proj_out": (t_dim, t_hidden),
+        "final_layer.adaln_proj.linear": (2 * hidden, t_dim),
+        "final_layer.video_out": (video_patch_dim, hidden),
+        "final_layer.audio_out": (audio_dim, hidden),
     }
     for prefix, count in (("blocks", num_layers), ("token_refiner.blocks", refiner_layers)):
         for n in range(count):
@@ -280,27 +313,27 @@ def model_lora_keys_unet(weights: dict[str, Shape], model_class: str) -> dict[st
     keys = [f"diffusion_model.{module}.weight" for module in weights]
     key_map: dict[str, str] = {}
     for k in keys:  # lines 179-186: every model
-        key_lora = k[len("diffusion_model."):-len(".weight")].replace(".", "_")
+        key_lora = k[len("diffusion_model.") : -len(".weight")].replace(".", "_")
         key_map[f"lora_unet_{key_lora}"] = k
-        key_map[k[:-len(".weight")]] = k  # "generic lora format without any weird key names"
+        key_map[k[: -len(".weight")]] = k  # "generic lora format without any weird key names"
     if "GenmoMochi" in bases:  # lines 268-272: "Official Mochi lora format"
         for k in keys:
-            key_map[k[len("diffusion_model."):-len(".weight")]] = k
+            key_map[k[len("diffusion_model.") : -len(".weight")]] = k
     if "HunyuanVideo" in bases:  # lines 274-284: diffusion-pipe lora format (HunyuanVideo 1.5 too)
         for k in keys:
             key_lora = k.replace("_mod.lin.", "_mod.linear.").replace("_attn.qkv.", "_attn_qkv.")
             key_lora = key_lora.replace("_attn.proj.", "_attn_proj.")
             key_lora = key_lora.replace("mlp.0.", "mlp.fc1.").replace("mlp.2.", "mlp.fc2.")
             key_lora = key_lora.replace(".modulation.lin.", ".modulation.linear.")
-            key_lora = key_lora[len("diffusion_model."):-len(".weight")]
+            key_lora = key_lora[len("diffusion_model.") : -len(".weight")]
             key_map[f"transformer.{key_lora}"] = k
             key_map[f"diffusion_model.{key_lora}"] = k  # "Old loras"
     if "MiniMaxH3" in bases:  # MINIMAX_H3's comfy/lora.py: the bare module name (vt writes the generic form)
         for k in keys:
-            key_map[k[len("diffusion_model."):-len(".weight")]] = k
+            key_map[k[len("diffusion_model.") : -len(".weight")]] = k
     if "Kandinsky5" in bases:  # lines 326-331: bare and `transformer.` (diffusers) module names
         for k in keys:
-            key_lora = k[len("diffusion_model."):-len(".weight")]
+            key_lora = k[len("diffusion_model.") : -len(".weight")]
             key_map[key_lora] = k
             key_map[f"transformer.{key_lora}"] = k
     return key_map
@@ -368,8 +401,19 @@ def load_lycoris(lora: dict[str, Tensor], key_map: dict[str, str]) -> tuple[dict
         parts = {part: lora.get(f"{x}.lokr_{part}") for part in LOKR_PARTS}
         loaded.update(f"{x}.lokr_{part}" for part, value in parts.items() if value is not None)
         if any(parts[part] is not None for part in ("w1", "w2", "w1_a", "w2_a")):
-            patches[weight] = ("lokr", (parts["w1"], parts["w2"], alpha, parts["w1_a"], parts["w1_b"], parts["w2_a"],
-                                        parts["w2_b"], parts["t2"]))
+            patches[weight] = (
+                "lokr",
+                (
+                    parts["w1"],
+                    parts["w2"],
+                    alpha,
+                    parts["w1_a"],
+                    parts["w1_b"],
+                    parts["w2_a"],
+                    parts["w2_b"],
+                    parts["t2"],
+                ),
+            )
     return patches, [key for key in lora if key not in loaded]
 
 

@@ -48,13 +48,21 @@ def tiny_model_factory(tmp_path_factory):
 
 
 def pytest_addoption(parser):
-    parser.addoption("--update-reference-numbers", action="store_true",
-                     help="rewrite tests/assets/reference_numbers.json from this run (review the diff)")
+    parser.addoption(
+        "--update-reference-numbers",
+        action="store_true",
+        help="rewrite tests/assets/reference_numbers.json from this run (review the diff)",
+    )
 
 
 # Files of many short tests per family, whose fixtures are the cheap tiny presets: spread test by test.
-SPREAD = {"tests/shared/test_models.py", "tests/train/test_plan.py", "tests/shared/test_comfy_keys.py",
-          "tests/shared/test_reference_numbers.py", "tests/shared/test_caption_table.py"}
+SPREAD = {
+    "tests/shared/test_models.py",
+    "tests/train/test_plan.py",
+    "tests/shared/test_comfy_keys.py",
+    "tests/shared/test_reference_numbers.py",
+    "tests/shared/test_caption_table.py",
+}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -75,8 +83,10 @@ def pytest_collection_finish(session):
     pytest-dev/pytest-xdist#1386): every family's window and reference would be built on each worker."""
     grouped = [item for item in session.items if item.get_closest_marker("xdist_group")]
     if session.config.getoption("loadgroup", False) and grouped and "@" not in grouped[0].nodeid:
-        raise pytest.UsageError("pytest-xdist's --dist loadgroup did not group the tests (pytest-dev/pytest-xdist#1386): "
-                                "install the pytest pinned in pyproject.toml (make setup)")
+        raise pytest.UsageError(
+            "pytest-xdist's --dist loadgroup did not group the tests (pytest-dev/pytest-xdist#1386): "
+            "install the pytest pinned in pyproject.toml (make setup)"
+        )
 
 
 def _free_port() -> int:
@@ -91,10 +101,15 @@ def s3_server():
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
     moto = Path(sys.executable).with_name("moto_server")
-    proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    proc = subprocess.Popen(
+        [str(moto), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    env = {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
 
@@ -135,8 +150,9 @@ def media_folder(clips_dir, tmp_path_factory) -> Path:
     from make_sample_shards import make_media_folder
 
     out = tmp_path_factory.mktemp("media")
-    make_media_folder(sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, max_side=128, stills_per_clip=1,
-                      pieces_per_clip=1)
+    make_media_folder(
+        sorted(clips_dir.glob("*.mp4")), out, seconds=1.5, max_side=128, stills_per_clip=1, pieces_per_clip=1
+    )
     return out
 
 

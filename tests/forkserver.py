@@ -31,10 +31,28 @@ from pathlib import Path
 BIN = Path(sys.executable).parent
 BASE_ENV = {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONFAULTHANDLER": "1"}
 # What the server imports before it forks anything: what the CLIs import on the way to their first step.
-PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.tensor.parallel",
-           "diffusers", "transformers", "peft", "av", "webdataset", "safetensors.torch", "fsspec", "typer",
-           "vt.train.cli", "vt.train.trainer", "vt.train.model_build", "vt.train.validation", "vt.train.export",
-           "vt.precompute.cli", "vt.precompute.service", "vt.shared.models")
+PRELOAD = (
+    "torch",
+    "torch.distributed.checkpoint",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor.parallel",
+    "diffusers",
+    "transformers",
+    "peft",
+    "av",
+    "webdataset",
+    "safetensors.torch",
+    "fsspec",
+    "typer",
+    "vt.train.cli",
+    "vt.train.trainer",
+    "vt.train.model_build",
+    "vt.train.validation",
+    "vt.train.export",
+    "vt.precompute.cli",
+    "vt.precompute.service",
+    "vt.shared.models",
+)
 
 
 def free_port() -> int:
@@ -180,8 +198,13 @@ class ForkServer:
 
     def __init__(self) -> None:
         env = {**os.environ, **BASE_ENV}
-        self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     env=env, cwd=Path(__file__).parent)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=Path(__file__).parent,
+        )
         self.lock = threading.Lock()
         self.changed = threading.Condition()
         self.pids: dict[int, int] = {}
@@ -211,8 +234,15 @@ class ForkServer:
         with self.lock:
             self.next_id += 1
             ident = self.next_id
-            request = {"id": ident, "script": str(script), "args": [str(a) for a in args], "env": env,
-                       "cwd": os.getcwd(), "log": str(log) if log else None, "append": append}
+            request = {
+                "id": ident,
+                "script": str(script),
+                "args": [str(a) for a in args],
+                "env": env,
+                "cwd": os.getcwd(),
+                "log": str(log) if log else None,
+                "append": append,
+            }
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
             self.proc.stdin.flush()
         with self.changed:
@@ -270,8 +300,7 @@ class Forked:
         self.send_signal(signal.SIGKILL)
 
 
-def launch(command: str, *args: str, env: dict | None = None, log: Path | None = None,
-           append: bool = False) -> Forked:
+def launch(command: str, *args: str, env: dict | None = None, log: Path | None = None, append: bool = False) -> Forked:
     """Start console script `command` (vt-train, vt-precompute, or a Python file's path) with `args`,
     as a process forked from the warm server; stdout and stderr to `log`."""
     script = Path(command) if os.sep in command else BIN / command
@@ -336,11 +365,23 @@ def launch_ranks(command: str, nproc: int, *args: str, log: Path, env: dict | No
     log.write_bytes(b"")
     ranks = []
     for rank in range(nproc):
-        rank_env = {**(env or {}), "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                    "ROLE_RANK": str(rank), "ROLE_NAME": "default", "WORLD_SIZE": str(nproc),
-                    "LOCAL_WORLD_SIZE": str(nproc), "GROUP_WORLD_SIZE": "1", "ROLE_WORLD_SIZE": str(nproc),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "TORCHELASTIC_RESTART_COUNT": "0",
-                    "TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_RUN_ID": f"vt-test-{port}"}
+        rank_env = {
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "ROLE_NAME": "default",
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": f"vt-test-{port}",
+        }
         ranks.append(launch(command, *args, env=rank_env, log=log, append=True))
     return RankGroup([command, *args], ranks)
 

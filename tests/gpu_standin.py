@@ -35,18 +35,97 @@ NAME = "standin"  # the PrivateUse1 backend renamed (torch counts a renamed one 
 _installed = False
 
 # CUDA's autocast lists (torch/csrc/autograd/autocast_mode.cpp, the ops that exist as aten overloads here)
-LOWER = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "einsum", "conv1d",
-         "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d", "convolution", "_convolution",
-         "prelu", "scaled_dot_product_attention", "chain_matmul", "linalg_vecdot")
-FLOAT32 = ("acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt",
-           "sinh", "tan", "pow", "softplus", "layer_norm", "group_norm", "frobenius_norm", "nuclear_norm",
-           "cosine_similarity", "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-           "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
-           "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-           "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm", "logsumexp",
-           "prod", "cumprod", "cumsum", "sum", "softmax", "log_softmax", "norm", "rms_norm")
-PROMOTE = ("addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put", "scatter_add",
-           "tensordot", "cat", "stack")
+LOWER = (
+    "linear",
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "addbmm",
+    "addmv",
+    "addr",
+    "mv",
+    "einsum",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_transpose1d",
+    "conv_transpose2d",
+    "conv_transpose3d",
+    "convolution",
+    "_convolution",
+    "prelu",
+    "scaled_dot_product_attention",
+    "chain_matmul",
+    "linalg_vecdot",
+)
+FLOAT32 = (
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow",
+    "softplus",
+    "layer_norm",
+    "group_norm",
+    "frobenius_norm",
+    "nuclear_norm",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "prod",
+    "cumprod",
+    "cumsum",
+    "sum",
+    "softmax",
+    "log_softmax",
+    "norm",
+    "rms_norm",
+)
+PROMOTE = (
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "grid_sampler",
+    "index_put",
+    "scatter_add",
+    "tensordot",
+    "cat",
+    "stack",
+)
 
 
 DEVICE = torch.device("privateuseone", 0)  # printed as NAME:0 once installed
@@ -104,9 +183,16 @@ def _register_autocast() -> None:
             with torch._C._ExcludeDispatchKeyGuard(excluded):
                 if target is None:
                     return op(*args, **kwargs)
-                convert = (lambda t: t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point()
-                           and t.device.type == DEVICE.type and t.dtype != torch.float64 else t)
+                convert = lambda t: (
+                    t.to(target)
+                    if isinstance(t, torch.Tensor)
+                    and t.is_floating_point()
+                    and t.device.type == DEVICE.type
+                    and t.dtype != torch.float64
+                    else t
+                )
                 return op(*tree_map(convert, args), **tree_map(convert, kwargs))
+
         return run
 
     def lower(args, kwargs):
@@ -127,8 +213,11 @@ def _register_autocast() -> None:
             for overload in packet.overloads():
                 op = getattr(packet, overload)
                 try:
-                    library.impl(op._schema.name.split("::")[1] + ("." + overload if overload != "default" else ""),
-                                 kernel(op, cast), key)
+                    library.impl(
+                        op._schema.name.split("::")[1] + ("." + overload if overload != "default" else ""),
+                        kernel(op, cast),
+                        key,
+                    )
                 except RuntimeError:  # an overload with a kernel of its own for this key already
                     continue
 
@@ -141,21 +230,38 @@ def _attention_as_cuda() -> None:
 
     def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if query.device.type != DEVICE.type or enable_gqa:
-            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                            scale=scale, enable_gqa=enable_gqa)
+            return original(
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         if torch.is_autocast_enabled(DEVICE.type):
             dtype = torch.get_autocast_dtype(DEVICE.type)
             query, key, value = (t.to(dtype) for t in (query, key, value))
             attn_mask = attn_mask.to(dtype) if attn_mask is not None and attn_mask.is_floating_point() else attn_mask
         if attn_mask is None:
-            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal,
-                                                                      scale=scale)[0]
+            return torch.ops.aten._scaled_dot_product_flash_attention(
+                query, key, value, dropout_p, is_causal, scale=scale
+            )[0]
         if attn_mask.dtype == torch.bool:
             attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-                ~attn_mask, float("-inf"))
+                ~attn_mask, float("-inf")
+            )
         return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2]),
-            True, dropout_p, is_causal, scale=scale)[0]
+            query,
+            key,
+            value,
+            attn_mask.expand(query.shape[0], query.shape[1], query.shape[2], key.shape[2]),
+            True,
+            dropout_p,
+            is_causal,
+            scale=scale,
+        )[0]
 
     torch.nn.functional.scaled_dot_product_attention = attention
 
@@ -208,8 +314,13 @@ class DeviceBytes(TorchDispatchMode):
         known = self._known_values(func, args, kwargs)
         if func is _SCALAR and known is not None:
             return known
-        if func is torch.ops.aten._to_copy.default and self.fake_mode is not None and _real(args[0]) \
-                and kwargs.get("device") is not None and kwargs["device"].type == DEVICE.type:
+        if (
+            func is torch.ops.aten._to_copy.default
+            and self.fake_mode is not None
+            and _real(args[0])
+            and kwargs.get("device") is not None
+            and kwargs["device"].type == DEVICE.type
+        ):
             args = (self.fake_mode.from_tensor(args[0]), *args[1:])  # (a real tensor cannot be on the stand-in)
         out = func(*args, **kwargs)
         if known is not None:
@@ -283,8 +394,10 @@ class FakeWeights:
     `quantized`: module name -> Packing for the linear layers a quantized file stores so (read_packed, scale)."""
 
     def __init__(self, model: torch.nn.Module, dtype: torch.dtype, quantized: dict | None = None):
-        self.tensors = {name: (tuple(t.shape), t.dtype if t.dtype == torch.float32 else dtype)
-                        for name, t in model.state_dict(keep_vars=True).items()}
+        self.tensors = {
+            name: (tuple(t.shape), t.dtype if t.dtype == torch.float32 else dtype)
+            for name, t in model.state_dict(keep_vars=True).items()
+        }
         self.quantized = quantized or {}
 
     def __contains__(self, name: str) -> bool:
@@ -335,9 +448,11 @@ def linear_packings(model: torch.nn.Module, qtype: int) -> dict:
     from vt.shared.weights.packing import Packing
 
     values = BLOCK_SIZES[qtype][0]
-    return {name: Packing(qtype, row_bytes(qtype, module.in_features))
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and module.in_features % values == 0}
+    return {
+        name: Packing(qtype, row_bytes(qtype, module.in_features))
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module.in_features % values == 0
+    }
 
 
 @contextlib.contextmanager
@@ -369,12 +484,11 @@ def trace_trainer(config, batch_tensors: dict[str, torch.Tensor]) -> dict[str, d
     (`standin_components`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from vt.shared import host_memory
+    from vt.shared.weights import quantize
     from vt.train import model_build
     from vt.train import trainer as trainer_module
     from vt.train.data import Batch
-
-    from vt.shared import host_memory
-    from vt.shared.weights import quantize
 
     install()
     fake = FakeTensorMode(allow_non_fake_inputs=True)

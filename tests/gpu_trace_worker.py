@@ -14,9 +14,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
-
 import gpu_standin as standin  # noqa: E402
+import torch  # noqa: E402
 
 
 def trace(case: dict) -> dict:
@@ -46,8 +45,11 @@ def nf4_table_copies() -> list:
 
     class CountCopies(standin.DeviceBytes):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func is torch.ops.aten._to_copy.default and args[0].device.type == "cpu" and \
-                    (kwargs or {}).get("device") == standin.DEVICE:
+            if (
+                func is torch.ops.aten._to_copy.default
+                and args[0].device.type == "cpu"
+                and (kwargs or {}).get("device") == standin.DEVICE
+            ):
                 copies.append(list(args[0].shape))
             return super().__torch_dispatch__(func, types, args, kwargs)
 

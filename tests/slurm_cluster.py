@@ -63,11 +63,15 @@ def ensure_slurm() -> Path:
     """The folder of slurmctld/slurmd/munged, installed by scripts/ensure_slurm.sh if needed; fails the test
     (or skips it under VT_SKIP_SLURM=1) when that cannot be."""
     if os.geteuid() != 0:
-        _unavailable("the daemons must run as root (SlurmUser=root) and this test runs as uid "
-                     f"{os.geteuid()}")
+        _unavailable(f"the daemons must run as root (SlurmUser=root) and this test runs as uid {os.geteuid()}")
     try:
-        done = subprocess.run([str(ROOT / "scripts" / "ensure_slurm.sh")], capture_output=True, text=True,
-                              timeout=900, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            [str(ROOT / "scripts" / "ensure_slurm.sh")],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            stdin=subprocess.DEVNULL,
+        )
     except subprocess.TimeoutExpired:
         _unavailable("scripts/ensure_slurm.sh did not finish in 900 s")
     if done.returncode != 0 or not done.stdout.strip():
@@ -168,15 +172,28 @@ class SlurmCluster:
 
     def _daemon(self, name: str, *args: str) -> None:
         out = open(self.base / f"{name}.out", "wb")  # noqa: SIM115 - the daemon's, closed with it below
-        self.procs[name] = subprocess.Popen([str(self.sbin / name), *args], stdout=out, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env, start_new_session=True)
+        self.procs[name] = subprocess.Popen(
+            [str(self.sbin / name), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env,
+            start_new_session=True,
+        )
         out.close()
 
     def start(self, timeout: float = 60.0) -> None:
         munge = self.base / "munge"
-        self._daemon("munged", "--foreground", "--force", f"--socket={munge}/munge.socket.2",
-                     f"--key-file={munge}/munge.key", f"--pid-file={munge}/munged.pid",
-                     f"--log-file={self.base}/munged.log", f"--seed-file={munge}/munged.seed")
+        self._daemon(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--socket={munge}/munge.socket.2",
+            f"--key-file={munge}/munge.key",
+            f"--pid-file={munge}/munged.pid",
+            f"--log-file={self.base}/munged.log",
+            f"--seed-file={munge}/munged.seed",
+        )
         self.wait(lambda: (munge / "munge.socket.2").exists(), timeout, "munged's socket", "munged")
         self._daemon("slurmctld", "-D", "-i", "-f", str(self.conf))
         self._daemon("slurmd", "-D", "-f", str(self.conf), "-N", self.node)
@@ -191,8 +208,11 @@ class SlurmCluster:
                 jobs = self.client("squeue", "-h", "-o", "%A", check=False).split()
                 if jobs:
                     self.client("scancel", *sorted(set(jobs)), check=False)
-                    self.wait(lambda: not self.client("squeue", "-h", "-o", "%A", check=False).strip(),
-                              KILL_WAIT + GRACE, "the jobs to end at teardown")
+                    self.wait(
+                        lambda: not self.client("squeue", "-h", "-o", "%A", check=False).strip(),
+                        KILL_WAIT + GRACE,
+                        "the jobs to end at teardown",
+                    )
         for name in ("slurmd", "slurmctld", "munged"):
             proc = self.procs.get(name)
             if proc is not None:
@@ -219,11 +239,14 @@ class SlurmCluster:
     def wait(self, condition, timeout: float, what, daemon: str | None = None):
         """Poll `condition()` until truthy and return its value; fail with the daemons' logs after `timeout` s or
         once a daemon died. `what` (a string, or a callable making one at the failure) names what was awaited."""
+
         def ready():
             dead = [name for name, proc in self.procs.items() if proc.poll() is not None]
             if dead:
-                raise AssertionError(f"{', '.join(dead)} exited waiting for {what() if callable(what) else what}\n"
-                                     f"{self.diagnosis(daemon)}")
+                raise AssertionError(
+                    f"{', '.join(dead)} exited waiting for {what() if callable(what) else what}\n"
+                    f"{self.diagnosis(daemon)}"
+                )
             return condition()
 
         try:
@@ -231,15 +254,20 @@ class SlurmCluster:
         except AssertionError as err:
             if not str(err).startswith("timed out"):
                 raise
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}\n"
-                                 f"{self.diagnosis(daemon)}") from None
+            raise AssertionError(
+                f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}\n"
+                f"{self.diagnosis(daemon)}"
+            ) from None
 
     def diagnosis(self, daemon: str | None = None) -> str:
         """The tail of each daemon's log and output (or of one daemon's)."""
         parts = []
         for name in [daemon] if daemon else ["munged", "slurmctld", "slurmd"]:
-            text = "".join((self.base / f"{name}{ext}").read_text(errors="replace")
-                           for ext in (".log", ".out") if (self.base / f"{name}{ext}").exists())
+            text = "".join(
+                (self.base / f"{name}{ext}").read_text(errors="replace")
+                for ext in (".log", ".out")
+                if (self.base / f"{name}{ext}").exists()
+            )
             parts.append(f"--- {name} ---\n{text[-2000:]}")
         return "\n".join(parts)
 
@@ -248,8 +276,9 @@ class SlurmCluster:
     def client(self, *args: str, check: bool = True, timeout: float = CLIENT_TIMEOUT) -> str:
         """Run a Slurm client (sbatch, squeue, scancel, sinfo, scontrol) with a time limit; its stdout."""
         try:
-            done = subprocess.run(list(args), capture_output=True, text=True, env=self.env, timeout=timeout,
-                                  stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                list(args), capture_output=True, text=True, env=self.env, timeout=timeout, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired as err:
             raise AssertionError(f"{' '.join(args)} took over {timeout:.0f} s\n{self.diagnosis()}") from err
         if check and done.returncode != 0:
@@ -258,8 +287,14 @@ class SlurmCluster:
 
     def node_state(self) -> str:
         try:
-            done = subprocess.run(["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"], capture_output=True,
-                                  text=True, env=self.env, timeout=5, stdin=subprocess.DEVNULL)
+            done = subprocess.run(
+                ["sinfo", "-h", "-N", "-n", self.node, "-o", "%T"],
+                capture_output=True,
+                text=True,
+                env=self.env,
+                timeout=5,
+                stdin=subprocess.DEVNULL,
+            )
         except subprocess.TimeoutExpired:
             return ""
         return done.stdout.strip() if done.returncode == 0 else ""
@@ -290,14 +325,25 @@ class SlurmCluster:
     def wait_finished(self, job: str, tasks, timeout: float) -> dict[int, dict[str, str]]:
         """Wait until every array task in `tasks` of `job` has a jobcomp record; those records."""
         tasks = set(tasks)
-        return self.wait(lambda: (found := self.finished(job)) and tasks <= found.keys() and
-                         {t: found[t] for t in tasks}, timeout, f"array {job} elements {sorted(tasks)} to finish")
+        return self.wait(
+            lambda: (found := self.finished(job)) and tasks <= found.keys() and {t: found[t] for t in tasks},
+            timeout,
+            f"array {job} elements {sorted(tasks)} to finish",
+        )
 
     def wait_gone(self, job: str, timeout: float) -> None:
         """Wait until no element of `job` is pending or running (cancelled while pending leaves no jobcomp line)."""
-        self.wait(lambda: not {s for s in self.queue(job).values() if s in ("PENDING", "RUNNING", "COMPLETING",
-                                                                             "CONFIGURING", "SUSPENDED")},
-                  timeout, f"job {job} to leave the queue")
+        self.wait(
+            lambda: (
+                not {
+                    s
+                    for s in self.queue(job).values()
+                    if s in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "SUSPENDED")
+                }
+            ),
+            timeout,
+            f"job {job} to leave the queue",
+        )
 
 
 @contextlib.contextmanager

@@ -31,9 +31,12 @@ def family_words() -> set[str]:
 def test_the_stages_name_no_model_family(stage):
     """Adding a family touches its own file, the registry line and its tests, never the stages."""
     pattern = re.compile(r"\b(" + "|".join(map(re.escape, sorted(family_words()))) + r")\b", re.IGNORECASE)
-    found = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
-             for path in python_files(stage)
-             for number, line in enumerate(path.read_text().splitlines(), start=1) if pattern.search(line)]
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in python_files(stage)
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        if pattern.search(line)
+    ]
     assert not found, "family names in a stage:\n" + "\n".join(found)
 
 
@@ -43,8 +46,11 @@ def test_a_stage_imports_the_other_stage_never(stage):
     other = next(s for s in STAGES if s != stage)
     for path in python_files(stage):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            names = (
+                [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else ([alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
+            )
             assert not any(n.startswith(f"vt.{other}") for n in names), f"{path.relative_to(ROOT)} imports vt.{other}"
 
 
@@ -94,13 +100,19 @@ def test_a_package_by_role_reads_no_private_name_across_its_modules(folder):
     for path in sorted((ROOT / folder).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.level >= 1:
-                found += [f"{path.name}: from .{node.module or ''} import {a.name}" for a in node.names
-                          if a.name.startswith("_") and a.name != "__version__"]
-            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
-                    and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                found += [
+                    f"{path.name}: from .{node.module or ''} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_") and a.name != "__version__"
+                ]
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+            ):
                 found.append(f"{path.name}:{node.lineno}: .{node.attr}")
     assert not found, "private names read across modules:\n" + "\n".join(found)
-
 
 
 def test_every_test_module_has_a_basename_of_its_own():
@@ -129,8 +141,9 @@ def family_modules() -> dict[str, set[str]]:
     stems = {get_spec_class(family).__module__.rsplit(".", 1)[-1]: family for family in FAMILIES}
     out: dict[str, set[str]] = {family: set() for family in FAMILIES}
     for path in python_files("shared/models"):
-        owner = max((stem for stem in stems if path.stem == stem or path.stem.startswith(stem + "_")),
-                    key=len, default=None)
+        owner = max(
+            (stem for stem in stems if path.stem == stem or path.stem.startswith(stem + "_")), key=len, default=None
+        )
         if owner:
             out[stems[owner]].add(str(path.relative_to(ROOT)))
     return out
@@ -144,8 +157,10 @@ def test_no_module_but_a_familys_own_and_the_registry_imports_or_names_it_in_cod
     family_files = set().union(*owned.values())
     modules = {get_spec_class(family).__module__.rsplit(".", 1)[-1] for family in FAMILIES}
     names = set(FAMILIES)
-    exempt = {"shared/models/__init__.py",  # the registry
-              "shared/config.py"}  # `model.family`'s default: the embedded demo's family
+    exempt = {
+        "shared/models/__init__.py",  # the registry
+        "shared/config.py",
+    }  # `model.family`'s default: the embedded demo's family
     found = []
     for folder in ("shared", *STAGES):
         for path in python_files(folder):
@@ -153,16 +168,24 @@ def test_no_module_but_a_familys_own_and_the_registry_imports_or_names_it_in_cod
             if rel in family_files or rel in exempt:
                 continue
             tree = ast.parse(path.read_text())
-            docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                          if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                          and node.body and isinstance(node.body[0], ast.Expr)}
+            docstrings = {
+                id(node.body[0].value)
+                for node in ast.walk(tree)
+                if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                and node.body
+                and isinstance(node.body[0], ast.Expr)
+            }
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").rsplit(".", 1)[-1] in modules:
                     found.append(f"{rel}:{node.lineno}: imports {node.module}")
                 if isinstance(node, ast.ImportFrom) and node.module == "vt.shared.models":
                     found += [f"{rel}:{node.lineno}: imports {a.name}" for a in node.names if a.name in modules]
-                if (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
-                        and node.value in names):
+                if (
+                    isinstance(node, ast.Constant)
+                    and isinstance(node.value, str)
+                    and id(node) not in docstrings
+                    and node.value in names
+                ):
                     found.append(f"{rel}:{node.lineno}: names {node.value!r}")
     assert not found, "modules other than a family's own naming it:\n" + "\n".join(found)
 
@@ -173,8 +196,11 @@ FAMILY_MODULE_LINES = 300
 def test_every_module_of_the_seam_is_small():
     """Every module under shared/models (spec, roles and family modules) is at most 300 lines: tiny builders,
     tokenizer builders, pipeline handles and LoRA loaders live in modules of their own."""
-    long = {str(path.relative_to(ROOT)): n for path in python_files("shared/models")
-            if (n := len(path.read_text().splitlines())) > FAMILY_MODULE_LINES}
+    long = {
+        str(path.relative_to(ROOT)): n
+        for path in python_files("shared/models")
+        if (n := len(path.read_text().splitlines())) > FAMILY_MODULE_LINES
+    }
     assert not long, f"modules over {FAMILY_MODULE_LINES} lines: {long}"
 
 
@@ -197,21 +223,35 @@ def test_no_six_lines_repeat_inside_the_seam():
     for path in python_files("shared/models"):
         source = path.read_text()
         tree = ast.parse(source)
-        docstrings = {line for node in ast.walk(tree)
-                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                      and node.body and isinstance(node.body[0], ast.Expr)
-                      and isinstance(node.body[0].value, ast.Constant) and isinstance(node.body[0].value.value, str)
-                      for line in range(node.body[0].lineno, node.body[0].end_lineno + 1)}
+        docstrings = {
+            line
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+            and isinstance(node.body[0].value.value, str)
+            for line in range(node.body[0].lineno, node.body[0].end_lineno + 1)
+        }
         # A method's decorators and signature are the seam's interface, the same in every family by design.
-        signatures = {line for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                      for line in range(min([node.lineno, *(d.lineno for d in node.decorator_list)]),
-                                        node.body[0].lineno)}
-        code = [(number, line.strip()) for number, line in enumerate(source.splitlines(), start=1)
-                if number not in docstrings | signatures]
-        code = [(n, text) for n, text in code if text and not text.startswith(("#", "import ", "from "))
-                and text.strip("()[]{},:") != ""]
+        signatures = {
+            line
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for line in range(min([node.lineno, *(d.lineno for d in node.decorator_list)]), node.body[0].lineno)
+        }
+        code = [
+            (number, line.strip())
+            for number, line in enumerate(source.splitlines(), start=1)
+            if number not in docstrings | signatures
+        ]
+        code = [
+            (n, text)
+            for n, text in code
+            if text and not text.startswith(("#", "import ", "from ")) and text.strip("()[]{},:") != ""
+        ]
         for start in range(len(code) - 5):
-            window = tuple(text for _, text in code[start:start + 6])
+            window = tuple(text for _, text in code[start : start + 6])
             where = f"{path.relative_to(ROOT)}:{code[start][0]}"
             if window in seen and seen[window].split(":")[0] != where.split(":")[0]:
                 repeats.append(f"{where} repeats {seen[window]}")

@@ -36,8 +36,9 @@ def test_missing_config_file():
 
 @pytest.mark.parametrize("stage", ["vt-precompute", "vt-train"])
 def test_missing_model_path_says_which_key_to_set(tmp_path, raw_shards, stage):
-    config = write_config(tmp_path / "run.toml", tmp_path / "no-model", raw_shards, tmp_path / "run",
-                          str(tmp_path / "window"))
+    config = write_config(
+        tmp_path / "run.toml", tmp_path / "no-model", raw_shards, tmp_path / "run", str(tmp_path / "window")
+    )
     result = run(stage, "run", str(config))
     assert result.returncode == 1, result.stderr[-2000:]
     assert "model.path" in result.stderr and "Traceback" not in result.stderr
@@ -72,8 +73,16 @@ def test_a_hub_id_offline_is_one_line_naming_component_id_and_fix(tmp_path, raw_
     from vt.shared.config import load_config
 
     module = {"vt-precompute": "vt.precompute.cli", "vt-train": "vt.train.cli"}[stage]
-    args = ["--set", f'run.dir="{tmp_path / "run"}"', "--set", f'window.uri="{tmp_path / "window"}"',
-            "--set", f'data.raw="{raw_shards}"', "--set", "log.wandb=false"]
+    args = [
+        "--set",
+        f'run.dir="{tmp_path / "run"}"',
+        "--set",
+        f'window.uri="{tmp_path / "window"}"',
+        "--set",
+        f'data.raw="{raw_shards}"',
+        "--set",
+        "log.wandb=false",
+    ]
     result = run_bounded([sys.executable, "-c", EACH_CONFIG, module, ",".join(map(str, SHIPPED)), *args], timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     runs = result.stderr.split("=== ")[1:]
@@ -105,8 +114,14 @@ app(["run", sys.argv[1]])
 def test_a_users_error_is_one_line_and_a_bug_keeps_its_traceback(tmp_path, tiny_model_factory, raw_shards):
     """A bucket the family cannot take (the user's config) is one `error:` line; a ValueError raised where vt did
     not expect one (a bug) is not dressed up as the user's error: its traceback is printed."""
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
-                          str(tmp_path / "window"), buckets={"sizes": ["10x64x64"]})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        str(tmp_path / "window"),
+        buckets={"sizes": ["10x64x64"]},
+    )
     result = run("vt-precompute", "run", str(config))
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

@@ -43,11 +43,11 @@ BACKENDS: dict[str, Backend] = {
     "native_flash": Backend("_native_flash", "a CUDA GPU of sm80+ (torch's built-in FlashAttention-2)", True, (8, 0)),
     "native_efficient": Backend("_native_efficient", "a CUDA GPU (torch's memory-efficient kernel)", True),
     "flash": Backend("flash", "a CUDA GPU of sm80+ and the flash-attn package", True, (8, 0), "flash_attn"),
-    "flex": Backend("flex", "torch >= 2.5 (FlexAttention; training needs a GPU: no CPU backward)",
-                    trains_on_cpu=False),
+    "flex": Backend("flex", "torch >= 2.5 (FlexAttention; training needs a GPU: no CPU backward)", trains_on_cpu=False),
     "xformers": Backend("xformers", "a CUDA GPU and the xformers package", True, package="xformers"),
-    "sage": Backend("sage", "a CUDA GPU and the sageattention package; inference only", True, (8, 0),
-                    "sageattention", trains=False),
+    "sage": Backend(
+        "sage", "a CUDA GPU and the sageattention package; inference only", True, (8, 0), "sageattention", trains=False
+    ),
 }
 
 
@@ -60,15 +60,17 @@ def _missing(name: str, device: torch.device, training: bool = True) -> str | No
         if device.type != "cuda":
             return f"needs {backend.needs}; this run is on {device}"
         if torch.cuda.get_device_capability(device) < backend.min_capability:
-            return f"needs {backend.needs}; {torch.cuda.get_device_name(device)} is sm" + \
-                "".join(map(str, torch.cuda.get_device_capability(device)))
+            return f"needs {backend.needs}; {torch.cuda.get_device_name(device)} is sm" + "".join(
+                map(str, torch.cuda.get_device_capability(device))
+            )
     if backend.package and importlib.util.find_spec(backend.package) is None:
         return f"needs {backend.needs}; {backend.package} is not installed"
     from diffusers.models import attention_dispatch
 
     try:  # diffusers' own check: package versions, torch version
         attention_dispatch._check_attention_backend_requirements(
-            attention_dispatch.AttentionBackendName(backend.diffusers_name))
+            attention_dispatch.AttentionBackendName(backend.diffusers_name)
+        )
     except RuntimeError as err:
         return str(err)
     return None
@@ -76,8 +78,11 @@ def _missing(name: str, device: torch.device, training: bool = True) -> str | No
 
 def available_backends(device: torch.device, training: bool = True) -> list[str]:
     """The backend names this machine can run on `device` (for training, or for inference only)."""
-    return [name for name, backend in BACKENDS.items()
-            if (backend.trains or not training) and _missing(name, device, training) is None]
+    return [
+        name
+        for name, backend in BACKENDS.items()
+        if (backend.trains or not training) and _missing(name, device, training) is None
+    ]
 
 
 def check_backend(name: str, device: torch.device, training: bool = True, key: str = "train.attention_backend") -> None:
@@ -85,28 +90,42 @@ def check_backend(name: str, device: torch.device, training: bool = True, key: s
     if name not in BACKENDS:
         raise UserError(f"{key} = {name!r}: unknown; choose one of {sorted(BACKENDS)}")
     if training and not BACKENDS[name].trains:
-        raise UserError(f"{key} = {name!r}: its kernel has no backward, so it can only be used for validation "
-                         f"(train.validation_attention_backend)")
+        raise UserError(
+            f"{key} = {name!r}: its kernel has no backward, so it can only be used for validation "
+            f"(train.validation_attention_backend)"
+        )
     why = _missing(name, device, training)
     if why is not None:
-        raise UserError(f"{key} = {name!r} cannot run here: {why}. This machine can run: "
-                         f"{', '.join(available_backends(device, training))}")
+        raise UserError(
+            f"{key} = {name!r} cannot run here: {why}. This machine can run: "
+            f"{', '.join(available_backends(device, training))}"
+        )
 
 
 def set_backend(model: nn.Module, name: str) -> int:
     """Point every dispatcher-aware attention of `model` (a diffusers model, or a container of them,
     e.g. several experts) at backend `name`; returns how many attention modules took it."""
-    models = [model] if hasattr(model, "set_attention_backend") else \
-        [m for m in model.children() if hasattr(m, "set_attention_backend")]
+    models = (
+        [model]
+        if hasattr(model, "set_attention_backend")
+        else [m for m in model.children() if hasattr(m, "set_attention_backend")]
+    )
     if not models:
         raise TypeError(f"{type(model).__name__} is not a diffusers model; it has no attention dispatcher")
     for each in models:
         each.set_attention_backend(BACKENDS[name].diffusers_name)
-    taken = sum(1 for module in model.modules()
-                if getattr(getattr(module, "processor", None), "_attention_backend", None) is not None)
+    taken = sum(
+        1
+        for module in model.modules()
+        if getattr(getattr(module, "processor", None), "_attention_backend", None) is not None
+    )
     if taken == 0 and name != "native":
-        log.warning("attention backend %s does nothing here: %s's attention processors do not go through "
-                    "diffusers' dispatcher, so they keep their own attention", name, type(models[0]).__name__)
+        log.warning(
+            "attention backend %s does nothing here: %s's attention processors do not go through "
+            "diffusers' dispatcher, so they keep their own attention",
+            name,
+            type(models[0]).__name__,
+        )
     return taken
 
 

@@ -20,16 +20,19 @@ def dropped(seed: int, step: int, index: int, rate: float) -> bool:
     return torch.rand((), generator=keyed_generator(seed, "caption_dropout", step, index)).item() < rate
 
 
-def drop_captions(tensors: dict[str, torch.Tensor], empty: dict[str, torch.Tensor],
-                  rows: list[int]) -> dict[str, torch.Tensor]:
+def drop_captions(
+    tensors: dict[str, torch.Tensor], empty: dict[str, torch.Tensor], rows: list[int]
+) -> dict[str, torch.Tensor]:
     """`tensors` (one row per sample) with the text tensors of `rows` replaced by `empty`'s (a new dict)."""
     if not rows:
         return tensors
     out = dict(tensors)
     for name, value in empty.items():
         if name not in tensors:
-            raise KeyError(f"the window's empty caption has {name!r} but the shards' samples do not: "
-                           "were they made by another model? Re-run vt-precompute into a fresh window")
+            raise KeyError(
+                f"the window's empty caption has {name!r} but the shards' samples do not: "
+                "were they made by another model? Re-run vt-precompute into a fresh window"
+            )
         column = tensors[name].clone()
         column[rows] = value.to(column)
         out[name] = column

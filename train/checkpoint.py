@@ -23,8 +23,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 
 from vt.shared.adapters import is_adapter, saved_name
 from vt.train.parallel.pp import gather_stages, pipeline_split
@@ -57,8 +61,15 @@ class Checkpointer:
         done = self.complete()
         return done[-1] if done else None
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             scheduler, trainer_state: dict, extra: dict[str, dict] | None = None) -> Path:
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        trainer_state: dict,
+        extra: dict[str, dict] | None = None,
+    ) -> Path:
         """`extra`: more state dicts of tensors to keep beside the weights (`ema`: train/ema.py), sharded alike."""
         path = self.folder / f"step-{step:06d}"
         if _is_main() and path.exists():
@@ -77,14 +88,25 @@ class Checkpointer:
         _barrier()
         return path
 
-    def load(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-             extra: dict[str, dict] | None = None) -> dict:
+    def load(
+        self,
+        path: Path,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler,
+        extra: dict[str, dict] | None = None,
+    ) -> dict:
         """`extra`: the state dicts `save` kept beside the weights, loaded in place."""
         model_sd, optim_sd = get_state_dict(model, optimizer, options=_OPTIONS)
         state_dict = {"model": model_sd, "optim": optim_sd, **(extra or {})}
         dcp.load(state_dict, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=state_dict["model"],
-                       optim_state_dict=state_dict["optim"], options=StateDictOptions(ignore_frozen_params=True, strict=False))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optim"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
         state = json.loads((Path(path) / STATE_FILE).read_text())
         scheduler.load_state_dict(state.pop("scheduler"))
         return state

@@ -10,8 +10,12 @@ import typer
 
 from vt.shared.cli import SET_HELP, USER_ERRORS, fail, load_or_exit
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Stage 2: train on the latent shards of a window.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Stage 2: train on the latent shards of a window.",
+)
 
 
 @app.callback()
@@ -20,8 +24,10 @@ def main() -> None:
 
 
 @app.command()
-def run(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
-        set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+def run(
+    config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
+    set: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
     """Train (LoRA or full) on the window named by the config; resumes from the newest checkpoint."""
     cfg = load_or_exit(config, set)
     _note_accelerate_cpu()
@@ -45,19 +51,24 @@ def _note_accelerate_cpu() -> None:
         get_logger("vt.train").warning(
             "started by `accelerate launch --cpu`, which runs a single process: for N ranks use "
             "`accelerate launch --multi_gpu --num_processes N -m vt.train run ...` (it starts them as torchrun "
-            "does, on CPUs too) or torchrun --nproc-per-node N")
+            "does, on CPUs too) or torchrun --nproc-per-node N"
+        )
 
 
 @app.command()
-def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
-         gpus: int = typer.Option(1, "--gpus", min=1, help="ranks (GPUs) the run would use"),
-         gpu_memory: float = typer.Option(0.0, "--gpu-memory", min=0.0,
-                                          help="GiB per GPU, e.g. 80: says whether it fits and what would"),
-         device: str = typer.Option("cuda", "--device", help="cuda (GPU memory), or cpu (a CPU run's host memory)"),
-         host_memory: float = typer.Option(0.0, "--host-memory", min=0.0,
-                                           help="GiB of host memory per rank, e.g. 64: what fits must fit it too"),
-         as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
-         set: list[str] = typer.Option([], "--set", help=SET_HELP)) -> None:
+def plan(
+    config: Path = typer.Argument(..., help="TOML run config, e.g. configs/demo.toml"),
+    gpus: int = typer.Option(1, "--gpus", min=1, help="ranks (GPUs) the run would use"),
+    gpu_memory: float = typer.Option(
+        0.0, "--gpu-memory", min=0.0, help="GiB per GPU, e.g. 80: says whether it fits and what would"
+    ),
+    device: str = typer.Option("cuda", "--device", help="cuda (GPU memory), or cpu (a CPU run's host memory)"),
+    host_memory: float = typer.Option(
+        0.0, "--host-memory", min=0.0, help="GiB of host memory per rank, e.g. 64: what fits must fit it too"
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print the plan as JSON"),
+    set: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
     """Memory per rank (start-up, weights, gradients, optimizer, activations per bucket, validation, host memory,
     stage-1 encoders) from the components' config files alone: no weights are loaded. With --gpu-memory, the
     settings (alone and in pairs) that would fit, quickest first."""
@@ -74,8 +85,11 @@ def plan(config: Path = typer.Argument(..., help="TOML run config, e.g. configs/
         cfg, picked = auto_layout_for_plan(cfg, gpus, device, gpu_memory)
         budget = int(gpu_memory * 2**30) if gpu_memory else None  # "auto" VAE tiling decides against it
         result = make_plan(cfg, gpus, device, budget=budget)
-        fitting = alternatives(cfg, gpus, device, budget, None if host is None else int(host * 2**30)) \
-            if gpu_memory and not as_json else []
+        fitting = (
+            alternatives(cfg, gpus, device, budget, None if host is None else int(host * 2**30))
+            if gpu_memory and not as_json
+            else []
+        )
     except USER_ERRORS as err:
         raise fail(str(err)) from err
     if as_json:
@@ -104,18 +118,23 @@ def auto_layout_for_plan(cfg, gpus: int, device: str, gpu_memory: float):
     data_parallel = gpus // (parallel.cp * parallel.tp)
 
     def with_degrees(dp_replicate: int, dp_shard: int):
-        return cfg.model_copy(update={"parallel": parallel.model_copy(update={"dp_replicate": dp_replicate,
-                                                                               "dp_shard": dp_shard})})
+        return cfg.model_copy(
+            update={"parallel": parallel.model_copy(update={"dp_replicate": dp_replicate, "dp_shard": dp_shard})}
+        )
 
-    peaks = [make_plan(with_degrees(*degrees), gpus, device, budget=int(gpu_memory * GIB)).rank.device_total
-             for degrees in ((data_parallel, 1), (1, data_parallel))]
+    peaks = [
+        make_plan(with_degrees(*degrees), gpus, device, budget=int(gpu_memory * GIB)).rank.device_total
+        for degrees in ((data_parallel, 1), (1, data_parallel))
+    ]
     choice = choose(*peaks, int(gpu_memory * GIB), data_parallel)
     return with_degrees(choice.dp_replicate, choice.dp_shard), choice.reason
 
 
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="a run's run.dir, e.g. runs/demo (finished or running)"),
-           out: Path = typer.Option(None, "--out", help="where to write the page (default RUN_DIR/report.html)")) -> None:
+def report(
+    run_dir: Path = typer.Argument(..., help="a run's run.dir, e.g. runs/demo (finished or running)"),
+    out: Path = typer.Option(None, "--out", help="where to write the page (default RUN_DIR/report.html)"),
+) -> None:
     """Rebuild RUN_DIR/report.html from the run's files: curves, validation videos, window, precompute, config."""
     from vt.train.report import write_report
 

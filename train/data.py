@@ -69,7 +69,7 @@ class Plan:
     @property
     def rows(self) -> list[tuple[int, int]]:
         """(position, row) this rank reads, in batch order."""
-        return self.refs[self.start:self.stop] if self.stop > self.start else self.refs[:1]
+        return self.refs[self.start : self.stop] if self.stop > self.start else self.refs[:1]
 
 
 @dataclass
@@ -80,8 +80,12 @@ class Cursor:
     pending: dict[str, list[tuple[int, int]]] = field(default_factory=dict)  # bucket -> [(position, row)]
 
     def state_dict(self) -> dict:
-        return {"pass_index": self.pass_index, "position": self.position, "epoch": self.epoch,
-                "pending": {b: [list(ref) for ref in refs] for b, refs in self.pending.items()}}
+        return {
+            "pass_index": self.pass_index,
+            "position": self.position,
+            "epoch": self.epoch,
+            "pending": {b: [list(ref) for ref in refs] for b, refs in self.pending.items()},
+        }
 
     @classmethod
     def from_state(cls, state: dict) -> "Cursor":
@@ -104,8 +108,10 @@ def bucket_batch_sizes(train, spec, buckets) -> dict[str, int]:
     `train.tokens_per_batch` as many samples as fit that many transformer tokens (at least one)."""
     if train.tokens_per_batch is None:
         return {bucket.name: train.batch_size for bucket in buckets}
-    return {bucket.name: max(1, train.tokens_per_batch // spec.tokens_per_sample(spec.latent_shape(bucket)))
-            for bucket in buckets}
+    return {
+        bucket.name: max(1, train.tokens_per_batch // spec.tokens_per_sample(spec.latent_shape(bucket)))
+        for bucket in buckets
+    }
 
 
 class BatchReader:
@@ -117,10 +123,17 @@ class BatchReader:
     (this rank's rows); `plans()` and `load` are the two halves a read-ahead runs apart (read_ahead.py).
     """
 
-    def __init__(self, window: Window, batch_size: int | Callable[[str], int], passes: int = 1,
-                 check_record: Callable[[CommitRecord, Callable[[CommitRecord], dict]], None] | None = None,
-                 on_read: Callable[[int], None] | None = None,
-                 order: Callable[..., CommitRecord | None] | None = None, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self,
+        window: Window,
+        batch_size: int | Callable[[str], int],
+        passes: int = 1,
+        check_record: Callable[[CommitRecord, Callable[[CommitRecord], dict]], None] | None = None,
+        on_read: Callable[[int], None] | None = None,
+        order: Callable[..., CommitRecord | None] | None = None,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
         if not callable(batch_size) and batch_size < 1:
             raise UserError("train.batch_size must be at least 1")
         self.window = window
@@ -212,8 +225,17 @@ class BatchReader:
             del self._records[pos]
         start, stop = slice_bounds(n, self.dp_rank, self.dp_size)
         share = sum(records[pos].nbytes // len(records[pos].keys) for pos, _ in refs)
-        return Plan(bucket, self.cursor.epoch, refs, keys, records, start, stop, self.cursor.state_dict(),
-                    nbytes=-(-share // self.dp_size))
+        return Plan(
+            bucket,
+            self.cursor.epoch,
+            refs,
+            keys,
+            records,
+            start,
+            stop,
+            self.cursor.state_dict(),
+            nbytes=-(-share // self.dp_size),
+        )
 
     def _add(self, position: int, record: CommitRecord) -> None:
         if self.check_record is not None:  # given a way to read the shard's meta through the header cache
@@ -227,8 +249,9 @@ class BatchReader:
         by_shard: dict[int, list[int]] = {}
         for position, row in rows:
             by_shard.setdefault(position, []).append(row)
-        read = {position: self._shards.rows(plan.records[position], shard_rows)
-                for position, shard_rows in by_shard.items()}
+        read = {
+            position: self._shards.rows(plan.records[position], shard_rows) for position, shard_rows in by_shard.items()
+        }
         picked: dict[int, int] = {position: 0 for position in by_shard}
         per_row = []
         for position, _ in rows:
@@ -290,5 +313,5 @@ class _ShardCache:
             while len(self._recent) > self.keep:
                 self._recent.popitem(last=False)
             whole = [path for path, entry in self._recent.items() if not isinstance(entry, ShardLayout)]
-            for path in whole[:-self.keep_whole]:
+            for path in whole[: -self.keep_whole]:
                 del self._recent[path]

@@ -18,8 +18,19 @@ from vt.train.attention import available_backends
 from vt.train.fp8 import FP8_RECIPES, fp8_training_support
 
 __all__ = ["environment", "format_environment"]
-PACKAGES = ("vt", "torch", "diffusers", "transformers", "peft", "accelerate", "torchao", "av", "flash-attn",
-            "xformers", "sageattention")
+PACKAGES = (
+    "vt",
+    "torch",
+    "diffusers",
+    "transformers",
+    "peft",
+    "accelerate",
+    "torchao",
+    "av",
+    "flash-attn",
+    "xformers",
+    "sageattention",
+)
 
 
 def _version(package: str) -> str:
@@ -54,8 +65,10 @@ def environment() -> dict[str, object]:
     """What `vt-train env` prints, as a mapping (name -> text or list of texts)."""
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    info: dict[str, object] = {"python": f"{platform.python_version()} ({sys.executable})",
-                               "platform": platform.platform()}
+    info: dict[str, object] = {
+        "python": f"{platform.python_version()} ({sys.executable})",
+        "platform": platform.platform(),
+    }
     info.update({package: _version(package) for package in PACKAGES})
     info["ffmpeg (PyAV)"] = _ffmpeg()
     info["cuda (torch)"] = torch.version.cuda or "none (CPU build)"
@@ -73,6 +86,8 @@ def environment() -> dict[str, object]:
 def format_environment(info: dict[str, object]) -> str:
     """One aligned `name: value` line per entry, lists joined with commas."""
     width = max(map(len, info))
-    lines = [f"{name + ':':<{width + 1}} {', '.join(map(str, value)) if isinstance(value, list) else value}"
-             for name, value in info.items()]
+    lines = [
+        f"{name + ':':<{width + 1}} {', '.join(map(str, value)) if isinstance(value, list) else value}"
+        for name, value in info.items()
+    ]
     return "\n".join(lines)

@@ -54,14 +54,24 @@ def fixed_draws(sample: Slice, sigmas: list[float], seed: int, levels: int, inde
     audio = sample.tensors.get("audio_latents")
     audio_noise = None if audio is None else sample_noise(audio, keyed_generator(seed, "eval", "audio", index))
     for sigma in sigmas:
-        yield Draws(torch.full((1,) if levels == 1 else (1, levels), float(sigma)), noise,
-                    [keyed_generator(seed, "eval", "spec", index)], audio_noise,
-                    torch.full((1,), float(sigma)) if audio is not None and independent_audio else None)
+        yield Draws(
+            torch.full((1,) if levels == 1 else (1, levels), float(sigma)),
+            noise,
+            [keyed_generator(seed, "eval", "spec", index)],
+            audio_noise,
+            torch.full((1,), float(sigma)) if audio is not None and independent_audio else None,
+        )
 
 
 def one_row(part: Slice, row: int) -> Slice:
-    return Slice(part.bucket, part.epoch, part.keys[row:row + 1], {k: v[row:row + 1] for k, v in part.tensors.items()},
-                 part.first_index + row, 1)
+    return Slice(
+        part.bucket,
+        part.epoch,
+        part.keys[row : row + 1],
+        {k: v[row : row + 1] for k, v in part.tensors.items()},
+        part.first_index + row,
+        1,
+    )
 
 
 class HeldOut:
@@ -81,25 +91,35 @@ class HeldOut:
         low, high = spec.sigma_range()  # one expert of several: its own part of the noise levels
         self.levels = [low + (high - low) * s for s in self.sigmas]
         self.window = Window(eval_window_uri(window.uri), "keep", window.poll_seconds, window.timeout_seconds)
-        self.reader = BatchReader(self.window, 2**62, check_record=check_record, on_read=lambda position: None,
-                                  order=OrderFromRankZero(self.window, world), dp_rank=world.dp_rank,
-                                  dp_size=world.dims.dp)
+        self.reader = BatchReader(
+            self.window,
+            2**62,
+            check_record=check_record,
+            on_read=lambda position: None,
+            order=OrderFromRankZero(self.window, world),
+            dp_rank=world.dp_rank,
+            dp_size=world.dims.dp,
+        )
         self.batches: list[tuple[Batch, int]] | None = None  # (bucket's batch, its first sample's index)
         self.samples = 0
 
     def _load(self) -> None:
         registered = self.world.broadcast_object(self.window.world_size() if self.world.is_main else None)
         if registered is None:  # never encoded: no producer registered there
-            raise UserError(f"data.eval is set but {self.window.uri} holds no held-out shards: run vt-precompute run "
-                             "with this config (it encodes data.eval first), or unset data.eval")
+            raise UserError(
+                f"data.eval is set but {self.window.uri} holds no held-out shards: run vt-precompute run "
+                "with this config (it encodes data.eval first), or unset data.eval"
+            )
         self.batches, offset = [], 0
         for batch in self.reader:  # one batch per bucket: the whole eval set, this rank's rows of it
             self.batches.append((batch, offset))
             offset += len(batch)
         self.samples = offset
         if not offset:
-            raise RuntimeError(f"the held-out window {self.window.uri} holds no samples: did vt-precompute run with "
-                               "data.eval set? See its eval/precompute_report.json")
+            raise RuntimeError(
+                f"the held-out window {self.window.uri} holds no samples: did vt-precompute run with "
+                "data.eval set? See its eval/precompute_report.json"
+            )
 
     @torch.no_grad()
     def evaluate(self, model) -> dict[str, float]:
@@ -114,8 +134,9 @@ class HeldOut:
             for k in range(rounds):
                 row = min(k, part.tensors["latents"].shape[0] - 1)
                 sample = one_row(part, row)
-                draws_at = fixed_draws(sample, self.levels, self.seed, levels(sample.tensors["latents"].shape[1:]),
-                                       independent)
+                draws_at = fixed_draws(
+                    sample, self.levels, self.seed, levels(sample.tensors["latents"].shape[1:]), independent
+                )
                 for j, draws in enumerate(draws_at):
                     with self.inference():
                         total = sum(loss.double() * count for loss, _, count in self.losses(model, sample, draws))

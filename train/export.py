@@ -77,8 +77,10 @@ def write_full_weights(model: nn.Module, out_dir: Path, dtype_of, max_file_bytes
         def fetch(name: str) -> torch.Tensor | None:
             tensor = state[name]
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor  # a collective when sharded
-            return full.detach().to("cpu", dtypes[name]).contiguous().reshape(-1).view(torch.uint8) \
-                if _is_main() else None
+            return (
+                full.detach().to("cpu", dtypes[name]).contiguous().reshape(-1).view(torch.uint8) if _is_main() else None
+            )
+
     files = _split(entries, max_file_bytes)
     if _is_main():
         out.mkdir(parents=True, exist_ok=True)
@@ -101,7 +103,8 @@ def write_full_weights(model: nn.Module, out_dir: Path, dtype_of, max_file_bytes
         weight_map = {name: _file_name(i, len(files)) for i, group in enumerate(files) for name, *_ in group}
         total = sum(size for group in files for *_, size in group)
         (out / f"{WEIGHTS_NAME}.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
     if dist.is_initialized():
         dist.barrier()
     return out
@@ -126,8 +129,11 @@ def _open_with_header(path: Path, group: list):
     """`path` opened for writing, the safetensors header for `group` already written (8-byte aligned)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype, size in group:
-        header[name] = {"dtype": SAFETENSORS_NAMES[dtype], "shape": list(shape),
-                        "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": SAFETENSORS_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)

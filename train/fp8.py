@@ -23,8 +23,16 @@ from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.train.frozen_storage import store_frozen, weight_bytes
 
-__all__ = ["FP8_STORAGE", "fp8_training_support", "check_fp8_training", "check_fp8_base", "store_base_fp8",
-           "apply_fp8_training", "after_optimizer_step", "weight_bytes"]
+__all__ = [
+    "FP8_STORAGE",
+    "fp8_training_support",
+    "check_fp8_training",
+    "check_fp8_base",
+    "store_base_fp8",
+    "apply_fp8_training",
+    "after_optimizer_step",
+    "weight_bytes",
+]
 log = get_logger("vt.train.fp8")
 FP8_STORAGE = torch.float8_e4m3fn
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -41,8 +49,10 @@ def fp8_training_support(device: torch.device) -> str | None:
         return f"float8 training needs a CUDA GPU of sm89+ (Ada, Hopper or later); this run is on {device}"
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        return (f"float8 training needs a CUDA GPU of sm89+ (Ada, Hopper or later); "
-                f"{torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}")
+        return (
+            f"float8 training needs a CUDA GPU of sm89+ (Ada, Hopper or later); "
+            f"{torch.cuda.get_device_name(device)} is sm{capability[0]}{capability[1]}"
+        )
     if importlib.util.find_spec("torchao") is None:
         return "float8 training needs torchao: pip install 'vt[fp8]' (or pip install torchao)"
     return None
@@ -53,29 +63,40 @@ def check_fp8_training(train, device: torch.device) -> None:
     if train.fp8_training == "none":
         return
     if train.mode != "full":
-        raise UserError(f"train.fp8_training = {train.fp8_training!r} is for full fine-tuning; for LoRA use "
-                         "train.fp8_base_weights = true (or set train.mode = \"full\")")
+        raise UserError(
+            f"train.fp8_training = {train.fp8_training!r} is for full fine-tuning; for LoRA use "
+            'train.fp8_base_weights = true (or set train.mode = "full")'
+        )
     why = fp8_training_support(device)
     if why is not None:
-        raise UserError(f"train.fp8_training = {train.fp8_training!r}: {why}. Set train.fp8_training = \"none\"")
+        raise UserError(f'train.fp8_training = {train.fp8_training!r}: {why}. Set train.fp8_training = "none"')
 
 
 def check_fp8_base(train) -> None:
     """fp8 base weights and quantized bases are for LoRA: full fine-tuning trains those weights (see
     train.fp8_training); the two narrow storages exclude each other, and DoRA takes neither."""
     if train.fp8_base_weights and train.mode != "lora":
-        raise UserError("train.fp8_base_weights = true stores frozen weights in float8, but train.mode = \"full\" "
-                         "trains them all; use train.fp8_training = \"rowwise\" (or \"tensorwise\") for full "
-                         "fine-tuning, or set train.mode = \"lora\"")
+        raise UserError(
+            'train.fp8_base_weights = true stores frozen weights in float8, but train.mode = "full" '
+            'trains them all; use train.fp8_training = "rowwise" (or "tensorwise") for full '
+            'fine-tuning, or set train.mode = "lora"'
+        )
     if train.quantize_base != "none" and (train.mode != "lora" or train.fp8_base_weights):
-        raise UserError(f"train.quantize_base = {train.quantize_base!r} quantizes the frozen base of a LoRA: it needs "
-                         "train.mode = \"lora\" and train.fp8_base_weights = false (one narrow storage)")
+        raise UserError(
+            f"train.quantize_base = {train.quantize_base!r} quantizes the frozen base of a LoRA: it needs "
+            'train.mode = "lora" and train.fp8_base_weights = false (one narrow storage)'
+        )
     if train.mode == "lora" and train.adapter == "dora" and (train.fp8_base_weights or train.quantize_base != "none"):
-        setting = "train.fp8_base_weights = true" if train.fp8_base_weights else \
-            f"train.quantize_base = {train.quantize_base!r}"
-        raise UserError(f"train.adapter = \"dora\" with {setting}: DoRA divides by the base weight's row norms in "
-                         "every forward, which a float8 or quantized base does not give as peft computes them; "
-                         "set train.adapter = \"lora\" (or \"loha\", \"lokr\"), or keep the base in model.dtype")
+        setting = (
+            "train.fp8_base_weights = true"
+            if train.fp8_base_weights
+            else f"train.quantize_base = {train.quantize_base!r}"
+        )
+        raise UserError(
+            f'train.adapter = "dora" with {setting}: DoRA divides by the base weight\'s row norms in '
+            "every forward, which a float8 or quantized base does not give as peft computes them; "
+            'set train.adapter = "lora" (or "loha", "lokr"), or keep the base in model.dtype'
+        )
 
 
 def apply_fp8_training(model: nn.Module, recipe: str, fsdp: bool, module_filter=None) -> list[str]:
@@ -91,9 +112,14 @@ def apply_fp8_training(model: nn.Module, recipe: str, fsdp: bool, module_filter=
     chosen = [name for name, module in model.named_modules() if isinstance(module, nn.Linear) and keep(module, name)]
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    log.info("fp8 training (%s%s): %d of %d linear layers in float8, e.g. %s", recipe,
-             ", float8 all-gather" if config.enable_fsdp_float8_all_gather else "", len(chosen), linears,
-             ", ".join(chosen[:4]) or "none")
+    log.info(
+        "fp8 training (%s%s): %d of %d linear layers in float8, e.g. %s",
+        recipe,
+        ", float8 all-gather" if config.enable_fsdp_float8_all_gather else "",
+        len(chosen),
+        linears,
+        ", ".join(chosen[:4]) or "none",
+    )
     return chosen
 
 

@@ -48,8 +48,11 @@ def skip_patterns(model: nn.Module) -> tuple[str, ...]:
     dtype), the class's fp32 modules and the class's own skip patterns."""
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
-    return (*DEFAULT_SKIP_MODULES_PATTERN, *(getattr(model, "_keep_in_fp32_modules", None) or ()),
-            *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()))
+    return (
+        *DEFAULT_SKIP_MODULES_PATTERN,
+        *(getattr(model, "_keep_in_fp32_modules", None) or ()),
+        *(getattr(model, "_skip_layerwise_casting_patterns", None) or ()),
+    )
 
 
 class _UpcastLinear(torch.autograd.Function):
@@ -86,8 +89,14 @@ class StoredLinear(nn.Linear):
         return _UpcastLinear.apply(x, self.weight, self.bias, self.compute_dtype, self._buffers.get("weight_scale"))
 
 
-def store_frozen(model: nn.Module, storage_dtype: torch.dtype, compute_dtype: torch.dtype, sharded: bool,
-                 gather_stored: bool = False, scaled: Collection[str] = ()) -> int:
+def store_frozen(
+    model: nn.Module,
+    storage_dtype: torch.dtype,
+    compute_dtype: torch.dtype,
+    sharded: bool,
+    gather_stored: bool = False,
+    scaled: Collection[str] = (),
+) -> int:
     """Store the frozen linear and conv weights of `model` (before LoRA is added) in `storage_dtype`, computed
     in `compute_dtype` (see the module docstring). `sharded`: FSDP2 will shard it; it upcasts on all-gather
     unless `gather_stored`, where it gathers the stored dtype (half the bytes) and the linears upcast per
@@ -117,10 +126,15 @@ def store_frozen(model: nn.Module, storage_dtype: torch.dtype, compute_dtype: to
     if not sharded:  # hooks for the convs; the linears upcast themselves
         from diffusers.hooks import apply_layerwise_casting
 
-        apply_layerwise_casting(model, storage_dtype, compute_dtype, skip_modules_pattern=skip,
-                                skip_modules_classes=(nn.Linear,))
+        apply_layerwise_casting(
+            model, storage_dtype, compute_dtype, skip_modules_pattern=skip, skip_modules_classes=(nn.Linear,)
+        )
     saved = before - weight_bytes(model)
-    log.info("frozen transformer stored in %s, computed in %s (%.1f MB -> %.1f MB)",
-             str(storage_dtype).removeprefix("torch."), str(compute_dtype).removeprefix("torch."), before / 1e6,
-             (before - saved) / 1e6)
+    log.info(
+        "frozen transformer stored in %s, computed in %s (%.1f MB -> %.1f MB)",
+        str(storage_dtype).removeprefix("torch."),
+        str(compute_dtype).removeprefix("torch."),
+        before / 1e6,
+        (before - saved) / 1e6,
+    )
     return saved

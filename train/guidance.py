@@ -50,8 +50,10 @@ def adapters_off(model: nn.Module):
     for layer in layers:
         layer._disable_adapters = True
         if not layer.disable_adapters:  # a peft that keeps the flag elsewhere
-            raise RuntimeError(f"{type(layer).__name__}.disable_adapters did not follow _disable_adapters: this peft "
-                               "version switches adapters off another way")
+            raise RuntimeError(
+                f"{type(layer).__name__}.disable_adapters did not follow _disable_adapters: this peft "
+                "version switches adapters off another way"
+            )
     try:
         yield
     finally:
@@ -78,15 +80,23 @@ class Guidance:
         """`empty_caption()`: the window's empty-caption conditions, name -> one sample's tensor (read when first
         needed: the trainer knows the window's fingerprint once a shard is read)."""
         if spec.text_with_image:
-            raise UserError(f"train.guidance_scale = {scale}: {spec.family}'s text encoder reads each caption together "
-                             "with its clip's first frame, so the window's empty caption cannot stand in for a "
-                             "sample's text; remove train.guidance_scale")
+            raise UserError(
+                f"train.guidance_scale = {scale}: {spec.family}'s text encoder reads each caption together "
+                "with its clip's first frame, so the window's empty caption cannot stand in for a "
+                "sample's text; remove train.guidance_scale"
+            )
         self.spec = spec
         self.scale = float(scale)
         self.empty_caption = empty_caption
 
-    def base(self, model: nn.Module, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-             generators: list[torch.Generator] | None = None) -> Prediction:
+    def base(
+        self,
+        model: nn.Module,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """The frozen base's prediction (adapters off, no gradients) of `batch` on the empty caption, drawing from
         copies of `generators` and leaving the global random state as it found it."""
         rows = list(range(batch["latents"].shape[0]))
@@ -95,8 +105,14 @@ class Guidance:
         with torch.random.fork_rng(devices=devices), torch.no_grad(), adapters_off(model):
             return self.spec.forward(model, empty, sigmas, noise, generators=copied(generators))
 
-    def forward(self, model: nn.Module, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        model: nn.Module,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """`spec.forward` of `batch` with each target guided by the base's prediction on the empty caption."""
         base = self.base(model, batch, sigmas, noise, generators)
         return guided(self.spec.forward(model, batch, sigmas, noise, generators=generators), base, self.scale)

@@ -51,8 +51,16 @@ from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import store_frozen
 from vt.train.packed_base import PackedLinear, linear_packings, pack_frozen
 
-__all__ = ["Dtypes", "prepare_transformer", "build_transformer", "materialize", "fill", "plain_name", "lora_init",
-           "fill_magnitudes"]
+__all__ = [
+    "Dtypes",
+    "prepare_transformer",
+    "build_transformer",
+    "materialize",
+    "fill",
+    "plain_name",
+    "lora_init",
+    "fill_magnitudes",
+]
 log = get_logger("vt.train.model")
 
 # Segments wrappers add to parameter names: activation checkpointing's and torch.compile's.
@@ -124,10 +132,20 @@ class Dtypes:
         return self.autocast or (self.compute if self.storage(mode) == FP8_STORAGE else None)
 
 
-def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
-                        sharded: bool, compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
-                        scaled: Collection[str] = (), packed: dict[str, Packing] | None = None,
-                        quantize: str = "none") -> nn.Module:
+def prepare_transformer(
+    spec,
+    component: str,
+    *,
+    mode: str,
+    lora: dict | None,
+    storage_dtype: torch.dtype | None,
+    sharded: bool,
+    compute_dtype: torch.dtype,
+    frozen_dtype: torch.dtype,
+    scaled: Collection[str] = (),
+    packed: dict[str, Packing] | None = None,
+    quantize: str = "none",
+) -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
     `lora`: rank, alpha, targets and kind, train.adapter), "full" (what `spec.full_trainable` marks) or "frozen"
     (nothing trains: validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights'
@@ -139,14 +157,23 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
     if quantize != "none" and mode == "lora" and not sharded:
         packed = linear_packings(model, quantize)
     if storage_dtype is not None:  # before LoRA: the adapters stay float32
-        store_frozen(model, storage_dtype, compute_dtype, sharded=sharded, gather_stored=storage_dtype != FP8_STORAGE,
-                     scaled=scaled if storage_dtype == FP8_STORAGE else ())
+        store_frozen(
+            model,
+            storage_dtype,
+            compute_dtype,
+            sharded=sharded,
+            gather_stored=storage_dtype != FP8_STORAGE,
+            scaled=scaled if storage_dtype == FP8_STORAGE else (),
+        )
     kind = lora.get("kind", "lora") if mode == "lora" else None
     if kind == "dora" and (packed or storage_dtype == FP8_STORAGE):
-        raise UserError("train.adapter = \"dora\" needs the base weights as numbers (DoRA divides by their row norms "
-                         "in every forward), but this base is kept " + ("in the file's quantized blocks (a quantized "
-                         "checkpoint in one process)" if packed else "in float8") + "; train.adapter = \"lora\" trains "
-                         "on it, or use a full-precision checkpoint")
+        raise UserError(
+            'train.adapter = "dora" needs the base weights as numbers (DoRA divides by their row norms '
+            "in every forward), but this base is kept "
+            + ("in the file's quantized blocks (a quantized checkpoint in one process)" if packed else "in float8")
+            + '; train.adapter = "lora" trains '
+            "on it, or use a full-precision checkpoint"
+        )
     if packed and mode == "lora":
         pack_frozen(model, packed, compute_dtype)
     model.requires_grad_(False)
@@ -160,11 +187,22 @@ def prepare_transformer(spec, component: str, *, mode: str, lora: dict | None, s
     return model
 
 
-def build_transformer(spec, component: str, world, *, mode: str, lora: dict | None, storage_dtype: torch.dtype | None,
-                      compute_dtype: torch.dtype, frozen_dtype: torch.dtype,
-                      parallelize: Callable[[nn.Module, Callable[[nn.Module], None]], None],
-                      seed: int, cpu_offload: bool = False, quantize: str = "none",
-                      host_blocks: Callable[[nn.Module], list[nn.Module]] | None = None) -> nn.Module:
+def build_transformer(
+    spec,
+    component: str,
+    world,
+    *,
+    mode: str,
+    lora: dict | None,
+    storage_dtype: torch.dtype | None,
+    compute_dtype: torch.dtype,
+    frozen_dtype: torch.dtype,
+    parallelize: Callable[[nn.Module, Callable[[nn.Module], None]], None],
+    seed: int,
+    cpu_offload: bool = False,
+    quantize: str = "none",
+    host_blocks: Callable[[nn.Module], list[nn.Module]] | None = None,
+) -> nn.Module:
     """`prepare_transformer`'s model, laid out and filled: `parallelize(model, materialize)` applies the
     parallel plan and calls `materialize` once its shards exist. With `cpu_offload` the shards are made in
     CPU memory (FSDP2 keeps them there and copies each block to the device for its all-gather) and the
@@ -174,27 +212,53 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
     sharded = world.dims.fsdp_enabled or world.dims.tp > 1
     if quantize != "none" and mode == "lora":
         if weights.quantized_modules():
-            raise UserError(f"train.quantize_base = {quantize!r} quantizes a full-precision base, but the {component} "
-                             "file is quantized already; keep it as stored (unset train.quantize_base)")
+            raise UserError(
+                f"train.quantize_base = {quantize!r} quantizes a full-precision base, but the {component} "
+                "file is quantized already; keep it as stored (unset train.quantize_base)"
+            )
         if sharded and world.is_main:
-            log.info("%s: train.quantize_base = %r is for one process; a sharded layout keeps model.dtype", component,
-                     quantize)
+            log.info(
+                "%s: train.quantize_base = %r is for one process; a sharded layout keeps model.dtype",
+                component,
+                quantize,
+            )
         weights = weights if sharded else QuantizingWeights(weights, quantize)
         if not sharded and world.is_main:
-            log.info("%s: %d linear weights quantized to %s as they are read (train.quantize_base)", component,
-                     len(weights.quantized_modules()), quantize)
+            log.info(
+                "%s: %d linear weights quantized to %s as they are read (train.quantize_base)",
+                component,
+                len(weights.quantized_modules()),
+                quantize,
+            )
     scaled = weights.scaled_modules()
     packed = quantized_base(weights, mode, sharded, world.is_main, component, frozen_dtype)
     if scaled and storage_dtype != FP8_STORAGE and world.is_main:
-        log.info("%s: %d fp8-scaled weights dequantized into %s; train.fp8_base_weights = true keeps them in float8 "
-                 "with their scales (half the memory of bf16)", component, len(scaled), str(frozen_dtype)[6:])
-    model = prepare_transformer(spec, component, mode=mode, lora=lora, storage_dtype=storage_dtype,
-                                sharded=world.dims.fsdp_enabled, compute_dtype=compute_dtype,
-                                frozen_dtype=frozen_dtype, scaled=scaled, packed=packed)
+        log.info(
+            "%s: %d fp8-scaled weights dequantized into %s; train.fp8_base_weights = true keeps them in float8 "
+            "with their scales (half the memory of bf16)",
+            component,
+            len(scaled),
+            str(frozen_dtype)[6:],
+        )
+    model = prepare_transformer(
+        spec,
+        component,
+        mode=mode,
+        lora=lora,
+        storage_dtype=storage_dtype,
+        sharded=world.dims.fsdp_enabled,
+        compute_dtype=compute_dtype,
+        frozen_dtype=frozen_dtype,
+        scaled=scaled,
+        packed=packed,
+    )
 
     def materialize_and_fill(laid_out: nn.Module) -> None:
-        materialize(laid_out, torch.device("cpu") if cpu_offload else world.device,
-                    host_blocks=host_blocks(laid_out) if host_blocks is not None else ())
+        materialize(
+            laid_out,
+            torch.device("cpu") if cpu_offload else world.device,
+            host_blocks=host_blocks(laid_out) if host_blocks is not None else (),
+        )
         fill(laid_out, weights, seed=seed, key=component)
         if cpu_offload:
             for module in laid_out.modules():
@@ -206,15 +270,21 @@ def build_transformer(spec, component: str, world, *, mode: str, lora: dict | No
     return model
 
 
-def quantized_base(weights, mode: str, sharded: bool, main: bool, component: str,
-                   frozen_dtype: torch.dtype) -> dict[str, Packing]:
+def quantized_base(
+    weights, mode: str, sharded: bool, main: bool, component: str, frozen_dtype: torch.dtype
+) -> dict[str, Packing]:
     """The modules a LoRA run keeps in the file's quantized blocks (`weights.quantized_modules()`): all of them in
     one process; none when another mode trains them or a sharded layout fills them dequantized (logged)."""
     quantized = weights.quantized_modules()
     if quantized and (mode != "lora" or sharded):
         if main:
-            log.info("%s: %d quantized weights dequantized into %s (%s)", component, len(quantized),
-                     str(frozen_dtype).removeprefix("torch."), "a sharded layout" if sharded else f"train.mode {mode}")
+            log.info(
+                "%s: %d quantized weights dequantized into %s (%s)",
+                component,
+                len(quantized),
+                str(frozen_dtype).removeprefix("torch."),
+                "a sharded layout" if sharded else f"train.mode {mode}",
+            )
         return {}
     return quantized
 
@@ -251,8 +321,9 @@ def _materialize_apart(model: nn.Module, device: torch.device, host_blocks: Coll
             if param is None:
                 continue
             if id(param) not in made:
-                made[id(param)] = nn.Parameter(torch.empty_like(param, device=device),
-                                               requires_grad=param.requires_grad)
+                made[id(param)] = nn.Parameter(
+                    torch.empty_like(param, device=device), requires_grad=param.requires_grad
+                )
             module._parameters[name] = made[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is not None:
@@ -286,12 +357,20 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
     for name, tensor in tensors:
         checkpoint_key = file_key(name)
         if checkpoint_key is None:
-            full = lambda: lora_init(f"{key}.{plain_name(name)}" if key else plain_name(name),  # noqa: E731
-                                     tuple(tensor.shape), seed)
+            full = lambda: lora_init(
+                f"{key}.{plain_name(name)}" if key else plain_name(name),  # noqa: E731
+                tuple(tensor.shape),
+                seed,
+            )
         elif checkpoint_key in weights:
             full = None
-            read = weights.read_packed if plain_name(name) in packed else \
-                weights.read_scaled if plain_name(name) in slots else weights.read
+            read = (
+                weights.read_packed
+                if plain_name(name) in packed
+                else weights.read_scaled
+                if plain_name(name) in slots
+                else weights.read
+            )
         elif isinstance(tensor, nn.Parameter):
             missing.append(checkpoint_key)
             continue
@@ -305,8 +384,10 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
             block = full()[tuple(slice(o, o + s) for o, s in zip(offsets, shape))]
         else:
             if tuple(weights.shape(checkpoint_key)) != tuple(tensor.shape) and plain_name(name) not in packed:
-                raise UserError(f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
-                                 f"model's {tuple(tensor.shape)}: the weights do not match the component's config")
+                raise UserError(
+                    f"checkpoint tensor {checkpoint_key} has shape {weights.shape(checkpoint_key)}, the "
+                    f"model's {tuple(tensor.shape)}: the weights do not match the component's config"
+                )
             block = read(checkpoint_key, offsets, shape)
         local.copy_(block)
         del block
@@ -314,8 +395,10 @@ def fill(model: nn.Module, weights, seed: int, key: str = "", fill_from: str = "
             scale, scale_key = slots.pop(plain_name(name))
             scale.copy_(weights.scale(scale_key))
     if missing:
-        raise UserError(f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
-                         "weights do not match the component's config")
+        raise UserError(
+            f"the checkpoint lacks {len(missing)} parameters of the model (e.g. {missing[:3]}): the "
+            "weights do not match the component's config"
+        )
     for scale, checkpoint_key in slots.values():  # (a scale slot whose weight was scattered from rank 0)
         scale.copy_(weights.scale(checkpoint_key))
     fill_magnitudes(model)
@@ -333,8 +416,10 @@ def fill_magnitudes(model: nn.Module) -> None:
         for layer in magnitudes.values():
             local, offsets, shape = _local(layer.weight)
             if (offsets[0], shape[0]) != (base_offsets[0], base_shape[0]) or len(base_shape) != 2:
-                raise RuntimeError(f"{name}: DoRA's magnitude holds rows {offsets[0]}+{shape[0]} on this rank, its "
-                                   f"base weight rows {base_offsets[0]}+{base_shape[0]} (internal error)")
+                raise RuntimeError(
+                    f"{name}: DoRA's magnitude holds rows {offsets[0]}+{shape[0]} on this rank, its "
+                    f"base weight rows {base_offsets[0]}+{base_shape[0]} (internal error)"
+                )
             local.copy_(adapters.row_norms(base))
 
 

@@ -37,8 +37,15 @@ def scheduler_shift(scheduler: dict, tokens: int) -> float:
     return float(scheduler.get("shift") or scheduler.get("flow_shift") or 1.0)
 
 
-def sample_sigmas(n: int, scheme: str, shift: float, generator: torch.Generator, logit_mean: float = 0.0,
-                  logit_std: float = 1.0, mode_scale: float = 1.29) -> torch.Tensor:
+def sample_sigmas(
+    n: int,
+    scheme: str,
+    shift: float,
+    generator: torch.Generator,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+) -> torch.Tensor:
     """`n` sigmas in (0, 1) drawn by `scheme` (SD3's densities: logit-normal, uniform, "mode", "cosmap"), then
     shifted by `shift`."""
     if scheme == "logit_normal":
@@ -64,9 +71,9 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
         return None
     sigmas = sigmas.float()
     if scheme == "sigma_sqrt":
-        return sigmas ** -2.0
+        return sigmas**-2.0
     if scheme == "cosmap":
-        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas ** 2))
+        return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
     raise UserError(f"unknown loss weighting {scheme!r}; use none, sigma_sqrt or cosmap")
 
 
@@ -74,8 +81,12 @@ def sample_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor
     return torch.randn(like.shape, generator=generator, dtype=torch.float32).to(like.device, like.dtype)
 
 
-def joint_loss(out: Prediction, audio_weight: float, sample_weights: torch.Tensor | None = None,
-               audio_sample_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def joint_loss(
+    out: Prediction,
+    audio_weight: float,
+    sample_weights: torch.Tensor | None = None,
+    audio_sample_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, audio loss or None): the video loss plus `audio_weight` x the audio stream's (model.audio);
     `sample_weights` (n,) scale each sample's error (train.loss_weighting), in the audio loss too unless it has its
     own (`audio_sample_weights`: its sigmas' weights, with independent audio timesteps)."""

@@ -89,8 +89,9 @@ class PackedLinear(nn.Linear):
     kind: int | str = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _DequantLinear.apply(x, self.weight, self.bias, self.compute_dtype, self.kind,
-                                    self._buffers.get("weight_scale"))
+        return _DequantLinear.apply(
+            x, self.weight, self.bias, self.compute_dtype, self.kind, self._buffers.get("weight_scale")
+        )
 
 
 def pack_frozen(model: nn.Module, packed: dict[str, Packing], compute_dtype: torch.dtype) -> int:
@@ -107,12 +108,14 @@ def pack_frozen(model: nn.Module, packed: dict[str, Packing], compute_dtype: tor
             continue
         kind, row_bytes, scale = packed[name]
         dtype = torch.int8 if kind == INT8 else torch.uint8  # NF4: two 4-bit codes a byte
-        module.weight = nn.Parameter(torch.empty((module.out_features, row_bytes), dtype=dtype,
-                                                 device=module.weight.device), requires_grad=False)
+        module.weight = nn.Parameter(
+            torch.empty((module.out_features, row_bytes), dtype=dtype, device=module.weight.device), requires_grad=False
+        )
         if scale is not None:
             # where the weight is (the meta device: made on the device it trains on, never whole on the host)
-            module.register_buffer("weight_scale", torch.full(scale, float("nan"), device=module.weight.device),
-                                   persistent=False)
+            module.register_buffer(
+                "weight_scale", torch.full(scale, float("nan"), device=module.weight.device), persistent=False
+            )
         if module.bias is not None:
             module.bias.data = module.bias.data.to(compute_dtype)
         module.__class__ = PackedLinear

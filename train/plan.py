@@ -35,12 +35,11 @@ from vt.shared.config import Config
 from vt.shared.host_memory import aligned
 from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_parameters, peak_bytes
 from vt.shared.models import spec_for
-from vt.shared.models.plans import Unplanned
 from vt.shared.runtime import encoder_dtype
+from vt.train import refusals
 from vt.train.data import bucket_batch_sizes
 from vt.train.model_build import Dtypes, prepare_transformer, quantized_base
 from vt.train.packed_base import PackedLinear, unpack_peak
-from vt.train import refusals
 from vt.train.parallel import block_swap
 from vt.train.parallel.dims import ParallelDims, layout_plan
 from vt.train.parallel.fsdp import ROOT_UNIT
@@ -149,10 +148,13 @@ class Plan:
         bucket buffers."""
         pre, spec = self.config.precompute, spec_for(self.config)
         text = set(spec.stage1_components) - {"vae", *(spec.sound.components if spec.sound else ())}
-        waiting = sum(size for name, size in self.stage1.items() if name in text) \
-            if pre.text_encoder_offload != "none" else 0
+        waiting = (
+            sum(size for name, size in self.stage1.items() if name in text) if pre.text_encoder_offload != "none" else 0
+        )
         largest = _largest(self.config)
-        clips = (pre.text_phase_shards + 1) * pre.samples_per_shard * 3 * largest.frames * largest.height * largest.width
+        clips = (
+            (pre.text_phase_shards + 1) * pre.samples_per_shard * 3 * largest.frames * largest.height * largest.width
+        )
         return waiting + clips
 
 
@@ -171,12 +173,19 @@ class _Layout:
             plan = layout_plan(spec, "tp")
             for where, _ in spec.named_blocks(model):
                 for layer in plan.colwise:
-                    split |= {f"{where}.{layer}.weight", f"{where}.{layer}.bias",
-                                   f"{where}.{layer}.base_layer.weight", f"{where}.{layer}.base_layer.bias",
-                                   f"{where}.{layer}.lora_B.default.weight"}
+                    split |= {
+                        f"{where}.{layer}.weight",
+                        f"{where}.{layer}.bias",
+                        f"{where}.{layer}.base_layer.weight",
+                        f"{where}.{layer}.base_layer.bias",
+                        f"{where}.{layer}.lora_B.default.weight",
+                    }
                 for layer in plan.rowwise:
-                    split |= {f"{where}.{layer}.weight", f"{where}.{layer}.base_layer.weight",
-                                   f"{where}.{layer}.lora_A.default.weight"}
+                    split |= {
+                        f"{where}.{layer}.weight",
+                        f"{where}.{layer}.base_layer.weight",
+                        f"{where}.{layer}.lora_A.default.weight",
+                    }
                 split |= {f"{where}.{norm}.weight" for norm in plan.head_norms}
         return cls(dims.dp_shard * dims.cp if dims.fsdp_enabled else 1, dims.tp, split)
 
@@ -207,8 +216,9 @@ def run_dtypes(config: Config, device: str) -> Dtypes:
     return Dtypes(amp, DTYPES[config.model.dtype], config.train.mode, config.train.fp8_base_weights)
 
 
-def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = True,
-              budget: int | None = None, lean: bool = False) -> Plan:
+def make_plan(
+    config: Config, gpus: int, device: str = "cuda", stage1: bool = True, budget: int | None = None, lean: bool = False
+) -> Plan:
     """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs);
     `stage1=False` leaves out what stage 1's encoding works in (the trainer's own plans need none of it, and
     tracing a large VAE's encode takes minutes); `lean=True` traces only the step the config runs (with or without
@@ -231,11 +241,26 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
     split = not parallel.compile  # FSDP2 units: a block's large parts, the root's large parts (parallel/fsdp.py)
     for key, component in resident.items():
         mode = "frozen" if str(key).startswith("frozen:") else train.mode
-        packed = quantized_base(spec.weights(component), mode, dims.fsdp_enabled or dims.tp > 1, False, component,
-                                dtypes.frozen) if spec.single_file(component) else {}
-        model = _prepared(spec, config.model, component, mode=mode, lora=lora, storage_dtype=dtypes.storage(mode),
-                          sharded=dims.fsdp_enabled, compute_dtype=dtypes.compute, frozen_dtype=dtypes.frozen,
-                          packed=packed, quantize="none" if dims.fsdp_enabled or dims.tp > 1 else train.quantize_base)
+        packed = (
+            quantized_base(
+                spec.weights(component), mode, dims.fsdp_enabled or dims.tp > 1, False, component, dtypes.frozen
+            )
+            if spec.single_file(component)
+            else {}
+        )
+        model = _prepared(
+            spec,
+            config.model,
+            component,
+            mode=mode,
+            lora=lora,
+            storage_dtype=dtypes.storage(mode),
+            sharded=dims.fsdp_enabled,
+            compute_dtype=dtypes.compute,
+            frozen_dtype=dtypes.frozen,
+            packed=packed,
+            quantize="none" if dims.fsdp_enabled or dims.tp > 1 else train.quantize_base,
+        )
         gather = dtypes.param_dtype(mode)
         for module in model.modules():  # a quantized weight, dequantized for its matmul, and its scales
             if isinstance(module, PackedLinear):
@@ -257,8 +282,13 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
 
         transient = [unit for _, block in spec.named_blocks(model) for unit in (fsdp_units(block) if split else [])]
         transient += [block for _, block in spec.named_blocks(model)]
-        transient += [child for child in model.children() if split and child not in
-                      {getattr(model, n) for n in spec.block_lists} and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT]
+        transient += [
+            child
+            for child in model.children()
+            if split
+            and child not in {getattr(model, n) for n in spec.block_lists}
+            and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT
+        ]
         counted = set()
         for unit in transient:  # innermost first: each parameter belongs to the first unit that holds it
             params = [p for p in unit.parameters() if id(p) not in counted]
@@ -282,8 +312,9 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
             rank.swapped += swap.host
             rank.in_flight = max(rank.in_flight, swap.device)
         if mode != "frozen":  # what start-up builds on the device (validation's other expert comes at validation)
-            rank.startup += sum(layout.local(name, param) for name, param in model.named_parameters()) - \
-                (swap.frozen if parallel.blocks_on_gpu is not None else 0)
+            rank.startup += sum(layout.local(name, param) for name, param in model.named_parameters()) - (
+                swap.frozen if parallel.blocks_on_gpu is not None else 0
+            )
     if dims.fsdp_enabled:
         # A gathered unit is its unsharded parameters; gathering one also holds the all-gather's output and
         # this rank's copied-in shard until the copy-out: the unit running plus the next one fetched ahead
@@ -301,15 +332,26 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
         rank.startup = 0  # built and filled in host memory
     sizes = bucket_batch_sizes(train, spec, parse_buckets(config.buckets.sizes))
     micro = {name: max(1, math.ceil(size / dims.dp)) for name, size in sizes.items()}
-    plan = Plan(config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro,
-                dequantized=dequantized)
+    plan = Plan(
+        config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro, dequantized=dequantized
+    )
     # Under FSDP2 the blocks compute with gathered copies in the param dtype; one process casts its float32
     # weights under autocast (and autocast keeps those casts for the whole forward).
     gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
-    key = (config.model.model_dump_json(), config.buckets.model_dump_json(), train.mode, train.lora_rank,
-           tuple(train.lora_targets), train.adapter, bool(train.validation_prompts), device,
-           str(replace(dtypes, fp8_base=False)),  # (the trace holds frozen weights as they compute: fp8 the same)
-           str(gathered), tuple(sorted(micro.items())), train.guidance_scale)
+    key = (
+        config.model.model_dump_json(),
+        config.buckets.model_dump_json(),
+        train.mode,
+        train.lora_rank,
+        tuple(train.lora_targets),
+        train.adapter,
+        bool(train.validation_prompts),
+        device,
+        str(replace(dtypes, fp8_base=False)),  # (the trace holds frozen weights as they compute: fp8 the same)
+        str(gathered),
+        tuple(sorted(micro.items())),
+        train.guidance_scale,
+    )
     offload = parallel.activation_offload and device == "cuda"  # (on a CPU host memory is where they were already)
     kind = "offload" if offload else "checkpointing" if parallel.activation_checkpointing else "none"
     kinds = frozenset({kind} if lean else {"none", "checkpointing", "offload"})
@@ -318,7 +360,12 @@ def make_plan(config: Config, gpus: int, device: str = "cuda", stage1: bool = Tr
         _trace(plan, spec, dtypes, lora, gathered, stage1, kinds, largest_only=lean)
         traced = _TRACES[(key, stage1, kinds, not lean)] = (plan.activations, plan.stage1, plan.validation, plan.flops)
     activations, stage1_bytes, validation, flops = traced
-    plan.activations, plan.stage1, plan.validation, plan.flops = activations, dict(stage1_bytes), dict(validation), flops
+    plan.activations, plan.stage1, plan.validation, plan.flops = (
+        activations,
+        dict(stage1_bytes),
+        dict(validation),
+        flops,
+    )
     worst = max(plan.activations.values(), key=lambda a: a[kind])
     rank.activations = worst[kind] // dims.cp
     if offload:
@@ -397,8 +444,16 @@ def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torc
     return layout.gathered().local(name, param, size)
 
 
-def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None, stage1: bool = True,
-           kinds=frozenset({"none", "checkpointing", "offload"}), largest_only: bool = False) -> None:
+def _trace(
+    plan: Plan,
+    spec,
+    dtypes: Dtypes,
+    lora,
+    gathered: torch.dtype | None,
+    stage1: bool = True,
+    kinds=frozenset({"none", "checkpointing", "offload"}),
+    largest_only: bool = False,
+) -> None:
     """Activations per bucket (one micro-batch's forward and backward of each of `kinds`: without checkpointing,
     with it, and with it and activation offload), validation's working memory and stage 1's encoders, all on fake
     tensors."""
@@ -415,16 +470,32 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
     # Built on the meta device as the trainer builds them (peft's adapters cannot be made on fake tensors),
     # then given fake parameters to run; a narrower storage changes no activation, so frozen weights are
     # held in their compute dtype here (diffusers' casting hooks cannot move fake tensors).
-    modules = [name for name in spec.stage1_components if stage1
-               and isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)]
-    parts = {name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
-             for name in modules}
+    modules = [
+        name
+        for name in spec.stage1_components
+        if stage1 and isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)
+    ]
+    parts = {
+        name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
+        for name in modules
+    }
     vae_dtype = dtypes.pipeline_parts
     frozen = dtypes.compute if dtypes.storage(train.mode) is not None else dtypes.frozen
     amp = dtypes.autocast
-    models = {checkpointing: prepare_transformer(spec, component, mode=train.mode, lora=lora, storage_dtype=None,
-                                                 sharded=False, compute_dtype=dtypes.compute, frozen_dtype=frozen)
-              for checkpointing, wanted in ((False, "none" in kinds), (True, bool(kinds - {"none"}))) if wanted}
+    models = {
+        checkpointing: prepare_transformer(
+            spec,
+            component,
+            mode=train.mode,
+            lora=lora,
+            storage_dtype=None,
+            sharded=False,
+            compute_dtype=dtypes.compute,
+            frozen_dtype=frozen,
+        )
+        for checkpointing, wanted in ((False, "none" in kinds), (True, bool(kinds - {"none"})))
+        if wanted
+    }
     shapes = {bucket: spec.condition_shapes(bucket) for bucket in buckets}  # the configs' geometry, before faking
     if gathered is not None:
         for model in models.values():
@@ -449,8 +520,12 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                 if kind in kinds:
                     with KnownValues(), peak_bytes() as step, FlopCount() as counted:
                         with _autocast(amp):
-                            out = forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
-                                          torch.zeros_like(batch["latents"]))
+                            out = forward(
+                                model,
+                                batch,
+                                torch.full((plan.micro_for(bucket.name),), 0.5),
+                                torch.zeros_like(batch["latents"]),
+                            )
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     measured[kind] = step.peak
                     plan.flops[kind] = max(plan.flops.get(kind, 0), counted.total)  # the largest bucket's
@@ -458,15 +533,21 @@ def _trace(plan: Plan, spec, dtypes: Dtypes, lora, gathered: torch.dtype | None,
                     offload = _TraceOffload()
                     with KnownValues(), peak_bytes() as offloaded, FlopCount() as counted:
                         with _autocast(amp), offload():
-                            out = forward(model, batch, torch.full((plan.micro_for(bucket.name),), 0.5),
-                                          torch.zeros_like(batch["latents"]))
+                            out = forward(
+                                model,
+                                batch,
+                                torch.full((plan.micro_for(bucket.name),), 0.5),
+                                torch.zeros_like(batch["latents"]),
+                            )
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     measured["offload"] = offloaded.peak + offload.largest
                     measured["offload_host"], measured["offload_largest"] = offload.host, offload.largest
                     plan.flops.setdefault("checkpointing", counted.total)  # the same step's (lean plans)
         if train.validation_prompts:
-            plan.validation = {"frozen": _validation_parts(spec, vae_dtype),
-                               "step": _denoise_bytes(shapes, next(iter(models.values())), spec, amp)}
+            plan.validation = {
+                "frozen": _validation_parts(spec, vae_dtype),
+                "step": _denoise_bytes(shapes, next(iter(models.values())), spec, amp),
+            }
     if train.validation_prompts:  # the decode of one clip of the largest bucket, untiled
         plan.validation["decode"] = _vae_peak(config, spec, _largest(config), "decode", vae_dtype)
     for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
@@ -550,7 +631,11 @@ def _validation_parts(spec, dtype: torch.dtype) -> int:
     skip, declared = set(spec.text_parts()), spec.component_classes()
     total = 0
     for name in spec.pipeline_parts():
-        if name in skip or name.startswith("transformer") or not issubclass(declared.get(name, object), torch.nn.Module):
+        if (
+            name in skip
+            or name.startswith("transformer")
+            or not issubclass(declared.get(name, object), torch.nn.Module)
+        ):
             continue  # the scheduler, a guider: no weights
         total += sum(p.numel() * p.element_size() for p in spec.empty_component(name, dtype).parameters())
     return total
@@ -583,6 +668,8 @@ def _vae_peak(config: Config, spec, bucket, what: str, dtype: torch.dtype, tiled
             shape = (1, *spec.condition_shapes(bucket)["latents"])
             _VAE_PEAKS[key] = pass_peak(vae, what, shape, tiled)
     return _VAE_PEAKS[key]
+
+
 _VAE_PEAKS: dict[tuple, int] = {}
 
 
@@ -600,83 +687,138 @@ def format_plan(plan: Plan, budget_gib: float | None, host_gib: float | None = N
     rank, config = plan.rank, plan.config
     where = "GPU" if plan.device == "cuda" else "host"
     decode = plan.validation.get("decode_tiled" if plan.vae_tiled else "decode", 0)
-    micro = f"micro-batch {plan.micro_batch} per rank" if len(set(plan.micro_batches.values())) <= 1 else \
-        "micro-batches per rank " + ", ".join(f"{name} {n}" for name, n in plan.micro_batches.items())
-    lines = [f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, {micro}",
-             f"per rank ({where}):",
-             f"  weights       {rank.weights / GIB:8.2f} GiB",
-             f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments"
-             f"{'; the EMA: one more' if config.train.ema_decay else ''})",
-             f"  buffers       {rank.buffers / GIB:8.2f} GiB  (FSDP2 gathered blocks / DDP buckets)",
-             "  training phase:",
-             f"    gradients   {rank.gradients / GIB:8.2f} GiB  (freed after each optimizer step)",
-             f"    activations {rank.activations / GIB:8.2f} GiB  "
-             f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}"
-             f"{', inputs offloaded to host memory' if config.parallel.activation_offload else ''}, largest bucket)",
-             "  validation phase:",
-             f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE and the pipeline's other frozen parts, and the "
-             f"larger of a denoising step and "
-             f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)"]
+    micro = (
+        f"micro-batch {plan.micro_batch} per rank"
+        if len(set(plan.micro_batches.values())) <= 1
+        else "micro-batches per rank " + ", ".join(f"{name} {n}" for name, n in plan.micro_batches.items())
+    )
+    lines = [
+        f"{config.model.family} {config.train.mode}, {plan.dims.describe()}, {micro}",
+        f"per rank ({where}):",
+        f"  weights       {rank.weights / GIB:8.2f} GiB",
+        f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments"
+        f"{'; the EMA: one more' if config.train.ema_decay else ''})",
+        f"  buffers       {rank.buffers / GIB:8.2f} GiB  (FSDP2 gathered blocks / DDP buckets)",
+        "  training phase:",
+        f"    gradients   {rank.gradients / GIB:8.2f} GiB  (freed after each optimizer step)",
+        f"    activations {rank.activations / GIB:8.2f} GiB  "
+        f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}"
+        f"{', inputs offloaded to host memory' if config.parallel.activation_offload else ''}, largest bucket)",
+        "  validation phase:",
+        f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE and the pipeline's other frozen parts, and the "
+        f"larger of a denoising step and "
+        f"the {'tiled' if plan.vae_tiled else 'untiled'} decode: {decode / GIB:.2f} GiB)",
+    ]
     if rank.in_flight:
-        lines.append(f"    (both phases: {rank.in_flight / GIB:.2f} GiB of swapped block weights in flight, two blocks)")
-    lines.append(f"  start-up      {rank.startup / GIB:8.2f} GiB  (the model built and filled: what stays on the device)")
-    lines.append(f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}: the larger of start-up and resident + "
-                 "the larger phase" + (f", of {budget_gib:g} GiB: "
-                                       f"{'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
-                                       if budget_gib else ""))
+        lines.append(
+            f"    (both phases: {rank.in_flight / GIB:.2f} GiB of swapped block weights in flight, two blocks)"
+        )
+    lines.append(
+        f"  start-up      {rank.startup / GIB:8.2f} GiB  (the model built and filled: what stays on the device)"
+    )
+    lines.append(
+        f"  total         {rank.device_total / GIB:8.2f} GiB on the {where}: the larger of start-up and resident + "
+        "the larger phase"
+        + (
+            f", of {budget_gib:g} GiB: {'fits' if rank.device_total <= budget_gib * GIB else 'does NOT fit'}"
+            if budget_gib
+            else ""
+        )
+    )
     if plan.device == "cuda":
         lines += _host_lines(rank, host_gib)
     lines.append("activations per bucket (one micro-batch, before / cp):")
     for bucket, sizes in plan.activations.items():
-        lines.append(f"  {bucket:<12} " + "   ".join(f"{name} {sizes[kind] / GIB:8.2f} GiB" for kind, name in (
-            ("none", "no checkpointing"), ("checkpointing", "checkpointing"), ("offload", "with offload"))
-            if kind in sizes))
-    encoders = ", ".join(f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items()
-                         if not name.startswith("working"))
+        lines.append(
+            f"  {bucket:<12} "
+            + "   ".join(
+                f"{name} {sizes[kind] / GIB:8.2f} GiB"
+                for kind, name in (
+                    ("none", "no checkpointing"),
+                    ("checkpointing", "checkpointing"),
+                    ("offload", "with offload"),
+                )
+                if kind in sizes
+            )
+        )
+    encoders = ", ".join(
+        f"{name} {size / GIB:.2f}" for name, size in plan.stage1.items() if not name.startswith("working")
+    )
     if plan.stage1:
         tiled = "working_tiled" in plan.stage1
         pre = config.precompute
-        lines.append(f"stage 1, per producer: {encoders} GiB; encoding works in "
-                     f"{plan.stage1.get('working_tiled' if tiled else 'working', 0) / GIB:.2f} GiB more "
-                     f"({'tiled' if tiled else 'untiled'}, largest bucket); peak {plan.stage1_peak(tiled) / GIB:.2f} GiB "
-                     f"(precompute.text_encoder_offload = {pre.text_encoder_offload}"
-                     + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")")
-                     + f"; host memory {plan.stage1_host() / GIB:.2f} GiB (text encoders waiting, the decoded clips of "
-                       f"{pre.text_phase_shards} shard(s) waiting for their text phase and a bucket buffer)")
+        lines.append(
+            f"stage 1, per producer: {encoders} GiB; encoding works in "
+            f"{plan.stage1.get('working_tiled' if tiled else 'working', 0) / GIB:.2f} GiB more "
+            f"({'tiled' if tiled else 'untiled'}, largest bucket); peak {plan.stage1_peak(tiled) / GIB:.2f} GiB "
+            f"(precompute.text_encoder_offload = {pre.text_encoder_offload}"
+            + (": the text phase apart)" if pre.text_encoder_offload != "none" else ")")
+            + f"; host memory {plan.stage1_host() / GIB:.2f} GiB (text encoders waiting, the decoded clips of "
+            f"{pre.text_phase_shards} shard(s) waiting for their text phase and a bucket buffer)"
+        )
     return "\n".join(lines)
 
 
 def _host_lines(rank: RankPlan, host_gib: float | None) -> list[str]:
     """Host memory per rank: what each setting keeps there, and the peak (start-up's arenas and the tensor being read,
     or the steady state's)."""
-    parts = [(rank.host, "CPU offload: weights, gradients, optimizer"),
-             (rank.swapped, "block swap: the swapped blocks' frozen weights, page-locked, exactly their bytes"),
-             (rank.offloaded, "activation offload: one micro-step's saved inputs, page-locked"),
-             (rank.validation_host, "the validation pipeline's parts between validations"),
-             (rank.fill, "start-up: the largest tensor read at once")]
+    parts = [
+        (rank.host, "CPU offload: weights, gradients, optimizer"),
+        (rank.swapped, "block swap: the swapped blocks' frozen weights, page-locked, exactly their bytes"),
+        (rank.offloaded, "activation offload: one micro-step's saved inputs, page-locked"),
+        (rank.validation_host, "the validation pipeline's parts between validations"),
+        (rank.fill, "start-up: the largest tensor read at once"),
+    ]
     lines = ["host memory per rank (beside the process itself, ~3 GiB):"]
     lines += [f"  {size / GIB:8.2f} GiB  {what}" for size, what in parts if size]
-    fits = "" if host_gib is None else \
-        f", of {host_gib:g} GiB: {'fits' if rank.host_peak <= host_gib * GIB else 'does NOT fit'}"
+    fits = (
+        ""
+        if host_gib is None
+        else f", of {host_gib:g} GiB: {'fits' if rank.host_peak <= host_gib * GIB else 'does NOT fit'}"
+    )
     lines.append(f"  peak     {rank.host_peak / GIB:8.2f} GiB{fits}")
     return lines
 
 
 def plan_json(plan: Plan) -> dict:
     rank = plan.rank
-    return {"family": plan.config.model.family, "mode": plan.config.train.mode, "layout": plan.dims.describe(),
-            "device": plan.device, "micro_batch": plan.micro_batch, "micro_batches": plan.micro_batches,
-            "per_rank_bytes": {"weights": rank.weights, "gradients": rank.gradients, "optimizer": rank.optimizer,
-                               "buffers": rank.buffers, "activations": rank.activations,
-                               "validation": rank.validation, "host": rank.host, "swapped": rank.swapped,
-                               "in_flight": rank.in_flight, "offloaded": rank.offloaded,
-                               "validation_host": rank.validation_host, "startup": rank.startup,
-                               "fill": rank.fill, "resident": rank.resident, "total": rank.device_total,
-                               "host_total": rank.host_total, "host_peak": rank.host_peak},
-            "validation": plan.validation, "validation_vae_tiled": plan.vae_tiled,
-            "activations": plan.activations, "stage1": plan.stage1, "flops": plan.flops,
-            **({"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1),
-                "stage1_host": plan.stage1_host()} if plan.stage1 else {})}
+    return {
+        "family": plan.config.model.family,
+        "mode": plan.config.train.mode,
+        "layout": plan.dims.describe(),
+        "device": plan.device,
+        "micro_batch": plan.micro_batch,
+        "micro_batches": plan.micro_batches,
+        "per_rank_bytes": {
+            "weights": rank.weights,
+            "gradients": rank.gradients,
+            "optimizer": rank.optimizer,
+            "buffers": rank.buffers,
+            "activations": rank.activations,
+            "validation": rank.validation,
+            "host": rank.host,
+            "swapped": rank.swapped,
+            "in_flight": rank.in_flight,
+            "offloaded": rank.offloaded,
+            "validation_host": rank.validation_host,
+            "startup": rank.startup,
+            "fill": rank.fill,
+            "resident": rank.resident,
+            "total": rank.device_total,
+            "host_total": rank.host_total,
+            "host_peak": rank.host_peak,
+        },
+        "validation": plan.validation,
+        "validation_vae_tiled": plan.vae_tiled,
+        "activations": plan.activations,
+        "stage1": plan.stage1,
+        "flops": plan.flops,
+        **(
+            {"stage1_peak": plan.stage1_peak("working_tiled" in plan.stage1), "stage1_host": plan.stage1_host()}
+            if plan.stage1
+            else {}
+        ),
+    }
 
 
 __all__ = ["Plan", "RankPlan", "make_plan", "format_plan", "plan_json"]

@@ -47,34 +47,59 @@ def _axes(config: Config, gpus: int) -> list[list[Change]]:
     checkpointed = {"activation_checkpointing": True}
     axes: list[list[Change]] = []
     if train.mode == "lora" and not train.fp8_base_weights and train.quantize_base == "none":
-        axes.append([_change("base", "train.fp8_base_weights=true", "train", fp8_base_weights=True)] +
-                    [_change("base", f"train.quantize_base={kind}", "train", quantize_base=kind)
-                     for kind in ("int8", "nf4")])
+        axes.append(
+            [_change("base", "train.fp8_base_weights=true", "train", fp8_base_weights=True)]
+            + [_change("base", f"train.quantize_base={kind}", "train", quantize_base=kind) for kind in ("int8", "nf4")]
+        )
     if not parallel.activation_checkpointing:
         axes.append([_change("checkpointing", "parallel.activation_checkpointing=true", "parallel", **checkpointed)])
     if not parallel.activation_offload:
-        axes.append([_change("offload", "parallel.activation_offload=true", "parallel", **checkpointed,
-                             activation_offload=True)])
+        axes.append(
+            [
+                _change(
+                    "offload", "parallel.activation_offload=true", "parallel", **checkpointed, activation_offload=True
+                )
+            ]
+        )
     if gpus == 1 and train.mode == "lora" and parallel.blocks_on_gpu is None:
-        axes.append([_change("swap", f"parallel.blocks_on_gpu={resident}", "parallel", **checkpointed,
-                             blocks_on_gpu=resident) for resident in (20, 10, 5, 0)])
+        axes.append(
+            [
+                _change(
+                    "swap", f"parallel.blocks_on_gpu={resident}", "parallel", **checkpointed, blocks_on_gpu=resident
+                )
+                for resident in (20, 10, 5, 0)
+            ]
+        )
     if not parallel.cpu_offload:
         axes.append([_change("cpu_offload", "parallel.cpu_offload=true", "parallel", cpu_offload=True)])
     try:
         has_cp = spec.cp_plan() is not None
     except Unplanned:
         has_cp = False
-    cps = [cp for cp in (2, 4, 8) if has_cp and cp > parallel.cp and gpus % (cp * parallel.tp * parallel.dp_replicate) == 0]
+    cps = [
+        cp for cp in (2, 4, 8) if has_cp and cp > parallel.cp and gpus % (cp * parallel.tp * parallel.dp_replicate) == 0
+    ]
     if cps:
         axes.append([_change("cp", f"parallel.cp={cp}", "parallel", cp=cp) for cp in cps])
     axes.append([_change("gpus", f"{more} GPUs (FSDP2)", "", more) for more in (2, 4, 8, 16, 32) if more > gpus])
     per_rank = -(-train.batch_size // max(gpus, 1))
     if train.tokens_per_batch is None and per_rank > 1 and train.batch_size % per_rank == 0:
-        axes.append([_change("split", f"train.batch_size={train.batch_size // per_rank} + train.grad_accum="
-                                      f"{train.grad_accum * per_rank}", "train", batch_size=train.batch_size // per_rank,
-                             grad_accum=train.grad_accum * per_rank)])
-    if train.validation_prompts and train.validation_vae_tiling is not True and hasattr(spec._class_of("vae"),
-                                                                                          "enable_tiling"):
+        axes.append(
+            [
+                _change(
+                    "split",
+                    f"train.batch_size={train.batch_size // per_rank} + train.grad_accum={train.grad_accum * per_rank}",
+                    "train",
+                    batch_size=train.batch_size // per_rank,
+                    grad_accum=train.grad_accum * per_rank,
+                )
+            ]
+        )
+    if (
+        train.validation_prompts
+        and train.validation_vae_tiling is not True
+        and hasattr(spec._class_of("vae"), "enable_tiling")
+    ):
         axes.append([_change("tiling", "train.validation_vae_tiling=true", "train", validation_vae_tiling=True)])
     return [axis for axis in axes if axis]
 
@@ -93,8 +118,9 @@ def combinations(config: Config, gpus: int) -> list[tuple[Change, ...]]:
     return out
 
 
-def alternatives(config: Config, gpus: int, device: str, budget: int | None = None,
-                 host_budget: int | None = None) -> list[tuple[str, object]]:
+def alternatives(
+    config: Config, gpus: int, device: str, budget: int | None = None, host_budget: int | None = None
+) -> list[tuple[str, object]]:
     """(label, plan) of every combination the trainer would run (refused ones left out); with `budget` (and
     `host_budget`) only the minimal ones that fit, quickest first."""
     from vt.train.plan import make_plan
@@ -112,10 +138,16 @@ def alternatives(config: Config, gpus: int, device: str, budget: int | None = No
             continue
     if budget is None:
         return [(_label(combo), plan) for combo, plan in planned.items()]
-    fits = {combo: plan for combo, plan in planned.items() if plan.rank.device_total <= budget
-            and (host_budget is None or plan.rank.host_peak <= host_budget)}
-    minimal = {combo: plan for combo, plan in fits.items()
-               if not any(len(other) < len(combo) and set(other) <= set(combo) for other in fits)}
+    fits = {
+        combo: plan
+        for combo, plan in planned.items()
+        if plan.rank.device_total <= budget and (host_budget is None or plan.rank.host_peak <= host_budget)
+    }
+    minimal = {
+        combo: plan
+        for combo, plan in fits.items()
+        if not any(len(other) < len(combo) and set(other) <= set(combo) for other in fits)
+    }
     base = make_plan(config, gpus, device, budget=budget, stage1=False, lean=True)
     return [(label, plan) for label, plan, _ in by_step_time(base, [(_label(c), p) for c, p in minimal.items()])]
 
@@ -130,13 +162,17 @@ def format_fits(base, fitting: list[tuple[str, object]], budget_gib: float, host
     from vt.train.step_cost import CARD, by_step_time
 
     where = f"{budget_gib:g} GiB" + (f" with {host_gib:g} GiB of host memory" if host_gib else "")
-    lines = [f"what fits {where}, quickest first (step time against the config as is, estimated at "
-             f"{CARD.flops / 1e12:g} TFLOPS, {CARD.pcie / 1e9:g} GB/s over PCIe and {CARD.memory / 1e12:g} TB/s of "
-             "device memory: train/step_cost.py):"]
+    lines = [
+        f"what fits {where}, quickest first (step time against the config as is, estimated at "
+        f"{CARD.flops / 1e12:g} TFLOPS, {CARD.pcie / 1e9:g} GB/s over PCIe and {CARD.memory / 1e12:g} TB/s of "
+        "device memory: train/step_cost.py):"
+    ]
     rows = by_step_time(base, fitting)
     for label, plan, ratio in rows[:10]:
-        lines.append(f"  {label}: {plan.rank.device_total / GIB:.1f} GiB on the GPU, "
-                     f"{plan.rank.host_peak / GIB:.1f} GiB host" + (f", ~{ratio:.2f}x" if ratio is not None else ""))
+        lines.append(
+            f"  {label}: {plan.rank.device_total / GIB:.1f} GiB on the GPU, "
+            f"{plan.rank.host_peak / GIB:.1f} GiB host" + (f", ~{ratio:.2f}x" if ratio is not None else "")
+        )
     if not rows:
         lines.append("  none of the settings tried, alone or in pairs")
     elif len(rows) > 10:

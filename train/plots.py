@@ -43,8 +43,13 @@ def plot_loss(metrics_path: Path, out_png: Path, smooth: int = 0) -> Path:
     ax = fig.add_subplot()
     ax.plot(steps, loss, color="tab:blue", alpha=0.35, linewidth=1, label="loss")
     if window > 1 and len(loss) >= window:
-        ax.plot(steps[window - 1:], moving_average(loss, window), color="tab:blue", linewidth=2,
-                label=f"loss (mean of {window})")
+        ax.plot(
+            steps[window - 1 :],
+            moving_average(loss, window),
+            color="tab:blue",
+            linewidth=2,
+            label=f"loss (mean of {window})",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)

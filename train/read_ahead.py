@@ -28,8 +28,7 @@ __all__ = ["ReadAhead"]
 class ReadAhead:
     """Iterates `reader`'s batches, up to `max_bytes` / `max_batches` of them loaded ahead of the one in use."""
 
-    def __init__(self, reader: BatchReader, max_bytes: int, max_batches: int = 8, pin: bool = False,
-                 threads: int = 2):
+    def __init__(self, reader: BatchReader, max_bytes: int, max_batches: int = 8, pin: bool = False, threads: int = 2):
         self.reader = reader
         self.max_bytes = max_bytes
         self.max_batches = max_batches

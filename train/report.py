@@ -79,9 +79,15 @@ def _plots(records: list[dict]) -> str:
     figures = curve_figures(records)
     if not figures:
         return "<p class='muted'>no training steps logged yet</p>"
-    parts = [pio.to_html(fig, include_plotlyjs=index == 0, full_html=False,  # plotly.js once, inline
-                         config={"displaylogo": False, "responsive": True})
-             for index, fig in enumerate(figures)]
+    parts = [
+        pio.to_html(
+            fig,
+            include_plotlyjs=index == 0,
+            full_html=False,  # plotly.js once, inline
+            config={"displaylogo": False, "responsive": True},
+        )
+        for index, fig in enumerate(figures)
+    ]
     return "<div class='plots'>" + "".join(f"<div class='plot'>{part}</div>" for part in parts) + "</div>"
 
 
@@ -94,13 +100,17 @@ def _videos(run_dir: Path, page_dir: Path, prompts: list[str]) -> str:
             index = int(video.stem) if video.stem.isdigit() else None
             prompt = prompts[index] if index is not None and index < len(prompts) else video.stem
             src = Path(os.path.relpath(video, page_dir)).as_posix()
-            cells.append(f"<figure><video src='{_esc(src)}' controls muted loop preload='auto'></video>"
-                         f"<figcaption>{_esc(prompt)}</figcaption></figure>")
+            cells.append(
+                f"<figure><video src='{_esc(src)}' controls muted loop preload='auto'></video>"
+                f"<figcaption>{_esc(prompt)}</figcaption></figure>"
+            )
         if cells:
             number = re.sub(r"^step-0*(?=\d)", "", step.name)
             blocks.append(f"<h3>step {_esc(number)}</h3><div class='step'>{''.join(cells)}</div>")
-    return "".join(blocks) or "<p class='muted'>no validation videos yet (train.validate_every, " \
-                             "train.validation_prompts)</p>"
+    return (
+        "".join(blocks)
+        or "<p class='muted'>no validation videos yet (train.validate_every, train.validation_prompts)</p>"
+    )
 
 
 def _window(config: dict) -> str:
@@ -115,14 +125,41 @@ def _window(config: dict) -> str:
         state = Window(uri).state()
     except (OSError, ValueError, KeyError) as err:
         return f"<p class='muted'>cannot read the window {_esc(uri)}: {_esc(err)}</p>"
-    totals = _table(["lanes", "committed", "read", "watermark", "evicted", "present", "unread", "MB"],
-                    [[state["world_size"], state["committed"], state["read"], state["watermark"], state["evicted"],
-                      state["present"], state["unread"], f"{state['bytes'] / 1e6:.2f}"]])
-    producers = _table(["lane", "generation", "done", "committed", "read", "unread", "watermark", "fingerprint"],
-                       [[f"p{rank}", p["generation"] or "-", "yes" if p["done"] else "no", p["committed"], p["read"],
-                         p["unread"], p["watermark"], p["fingerprint"] or "-"] for rank, p in state["producers"].items()])
-    buckets = _table(["bucket", "shards", "samples"],
-                     [[bucket, counts["shards"], counts["samples"]] for bucket, counts in state["buckets"].items()])
+    totals = _table(
+        ["lanes", "committed", "read", "watermark", "evicted", "present", "unread", "MB"],
+        [
+            [
+                state["world_size"],
+                state["committed"],
+                state["read"],
+                state["watermark"],
+                state["evicted"],
+                state["present"],
+                state["unread"],
+                f"{state['bytes'] / 1e6:.2f}",
+            ]
+        ],
+    )
+    producers = _table(
+        ["lane", "generation", "done", "committed", "read", "unread", "watermark", "fingerprint"],
+        [
+            [
+                f"p{rank}",
+                p["generation"] or "-",
+                "yes" if p["done"] else "no",
+                p["committed"],
+                p["read"],
+                p["unread"],
+                p["watermark"],
+                p["fingerprint"] or "-",
+            ]
+            for rank, p in state["producers"].items()
+        ],
+    )
+    buckets = _table(
+        ["bucket", "shards", "samples"],
+        [[bucket, counts["shards"], counts["samples"]] for bucket, counts in state["buckets"].items()],
+    )
     return f"<p>{_esc(uri)}, size {_esc(state['size'])}</p>" + totals + producers + buckets
 
 
@@ -137,13 +174,25 @@ def _precompute(run_dir: Path) -> str:
         except (OSError, json.JSONDecodeError):
             continue  # being rewritten: the next rebuild reads it
         name = f"{report.get('producer', '-')} (lanes {','.join(map(str, report.get('lanes', []))) or '-'})"
-        rows.append([name, report.get("status"), report.get("seen"), report.get("committed"),
-                     report.get("rejected_total"), report.get("shards"), f"{report.get('bytes', 0) / 1e6:.2f}",
-                     report.get("elapsed_s"), report.get("samples_per_s")])
+        rows.append(
+            [
+                name,
+                report.get("status"),
+                report.get("seen"),
+                report.get("committed"),
+                report.get("rejected_total"),
+                report.get("shards"),
+                f"{report.get('bytes', 0) / 1e6:.2f}",
+                report.get("elapsed_s"),
+                report.get("samples_per_s"),
+            ]
+        )
         for stage, seconds in sorted(report.get("seconds", {}).items()):
             rate = report.get("committed", 0) / seconds if seconds else None
             stage_rows.append([name, stage, seconds, f"{rate:.2f}" if rate else "-"])
-    out = _table(["producer", "status", "seen", "committed", "rejected", "shards", "MB", "elapsed s", "samples/s"], rows)
+    out = _table(
+        ["producer", "status", "seen", "committed", "rejected", "shards", "MB", "elapsed s", "samples/s"], rows
+    )
     out += "<h3>seconds per stage</h3>" + _table(["producer", "stage", "seconds", "samples/s of the stage"], stage_rows)
     return out + _rejects(run_dir)
 
@@ -164,8 +213,9 @@ def _rejects(run_dir: Path) -> str:
         shown = entries[:KEYS_SHOWN]
         more = f" (first {KEYS_SHOWN} shown; all in rejects.jsonl)" if len(entries) > KEYS_SHOWN else ""
         parts.append(f"<h4>{_esc(reason)}: {len(entries)}{more}</h4>")
-        parts.append(_table(["key", "shard", "detail"], [[e.get("key"), e.get("shard"), e.get("detail", "")]
-                                                         for e in shown]))
+        parts.append(
+            _table(["key", "shard", "detail"], [[e.get("key"), e.get("shard"), e.get("detail", "")] for e in shown])
+        )
     return "".join(parts)
 
 
@@ -175,8 +225,10 @@ def _environment(run_dir: Path) -> str:
         return f"<pre>{_esc(path.read_text())}</pre>"
     from vt.train.env import environment, format_environment
 
-    return ("<p class='muted'>the run recorded no env.txt: this is the machine that built the page</p>"
-            f"<pre>{_esc(format_environment(environment()))}</pre>")
+    return (
+        "<p class='muted'>the run recorded no env.txt: this is the machine that built the page</p>"
+        f"<pre>{_esc(format_environment(environment()))}</pre>"
+    )
 
 
 def _summary(run_dir: Path, records: list[dict], config: dict) -> str:
@@ -187,13 +239,18 @@ def _summary(run_dir: Path, records: list[dict], config: dict) -> str:
     memory = ""
     if finished:
         recorded = json.loads((run_dir / "memory.json").read_text())
-        kind, peaks = ("GPU", recorded["gpu_peak_gb"]) if recorded.get("gpu_peak_gb") else \
-            ("host", recorded.get("host_peak_gb", []))
+        kind, peaks = (
+            ("GPU", recorded["gpu_peak_gb"])
+            if recorded.get("gpu_peak_gb")
+            else ("host", recorded.get("host_peak_gb", []))
+        )
         memory = f"; peak {kind} memory per rank " + ", ".join(f"{p:.2f} GiB" for p in peaks)
-    return (f"<p>{_esc(model.get('family', '?'))} {_esc(config.get('train', {}).get('mode', ''))} from "
-            f"{_esc(model.get('path', '?'))}: {'finished' if finished else 'running'}, "
-            f"{last.get('step', 0)} steps logged{'; last ' + _esc(losses) if losses else ''}{_esc(memory)}. "
-            f"<span class='muted'>Built {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))}.</span></p>")
+    return (
+        f"<p>{_esc(model.get('family', '?'))} {_esc(config.get('train', {}).get('mode', ''))} from "
+        f"{_esc(model.get('path', '?'))}: {'finished' if finished else 'running'}, "
+        f"{last.get('step', 0)} steps logged{'; last ' + _esc(losses) if losses else ''}{_esc(memory)}. "
+        f"<span class='muted'>Built {_esc(time.strftime('%Y-%m-%d %H:%M:%S'))}.</span></p>"
+    )
 
 
 def build_report(run_dir: Path, page_dir: Path | None = None) -> str:
@@ -204,17 +261,21 @@ def build_report(run_dir: Path, page_dir: Path | None = None) -> str:
     config_text, config = _read_config(run_dir)
     records = _metrics(run_dir)
     prompts = config.get("train", {}).get("validation_prompts", [])
-    sections = [("Training", _plots(records)),
-                ("Validation videos", _videos(run_dir, Path(page_dir or run_dir), prompts)),
-                ("Window", _window(config)),
-                ("Precompute", _precompute(run_dir)),
-                ("Config (resolved)", f"<pre>{_esc(config_text) or 'no config.toml'}</pre>"),
-                ("Environment (vt-train env)", _environment(run_dir))]
+    sections = [
+        ("Training", _plots(records)),
+        ("Validation videos", _videos(run_dir, Path(page_dir or run_dir), prompts)),
+        ("Window", _window(config)),
+        ("Precompute", _precompute(run_dir)),
+        ("Config (resolved)", f"<pre>{_esc(config_text) or 'no config.toml'}</pre>"),
+        ("Environment (vt-train env)", _environment(run_dir)),
+    ]
     body = "".join(f"<h2>{_esc(title)}</h2>{content}" for title, content in sections)
     title = f"vt run {run_dir.resolve().name}"
-    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(title)}</title>"
-            f"<style>{STYLE}</style></head><body><h1>{_esc(title)}</h1>"
-            f"{_summary(run_dir, records, config)}{body}</body></html>")
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_esc(title)}</title>"
+        f"<style>{STYLE}</style></head><body><h1>{_esc(title)}</h1>"
+        f"{_summary(run_dir, records, config)}{body}</body></html>"
+    )
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> Path:

@@ -19,8 +19,12 @@ MAX_POINTS = 4000  # per curve: a long run's curves are thinned to this many poi
 
 def loss_keys(records: list[dict]) -> list[str]:
     """The loss-like metrics present: `loss` first, then the others (`audio_loss` ...) by name."""
-    keys = {key for record in records for key, value in record.items()
-            if key.endswith("loss") and isinstance(value, (int, float))}
+    keys = {
+        key
+        for record in records
+        for key, value in record.items()
+        if key.endswith("loss") and isinstance(value, (int, float))
+    }
     return sorted(keys, key=lambda key: (key != "loss", key))
 
 
@@ -49,8 +53,15 @@ def _figure(title: str, y_title: str):
     import plotly.graph_objects as go
 
     fig = go.Figure()
-    fig.update_layout(title=title, height=HEIGHT, margin=dict(l=60, r=20, t=40, b=40), template="plotly_white",
-                      legend=dict(orientation="h", y=-0.25), xaxis_title="step", yaxis_title=y_title)
+    fig.update_layout(
+        title=title,
+        height=HEIGHT,
+        margin=dict(l=60, r=20, t=40, b=40),
+        template="plotly_white",
+        legend=dict(orientation="h", y=-0.25),
+        xaxis_title="step",
+        yaxis_title=y_title,
+    )
     return fig
 
 
@@ -69,11 +80,12 @@ def loss_figure(records: list[dict]):
         steps, values = _series(records, key)
         x, y = _thin(steps, values)
         sparse = key == "eval_loss"  # computed every train.eval_every steps: its points marked
-        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers" if sparse else "lines", name=key,
-                                 opacity=1.0 if sparse else 0.35))
+        fig.add_trace(
+            go.Scatter(x=x, y=y, mode="lines+markers" if sparse else "lines", name=key, opacity=1.0 if sparse else 0.35)
+        )
         window = _window(len(values))
         if window > 1 and len(values) >= window:  # the average over every point, then thinned
-            x, y = _thin(steps[window - 1:], moving_average(np.array(values), window).tolist())
+            x, y = _thin(steps[window - 1 :], moving_average(np.array(values), window).tolist())
             fig.add_trace(go.Scatter(x=x, y=y, mode="lines", name=f"{key} (mean of {window})", line=dict(width=3)))
     return fig
 
@@ -96,8 +108,10 @@ def held_out_figure(records: list[dict]):
     """The held-out loss per sigma of `train.eval_sigmas` (`eval_loss/sigma_<s>`), one curve each."""
     import plotly.graph_objects as go
 
-    keys = sorted({key for r in records for key in r if key.startswith("eval_loss/sigma_")},
-                  key=lambda key: float(key.rsplit("_", 1)[-1]))
+    keys = sorted(
+        {key for r in records for key in r if key.startswith("eval_loss/sigma_")},
+        key=lambda key: float(key.rsplit("_", 1)[-1]),
+    )
     if not keys:
         return None
     fig = _figure("held-out loss per sigma (data.eval, fixed noise)", "loss")
@@ -110,8 +124,10 @@ def held_out_figure(records: list[dict]):
 def memory_figure(records: list[dict]):
     import plotly.graph_objects as go
 
-    ranks = sorted({key for r in records for key in r if key.startswith("peak_mem_gb/")},
-                   key=lambda key: int(key.rsplit("rank", 1)[-1]) if key.rsplit("rank", 1)[-1].isdigit() else 0)
+    ranks = sorted(
+        {key for r in records for key in r if key.startswith("peak_mem_gb/")},
+        key=lambda key: int(key.rsplit("rank", 1)[-1]) if key.rsplit("rank", 1)[-1].isdigit() else 0,
+    )
     if not ranks:
         return None
     fig = _figure("peak memory per rank", "GiB")
@@ -129,11 +145,14 @@ def curve_figures(records: list[dict]) -> list:
     """The figures that have data, in page order (an empty list for a run that has logged nothing)."""
     if not records:
         return []
-    figures = [loss_figure(records) if loss_keys(records) else None, held_out_figure(records),
-               _single(records, "lr", "learning rate", "lr", from_zero=True),
-               _single(records, "grad_norm", "gradient norm (before clipping)", "norm"),
-               _single(records, "samples_s", "samples/s", "samples/s", from_zero=True),
-               _single(records, "tokens_s", "transformer tokens/s", "tokens/s", from_zero=True),
-               _single(records, "data_wait_s", "data wait per log interval", "s", from_zero=True),
-               memory_figure(records)]
+    figures = [
+        loss_figure(records) if loss_keys(records) else None,
+        held_out_figure(records),
+        _single(records, "lr", "learning rate", "lr", from_zero=True),
+        _single(records, "grad_norm", "gradient norm (before clipping)", "norm"),
+        _single(records, "samples_s", "samples/s", "samples/s", from_zero=True),
+        _single(records, "tokens_s", "transformer tokens/s", "tokens/s", from_zero=True),
+        _single(records, "data_wait_s", "data wait per log interval", "s", from_zero=True),
+        memory_figure(records),
+    ]
     return [fig for fig in figures if fig is not None]

@@ -55,8 +55,9 @@ def step_seconds(plan, rates: Rates = CARD) -> float | None:
     return plan.config.train.grad_accum * per_micro + offload
 
 
-def by_step_time(base, options: list[tuple[str, object]],
-                 rates: Rates = CARD) -> list[tuple[str, object, float | None]]:
+def by_step_time(
+    base, options: list[tuple[str, object]], rates: Rates = CARD
+) -> list[tuple[str, object, float | None]]:
     """(label, plan, step time against `base`'s) of each option, quickest first (unknown estimates last)."""
     reference = step_seconds(base, rates)
     rows = []

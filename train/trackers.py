@@ -16,6 +16,7 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any, Callable
+
 from vt.shared.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -29,15 +30,26 @@ class Tracker:
     `every_steps=0` logs by time only; `every_seconds=0` logs by steps only.
     """
 
-    def __init__(self, run_dir: Path, every_steps: int = 1, every_seconds: float = 0.0,
-                 wandb: bool = False, tensorboard: bool = False, config: dict | None = None,
-                 enabled: bool = True, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        run_dir: Path,
+        every_steps: int = 1,
+        every_seconds: float = 0.0,
+        wandb: bool = False,
+        tensorboard: bool = False,
+        config: dict | None = None,
+        enabled: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         if every_steps < 0 or every_seconds < 0:
-            raise UserError(f"log.every_steps ({every_steps}) and log.every_seconds ({every_seconds}) "
-                             "must not be negative")
+            raise UserError(
+                f"log.every_steps ({every_steps}) and log.every_seconds ({every_seconds}) must not be negative"
+            )
         if every_steps == 0 and every_seconds == 0:
-            raise UserError("log.every_steps and log.every_seconds are both 0, so nothing would ever be "
-                             "logged: set log.every_steps=1 (every step) or log.every_seconds > 0")
+            raise UserError(
+                "log.every_steps and log.every_seconds are both 0, so nothing would ever be "
+                "logged: set log.every_steps=1 (every step) or log.every_seconds > 0"
+            )
         self.run_dir = Path(run_dir)
         self.every_steps = every_steps
         self.every_seconds = every_seconds
@@ -156,8 +168,10 @@ def _open_tensorboard(log_dir: Path, config: dict | None):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as err:
-        raise ImportError("log.tensorboard=true needs the tensorboard package: pip install tensorboard "
-                          "(or pip install 'vt[tracking]'), or set log.tensorboard=false") from err
+        raise ImportError(
+            "log.tensorboard=true needs the tensorboard package: pip install tensorboard "
+            "(or pip install 'vt[tracking]'), or set log.tensorboard=false"
+        ) from err
     writer = SummaryWriter(log_dir=str(log_dir))
     if config:
         writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```")
@@ -170,12 +184,20 @@ def _open_wandb(run_dir: Path, config: dict | None):
     try:
         import wandb
     except ImportError as err:
-        raise ImportError("log.wandb=true needs the wandb package: pip install wandb "
-                          "(or pip install 'vt[tracking]'), or set log.wandb=false") from err
+        raise ImportError(
+            "log.wandb=true needs the wandb package: pip install wandb "
+            "(or pip install 'vt[tracking]'), or set log.wandb=false"
+        ) from err
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
     id_file = run_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id + "\n")
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", "vt"), name=run_dir.name, id=run_id,
-                      resume="allow", mode=mode, dir=os.environ.get("WANDB_DIR", str(run_dir)),
-                      config=config or {})
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "vt"),
+        name=run_dir.name,
+        id=run_id,
+        resume="allow",
+        mode=mode,
+        dir=os.environ.get("WANDB_DIR", str(run_dir)),
+        config=config or {},
+    )

@@ -16,7 +16,6 @@ decides that alike, `_log_due`).
 from __future__ import annotations
 
 import contextlib
-
 import json
 import math
 import resource
@@ -36,13 +35,14 @@ from vt.shared.faults import fault_point
 from vt.shared.host_memory import pinned_bytes
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
+from vt.shared.models.components import keeps_float32
 from vt.shared.progress import Progress
 from vt.shared.runtime import map_large_allocations
 from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
+from vt.train import refusals
 from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.caption_dropout import drop_captions, dropped
-from vt.shared.models.components import keeps_float32
 from vt.train.checkpoint import Checkpointer
 from vt.train.data import Batch, BatchReader, bucket_batch_sizes, watermark
 from vt.train.ema import EMA, checkpoint_has_ema
@@ -54,8 +54,14 @@ from vt.train.guidance import guidance_for
 from vt.train.model_build import Dtypes, build_transformer
 from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel import parallelize
-from vt.train.parallel.batching import (Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators,
-                                        take_slice)
+from vt.train.parallel.batching import (
+    Slice,
+    draw_audio_noise,
+    draw_audio_sigmas,
+    draw_inputs,
+    spec_generators,
+    take_slice,
+)
 from vt.train.parallel.block_swap import BlockSwap, swapped_blocks
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.offload import OffloadSaved
@@ -64,7 +70,6 @@ from vt.train.parallel.pp import Pipeline, one_sample_microbatches
 from vt.train.parallel.pp_validation import staged_inference
 from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
-from vt.train import refusals
 from vt.train.read_ahead import ReadAhead
 from vt.train.report import ReportWriter
 from vt.train.trackers import Tracker
@@ -130,8 +135,10 @@ def stop_if_not_finite(step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -
     if math.isfinite(loss_value) and math.isfinite(norm):
         return
     what = f"loss is {loss_value}" if not math.isfinite(loss_value) else f"gradient norm is {norm} (loss {loss_value})"
-    raise FloatingPointError(f"{what} at step {step}, which the optimizer did not apply (the weights are step "
-                             f"{step - 1}'s, as in its checkpoint); lower train.lr or check the data")
+    raise FloatingPointError(
+        f"{what} at step {step}, which the optimizer did not apply (the weights are step "
+        f"{step - 1}'s, as in its checkpoint); lower train.lr or check the data"
+    )
 
 
 class Trainer:
@@ -166,8 +173,9 @@ class Trainer:
         self.startup.mark("model_spec")
 
         self.transformer = self._build_model()
-        self.pipeline = Pipeline(self.transformer, self.world, config.parallel.pp_schedule) \
-            if self.world.dims.pp > 1 else None
+        self.pipeline = (
+            Pipeline(self.transformer, self.world, config.parallel.pp_schedule) if self.world.dims.pp > 1 else None
+        )
         self.block_swap = self._swap_blocks()  # parallel.blocks_on_gpu (parallel/block_swap.py); None: off
         self.startup.mark("model_built")
         self.startup_peak_gb = peak_memory_gb(self.device)  # the start-up phase's (memory.json, beside the plan's)
@@ -178,28 +186,49 @@ class Trainer:
         self.offload = OffloadSaved(self.device) if config.parallel.activation_offload else None
         warmup = max(train.warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(  # counts optimizer steps, not micro-steps
-            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0)
+            self.optimizer, lambda step: min(1.0, (step + 1) / warmup) if warmup else 1.0
+        )
 
         keep = config.window.size == "keep"
-        self.window = Window(config.window.uri, config.window.size, config.window.poll_seconds,
-                             config.window.timeout_seconds)
+        self.window = Window(
+            config.window.uri, config.window.size, config.window.poll_seconds, config.window.timeout_seconds
+        )
         # The window's shards this run takes: checked against the config without reading an encoder it never loads.
         self.shards = WindowMatch(config, self.spec, self.world, loads=validation_loads(self.spec, config))
         self.batch_sizes = bucket_batch_sizes(train, self.spec, self.buckets)  # train.tokens_per_batch: by bucket
-        self.reader = BatchReader(self.window, self.batch_sizes.__getitem__, passes=train.epochs if keep else 1,
-                                  check_record=self.shards.check,
-                                  # rank 0 writes the read position once a step (or before it waits for a commit)
-                                  on_read=self.window.note_read if self.is_main else (lambda position: None),
-                                  order=OrderFromRankZero(self.window, self.world),  # rank 0 lists, the rest receive
-                                  dp_rank=self.world.dp_rank, dp_size=self.world.dims.dp)  # each reads its rows
+        self.reader = BatchReader(
+            self.window,
+            self.batch_sizes.__getitem__,
+            passes=train.epochs if keep else 1,
+            check_record=self.shards.check,
+            # rank 0 writes the read position once a step (or before it waits for a commit)
+            on_read=self.window.note_read if self.is_main else (lambda position: None),
+            order=OrderFromRankZero(self.window, self.world),  # rank 0 lists, the rest receive
+            dp_rank=self.world.dp_rank,
+            dp_size=self.world.dims.dp,
+        )  # each reads its rows
         self.data_state: dict | None = None  # the reader's cursor after the last batch trained (checkpoints)
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints")
-        self.tracker = Tracker(self.run_dir, config.log.every_steps, config.log.every_seconds,
-                               wandb=config.log.wandb, tensorboard=config.log.tensorboard, enabled=self.is_main)
+        self.tracker = Tracker(
+            self.run_dir,
+            config.log.every_steps,
+            config.log.every_seconds,
+            wandb=config.log.wandb,
+            tensorboard=config.log.tensorboard,
+            enabled=self.is_main,
+        )
         self.report = ReportWriter(self.run_dir, config.log.report_every_seconds, enabled=self.is_main)
-        self.validator = Validator(self.spec, config, self.buckets[0], self.world, self.window, self.shards,
-                                   autocast=self.amp_dtype, parts_dtype=self.dtypes.pipeline_parts,
-                                   extra_parts=self._untrained_experts)
+        self.validator = Validator(
+            self.spec,
+            config,
+            self.buckets[0],
+            self.world,
+            self.window,
+            self.shards,
+            autocast=self.amp_dtype,
+            parts_dtype=self.dtypes.pipeline_parts,
+            extra_parts=self._untrained_experts,
+        )
         self._frozen_experts: dict[str, torch.nn.Module] | None = None  # validation's other experts (one-expert runs)
         self.step = 0
         self._checkpointed = -1
@@ -207,9 +236,18 @@ class Trainer:
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
         self.guidance = guidance_for(config, self.spec, self.empty_caption)  # train.guidance_scale: train/guidance.py
         # data.eval: the held-out loss every train.eval_every steps and at the end (train/eval_loss.py)
-        self.held_out = HeldOut(config, self.spec, self.world, self.shards.check, self._route_losses,
-                                inference=self._staged if self.pipeline is not None else None) \
-            if config.data.eval else None
+        self.held_out = (
+            HeldOut(
+                config,
+                self.spec,
+                self.world,
+                self.shards.check,
+                self._route_losses,
+                inference=self._staged if self.pipeline is not None else None,
+            )
+            if config.data.eval
+            else None
+        )
         self._evaluated = -1  # the last step the held-out loss was computed at
         self._logged: dict = {}  # the last logged step's values (a final held-out loss joins them)
         self.startup.mark("window_and_validator")
@@ -220,16 +258,19 @@ class Trainer:
         from vt.shared import runtime
         from vt.train.parallel.layout import cached_layout
 
-        return cached_layout(self.config, runtime.world_size(), device, runtime.local_world_size(),
-                             self.config.run_dir)
+        return cached_layout(self.config, runtime.world_size(), device, runtime.local_world_size(), self.config.run_dir)
 
     def _check_kernels(self) -> None:
         """Attention backends, fp8 and CPU offload: stop at start-up when this machine cannot run them."""
         train = self.config.train
         check_backend(train.attention_backend, self.device)
         if train.validation_attention_backend:
-            check_backend(train.validation_attention_backend, self.device, training=False,
-                          key="train.validation_attention_backend")
+            check_backend(
+                train.validation_attention_backend,
+                self.device,
+                training=False,
+                key="train.validation_attention_backend",
+            )
         check_fp8_training(train, self.device)
 
     def _build_transformer(self, component: str, mode: str) -> torch.nn.Module:
@@ -242,20 +283,39 @@ class Trainer:
         def lay_out(model: torch.nn.Module, materialize) -> None:
             if train.fp8_training != "none" and trains:
                 apply_fp8_training(model, train.fp8_training, fsdp=dims.fsdp_enabled)
-            parallelize(model, self.spec, self.world, activation_checkpointing=parallel.activation_checkpointing and trains,
-                        compile=parallel.compile and trains, param_dtype=param_dtype if dims.fsdp_enabled else None,
-                        cpu_offload=parallel.cpu_offload, materialize=materialize)
+            parallelize(
+                model,
+                self.spec,
+                self.world,
+                activation_checkpointing=parallel.activation_checkpointing and trains,
+                compile=parallel.compile and trains,
+                param_dtype=param_dtype if dims.fsdp_enabled else None,
+                cpu_offload=parallel.cpu_offload,
+                materialize=materialize,
+            )
 
-        lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets,
-                "kind": train.adapter}
+        lora = {
+            "rank": train.lora_rank,
+            "alpha": train.lora_alpha,
+            "targets": train.lora_targets,
+            "kind": train.adapter,
+        }
         resident = parallel.blocks_on_gpu if trains else None  # block swap: those blocks built in host memory
-        return build_transformer(self.spec, component, self.world, mode=mode, lora=lora,
-                                 storage_dtype=self.dtypes.storage(mode), compute_dtype=self.dtypes.compute,
-                                 frozen_dtype=self.dtypes.frozen,
-                                 parallelize=lay_out, seed=train.seed,
-                                 cpu_offload=parallel.cpu_offload and dims.fsdp_enabled, quantize=train.quantize_base,
-                                 host_blocks=None if resident is None else
-                                 lambda model: swapped_blocks(self.spec, model, resident))
+        return build_transformer(
+            self.spec,
+            component,
+            self.world,
+            mode=mode,
+            lora=lora,
+            storage_dtype=self.dtypes.storage(mode),
+            compute_dtype=self.dtypes.compute,
+            frozen_dtype=self.dtypes.frozen,
+            parallelize=lay_out,
+            seed=train.seed,
+            cpu_offload=parallel.cpu_offload and dims.fsdp_enabled,
+            quantize=train.quantize_base,
+            host_blocks=None if resident is None else lambda model: swapped_blocks(self.spec, model, resident),
+        )
 
     def _swap_blocks(self) -> BlockSwap | None:
         resident = self.config.parallel.blocks_on_gpu
@@ -263,8 +323,13 @@ class Trainer:
             return None
         blocks = [block for _, block in self.spec.named_blocks(self.transformer)]
         swap = BlockSwap(blocks, resident, self.device)
-        log.info("block swap: %d of %d blocks on %s, %d in host memory", min(resident, len(blocks)), len(blocks),
-                 self.device, len(swap.swapped))
+        log.info(
+            "block swap: %d of %d blocks on %s, %d in host memory",
+            min(resident, len(blocks)),
+            len(blocks),
+            self.device,
+            len(swap.swapped),
+        )
         return swap
 
     def _build_model(self) -> torch.nn.Module:
@@ -274,8 +339,9 @@ class Trainer:
         torch.manual_seed(train.seed)
         experts = self.spec.trained_experts
         if experts:
-            transformer = torch.nn.ModuleDict({name: self._build_transformer(component, train.mode)
-                                               for name, component in experts.items()})
+            transformer = torch.nn.ModuleDict(
+                {name: self._build_transformer(component, train.mode) for name, component in experts.items()}
+            )
         else:
             transformer = self._build_transformer(self.spec.trained_component, train.mode)
         transformer.train()
@@ -283,8 +349,14 @@ class Trainer:
         log.info("attention backend %s (diffusers dispatcher, %d attention modules)", train.attention_backend, modules)
         trainable = sum(p.numel() for p in transformer.parameters() if p.requires_grad)
         total = sum(p.numel() for p in transformer.parameters())
-        log.info("%s %s: %.2fM trainable of %.2fM parameters on %s", self.spec.family, train.mode,
-                 trainable / 1e6, total / 1e6, self.device)
+        log.info(
+            "%s %s: %.2fM trainable of %.2fM parameters on %s",
+            self.spec.family,
+            train.mode,
+            trainable / 1e6,
+            total / 1e6,
+            self.device,
+        )
         return transformer
 
     def _untrained_experts(self) -> dict[str, torch.nn.Module]:
@@ -293,8 +365,9 @@ class Trainer:
         if self._frozen_experts is None:
             trained = set(self.spec.trained_experts.values()) or {self.spec.trained_component}
             others = [component for component, _ in self.spec.experts().values() if component not in trained]
-            self._frozen_experts = {component: self._build_transformer(component, "frozen").eval()
-                                    for component in others}
+            self._frozen_experts = {
+                component: self._build_transformer(component, "frozen").eval() for component in others
+            }
         return self._frozen_experts
 
     @property
@@ -310,8 +383,9 @@ class Trainer:
         if self.ema is not None and checkpoint_has_ema(path):
             extra = {"ema": self.ema.state_dict()}
         elif self.ema is not None:
-            log.warning("%s holds no average of the weights (train.ema_decay was off): it starts from the resumed "
-                        "weights", path)
+            log.warning(
+                "%s holds no average of the weights (train.ema_decay was off): it starts from the resumed weights", path
+            )
         state = self.checkpointer.load(path, self.transformer, self.optimizer, self.scheduler, extra)
         self.step = self._checkpointed = state["step"]
         self.reader.load_state_dict(state["data"])
@@ -334,8 +408,9 @@ class Trainer:
         train = self.config.train
         progress = Progress(train.max_steps or None, "train", enabled=self.config.log.progress and self.is_main)
         progress.update(self.step)
-        read_ahead = ReadAhead(self.reader, train.read_ahead_mb * 2**20, max_batches=4 * train.grad_accum,
-                               pin=self.device.type == "cuda")
+        read_ahead = ReadAhead(
+            self.reader, train.read_ahead_mb * 2**20, max_batches=4 * train.grad_accum, pin=self.device.type == "cuda"
+        )
         batches = iter(read_ahead)
         stats = StepStats()
         last_loss = math.nan
@@ -358,8 +433,9 @@ class Trainer:
             if "first_step" not in self.startup.marks:
                 self._write_startup()
             stats.samples += sum(len(b) for b in micro)
-            stats.tokens += sum(len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:])
-                                for b in micro)  # transformer tokens of the whole job
+            stats.tokens += sum(
+                len(b) * self.spec.tokens_per_sample(b.tensors["latents"].shape[1:]) for b in micro
+            )  # transformer tokens of the whole job
             evaluate = self.held_out is not None and train.eval_every and self.step % train.eval_every == 0
             if evaluate:  # every rank at once (its forwards are sharded like the training step's)
                 metrics.update(self.evaluate())
@@ -498,15 +574,17 @@ class Trainer:
         levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
         shift = self._shift(part.tensors["latents"].shape[1:])
         density = dict(logit_mean=train.logit_mean, logit_std=train.logit_std, mode_scale=train.mode_scale)
-        sigmas, noise = draw_inputs(part, train.seed, self.step, train.sigma_sampling, shift,
-                                    self.spec.sigma_range(), levels, **density)
+        sigmas, noise = draw_inputs(
+            part, train.seed, self.step, train.sigma_sampling, shift, self.spec.sigma_range(), levels, **density
+        )
         draws = Draws(sigmas, noise, spec_generators(part, train.seed, self.step))
         if "audio_latents" in part.tensors:
             draws.audio_noise = draw_audio_noise(part, train.seed, self.step)
             if self.spec.audio_timesteps == "independent":
                 shift = self.config.model.audio_shift or self.spec.sound.default_shift or shift
-                draws.audio_sigmas = draw_audio_sigmas(part, train.seed, self.step, train.sigma_sampling, shift,
-                                                       **density)
+                draws.audio_sigmas = draw_audio_sigmas(
+                    part, train.seed, self.step, train.sigma_sampling, shift, **density
+                )
         return draws
 
     def _route_losses(self, model: torch.nn.Module, part: Slice, draws: Draws | None = None):
@@ -524,19 +602,28 @@ class Trainer:
         models = expert_modules(model)
         for route in routes(self.spec, sigmas, part.count):
             rows = slice(None) if route.expert is None else route.rows
-            with torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                                enabled=self.amp_dtype is not None), \
-                    (self.offload() if self.offload is not None else contextlib.nullcontext()):
+            with (
+                torch.autocast(
+                    self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+                ),
+                self.offload() if self.offload is not None else contextlib.nullcontext(),
+            ):
                 forward = self.spec.forward if self.guidance is None else self.guidance.forward  # guided targets
-                out = forward(models[route.expert], {k: v[rows] for k, v in tensors.items()},
-                              sigmas[rows].to(self.device), noise[rows].to(self.device),
-                              generators=generators if route.expert is None
-                              else [generators[row] for row in route.rows.tolist()])
+                out = forward(
+                    models[route.expert],
+                    {k: v[rows] for k, v in tensors.items()},
+                    sigmas[rows].to(self.device),
+                    noise[rows].to(self.device),
+                    generators=generators if route.expert is None else [generators[row] for row in route.rows.tolist()],
+                )
             weights = loss_weights(sigmas[rows], train.loss_weighting)  # None: unweighted
             audio_weights = None if audio_sigmas is None else loss_weights(audio_sigmas[rows], train.loss_weighting)
-            loss, audio_loss = joint_loss(out, self.config.model.audio_weight,
-                                          None if weights is None else weights.to(self.device),
-                                          None if audio_weights is None else audio_weights.to(self.device))
+            loss, audio_loss = joint_loss(
+                out,
+                self.config.model.audio_weight,
+                None if weights is None else weights.to(self.device),
+                None if audio_weights is None else audio_weights.to(self.device),
+            )
             yield loss, audio_loss, route.count
 
     def _pipeline_micro_step(self, part: Slice, scale: float) -> torch.Tensor:
@@ -583,16 +670,30 @@ class Trainer:
         if self.is_main:
             with open(self.run_dir / "samples.jsonl", "a") as f:
                 for batch in micro:
-                    f.write(json.dumps({"step": step, "epoch": batch.epoch, "bucket": batch.bucket,
-                                        "keys": batch.keys}) + "\n")
+                    f.write(
+                        json.dumps({"step": step, "epoch": batch.epoch, "bucket": batch.bucket, "keys": batch.keys})
+                        + "\n"
+                    )
         if self.world.dims.distributed:
             folder = self.run_dir / "samples"
             folder.mkdir(exist_ok=True)
             coordinate = self.world.dims.coordinate(self.world.rank)
             with open(folder / f"rank{self.world.rank}.jsonl", "a") as f:
                 for index, part in enumerate(parts):
-                    f.write(json.dumps({"step": step, "micro": index, "epoch": part.epoch, "bucket": part.bucket,
-                                        "keys": part.keys, "dp_rank": self.world.dp_rank, **coordinate}) + "\n")
+                    f.write(
+                        json.dumps(
+                            {
+                                "step": step,
+                                "micro": index,
+                                "epoch": part.epoch,
+                                "bucket": part.bucket,
+                                "keys": part.keys,
+                                "dp_rank": self.world.dp_rank,
+                                **coordinate,
+                            }
+                        )
+                        + "\n"
+                    )
 
     def checkpoint(self) -> Path:
         """Save the step's state (every rank writes its part)."""
@@ -600,15 +701,23 @@ class Trainer:
             return self.checkpointer.latest()
         self._checkpointed = self.step
         data = self.data_state if self.data_state is not None else self.reader.state_dict()  # the last batch trained
-        path = self.checkpointer.save(self.step, self.transformer, self.optimizer, self.scheduler,
-                                      {"data": data, "shards": self.shards.state_dict()},
-                                      {"ema": self.ema.state_dict()} if self.ema is not None else None)
+        path = self.checkpointer.save(
+            self.step,
+            self.transformer,
+            self.optimizer,
+            self.scheduler,
+            {"data": data, "shards": self.shards.state_dict()},
+            {"ema": self.ema.state_dict()} if self.ema is not None else None,
+        )
         if self.is_main:  # the single writer of the window's consumer state
             self.window.flush_read(force=True)
             self.window.publish_watermark(watermark(data))
             evicting = self.window.evict_read(background=True)  # the deletes on a thread of their own
-            log.info("checkpoint %s (%s)", path, "evicting below the watermark" if evicting is None else
-                     f"evicting {len(evicting)} files")
+            log.info(
+                "checkpoint %s (%s)",
+                path,
+                "evicting below the watermark" if evicting is None else f"evicting {len(evicting)} files",
+            )
         fault_point("train.after_checkpoint")
         return path
 
@@ -621,8 +730,14 @@ class Trainer:
             return self._validated[1]
         train = self.config.train
         average = self.ema.swapped_in() if self.ema is not None and train.ema_validation else contextlib.nullcontext()
-        with backend_for(self.transformer, train.validation_attention_backend or train.attention_backend,
-                         restore=train.attention_backend), average:
+        with (
+            backend_for(
+                self.transformer,
+                train.validation_attention_backend or train.attention_backend,
+                restore=train.attention_backend,
+            ),
+            average,
+        ):
             videos = self.validator.run(self.transformer, self.step)
         self.world.barrier()
         self._validated = (self.step, videos)
@@ -631,8 +746,10 @@ class Trainer:
     # -- the end -------------------------------------------------------------------------------------
     def finish(self, last_loss: float) -> dict:
         if self.step == 0:
-            raise RuntimeError("the window had no data to train on: did vt-precompute commit any shards? "
-                               "See its precompute_report.json")
+            raise RuntimeError(
+                "the window had no data to train on: did vt-precompute commit any shards? "
+                "See its precompute_report.json"
+            )
         if self.is_main:
             self.window.flush_read(force=True)  # the last read position, also when the final checkpoint is there
         self.checkpoint()
@@ -646,8 +763,14 @@ class Trainer:
             plot = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png")
             summary["loss_plot"] = str(plot)
             summary["report"] = str(self.report.update(final=True))
-            log.info("done: %d steps, last loss %.4f; weights in %s; loss plot %s; report %s", self.step, last_loss,
-                     export, plot, summary["report"])
+            log.info(
+                "done: %d steps, last loss %.4f; weights in %s; loss plot %s; report %s",
+                self.step,
+                last_loss,
+                export,
+                plot,
+                summary["report"],
+            )
         self.world.barrier()
         return summary
 
@@ -656,9 +779,11 @@ class Trainer:
         host resident set, the part of it that was there before the trainer built anything (imports), the host
         memory vt page-locked (block swap's and activation offload's arenas), and on CUDA the peak allocated GPU
         memory, over the run and over start-up alone. Every rank calls it (a gather)."""
-        memory = {"host_peak_gb": self.world.gather_floats(host_peak_gb()),
-                  "host_baseline_gb": self.world.gather_floats(self.host_baseline_gb),
-                  "host_pinned_gb": self.world.gather_floats(pinned_bytes() / 2**30)}
+        memory = {
+            "host_peak_gb": self.world.gather_floats(host_peak_gb()),
+            "host_baseline_gb": self.world.gather_floats(self.host_baseline_gb),
+            "host_pinned_gb": self.world.gather_floats(pinned_bytes() / 2**30),
+        }
         if self.device.type == "cuda":
             memory["gpu_peak_gb"] = self.world.gather_floats(peak_memory_gb(self.device))
             memory["gpu_startup_peak_gb"] = self.world.gather_floats(self.startup_peak_gb)
@@ -684,8 +809,13 @@ class Trainer:
         experts = self.spec.trained_experts
         for expert, module in expert_modules(self.transformer).items():
             folder = root / "model" / experts[expert] if expert else root / "model"
-            write_full_weights(module, folder, dtype_of=lambda name, tensor, module=module: (
-                torch.float32 if keeps_float32(module, name) else self.spec.frozen_dtype))
+            write_full_weights(
+                module,
+                folder,
+                dtype_of=lambda name, tensor, module=module: (
+                    torch.float32 if keeps_float32(module, name) else self.spec.frozen_dtype
+                ),
+            )
 
     def export_path(self) -> Path:
         """Where `export` writes (LoRA file or model folder), known on every rank."""

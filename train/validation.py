@@ -48,8 +48,18 @@ def validation_loads(spec: ModelSpec, config: Config) -> set[str]:
 
 
 class Validator:
-    def __init__(self, spec: ModelSpec, config: Config, bucket: Bucket, world, window, shards,
-                 autocast: torch.dtype | None = None, parts_dtype: torch.dtype | None = None, extra_parts=None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        config: Config,
+        bucket: Bucket,
+        world,
+        window,
+        shards,
+        autocast: torch.dtype | None = None,
+        parts_dtype: torch.dtype | None = None,
+        extra_parts=None,
+    ):
         """`autocast`: the training's autocast dtype, which validation runs in too (None: float32, as training).
         `parts_dtype`: what the pipeline parts it loads are in (`Dtypes.pipeline_parts`; None: model.dtype).
         `extra_parts()`: pipeline parts the trainer already holds besides the trained transformer (a
@@ -64,13 +74,17 @@ class Validator:
         self.last_images = [load_image(p) for p in config.train.validation_last_images]  # flf2v (config.py checks)
         task = config.model.task
         if self.prompts and task in ("i2v", "flf2v") and len(self.images) != len(self.prompts):
-            raise UserError(f"model.task = {task!r} needs one train.validation_images entry per validation prompt "
-                             f"({len(self.prompts)} prompts, {len(self.images)} images)")
+            raise UserError(
+                f"model.task = {task!r} needs one train.validation_images entry per validation prompt "
+                f"({len(self.prompts)} prompts, {len(self.images)} images)"
+            )
         videos = config.train.validation_videos  # control videos (config.py checks who may set them)
         if self.prompts and spec.control_video and len(videos) != len(self.prompts):
-            raise UserError(f"{spec.family} trains on a control video, so each validation prompt needs one: set "
-                             f"train.validation_videos, one video file per prompt ({len(self.prompts)} prompts, "
-                             f"{len(videos)} videos)")
+            raise UserError(
+                f"{spec.family} trains on a control video, so each validation prompt needs one: set "
+                f"train.validation_videos, one video file per prompt ({len(self.prompts)} prompts, "
+                f"{len(videos)} videos)"
+            )
         # Fitted to the validation bucket as stage 1 fits a sample's control video, once.
         self.controls = [_read_control(path, bucket, config.buckets.fps) for path in videos] if self.prompts else []
         self._conditions: list[dict[str, torch.Tensor]] | None = None
@@ -93,23 +107,31 @@ class Validator:
             items = [prompt_input(p) for p in self.prompts] + [image_input(path) for path in images]
             items += [image_input(path, "train.validation_last_images") for path in last_images]
             # A text encoder that reads each prompt with its image (`spec.text_with_image`): one input per pair.
-            pairs = [pair_input(*pair) for pair in zip(self.prompts, train.validation_images)] \
-                if self.spec.text_with_image else []
+            pairs = (
+                [pair_input(*pair) for pair in zip(self.prompts, train.validation_images)]
+                if self.spec.text_with_image
+                else []
+            )
             items += pairs
             negative = prompt_input(self.spec.negative_prompt)
-            stored = {item.key: self.window.validation(self.shards.fingerprint, item.key) for item in [*items, negative]}
+            stored = {
+                item.key: self.window.validation(self.shards.fingerprint, item.key) for item in [*items, negative]
+            }
             missing = [self._describe(item) for item in [*items, negative] if stored[item.key] is None]
             if missing:
                 raise MissingConditions(
                     f"the window {self.window.uri} holds no conditions for {', '.join(dict.fromkeys(missing))} "
                     f"(shards {self.shards.fingerprint}): stage 1 encodes train.validation_prompts (and i2v images), so the "
                     "trainer needs no text encoder. Encode them with `vt-precompute prompts CONFIG` (it loads only "
-                    "the text encoders), or remove them from the config")
+                    "the text encoders), or remove them from the config"
+                )
             decoded = {key: decode_conditions(data) for key, data in stored.items()}
             self._conditions = []
             for index, prompt in enumerate(self.prompts):
-                merged = {**decoded[prompt_input(prompt).key],
-                          **{f"negative_{k}": v for k, v in decoded[negative.key].items()}}
+                merged = {
+                    **decoded[prompt_input(prompt).key],
+                    **{f"negative_{k}": v for k, v in decoded[negative.key].items()},
+                }
                 if images:
                     merged.update(decoded[image_input(images[index]).key])
                 if last_images:
@@ -144,9 +166,9 @@ class Validator:
         conditions = self.conditions()
         device = str(self.world.device)
         if self._pipeline is None:
-            self._pipeline = self.spec.build_pipeline(transformer, device=device, text_encoders=False,
-                                                      dtype=self.parts_dtype,
-                                                      **self.extra_parts())
+            self._pipeline = self.spec.build_pipeline(
+                transformer, device=device, text_encoders=False, dtype=self.parts_dtype, **self.extra_parts()
+            )
         pipeline = self._pipeline
         parts_to(pipeline, self.world.device)  # (kept in host memory between validations)
         if self._tiled is None:
@@ -168,18 +190,32 @@ class Validator:
                 extra = {"last_image": self.last_images[shown]} if self.last_images else {}  # flf2v
                 if self.controls:  # the prompt's control video
                     extra["control"] = self.controls[shown]
-                with torch.autocast(torch.device(device).type, dtype=self.autocast or torch.float32,
-                                    enabled=self.autocast is not None), staged_inference(stages, self.world.device), \
-                        tiling(pipeline.vae, self._tiled):
-                    frames, sound = self.spec.generate_clip(pipeline, None, self.bucket, train.validation_steps,
-                                                            seed=train.seed + shown, image=image,
-                                                            conditions=conditions[shown],
-                                                            decode=index is not None and decodes, **extra)
+                with (
+                    torch.autocast(
+                        torch.device(device).type,
+                        dtype=self.autocast or torch.float32,
+                        enabled=self.autocast is not None,
+                    ),
+                    staged_inference(stages, self.world.device),
+                    tiling(pipeline.vae, self._tiled),
+                ):
+                    frames, sound = self.spec.generate_clip(
+                        pipeline,
+                        None,
+                        self.bucket,
+                        train.validation_steps,
+                        seed=train.seed + shown,
+                        image=image,
+                        conditions=conditions[shown],
+                        decode=index is not None and decodes,
+                        **extra,
+                    )
                 if index is None:
                     continue
                 if writes:
-                    paths.append(write_video(frames, out_dir / f"{index:02d}.mp4", fps=self.config.buckets.fps,
-                                             sound=sound))
+                    paths.append(
+                        write_video(frames, out_dir / f"{index:02d}.mp4", fps=self.config.buckets.fps, sound=sound)
+                    )
         finally:
             transformer.train(was_training)
             reshard(transformer, held)
@@ -188,7 +224,6 @@ class Validator:
             log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
         return paths
 
-
     def _decode_tiled(self, vae) -> bool:
         """`train.validation_vae_tiling`, with "auto" resolved on a GPU: the untiled decode of one clip of the
         validation bucket, traced on fake tensors (what `vt-train plan` counts), against the memory free now."""
@@ -196,12 +231,18 @@ class Validator:
         free = free_device_memory(self.world.device) if setting == "auto" else None
         untiled = 0
         if free is not None and can_tile(vae):
-            untiled = pass_peak(self.spec.empty_component("vae", vae.dtype), "decode",
-                                (1, *self.spec.latent_shape(self.bucket)))
+            untiled = pass_peak(
+                self.spec.empty_component("vae", vae.dtype), "decode", (1, *self.spec.latent_shape(self.bucket))
+            )
         tiled, why = decide(setting, untiled, free, can_tile(vae))
         if self.world.is_main:
-            log.info("validation decodes %s with the VAE %s (train.validation_vae_tiling = %s: %s)", self.bucket.name,
-                     "tiled" if tiled else "untiled", str(setting).lower(), why)
+            log.info(
+                "validation decodes %s with the VAE %s (train.validation_vae_tiling = %s: %s)",
+                self.bucket.name,
+                "tiled" if tiled else "untiled",
+                str(setting).lower(),
+                why,
+            )
         return tiled
 
 
@@ -219,8 +260,9 @@ def _read_control(path: str, bucket: Bucket, fps: float):
     try:
         return read_fitted(path, bucket, fps)
     except (OSError, ValueError) as err:
-        raise UserError(f"train.validation_videos: cannot use {path!r} ({err}); give video files both stages can "
-                         "read") from err
+        raise UserError(
+            f"train.validation_videos: cannot use {path!r} ({err}); give video files both stages can read"
+        ) from err
 
 
 def hold_no_gathered_weights(model: torch.nn.Module) -> list:

@@ -66,8 +66,11 @@ class WindowMatch:
         verdict = None
         if self.world.is_main:
             meta = read_meta(record)
-            found = {"fingerprint": record.fingerprint, "provenance": meta.get("provenance", {}),
-                     "sources": meta.get("sources")}
+            found = {
+                "fingerprint": record.fingerprint,
+                "provenance": meta.get("provenance", {}),
+                "sources": meta.get("sources"),
+            }
             verdict = self._verdict(found, f"shard {record.data}")
         self._apply(self.world.broadcast_object(verdict))
 
@@ -77,8 +80,11 @@ class WindowMatch:
     def load_state_dict(self, state: dict) -> None:
         """A resumed run takes the checkpoint's shards again, checked against this (maybe changed) config."""
         if state:
-            self._apply(self.world.broadcast_object(
-                self._verdict(state, "the checkpoint's shards") if self.world.is_main else None))
+            self._apply(
+                self.world.broadcast_object(
+                    self._verdict(state, "the checkpoint's shards") if self.world.is_main else None
+                )
+            )
 
     def _verdict(self, found: dict, what: str) -> dict:
         """{"refused": message} or the shards taken, with the encoders not on this disk (rank 0)."""
@@ -91,13 +97,18 @@ class WindowMatch:
             if fingerprint(prov) != found["fingerprint"]:
                 problems.append("its provenance does not give the fingerprint its commit record names (edited?)")
         if problems:
-            return {"refused": f"{what} was made with other settings than this config ({'; '.join(problems)}). "
-                               "Re-run vt-precompute into a fresh window (window.uri) or point the trainer at a "
-                               "config that matches."}
+            return {
+                "refused": f"{what} was made with other settings than this config ({'; '.join(problems)}). "
+                "Re-run vt-precompute into a fresh window (window.uri) or point the trainer at a "
+                "config that matches."
+            }
         checked = sorted(self.loads & set(prov["weights"]))
-        log.info("window shards %s taken; encoders checked by digest: %s; not on this disk, as stage 1 recorded "
-                 "them: %s", found["fingerprint"], ", ".join(checked) or "none (none loaded)",
-                 "; ".join(unseen) or "none")
+        log.info(
+            "window shards %s taken; encoders checked by digest: %s; not on this disk, as stage 1 recorded them: %s",
+            found["fingerprint"],
+            ", ".join(checked) or "none (none loaded)",
+            "; ".join(unseen) or "none",
+        )
         return found
 
     def _apply(self, verdict: dict) -> None:
@@ -107,8 +118,11 @@ class WindowMatch:
 
     def _differences(self, found: dict, sources: dict | None, unseen: list[str]) -> list[str]:
         recorded = found.get("weights", {})
-        problems = [describe_difference(self.settings, {**found, "weights": {}})] \
-            if {**found, "weights": {}} != self.settings else []
+        problems = (
+            [describe_difference(self.settings, {**found, "weights": {}})]
+            if {**found, "weights": {}} != self.settings
+            else []
+        )
         wanted = set(self.spec.stage1_components)
         if set(recorded) != wanted:
             return problems + [f"weights: shard has encoders {sorted(recorded)}, config wants {sorted(wanted)}"]
@@ -134,8 +148,10 @@ class WindowMatch:
             return []
         key = f"model.components.{name}" if name in self.config.model.components else "model.path"
         changed = sorted(set(ours) ^ set(theirs) | {f for f in set(ours) & set(theirs) if ours[f] != theirs[f]})
-        return [f"weights.{name}: {here} holds other files than stage 1 read from {source.get('source')!r} "
-                f"({', '.join(changed[:4])} differ in name or size); point {key} at the {name} stage 1 used"]
+        return [
+            f"weights.{name}: {here} holds other files than stage 1 read from {source.get('source')!r} "
+            f"({', '.join(changed[:4])} differ in name or size); point {key} at the {name} stage 1 used"
+        ]
 
     def _on_disk(self, name: str, revision: str | None) -> Path | None:
         """A component's folder where the config names it, if it is on this disk: a local folder, or a hub id's
@@ -153,4 +169,3 @@ class WindowMatch:
             return None
         folder = root / subfolder if subfolder else root
         return folder if folder.is_dir() else None
-

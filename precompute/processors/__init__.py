@@ -27,9 +27,28 @@ from .sample_frames import sample_times, usable_frames
 from .sound import SoundRequest, decode_sound
 
 __all__ = [
-    "Chain", "Clip", "ErrorPolicy", "PreparedSample", "Processor", "ProcessorBug", "Sample", "SampleError",
-    "SoundRequest", "VideoInfo", "bad_data_only", "build_chain", "decode_at", "decode_sound", "fit_pixels",
-    "fit_to_bucket", "prepare_sample", "probe", "sample_times", "to_model_range", "usable_frames", "worker_init",
+    "Chain",
+    "Clip",
+    "ErrorPolicy",
+    "PreparedSample",
+    "Processor",
+    "ProcessorBug",
+    "Sample",
+    "SampleError",
+    "SoundRequest",
+    "VideoInfo",
+    "bad_data_only",
+    "build_chain",
+    "decode_at",
+    "decode_sound",
+    "fit_pixels",
+    "fit_to_bucket",
+    "prepare_sample",
+    "probe",
+    "sample_times",
+    "to_model_range",
+    "usable_frames",
+    "worker_init",
 ]
 
 

@@ -17,11 +17,11 @@ from .sample import Processor, Sample
 
 
 def strip_boilerplate(text: str) -> str:
-    """"The video shows a red car." -> "A red car."; text without such an opening is returned as is."""
+    """ "The video shows a red car." -> "A red car."; text without such an opening is returned as is."""
     lower = text.lower()
     for phrase in sorted(BOILERPLATE, key=len, reverse=True):
         if lower.startswith(phrase):
-            rest = text[len(phrase):].lstrip(" ,:;")
+            rest = text[len(phrase) :].lstrip(" ,:;")
             return rest[:1].upper() + rest[1:]
     return text
 
@@ -35,8 +35,9 @@ class Caption(Processor):
         if options.field:
             value = sample.meta.get(options.field)
             if not isinstance(value, str):
-                raise SampleError("missing_caption", f"the .json has no text field {options.field!r} "
-                                                     f"(fields: {sorted(sample.meta)})")
+                raise SampleError(
+                    "missing_caption", f"the .json has no text field {options.field!r} (fields: {sorted(sample.meta)})"
+                )
             text = value.strip()
         if options.strip_boilerplate:
             text = strip_boilerplate(text)

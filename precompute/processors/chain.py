@@ -52,8 +52,14 @@ class Chain:
     def _reads_json(self) -> bool:
         return any(isinstance(p, Caption) and p.options.field for p in self.processors)
 
-    def prepare(self, raw: RawSample, buckets: list[Bucket], fps: float,
-                policy: ErrorPolicy = bad_data_only, sound: SoundRequest | None = None) -> list[PreparedSample]:
+    def prepare(
+        self,
+        raw: RawSample,
+        buckets: list[Bucket],
+        fps: float,
+        policy: ErrorPolicy = bad_data_only,
+        sound: SoundRequest | None = None,
+    ) -> list[PreparedSample]:
         """The samples the chain makes of one raw sample; SampleError if it cannot be used (as
         `policy` judges a step's exception; bad_data_only raises ProcessorBug for a bug). `sound`: each
         sample also carries its sound (model.audio), decoded as the request says."""
@@ -67,8 +73,18 @@ class Chain:
             with _step("decode", key, policy):  # opening probes the clip (and its control video): decode's work
                 clip = opened.enter_context(Clip(raw.video))
                 control = None if raw.control is None else opened.enter_context(open_control(raw.control))
-            samples = [Sample(key=key, caption=raw.caption or "", clip=clip, fps=fps, buckets=buckets,
-                              meta=raw.meta or {}, control=control, sound_request=sound)]
+            samples = [
+                Sample(
+                    key=key,
+                    caption=raw.caption or "",
+                    clip=clip,
+                    fps=fps,
+                    buckets=buckets,
+                    meta=raw.meta or {},
+                    control=control,
+                    sound_request=sound,
+                )
+            ]
             for name, processor in zip(self.names, self.processors):
                 with _step(name, key, policy):
                     samples = _unique([out for sample in samples for out in processor(sample)])
@@ -81,8 +97,10 @@ class Chain:
 def _unique(samples: list[Sample]) -> list[Sample]:
     keys = [s.key for s in samples]
     if len(set(keys)) != len(keys):
-        raise UserError(f"the processor chain made samples with the same key {sorted(keys)}; a processor that "
-                         "yields several samples must give each its own key (Sample.derive)")
+        raise UserError(
+            f"the processor chain made samples with the same key {sorted(keys)}; a processor that "
+            "yields several samples must give each its own key (Sample.derive)"
+        )
     return samples
 
 
@@ -92,22 +110,32 @@ def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
     for name in ("pixels", "control_pixels") if raw.control is not None else ("pixels",):
         pixels = getattr(sample, name)
         if pixels is None or tuple(pixels.shape) != expected or pixels.dtype.is_floating_point:
-            raise ValueError(f"sample {sample.key!r} left the chain with {name} "
-                             f"{None if pixels is None else tuple(pixels.shape)}, not uint8 {expected}; a processor "
-                             "after decode must keep the bucket's shape")
+            raise ValueError(
+                f"sample {sample.key!r} left the chain with {name} "
+                f"{None if pixels is None else tuple(pixels.shape)}, not uint8 {expected}; a processor "
+                "after decode must keep the bucket's shape"
+            )
     request = sample.sound_request
     if request is not None:
         expected = (request.channels, request.samples(bucket.frames / sample.fps))
         if sample.sound is None or tuple(sample.sound.shape) != expected or sample.sound.dtype != torch.float32:
             found = None if sample.sound is None else f"{tuple(sample.sound.shape)} {sample.sound.dtype}"
-            raise ValueError(f"sample {sample.key!r} left the chain with sound {found}, not float32 {expected} (the "
-                             "frames' time span at the family's rate); a processor after decode must keep it")
+            raise ValueError(
+                f"sample {sample.key!r} left the chain with sound {found}, not float32 {expected} (the "
+                "frames' time span at the family's rate); a processor after decode must keep it"
+            )
     if not sample.caption:
         raise SampleError(raw.error or "missing_caption", raw.detail or "the sample has no caption")
     control = sample.control_pixels if raw.control is not None else None
-    return PreparedSample(key=sample.key, caption=sample.caption, bucket=bucket, pixels=sample.pixels,
-                          control_pixels=control, sound=sample.sound if request is not None else None,
-                          clip=raw.clip)
+    return PreparedSample(
+        key=sample.key,
+        caption=sample.caption,
+        bucket=bucket,
+        pixels=sample.pixels,
+        control_pixels=control,
+        sound=sample.sound if request is not None else None,
+        clip=raw.clip,
+    )
 
 
 def build_chain(entries: list[dict]) -> Chain:

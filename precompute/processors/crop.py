@@ -25,6 +25,8 @@ class Crop(Processor):
         if self.options.mode == "center":
             box = crop_box(height, width, bucket)
         else:
-            box = (sample.draw("crop.top", self.options.seed, height - bucket.height),
-                   sample.draw("crop.left", self.options.seed, width - bucket.width))
+            box = (
+                sample.draw("crop.top", self.options.seed, height - bucket.height),
+                sample.draw("crop.left", self.options.seed, width - bucket.width),
+            )
         yield replace(sample, box=box)

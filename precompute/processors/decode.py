@@ -187,8 +187,9 @@ class Clip:
         fps = float(rate) if rate else frames / duration
         if span.start or span.end is not None:  # a span of it: its own duration and frames
             if span.start >= duration:
-                raise SampleError("span_outside_video", f"the span starts at {span.start:g}s; the video lasts "
-                                                        f"{duration:.3f}s")
+                raise SampleError(
+                    "span_outside_video", f"the span starts at {span.start:g}s; the video lasts {duration:.3f}s"
+                )
             whole = duration
             duration = min(duration, span.end if span.end is not None else duration) - span.start
             frames = max(1, round(frames * duration / whole))
@@ -197,14 +198,20 @@ class Clip:
         height, width = first.height, max(1, round(first.width * sar))  # displayed: pixels made square
         if rotation in (90, 270):
             height, width = width, height
-        return VideoInfo(fps=fps, frames=frames, duration=duration, height=height, width=width, rotation=rotation,
-                         sample_aspect_ratio=sar)
+        return VideoInfo(
+            fps=fps,
+            frames=frames,
+            duration=duration,
+            height=height,
+            width=width,
+            rotation=rotation,
+            sample_aspect_ratio=sar,
+        )
 
     def _restart(self, seconds: float, count: bool) -> None:
         """Seek to the keyframe at or before `seconds` from the start; decoding resumes there."""
         stream = self._stream
-        self._container.seek(self._origin + int(seconds / stream.time_base), stream=stream,
-                             backward=True)
+        self._container.seek(self._origin + int(seconds / stream.time_base), stream=stream, backward=True)
         self._frames, self._pending, self._at_start = self._decode_forward(), [], False
         if count:
             self.stats["seeks"] += 1
@@ -257,9 +264,15 @@ class Clip:
         # One scaler thread: swscale's default (one per core) costs more to start than a small
         # frame takes to scale, and the worker processes already use the cores. The frame's own
         # colour range (full-range phone video) and matrix (BT.709 for HD) give the right RGB.
-        rgb = self._reformatter.reformat(frame, format="rgb24", width=stored_w, height=stored_h,
-                                         interpolation="AREA" if shrink else "BICUBIC", threads=1,
-                                         src_color_range=frame.color_range).to_ndarray()
+        rgb = self._reformatter.reformat(
+            frame,
+            format="rgb24",
+            width=stored_w,
+            height=stored_h,
+            interpolation="AREA" if shrink else "BICUBIC",
+            threads=1,
+            src_color_range=frame.color_range,
+        ).to_ndarray()
         return np.rot90(rgb, k=rotation // 90) if rotation else rgb
 
     def frames_at(self, times: list[float], size: tuple[int, int] | None = None) -> np.ndarray:
@@ -287,8 +300,9 @@ class Clip:
             for position, frame in enumerate(picked):
                 if frame is not previous:  # a frame shown at several times is converted once
                     if (frame.height, frame.width) != coded:
-                        raise SampleError("frame_size_changes",
-                                          f"frames of {coded} and {(frame.height, frame.width)} in one clip")
+                        raise SampleError(
+                            "frame_size_changes", f"frames of {coded} and {(frame.height, frame.width)} in one clip"
+                        )
                     rgb, previous = self._to_rgb(frame, height, width), frame
                 out[order[position]] = rgb
         except av.FFmpegError as err:
@@ -306,8 +320,13 @@ def probe(video: bytes) -> VideoInfo:
         return clip.info
 
 
-def decode_at(video: bytes, times: list[float], info: VideoInfo | None = None, stats: dict | None = None,
-              size: tuple[int, int] | None = None) -> np.ndarray:
+def decode_at(
+    video: bytes,
+    times: list[float],
+    info: VideoInfo | None = None,
+    stats: dict | None = None,
+    size: tuple[int, int] | None = None,
+) -> np.ndarray:
     """(F, H, W, 3) uint8 RGB: the frame shown at each time (seconds from the clip's start).
 
     Opens the clip itself (`info`, from an earlier probe, is accepted for callers that have it and
@@ -317,7 +336,10 @@ def decode_at(video: bytes, times: list[float], info: VideoInfo | None = None, s
     """
     with Clip(video) as clip:
         if info is not None and (info.height, info.width, info.rotation) != (
-                clip.info.height, clip.info.width, clip.info.rotation):
+            clip.info.height,
+            clip.info.width,
+            clip.info.rotation,
+        ):
             raise ValueError(f"info describes another clip: {info} vs {clip.info}")
         out = clip.frames_at(times, size)
         if stats is not None:

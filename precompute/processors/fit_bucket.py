@@ -57,15 +57,15 @@ def fit_pixels(frames: np.ndarray, bucket: Bucket, box: tuple[int, int] | None =
     if not (0 <= top <= size[0] - bucket.height and 0 <= left <= size[1] - bucket.width):
         raise ValueError(f"crop box {box} does not fit {bucket.name} in a {size[0]}x{size[1]} frame")
     if size == (height, width):  # the decoder already scaled: crop, then one copy into channel-first
-        crop = frames[:, top:top + bucket.height, left:left + bucket.width]
+        crop = frames[:, top : top + bucket.height, left : left + bucket.width]
         return torch.from_numpy(np.ascontiguousarray(crop.transpose(3, 0, 1, 2)))
     out = torch.empty(3, bucket.frames, bucket.height, bucket.width, dtype=torch.uint8)
     for first in range(0, bucket.frames, _CHUNK):
-        chunk = torch.from_numpy(np.ascontiguousarray(frames[first:first + _CHUNK]))
+        chunk = torch.from_numpy(np.ascontiguousarray(frames[first : first + _CHUNK]))
         chunk = chunk.permute(0, 3, 1, 2).float()  # (f, 3, H, W)
         chunk = F.interpolate(chunk, size=size, mode="bilinear", antialias=True, align_corners=False)
-        chunk = chunk[:, :, top:top + bucket.height, left:left + bucket.width]
-        out[:, first:first + chunk.shape[0]] = chunk.round_().clamp_(0, 255).permute(1, 0, 2, 3)
+        chunk = chunk[:, :, top : top + bucket.height, left : left + bucket.width]
+        out[:, first : first + chunk.shape[0]] = chunk.round_().clamp_(0, 255).permute(1, 0, 2, 3)
     return out
 
 
@@ -91,9 +91,16 @@ class Decode(Processor):
         times = sample_times(info, sample.fps, bucket.frames, sample.start)
         pixels = fit_pixels(sample.clip.frames_at(times, size=size), bucket, sample.box)
         control = None if sample.control is None else decode_control(sample, times, size)
-        sound = None if sample.sound_request is None else decode_sound(
-            sample.clip.data, sample.clip.origin_seconds + sample.start, bucket.frames / sample.fps,
-            sample.sound_request)
+        sound = (
+            None
+            if sample.sound_request is None
+            else decode_sound(
+                sample.clip.data,
+                sample.clip.origin_seconds + sample.start,
+                bucket.frames / sample.fps,
+                sample.sound_request,
+            )
+        )
         yield replace(sample, pixels=pixels, control_pixels=control, sound=sound)
 
 
@@ -104,8 +111,11 @@ def decode_control(sample: Sample, times: list[float], size: tuple[int, int]) ->
     clip, info, bucket = sample.control, sample.info, sample.bucket
     end = times[-1] + 1 / sample.fps
     if times[-1] >= clip.info.duration - _EPS:  # no control frame on screen at the last time (sample_times' rule)
-        raise SampleError("control_too_short", f"the control video lasts {clip.info.duration:.3f}s; the sampled "
-                                               f"frames run from {times[0]:g}s to {end:.3f}s")
+        raise SampleError(
+            "control_too_short",
+            f"the control video lasts {clip.info.duration:.3f}s; the sampled "
+            f"frames run from {times[0]:g}s to {end:.3f}s",
+        )
     try:
         check_control(clip.info, info)
         frames = clip.frames_at(times, size=size)
@@ -118,9 +128,12 @@ def check_control(control: VideoInfo, clip: VideoInfo) -> None:
     """SampleError("control_aspect") unless the control video has the clip's displayed aspect ratio."""
     ratio = (control.width / control.height) / (clip.width / clip.height)
     if abs(ratio - 1) > _ASPECT_SLACK:
-        raise SampleError("control_aspect", f"the control video is {control.width}x{control.height} (width x "
-                                            f"height), the clip {clip.width}x{clip.height}: another aspect ratio, so "
-                                            "their pixels cannot line up")
+        raise SampleError(
+            "control_aspect",
+            f"the control video is {control.width}x{control.height} (width x "
+            f"height), the clip {clip.width}x{clip.height}: another aspect ratio, so "
+            "their pixels cannot line up",
+        )
 
 
 def control_error(err: SampleError) -> SampleError:

@@ -36,8 +36,10 @@ class ProcessorBug(RuntimeError):
         self.step, self.key, self.error, self.traceback = step, key, error, traceback_text
 
     def __str__(self) -> str:
-        return (f"processor {self.step!r} raised {self.error} on sample {self.key!r} "
-                "(a bug in the processor, not bad data; traceback above)")
+        return (
+            f"processor {self.step!r} raised {self.error} on sample {self.key!r} "
+            "(a bug in the processor, not bad data; traceback above)"
+        )
 
 
 def bad_data_only(err: Exception, step: str, key: str) -> SampleError:

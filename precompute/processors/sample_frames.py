@@ -64,14 +64,20 @@ class SampleFrames(Processor):
         bucket = choose_bucket(sample.buckets, available, info.height, info.width)
         if bucket is None:
             shortest = min(b.frames for b in sample.buckets)
-            raise SampleError("too_short", f"{sample.key!r} lasts {info.duration:.2f}s = {available} frames at "
-                                           f"{fps:g} fps; the smallest bucket needs {shortest}")
+            raise SampleError(
+                "too_short",
+                f"{sample.key!r} lasts {info.duration:.2f}s = {available} frames at "
+                f"{fps:g} fps; the smallest bucket needs {shortest}",
+            )
         mode = self.options.mode
         if mode == "start":
             yield replace(sample, bucket=bucket, start=0.0)
         elif mode == "random":
-            yield replace(sample, bucket=bucket, start=sample.draw("sample_frames", self.options.seed,
-                                                                   available - bucket.frames) / fps)
+            yield replace(
+                sample,
+                bucket=bucket,
+                start=sample.draw("sample_frames", self.options.seed, available - bucket.frames) / fps,
+            )
         elif mode == "uniform":
             last = available - bucket.frames  # the latest start, in frame steps
             count = min(self.options.windows, last + 1)

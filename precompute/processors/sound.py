@@ -42,8 +42,9 @@ class SoundRequest:
 
     def __post_init__(self):
         if self.sample_rate < 1 or self.channels not in (1, 2) or self.missing not in ("skip", "silence"):
-            raise ValueError(f"a sound request needs a rate >= 1, 1 or 2 channels and missing 'skip' or 'silence', "
-                             f"got {self}")
+            raise ValueError(
+                f"a sound request needs a rate >= 1, 1 or 2 channels and missing 'skip' or 'silence', got {self}"
+            )
 
     def samples(self, seconds: float) -> int:
         """Samples in `seconds` of sound (SoundStream.samples' rounding)."""
@@ -62,15 +63,18 @@ def decode_sound(video: bytes | MediaRef, begin: float, seconds: float, request:
     if decoded is None:
         if request.missing == "skip":
             what = "an audio stream without a decodable frame" if has_track else "no audio stream"
-            raise SampleError("missing_audio", f"the clip has {what}; the family trains sound with the picture "
-                                               "(set data.missing_audio = \"silence\" to train it on silence)")
+            raise SampleError(
+                "missing_audio",
+                f"the clip has {what}; the family trains sound with the picture "
+                '(set data.missing_audio = "silence" to train it on silence)',
+            )
         return torch.zeros(request.channels, count)
     waveform, first = decoded
     offset = round((begin - first) * request.sample_rate)  # where the span starts in the decoded samples
     if offset < 0:  # the track starts after the span does: silence before it
         waveform = np.pad(waveform, ((0, 0), (-offset, 0)))
         offset = 0
-    piece = waveform[:, offset:offset + count]
+    piece = waveform[:, offset : offset + count]
     if piece.shape[1] < count:  # the track ends before the span does: silence after it
         piece = np.pad(piece, ((0, 0), (0, count - piece.shape[1])))
     if piece.shape[0] < request.channels:  # mono for a stereo family: the same sound in both channels
@@ -78,8 +82,9 @@ def decode_sound(video: bytes | MediaRef, begin: float, seconds: float, request:
     return torch.from_numpy(np.clip(piece, -1.0, 1.0).astype(np.float32, copy=False))
 
 
-def _open_and_decode(video: bytes | MediaRef, begin: float, seconds: float, request: SoundRequest,
-                     seek: bool) -> tuple[bool, tuple[np.ndarray, float] | None]:
+def _open_and_decode(
+    video: bytes | MediaRef, begin: float, seconds: float, request: SoundRequest, seek: bool
+) -> tuple[bool, tuple[np.ndarray, float] | None]:
     """(whether the file has an audio stream, `_decode_span`'s result or None); FFmpeg's failures are
     `corrupt_audio`."""
     try:
@@ -91,8 +96,9 @@ def _open_and_decode(video: bytes | MediaRef, begin: float, seconds: float, requ
         raise SampleError("corrupt_audio", f"the sound track cannot be decoded: {err}") from None
 
 
-def _decode_span(container, stream, begin: float, end: float, request: SoundRequest,
-                 seek: bool) -> tuple[np.ndarray, float] | None:
+def _decode_span(
+    container, stream, begin: float, end: float, request: SoundRequest, seek: bool
+) -> tuple[np.ndarray, float] | None:
     """(waveform (channels, n) at the request's rate, time in seconds of its first sample) covering [begin, end)
     as far as the track reaches, decoded from a seek to just before `begin` or from the start; None when the
     stream yields no frame."""

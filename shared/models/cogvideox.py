@@ -26,11 +26,15 @@ class CogVideoXSpec(ModelSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # No ComfyUI key table, `original_names` (the base class warns, writes the diffusers file): docs/families.md.
     example_hub_id: ClassVar[str] = "THUDM/CogVideoX-5b"
-    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:T5EncoderModel",
-                                            "vae": "diffusers:AutoencoderKLCogVideoX",
-                                            "transformer": "diffusers:CogVideoXTransformer3DModel"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:CogVideoXPipeline",
-                                           "i2v": "diffusers:CogVideoXImageToVideoPipeline"}
+    components: ClassVar[dict[str, str]] = {
+        "text_encoder": "transformers:T5EncoderModel",
+        "vae": "diffusers:AutoencoderKLCogVideoX",
+        "transformer": "diffusers:CogVideoXTransformer3DModel",
+    }
+    pipelines: ClassVar[dict[str, str]] = {
+        "t2v": "diffusers:CogVideoXPipeline",
+        "i2v": "diffusers:CogVideoXImageToVideoPipeline",
+    }
 
     @cached_property
     def _transformer_config(self) -> dict:
@@ -40,16 +44,25 @@ class CogVideoXSpec(ModelSpec):
         vae, transformer = self.load_config("vae"), self._transformer_config
         i2v = self.config.task == "i2v"
         if transformer.get("in_channels") != vae["latent_channels"] * (2 if i2v else 1):
-            found = f"the {self.family} transformer at {self.source('transformer')[0]!r} takes " \
-                    f"{transformer.get('in_channels')} input channels for {vae['latent_channels']} latent channels"
-            raise UserError(f"{found}, but model.task = \"i2v\" needs an image-to-video transformer (twice as many, "
-                             f"e.g. THUDM/CogVideoX-5b-I2V)" if i2v else
-                             f"{found}: an image-to-video transformer? Set model.task = \"i2v\", or use a t2v "
-                             f"checkpoint (e.g. {self.example_hub_id})")
+            found = (
+                f"the {self.family} transformer at {self.source('transformer')[0]!r} takes "
+                f"{transformer.get('in_channels')} input channels for {vae['latent_channels']} latent channels"
+            )
+            raise UserError(
+                f'{found}, but model.task = "i2v" needs an image-to-video transformer (twice as many, '
+                f"e.g. THUDM/CogVideoX-5b-I2V)"
+                if i2v
+                else f'{found}: an image-to-video transformer? Set model.task = "i2v", or use a t2v '
+                f"checkpoint (e.g. {self.example_hub_id})"
+            )
         self._check_text_length()
         # As CogVideoXPipeline computes its vae_scale_factor_spatial / _temporal.
-        return VaeGeometry(temporal=int(vae["temporal_compression_ratio"]), channels=vae["latent_channels"],
-                           spatial=2 ** (len(vae["block_out_channels"]) - 1), patch=transformer.get("patch_size", 2))
+        return VaeGeometry(
+            temporal=int(vae["temporal_compression_ratio"]),
+            channels=vae["latent_channels"],
+            spatial=2 ** (len(vae["block_out_channels"]) - 1),
+            patch=transformer.get("patch_size", 2),
+        )
 
     def _check_text_length(self) -> None:
         """Sincos (and learned) positional embeddings span exactly max_text_seq_length text tokens."""
@@ -58,11 +71,16 @@ class CogVideoXSpec(ModelSpec):
         positional = not config.get("use_rotary_positional_embeddings") or learned
         expected = config.get("max_text_seq_length", 226)
         if positional and self.max_text_tokens != expected:
-            given = (f"model.max_text_tokens = {self.max_text_tokens}" if self.config.max_text_tokens
-                     else f"model.max_text_tokens unset ({self.max_text_tokens}, the pipeline's default)")
-            raise UserError(f"{given} does not fit this {self.family} transformer: its sincos positional embedding "
-                             f"covers exactly max_text_seq_length = {expected} text tokens. Set "
-                             f"model.max_text_tokens = {expected}")
+            given = (
+                f"model.max_text_tokens = {self.max_text_tokens}"
+                if self.config.max_text_tokens
+                else f"model.max_text_tokens unset ({self.max_text_tokens}, the pipeline's default)"
+            )
+            raise UserError(
+                f"{given} does not fit this {self.family} transformer: its sincos positional embedding "
+                f"covers exactly max_text_seq_length = {expected} text tokens. Set "
+                f"model.max_text_tokens = {expected}"
+            )
 
     def check_bucket(self, bucket: Bucket) -> None:
         super().check_bucket(bucket)
@@ -70,16 +88,20 @@ class CogVideoXSpec(ModelSpec):
         if config.get("use_learned_positional_embeddings"):  # the transformer raises on any other size
             size = (config.get("sample_height", 60) * spatial, config.get("sample_width", 90) * spatial)
             if (bucket.height, bucket.width) != size:
-                raise UserError(f"bucket {bucket.name}: this {self.family} transformer's learned positional embedding "
-                                 f"covers exactly {size[0]}x{size[1]} pixels (CogVideoX-5b-I2V); change buckets.sizes "
-                                 f"to {bucket.frames}x{size[0]}x{size[1]}")
+                raise UserError(
+                    f"bucket {bucket.name}: this {self.family} transformer's learned positional embedding "
+                    f"covers exactly {size[0]}x{size[1]} pixels (CogVideoX-5b-I2V); change buckets.sizes "
+                    f"to {bucket.frames}x{size[0]}x{size[1]}"
+                )
         # Latent frames per token: 1 for CogVideoX 1.0, `patch_size_t` (2) for 1.5.
         p_t, temporal = config.get("patch_size_t") or 1, self.geometry.temporal
         if p_t > 1 and ((bucket.frames - 1) // temporal + 1) % p_t:
             first = temporal * (p_t - 1) + 1
-            raise UserError(f"bucket {bucket.name}: this {self.family} transformer folds {p_t} latent frames into a "
-                             f"token (patch_size_t), so frames must be {temporal * p_t}k+{first} (e.g. "
-                             f"{first + temporal * p_t} or {first + 10 * temporal * p_t}); change buckets.sizes")
+            raise UserError(
+                f"bucket {bucket.name}: this {self.family} transformer folds {p_t} latent frames into a "
+                f"token (patch_size_t), so frames must be {temporal * p_t}k+{first} (e.g. "
+                f"{first + temporal * p_t} or {first + 10 * temporal * p_t}); change buckets.sizes"
+            )
 
     def tokens_per_sample(self, latent_shape: tuple[int, ...]) -> int:
         """Video tokens only (not the text's); CogVideoX 1.5 also folds patch_size_t frames."""
@@ -101,7 +123,7 @@ class CogVideoXSpec(ModelSpec):
             vae = encoders["vae"]
             latents = self._vae_mode(vae, video[:, :, :1]).float()
             factor = vae.config.scaling_factor
-            out["image_latents"] = (latents / factor if vae.config.get("invert_scale_latents") else latents * factor)
+            out["image_latents"] = latents / factor if vae.config.get("invert_scale_latents") else latents * factor
         return out
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
@@ -116,14 +138,22 @@ class CogVideoXSpec(ModelSpec):
         scheduler = self.load_scheduler()
         prediction = scheduler.config.get("prediction_type")
         if prediction != "v_prediction" or not hasattr(scheduler, "alphas_cumprod"):
-            raise UserError(f"{self.family} trains v-prediction on a DDPM schedule, but the scheduler of "
-                             f"{self.source('scheduler')[0]!r} is {type(scheduler).__name__} with prediction_type "
-                             f"{prediction!r}; use the checkpoint's CogVideoXDDIMScheduler / CogVideoXDPMScheduler "
-                             f"(model.components.scheduler)")
+            raise UserError(
+                f"{self.family} trains v-prediction on a DDPM schedule, but the scheduler of "
+                f"{self.source('scheduler')[0]!r} is {type(scheduler).__name__} with prediction_type "
+                f"{prediction!r}; use the checkpoint's CogVideoXDDIMScheduler / CogVideoXDPMScheduler "
+                f"(model.components.scheduler)"
+            )
         return scheduler.alphas_cumprod.to(torch.float64).clone()
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """v-prediction at the DDPM timestep floor(sigma * N) (at most N - 1); the transformer takes (B, F, C, H, W)."""
         x0 = batch["latents"].float()
         noise = noise.to(x0)
@@ -146,9 +176,13 @@ class CogVideoXSpec(ModelSpec):
             if transformer.config.ofs_embed_dim is not None:
                 image["ofs"] = torch.full((x0.shape[0],), 2.0, device=x0.device, dtype=dtype)
         out = transformer(
-            hidden_states=noisy.transpose(1, 2).to(dtype), timestep=t, return_dict=False,
+            hidden_states=noisy.transpose(1, 2).to(dtype),
+            timestep=t,
+            return_dict=False,
             encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
-            image_rotary_emb=self._rotary_embedding(transformer, frames, height, width, x0.device), **image)[0]
+            image_rotary_emb=self._rotary_embedding(transformer, frames, height, width, x0.device),
+            **image,
+        )[0]
         return Prediction(prediction=out.transpose(1, 2).float(), target=signal * noise - sigma * x0, weight=None)
 
     @cached_property
@@ -165,12 +199,16 @@ class CogVideoXSpec(ModelSpec):
             spatial = self.geometry.spatial
             pipeline = SimpleNamespace(transformer=SimpleNamespace(config=config), vae_scale_factor_spatial=spatial)
             cache[key] = self.pipeline_class()._prepare_rotary_positional_embeddings(
-                pipeline, height * spatial, width * spatial, frames, device)
+                pipeline, height * spatial, width * spatial, frames, device
+            )
         return cache[key]
 
     def tp_plan(self) -> TensorParallelPlan:
         """One joint self-attention per block: its per-head norms and rotary tables work unchanged on local heads."""
-        return TensorParallelPlan(colwise=("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"),
-                                  rowwise=("attn1.to_out.0", "ff.net.2"), attention=("attn1",))
+        return TensorParallelPlan(
+            colwise=("attn1.to_q", "attn1.to_k", "attn1.to_v", "ff.net.0.proj"),
+            rowwise=("attn1.to_out.0", "ff.net.2"),
+            attention=("attn1",),
+        )
 
     # No cp_plan (parallel.cp > 1 refused): the processor joins text and video tokens before q/k/v (docs/parallel.md).

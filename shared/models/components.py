@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+
 from vt.shared.errors import UserError
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -45,7 +46,7 @@ class ComponentLoader:
     def component_names(self) -> tuple[str, ...]:
         """Every component a config may point elsewhere (`model.components.<name>`)."""
         classes = tuple(self.component_classes())
-        tokenizers = tuple(f"tokenizer{n[len('text_encoder'):]}" for n in classes if n.startswith("text_encoder"))
+        tokenizers = tuple(f"tokenizer{n[len('text_encoder') :]}" for n in classes if n.startswith("text_encoder"))
         return (*tokenizers, *classes, "scheduler")
 
     def single_file(self, name: str) -> str | None:
@@ -57,8 +58,10 @@ class ComponentLoader:
         if not is_single_file(override):
             return None
         if not name.startswith("transformer"):
-            raise UserError(f"model.components.{name} = {override!r}: vt reads a single .safetensors or .gguf file only for a "
-                             f"transformer; point model.components.{name} at a folder or hub id holding the {name}")
+            raise UserError(
+                f"model.components.{name} = {override!r}: vt reads a single .safetensors or .gguf file only for a "
+                f"transformer; point model.components.{name} at a folder or hub id holding the {name}"
+            )
         return override
 
     def source(self, name: str) -> tuple[str, str | None]:
@@ -73,7 +76,8 @@ class ComponentLoader:
                 f"model.components.{name} = {override!r} is one weights file; its config.json is read from "
                 f"model.path's {name!r} folder, and model.path = {root!r} has none. Set model.path to the "
                 f"diffusers-layout folder or hub id of the model the file belongs to (e.g. {self.example_hub_id}); "
-                f"only {name}/config.json is read from there")
+                f"only {name}/config.json is read from there"
+            )
         if override:
             if not Path(override).exists() and not _HUB_ID.match(override):
                 raise FileNotFoundError(
@@ -104,10 +108,13 @@ class ComponentLoader:
             return ModelLoadError(
                 f"cannot load the {name} of {self.family!r} from hub id {path!r}: the Hugging Face hub is offline "
                 f"(HF_HUB_OFFLINE=1) and {path!r} is not in the local cache. Download it where there is network "
-                f"(`hf download {path} --local-dir DIR`) and set {key} = \"DIR\", or unset HF_HUB_OFFLINE")
+                f'(`hf download {path} --local-dir DIR`) and set {key} = "DIR", or unset HF_HUB_OFFLINE'
+            )
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return ModelLoadError(f"cannot load the {name} of {self.family!r} from {path!r}: {reason}. Check {key}; "
-                              "a hub id needs network access or a filled local cache")
+        return ModelLoadError(
+            f"cannot load the {name} of {self.family!r} from {path!r}: {reason}. Check {key}; "
+            "a hub id needs network access or a filled local cache"
+        )
 
     def _from_pretrained(self, cls: Any, name: str, **kwargs) -> Any:
         path, subfolder = self.source(name)
@@ -126,7 +133,9 @@ class ComponentLoader:
             from transformers import AutoTokenizer
 
             return AutoTokenizer
-        raise UserError(f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}")
+        raise UserError(
+            f"{self.family!r} has no component {name!r}; its components: {', '.join(self.component_names())}"
+        )
 
     def load_component(self, name: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> Any:
         """A frozen component by name: modules in `dtype` (default `model.dtype`), eval mode, loaded straight
@@ -181,8 +190,10 @@ class ComponentLoader:
             return Weights.in_folder(folder)
         except FileNotFoundError as err:
             key = f"model.components.{name}" if name in self.config.components else "model.path"
-            raise ModelLoadError(f"the {name} of {self.family!r} at {folder} has no .safetensors weights (a .bin "
-                                 f"checkpoint?); save it with safe_serialization=True, or check {key}") from err
+            raise ModelLoadError(
+                f"the {name} of {self.family!r} at {folder} has no .safetensors weights (a .bin "
+                f"checkpoint?); save it with safe_serialization=True, or check {key}"
+            ) from err
 
     def load_transformer(self, device="cpu", dtype=None, name: str | None = None) -> nn.Module:
         """The transformer this run trains (`trained_component`, or another by `name`), trainable,
@@ -207,8 +218,10 @@ class ComponentLoader:
         config = self.load_config("scheduler")
         cls = getattr(diffusers, config.get("_class_name", ""), None)
         if cls is None:
-            raise UserError(f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
-                             f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler")
+            raise UserError(
+                f"scheduler config of {self.source('scheduler')[0]!r} names unknown class "
+                f"{config.get('_class_name')!r}; set model.components.scheduler to a diffusers scheduler"
+            )
         return cls.from_config(config)
 
     def load_config(self, name: str) -> Any:

@@ -5,6 +5,7 @@ first) or all of them in one run (`model.expert = "all"`, each sample by the exp
 """
 
 from __future__ import annotations
+
 from vt.shared.errors import UserError
 
 ALL_EXPERTS = "all"  # model.expert: train every expert of a multi-expert family in one run
@@ -22,9 +23,10 @@ class ExpertsMixin:
         """`model.expert` names an expert of this family (or "all"), or is unset."""
         experts = self.experts()
         if self.config.expert not in ("", *experts, *((ALL_EXPERTS,) if experts else ())):
-            raise UserError(f"model.expert = {self.config.expert!r} is not an expert of {self.family!r}; "
-                             + (f"choose one of {[*experts, ALL_EXPERTS]}" if experts
-                                else "it has one transformer: leave it unset"))
+            raise UserError(
+                f"model.expert = {self.config.expert!r} is not an expert of {self.family!r}; "
+                + (f"choose one of {[*experts, ALL_EXPERTS]}" if experts else "it has one transformer: leave it unset")
+            )
 
     @property
     def expert(self) -> str | None:
@@ -48,7 +50,7 @@ class ExpertsMixin:
     def trained_component(self) -> str:
         """The transformer component this run trains and exports (one expert, or the only transformer)."""
         if self.trains_all_experts:
-            raise UserError("model.expert = \"all\" trains several transformers: see trained_experts")
+            raise UserError('model.expert = "all" trains several transformers: see trained_experts')
         return self.experts()[self.expert][0] if self.expert else "transformer"
 
     def sigma_range(self) -> tuple[float, float]:

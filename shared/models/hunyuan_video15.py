@@ -36,36 +36,58 @@ class HunyuanVideo15Spec(ModelSpec):
     comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = comfy.fused_templates(FUSED_QKV)
     excluded_modules_named: ClassVar[str] = "the text token refiner"
     comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: every loader then applies 1
-    text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask",
-                                            "prompt_embeds_2": "prompt_attention_mask_2"}
-    pipeline_text_names: ClassVar[dict[str, str]] = {"prompt_attention_mask": "prompt_embeds_mask",
-                                                     "prompt_attention_mask_2": "prompt_embeds_mask_2"}
+    text_masks: ClassVar[dict[str, str]] = {
+        "prompt_embeds": "prompt_attention_mask",
+        "prompt_embeds_2": "prompt_attention_mask_2",
+    }
+    pipeline_text_names: ClassVar[dict[str, str]] = {
+        "prompt_attention_mask": "prompt_embeds_mask",
+        "prompt_attention_mask_2": "prompt_embeds_mask_2",
+    }
     stage1_base: ClassVar[tuple[str, ...]] = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "vae")
     components: ClassVar[dict[str, str]] = {
-        "text_encoder": "transformers:Qwen2_5_VLTextModel", "text_encoder_2": "transformers:T5EncoderModel",
-        "vae": "diffusers:AutoencoderKLHunyuanVideo15", "transformer": "diffusers:HunyuanVideo15Transformer3DModel",
-        "guider": "diffusers:ClassifierFreeGuidance"}
+        "text_encoder": "transformers:Qwen2_5_VLTextModel",
+        "text_encoder_2": "transformers:T5EncoderModel",
+        "vae": "diffusers:AutoencoderKLHunyuanVideo15",
+        "transformer": "diffusers:HunyuanVideo15Transformer3DModel",
+        "guider": "diffusers:ClassifierFreeGuidance",
+    }
     # i2v adds the SigLIP image encoder and its processor (FLUX.1-Redux's, in the i2v checkpoints).
     task_components: ClassVar[dict[str, dict[str, str]]] = {
-        "i2v": {"image_encoder": "transformers:SiglipVisionModel",
-                "feature_extractor": "transformers:SiglipImageProcessor"}}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:HunyuanVideo15Pipeline",
-                                           "i2v": "diffusers:HunyuanVideo15ImageToVideoPipeline"}
+        "i2v": {
+            "image_encoder": "transformers:SiglipVisionModel",
+            "feature_extractor": "transformers:SiglipImageProcessor",
+        }
+    }
+    pipelines: ClassVar[dict[str, str]] = {
+        "t2v": "diffusers:HunyuanVideo15Pipeline",
+        "i2v": "diffusers:HunyuanVideo15ImageToVideoPipeline",
+    }
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae, transformer = self.load_config("vae"), self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
-            raise UserError(f"HunyuanVideo 1.5 transformers with patch_size_t {transformer['patch_size_t']} are not "
-                             "supported; expected 1")
+            raise UserError(
+                f"HunyuanVideo 1.5 transformers with patch_size_t {transformer['patch_size_t']} are not "
+                "supported; expected 1"
+            )
         if transformer.get("use_meanflow"):
-            raise UserError("this HunyuanVideo 1.5 transformer is a step-distilled (meanflow) one (use_meanflow): it "
-                             "is trained on pairs of timesteps, which vt does not do; use the 480p/720p i2v or t2v "
-                             "checkpoints (e.g. hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v)")
+            raise UserError(
+                "this HunyuanVideo 1.5 transformer is a step-distilled (meanflow) one (use_meanflow): it "
+                "is trained on pairs of timesteps, which vt does not do; use the 480p/720p i2v or t2v "
+                "checkpoints (e.g. hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v)"
+            )
         if transformer.get("in_channels") != 2 * vae["latent_channels"] + 1:
-            raise UserError(f"the HunyuanVideo 1.5 transformer takes {transformer.get('in_channels')} channels, "
-                             f"expected 2 x {vae['latent_channels']} latent channels + 1 mask: check model.components")
-        return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4), channels=vae["latent_channels"],
-                           spatial=vae.get("spatial_compression_ratio", 16), patch=transformer.get("patch_size", 1))
+            raise UserError(
+                f"the HunyuanVideo 1.5 transformer takes {transformer.get('in_channels')} channels, "
+                f"expected 2 x {vae['latent_channels']} latent channels + 1 mask: check model.components"
+            )
+        return VaeGeometry(
+            temporal=vae.get("temporal_compression_ratio", 4),
+            channels=vae["latent_channels"],
+            spatial=vae.get("spatial_compression_ratio", 16),
+            patch=transformer.get("patch_size", 1),
+        )
 
     def pipeline_default(self, argument: str) -> Any:
         """Also the text length the pipeline encodes (an attribute, not a call argument)."""
@@ -77,9 +99,11 @@ class HunyuanVideo15Spec(ModelSpec):
         return pipeline
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
-        shapes = {**super().condition_shapes(bucket),
-                  "prompt_embeds_2": (GLYPH_TOKENS, self.text_width("text_encoder_2")),
-                  "prompt_attention_mask_2": (GLYPH_TOKENS,)}
+        shapes = {
+            **super().condition_shapes(bucket),
+            "prompt_embeds_2": (GLYPH_TOKENS, self.text_width("text_encoder_2")),
+            "prompt_attention_mask_2": (GLYPH_TOKENS,),
+        }
         if self.config.task == "i2v":
             vision = self.load_config("image_encoder")  # SigLIP: one token per patch, no class token
             shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
@@ -90,14 +114,19 @@ class HunyuanVideo15Spec(ModelSpec):
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """Qwen's text and ByT5's (GLYPH_TOKENS rows), each with its mask, right padded."""
         embeds, mask, embeds_2, mask_2 = self._text_pipeline(encoders).encode_prompt(
-            list(captions), device=encoders["text_encoder"].device, dtype=torch.float32, batch_size=len(captions))
-        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float(),
-                "prompt_embeds_2": embeds_2.float(), "prompt_attention_mask_2": mask_2.float()}
+            list(captions), device=encoders["text_encoder"].device, dtype=torch.float32, batch_size=len(captions)
+        )
+        return {
+            "prompt_embeds": embeds.float(),
+            "prompt_attention_mask": mask.float(),
+            "prompt_embeds_2": embeds_2.float(),
+            "prompt_attention_mask_2": mask_2.float(),
+        }
 
     @staticmethod
     def _vae_mode(vae, video: Tensor) -> Tensor:
         # One sample at a time: the VAE's mid-block attention fails for a batch > 1 (diffusers 0.42.1).
-        return torch.cat([ModelSpec._vae_mode(vae, video[i:i + 1]) for i in range(video.shape[0])])
+        return torch.cat([ModelSpec._vae_mode(vae, video[i : i + 1]) for i in range(video.shape[0])])
 
     @torch.no_grad()
     def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
@@ -109,8 +138,14 @@ class HunyuanVideo15Spec(ModelSpec):
             out["image_embeds"] = _siglip(encoders, frames_to_pil(video[:, :, 0]))
         return out
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """The pipeline's call, less the tokens its masks drop (zero image tokens, text padding): the same output."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
@@ -120,20 +155,28 @@ class HunyuanVideo15Spec(ModelSpec):
         prediction = transformer(
             hidden_states=torch.cat([noisy, condition], dim=1).to(dtype),
             timestep=(sigmas * NUM_TRAIN_TIMESTEPS).to(dtype),  # as the pipeline: in the latents' dtype
-            encoder_hidden_states=text.to(x0.device, dtype), encoder_attention_mask=mask.to(x0.device, dtype),
-            encoder_hidden_states_2=text_2.to(x0.device, dtype), encoder_attention_mask_2=mask_2.to(x0.device, dtype),
-            image_embeds=image_embeds.to(x0.device, dtype), return_dict=False)[0]
+            encoder_hidden_states=text.to(x0.device, dtype),
+            encoder_attention_mask=mask.to(x0.device, dtype),
+            encoder_hidden_states_2=text_2.to(x0.device, dtype),
+            encoder_attention_mask_2=mask_2.to(x0.device, dtype),
+            image_embeds=image_embeds.to(x0.device, dtype),
+            return_dict=False,
+        )[0]
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=None)
 
     def _image_condition(self, transformer, batch: dict[str, Tensor], x0: Tensor) -> tuple[Tensor, Tensor]:
         """(condition channels (B, C + 1, F, H, W), image tokens) as the pipeline makes them (t2v: zeros, none)."""
         b, c, f, h, w = x0.shape
         if self.config.task != "i2v":
-            return (torch.zeros(b, c + 1, f, h, w, device=x0.device),
-                    torch.zeros(b, 0, transformer.config.image_embed_dim, device=x0.device))
+            return (
+                torch.zeros(b, c + 1, f, h, w, device=x0.device),
+                torch.zeros(b, 0, transformer.config.image_embed_dim, device=x0.device),
+            )
         if "image_latents" not in batch or "image_embeds" not in batch:
-            raise KeyError("task i2v needs batch['image_latents'] and batch['image_embeds']; precompute the shards "
-                           "with model.task = \"i2v\"")
+            raise KeyError(
+                "task i2v needs batch['image_latents'] and batch['image_embeds']; precompute the shards "
+                'with model.task = "i2v"'
+            )
         latents = torch.cat([batch["image_latents"].to(x0), torch.zeros_like(x0[:, :, 1:])], dim=2)
         mask = torch.zeros(b, 1, f, h, w, device=x0.device)
         mask[:, :, 0] = 1.0
@@ -149,9 +192,19 @@ class HunyuanVideo15Spec(ModelSpec):
 
     def tp_plan(self) -> TensorParallelPlan:
         return TensorParallelPlan(
-            colwise=("attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj",
-                     "attn.add_v_proj", "ff.net.0.proj", "ff_context.net.0.proj"),
-            rowwise=("attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2"), attention=("attn",))
+            colwise=(
+                "attn.to_q",
+                "attn.to_k",
+                "attn.to_v",
+                "attn.add_q_proj",
+                "attn.add_k_proj",
+                "attn.add_v_proj",
+                "ff.net.0.proj",
+                "ff_context.net.0.proj",
+            ),
+            rowwise=("attn.to_out.0", "attn.to_add_out", "ff.net.2", "ff_context.net.2"),
+            attention=("attn",),
+        )
 
     def cp_plan(self) -> ContextParallelPlan:
         return JOINT_CP_PLAN  # the text streams (image, ByT5, Qwen) whole on every rank
@@ -169,15 +222,17 @@ class HunyuanVideo15Spec(ModelSpec):
     def output_size(self, image) -> tuple[int, int]:
         """(height, width) the i2v pipeline generates for `image`: the `target_size` crop size nearest its aspect."""
         image = to_pil_image(image)
-        return self._frame_processor().calculate_default_height_width(image.size[1], image.size[0],
-                                                                      self.load_config("transformer")["target_size"])
+        return self._frame_processor().calculate_default_height_width(
+            image.size[1], image.size[0], self.load_config("transformer")["target_size"]
+        )
 
     def _frame_processor(self):
         """The i2v pipeline's own image processor (its `video_processor`)."""
         from diffusers.pipelines.hunyuan_video1_5.image_processor import HunyuanVideo15ImageProcessor
 
-        return HunyuanVideo15ImageProcessor(vae_scale_factor=self.geometry.spatial, do_resize=False,
-                                            do_convert_rgb=True)
+        return HunyuanVideo15ImageProcessor(
+            vae_scale_factor=self.geometry.spatial, do_resize=False, do_convert_rgb=True
+        )
 
     @property
     def image_conditions(self) -> ImageConditions | None:
@@ -195,8 +250,9 @@ class HunyuanVideo15Spec(ModelSpec):
         conditions = dict(conditions)
         embeds = conditions.pop("image_embeds", None)
         if embeds is not None:
-            pipeline.encode_image = lambda image, batch_size, device, dtype: \
-                embeds.repeat(batch_size, 1, 1).to(device=device, dtype=dtype)
+            pipeline.encode_image = lambda image, batch_size, device, dtype: embeds.repeat(batch_size, 1, 1).to(
+                device=device, dtype=dtype
+            )
         return conditions
 
     def pipeline_attributes(self) -> dict[str, Any]:
@@ -205,10 +261,12 @@ class HunyuanVideo15Spec(ModelSpec):
     def inference_mismatches(self) -> list[str]:
         if self.max_text_tokens == PIPELINE_TEXT_TOKENS:
             return []
-        return [f"{self.family} trains with max_sequence_length={self.max_text_tokens} but "
-                f"{self.pipeline_class().__name__} uses {PIPELINE_TEXT_TOKENS} by default (its tokenizer_max_length): "
-                f"set pipeline.tokenizer_max_length = {self.max_text_tokens} when sampling with the trained weights "
-                "(only captions longer than that are cut differently)"]
+        return [
+            f"{self.family} trains with max_sequence_length={self.max_text_tokens} but "
+            f"{self.pipeline_class().__name__} uses {PIPELINE_TEXT_TOKENS} by default (its tokenizer_max_length): "
+            f"set pipeline.tokenizer_max_length = {self.max_text_tokens} when sampling with the trained weights "
+            "(only captions longer than that are cut differently)"
+        ]
 
     def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
         """diffusers has no LoRA loader for HunyuanVideo15Pipeline: vt's own `load_lora`."""

@@ -31,8 +31,10 @@ NABLA_GROUP = 8  # NABLA's fractal flattening groups 8 x 8 tokens
 I2V_NORMALISED_FRAMES = 4  # Kandinsky5I2VPipeline.normalize_first_frame rescales these latent frames by the next
 _WARNED: set[str] = set()  # buckets the i2v validation warning was given for
 log = logging.getLogger(__name__)
-NEGATIVE_PROMPT = ("Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, "
-                   "ugly, deformed, walking backwards")  # what Kandinsky 5's and 6's pipelines encode for None
+NEGATIVE_PROMPT = (
+    "Static, 2D cartoon, cartoon, 2d animation, paintings, images, worst quality, low quality, "
+    "ugly, deformed, walking backwards"
+)  # what Kandinsky 5's and 6's pipelines encode for None
 
 
 class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
@@ -41,27 +43,39 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("text_transformer_blocks", "visual_transformer_blocks")
     pipeline_refusal: ClassVar[str] = (
         "its visual blocks take the visual tokens and, beside them, the text blocks' output, so the last text block's "
-        "output is not the next block's input, which is what a pipeline stage hands on")
+        "output is not the next block's input, which is what a pipeline stage hands on"
+    )
     example_hub_id: ClassVar[str] = "kandinskylab/Kandinsky-5.0-T2V-Lite-sft-5s-Diffusers"
     negative_prompt: ClassVar[str] = NEGATIVE_PROMPT
     # Attention q/k/v/out of every block (`out_layer` alone would reach the FFNs, modulations and output layer too).
-    default_lora_targets: ClassVar[list[str]] = ["to_query", "to_key", "to_value", "self_attention.out_layer",
-                                                 "cross_attention.out_layer"]
+    default_lora_targets: ClassVar[list[str]] = [
+        "to_query",
+        "to_key",
+        "to_value",
+        "self_attention.out_layer",
+        "cross_attention.out_layer",
+    ]
     original_names: ClassVar[tuple[tuple[str, str], ...]] = ((r"((?:text|visual)_transformer_blocks\.\d+\..+)", r"\1"),)
     comfy_alpha: ClassVar[bool] = False  # the scale goes into lora_B: ComfyUI and `load_lora` then apply 1
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:Qwen2_5_VLForConditionalGeneration",
-        "text_encoder_2": "transformers:CLIPTextModel", "vae": "diffusers:AutoencoderKLHunyuanVideo",
-        "transformer": "diffusers:Kandinsky5Transformer3DModel"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:Kandinsky5T2VPipeline",
-                                           "i2v": "diffusers:Kandinsky5I2VPipeline"}
+        "text_encoder_2": "transformers:CLIPTextModel",
+        "vae": "diffusers:AutoencoderKLHunyuanVideo",
+        "transformer": "diffusers:Kandinsky5Transformer3DModel",
+    }
+    pipelines: ClassVar[dict[str, str]] = {
+        "t2v": "diffusers:Kandinsky5T2VPipeline",
+        "i2v": "diffusers:Kandinsky5I2VPipeline",
+    }
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         super().__init__(config, frame_rate)
         if self.max_text_tokens > PIPELINE_TEXT_LIMIT:
-            raise UserError(f"model.max_text_tokens = {self.max_text_tokens}, but {self.pipeline_class().__name__} "
-                             f"takes at most {PIPELINE_TEXT_LIMIT} text tokens (its text RoPE table); set it to "
-                             f"{PIPELINE_TEXT_LIMIT} or less, or unset it (512, the pipeline's default)")
+            raise UserError(
+                f"model.max_text_tokens = {self.max_text_tokens}, but {self.pipeline_class().__name__} "
+                f"takes at most {PIPELINE_TEXT_LIMIT} text tokens (its text RoPE table); set it to "
+                f"{PIPELINE_TEXT_LIMIT} or less, or unset it (512, the pipeline's default)"
+            )
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae, transformer = self.load_config("vae"), self.load_config("transformer")
@@ -69,10 +83,16 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         if patch != (1, 2, 2):  # the pipelines' RoPE positions divide the latent sides by 2, frames by 1
             raise UserError(f"Kandinsky 5 transformers with patch_size {patch} are not supported; expected (1, 2, 2)")
         if transformer.get("in_visual_dim") != vae["latent_channels"]:
-            raise UserError(f"the Kandinsky 5 transformer takes {transformer.get('in_visual_dim')} latent channels, "
-                             f"the VAE makes {vae['latent_channels']}: check model.components")
-        return VaeGeometry(temporal=vae.get("temporal_compression_ratio", 4),
-                           spatial=vae.get("spatial_compression_ratio", 8), channels=vae["latent_channels"], patch=2)
+            raise UserError(
+                f"the Kandinsky 5 transformer takes {transformer.get('in_visual_dim')} latent channels, "
+                f"the VAE makes {vae['latent_channels']}: check model.components"
+            )
+        return VaeGeometry(
+            temporal=vae.get("temporal_compression_ratio", 4),
+            spatial=vae.get("spatial_compression_ratio", 8),
+            channels=vae["latent_channels"],
+            patch=2,
+        )
 
     @cached_property
     def sparse_attention(self) -> bool:
@@ -83,9 +103,11 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         unit = self.geometry.spatial * self.geometry.patch * NABLA_GROUP
         for side, value in (("height", bucket.height), ("width", bucket.width)):
             if self.sparse_attention and value % unit:
-                raise UserError(f"bucket {bucket.name}: this {self.family} transformer uses NABLA sparse attention "
-                                 f"(attention_type \"nabla\"), which groups 8 x 8 tokens: {side} must be a multiple of "
-                                 f"{unit}; change buckets.sizes (e.g. {max(unit, value // unit * unit)})")
+                raise UserError(
+                    f"bucket {bucket.name}: this {self.family} transformer uses NABLA sparse attention "
+                    f'(attention_type "nabla"), which groups 8 x 8 tokens: {side} must be a multiple of '
+                    f"{unit}; change buckets.sizes (e.g. {max(unit, value // unit * unit)})"
+                )
 
     @cached_property
     def _rules(self):
@@ -97,25 +119,37 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """Each caption encoded alone, as the pipeline encodes one prompt: its rows first, zeros after them."""
         pipeline, device, length = self._text_pipeline(encoders), encoders["text_encoder"].device, self.max_text_tokens
-        texts = [pipeline.encode_prompt([caption], max_sequence_length=length, device=device, dtype=torch.float32)[:2]
-                 for caption in captions]
+        texts = [
+            pipeline.encode_prompt([caption], max_sequence_length=length, device=device, dtype=torch.float32)[:2]
+            for caption in captions
+        ]
         rows = torch.tensor([qwen.shape[1] for qwen, _ in texts], device=device)
         embeds = [F.pad(qwen[0].float(), (0, 0, 0, length - len(qwen[0]))) for qwen, _ in texts]
-        return {"prompt_embeds": torch.stack(embeds),
-                "prompt_attention_mask": (torch.arange(length, device=device) < rows[:, None]).float(),
-                "pooled_prompt_embeds": torch.stack([clip[0] for _, clip in texts]).float()}
+        return {
+            "prompt_embeds": torch.stack(embeds),
+            "prompt_attention_mask": (torch.arange(length, device=device) < rows[:, None]).float(),
+            "pooled_prompt_embeds": torch.stack([clip[0] for _, clip in texts]).float(),
+        }
 
     @torch.no_grad()
     def encode_validation_text(self, encoders, prompt: str) -> dict[str, Tensor]:
         """What the pipeline's encode_prompt returns: Qwen's rows unpadded, CLIP's, `prompt_cu_seqlens` [0, n]."""
         stored = self.encode_text(encoders, [prompt])
         rows = int(stored["prompt_attention_mask"].sum())
-        return {"prompt_embeds_qwen": stored["prompt_embeds"][:, :rows],
-                "prompt_embeds_clip": stored["pooled_prompt_embeds"],
-                "prompt_cu_seqlens": torch.tensor([0, rows], dtype=torch.int32)}
+        return {
+            "prompt_embeds_qwen": stored["prompt_embeds"][:, :rows],
+            "prompt_embeds_clip": stored["pooled_prompt_embeds"],
+            "prompt_cu_seqlens": torch.tensor([0, rows], dtype=torch.int32),
+        }
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """The pipeline's transformer call for one prompt, once per sample with its own text rows (docs/families.md)."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         weight = None
@@ -129,16 +163,23 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         shared = dict(  # as the pipeline: RoPE positions, its resolution rule, its sparse attention
             visual_rope_pos=[torch.arange(n, device=device) for n in (frames, height // g.patch, width // g.patch)],
             scale_factor=self._rules._get_scale_factor(height * g.spatial, width * g.spatial),
-            sparse_params=self._sparse_params(transformer, hidden), return_dict=False)
+            sparse_params=self._sparse_params(transformer, hidden),
+            return_dict=False,
+        )
         timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(dtype)  # the pipeline's timestep, in the transformer's dtype
         outputs = []
         for row, length in enumerate(caption_lengths(batch["prompt_attention_mask"])):
             one = slice(row, row + 1)
-            outputs.append(transformer(
-                hidden_states=hidden[one], timestep=timestep[one],
-                encoder_hidden_states=batch["prompt_embeds"][one, :length].to(device, dtype),
-                pooled_projections=batch["pooled_prompt_embeds"][one].to(device, dtype),
-                text_rope_pos=torch.arange(length, device=device), **shared))  # return_dict=False: the tensor
+            outputs.append(
+                transformer(
+                    hidden_states=hidden[one],
+                    timestep=timestep[one],
+                    encoder_hidden_states=batch["prompt_embeds"][one, :length].to(device, dtype),
+                    pooled_projections=batch["pooled_prompt_embeds"][one].to(device, dtype),
+                    text_rope_pos=torch.arange(length, device=device),
+                    **shared,
+                )
+            )  # return_dict=False: the tensor
         prediction = torch.cat(outputs)
         return Prediction(prediction=prediction.permute(0, 4, 1, 2, 3).float(), target=noise - x0, weight=weight)
 
@@ -146,12 +187,17 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         """The pipeline's own `get_sparse_params` for this input (None unless the config says "nabla")."""
         if transformer.config.attention_type != "nabla":
             return None
-        backends = {getattr(m.processor, "_attention_backend", None) for m in transformer.modules()
-                    if hasattr(m, "to_query") and hasattr(m, "processor")}
+        backends = {
+            getattr(m.processor, "_attention_backend", None)
+            for m in transformer.modules()
+            if hasattr(m, "to_query") and hasattr(m, "processor")
+        }
         if {getattr(b, "value", b) for b in backends} != {"flex"}:
-            raise UserError(f"this {self.family} transformer uses NABLA sparse attention (attention_type \"nabla\"), "
-                             "whose block mask only FlexAttention runs: set train.attention_backend = \"flex\" (and "
-                             "train.validation_attention_backend, if set) and parallel.compile = true on a CUDA GPU")
+            raise UserError(
+                f'this {self.family} transformer uses NABLA sparse attention (attention_type "nabla"), '
+                'whose block mask only FlexAttention runs: set train.attention_backend = "flex" (and '
+                "train.validation_attention_backend, if set) and parallel.compile = true on a CUDA GPU"
+            )
         rules = SimpleNamespace(transformer=transformer, fast_sta_nabla=self._rules.fast_sta_nabla)
         return type(self._rules).get_sparse_params(rules, hidden, hidden.device)
 
@@ -168,10 +214,16 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         latent_frames = self.latent_shape(bucket)[1]
         if self.config.task == "i2v" and latent_frames <= I2V_NORMALISED_FRAMES and bucket.name not in _WARNED:
             _WARNED.add(bucket.name)
-            log.warning("%s i2v validation at %s: Kandinsky5I2VPipeline normalises the first %d latent frames "
-                        "against the later ones, and %d latent frames leave none (NaN video); validate at %d+ "
-                        "frames", self.family, bucket.name, I2V_NORMALISED_FRAMES, latent_frames,
-                        I2V_NORMALISED_FRAMES * self.geometry.temporal + 1)
+            log.warning(
+                "%s i2v validation at %s: Kandinsky5I2VPipeline normalises the first %d latent frames "
+                "against the later ones, and %d latent frames leave none (NaN video); validate at %d+ "
+                "frames",
+                self.family,
+                bucket.name,
+                I2V_NORMALISED_FRAMES,
+                latent_frames,
+                I2V_NORMALISED_FRAMES * self.geometry.temporal + 1,
+            )
         return super().pipeline_inputs(prompt, bucket, *args, **kwargs)
 
     def load_lora(self, pipeline, folder, weight_name: str | None = None, expert: str | None = None) -> None:
@@ -183,7 +235,7 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
             return super().load_lora(pipeline, folder, weight_name, expert)
         renamed = {}
         for key, value in state.items():
-            module, _, kind = key[len(comfy.PREFIX):].partition(".lora_")
+            module, _, kind = key[len(comfy.PREFIX) :].partition(".lora_")
             if kind == "B.weight" and f"{comfy.PREFIX}{module}.alpha" in state:
                 value = value * state[f"{comfy.PREFIX}{module}.alpha"] / value.shape[1]
             if kind:
@@ -193,18 +245,29 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
     def tp_plan(self) -> TensorParallelPlan:
         attention = ("self_attention", "cross_attention")
         return TensorParallelPlan(
-            colwise=(*(f"{a}.{p}" for a in attention for p in ("to_query", "to_key", "to_value")),
-                     "feed_forward.in_layer"),
+            colwise=(
+                *(f"{a}.{p}" for a in attention for p in ("to_query", "to_key", "to_value")),
+                "feed_forward.in_layer",
+            ),
             rowwise=(*(f"{a}.out_layer" for a in attention), "feed_forward.out_layer"),
-            attention=attention, heads_attribute="num_heads", optional=("cross_attention",))
+            attention=attention,
+            heads_attribute="num_heads",
+            optional=("cross_attention",),
+        )
 
     def cp_plan(self) -> ContextParallelPlan:
         if self.sparse_attention:
-            raise Unplanned(f"{self.family} with NABLA sparse attention (attention_type \"nabla\") has no CP plan "
-                            "(its FlexAttention block mask under Ulysses is not checked); set parallel.cp = 1")
+            raise Unplanned(
+                f'{self.family} with NABLA sparse attention (attention_type "nabla") has no CP plan '
+                "(its FlexAttention block mask under Ulysses is not checked); set parallel.cp = 1"
+            )
         last = int(self.load_config("transformer")["num_visual_blocks"]) - 1
         return ContextParallelPlan(
             split_inputs={"visual_transformer_blocks.0": {"visual_embed": 1}},
-            gather_output=f"visual_transformer_blocks.{last}", self_attention=("self_attention",),
-            sequence_to_heads=("to_query", "to_key", "to_value"), heads_to_sequence="out_layer",
-            block_lists=("visual_transformer_blocks",), heads_attribute="num_heads")
+            gather_output=f"visual_transformer_blocks.{last}",
+            self_attention=("self_attention",),
+            sequence_to_heads=("to_query", "to_key", "to_value"),
+            heads_to_sequence="out_layer",
+            block_lists=("visual_transformer_blocks",),
+            heads_attribute="num_heads",
+        )

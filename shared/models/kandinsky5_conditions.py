@@ -21,8 +21,10 @@ def caption_lengths(mask: Tensor) -> list[int]:
     lengths = mask_rows(mask)
     empty = [row for row, length in enumerate(lengths) if length == 0]
     if empty:
-        raise UserError(f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
-                         "at least the template's closing token per caption; re-run stage 1 for these shards")
+        raise UserError(
+            f"samples {empty} have no text rows (an all-zero prompt_attention_mask): stage 1 stores "
+            "at least the template's closing token per caption; re-run stage 1 for these shards"
+        )
     return lengths
 
 

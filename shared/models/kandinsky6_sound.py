@@ -33,8 +33,10 @@ class Kandinsky6Sound(SoundStream):
         """(latent channels, N): the pipeline's audio length for `bucket.frames` at the spec's frame rate."""
         self.spec.check_bucket(bucket)
         config = self.spec.load_config("audio_vae")
-        return (config["latent_channels"],
-                math.ceil(bucket.frames / self.spec.frame_rate * config["sample_rate"] / self.hop()))
+        return (
+            config["latent_channels"],
+            math.ceil(bucket.frames / self.spec.frame_rate * config["sample_rate"] / self.hop()),
+        )
 
     @torch.no_grad()
     def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:

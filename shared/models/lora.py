@@ -37,9 +37,11 @@ def check_finite(tensors: dict[str, Tensor], step: int | None) -> None:
         if not torch.isfinite(tensor).all():
             kind = "NaN" if torch.isnan(tensor).any() else "inf"
             at = f" at step {step}" if step is not None else ""
-            raise UserError(f"LoRA tensor {name} holds {kind} values{at}: the run diverged, so the LoRA is not "
-                             "written (it would render black or noise). Resume from an earlier checkpoint with a "
-                             "lower train.lr or train.max_grad_norm set")
+            raise UserError(
+                f"LoRA tensor {name} holds {kind} values{at}: the run diverged, so the LoRA is not "
+                "written (it would render black or noise). Resume from an earlier checkpoint with a "
+                "lower train.lr or train.max_grad_norm set"
+            )
 
 
 class LoraMixin:
@@ -67,16 +69,24 @@ class LoraMixin:
         if self.sound is None or self.config.audio:
             return
         audio = re.compile(self.sound.parameters)
-        reached = sorted({adapters.module_of(n) for n, _ in transformer.named_parameters()
-                          if adapters.is_adapter(n) and audio.search(n)})
+        reached = sorted(
+            {
+                adapters.module_of(n)
+                for n, _ in transformer.named_parameters()
+                if adapters.is_adapter(n) and audio.search(n)
+            }
+        )
         if reached:
-            raise UserError(f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
-                             f"{self.family} trains only with model.audio = true; set it to train the sound, or name "
-                             f"other modules (suffixes such as {self.default_lora_targets[0]!r}), or leave "
-                             "train.lora_targets unset")
+            raise UserError(
+                f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
+                f"{self.family} trains only with model.audio = true; set it to train the sound, or name "
+                f"other modules (suffixes such as {self.default_lora_targets[0]!r}), or leave "
+                "train.lora_targets unset"
+            )
 
-    def add_lora(self, transformer, rank: int, alpha: float, targets: list[str] | str | None,
-                 kind: str = "lora") -> None:
+    def add_lora(
+        self, transformer, rank: int, alpha: float, targets: list[str] | str | None, kind: str = "lora"
+    ) -> None:
         """Freeze the transformer and inject peft adapters of `kind` (train.adapter) on `targets` (names matched
         by suffix, or one regular expression matched whole), never on `lora_exclusions`; only the adapters train."""
         if rank < 1:
@@ -84,8 +94,10 @@ class LoraMixin:
         targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
         excluded = self.lora_exclusions(transformer)
         transformer.requires_grad_(False)
-        unmatched = ValueError(f"train.lora_targets {targets} matched no layer of the {self.family} transformer"
-                               + (f" outside {self.excluded_modules_named}" if excluded else ""))
+        unmatched = ValueError(
+            f"train.lora_targets {targets} matched no layer of the {self.family} transformer"
+            + (f" outside {self.excluded_modules_named}" if excluded else "")
+        )
         with warnings.catch_warnings():  # peft warns when the targets never reached the excluded modules anyway
             warnings.filterwarnings("ignore", message=".*no modules were excluded.*")
             try:
@@ -95,8 +107,9 @@ class LoraMixin:
         if not any(adapters.is_adapter(n) for n, _ in transformer.named_parameters()):
             raise unmatched
         self.check_lora(transformer, targets)
-        self._lora_metadata = adapters.metadata(kind, rank, alpha, targets,
-                                                excluded if self.exclusions_in_metadata else None)
+        self._lora_metadata = adapters.metadata(
+            kind, rank, alpha, targets, excluded if self.exclusions_in_metadata else None
+        )
 
     def full_trainable(self, transformer) -> None:
         """Mark what a full fine-tune trains: every parameter, but the sound stream's (`sound.parameters`) in a
@@ -108,8 +121,14 @@ class LoraMixin:
                 param.requires_grad_(not audio.search(name))
 
     # ----------------------------------------------------------------------------- export
-    def save_lora(self, lora_state_dict: dict[str, Tensor], out_dir, lora_config: dict | None = None,
-                  expert: str | None = None, step: int | None = None) -> Path:
+    def save_lora(
+        self,
+        lora_state_dict: dict[str, Tensor],
+        out_dir,
+        lora_config: dict | None = None,
+        expert: str | None = None,
+        step: int | None = None,
+    ) -> Path:
         """out_dir/pytorch_lora_weights.safetensors, readable by the pipeline's load_lora_weights, and
         out_dir/lora_comfyui.safetensors under the original module names (comfy.py); returns the first.
 
@@ -121,25 +140,34 @@ class LoraMixin:
         """
         metadata = lora_config or self._lora_metadata
         if metadata is None:
-            raise UserError("save_lora needs the LoRA rank and alpha: call add_lora on this spec first "
-                             "or pass lora_config={'r': ..., 'lora_alpha': ..., 'target_modules': [...]}")
+            raise UserError(
+                "save_lora needs the LoRA rank and alpha: call add_lora on this spec first "
+                "or pass lora_config={'r': ..., 'lora_alpha': ..., 'target_modules': [...]}"
+            )
         if not lora_state_dict or not all(adapters.is_adapter(k) for k in lora_state_dict):
-            raise ValueError("lora_state_dict must be peft's get_peft_model_state_dict(transformer): "
-                             "keys like 'blocks.0.attn1.to_q.lora_A.weight' (or another kind's, adapters.py)")
+            raise ValueError(
+                "lora_state_dict must be peft's get_peft_model_state_dict(transformer): "
+                "keys like 'blocks.0.attn1.to_q.lora_A.weight' (or another kind's, adapters.py)"
+            )
         check_finite(lora_state_dict, step)
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in lora_state_dict.items()}
         weight_name = lora_weight_name(expert)
         if hasattr(self.pipeline_class(), "save_lora_weights"):
-            self.pipeline_class().save_lora_weights(out, transformer_lora_layers=tensors, safe_serialization=True,
-                                                    weight_name=weight_name,
-                                                    transformer_lora_adapter_metadata=dict(metadata))
+            self.pipeline_class().save_lora_weights(
+                out,
+                transformer_lora_layers=tensors,
+                safe_serialization=True,
+                weight_name=weight_name,
+                transformer_lora_adapter_metadata=dict(metadata),
+            )
         else:  # a pipeline without a LoRA mixin (HunyuanVideo 1.5): diffusers' own writer, the same file format
             from diffusers.loaders.lora_base import LoraBaseMixin
 
-            LoraBaseMixin._save_lora_weights(out, {"transformer": tensors}, {"transformer": dict(metadata)},
-                                             weight_name=weight_name)
+            LoraBaseMixin._save_lora_weights(
+                out, {"transformer": tensors}, {"transformer": dict(metadata)}, weight_name=weight_name
+            )
         self.save_comfy_lora(tensors, out / comfy.filename(expert or self.expert), metadata)
         return out / weight_name
 
@@ -180,13 +208,24 @@ class LoraMixin:
             if not self.original_names and not self.comfy_fused:
                 raise ValueError(f"family {self.family!r} has no original key table")
             if kind != "lora":
-                state = comfy_adapters.comfy_state_dict(kind, tensors, self.original_names, int(metadata["r"]),
-                                                        float(metadata["alpha" if "alpha" in metadata else
-                                                                       "lora_alpha"]), fused=self.comfy_fused)
+                state = comfy_adapters.comfy_state_dict(
+                    kind,
+                    tensors,
+                    self.original_names,
+                    int(metadata["r"]),
+                    float(metadata["alpha" if "alpha" in metadata else "lora_alpha"]),
+                    fused=self.comfy_fused,
+                )
             else:
-                state = comfy.comfy_state_dict(self.comfy_tensors(tensors), self.original_names, int(metadata["r"]),
-                                               float(metadata["lora_alpha"]), write_alpha=self.comfy_alpha,
-                                               fused=self.comfy_fused, out_features=self.comfy_out_features)
+                state = comfy.comfy_state_dict(
+                    self.comfy_tensors(tensors),
+                    self.original_names,
+                    int(metadata["r"]),
+                    float(metadata["lora_alpha"]),
+                    write_alpha=self.comfy_alpha,
+                    fused=self.comfy_fused,
+                    out_features=self.comfy_out_features,
+                )
         except ValueError as err:
             log.warning("%s saved for diffusers only: %s", "LoRA" if kind == "lora" else kind, err)
             return None

@@ -25,8 +25,11 @@ _PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
 # Default LoRA targets (suffixes): the video self- and cross-attention, which never match `audio_attn1.to_q`
 # and the like; with model.audio also the audio stream's and both audio-video cross-attention directions'.
 VIDEO_LORA_TARGETS = [f"{attn}.{proj}" for attn in ("attn1", "attn2") for proj in _PROJECTIONS]
-AUDIO_LORA_TARGETS = [f"{attn}.{proj}" for attn in ("audio_attn1", "audio_attn2", "audio_to_video_attn",
-                                                    "video_to_audio_attn") for proj in _PROJECTIONS]
+AUDIO_LORA_TARGETS = [
+    f"{attn}.{proj}"
+    for attn in ("audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
+    for proj in _PROJECTIONS
+]
 # The vocoder classes a checkpoint's vocoder/config.json may name: LTX-2.0's, LTX-2.3's with bandwidth extension.
 VOCODERS = ("LTX2Vocoder", "LTX2VocoderWithBWE")
 
@@ -41,9 +44,12 @@ class LTX2Spec(LTXVideoSpec):
     example_hub_id: ClassVar[str] = "Lightricks/LTX-2"
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:Gemma3ForConditionalGeneration",
-        "connectors": "diffusers.pipelines.ltx2:LTX2TextConnectors", "vae": "diffusers:AutoencoderKLLTX2Video",
-        "audio_vae": "diffusers:AutoencoderKLLTX2Audio", "vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
-        "transformer": "diffusers:LTX2VideoTransformer3DModel"}
+        "connectors": "diffusers.pipelines.ltx2:LTX2TextConnectors",
+        "vae": "diffusers:AutoencoderKLLTX2Video",
+        "audio_vae": "diffusers:AutoencoderKLLTX2Audio",
+        "vocoder": "diffusers.pipelines.ltx2.vocoder:LTX2Vocoder",
+        "transformer": "diffusers:LTX2VideoTransformer3DModel",
+    }
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTX2Pipeline", "i2v": "diffusers:LTX2ImageToVideoPipeline"}
 
     @property
@@ -60,8 +66,10 @@ class LTX2Spec(LTXVideoSpec):
             except (OSError, ValueError) as err:
                 raise self.load_error("vocoder", path, err) from err
             if name not in VOCODERS:
-                raise UserError(f"the vocoder at {path!r} is a {name!r}; ltx-2 loads {' or '.join(VOCODERS)}. Set "
-                                 "model.components.vocoder to an LTX-2 vocoder")
+                raise UserError(
+                    f"the vocoder at {path!r} is a {name!r}; ltx-2 loads {' or '.join(VOCODERS)}. Set "
+                    "model.components.vocoder to an LTX-2 vocoder"
+                )
             self._vocoder = load_class(f"diffusers.pipelines.ltx2.vocoder:{name}")
         return {**classes, "vocoder": self._vocoder}
 
@@ -78,9 +86,11 @@ class LTX2Spec(LTXVideoSpec):
         geometry = super()._geometry_from_config()
         vae = self._vae_without_weights().config if self.config.task == "i2v" else None
         if vae and (not vae.encoder_causal or vae.scaling_factor != 1.0):
-            raise UserError(f"model.task = \"i2v\" on ltx-2 needs a causal video VAE encoder with scaling_factor 1 "
-                             f"(as Lightricks/LTX-2's): the VAE at {self.source('vae')[0]!r} has encoder_causal "
-                             f"{vae.encoder_causal}, scaling_factor {vae.scaling_factor}")
+            raise UserError(
+                f'model.task = "i2v" on ltx-2 needs a causal video VAE encoder with scaling_factor 1 '
+                f"(as Lightricks/LTX-2's): the VAE at {self.source('vae')[0]!r} has encoder_causal "
+                f"{vae.encoder_causal}, scaling_factor {vae.scaling_factor}"
+            )
         return geometry
 
     @torch.no_grad()
@@ -89,8 +99,9 @@ class LTX2Spec(LTXVideoSpec):
         embeds, mask, _, _ = self._encode_prompt(encoders, captions, do_classifier_free_guidance=False)
         connectors = encoders["connectors"]
         padding_side = getattr(encoders["tokenizer"], "padding_side", "left")  # the pipeline's: left
-        video, audio, video_mask = connectors(embeds.to(connectors.device, connectors.dtype),
-                                              mask.to(connectors.device), padding_side=padding_side)
+        video, audio, video_mask = connectors(
+            embeds.to(connectors.device, connectors.dtype), mask.to(connectors.device), padding_side=padding_side
+        )
         out = {"prompt_embeds": video.float(), "prompt_attention_mask": video_mask.float()}
         if self.config.audio:
             out["audio_prompt_embeds"] = audio.float()
@@ -100,11 +111,16 @@ class LTX2Spec(LTXVideoSpec):
         """The connectors' video text embedding (heads x head dim wide) and its mask."""
         connectors = self.load_config("connectors")
         width = connectors["video_connector_num_attention_heads"] * connectors["video_connector_attention_head_dim"]
-        shapes = {"prompt_embeds": (self.max_text_tokens, width), "prompt_attention_mask": (self.max_text_tokens,),
-                  "latents": self.latent_shape(bucket)}
+        shapes = {
+            "prompt_embeds": (self.max_text_tokens, width),
+            "prompt_attention_mask": (self.max_text_tokens,),
+            "latents": self.latent_shape(bucket),
+        }
         if self.config.audio:
-            shapes["audio_prompt_embeds"] = (self.max_text_tokens, connectors["audio_connector_num_attention_heads"]
-                                             * connectors["audio_connector_attention_head_dim"])
+            shapes["audio_prompt_embeds"] = (
+                self.max_text_tokens,
+                connectors["audio_connector_num_attention_heads"] * connectors["audio_connector_attention_head_dim"],
+            )
             shapes["audio_latents"] = self.sound.latent_shape(bucket)
         return shapes
 
@@ -119,8 +135,14 @@ class LTX2Spec(LTXVideoSpec):
         self._check_video(video)
         return {"latents": self._encode(encoders["vae"], video)}
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """model.audio: the audio's terms in `Prediction.audio`; i2v: the first latent frame clean, out of the loss."""
         from diffusers import LTX2Pipeline
 
@@ -143,24 +165,43 @@ class LTX2Spec(LTXVideoSpec):
         audio_timestep = (audio_sigmas * NUM_TRAIN_TIMESTEPS).to(tokens.device)
         if self.config.audio:  # packed as the pipeline packs them: every mel bin of a latent frame in one token
             if "audio_noise" not in batch:
-                raise UserError("model.audio: the batch has audio_latents but no audio_noise; the trainer draws it "
-                                 "(train/parallel/batching.py draw_audio_noise)")
+                raise UserError(
+                    "model.audio: the batch has audio_latents but no audio_noise; the trainer draws it "
+                    "(train/parallel/batching.py draw_audio_noise)"
+                )
             audio_x0 = batch["audio_latents"].float().to(mask.device)
             audio_noise = batch["audio_noise"].to(audio_x0)
             noisy_audio = flow_match_noisy(audio_x0, audio_noise, audio_sigmas)
-            audio = dict(audio_hidden_states=LTX2Pipeline._pack_audio_latents(noisy_audio).to(dtype),
-                         audio_encoder_hidden_states=batch["audio_prompt_embeds"].to(mask.device, dtype),
-                         audio_encoder_attention_mask=mask,  # the video's: the pipeline passes it to both streams
-                         audio_num_frames=audio_x0.shape[2], isolate_modalities=False,
-                         use_cross_timestep=self.cross_timestep)  # modulated as validation samples
+            audio = dict(
+                audio_hidden_states=LTX2Pipeline._pack_audio_latents(noisy_audio).to(dtype),
+                audio_encoder_hidden_states=batch["audio_prompt_embeds"].to(mask.device, dtype),
+                audio_encoder_attention_mask=mask,  # the video's: the pipeline passes it to both streams
+                audio_num_frames=audio_x0.shape[2],
+                isolate_modalities=False,
+                use_cross_timestep=self.cross_timestep,
+            )  # modulated as validation samples
         else:  # one zero audio token (the class needs one), the cross-attention off: the video prediction ignores it
-            audio = dict(audio_hidden_states=text.new_zeros(len(text), 1, transformer.config.audio_in_channels),
-                         audio_encoder_hidden_states=text.new_zeros(len(text), 1, text.shape[-1]), audio_num_frames=1,
-                         isolate_modalities=True)
+            audio = dict(
+                audio_hidden_states=text.new_zeros(len(text), 1, transformer.config.audio_in_channels),
+                audio_encoder_hidden_states=text.new_zeros(len(text), 1, text.shape[-1]),
+                audio_num_frames=1,
+                isolate_modalities=True,
+            )
         video_out, audio_out = transformer(
-            hidden_states=tokens, encoder_hidden_states=text, timestep=video_timestep, audio_timestep=audio_timestep,
-            sigma=timestep, audio_sigma=audio_timestep, encoder_attention_mask=mask, num_frames=grid[0],
-            height=grid[1], width=grid[2], fps=self.frame_rate, return_dict=False, **audio)
+            hidden_states=tokens,
+            encoder_hidden_states=text,
+            timestep=video_timestep,
+            audio_timestep=audio_timestep,
+            sigma=timestep,
+            audio_sigma=audio_timestep,
+            encoder_attention_mask=mask,
+            num_frames=grid[0],
+            height=grid[1],
+            width=grid[2],
+            fps=self.frame_rate,
+            return_dict=False,
+            **audio,
+        )
         prediction = LTX2Pipeline._unpack_latents(video_out, *grid, patch, 1).float()
         out = Prediction(prediction=prediction, target=noise - x0, weight=weight)
         if self.config.audio:
@@ -179,18 +220,28 @@ class LTX2Spec(LTXVideoSpec):
     def cp_plan(self) -> ContextParallelPlan:
         """The video tokens split, the audio stream whole on every rank (docs/parallel.md, `ltx-2`)."""
         split = self.load_config("transformer").get("rope_type", "interleaved") == "split"
-        cross = CrossStreamPlan(queries_whole=("video_to_audio_attn",), queries_split=("audio_to_video_attn",),
-                                rope_dims=(-2, -3) if split else (-2, -1))
+        cross = CrossStreamPlan(
+            queries_whole=("video_to_audio_attn",),
+            queries_split=("audio_to_video_attn",),
+            rope_dims=(-2, -3) if split else (-2, -1),
+        )
         return ContextParallelPlan(
-            split_inputs={"": {"hidden_states": 1, "timestep": 1}}, gather_output="proj_out", self_attention=("attn1",),
+            split_inputs={"": {"hidden_states": 1, "timestep": 1}},
+            gather_output="proj_out",
+            self_attention=("attn1",),
             sequence_to_heads=("norm_q", "norm_k", "to_v", "to_gate_logits"),
-            rope_heads={"rope": -3 if split else -1}, cross_stream=cross)
+            rope_heads={"rope": -3 if split else -1},
+            cross_stream=cross,
+        )
 
     def tp_plan(self) -> None:
         return None  # each block also holds the audio stream and the audio-video attention (docs/parallel.md)
 
-    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
-                        last_image=None) -> dict[str, Any]:
+    def pipeline_inputs(
+        self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None, last_image=None
+    ) -> dict[str, Any]:
         """`use_cross_timestep` as diffusers samples each version (`cross_timestep`)."""
-        return {**super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image),
-                "use_cross_timestep": self.cross_timestep}
+        return {
+            **super().pipeline_inputs(prompt, bucket, steps, seed, image, last_image),
+            "use_cross_timestep": self.cross_timestep,
+        }

@@ -32,6 +32,7 @@ class LTX2Sound(SoundStream):
     def latent_shape(self, bucket: Bucket) -> tuple[int, int, int]:
         """(latent channels, frames, mel bins / 4): LTX2Pipeline's `audio_num_frames` for the clip's duration."""
         from diffusers.models.autoencoders.autoencoder_kl_ltx2_audio import LATENT_DOWNSAMPLE_FACTOR as DOWN
+
         config = self.spec.load_config("audio_vae")
         per_second = config["sample_rate"] / config["mel_hop_length"] / float(DOWN)
         frames = round(bucket.frames / self.spec.frame_rate * per_second)
@@ -41,15 +42,19 @@ class LTX2Sound(SoundStream):
     def encode(self, encoders, audio: Tensor) -> dict[str, Tensor]:
         """The log-mel's posterior mode, cut to the pipeline's length, normalised as LTX2Pipeline denormalises."""
         from diffusers import LTX2Pipeline
+
         vae = encoders["audio_vae"]
         config = vae.config
-        mel = log_mel(audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length,
-                      config.mel_bins)
+        mel = log_mel(
+            audio.to(vae.device, torch.float32), config.sample_rate, AUDIO_N_FFT, config.mel_hop_length, config.mel_bins
+        )
         latents = vae.encode(mel.to(vae.dtype)).latent_dist.mode().float()
         frames = round(audio.shape[-1] / config.mel_hop_length / vae.temporal_compression_ratio)  # the duration's
         if latents.shape[2] < frames:
-            raise ValueError(f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
-                             f"frames, fewer than the {frames} LTX2Pipeline generates for that duration")
+            raise ValueError(
+                f"the LTX-2 audio VAE encoded {audio.shape[-1]} samples into {latents.shape[2]} latent "
+                f"frames, fewer than the {frames} LTX2Pipeline generates for that duration"
+            )
         latents = latents[:, :, :frames]
         packed = LTX2Pipeline._pack_audio_latents(latents)  # (B, frames, C x bins): the statistics' layout
         packed = LTX2Pipeline._normalize_audio_latents(packed, vae.latents_mean.float(), vae.latents_std.float())

@@ -25,9 +25,11 @@ class LTXVideoSpec(ModelSpec):
     comfy_alpha: ClassVar[bool] = False
     noisy_first_frame: ClassVar[bool] = True  # i2v may noise the conditioning frame lightly
     example_hub_id: ClassVar[str] = "Lightricks/LTX-Video"
-    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:T5EncoderModel",
-                                            "vae": "diffusers:AutoencoderKLLTXVideo",
-                                            "transformer": "diffusers:LTXVideoTransformer3DModel"}
+    components: ClassVar[dict[str, str]] = {
+        "text_encoder": "transformers:T5EncoderModel",
+        "vae": "diffusers:AutoencoderKLLTXVideo",
+        "transformer": "diffusers:LTXVideoTransformer3DModel",
+    }
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:LTXPipeline", "i2v": "diffusers:LTXImageToVideoPipeline"}
 
     def _geometry_from_config(self) -> VaeGeometry:
@@ -35,8 +37,12 @@ class LTXVideoSpec(ModelSpec):
         transformer = self.load_config("transformer")
         if transformer.get("patch_size_t", 1) != 1:
             raise UserError("LTX transformers with patch_size_t > 1 are not supported")
-        return VaeGeometry(temporal=vae.temporal_compression_ratio, spatial=vae.spatial_compression_ratio,
-                           channels=vae.config.latent_channels, patch=transformer.get("patch_size", 1))
+        return VaeGeometry(
+            temporal=vae.temporal_compression_ratio,
+            spatial=vae.spatial_compression_ratio,
+            channels=vae.config.latent_channels,
+            patch=transformer.get("patch_size", 1),
+        )
 
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
@@ -60,12 +66,20 @@ class LTXVideoSpec(ModelSpec):
     @staticmethod
     def _encode(vae, video: Tensor) -> Tensor:
         from diffusers import LTXPipeline
-        latents = ModelSpec._vae_mode(vae, video)
-        return LTXPipeline._normalize_latents(latents, vae.latents_mean, vae.latents_std,
-                                              vae.config.scaling_factor).float()
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+        latents = ModelSpec._vae_mode(vae, video)
+        return LTXPipeline._normalize_latents(
+            latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
+        ).float()
+
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """Flow matching on the packed tokens; i2v: frame 0 is the conditioning latent, at its own sigma."""
         from diffusers import LTXPipeline
 
@@ -80,26 +94,34 @@ class LTXVideoSpec(ModelSpec):
         dtype = input_dtype(transformer)
         tokens = LTXPipeline._pack_latents(noisy, g.patch, 1).to(dtype)
         out = transformer(
-            hidden_states=tokens, encoder_hidden_states=batch["prompt_embeds"].to(tokens.device, dtype),
+            hidden_states=tokens,
+            encoder_hidden_states=batch["prompt_embeds"].to(tokens.device, dtype),
             timestep=(timestep * NUM_TRAIN_TIMESTEPS).to(tokens.device),  # float32, as the pipeline passes it
             encoder_attention_mask=batch["prompt_attention_mask"].to(tokens.device),
-            num_frames=grid[0], height=grid[1], width=grid[2],
+            num_frames=grid[0],
+            height=grid[1],
+            width=grid[2],
             rope_interpolation_scale=(g.temporal / self.frame_rate, g.spatial, g.spatial),  # as the pipeline
-            return_dict=False)[0]
+            return_dict=False,
+        )[0]
         prediction = LTXPipeline._unpack_latents(out, *grid, g.patch, 1)
         return Prediction(prediction=prediction.float(), target=noise - x0, weight=weight)
 
     def _condition_first_frame(self, batch, x0, sigmas, generators):
         """Frame 0: the conditioning latent, at sigma 0 or up to model.first_frame_noise (never above the sample's)."""
         if "first_frame_latents" not in batch:
-            raise KeyError("task i2v needs batch['first_frame_latents']; precompute the shards with "
-                           "model.task = \"i2v\"")
+            raise KeyError(
+                "task i2v needs batch['first_frame_latents']; precompute the shards with model.task = \"i2v\""
+            )
         x0 = torch.cat([batch["first_frame_latents"].to(x0), x0[:, :, 1:]], dim=2)
         frame_sigmas = sigmas[:, None].repeat(1, x0.shape[2])
         frame_sigmas[:, 0] = 0
         if self.config.first_frame_noise > 0:  # each sample's own generator: every layout draws the same
-            draw = (torch.stack([torch.rand((), generator=g) for g in generators]) if generators is not None
-                    else torch.rand(x0.shape[0]))
+            draw = (
+                torch.stack([torch.rand((), generator=g) for g in generators])
+                if generators is not None
+                else torch.rand(x0.shape[0])
+            )
             frame_sigmas[:, 0] = torch.minimum(draw.to(sigmas) * self.config.first_frame_noise, sigmas)
         weight = torch.ones(x0.shape[0], 1, x0.shape[2], 1, 1, device=x0.device, dtype=x0.dtype)
         weight[:, :, 0] = 0.0
@@ -112,11 +134,17 @@ class LTXVideoSpec(ModelSpec):
     def tp_plan(self) -> TensorParallelPlan:
         return TensorParallelPlan(
             colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), "ff.net.0.proj"),
-            rowwise=("attn1.to_out.0", "attn2.to_out.0", "ff.net.2"), attention=("attn1", "attn2"),
+            rowwise=("attn1.to_out.0", "attn2.to_out.0", "ff.net.2"),
+            attention=("attn1", "attn2"),
             head_norms=tuple(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
-            channel_rope="rope")  # rotary tables over the flat (B, S, heads x head_dim) queries: each rank's own
+            channel_rope="rope",
+        )  # rotary tables over the flat (B, S, heads x head_dim) queries: each rank's own
 
     def cp_plan(self) -> ContextParallelPlan:
         """The tokens and per-token timesteps (i2v) split; the rotary tables are the whole grid's, as Ulysses needs."""
-        return ContextParallelPlan(split_inputs={"": {"hidden_states": 1, "timestep": 1}}, gather_output="proj_out",
-                                   self_attention=("attn1",), rope_heads={"rope": -1})
+        return ContextParallelPlan(
+            split_inputs={"": {"hidden_states": 1, "timestep": 1}},
+            gather_output="proj_out",
+            self_attention=("attn1",),
+            rope_heads={"rope": -1},
+        )

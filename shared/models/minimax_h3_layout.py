@@ -11,6 +11,7 @@ from vt.shared.models.minimax_h3_sound import STEREO
 
 def pipeline_constants():
     from diffusers.modular_pipelines.minimax_h3 import modular_pipeline as h3
+
     return h3
 
 
@@ -18,18 +19,29 @@ def packed_layout(text_rows: int, latent_shape: tuple[int, ...], audio_latents: 
     """The pipeline's t2va layout (`MiniMaxH3PrepareLayoutStep.build_packed_sequence`) of one sample: position_ids,
     token_tags, video_indices, audio_indices, text_indices."""
     from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3PrepareLayoutStep
+
     h3 = pipeline_constants()
     _, frames, height, width = latent_shape
     return MiniMaxH3PrepareLayoutStep.build_packed_sequence(
-        torch.full((text_rows,), h3.MINIMAX_H3_TEXT_TAG, dtype=torch.long), frames, height, width, audio_latents,
-        patch, STEREO, h3.MINIMAX_H3_AUDIO_TAG, h3.MINIMAX_H3_VIDEO_TAG)[:5]
+        torch.full((text_rows,), h3.MINIMAX_H3_TEXT_TAG, dtype=torch.long),
+        frames,
+        height,
+        width,
+        audio_latents,
+        patch,
+        STEREO,
+        h3.MINIMAX_H3_AUDIO_TAG,
+        h3.MINIMAX_H3_VIDEO_TAG,
+    )[:5]
 
 
 def normalise_pixels(video: Tensor) -> Tensor:
     """[-1, 1] pixels as the H3 video VAE takes them: [0, 1], then ImageNet's mean and std (the pipeline's)."""
     pipeline = pipeline_constants().MiniMaxH3ModularPipeline
-    mean, std = (torch.tensor(v.fget(None), device=video.device).view(1, -1, 1, 1, 1)
-                 for v in (pipeline.pixel_mean, pipeline.pixel_std))
+    mean, std = (
+        torch.tensor(v.fget(None), device=video.device).view(1, -1, 1, 1, 1)
+        for v in (pipeline.pixel_mean, pipeline.pixel_std)
+    )
     return ((video + 1) / 2 - mean) / std
 
 

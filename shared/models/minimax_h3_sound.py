@@ -48,8 +48,9 @@ class MiniMaxH3Sound(SoundStream):
         batch, channels, samples = audio.shape
         mono = audio.reshape(batch * channels, 1, samples).to(vae.device, torch.float32)
         latents = vae.encode(mono).latent_dist.mode().float()
-        mean, std = (torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1)
-                     for k in ("latents_mean", "latents_std"))
+        mean, std = (
+            torch.tensor(vae.config[k], device=latents.device).view(1, -1, 1) for k in ("latents_mean", "latents_std")
+        )
         latents = (latents - mean) / std
         return {"audio_latents": latents.reshape(batch, channels, *latents.shape[1:]).cpu()}
 

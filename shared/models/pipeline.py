@@ -12,7 +12,6 @@ import inspect
 from typing import Any, ClassVar
 
 import numpy as np
-
 import torch
 from torch import Tensor, nn
 
@@ -46,18 +45,34 @@ def _check_control(control, bucket: Bucket) -> np.ndarray:
     frames = np.asarray(control)
     expected = (bucket.frames, bucket.height, bucket.width, 3)
     if frames.shape != expected or frames.dtype != np.uint8:
-        raise ValueError(f"the control video must be {expected} uint8 frames (bucket {bucket.name}), got "
-                         f"{frames.dtype} {frames.shape}")
+        raise ValueError(
+            f"the control video must be {expected} uint8 frames (bucket {bucket.name}), got "
+            f"{frames.dtype} {frames.shape}"
+        )
     return frames
 
 
 # Image call arguments of conditioning tasks: (tasks that take it, its name in errors, the frame it is, the
 # config key giving it, its name when refused, the task to set instead, what it is for).
 IMAGE_ARGUMENTS = {
-    "image": (("i2v", "flf2v"), "an image", "first frame", "train.validation_images", "image", "i2v",
-              "first-frame conditioning"),
-    "last_image": (("flf2v",), "a last_image", "last frame", "train.validation_last_images", "last image", "flf2v",
-                   "first-and-last-frame conditioning"),
+    "image": (
+        ("i2v", "flf2v"),
+        "an image",
+        "first frame",
+        "train.validation_images",
+        "image",
+        "i2v",
+        "first-frame conditioning",
+    ),
+    "last_image": (
+        ("flf2v",),
+        "a last_image",
+        "last frame",
+        "train.validation_last_images",
+        "last image",
+        "flf2v",
+        "first-and-last-frame conditioning",
+    ),
 }
 
 
@@ -104,7 +119,8 @@ class PipelineMixin:
         """The family pipeline's own `encode_prompt` over `captions` at this spec's text length, on the
         text encoder's device; `kwargs` go to it as they are."""
         return self._text_pipeline(encoders).encode_prompt(
-            list(captions), max_sequence_length=self.max_text_tokens, device=encoders["text_encoder"].device, **kwargs)
+            list(captions), max_sequence_length=self.max_text_tokens, device=encoders["text_encoder"].device, **kwargs
+        )
 
     def _prompt_and_mask(self, encoders: dict[str, Any], captions: list[str]) -> dict[str, Tensor]:
         """float32 `prompt_embeds` and `prompt_attention_mask` of a pipeline whose `encode_prompt` returns (embeds,
@@ -125,8 +141,9 @@ class PipelineMixin:
     text_with_image: TextWithImage | None = None
 
     # ----------------------------------------------------------------------------- validation
-    def build_pipeline(self, transformer, device="cpu", text_encoders: bool = True, dtype: torch.dtype | None = None,
-                       **loaded):
+    def build_pipeline(
+        self, transformer, device="cpu", text_encoders: bool = True, dtype: torch.dtype | None = None, **loaded
+    ):
         """The family pipeline around `transformer`; pass already loaded parts (e.g. vae=...) to reuse them.
         The parts it loads are in `dtype` (default `model.dtype`).
 
@@ -138,8 +155,11 @@ class PipelineMixin:
         else:
             trained = {self.trained_component: transformer}
         left_out = set() if text_encoders else set(self.text_parts())
-        parts = {name: None if name in left_out else loaded.get(name) or self.load_component(name, device, dtype)
-                 for name in self.pipeline_parts() if name not in trained}
+        parts = {
+            name: None if name in left_out else loaded.get(name) or self.load_component(name, device, dtype)
+            for name in self.pipeline_parts()
+            if name not in trained
+        }
         parts.update(trained)
         pipeline = self.pipeline_class()(**parts, **self.pipeline_options())
         pipeline.set_progress_bar_config(disable=True)
@@ -147,28 +167,54 @@ class PipelineMixin:
             setattr(pipeline, name, value)
         return pipeline
 
-    def generate(self, pipeline, prompt: str | None, bucket: Bucket, steps: int, seed: int, image=None,
-                 conditions: dict[str, Tensor] | None = None, decode: bool = True, last_image=None,
-                 control=None, **pipeline_kwargs) -> np.ndarray | None:
+    def generate(
+        self,
+        pipeline,
+        prompt: str | None,
+        bucket: Bucket,
+        steps: int,
+        seed: int,
+        image=None,
+        conditions: dict[str, Tensor] | None = None,
+        decode: bool = True,
+        last_image=None,
+        control=None,
+        **pipeline_kwargs,
+    ) -> np.ndarray | None:
         """(F, H, W, 3) uint8 frames of one sample from `pipeline` (extra kwargs go to the pipeline).
         `image` / `last_image`: the first (i2v, flf2v) and last (flf2v) frame. `control`: the control video,
         (F, H, W, 3) uint8 at the bucket's size (families with `control_video`). `conditions`: the prompt's (and
         negative prompt's, and images') encoded conditions in the pipeline's names, in place of the prompt (a
         pipeline built without text encoders). `decode=False` stops at the latents (never decoded) and
         returns None: a validation stand-in that only keeps sharded forwards in step."""
-        return self.generate_clip(pipeline, prompt, bucket, steps, seed, image, conditions, decode, last_image,
-                                  control, **pipeline_kwargs)[0]
+        return self.generate_clip(
+            pipeline, prompt, bucket, steps, seed, image, conditions, decode, last_image, control, **pipeline_kwargs
+        )[0]
 
-    def generate_clip(self, pipeline, prompt: str | None, bucket: Bucket, steps: int, seed: int, image=None,
-                      conditions: dict[str, Tensor] | None = None, decode: bool = True, last_image=None,
-                      control=None, **pipeline_kwargs) -> tuple[np.ndarray | None, Sound | None]:
+    def generate_clip(
+        self,
+        pipeline,
+        prompt: str | None,
+        bucket: Bucket,
+        steps: int,
+        seed: int,
+        image=None,
+        conditions: dict[str, Tensor] | None = None,
+        decode: bool = True,
+        last_image=None,
+        control=None,
+        **pipeline_kwargs,
+    ) -> tuple[np.ndarray | None, Sound | None]:
         """`generate`'s frames and, for a run that trains audio (`model.audio`), the sample's sound track
         (`sound.output`); (None, None) with `decode=False`."""
         last = {"last_image": last_image} if last_image is not None else {}  # only flf2v families take one
         if control is not None:  # only families that train on a control video take one
             last["control"] = control
-        kwargs = {**self.pipeline_inputs(prompt, bucket, steps, seed, image, **last), **pipeline_kwargs,
-                  "output_type": "np" if decode else "latent"}
+        kwargs = {
+            **self.pipeline_inputs(prompt, bucket, steps, seed, image, **last),
+            **pipeline_kwargs,
+            "output_type": "np" if decode else "latent",
+        }
         if conditions is not None:
             kwargs.update(prompt=None, **self.pipeline_conditions(pipeline, conditions))
         output = pipeline(**kwargs)
@@ -183,34 +229,47 @@ class PipelineMixin:
         another way arranges that here)."""
         return conditions
 
-    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
-                        last_image=None, control=None) -> dict[str, Any]:
+    def pipeline_inputs(
+        self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None, last_image=None, control=None
+    ) -> dict[str, Any]:
         """The pipeline call arguments `generate` uses: the same text length and frame rate as training,
         for i2v the conditioning image, for flf2v the first and the last frame (`image=`, `last_image=`), for a
         family with `control_video` the control video (`ControlVideo.pipeline_inputs`)."""
         self.check_bucket(bucket)
-        kwargs = dict(prompt=prompt, height=bucket.height, width=bucket.width, num_frames=bucket.frames,
-                      num_inference_steps=steps, generator=torch.Generator("cpu").manual_seed(seed),
-                      **self.inference_settings())
+        kwargs = dict(
+            prompt=prompt,
+            height=bucket.height,
+            width=bucket.width,
+            num_frames=bucket.frames,
+            num_inference_steps=steps,
+            generator=torch.Generator("cpu").manual_seed(seed),
+            **self.inference_settings(),
+        )
         task = self.config.task
         for name, value in (("image", image), ("last_image", last_image)):
             tasks, noun, frame, key, shown, wanted, purpose = IMAGE_ARGUMENTS[name]
             if task in tasks:
                 if value is None:
-                    raise UserError(f"{self.family} {task} generation needs {noun} (PIL or (H, W, 3) uint8) for the "
-                                     f"{frame}; set {key}, one per validation prompt")
+                    raise UserError(
+                        f"{self.family} {task} generation needs {noun} (PIL or (H, W, 3) uint8) for the "
+                        f"{frame}; set {key}, one per validation prompt"
+                    )
                 kwargs[name] = to_pil_image(value)
             elif value is not None:
-                raise UserError(f"{self.family} with task {task!r} takes no {shown}; use model.task = \"{wanted}\" "
-                                 f"for {purpose}")
+                raise UserError(
+                    f'{self.family} with task {task!r} takes no {shown}; use model.task = "{wanted}" for {purpose}'
+                )
         if self.control_video:
             if control is None:
-                raise UserError(f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
-                                 "train.validation_videos, one per validation prompt")
+                raise UserError(
+                    f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
+                    "train.validation_videos, one per validation prompt"
+                )
             kwargs.update(self.control_video.pipeline_inputs(_check_control(control, bucket)))
         elif control is not None:
-            raise UserError(f"{self.family} takes no control video; pick a family that trains on one "
-                             "(docs/families.md)")
+            raise UserError(
+                f"{self.family} takes no control video; pick a family that trains on one (docs/families.md)"
+            )
         return kwargs
 
     def inference_settings(self) -> dict[str, Any]:
@@ -233,6 +292,8 @@ class PipelineMixin:
             if default is None or default == value:
                 continue
             was = _shown(default) if isinstance(default, (int, float)) else "its own"
-            lines.append(f"{self.family} trains with {argument}={_shown(value)} but {pipeline} uses {was} by default: "
-                         f"pass {argument}={_shown(value)} when sampling with the trained weights")
+            lines.append(
+                f"{self.family} trains with {argument}={_shown(value)} but {pipeline} uses {was} by default: "
+                f"pass {argument}={_shown(value)} when sampling with the trained weights"
+            )
         return lines

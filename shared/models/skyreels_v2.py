@@ -20,8 +20,10 @@ from vt.shared.models.roles import PerFrameNoise
 from vt.shared.models.spec import VaeGeometry
 from vt.shared.models.wan import WanSpec
 
-DF_PIPELINES = {"t2v": "diffusers:SkyReelsV2DiffusionForcingPipeline",
-                "i2v": "diffusers:SkyReelsV2DiffusionForcingImageToVideoPipeline"}
+DF_PIPELINES = {
+    "t2v": "diffusers:SkyReelsV2DiffusionForcingPipeline",
+    "i2v": "diffusers:SkyReelsV2DiffusionForcingImageToVideoPipeline",
+}
 FPS_INDEX_0_RATE = 16  # the DF pipelines' `fps` embedding: index 0 at exactly this rate, 1 at any other
 
 
@@ -29,10 +31,14 @@ class SkyReelsV2Spec(WanSpec):
     family: ClassVar[str] = "skyreels-v2"
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     example_hub_id: ClassVar[str] = "Skywork/SkyReels-V2-T2V-14B-540P-Diffusers"
-    components: ClassVar[dict[str, str]] = {**WanSpec.components,
-                                            "transformer": "diffusers:SkyReelsV2Transformer3DModel"}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:SkyReelsV2Pipeline",
-                                           "i2v": "diffusers:SkyReelsV2ImageToVideoPipeline"}
+    components: ClassVar[dict[str, str]] = {
+        **WanSpec.components,
+        "transformer": "diffusers:SkyReelsV2Transformer3DModel",
+    }
+    pipelines: ClassVar[dict[str, str]] = {
+        "t2v": "diffusers:SkyReelsV2Pipeline",
+        "i2v": "diffusers:SkyReelsV2ImageToVideoPipeline",
+    }
 
     @property
     def forcing(self) -> bool:  # `model.diffusion_forcing`: a noise level per latent frame, the DF pipelines
@@ -69,23 +75,29 @@ class SkyReelsV2Spec(WanSpec):
         where = self.source("transformer")[0]
         if not self.forcing:
             if transformer.get("inject_sample_info"):
-                raise UserError(f"the transformer at {where!r} embeds the frame rate (inject_sample_info, a "
-                                 "SkyReels-V2-DF checkpoint), which only the diffusion-forcing pipelines feed: set "
-                                 "model.diffusion_forcing = true")
+                raise UserError(
+                    f"the transformer at {where!r} embeds the frame rate (inject_sample_info, a "
+                    "SkyReels-V2-DF checkpoint), which only the diffusion-forcing pipelines feed: set "
+                    "model.diffusion_forcing = true"
+                )
             return super()._check_task_fits(transformer, g)
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim")}
         if found["in_channels"] != g.channels or found["image_dim"]:
-            raise UserError(f"model.diffusion_forcing = true needs a text-to-video SkyReels V2 transformer "
-                             f"(in_channels {g.channels}, no image_dim; e.g. Skywork/SkyReels-V2-DF-1.3B-540P-"
-                             f"Diffusers), for i2v too; the one at {where!r} has {found}")
+            raise UserError(
+                f"model.diffusion_forcing = true needs a text-to-video SkyReels V2 transformer "
+                f"(in_channels {g.channels}, no image_dim; e.g. Skywork/SkyReels-V2-DF-1.3B-540P-"
+                f"Diffusers), for i2v too; the one at {where!r} has {found}"
+            )
 
     def check_bucket(self, bucket: Bucket) -> None:
         """Diffusion forcing: whole causal blocks only (the transformer builds its causal mask per block)."""
         super().check_bucket(bucket)
         frames = (bucket.frames - 1) // self.geometry.temporal + 1
         if self.forcing and frames % self.causal_block:
-            raise UserError(f"bucket {bucket.name}: {frames} latent frames do not make whole causal blocks of "
-                             f"{self.causal_block} (the transformer's num_frame_per_block); change buckets.sizes")
+            raise UserError(
+                f"bucket {bucket.name}: {frames} latent frames do not make whole causal blocks of "
+                f"{self.causal_block} (the transformer's num_frame_per_block); change buckets.sizes"
+            )
 
     @property
     def per_frame_noise(self) -> PerFrameNoise:  # type: ignore[override]  # one sigma per causal block
@@ -96,12 +108,20 @@ class SkyReelsV2Spec(WanSpec):
         if sigmas.ndim == 1:
             return sigmas[:, None].expand(-1, frames).clone()
         if sigmas.shape[1] * self.causal_block != frames:
-            raise ValueError(f"diffusion forcing got {sigmas.shape[1]} noise levels per sample for {frames} latent "
-                             f"frames in causal blocks of {self.causal_block}; draw spec.noise_levels(latent shape)")
+            raise ValueError(
+                f"diffusion forcing got {sigmas.shape[1]} noise levels per sample for {frames} latent "
+                f"frames in causal blocks of {self.causal_block}; draw spec.noise_levels(latent shape)"
+            )
         return sigmas.repeat_interleave(self.causal_block, dim=1)
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """Wan's; under diffusion forcing the DF pipelines' call, a timestep per frame."""
         if not self.forcing:
             return super().forward(transformer, batch, sigmas, noise, generators)
@@ -114,16 +134,26 @@ class SkyReelsV2Spec(WanSpec):
         noisy = flow_match_noisy(x0, noise, per_frame[:, None, :, None, None])
         # One fps index for the batch: diffusers' DF forward broadcasts the fps projection over it only from one.
         fps = {"fps": [0 if round(self.frame_rate) == FPS_INDEX_0_RATE else 1]} if self.sample_info else {}
-        return self._predict(transformer, batch, x0, noise, noisy, per_frame * NUM_TRAIN_TIMESTEPS,
-                             clean_first_frame=i2v, enable_diffusion_forcing=True, **fps)
+        return self._predict(
+            transformer,
+            batch,
+            x0,
+            noise,
+            noisy,
+            per_frame * NUM_TRAIN_TIMESTEPS,
+            clean_first_frame=i2v,
+            enable_diffusion_forcing=True,
+            **fps,
+        )
 
     def inference_settings(self) -> dict[str, Any]:
         """The text length, and the frame rate as the DF pipelines' integer `fps` where the transformer embeds it."""
         fps = {"fps": round(self.frame_rate)} if self.forcing and self.sample_info else {}
         return {**super().inference_settings(), **fps}
 
-    def pipeline_inputs(self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None,
-                        **kwargs) -> dict[str, Any]:
+    def pipeline_inputs(
+        self, prompt: str, bucket: Bucket, steps: int, seed: int, image=None, **kwargs
+    ) -> dict[str, Any]:
         """The DF pipelines denoise the bucket's frames in one window (`base_num_frames`), as training saw them."""
         inputs = super().pipeline_inputs(prompt, bucket, steps, seed, image, **kwargs)
         if self.forcing:

@@ -9,7 +9,6 @@ docs/model_spec.md has the contract; docs/families.md what a new family touches.
 from __future__ import annotations
 
 import importlib
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
@@ -82,28 +81,39 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         self.config = config
         unknown = sorted(set(config.components) - set(self.component_names()))
         if unknown:
-            raise UserError(f"model.components.{unknown[0]} is not a component of {self.family!r}; allowed: "
-                             f"{', '.join(self.component_names())}")
+            raise UserError(
+                f"model.components.{unknown[0]} is not a component of {self.family!r}; allowed: "
+                f"{', '.join(self.component_names())}"
+            )
         if not frame_rate > 0:
             raise UserError(f"buckets.fps must be > 0, got {frame_rate}")
         self.check_expert()
         if config.first_frame_noise > 0 and not (self.noisy_first_frame and config.task == "i2v"):
-            raise UserError(f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
-                             f"task {config.task!r}: " + ("it conditions on a clean first frame" if config.task == "i2v"
-                                                          else "it is an i2v setting") + "; remove it")
+            raise UserError(
+                f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
+                f"task {config.task!r}: "
+                + ("it conditions on a clean first frame" if config.task == "i2v" else "it is an i2v setting")
+                + "; remove it"
+            )
         if config.diffusion_forcing and not self.per_frame_noise:
-            raise UserError(f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
-                             f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
-                             "pick a family with diffusion forcing (docs/families.md)")
+            raise UserError(
+                f"model.diffusion_forcing = true needs a transformer that takes a noise level per latent "
+                f"frame; the {self.family!r} transformer takes one timestep per sample. Remove it, or "
+                "pick a family with diffusion forcing (docs/families.md)"
+            )
         self.frame_rate = float(frame_rate)
         self.sound = self.sound_stream(self) if self.sound_stream else None
         if config.audio and not self.sound:
-            raise UserError(f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
-                             "only. Remove it, or pick a family that trains audio (docs/families.md)")
+            raise UserError(
+                f"model.audio = true needs a family with a sound stream; {self.family!r} generates video "
+                "only. Remove it, or pick a family that trains audio (docs/families.md)"
+            )
         modes = self.sound.timestep_modes if self.sound else ("shared",)
         if config.audio_timesteps not in (None, *modes):
-            raise UserError(f"model.audio_timesteps = {config.audio_timesteps!r}: the {self.family!r} transformer takes "
-                             f"{' or '.join(repr(m) for m in modes)} audio timesteps; remove it")
+            raise UserError(
+                f"model.audio_timesteps = {config.audio_timesteps!r}: the {self.family!r} transformer takes "
+                f"{' or '.join(repr(m) for m in modes)} audio timesteps; remove it"
+            )
         self.audio_timesteps = config.audio_timesteps or modes[0]
         self.frozen_dtype = DTYPES[config.dtype]
         # The text length: the config's, else the one the family's pipeline encodes at inference.
@@ -123,8 +133,11 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     @property
     def stage1_components(self) -> tuple[str, ...]:
         """`stage1_base`, then the image encoders and processors this task adds (`task_components`)."""
-        added = [name for name in self.task_components.get(self.config.task, {})
-                 if name not in self.stage1_base and not name.startswith("transformer")]
+        added = [
+            name
+            for name in self.task_components.get(self.config.task, {})
+            if name not in self.stage1_base and not name.startswith("transformer")
+        ]
         if self.config.audio:
             added += [name for name in self.sound.components if name not in self.stage1_base]
         return (*self.stage1_base, *added)
@@ -153,13 +166,17 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
 
     def check_bucket(self, bucket: Bucket) -> None:
         if bucket.frames == 1 and not self.single_frame:
-            raise UserError(f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
-                             "remove 1xHxW sizes from buckets.sizes")
+            raise UserError(
+                f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
+                "remove 1xHxW sizes from buckets.sizes"
+            )
         if bucket.frames == 1 and self.config.task in ("i2v", "flf2v"):
             frames = "first and last frames" if self.config.task == "flf2v" else "first frame"
-            raise UserError(f"bucket {bucket.name}: {self.config.task} conditions on the {frames}, so a one-frame "
-                             "bucket leaves nothing to learn; remove 1xHxW sizes from buckets.sizes or use "
-                             "model.task = \"t2v\"")
+            raise UserError(
+                f"bucket {bucket.name}: {self.config.task} conditions on the {frames}, so a one-frame "
+                "bucket leaves nothing to learn; remove 1xHxW sizes from buckets.sizes or use "
+                'model.task = "t2v"'
+            )
         g = self.geometry
         pixels = g.spatial * g.patch
         if bucket.frames % g.temporal != 1 % g.temporal:
@@ -203,7 +220,12 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def latent_shape(self, bucket: Bucket) -> tuple[int, ...]:
         self.check_bucket(bucket)
         g = self.geometry
-        return (g.channels, (bucket.frames - 1) // g.temporal + 1, bucket.height // g.spatial, bucket.width // g.spatial)
+        return (
+            g.channels,
+            (bucket.frames - 1) // g.temporal + 1,
+            bucket.height // g.spatial,
+            bucket.width // g.spatial,
+        )
 
     # ----------------------------------------------------------------------------- stage 1
     @abstractmethod
@@ -242,8 +264,14 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         return self.per_frame_noise.levels(latent_shape) if self.config.diffusion_forcing else 1
 
     @abstractmethod
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """Prediction, target and loss weight of a batch at `sigmas` with `noise`. `generators`: one per row, keyed
         by the sample (not the rank: train/parallel/batching.py `spec_generators`), for the family's own draws
         (LTX-Video's first-frame noise), so every layout draws what one process draws."""
@@ -256,10 +284,15 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         for attr in self.block_lists:
             blocks = getattr(transformer, attr, None)
             if not isinstance(blocks, nn.ModuleList):
-                raise TypeError(f"{type(transformer).__name__}.{attr} is not a ModuleList of blocks; fix block_lists "
-                                f"of the {self.family} spec")
-            named += [(f"{attr}.{index}", block) for index, block in enumerate(blocks)
-                      if not getattr(block, "pipeline_relay", False)]
+                raise TypeError(
+                    f"{type(transformer).__name__}.{attr} is not a ModuleList of blocks; fix block_lists "
+                    f"of the {self.family} spec"
+                )
+            named += [
+                (f"{attr}.{index}", block)
+                for index, block in enumerate(blocks)
+                if not getattr(block, "pipeline_relay", False)
+            ]
         return named
 
     def blocks(self, transformer) -> list[nn.Module]:

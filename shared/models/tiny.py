@@ -70,8 +70,12 @@ def build_t5_tokenizer(words: list[str] = TINY_WORDS, model_max_length: int = 12
         single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", SPECIAL_TOKENS.index("</s>"))]
     )
     return T5TokenizerFast(
-        tokenizer_object=model, pad_token="<pad>", eos_token="</s>", unk_token="<unk>",
-        extra_ids=0, model_max_length=model_max_length,
+        tokenizer_object=model,
+        pad_token="<pad>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        extra_ids=0,
+        model_max_length=model_max_length,
     )
 
 
@@ -121,8 +125,16 @@ def build_llama_tokenizer(words: list[str] = TINY_WORDS):
     from transformers import LlamaTokenizer
 
     vocab, merges = bpe_vocab(words, ["<unk>", "<s>", "</s>", "<pad>"], prefix="\u2581")
-    return LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                          pad_token="<pad>", padding_side="right", model_max_length=1024)
+    return LlamaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="right",
+        model_max_length=1024,
+    )
 
 
 def build_clip_tokenizer(words: list[str] = TINY_WORDS):
@@ -170,20 +182,24 @@ def build_qwen_tokenizer(system: str, header_tokens: int, words: list[str] = TIN
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, padding_side="right", model_max_length=4096)
     tokenizer.add_special_tokens({"additional_special_tokens": specials[1:] + [system]})
     tokenizer.chat_template = CHATML_TEMPLATE.replace("FILL", "0")
-    header = tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": ""}],
-                                           tokenize=True, return_dict=True)["input_ids"]
+    header = tokenizer.apply_chat_template(
+        [{"role": "system", "content": system}, {"role": "user", "content": ""}], tokenize=True, return_dict=True
+    )["input_ids"]
     fill = header_tokens - (len(header) - 2)  # less the user turn's "<|im_end|>\n"
     tokenizer.chat_template = CHATML_TEMPLATE.replace("FILL", str(fill))
     return tokenizer
 
 
-def tiny_t5_encoder(umt5: bool = False, vocab_size: int = 1000, d_model: int = 64, d_kv: int = 16, d_ff: int = 128,
-                    num_heads: int = 4):
+def tiny_t5_encoder(
+    umt5: bool = False, vocab_size: int = 1000, d_model: int = 64, d_kv: int = 16, d_ff: int = 128, num_heads: int = 4
+):
     """A 2-layer T5 (or UMT5) encoder at a tiny width: the text encoder of most families' presets."""
     from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
 
     config, model = (UMT5Config, UMT5EncoderModel) if umt5 else (T5Config, T5EncoderModel)
-    return model(config(vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=2, num_heads=num_heads))
+    return model(
+        config(vocab_size=vocab_size, d_model=d_model, d_kv=d_kv, d_ff=d_ff, num_layers=2, num_heads=num_heads)
+    )
 
 
 def save_tiny(pipeline, out: Path, index_names: dict[str, list[str]] | None = None) -> Path:

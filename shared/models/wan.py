@@ -24,11 +24,15 @@ IMAGE_TASKS = ("i2v", "flf2v")  # the tasks that condition on the clip's own fra
 
 def block_names(blocks: str) -> tuple[tuple[str, str], ...]:
     """(diffusers name regex, original name) of the attention and FFN Linears of the Wan blocks in list `blocks`."""
-    return (*((rf"{blocks}\.(\d+)\.{attn}\.{ours}", rf"{blocks}.\1.{theirs}.{short}")
-              for attn, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn"))
-              for ours, short in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))),
-            (rf"{blocks}\.(\d+)\.ffn\.net\.0\.proj", rf"{blocks}.\1.ffn.0"),
-            (rf"{blocks}\.(\d+)\.ffn\.net\.2", rf"{blocks}.\1.ffn.2"))
+    return (
+        *(
+            (rf"{blocks}\.(\d+)\.{attn}\.{ours}", rf"{blocks}.\1.{theirs}.{short}")
+            for attn, theirs in (("attn1", "self_attn"), ("attn2", "cross_attn"))
+            for ours, short in (("to_q", "q"), ("to_k", "k"), ("to_v", "v"), (r"to_out\.0", "o"))
+        ),
+        (rf"{blocks}\.(\d+)\.ffn\.net\.0\.proj", rf"{blocks}.\1.ffn.0"),
+        (rf"{blocks}\.(\d+)\.ffn\.net\.2", rf"{blocks}.\1.ffn.2"),
+    )
 
 
 class WanSpec(ModelSpec):
@@ -37,28 +41,41 @@ class WanSpec(ModelSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("blocks",)
     # Original (Wan-AI) module names, which ComfyUI uses; diffusers' Wan LoRA conversion reads them back.
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
-        *block_names("blocks"), (r"blocks\.(\d+)\.attn2\.add_k_proj", r"blocks.\1.cross_attn.k_img"),
-        (r"blocks\.(\d+)\.attn2\.add_v_proj", r"blocks.\1.cross_attn.v_img"))
+        *block_names("blocks"),
+        (r"blocks\.(\d+)\.attn2\.add_k_proj", r"blocks.\1.cross_attn.k_img"),
+        (r"blocks\.(\d+)\.attn2\.add_v_proj", r"blocks.\1.cross_attn.v_img"),
+    )
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-T2V-1.3B-Diffusers"
-    components: ClassVar[dict[str, str]] = {"text_encoder": "transformers:UMT5EncoderModel",
-                                            "vae": "diffusers:AutoencoderKLWan",
-                                            "transformer": "diffusers:WanTransformer3DModel"}
+    components: ClassVar[dict[str, str]] = {
+        "text_encoder": "transformers:UMT5EncoderModel",
+        "vae": "diffusers:AutoencoderKLWan",
+        "transformer": "diffusers:WanTransformer3DModel",
+    }
     # Wan 2.1 i2v and flf2v add the CLIP image encoder and its processor (Wan 2.2's I2V models have none).
     task_components: ClassVar[dict[str, dict[str, str]]] = {
-        task: {"image_encoder": "transformers:CLIPVisionModelWithProjection",
-               "image_processor": "transformers:CLIPImageProcessor"} for task in IMAGE_TASKS}
-    pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:WanPipeline", "i2v": "diffusers:WanImageToVideoPipeline",
-                                           "flf2v": "diffusers:WanImageToVideoPipeline"}
+        task: {
+            "image_encoder": "transformers:CLIPVisionModelWithProjection",
+            "image_processor": "transformers:CLIPImageProcessor",
+        }
+        for task in IMAGE_TASKS
+    }
+    pipelines: ClassVar[dict[str, str]] = {
+        "t2v": "diffusers:WanPipeline",
+        "i2v": "diffusers:WanImageToVideoPipeline",
+        "flf2v": "diffusers:WanImageToVideoPipeline",
+    }
     # Wan 2.1 I2V also conditions on CLIP image embeddings; Wan 2.2's I2V models only on the encoded frame.
     clip_image_conditioning: ClassVar[bool] = True
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         super().__init__(config, frame_rate)
         if self.image_tokens and self.max_text_tokens != I2V_TEXT_TOKENS:
-            raise UserError(f"model.max_text_tokens = {self.max_text_tokens}, but Wan image-to-video needs exactly "
-                             f"{I2V_TEXT_TOKENS}: its cross-attention (diffusers' WanAttnProcessor) takes every "
-                             f"context token before the last {I2V_TEXT_TOKENS} to be an image token. Unset "
-                             f"model.max_text_tokens or set it to {I2V_TEXT_TOKENS}")
+            raise UserError(
+                f"model.max_text_tokens = {self.max_text_tokens}, but Wan image-to-video needs exactly "
+                f"{I2V_TEXT_TOKENS}: its cross-attention (diffusers' WanAttnProcessor) takes every "
+                f"context token before the last {I2V_TEXT_TOKENS} to be an image token. Unset "
+                f"model.max_text_tokens or set it to {I2V_TEXT_TOKENS}"
+            )
 
     @property
     def condition_frames(self) -> bool:
@@ -81,9 +98,12 @@ class WanSpec(ModelSpec):
         patch = tuple(transformer.get("patch_size", (1, 2, 2)))
         if patch[0] != 1 or patch[1] != patch[2]:
             raise UserError(f"Wan transformer patch_size {patch} is not supported; expected (1, p, p)")
-        geometry = VaeGeometry(temporal=vae.get("scale_factor_temporal") or 2 ** sum(vae["temperal_downsample"]),
-                               spatial=vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"]),
-                               channels=vae["z_dim"], patch=patch[1])
+        geometry = VaeGeometry(
+            temporal=vae.get("scale_factor_temporal") or 2 ** sum(vae["temperal_downsample"]),
+            spatial=vae.get("scale_factor_spatial") or 2 ** len(vae["temperal_downsample"]),
+            channels=vae["z_dim"],
+            patch=patch[1],
+        )
         self._check_task_fits(transformer, geometry)
         return geometry
 
@@ -95,26 +115,36 @@ class WanSpec(ModelSpec):
         conditioned = 2 * g.channels + g.temporal  # latents, condition mask, condition latents
         if task == "i2v" and not self.clip_image_conditioning:
             if found["in_channels"] != conditioned or found["image_dim"]:
-                raise UserError(f"model.task = \"i2v\" on {self.family} needs a Wan 2.2 image-to-video transformer "
-                                 f"(in_channels {conditioned}, no image_dim, e.g. Wan-AI/Wan2.2-I2V-A14B-Diffusers); "
-                                 f"the one at {where!r} has {found}")
+                raise UserError(
+                    f'model.task = "i2v" on {self.family} needs a Wan 2.2 image-to-video transformer '
+                    f"(in_channels {conditioned}, no image_dim, e.g. Wan-AI/Wan2.2-I2V-A14B-Diffusers); "
+                    f"the one at {where!r} has {found}"
+                )
         elif task in IMAGE_TASKS:
             if found["in_channels"] != conditioned or not found["image_dim"] or not found["added_kv_proj_dim"]:
                 example = "FLF2V-14B-720P-diffusers" if task == "flf2v" else "I2V-14B-480P-Diffusers"
-                raise UserError(f"model.task = \"{task}\" needs a Wan 2.1 image-to-video transformer (in_channels "
-                                 f"{conditioned}, image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-{example}); "
-                                 f"the one at {where!r} has {found}")
+                raise UserError(
+                    f'model.task = "{task}" needs a Wan 2.1 image-to-video transformer (in_channels '
+                    f"{conditioned}, image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-{example}); "
+                    f"the one at {where!r} has {found}"
+                )
             if task == "flf2v" and positions != (wanted := 2 * self.image_embeds_shape()[0]):
-                raise UserError(f"model.task = \"flf2v\" needs a Wan 2.1 first-and-last-frame transformer "
-                                 f"(pos_embed_seq_len {wanted}: both images' {wanted // 2} CLIP tokens, e.g. "
-                                 f"Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers); the one at {where!r} has pos_embed_seq_len "
-                                 f"{positions}")
+                raise UserError(
+                    f'model.task = "flf2v" needs a Wan 2.1 first-and-last-frame transformer '
+                    f"(pos_embed_seq_len {wanted}: both images' {wanted // 2} CLIP tokens, e.g. "
+                    f"Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers); the one at {where!r} has pos_embed_seq_len "
+                    f"{positions}"
+                )
             if task == "i2v" and positions:
-                raise UserError(f"the transformer at {where!r} is a first-and-last-frame one (pos_embed_seq_len "
-                                 f"{positions}): set model.task = \"flf2v\"")
+                raise UserError(
+                    f"the transformer at {where!r} is a first-and-last-frame one (pos_embed_seq_len "
+                    f'{positions}): set model.task = "flf2v"'
+                )
         elif found["image_dim"] or found["in_channels"] != g.channels:
-            raise UserError(f"the transformer at {where!r} is an image-to-video one ({found}): "
-                             "set model.task = \"i2v\"" + (" (or \"flf2v\": it takes two images)" if positions else ""))
+            raise UserError(
+                f"the transformer at {where!r} is an image-to-video one ({found}): "
+                'set model.task = "i2v"' + (' (or "flf2v": it takes two images)' if positions else "")
+            )
 
     def image_embeds_shape(self) -> tuple[int, int]:
         """(tokens, width) of one image's CLIP embeddings: its patches plus the class token, from the config."""
@@ -157,8 +187,11 @@ class WanSpec(ModelSpec):
         """WanImageToVideoPipeline.encode_image: the image encoder's second-to-last hidden states, (N, T, D) float32."""
         encoder = encoders["image_encoder"]
         inputs = encoders["image_processor"](images=images, return_tensors="pt")
-        return encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype),
-                       output_hidden_states=True).hidden_states[-2].float()
+        return (
+            encoder(pixel_values=inputs["pixel_values"].to(encoder.device, encoder.dtype), output_hidden_states=True)
+            .hidden_states[-2]
+            .float()
+        )
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         shapes = super().condition_shapes(bucket)
@@ -173,8 +206,9 @@ class WanSpec(ModelSpec):
         """With image tokens: a validation image's `image_embeds` (1, N, D), as the pipeline's `encode_image`."""
         if not self.image_tokens:
             return None
-        return ImageConditions(lambda encoders, image: {
-            "image_embeds": self._image_hidden_states(encoders, [to_pil_image(image)])})
+        return ImageConditions(
+            lambda encoders, image: {"image_embeds": self._image_hidden_states(encoders, [to_pil_image(image)])}
+        )
 
     def pipeline_conditions(self, pipeline, conditions: dict[str, Tensor]) -> dict[str, Tensor]:
         """Stored image embeddings go in through this pipeline's `encode_image` (its call refuses them with `image`)."""
@@ -195,29 +229,47 @@ class WanSpec(ModelSpec):
             mask[:, -1, -1] = 1
         return mask
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         image = {}
         task = self.config.task
         if self.condition_frames:  # [noisy, mask, condition] and the image tokens, as the pipeline
             needed = ("condition_latents", "image_embeds") if self.image_tokens else ("condition_latents",)
             if any(name not in batch for name in needed):
-                raise KeyError(f"task {task} needs batch{[*needed]}; precompute the shards with "
-                               f"model.task = \"{task}\"")
+                raise KeyError(f'task {task} needs batch{[*needed]}; precompute the shards with model.task = "{task}"')
             noisy = torch.cat([noisy, self.condition_mask(x0), batch["condition_latents"].to(x0)], dim=1)
             if self.image_tokens:  # flf2v: (B, 2, N, D) -> [first, last] of each sample, (2B, N, D), as the pipeline
                 embeds = batch["image_embeds"].flatten(0, 1) if task == "flf2v" else batch["image_embeds"]
                 image["encoder_hidden_states_image"] = embeds.to(x0.device, input_dtype(transformer))
         return self._predict(transformer, batch, x0, noise, noisy, sigmas * NUM_TRAIN_TIMESTEPS, **image)
 
-    def _predict(self, transformer, batch: dict[str, Tensor], x0: Tensor, noise: Tensor, noisy: Tensor,
-                 timestep: Tensor, clean_first_frame: bool = False, **inputs) -> Prediction:
+    def _predict(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        x0: Tensor,
+        noise: Tensor,
+        noisy: Tensor,
+        timestep: Tensor,
+        clean_first_frame: bool = False,
+        **inputs,
+    ) -> Prediction:
         """The prediction of `noisy` at `timestep` (float32, as the pipelines pass it); target noise - x0."""
         dtype = input_dtype(transformer)
-        prediction = transformer(hidden_states=noisy.to(dtype), timestep=timestep,
-                                 encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
-                                 return_dict=False, **inputs)[0]
+        prediction = transformer(
+            hidden_states=noisy.to(dtype),
+            timestep=timestep,
+            encoder_hidden_states=batch["prompt_embeds"].to(x0.device, dtype),
+            return_dict=False,
+            **inputs,
+        )[0]
         weight = None
         if clean_first_frame:  # the i2v condition: left out of the loss
             weight = (torch.arange(x0.shape[2], device=x0.device) > 0).float().view(1, 1, -1, 1, 1)
@@ -227,16 +279,26 @@ class WanSpec(ModelSpec):
         """With image tokens also their keys/values, split by heads like the text's (key norm over all heads)."""
         image = ("attn2.add_k_proj", "attn2.add_v_proj") if self.image_tokens else ()
         return TensorParallelPlan(
-            colwise=(*(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")), *image,
-                     "ffn.net.0.proj"),
-            rowwise=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"), attention=("attn1", "attn2"),
-            head_norms=(*(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
-                        *(("attn2.norm_added_k",) if image else ())))
+            colwise=(
+                *(f"{a}.{p}" for a in ("attn1", "attn2") for p in ("to_q", "to_k", "to_v")),
+                *image,
+                "ffn.net.0.proj",
+            ),
+            rowwise=("attn1.to_out.0", "attn2.to_out.0", "ffn.net.2"),
+            attention=("attn1", "attn2"),
+            head_norms=(
+                *(f"{a}.{n}" for a in ("attn1", "attn2") for n in ("norm_q", "norm_k")),
+                *(("attn2.norm_added_k",) if image else ()),
+            ),
+        )
 
     def cp_plan(self) -> ContextParallelPlan:
         """The tokens split at the first block (Wan patchifies in its forward), per-token timesteps at the input."""
-        return ContextParallelPlan(split_inputs={"": {"timestep": 1}, "blocks.0": {"hidden_states": 1}},
-                                   gather_output="proj_out", self_attention=("attn1",))
+        return ContextParallelPlan(
+            split_inputs={"": {"timestep": 1}, "blocks.0": {"hidden_states": 1}},
+            gather_output="proj_out",
+            self_attention=("attn1",),
+        )
 
 
 def _normalised(vae, latents: Tensor) -> Tensor:

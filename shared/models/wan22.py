@@ -30,10 +30,15 @@ class Wan22Spec(WanSpec):
         except (OSError, ValueError) as err:
             raise self.load_error("model_index.json", self.config.path, err) from err
         if not index.get("boundary_ratio"):
-            hint = ("family \"wan2.2-ti2v\" for Wan 2.2 TI2V-5B" if index.get("expand_timesteps")
-                    else "family \"wan\" for one transformer")
-            raise UserError(f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
-                             f"not a two-expert Wan 2.2 pipeline; use {hint}")
+            hint = (
+                'family "wan2.2-ti2v" for Wan 2.2 TI2V-5B'
+                if index.get("expand_timesteps")
+                else 'family "wan" for one transformer'
+            )
+            raise UserError(
+                f"model.path = {self.config.path!r} has no boundary_ratio in model_index.json: "
+                f"not a two-expert Wan 2.2 pipeline; use {hint}"
+            )
         return float(index["boundary_ratio"])
 
     def experts(self) -> dict[str, tuple[str, tuple[float, float]]]:

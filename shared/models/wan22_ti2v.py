@@ -31,11 +31,19 @@ class Wan22TI2VSpec(WanSpec):
         """Both tasks take the latents alone: in_channels = the VAE's z_dim, no image projections."""
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim")}
         if found["in_channels"] != g.channels or found["image_dim"]:
-            raise UserError(f"family {self.family!r} needs a TI2V-5B transformer (in_channels = the VAE's z_dim "
-                             f"{g.channels}, no image_dim); the one at {self.source('transformer')[0]!r} has {found}")
+            raise UserError(
+                f"family {self.family!r} needs a TI2V-5B transformer (in_channels = the VAE's z_dim "
+                f"{g.channels}, no image_dim); the one at {self.source('transformer')[0]!r} has {found}"
+            )
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         i2v = self.config.task == "i2v"
         batch_size, _, frames, height, width = x0.shape

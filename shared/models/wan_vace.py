@@ -19,8 +19,18 @@ from vt.shared.models.wan import WanSpec, block_names
 
 CONDITIONING_SCALE = 1.0  # WanVACEPipeline's default `conditioning_scale`, per VACE layer
 # The modules of a VACE block a control LoRA trains by default (DiffSynth-Studio's q,k,v,o,ffn.0,ffn.2).
-VACE_LORA_MODULES = ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-                     "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0", "ffn.net.0.proj", "ffn.net.2")
+VACE_LORA_MODULES = (
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ffn.net.0.proj",
+    "ffn.net.2",
+)
 
 
 class WanVACESpec(WanSpec):
@@ -29,7 +39,8 @@ class WanVACESpec(WanSpec):
     example_hub_id: ClassVar[str] = "Wan-AI/Wan2.1-VACE-1.3B-diffusers"
     # WanVACEPipeline's `video=`: the control video's frames as PIL images (no `mask=`: the full mask).
     control_video: ClassVar[ControlVideo] = ControlVideo(
-        pipeline_inputs=lambda control: {"video": [to_pil_image(frame) for frame in control]})
+        pipeline_inputs=lambda control: {"video": [to_pil_image(frame) for frame in control]}
+    )
     components: ClassVar[dict[str, str]] = {**WanSpec.components, "transformer": "diffusers:WanVACETransformer3DModel"}
     pipelines: ClassVar[dict[str, str]] = {"t2v": "diffusers:WanVACEPipeline"}
     # In running order: every VACE block runs before the first main block (their hints are added after the
@@ -37,10 +48,14 @@ class WanVACESpec(WanSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("vace_blocks", "blocks")
     pipeline_refusal: ClassVar[str] = (
         "its VACE blocks run on the control tokens and each main block adds one VACE block's hint beside its input, "
-        "so a block's output is not the next block's whole input, which is what a pipeline stage hands on")
+        "so a block's output is not the next block's whole input, which is what a pipeline stage hands on"
+    )
     original_names: ClassVar[tuple[tuple[str, str], ...]] = (
-        *block_names("vace_blocks"), (r"vace_blocks\.(\d+)\.proj_in", r"vace_blocks.\1.before_proj"),
-        (r"vace_blocks\.(\d+)\.proj_out", r"vace_blocks.\1.after_proj"), *WanSpec.original_names)
+        *block_names("vace_blocks"),
+        (r"vace_blocks\.(\d+)\.proj_in", r"vace_blocks.\1.before_proj"),
+        (r"vace_blocks\.(\d+)\.proj_out", r"vace_blocks.\1.after_proj"),
+        *WanSpec.original_names,
+    )
 
     @property
     def default_lora_targets(self) -> list[str]:  # type: ignore[override]
@@ -51,20 +66,24 @@ class WanVACESpec(WanSpec):
     def _check_task_fits(self, transformer: dict, g: VaeGeometry) -> None:
         """Wan's t2v check, and a control input of [inactive, reactive] latents (2C) plus spatial^2 mask channels."""
         super()._check_task_fits(transformer, g)
-        expected = 2 * g.channels + g.spatial ** 2
+        expected = 2 * g.channels + g.spatial**2
         if not transformer.get("vace_layers") or transformer.get("vace_in_channels") != expected:
-            raise UserError(f"family {self.family!r} needs a Wan VACE transformer (vace_layers, vace_in_channels "
-                             f"{expected}, e.g. {self.example_hub_id}); the one at {self.source('transformer')[0]!r} "
-                             f"has vace_layers {transformer.get('vace_layers')}, vace_in_channels "
-                             f"{transformer.get('vace_in_channels')}")
+            raise UserError(
+                f"family {self.family!r} needs a Wan VACE transformer (vace_layers, vace_in_channels "
+                f"{expected}, e.g. {self.example_hub_id}); the one at {self.source('transformer')[0]!r} "
+                f"has vace_layers {transformer.get('vace_layers')}, vace_in_channels "
+                f"{transformer.get('vace_in_channels')}"
+            )
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor, control: Tensor | None = None) -> dict[str, Tensor]:
         """Wan's latents, and `control_latents` of the control video (`encode_control`)."""
         self._check_video(video)
         if control is None:
-            raise ValueError(f"{self.family} conditions every clip on its control video: call "
-                             "encode_video(encoders, video, control=...) with the control clip (B, 3, F, H, W)")
+            raise ValueError(
+                f"{self.family} conditions every clip on its control video: call "
+                "encode_video(encoders, video, control=...) with the control clip (B, 3, F, H, W)"
+            )
         if control.shape != video.shape:
             raise ValueError(f"control video {tuple(control.shape)} must have the clip's shape {tuple(video.shape)}")
         latents = super().encode_video(encoders, video)
@@ -92,20 +111,36 @@ class WanVACESpec(WanSpec):
 
     def control_mask(self, latents: Tensor) -> Tensor:
         """WanVACEPipeline.prepare_masks of the full mask: all ones, (B, spatial^2, F, H, W) at the latent grid."""
-        return latents.new_ones(latents.shape[0], self.geometry.spatial ** 2, *latents.shape[2:])
+        return latents.new_ones(latents.shape[0], self.geometry.spatial**2, *latents.shape[2:])
 
-    def forward(self, transformer, batch: dict[str, Tensor], sigmas: Tensor, noise: Tensor,
-                generators: list[torch.Generator] | None = None) -> Prediction:
+    def forward(
+        self,
+        transformer,
+        batch: dict[str, Tensor],
+        sigmas: Tensor,
+        noise: Tensor,
+        generators: list[torch.Generator] | None = None,
+    ) -> Prediction:
         """Wan t2v's, with the pipeline's `control_hidden_states` [control_latents, mask] and its scale per layer."""
         if "control_latents" not in batch:
-            raise KeyError(f"{self.family} needs batch['control_latents']; precompute the shards with model.family = "
-                           f"{self.family!r} (each raw sample with its control video)")
+            raise KeyError(
+                f"{self.family} needs batch['control_latents']; precompute the shards with model.family = "
+                f"{self.family!r} (each raw sample with its control video)"
+            )
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype = input_dtype(transformer)
         control = torch.cat([batch["control_latents"].to(x0), self.control_mask(x0)], dim=1)
         scale = torch.full((len(transformer.config.vace_layers),), CONDITIONING_SCALE, device=x0.device, dtype=dtype)
-        return self._predict(transformer, batch, x0, noise, noisy, sigmas * NUM_TRAIN_TIMESTEPS,
-                             control_hidden_states=control.to(dtype), control_hidden_states_scale=scale)
+        return self._predict(
+            transformer,
+            batch,
+            x0,
+            noise,
+            noisy,
+            sigmas * NUM_TRAIN_TIMESTEPS,
+            control_hidden_states=control.to(dtype),
+            control_hidden_states_scale=scale,
+        )
 
     def inference_settings(self) -> dict[str, Any]:
         return {**super().inference_settings(), "conditioning_scale": CONDITIONING_SCALE}

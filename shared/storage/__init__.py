@@ -31,13 +31,21 @@ import logging
 import time
 import uuid
 
+from vt.shared.errors import UserError
+
 from .local import STALE_TEMP_SECONDS, LocalBackend
 from .remote import MemoryBackend, S3Backend
 from .retry import RetryPolicy, StorageUnavailable, is_transient
-from vt.shared.errors import UserError
 
-__all__ = ["BACKENDS", "STALE_TEMP_SECONDS", "SUPPORTED", "RetryPolicy", "Storage", "StorageUnavailable",
-           "is_transient"]
+__all__ = [
+    "BACKENDS",
+    "STALE_TEMP_SECONDS",
+    "SUPPORTED",
+    "RetryPolicy",
+    "Storage",
+    "StorageUnavailable",
+    "is_transient",
+]
 
 log = logging.getLogger("vt.storage")
 
@@ -76,7 +84,7 @@ class Storage:
     def relative(self, full: str) -> str:
         prefix = self.root.rstrip("/") + "/"
         assert full.startswith(prefix), (full, prefix)
-        return full[len(prefix):]
+        return full[len(prefix) :]
 
     def _retrying(self, what: str, rel: str, fn, *args):
         """fn(*args), retried on transient errors under self.retry; logical errors pass through at once."""
@@ -95,9 +103,11 @@ class Storage:
                         f"{what} {rel!r} under {self.uri} failed {attempt} times over {elapsed:.1f}s, last with "
                         f"{err!r}. The store is unreachable or overloaded: check AWS_ENDPOINT_URL and the network, "
                         f"or allow a longer outage than the retry budget ({self.retry.describe()}) with "
-                        "VT_STORAGE_RETRY_SECONDS") from err
-                log.warning("storage retry %d in %.2fs: %s %s under %s failed with %r", attempt, delay, what, rel,
-                            self.uri, err)
+                        "VT_STORAGE_RETRY_SECONDS"
+                    ) from err
+                log.warning(
+                    "storage retry %d in %.2fs: %s %s under %s failed with %r", attempt, delay, what, rel, self.uri, err
+                )
                 time.sleep(delay)
 
     # -- reads ---------------------------------------------------------------------------------
@@ -184,7 +194,8 @@ class Storage:
                 f"the store at {self.uri}{where} let a second exclusive create of {rel!r} overwrite the first: it "
                 "ignores conditional writes (If-None-Match: *), so two producers could both take one lane and "
                 "overwrite each other's commit records. Use a store that honours them (AWS S3, MinIO, moto), or "
-                "point AWS_ENDPOINT_URL at one")
+                "point AWS_ENDPOINT_URL at one"
+            )
 
     def delete(self, rel: str) -> None:
         """Delete `rel`; a missing file is fine (eviction and orphan cleaning may race)."""

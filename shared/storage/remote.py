@@ -10,10 +10,11 @@ import time
 
 import fsspec
 
+from vt.shared.errors import UserError
+
 from ..faults import fault_point
 from ..log import get_logger
 from .retry import is_transient
-from vt.shared.errors import UserError
 
 log = get_logger("vt.storage")
 
@@ -45,13 +46,19 @@ class FsspecBackend:
 
     def find(self, base: str) -> dict[str, int]:
         found = self.fs.find(base, detail=True)
-        return {p: int(info.get("size") or 0) for p, info in found.items()
-                if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")}
+        return {
+            p: int(info.get("size") or 0)
+            for p, info in found.items()
+            if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")
+        }
 
     def find_stamps(self, base: str) -> dict[str, str]:
         found = self.fs.find(base, detail=True)
-        return {p: str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
-                for p, info in found.items() if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")}
+        return {
+            p: str(info.get("ETag") or info.get("LastModified") or info.get("mtime") or info.get("created"))
+            for p, info in found.items()
+            if info.get("type", "file") == "file" and p.rstrip("/") != base.rstrip("/")
+        }
 
     def put(self, full: str, data: bytes, point: str) -> None:
         fault_point(point)  # a killed client's PUT never completes: the store keeps nothing of it
@@ -96,9 +103,12 @@ class S3Backend(FsspecBackend):
         # Own instance (not fsspec's shared one) so that switching off s3fs's retry loop touches no one else.
         # 64 connections (botocore's default is 10): the trainer's rank 0 reads commit records 64 at a time ahead of
         # its walk (window/reader.py), beside the read-ahead's data reads.
-        fs = fsspec.filesystem("s3", use_listings_cache=False, skip_instance_cache=True,
-                               config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"},
-                                              "max_pool_connections": 64})
+        fs = fsspec.filesystem(
+            "s3",
+            use_listings_cache=False,
+            skip_instance_cache=True,
+            config_kwargs={"retries": {"total_max_attempts": 1, "mode": "standard"}, "max_pool_connections": 64},
+        )
         fs.retries = 1
         quiet_lost_connections()
         super().__init__(fs, root, retrying)
@@ -123,8 +133,11 @@ class S3Backend(FsspecBackend):
     def _uploads(self, base: str, name: str | None) -> list[dict]:
         bucket, _, key = base.partition("/")
         prefix = f"{key.rstrip('/')}/" if key else ""
-        listing = self.retrying("list uploads", base, lambda: self.fs.call_s3(
-            "list_multipart_uploads", Bucket=bucket, Prefix=prefix + (name or "")))
+        listing = self.retrying(
+            "list uploads",
+            base,
+            lambda: self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + (name or "")),
+        )
         uploads = listing.get("Uploads", []) or []
         return [u for u in uploads if name is None or u["Key"] == prefix + name]
 
@@ -139,8 +152,13 @@ class S3Backend(FsspecBackend):
         removed = []
         for upload in self._uploads(base, name):
             if upload["Initiated"] < cutoff:
-                self.retrying("abort upload", upload["Key"], lambda u=upload: self.fs.call_s3(
-                    "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]))
+                self.retrying(
+                    "abort upload",
+                    upload["Key"],
+                    lambda u=upload: self.fs.call_s3(
+                        "abort_multipart_upload", Bucket=bucket, Key=u["Key"], UploadId=u["UploadId"]
+                    ),
+                )
                 removed.append(f"{bucket}/{upload['Key']}")
         return removed
 

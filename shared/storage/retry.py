@@ -6,14 +6,24 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+
 from vt.shared.errors import UserError
 
-_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "TooManyRequests", "RequestTimeout",
-                    "InternalError", "ServiceUnavailable", "RequestLimitExceeded", "ProvisionedThroughputExceeded",
-                    # 409: AWS's answer to a conditional write racing another for the same key (two `If-None-Match: *`
-                    # creates at once): this one was not applied, and AWS documents a retry, whose 412 then says the
-                    # other won (shared/storage Storage.create_exclusive).
-                    "ConditionalRequestConflict"}
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "TooManyRequests",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestLimitExceeded",
+    "ProvisionedThroughputExceeded",
+    # 409: AWS's answer to a conditional write racing another for the same key (two `If-None-Match: *`
+    # creates at once): this one was not applied, and AWS documents a retry, whose 412 then says the
+    # other won (shared/storage Storage.create_exclusive).
+    "ConditionalRequestConflict",
+}
 
 
 class StorageUnavailable(UserError, OSError):
@@ -79,8 +89,7 @@ class RetryPolicy:
 
 def is_transient(err: BaseException) -> bool:
     """True for failures a retry can cure (network, timeouts, 5xx, throttling); False for answers."""
-    if isinstance(err, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                        NotADirectoryError)):
+    if isinstance(err, (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError)):
         return False
     seen = set()
     while err is not None and id(err) not in seen:
@@ -93,8 +102,12 @@ def is_transient(err: BaseException) -> bool:
         if module.startswith("botocore"):
             response = getattr(err, "response", None)
             if response is None:  # BotoCoreError: endpoint connection, read timeout, parse error ...
-                return type(err).__name__ not in ("NoCredentialsError", "ParamValidationError",
-                                                  "PartialCredentialsError", "ProfileNotFound")
+                return type(err).__name__ not in (
+                    "NoCredentialsError",
+                    "ParamValidationError",
+                    "PartialCredentialsError",
+                    "ProfileNotFound",
+                )
             status = response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             code = response.get("Error", {}).get("Code", "")
             return status >= 500 or status == 429 or code in _TRANSIENT_CODES

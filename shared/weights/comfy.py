@@ -62,8 +62,8 @@ class Fused:
     def match(self, module: str) -> tuple[str, str] | None:
         """(the module's prefix, its part) if it is one of this entry's parts, else None."""
         for part in self.parts:
-            if module.endswith("." + part) and re.fullmatch(self.prefix, module[:-len(part) - 1]):
-                return module[:-len(part) - 1], part
+            if module.endswith("." + part) and re.fullmatch(self.prefix, module[: -len(part) - 1]):
+                return module[: -len(part) - 1], part
         return None
 
 
@@ -87,9 +87,15 @@ def fused_templates(entries: Sequence[tuple[str, tuple[str, ...], str]], reverse
     return tuple(out)
 
 
-def comfy_state_dict(lora: dict[str, Tensor], table: Sequence[tuple[str, str]], rank: int, alpha: float,
-                     write_alpha: bool, fused: Sequence[Fused] = (),
-                     out_features: Callable[[str], int] | None = None) -> dict[str, Tensor]:
+def comfy_state_dict(
+    lora: dict[str, Tensor],
+    table: Sequence[tuple[str, str]],
+    rank: int,
+    alpha: float,
+    write_alpha: bool,
+    fused: Sequence[Fused] = (),
+    out_features: Callable[[str], int] | None = None,
+) -> dict[str, Tensor]:
     """peft/diffusers LoRA keys (`<module>.lora_A.weight`) -> `diffusion_model.<original>.lora_A.weight`.
 
     `fused` entries merge their parts' LoRAs into one (see the module docstring); `out_features(module)`
@@ -119,8 +125,10 @@ def comfy_state_dict(lora: dict[str, Tensor], table: Sequence[tuple[str, str]], 
         if write_alpha:
             out[f"{PREFIX}{original}.alpha"] = torch.tensor(float(alpha))
     if unmapped:
-        raise ValueError(f"no original module name for {sorted(unmapped)[:4]} (LoRA on modules outside the "
-                         "family's key table); the ComfyUI file is not written")
+        raise ValueError(
+            f"no original module name for {sorted(unmapped)[:4]} (LoRA on modules outside the "
+            "family's key table); the ComfyUI file is not written"
+        )
     for (index, prefix), parts in groups.items():
         entry = fused[index]
         original = re.sub(f"^{entry.prefix}$", entry.original, prefix)
@@ -152,8 +160,10 @@ def split_fused(lora_a: Tensor, lora_b: Tensor, sizes: Sequence[int]) -> list[tu
     (with lora_A's matching rows). For a file `comfy_state_dict` wrote (lora_B block diagonal) that is
     each part's own LoRA; a part whose rows are all zero (not trained) gets None."""
     if lora_b.shape[0] != sum(sizes) or lora_b.shape[1] != lora_a.shape[0]:
-        raise ValueError(f"a fused LoRA of lora_B {tuple(lora_b.shape)}, lora_A {tuple(lora_a.shape)} does not "
-                         f"split into parts of {list(sizes)} outputs")
+        raise ValueError(
+            f"a fused LoRA of lora_B {tuple(lora_b.shape)}, lora_A {tuple(lora_a.shape)} does not "
+            f"split into parts of {list(sizes)} outputs"
+        )
     out: list[tuple[Tensor, Tensor] | None] = []
     for rows in torch.split(lora_b, list(sizes)):
         used = rows.ne(0).any(0)
@@ -161,9 +171,12 @@ def split_fused(lora_a: Tensor, lora_b: Tensor, sizes: Sequence[int]) -> list[tu
     return out
 
 
-def diffusers_state_dict(state: dict[str, Tensor], table: Sequence[tuple[str, str]],
-                         fused: Sequence[tuple[str, str, tuple[str, ...]]] = (),
-                         out_features: Callable[[str], int] | None = None) -> dict[str, Tensor]:
+def diffusers_state_dict(
+    state: dict[str, Tensor],
+    table: Sequence[tuple[str, str]],
+    fused: Sequence[tuple[str, str, tuple[str, ...]]] = (),
+    out_features: Callable[[str], int] | None = None,
+) -> dict[str, Tensor]:
     """A ComfyUI file without `.alpha` (the scale in lora_B) -> peft keys `<module>.lora_A.weight`, scale 1.
 
     `table`: (regular expression over the original module, diffusers replacement), first full match

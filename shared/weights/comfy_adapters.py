@@ -35,17 +35,27 @@ PART_PREFIX = {"loha": "hada_", "lokr": "lokr_"}
 FIRST_FACTOR = {"loha": ("hada_w1_a",), "lokr": ("lokr_w1", "lokr_w1_a")}
 
 
-def comfy_state_dict(kind: str, tensors: dict[str, Tensor], table: Sequence[tuple[str, str]], rank: int,
-                     alpha: float, fused: Sequence[Fused] = ()) -> dict[str, Tensor]:
+def comfy_state_dict(
+    kind: str,
+    tensors: dict[str, Tensor],
+    table: Sequence[tuple[str, str]],
+    rank: int,
+    alpha: float,
+    fused: Sequence[Fused] = (),
+) -> dict[str, Tensor]:
     """peft's saved LoHa or LoKr weights (`<module>.hada_w1_a` ...) -> `diffusion_model.<original>.hada_w1_a`
     ..., peft's scale alpha / `rank` in the first factor. Raises ValueError for a kind ComfyUI would load
     differently (DoRA), a family with fused modules, or modules the key table has no original name for."""
     if kind not in FIRST_FACTOR:
-        raise ValueError(f"no ComfyUI file for a {kind} adapter: ComfyUI's DoRA rescales the weight's input "
-                         "columns, peft's its output rows, so it would load other weights")
+        raise ValueError(
+            f"no ComfyUI file for a {kind} adapter: ComfyUI's DoRA rescales the weight's input "
+            "columns, peft's its output rows, so it would load other weights"
+        )
     if fused:
-        raise ValueError(f"the family's original model fuses modules diffusers keeps apart, and a {kind} of the "
-                         f"parts is not a {kind} of the fused module")
+        raise ValueError(
+            f"the family's original model fuses modules diffusers keeps apart, and a {kind} of the "
+            f"parts is not a {kind} of the fused module"
+        )
     out: dict[str, Tensor] = {}
     unmapped: set[str] = set()
     scale = alpha / rank
@@ -63,6 +73,8 @@ def comfy_state_dict(kind: str, tensors: dict[str, Tensor], table: Sequence[tupl
             tensor = tensor * scale
         out[f"{PREFIX}{original}.{part}"] = tensor.contiguous()
     if unmapped:
-        raise ValueError(f"no original module name for {sorted(unmapped)[:4]} ({kind} on modules outside the "
-                         "family's key table); the ComfyUI file is not written")
+        raise ValueError(
+            f"no original module name for {sorted(unmapped)[:4]} ({kind} on modules outside the "
+            "family's key table); the ComfyUI file is not written"
+        )
     return out

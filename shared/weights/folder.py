@@ -21,13 +21,23 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
 from vt.shared.errors import UserError
 
 # safetensors dtype names -> torch dtypes (https://github.com/huggingface/safetensors, format section)
 DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
 
 
@@ -61,13 +71,18 @@ def block_of(name: str, full: tuple[int, ...], offsets, shape) -> tuple[tuple[in
     block outside it is a ValueError."""
     offsets = tuple(offsets) if offsets is not None else (0,) * len(full)
     shape = tuple(shape) if shape is not None else full
-    if len(offsets) != len(full) or len(shape) != len(full) or any(
-            o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, full)):
+    if (
+        len(offsets) != len(full)
+        or len(shape) != len(full)
+        or any(o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, shape, full))
+    ):
         raise ValueError(f"block at {offsets} of shape {shape} is outside {name} {full}")
     return offsets, shape
 
 
-def narrowed(tensor: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], first_dim: int = 0) -> torch.Tensor:
+def narrowed(
+    tensor: torch.Tensor, offsets: tuple[int, ...], shape: tuple[int, ...], first_dim: int = 0
+) -> torch.Tensor:
     """The block at `offsets` of `shape` of `tensor` along its dims from `first_dim` on, contiguous."""
     for dim in range(first_dim, tensor.ndim):
         if (offsets[dim], shape[dim]) != (0, tensor.shape[dim]):
@@ -130,7 +145,9 @@ class Weights(TensorTable):
         """Modules whose weight is stored in quantized blocks: none in safetensors (a GGUF file has them)."""
         return {}
 
-    def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Tensor `name` in its stored dtype on the CPU, or its block at `offsets` of `shape`."""
         entry = self.entries[name]
         full = entry.shape

@@ -41,7 +41,7 @@ def _orig_shapes(reader) -> dict[str, tuple[int, ...]]:
     out = {}
     for name, field in reader.fields.items():
         if name.startswith(ORIG_SHAPE):
-            out[name[len(ORIG_SHAPE):]] = tuple(int(field.parts[i][0]) for i in field.data)
+            out[name[len(ORIG_SHAPE) :]] = tuple(int(field.parts[i][0]) for i in field.data)
     return out
 
 
@@ -52,7 +52,9 @@ class GgufWeights(TensorTable):
         try:
             from gguf import GGUFReader
         except ImportError as err:
-            raise UserError(f"{file} is a GGUF file: reading it needs the gguf package (pip install 'vt[gguf]')") from err
+            raise UserError(
+                f"{file} is a GGUF file: reading it needs the gguf package (pip install 'vt[gguf]')"
+            ) from err
 
         self.files = [Path(file)]
         reader = GGUFReader(file)
@@ -61,13 +63,21 @@ class GgufWeights(TensorTable):
         for tensor in reader.tensors:
             kind = int(tensor.tensor_type)
             if kind not in PLAIN and kind not in BLOCK_SIZES:
-                raise UserError(f"{file}: tensor {tensor.name} is ggml type {tensor.tensor_type.name}, which vt does not "
-                                f"dequantize (it reads F32, F16, BF16, {', '.join(NAMES.values())}); convert the file "
-                                "with one of those types")
+                raise UserError(
+                    f"{file}: tensor {tensor.name} is ggml type {tensor.tensor_type.name}, which vt does not "
+                    f"dequantize (it reads F32, F16, BF16, {', '.join(NAMES.values())}); convert the file "
+                    "with one of those types"
+                )
             stored = tuple(int(n) for n in reversed(tensor.shape.tolist()))
             self.entries[tensor.name] = GgufEntry(
-                Path(file), PLAIN.get(kind, torch.float32), shapes.get(tensor.name, stored), int(tensor.data_offset),
-                int(tensor.data_offset) + int(tensor.n_bytes), None if kind in PLAIN else kind, stored)
+                Path(file),
+                PLAIN.get(kind, torch.float32),
+                shapes.get(tensor.name, stored),
+                int(tensor.data_offset),
+                int(tensor.data_offset) + int(tensor.n_bytes),
+                None if kind in PLAIN else kind,
+                stored,
+            )
         del reader  # its map of the file
 
     def qtype(self, name: str) -> int | None:
@@ -83,7 +93,9 @@ class GgufWeights(TensorTable):
         row_bytes = (entry.end - entry.start) // entry.shape[0]
         return read_bytes(entry, entry.start + start * row_bytes, rows * row_bytes).view(rows, row_bytes)
 
-    def read(self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Tensor `name` (a quantized one dequantized to float32), or its block at `offsets` of `shape`."""
         entry = self.entries[name]
         full = entry.shape

@@ -19,8 +19,16 @@ from __future__ import annotations
 import torch
 
 # ggml type ids (GGMLQuantizationType) -> (values per block, bytes per block)
-BLOCK_SIZES = {8: (32, 34), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24),
-               12: (256, 144), 13: (256, 176), 14: (256, 210)}
+BLOCK_SIZES = {
+    8: (32, 34),
+    2: (32, 18),
+    3: (32, 20),
+    6: (32, 22),
+    7: (32, 24),
+    12: (256, 144),
+    13: (256, 176),
+    14: (256, 210),
+}
 NAMES = {8: "Q8_0", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 
 
@@ -48,9 +56,9 @@ def _legacy(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
     m = _half(blocks[:, 2:4]) if has_min else None
     start = 4 if has_min else 2
     fifth = qtype in (6, 7)
-    codes = _nibbles(blocks[:, start + 4 * fifth:]).float()
+    codes = _nibbles(blocks[:, start + 4 * fifth :]).float()
     if fifth:
-        codes = codes + 16 * _bits(blocks[:, start:start + 4], 32).float()
+        codes = codes + 16 * _bits(blocks[:, start : start + 4], 32).float()
     if has_min:
         return d * codes + m
     return d * (codes - (16 if fifth else 8))
@@ -73,7 +81,7 @@ def _k_quants(blocks: torch.Tensor, qtype: int) -> torch.Tensor:
         d = _half(blocks[:, 208:210])
         out = []
         for half in range(2):  # each 128 values: 64 bytes of ql, 32 of qh
-            low, high = ql[:, 64 * half:64 * half + 64], qh[:, 32 * half:32 * half + 32]
+            low, high = ql[:, 64 * half : 64 * half + 64], qh[:, 32 * half : 32 * half + 32]
             parts = [(low[:, :32] & 0x0F), (low[:, 32:] & 0x0F), (low[:, :32] >> 4), (low[:, 32:] >> 4)]
             out += [(part | (((high >> (2 * i)) & 3) << 4)).float() - 32 for i, part in enumerate(parts)]
         codes = torch.stack(out, dim=1).view(n, 16, 16)  # 16 sub-blocks of 16, in order
@@ -96,8 +104,9 @@ def dequantize(raw: torch.Tensor, qtype: int, dtype: torch.dtype = torch.float32
         raise ValueError(f"ggml type {qtype} is not one vt dequantizes; types: {sorted(NAMES.values())}")
     values, nbytes = BLOCK_SIZES[qtype]
     if raw.dtype != torch.uint8 or raw.shape[-1] % nbytes:
-        raise ValueError(f"{NAMES[qtype]} rows must be uint8 whole blocks of {nbytes} bytes, got {raw.dtype} "
-                         f"{tuple(raw.shape)}")
+        raise ValueError(
+            f"{NAMES[qtype]} rows must be uint8 whole blocks of {nbytes} bytes, got {raw.dtype} {tuple(raw.shape)}"
+        )
     blocks = raw.reshape(-1, nbytes)
     out = _k_quants(blocks, qtype) if values == 256 else _legacy(blocks, qtype)
     return out.reshape(*raw.shape[:-1], raw.shape[-1] // nbytes * values).to(dtype)

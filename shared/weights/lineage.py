@@ -23,8 +23,13 @@ def mapping_function(cls: type) -> Callable | None:
     from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES as classes
 
     entry = classes.get(cls.__name__) or next(
-        (e for name, e in classes.items() if isinstance(getattr(diffusers, name, None), type)
-         and issubclass(cls, getattr(diffusers, name))), None)
+        (
+            e
+            for name, e in classes.items()
+            if isinstance(getattr(diffusers, name, None), type) and issubclass(cls, getattr(diffusers, name))
+        ),
+        None,
+    )
     return entry["checkpoint_mapping_fn"] if entry else None
 
 

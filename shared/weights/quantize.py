@@ -19,10 +19,26 @@ from vt.shared.weights.packing import INT8, Packing
 
 NF4 = "nf4"
 NF4_BLOCK = 64
-NF4_LEVELS = torch.tensor([
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
-    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
-    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0])
+NF4_LEVELS = torch.tensor(
+    [
+        -1.0,
+        -0.6961928009986877,
+        -0.5250730514526367,
+        -0.39491748809814453,
+        -0.28444138169288635,
+        -0.18477343022823334,
+        -0.09105003625154495,
+        0.0,
+        0.07958029955625534,
+        0.16093020141124725,
+        0.24611230194568634,
+        0.33791524171829224,
+        0.44070982933044434,
+        0.5626170039176941,
+        0.7229568362236023,
+        1.0,
+    ]
+)
 KINDS = (NF4, INT8)
 
 
@@ -34,11 +50,11 @@ def quantize_nf4(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Tensor, 
     absmax = torch.empty(rows, width // NF4_BLOCK, dtype=torch.float32)
     midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
     for start in range(0, rows, chunk):
-        blocks = weight[start:start + chunk].float().reshape(-1, width // NF4_BLOCK, NF4_BLOCK)
+        blocks = weight[start : start + chunk].float().reshape(-1, width // NF4_BLOCK, NF4_BLOCK)
         peak = blocks.abs().amax(dim=2).clamp_min(torch.finfo(torch.float32).tiny)
         index = torch.bucketize((blocks / peak.unsqueeze(-1)).reshape(-1, width), midpoints, out_int32=True)
-        codes[start:start + chunk] = (index[:, 0::2] | (index[:, 1::2] << 4)).to(torch.uint8)  # the nearest levels
-        absmax[start:start + chunk] = peak
+        codes[start : start + chunk] = (index[:, 0::2] | (index[:, 1::2] << 4)).to(torch.uint8)  # the nearest levels
+        absmax[start : start + chunk] = peak
     return codes, absmax
 
 
@@ -68,10 +84,10 @@ def quantize_int8_rows(weight: torch.Tensor, chunk: int = 256) -> tuple[torch.Te
     values = torch.empty(weight.shape, dtype=torch.int8)
     scale = torch.empty(weight.shape[0], 1, dtype=torch.float32)
     for start in range(0, weight.shape[0], chunk):
-        rows = weight[start:start + chunk].float()
+        rows = weight[start : start + chunk].float()
         part = (rows.abs().amax(dim=1, keepdim=True) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-        values[start:start + chunk] = (rows / part).round().clamp(-127, 127).to(torch.int8)
-        scale[start:start + chunk] = part
+        values[start : start + chunk] = (rows / part).round().clamp(-127, 127).to(torch.int8)
+        scale[start : start + chunk] = part
     return values, scale
 
 

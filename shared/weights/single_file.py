@@ -68,8 +68,10 @@ def resolve_file(value: str, key: str) -> Path:
         return Path(value)
     match = _HUB_FILE.match(value)
     if match is None or Path(value).exists():
-        raise FileNotFoundError(f"{key} = {value!r} is neither a .safetensors or .gguf file nor a hub file "
-                                "(org/repo/path/in/repo.safetensors)")
+        raise FileNotFoundError(
+            f"{key} = {value!r} is neither a .safetensors or .gguf file nor a hub file "
+            "(org/repo/path/in/repo.safetensors)"
+        )
     from huggingface_hub import hf_hub_download
 
     repo, filename = match.groups()
@@ -78,11 +80,16 @@ def resolve_file(value: str, key: str) -> Path:
     except Exception as err:  # offline, unknown repo or file: one line naming the key
         from vt.shared.models.components import ModelLoadError, hub_offline
 
-        why = "the hub is offline (HF_HUB_OFFLINE=1) and the file is not in the local cache" if hub_offline() \
+        why = (
+            "the hub is offline (HF_HUB_OFFLINE=1) and the file is not in the local cache"
+            if hub_offline()
             else (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ModelLoadError(f"cannot fetch {key} = {value!r} (no such local file; as a hub file: {filename} of "
-                             f"{repo}): {why}. Download it where there is network "
-                             f"(`hf download {repo} {filename} --local-dir DIR`) and set {key} to the local file") from err
+        )
+        raise ModelLoadError(
+            f"cannot fetch {key} = {value!r} (no such local file; as a hub file: {filename} of "
+            f"{repo}): {why}. Download it where there is network "
+            f"(`hf download {repo} {filename} --local-dir DIR`) and set {key} to the local file"
+        ) from err
 
 
 class SingleFileWeights:
@@ -104,7 +111,8 @@ class SingleFileWeights:
                 raise SingleFileError(
                     f"{key} = {str(file)!r}: its keys are not {self._cls}'s (e.g. {self._example()}) and diffusers has "
                     f"no single-file mapping for {self._cls}; convert the file to diffusers' layout, or point {key} at a "
-                    "diffusers-layout folder")
+                    "diffusers-layout folder"
+                )
         self._renamed, self._computed, self._groups = self._trace()
         names = {**{n: s for n, (_, s) in self._renamed.items()}, **{n: s for n, (_, s, _) in self._computed.items()}}
         self._shapes = names
@@ -114,19 +122,33 @@ class SingleFileWeights:
             raise SingleFileError(
                 f"{key} = {str(file)!r} lacks {len(missing)} of {self._cls}'s {len(params)} parameters after "
                 f"{how} (e.g. {missing[:3]}); the file's keys look like {self._example()}. The file is not this "
-                "family's transformer in diffusers' layout nor in the original one; check model.family and the file")
+                "family's transformer in diffusers' layout nor in the original one; check model.family and the file"
+            )
         wrong = [f"{n}: file {names[n]}, model {s}" for n, s in persistent.items() if n in names and names[n] != s]
         if wrong:
-            raise SingleFileError(f"{key} = {str(file)!r} does not fit the config.json of model.path's transformer "
-                                  f"({len(wrong)} shapes differ, e.g. {'; '.join(wrong[:3])}): another model size? "
-                                  "Set model.path to the model the file belongs to")
+            raise SingleFileError(
+                f"{key} = {str(file)!r} does not fit the config.json of model.path's transformer "
+                f"({len(wrong)} shapes differ, e.g. {'; '.join(wrong[:3])}): another model size? "
+                "Set model.path to the model the file belongs to"
+            )
         if self._mapping is not None:
-            log.info("%s: original layout, mapped by diffusers' %s (%d tensors renamed, %d computed from %d groups)",
-                     self.file.name, self._mapping.__name__, len(self._renamed), len(self._computed), len(self._groups))
+            log.info(
+                "%s: original layout, mapped by diffusers' %s (%d tensors renamed, %d computed from %d groups)",
+                self.file.name,
+                self._mapping.__name__,
+                len(self._renamed),
+                len(self._computed),
+                len(self._groups),
+            )
         extra = [n for n in names if n not in persistent]
         if extra:
-            log.warning("%d tensors of %s are not in %s and are ignored (e.g. %s)", len(extra), self.file.name,
-                        self._cls, ", ".join(extra[:3]))
+            log.warning(
+                "%d tensors of %s are not in %s and are ignored (e.g. %s)",
+                len(extra),
+                self.file.name,
+                self._cls,
+                ", ".join(extra[:3]),
+            )
         self._cache: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
 
     # ----------------------------------------------------------------------------- the file's keys
@@ -134,14 +156,14 @@ class SingleFileWeights:
         """(key without the prefix -> file key, for the weights; weight key -> its scale's file key)."""
         names = self.raw.names()
         prefix = next((p for p in PREFIXES if any(n.startswith(p) for n in names)), "")
-        keys = {n[len(prefix):]: n for n in names if n.startswith(prefix)}
+        keys = {n[len(prefix) :]: n for n in names if n.startswith(prefix)}
         marker = keys.pop(MARKER, None) or (MARKER if MARKER in names else None)
         scales: dict[str, str] = {}
         ignored = 0
         for name in list(keys):
             suffix = next((s for s in SCALE_SUFFIXES if name.endswith(s)), None)
             if suffix:
-                scales[name[:-len(suffix)] + ".weight"] = keys.pop(name)
+                scales[name[: -len(suffix)] + ".weight"] = keys.pop(name)
             elif name.endswith(INPUT_SCALE_SUFFIXES) or name.endswith(QUANT_SUFFIX):
                 ignored += not name.endswith(QUANT_SUFFIX)
                 keys.pop(name)
@@ -151,13 +173,21 @@ class SingleFileWeights:
                 raise SingleFileError(f"{where}: {scale} scales {weight}, which the file lacks")
             stored = self.raw.entries[keys[weight]]
             if stored.dtype not in SCALED:
-                raise SingleFileError(f"{where}: {keys[weight]} is {str(stored.dtype)[6:]} with a scale (a format such "
-                                      "as ComfyUI's nvfp4 or mxfp8), which vt does not read; it reads float8 and int8 "
-                                      "weights with a scale, GGUF files and plain bf16 ones")
+                raise SingleFileError(
+                    f"{where}: {keys[weight]} is {str(stored.dtype)[6:]} with a scale (a format such "
+                    "as ComfyUI's nvfp4 or mxfp8), which vt does not read; it reads float8 and int8 "
+                    "weights with a scale, GGUF files and plain bf16 ones"
+                )
             rows = stored.shape[0]
-            if self.raw.entries[scale].shape not in [(), (1,), *([(rows,), (rows, 1)] if stored.dtype == torch.int8 else [])]:
-                raise SingleFileError(f"{where}: {scale} has shape {self.raw.entries[scale].shape}; vt reads per-tensor "
-                                      "scales, and per-row ones (one per output feature) for int8 weights")
+            if self.raw.entries[scale].shape not in [
+                (),
+                (1,),
+                *([(rows,), (rows, 1)] if stored.dtype == torch.int8 else []),
+            ]:
+                raise SingleFileError(
+                    f"{where}: {scale} has shape {self.raw.entries[scale].shape}; vt reads per-tensor "
+                    "scales, and per-row ones (one per output feature) for int8 weights"
+                )
         if marker or scales:
             unscaled = [keys[n] for n in keys if self.raw.entries[keys[n]].dtype in SCALED and n not in scales]
             if unscaled:
@@ -165,10 +195,16 @@ class SingleFileWeights:
                     f"{where} is scaled ({MARKER} / scale_weight / weight_scale tensors), but "
                     f"{'int8' if self.raw.entries[unscaled[0]].dtype == torch.int8 else 'float8'} {unscaled[0]} has no "
                     f"{unscaled[0].removesuffix('.weight')}.scale_weight ({len(unscaled)} such): read unscaled it "
-                    "would be wrong. Use the file as it was written, or a bf16 one")
+                    "would be wrong. Use the file as it was written, or a bf16 one"
+                )
             kinds = sorted({str(self.raw.entries[keys[w]].dtype)[6:] for w in scales})
-            log.info("%s: %s weights with scales (%d)%s", self.file.name, " and ".join(kinds), len(scales),
-                     f"; {ignored} input scales ignored: training computes without them" if ignored else "")
+            log.info(
+                "%s: %s weights with scales (%d)%s",
+                self.file.name,
+                " and ".join(kinds),
+                len(scales),
+                f"; {ignored} input scales ignored: training computes without them" if ignored else "",
+            )
         return keys, scales
 
     def _example(self) -> str:
@@ -179,8 +215,10 @@ class SingleFileWeights:
         return torch.float32 if dtype in SCALED else dtype  # the mapping computes on dequantized float8 and int8
 
     def _meta_inputs(self) -> dict[str, torch.Tensor]:
-        return {name: torch.empty(self.raw.entries[k].shape, dtype=self._source_dtype(name), device="meta")
-                for name, k in self._keys.items()}
+        return {
+            name: torch.empty(self.raw.entries[k].shape, dtype=self._source_dtype(name), device="meta")
+            for name, k in self._keys.items()
+        }
 
     def _run_mapping(self, checkpoint: dict[str, torch.Tensor]) -> dict:
         """The mapping over every weight key (real or meta tensors), or the keys as they are for diffusers' layout."""
@@ -192,12 +230,16 @@ class SingleFileWeights:
             raise SingleFileError(
                 f"{self.key} = {str(self.file)!r}: diffusers' {self._mapping.__name__} cannot map it "
                 f"({type(err).__name__}: {err}); its keys look like {self._example()}. Is it a {self._cls} checkpoint "
-                "in the original layout, of the size model.path's config.json names?") from err
+                "in the original layout, of the size model.path's config.json names?"
+            ) from err
 
     def _trace(self):
         """Which diffusers name is which file tensor (renamed), and which are computed from groups of them."""
-        return trace_mapping(self._meta_inputs(), self._run_mapping,
-                             self._mapping.__name__ if self._mapping else "reading as diffusers' layout")
+        return trace_mapping(
+            self._meta_inputs(),
+            self._run_mapping,
+            self._mapping.__name__ if self._mapping else "reading as diffusers' layout",
+        )
 
     # ----------------------------------------------------------------------------- the Weights interface
     def __contains__(self, name: str) -> bool:
@@ -212,9 +254,13 @@ class SingleFileWeights:
     def scaled_modules(self) -> set[str]:
         """Modules whose weight the file stores in float8 e4m3fn with a per-tensor scale (diffusers names): what a
         frozen fp8 base keeps as stored. (An e5m2 weight, whose values e4m3fn cannot hold, is dequantized.)"""
-        return {name.removesuffix(".weight") for name in self._shapes if name.endswith(".weight")
-                and self._scale_keys(name) and all(self.raw.entries[self._keys[source]].dtype == torch.float8_e4m3fn
-                                                   for source in self._sources(name))}
+        return {
+            name.removesuffix(".weight")
+            for name in self._shapes
+            if name.endswith(".weight")
+            and self._scale_keys(name)
+            and all(self.raw.entries[self._keys[source]].dtype == torch.float8_e4m3fn for source in self._sources(name))
+        }
 
     def quantized_modules(self) -> dict[str, Packing]:
         """Modules whose 2-D weight the file stores quantized and is read as it is (diffusers names): a GGUF file's
@@ -231,8 +277,9 @@ class SingleFileWeights:
                 out[name.removesuffix(".weight")] = Packing(INT8, shape[1], () if prod(scale) == 1 else (shape[0], 1))
         return out
 
-    def read_packed(self, name: str, offsets: tuple[int, ...] | None = None,
-                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read_packed(
+        self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Rows of a weight `quantized_modules` names, as the file stores them: (rows, bytes per row) of ggml blocks,
         or the int8 values."""
         key = self._keys[self._renamed[name][0]]
@@ -250,14 +297,15 @@ class SingleFileWeights:
         keys = [self._scales.get(source) for source in self._sources(name)]
         return keys if any(keys) else []
 
-    def _scale_rows(self, file_key: str, offsets: tuple[int, ...] | None = None,
-                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def _scale_rows(
+        self, file_key: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """A weight's scale in float32: a scalar, or (rows, 1) of a per-row one (those of the block at `offsets`)."""
         value = self.raw.read(file_key).float()
         if value.numel() == 1:
             return value.reshape(())
         value = value.reshape(-1, 1)
-        return value if offsets is None else value[offsets[0]:offsets[0] + shape[0]]
+        return value if offsets is None else value[offsets[0] : offsets[0] + shape[0]]
 
     def scale(self, name: str) -> torch.Tensor | None:
         """The per-tensor float32 scale of `name` as stored (`read_scaled` * scale = `read`); None if unscaled.
@@ -269,8 +317,9 @@ class SingleFileWeights:
             return self._scale_rows(keys[0])
         return (self._full(name).abs().amax().float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
 
-    def read(self, name: str, offsets: tuple[int, ...] | None = None,
-             shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """Tensor `name` (or its block at `offsets` of `shape`) as the diffusers model holds it: the stored
         dtype, or float32 for a scaled float8 weight, dequantized (weight.float() * scale_weight)."""
         if name in self._renamed:
@@ -280,8 +329,9 @@ class SingleFileWeights:
             return block.float() * self._scale_rows(scale, offsets, shape) if scale else block
         return _block(self._full(name), offsets, shape)
 
-    def read_scaled(self, name: str, offsets: tuple[int, ...] | None = None,
-                    shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    def read_scaled(
+        self, name: str, offsets: tuple[int, ...] | None = None, shape: tuple[int, ...] | None = None
+    ) -> torch.Tensor:
         """The block of `name` whose product with `scale(name)` is `read`: the file's float8 values as stored for
         a renamed weight, float32 values on float8's grid for a computed one."""
         if name in self._renamed:
@@ -296,8 +346,13 @@ class SingleFileWeights:
             for source in self._groups[group]:
                 tensor = self.raw.read(self._keys[source])
                 scale = self._scales.get(source)
-                checkpoint[source] = tensor.float() * self._scale_rows(scale) if scale else \
-                    tensor.float() if tensor.dtype in SCALED else tensor
+                checkpoint[source] = (
+                    tensor.float() * self._scale_rows(scale)
+                    if scale
+                    else tensor.float()
+                    if tensor.dtype in SCALED
+                    else tensor
+                )
             out = self._run_mapping(checkpoint)
             self._cache[group] = {n: out[n] for n, (g, _, _) in self._computed.items() if g == group}
             while len(self._cache) > 2:

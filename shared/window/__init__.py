@@ -30,31 +30,63 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from typing import Iterator
 
+from vt.shared.errors import UserError
+
 from .. import lease
 from ..lease import ProducerFenced
 from ..shard_rows import ShardLayout
 from ..shards import CommitRecord
 from ..storage import Storage
 from . import cleaning, ledger
-from .layout import (CONSUMER, ProducerConflict, ShardCorruptError, WindowTimeout, commit_path, data_path,
-                     empty_caption_path, eval_window_uri, producer_path, seq_of, validation_key, validation_path)
+from .layout import (
+    CONSUMER,
+    ProducerConflict,
+    ShardCorruptError,
+    WindowTimeout,
+    commit_path,
+    data_path,
+    empty_caption_path,
+    eval_window_uri,
+    producer_path,
+    seq_of,
+    validation_key,
+    validation_path,
+)
 from .reader import Reader
 from .state import window_state
 from .writer import Writer
-from vt.shared.errors import UserError
 
-__all__ = ["CONSUMER", "ProducerConflict", "ProducerFenced", "ShardCorruptError", "Window", "WindowTimeout",
-           "commit_path", "data_path", "empty_caption_path", "eval_window_uri", "producer_path", "seq_of",
-           "validation_key", "validation_path"]
+__all__ = [
+    "CONSUMER",
+    "ProducerConflict",
+    "ProducerFenced",
+    "ShardCorruptError",
+    "Window",
+    "WindowTimeout",
+    "commit_path",
+    "data_path",
+    "empty_caption_path",
+    "eval_window_uri",
+    "producer_path",
+    "seq_of",
+    "validation_key",
+    "validation_path",
+]
 
 
 class Window:
     """Producer and consumer side of one shard window (`writer`, `reader`)."""
 
-    def __init__(self, uri: str, size: int | str = 8, poll_seconds: float = 0.2,
-                 timeout_seconds: float = 1800.0, storage: Storage | None = None):
+    def __init__(
+        self,
+        uri: str,
+        size: int | str = 8,
+        poll_seconds: float = 0.2,
+        timeout_seconds: float = 1800.0,
+        storage: Storage | None = None,
+    ):
         if size != "keep" and not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
-            raise UserError(f"window.size must be a positive integer or \"keep\", got {size!r}")
+            raise UserError(f'window.size must be a positive integer or "keep", got {size!r}')
         if poll_seconds <= 0 or timeout_seconds <= 0:
             raise UserError("window.poll_seconds and window.timeout_seconds must be positive")
         self.storage = storage or Storage(uri)
@@ -100,8 +132,11 @@ class Window:
         plan = self.reader.evict_plan()
         if self._evictions is None:
             self._evictions = ThreadPoolExecutor(1, thread_name_prefix="vt-window-evict")
-        task = cleaning.evict if plan is None else partial(cleaning.delete_records_then_data, records=plan[0],
-                                                           data=plan[1])
+        task = (
+            cleaning.evict
+            if plan is None
+            else partial(cleaning.delete_records_then_data, records=plan[0], data=plan[1])
+        )
         self._pending.append(self._evictions.submit(task, self.storage))
         return None if plan is None else [*plan[0], *plan[1]]
 
@@ -131,15 +166,17 @@ class Window:
         """The window's lane count: fixed by its first producer (`wanted`), the same for every later one."""
         return ledger.fix_lanes(self.storage, wanted, raw_shards)
 
-    def prepare(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
-                fingerprint: str) -> CommitRecord:
+    def prepare(
+        self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str], fingerprint: str
+    ) -> CommitRecord:
         return self.writer.prepare(rank, seq, epoch, data, bucket, keys, fingerprint)
 
     def publish(self, record: CommitRecord, data: bytes) -> CommitRecord:
         return self.writer.publish(record, data)
 
-    def commit(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
-               fingerprint: str) -> CommitRecord:
+    def commit(
+        self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str], fingerprint: str
+    ) -> CommitRecord:
         """prepare + publish: the shard is visible when this returns."""
         return self.writer.publish(self.writer.prepare(rank, seq, epoch, data, bucket, keys, fingerprint), data)
 

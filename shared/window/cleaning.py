@@ -30,8 +30,9 @@ def evict(storage: Storage, rank: int | None = None) -> list[str]:
     for k in sorted(watermark if rank is None else [rank]):
         floor = watermark.get(k, 0)
         records = [r for r in storage.list(f"commits/p{k}") if seq_of(r) < floor]
-        deleted += delete_records_then_data(storage, records, lambda: [r for r in storage.list(f"data/p{k}")
-                                                                       if seq_of(r) < floor])
+        deleted += delete_records_then_data(
+            storage, records, lambda: [r for r in storage.list(f"data/p{k}") if seq_of(r) < floor]
+        )
     if deleted:
         log.debug("evicted %d files below the watermark from %s", len(deleted), storage.uri)
     return deleted

@@ -1,16 +1,16 @@
 """Where each file of a window lives, and the window's errors: names only, no storage access.
 
-    data/p<rank>/<seq:08d>-g<gen>-<sha16>.safetensors  shard data, written first (atomically)
-    commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
-    lanes.json                           {"lanes": L}: the number of lanes (producer ranks), fixed by the first producer
-    producers/p<rank>.json               {"rank", "world_size", "size", "done", "num_shards", "fingerprint"}
-    done/p<rank>                         written with the done flag: one listing tells the finished lanes
-    leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
-    progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
-    consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
-    text/validation-<fingerprint>/<key>.safetensors  a validation input's conditions as the family
-                                         pipeline takes them: the trainer loads no text encoder
-    text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window
+data/p<rank>/<seq:08d>-g<gen>-<sha16>.safetensors  shard data, written first (atomically)
+commits/p<rank>/<seq:08d>.json       commit record, created exclusively once the data is complete
+lanes.json                           {"lanes": L}: the number of lanes (producer ranks), fixed by the first producer
+producers/p<rank>.json               {"rank", "world_size", "size", "done", "num_shards", "fingerprint"}
+done/p<rank>                         written with the done flag: one listing tells the finished lanes
+leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
+progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
+consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
+text/validation-<fingerprint>/<key>.safetensors  a validation input's conditions as the family
+                                     pipeline takes them: the trainer loads no text encoder
+text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def validation_path(fingerprint: str, key: str) -> str:
 
 
 def validation_key(kind: str, content: bytes) -> str:
-    """"prompt-<sha256 of the text>" or "image-<sha256 of the file>", shortened: the same input, the same key."""
+    """ "prompt-<sha256 of the text>" or "image-<sha256 of the file>", shortened: the same input, the same key."""
     return f"{kind}-{hashlib.sha256(content).hexdigest()[:16]}"
 
 

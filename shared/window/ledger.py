@@ -52,8 +52,10 @@ def world_size(storage: Storage) -> int | None:
         pass
     sizes = {info["world_size"] for info in producers(storage).values()}
     if len(sizes) > 1:
-        raise RuntimeError(f"producers of {storage.uri} registered different world sizes {sorted(sizes)}; "
-                           "all ranks of one vt-precompute run must agree; use a fresh window")
+        raise RuntimeError(
+            f"producers of {storage.uri} registered different world sizes {sorted(sizes)}; "
+            "all ranks of one vt-precompute run must agree; use a fresh window"
+        )
     return sizes.pop() if sizes else None
 
 
@@ -63,10 +65,12 @@ def consumer(storage: Storage) -> dict:
         state = json.loads(storage.read(CONSUMER))
     except FileNotFoundError:
         state = {}
-    return {"read": {int(k): v for k, v in state.get("read", {}).items()},
-            "watermark": {int(k): v for k, v in state.get("watermark", {}).items()},
-            "read_position": state.get("read_position", 0),
-            "watermark_position": state.get("watermark_position", 0)}
+    return {
+        "read": {int(k): v for k, v in state.get("read", {}).items()},
+        "watermark": {int(k): v for k, v in state.get("watermark", {}).items()},
+        "read_position": state.get("read_position", 0),
+        "watermark_position": state.get("watermark_position", 0),
+    }
 
 
 def write_consumer(storage: Storage, state: dict) -> None:

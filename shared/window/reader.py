@@ -26,7 +26,6 @@ from ..storage import Storage
 from . import cleaning, ledger
 from .layout import ShardCorruptError, WindowTimeout, commit_path, empty_caption_path, validation_path
 
-
 PREFETCH = 256  # commit records read ahead of the position asked for (a few KB each)
 PREFETCH_THREADS = 64  # at most this many in flight: rank 0 keeps up with 64 / round trip records a second
 
@@ -129,8 +128,10 @@ class Reader:
             if not block:
                 raise NotYet(what)
             if time.monotonic() > deadline:
-                raise WindowTimeout(f"waited {self.timeout_seconds:.0f}s in {self.storage.uri} for {what}; "
-                                    "is vt-precompute running for that rank?")
+                raise WindowTimeout(
+                    f"waited {self.timeout_seconds:.0f}s in {self.storage.uri} for {what}; "
+                    "is vt-precompute running for that rank?"
+                )
             self.flush_read(force=True)  # a producer waiting for room waits on it: never both wait on each other
             if self.on_poll is not None:
                 self.on_poll()
@@ -157,7 +158,8 @@ class Reader:
             raise RuntimeError(
                 f"position {position} (producer {rank} shard {seq}) was evicted from {self.storage.uri}: "
                 "the watermark is past it. Resume from the newest checkpoint, or use "
-                "window.size='keep' to read a window more than once") from None
+                "window.size='keep' to read a window more than once"
+            ) from None
         if self._evicted_to is None or position >= self._evicted_to:
             self._data[position] = record.data
         self._prefetch(position + 1)
@@ -209,17 +211,23 @@ class Reader:
         try:
             data = self.storage.read(record.data)
         except FileNotFoundError:
-            raise ShardCorruptError(f"{record.data} is missing from {uri} although it is committed: "
-                                    "evicted while being read, or deleted by hand") from None
+            raise ShardCorruptError(
+                f"{record.data} is missing from {uri} although it is committed: "
+                "evicted while being read, or deleted by hand"
+            ) from None
         if len(data) != record.nbytes:
-            raise ShardCorruptError(f"{record.data} in {uri} is {len(data)} bytes but its commit "
-                                    f"record says {record.nbytes}: changed or truncated after commit; "
-                                    "re-run vt-precompute into a fresh window")
+            raise ShardCorruptError(
+                f"{record.data} in {uri} is {len(data)} bytes but its commit "
+                f"record says {record.nbytes}: changed or truncated after commit; "
+                "re-run vt-precompute into a fresh window"
+            )
         digest = hashlib.sha256(data).hexdigest()
         if digest != record.sha256:
-            raise ShardCorruptError(f"{record.data} in {uri} has sha256 {digest[:12]}... but its "
-                                    f"commit record says {record.sha256[:12]}...: changed after commit; "
-                                    "re-run vt-precompute into a fresh window")
+            raise ShardCorruptError(
+                f"{record.data} in {uri} has sha256 {digest[:12]}... but its "
+                f"commit record says {record.sha256[:12]}...: changed after commit; "
+                "re-run vt-precompute into a fresh window"
+            )
         return data
 
     def read_header(self, record: CommitRecord) -> ShardLayout:
@@ -227,9 +235,11 @@ class Reader:
         header = self._ranges(record, [(0, record.header_bytes)])[0]
         digest = hashlib.sha256(header).hexdigest()
         if len(header) != record.header_bytes or digest != record.header_sha256:
-            raise ShardCorruptError(f"{record.data} in {self.storage.uri}: its header ({len(header)} bytes, sha256 "
-                                    f"{digest[:12]}...) is not the one its commit record pins; changed after "
-                                    "commit: re-run vt-precompute into a fresh window")
+            raise ShardCorruptError(
+                f"{record.data} in {self.storage.uri}: its header ({len(header)} bytes, sha256 "
+                f"{digest[:12]}...) is not the one its commit record pins; changed after "
+                "commit: re-run vt-precompute into a fresh window"
+            )
         return ShardLayout.parse(header)
 
     def read_rows(self, record: CommitRecord, layout: ShardLayout, rows: list[int]) -> dict:
@@ -237,15 +247,19 @@ class Reader:
         try:
             return layout.read_rows(rows, lambda ranges: self._ranges(record, ranges))
         except RowsCorrupt as err:
-            raise ShardCorruptError(f"{record.data} in {self.storage.uri}: {err}; changed after commit: re-run "
-                                    "vt-precompute into a fresh window") from None
+            raise ShardCorruptError(
+                f"{record.data} in {self.storage.uri}: {err}; changed after commit: re-run "
+                "vt-precompute into a fresh window"
+            ) from None
 
     def _ranges(self, record: CommitRecord, ranges: list[tuple[int, int]]) -> list[bytes]:
         try:
             return self.storage.read_ranges(record.data, ranges)
         except FileNotFoundError:
-            raise ShardCorruptError(f"{record.data} is missing from {self.storage.uri} although it is committed: "
-                                    "evicted while being read, or deleted by hand") from None
+            raise ShardCorruptError(
+                f"{record.data} is missing from {self.storage.uri} although it is committed: "
+                "evicted while being read, or deleted by hand"
+            ) from None
 
     def shard_meta(self, record: CommitRecord) -> dict:
         """The `meta` a committed shard carries (provenance, ...): from its header alone where it can."""
@@ -267,7 +281,8 @@ class Reader:
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{self.storage.uri} holds no empty caption for shards {fingerprint}: it was made before caption "
-                "dropout existed; re-run vt-precompute into a fresh window, or set train.caption_dropout = 0") from None
+                "dropout existed; re-run vt-precompute into a fresh window, or set train.caption_dropout = 0"
+            ) from None
 
     def seqs_at(self, position: int) -> dict[int, int]:
         """Per producer, how many of its shards lie below `position` in the fixed order."""
@@ -280,8 +295,10 @@ class Reader:
         except NotYet:
             known = False
         if not known:
-            raise ValueError(f"position {position} is past the shards committed to {self.storage.uri} so far; "
-                             "publish only positions the reader has reached")
+            raise ValueError(
+                f"position {position} is past the shards committed to {self.storage.uri} so far; "
+                "publish only positions the reader has reached"
+            )
         # Counted on from the last answer when the position moved forward (publish_read: one shard at a time)
         last, counts = self._counts if self._counts[0] <= position else (0, {})
         counts = dict(counts)

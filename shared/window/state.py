@@ -31,21 +31,29 @@ def window_state(storage: Storage) -> dict:
     `size` is what the producers registered (window_size), never a Window object's own setting:
     `vt-precompute inspect` opens a window without knowing its size."""
     positions = ledger.consumer(storage)
-    records = [r for r in (ledger.record(storage, rank_of(rel), seq_of(rel)) for rel in storage.list("commits"))
-               if r is not None]
+    records = [
+        r
+        for r in (ledger.record(storage, rank_of(rel), seq_of(rel)) for rel in storage.list("commits"))
+        if r is not None
+    ]
     data = storage.sizes("data")
     registered = ledger.producers(storage)
     producers = {}
     for rank, info in sorted(registered.items()):
         committed = ledger.next_seq(storage, rank, positions)
         read = positions["read"].get(rank, 0)
-        producers[rank] = {"world_size": info["world_size"], "size": info.get("size", "unknown"),
-                           "done": bool(info.get("done")),
-                           "num_shards": info.get("num_shards"), "committed": committed,
-                           "read": read, "unread": max(0, committed - read),
-                           "watermark": positions["watermark"].get(rank, 0),
-                           "generation": lease.newest_generation(storage, rank),
-                           "fingerprint": info.get("fingerprint")}
+        producers[rank] = {
+            "world_size": info["world_size"],
+            "size": info.get("size", "unknown"),
+            "done": bool(info.get("done")),
+            "num_shards": info.get("num_shards"),
+            "committed": committed,
+            "read": read,
+            "unread": max(0, committed - read),
+            "watermark": positions["watermark"].get(rank, 0),
+            "generation": lease.newest_generation(storage, rank),
+            "fingerprint": info.get("fingerprint"),
+        }
     buckets: dict[str, dict[str, int]] = {}
     for record in records:
         entry = buckets.setdefault(record.bucket, {"shards": 0, "samples": 0})
@@ -53,15 +61,20 @@ def window_state(storage: Storage) -> dict:
         entry["samples"] += len(record.keys)
     present_below = sum(1 for r in records if r.seq < positions["watermark"].get(r.producer, 0))
     named = {r.data for r in records}
-    return {"uri": storage.uri, "size": window_size(registered), "world_size": ledger.world_size(storage),
-            "producers": producers,
-            "committed": sum(p["committed"] for p in producers.values()),
-            "unread": sum(p["unread"] for p in producers.values()),
-            "present": len(records),
-            "read": positions["read_position"], "watermark": positions["watermark_position"],
-            "evicted": sum(positions["watermark"].values()) - present_below,
-            "bytes": sum(data.values()),
-            "buckets": dict(sorted(buckets.items())),
-            "fingerprints": sorted({r.fingerprint for r in records}),
-            "orphans": sorted(rel for rel in data if rel not in named),
-            "leftovers": {rel: round(age) for rel, age in sorted(storage.incomplete("").items())}}
+    return {
+        "uri": storage.uri,
+        "size": window_size(registered),
+        "world_size": ledger.world_size(storage),
+        "producers": producers,
+        "committed": sum(p["committed"] for p in producers.values()),
+        "unread": sum(p["unread"] for p in producers.values()),
+        "present": len(records),
+        "read": positions["read_position"],
+        "watermark": positions["watermark_position"],
+        "evicted": sum(positions["watermark"].values()) - present_below,
+        "bytes": sum(data.values()),
+        "buckets": dict(sorted(buckets.items())),
+        "fingerprints": sorted({r.fingerprint for r in records}),
+        "orphans": sorted(rel for rel in data if rel not in named),
+        "leftovers": {rel: round(age) for rel, age in sorted(storage.incomplete("").items())},
+    }

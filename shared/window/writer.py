@@ -19,6 +19,8 @@ import json
 import logging
 import time
 
+from vt.shared.errors import UserError
+
 from .. import lease
 from ..faults import fault_point
 from ..lease import ProducerFenced
@@ -26,9 +28,16 @@ from ..shard_rows import header_size
 from ..shards import CommitRecord, read_shard_metadata
 from ..storage import Storage
 from . import cleaning, ledger
-from .layout import (ProducerConflict, WindowTimeout, commit_path, data_path, done_path, empty_caption_path,
-                     producer_path, validation_path)
-from vt.shared.errors import UserError
+from .layout import (
+    ProducerConflict,
+    WindowTimeout,
+    commit_path,
+    data_path,
+    done_path,
+    empty_caption_path,
+    producer_path,
+    validation_path,
+)
 
 log = logging.getLogger("vt.window")
 
@@ -81,21 +90,35 @@ class Writer:
             raise UserError(f"producer rank {rank} / world size {world_size}: need 0 <= rank < world_size")
         known = ledger.world_size(self.storage)
         if known is not None and known != world_size:
-            raise UserError(f"{uri} was written by {known} producers; the fixed order depends on "
-                             f"that, so run vt-precompute with world size {known} or use a fresh window")
+            raise UserError(
+                f"{uri} was written by {known} producers; the fixed order depends on "
+                f"that, so run vt-precompute with world size {known} or use a fresh window"
+            )
         current = ledger.producer(self.storage, rank)
         if current is not None and current.get("done"):
             log.info("producer %d of %s is already done with %d shards", rank, uri, current["num_shards"])
             self.storage.put_atomic(done_path(rank), b"")  # a window from before done/ markers: listed from now
             return False
-        if (current is not None and current.get("fingerprint") not in (None, fingerprint)
-                and ledger.next_seq(self.storage, rank)):
-            raise UserError(f"{uri} holds shards of producer {rank} made with other settings (fingerprint "
-                             f"{current['fingerprint']}, now {fingerprint}): a restart must continue with the same "
-                             "config, model and vt version. Restore them, or precompute into a fresh window.uri")
+        if (
+            current is not None
+            and current.get("fingerprint") not in (None, fingerprint)
+            and ledger.next_seq(self.storage, rank)
+        ):
+            raise UserError(
+                f"{uri} holds shards of producer {rank} made with other settings (fingerprint "
+                f"{current['fingerprint']}, now {fingerprint}): a restart must continue with the same "
+                "config, model and vt version. Restore them, or precompute into a fresh window.uri"
+            )
         self.check_lease(rank)
-        info = {"rank": rank, "world_size": world_size, "size": self.size, "done": False, "num_shards": None,
-                "fingerprint": fingerprint, "generation": self.generation.get(rank)}
+        info = {
+            "rank": rank,
+            "world_size": world_size,
+            "size": self.size,
+            "done": False,
+            "num_shards": None,
+            "fingerprint": fingerprint,
+            "generation": self.generation.get(rank),
+        }
         self.storage.put_atomic(producer_path(rank), json.dumps(info).encode())
         return True
 
@@ -132,30 +155,45 @@ class Writer:
         return WindowTimeout(
             f"producer {rank}: {unread} committed shards in {self.storage.uri} are unread (its share of "
             f"window.size={self.size} is {share}) after {self.timeout_seconds:.0f}s; is vt-train "
-            "running and reading this window? Raise window.timeout_seconds or use size='keep'")
+            "running and reading this window? Raise window.timeout_seconds or use size='keep'"
+        )
 
-    def prepare(self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str],
-                fingerprint: str) -> CommitRecord:
+    def prepare(
+        self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str], fingerprint: str
+    ) -> CommitRecord:
         """The commit record `data` will get as shard `seq` of `rank`; checks lease, order and format."""
         self.check_lease(rank)
         expected = self.expected.get(rank)
         if expected is None:
             info = ledger.producer(self.storage, rank)
             if info is not None and info.get("done"):
-                raise RuntimeError(f"producer {rank} of {self.storage.uri} already finished with "
-                                   f"{info['num_shards']} shards; use a fresh window for a new run")
+                raise RuntimeError(
+                    f"producer {rank} of {self.storage.uri} already finished with "
+                    f"{info['num_shards']} shards; use a fresh window for a new run"
+                )
             expected = ledger.next_seq(self.storage, rank)
         if seq != expected:
-            raise UserError(f"producer {rank} must commit seq {expected} next, got {seq}: seqs are "
-                             "contiguous so the reader never waits on a gap; a restarted producer "
-                             "resumes at Window.next_seq(rank)")
+            raise UserError(
+                f"producer {rank} must commit seq {expected} next, got {seq}: seqs are "
+                "contiguous so the reader never waits on a gap; a restarted producer "
+                "resumes at Window.next_seq(rank)"
+            )
         metadata = read_shard_metadata(data)  # refuse bytes that are not a shard before they become visible
         sha256 = hashlib.sha256(data).hexdigest()
         header = header_size(data) if "row_sha256" in metadata else 0  # readable by rows (shard_rows.py)
-        return CommitRecord(producer=rank, seq=seq, epoch=epoch, bucket=bucket, keys=list(keys),
-                            data=data_path(rank, seq, sha256, self.generation.get(rank, 0)),
-                            nbytes=len(data), sha256=sha256, fingerprint=fingerprint, header_bytes=header,
-                            header_sha256=hashlib.sha256(data[:header]).hexdigest() if header else "")
+        return CommitRecord(
+            producer=rank,
+            seq=seq,
+            epoch=epoch,
+            bucket=bucket,
+            keys=list(keys),
+            data=data_path(rank, seq, sha256, self.generation.get(rank, 0)),
+            nbytes=len(data),
+            sha256=sha256,
+            fingerprint=fingerprint,
+            header_bytes=header,
+            header_sha256=hashlib.sha256(data[:header]).hexdigest() if header else "",
+        )
 
     def publish(self, record: CommitRecord, data: bytes) -> CommitRecord:
         """Write the shard data fully, then create its commit record exclusively (visible from then)."""
@@ -178,7 +216,8 @@ class Writer:
                     f"commit record {commit_path(rank, seq)} already exists in {self.storage.uri} with other "
                     f"content: two producers are writing as rank {rank}. Run exactly one producer per "
                     "rank (torchrun gives each its own RANK), then restart this one: it resumes after "
-                    "the shards already committed")
+                    "the shards already committed"
+                )
             if existing.data != record.data:
                 self.storage.delete(record.data)  # same samples, other bytes (safetensors header order)
             log.info("shard %d of producer %d was already committed with the same samples", seq, rank)
@@ -213,8 +252,10 @@ class Writer:
             raise RuntimeError(f"producer {rank} is not registered in {self.storage.uri}; call register_producer first")
         committed = ledger.next_seq(self.storage, rank)
         if committed != num_shards:
-            raise ValueError(f"producer {rank} says it wrote {num_shards} shards but {self.storage.uri} has "
-                             f"seqs 0..{committed - 1} committed; finish with num_shards={committed}")
+            raise ValueError(
+                f"producer {rank} says it wrote {num_shards} shards but {self.storage.uri} has "
+                f"seqs 0..{committed - 1} committed; finish with num_shards={committed}"
+            )
         self.check_lease(rank)
         self.clean_orphans(rank, beyond=num_shards)
         info.update(done=True, num_shards=num_shards)

@@ -28,8 +28,10 @@ def batch_for(spec, bucket) -> tuple[dict, torch.Tensor, torch.Tensor]:
     shapes = spec.condition_shapes(bucket)
     if "audio_latents" in shapes:
         shapes = {**shapes, "audio_noise": shapes["audio_latents"]}
-    batch = {name: torch.ones(1, *shape) if "mask" in name else torch.randn(1, *shape, generator=generator)
-             for name, shape in shapes.items()}
+    batch = {
+        name: torch.ones(1, *shape) if "mask" in name else torch.randn(1, *shape, generator=generator)
+        for name, shape in shapes.items()
+    }
     levels = spec.noise_levels(shapes["latents"])
     sigmas = torch.full((1, levels) if levels > 1 else (1,), 0.6)
     noise = torch.randn(1, *shapes["latents"], generator=generator)
@@ -45,9 +47,18 @@ def unstaged(trainer, component: str, mode: str):
     train = trainer.config.train
     world = SimpleNamespace(dims=SimpleNamespace(fsdp_enabled=False, tp=1), device=trainer.device, is_main=False)
     lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
-    model = build_transformer(trainer.spec, component, world, mode=mode, lora=lora,
-                              storage_dtype=trainer.dtypes.storage(mode), compute_dtype=trainer.dtypes.compute,
-                              frozen_dtype=trainer.dtypes.frozen, parallelize=lambda m, fill: fill(m), seed=train.seed)
+    model = build_transformer(
+        trainer.spec,
+        component,
+        world,
+        mode=mode,
+        lora=lora,
+        storage_dtype=trainer.dtypes.storage(mode),
+        compute_dtype=trainer.dtypes.compute,
+        frozen_dtype=trainer.dtypes.frozen,
+        parallelize=lambda m, fill: fill(m),
+        seed=train.seed,
+    )
     set_backend(model, train.attention_backend)
     return model.eval()
 
@@ -63,6 +74,7 @@ def export_both(trainer, reference, folder: str) -> None:
     from vt.train.export import write_full_weights
 
     for name, model in (("pp", trainer.transformer), ("one", reference)):
+
         def dtype_of(key, tensor, model=model):  # as the trainer's export
             return torch.float32 if keeps_float32(model, key) else trainer.spec.frozen_dtype
 
@@ -80,12 +92,15 @@ def compare(trainer, export_to: str) -> dict:
     def predict(model):
         torch.manual_seed(0)
         with torch.autocast(trainer.device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            return spec.forward(model, batch, sigmas, noise,
-                                generators=[torch.Generator().manual_seed(0) for _ in sigmas]).prediction
+            return spec.forward(
+                model, batch, sigmas, noise, generators=[torch.Generator().manual_seed(0) for _ in sigmas]
+            ).prediction
 
     # The trained transformer and, in a one-expert run, the other expert validation renders with (split too).
-    models = {spec.trained_component: (trainer.transformer, trainer.config.train.mode),
-              **{component: (model, "frozen") for component, model in trainer._untrained_experts().items()}}
+    models = {
+        spec.trained_component: (trainer.transformer, trainer.config.train.mode),
+        **{component: (model, "frozen") for component, model in trainer._untrained_experts().items()},
+    }
     record = {"max_diff": 0.0, "scale": 0.0, "finite": True, "models": len(models)}
     for component, (model, mode) in models.items():
         model.eval()

@@ -21,8 +21,10 @@ pytestmark = pytest.mark.slow
 
 EPOCHS = 6
 # family -> (stored audio_latents per sample for 9 frames at 8 fps, the validation track's channels and rate)
-FAMILIES = {"ltx-2": ((2, 28, 2), 2, 16000),  # 1.125 s of mel frames x bins
-            "kandinsky6": ((4, 71), 1, 8000)}  # ceil(1.125 s x 8000 / 128) MMAudio latents, mono
+FAMILIES = {
+    "ltx-2": ((2, 28, 2), 2, 16000),  # 1.125 s of mel frames x bins
+    "kandinsky6": ((4, 71), 1, 8000),
+}  # ceil(1.125 s x 8000 / 128) MMAudio latents, mono
 
 
 @pytest.fixture(scope="module")
@@ -46,12 +48,23 @@ def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_f
     raw, heard, silent = mixed_raw
     window_uri = str(tmp_path / "window")
     config = write_config(
-        tmp_path / "audio.toml", tiny_model_factory(family), raw, tmp_path / "run", window_uri,
+        tmp_path / "audio.toml",
+        tiny_model_factory(family),
+        raw,
+        tmp_path / "run",
+        window_uri,
         model={"family": family, "max_text_tokens": 16, "audio": True},
-        buckets={"sizes": ["9x64x64"], "fps": 8.0}, window={"size": "keep"},
+        buckets={"sizes": ["9x64x64"], "fps": 8.0},
+        window={"size": "keep"},
         precompute={"samples_per_shard": 4, "encode_batch": 2, "workers": 1},
-        train={"batch_size": 2, "lr": 3e-3, "epochs": EPOCHS, "validation_prompts": ["a tone over a rabbit"],
-               "validation_steps": 2})
+        train={
+            "batch_size": 2,
+            "lr": 3e-3,
+            "epochs": EPOCHS,
+            "validation_prompts": ["a tone over a rabbit"],
+            "validation_steps": 2,
+        },
+    )
     logs = {stage: tmp_path / f"{stage}.log" for stage in ("precompute", "train")}
     procs = {stage: start(stage, config, log=logs[stage]) for stage in ("precompute", "train")}
     for stage, proc in procs.items():
@@ -74,8 +87,8 @@ def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_f
     steps_per_epoch = len(metrics) // EPOCHS
     assert steps_per_epoch >= 1 and all("audio_loss" in m for m in metrics)
     audio = [m["audio_loss"] for m in sorted(metrics, key=lambda m: m["step"])]
-    first = statistics.median(audio[:2 * steps_per_epoch])
-    last = statistics.median(audio[-2 * steps_per_epoch:])
+    first = statistics.median(audio[: 2 * steps_per_epoch])
+    last = statistics.median(audio[-2 * steps_per_epoch :])
     assert last < 0.8 * first, audio
 
     (video,) = sorted((tmp_path / "run" / "validation").glob("step-*/*.mp4"))

@@ -33,11 +33,19 @@ def learned(tmp_path_factory, tiny_model_factory, clips_dir):
     held = [clip for clip in clips if clip.stem == "bigbuckbunny"]  # a clip none of whose pieces trains
     for folder, picked in (("train-raw", [c for c in clips if c not in held]), ("eval-raw", held)):
         make_sample_shards(picked, root / folder, seconds=1.5, per_shard=4, max_side=256)
-    config = write_config(root / "run.toml", tiny_model_factory("ltx-video"), root / "train-raw", root / "run",
-                          str(root / "window"), buckets={"sizes": ["9x64x64"]}, window={"size": "keep"},
-                          data={"eval": str(root / "eval-raw")}, precompute={"workers": 0},
-                          train={"mode": "full", "lr": 1e-3, "batch_size": 2, "epochs": 8, "eval_every": 2},
-                          log={"report_every_seconds": 0.0})
+    config = write_config(
+        root / "run.toml",
+        tiny_model_factory("ltx-video"),
+        root / "train-raw",
+        root / "run",
+        str(root / "window"),
+        buckets={"sizes": ["9x64x64"]},
+        window={"size": "keep"},
+        data={"eval": str(root / "eval-raw")},
+        precompute={"workers": 0},
+        train={"mode": "full", "lr": 1e-3, "batch_size": 2, "epochs": 8, "eval_every": 2},
+        log={"report_every_seconds": 0.0},
+    )
     for stage in ("precompute", "train"):
         log = root / f"{stage}.log"
         finish(start(stage, config, log=log), log)
@@ -47,7 +55,7 @@ def learned(tmp_path_factory, tiny_model_factory, clips_dir):
 def test_the_held_out_loss_falls_and_the_page_shows_it_beside_the_training_loss(learned, tmp_path):
     evaluations = [m["eval_loss"] for m in read_metrics(learned / "metrics.jsonl") if "eval_loss" in m]
     assert len(evaluations) >= 9, evaluations
-    last_third = evaluations[-(len(evaluations) // 3):]
+    last_third = evaluations[-(len(evaluations) // 3) :]
     assert statistics.median(last_third) < 0.9 * evaluations[0], evaluations
     assert (learned / "eval" / "precompute_report.json").is_file()  # stage 1's report of the held-out data
     seen, _ = render(learned / "report.html", CHECK, tmp_path / "report.png")

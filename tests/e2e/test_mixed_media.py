@@ -21,8 +21,8 @@ from vt.shared.config import load_config
 from vt.shared.window import Window
 from vt.train.caption_dropout import dropped
 from vt.train.data import BatchReader
-from vt.train.trainer import Trainer
 from vt.train.trackers import read_metrics
+from vt.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -30,10 +30,20 @@ VIDEO_BUCKETS, IMAGE_BUCKETS = ["9x64x96", "9x64x64"], ["1x64x96", "1x64x64"]
 
 
 def run_both_stages(tmp_path, model, raw, buckets, **train):
-    config = load_config(write_config(
-        tmp_path / "run.toml", model, raw, tmp_path / "run", str(tmp_path / "window"), buckets={"sizes": buckets},
-        window={"size": "keep"}, precompute={"workers": 0}, train={"batch_size": 2, **train},
-        log={"samples": True, "progress": False}))
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            model,
+            raw,
+            tmp_path / "run",
+            str(tmp_path / "window"),
+            buckets={"sizes": buckets},
+            window={"size": "keep"},
+            precompute={"workers": 0},
+            train={"batch_size": 2, **train},
+            log={"samples": True, "progress": False},
+        )
+    )
     report = Precompute(config).run()
     trainer = Trainer(config)
     summary = trainer.run()
@@ -43,7 +53,8 @@ def run_both_stages(tmp_path, model, raw, buckets, **train):
 
 def test_images_and_videos_train_in_one_run_with_caption_dropout(tmp_path, tiny_model_factory, media_folder):
     config, report, trainer, summary, steps = run_both_stages(
-        tmp_path, tiny_model_factory("ltx-video"), media_folder, VIDEO_BUCKETS + IMAGE_BUCKETS, caption_dropout=0.5)
+        tmp_path, tiny_model_factory("ltx-video"), media_folder, VIDEO_BUCKETS + IMAGE_BUCKETS, caption_dropout=0.5
+    )
 
     media = [p for p in media_folder.iterdir() if p.suffix != ".txt"]
     assert report.committed == len(media) and not report.rejected
@@ -72,7 +83,8 @@ def test_an_image_only_run_from_packed_tars(tmp_path, tiny_model_factory, media_
     tars = pack_folder(str(media_folder), str(tmp_path / "packed"), shard_bytes=total // 3)
     assert len(tars) > 1
     config, report, _, summary, steps = run_both_stages(
-        tmp_path, tiny_model_factory("ltx-video"), tmp_path / "packed", IMAGE_BUCKETS, max_steps=2)
+        tmp_path, tiny_model_factory("ltx-video"), tmp_path / "packed", IMAGE_BUCKETS, max_steps=2
+    )
 
     stills = [p for p in media_folder.iterdir() if "still" in p.stem and p.suffix != ".txt"]
     assert report.committed == len(stills)

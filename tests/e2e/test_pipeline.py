@@ -62,8 +62,15 @@ class WindowWatcher(threading.Thread):
 def test_both_stages_at_once_through_a_two_shard_window(tmp_path, tiny_model_factory, raw_shards, epochs):
     run_dir = tmp_path / "run"
     window = str(tmp_path / "window")
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, run_dir, window,
-                          train={"epochs": epochs, "checkpoint_every": 3}, log={"samples": True, "progress": False})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        run_dir,
+        window,
+        train={"epochs": epochs, "checkpoint_every": 3},
+        log={"samples": True, "progress": False},
+    )
     watcher = WindowWatcher(window)
     watcher.start()
     producer = start("precompute", config, log=tmp_path / "precompute.log")

@@ -26,15 +26,32 @@ BAR = re.compile(r"\d+%\|.*\||\d+(?:it| ?\w+) \[\d\d:\d\d")
 def demo(tmp_path_factory, tiny_model_factory, raw_shards):
     root = tmp_path_factory.mktemp("demo")
     run_dir = root / "run"
-    config = write_config(root / "demo.toml", tiny_model_factory("ltx-video"), raw_shards, run_dir, str(root / "window"),
-                          train={"epochs": 1, "checkpoint_every": 4, "validate_every": 4, "validation_steps": 2,
-                                 "validation_prompts": PROMPTS},
-                          log={"progress": True, "report_every_seconds": 0.0})
+    config = write_config(
+        root / "demo.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        run_dir,
+        str(root / "window"),
+        train={
+            "epochs": 1,
+            "checkpoint_every": 4,
+            "validate_every": 4,
+            "validation_steps": 2,
+            "validation_prompts": PROMPTS,
+        },
+        log={"progress": True, "report_every_seconds": 0.0},
+    )
     env = {**os.environ, "CI": "true", "PATH": f"{BIN}:{os.environ['PATH']}"}
     for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY", "DIFFUSERS_VERBOSITY"):
         env.pop(name, None)  # the quiet terminal must come from vt, not from this test's environment
-    out = subprocess.run([str(ROOT / "scripts" / "pipeline.sh"), str(config)], stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, timeout=600)
+    out = subprocess.run(
+        [str(ROOT / "scripts" / "pipeline.sh"), str(config)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        timeout=600,
+    )
     text = out.stdout.decode(errors="replace")
     (root / "terminal.txt").write_text(text)
     assert out.returncode == 0, text[-4000:]
@@ -52,8 +69,13 @@ def test_the_terminal_shows_each_summary_line_once_and_no_library_progress_bar(d
     ours = [line for line in bars if re.match(r"(train|precompute\[\S+\]):", line)]
     assert ours, f"no progress line of vt's own:\n{text[-3000:]}"
     assert bars == ours, f"a library's progress bar reached the terminal: {[b for b in bars if b not in ours]}"
-    for notice in ("Loading weights", "Loading pipeline components", "Loading checkpoint shards",
-                   "Writing model shards", "Fetching"):
+    for notice in (
+        "Loading weights",
+        "Loading pipeline components",
+        "Loading checkpoint shards",
+        "Writing model shards",
+        "Fetching",
+    ):
         assert notice not in text, f"{notice!r} reached the terminal:\n{text[-3000:]}"
     # one progress line per stage: the bar is redrawn in place (\r), never printed on new lines
     assert len({line.split(":")[0] for line in ours}) == 2
@@ -99,8 +121,13 @@ def test_report_renders_in_a_real_browser_with_plots_drawn_a_video_playing_and_n
 def test_vt_train_report_rebuilds_the_page_from_the_run_files(demo, tmp_path):
     run_dir, _ = demo
     out = tmp_path / "copy.html"
-    result = subprocess.run([str(BIN / "vt-train"), "report", str(run_dir), "--out", str(out)],
-                            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "vt-train"), "report", str(run_dir), "--out", str(out)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     text = out.read_text()
     report = json.loads((run_dir / "precompute_report.json").read_text())
@@ -109,8 +136,13 @@ def test_vt_train_report_rebuilds_the_page_from_the_run_files(demo, tmp_path):
     assert f"src='{os.path.relpath(run_dir / 'validation', tmp_path)}/step-000004/00.mp4'" in text
     assert all(prompt in text for prompt in PROMPTS)
     assert "attention backends" in text  # the trainer's `vt-train env` block
-    missing = subprocess.run([str(BIN / "vt-train"), "report", str(tmp_path / "nothing")], stdin=subprocess.DEVNULL,
-                             capture_output=True, text=True, timeout=120)
+    missing = subprocess.run(
+        [str(BIN / "vt-train"), "report", str(tmp_path / "nothing")],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert missing.returncode == 1 and "no run folder" in missing.stderr
 
 

@@ -62,12 +62,20 @@ def overrides(config_path: Path, tmp_path: Path, model: Path, raw: Path) -> list
     spec = build_spec(config.model, config.buckets.fps)
     train = config.train
     sets = [
-        f'model.path="{model}"', f'run.dir="{tmp_path / "run"}"', f'window.uri="{tmp_path / "window"}"',
-        f'data.raw="{raw}"', f"buckets.sizes={json.dumps(small_buckets(config.buckets.sizes, spec))}",
-        "window.poll_seconds=0.05", "window.timeout_seconds=300",
+        f'model.path="{model}"',
+        f'run.dir="{tmp_path / "run"}"',
+        f'window.uri="{tmp_path / "window"}"',
+        f'data.raw="{raw}"',
+        f"buckets.sizes={json.dumps(small_buckets(config.buckets.sizes, spec))}",
+        "window.poll_seconds=0.05",
+        "window.timeout_seconds=300",
         f"precompute.workers={min(config.precompute.workers, 1)}",
-        "train.checkpoint_every=2", "train.validate_every=2", f"train.validation_steps={min(train.validation_steps, 2)}",
-        "log.every_steps=1", "log.progress=false", "log.samples=true",
+        "train.checkpoint_every=2",
+        "train.validate_every=2",
+        f"train.validation_steps={min(train.validation_steps, 2)}",
+        "log.every_steps=1",
+        "log.progress=false",
+        "log.samples=true",
     ]
     if config.model.task in ("i2v", "flf2v") and train.validation_prompts:
         image = validation_image(tmp_path / "first_frame.png")
@@ -89,7 +97,7 @@ def validation_video(path: Path) -> Path:
 
     frames = np.zeros((72, 64, 96, 3), dtype=np.uint8)
     for index, frame in enumerate(frames):
-        frame[:, index + 8:index + 20] = 255
+        frame[:, index + 8 : index + 20] = 255
     return write_video(frames, path, fps=24.0)
 
 
@@ -114,10 +122,10 @@ def trained(run_dir: Path) -> Counter:
     return Counter((e["epoch"], key) for entries in steps.values() for e in entries for key in e["keys"])
 
 
-@pytest.mark.parametrize("config_path", [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(f"config-{p.stem}"))
-                                         for p in CONFIGS])  # one config a unit of work under pytest-xdist
-def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_factory,
-                                                                  raw_shards, request):
+@pytest.mark.parametrize(
+    "config_path", [pytest.param(p, id=p.stem, marks=pytest.mark.xdist_group(f"config-{p.stem}")) for p in CONFIGS]
+)  # one config a unit of work under pytest-xdist
+def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_factory, raw_shards, request):
     model = load_config(config_path).model  # the preset of the config's family and task
     # A family that trains on a control video reads one per sample: the same pieces with their edge maps; a
     # run that trains sound reads them with a sound track.
@@ -131,8 +139,7 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
     producer = start("precompute", config_path, *sets, log=logs["precompute"])
     videos = [f"{i:02d}.mp4" for i in range(len(config.train.validation_prompts))]
     if config_path.stem in KILLED:
-        killed = start("train", config_path, *sets, log=logs["killed"],
-                       env={"VT_FAULT_AT": "train.after_checkpoint@2"})
+        killed = start("train", config_path, *sets, log=logs["killed"], env={"VT_FAULT_AT": "train.after_checkpoint@2"})
         assert killed.wait(timeout=600) == -9, logs["killed"].read_text()[-3000:]
         assert (run_dir / "checkpoints" / "step-000004" / "state.json").is_file()
         if videos:  # the validation before the kill
@@ -171,11 +178,16 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
 
 
 # Configs that parallel.pp = 2 refuses at start-up, with the words its message must carry.
-PP_REFUSED = {"kandinsky5_lite": "its visual blocks take", "kandinsky5_pro_i2v": "its visual blocks take",
-              "wan_vace": "its VACE blocks run on the control tokens",
-              "ltx2": "set parallel.pp = 1 to train sound", "minimax_h3": "set parallel.pp = 1 to train sound",
-              "wan22_i2v_a14b": "train one expert per run", "kandinsky6_lite": "its fused blocks take",
-              "kandinsky6_pro_i2v": "its fused blocks take"}
+PP_REFUSED = {
+    "kandinsky5_lite": "its visual blocks take",
+    "kandinsky5_pro_i2v": "its visual blocks take",
+    "wan_vace": "its VACE blocks run on the control tokens",
+    "ltx2": "set parallel.pp = 1 to train sound",
+    "minimax_h3": "set parallel.pp = 1 to train sound",
+    "wan22_i2v_a14b": "train one expert per run",
+    "kandinsky6_lite": "its fused blocks take",
+    "kandinsky6_pro_i2v": "its fused blocks take",
+}
 
 
 def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_factory):
@@ -196,8 +208,9 @@ def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_fact
         jobs.append({"name": path.stem, "config": str(path), "sets": sets, "export": str(folder / "export")})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     log, out = tmp_path / "pp.log", tmp_path / "pp.json"
-    ranks = launch_ranks(str(Path(__file__).parent / "pp_startup_worker.py"), 2, str(tmp_path / "jobs.json"), str(out),
-                         log=log)
+    ranks = launch_ranks(
+        str(Path(__file__).parent / "pp_startup_worker.py"), 2, str(tmp_path / "jobs.json"), str(out), log=log
+    )
     finish(ranks, log, timeout=600)
     results = json.loads(out.read_text())
     assert set(results) == {p.stem for p in CONFIGS}
@@ -209,6 +222,8 @@ def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_fact
         assert result["finite"] and result["max_diff"] <= 1e-4 * max(result["scale"], 1.0), (name, result)
         assert result["models"] == transformers[name], (name, result)  # a one-expert run's other expert too
         # The full-weight export of the stages (each tensor streamed from its stage) is one process's, byte for byte.
-        exported = {side: {p.name: p.read_bytes() for p in (tmp_path / name / "export" / side).iterdir()}
-                    for side in ("pp", "one")}
+        exported = {
+            side: {p.name: p.read_bytes() for p in (tmp_path / name / "export" / side).iterdir()}
+            for side in ("pp", "one")
+        }
         assert len(exported["one"]) > 2 and exported["pp"] == exported["one"], name  # config, index, several files

@@ -18,8 +18,12 @@ def gated_s3(tmp_path, monkeypatch):
 
     moto = RecordedMoto(tmp_path / "moto-journal.jsonl")
     gate = Gate(moto.port)
-    for key, value in {"AWS_ENDPOINT_URL": gate.url, "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+    for key, value in {
+        "AWS_ENDPOINT_URL": gate.url,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(key, value)
     bucket = "vt-faults"
     boto3.client("s3", endpoint_url=gate.url).create_bucket(Bucket=bucket)

@@ -27,15 +27,21 @@ from pathlib import Path
 from polling import wait_for
 
 _BUSY_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-BUSY_REPLY = (b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
-              b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY))
+BUSY_REPLY = (
+    b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_BUSY_BODY), _BUSY_BODY)
+)
 # What AWS S3 answers a conditional create that races another for the same key (its documented body).
-_CONFLICT_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code><Message>'
-                  b"A conflicting operation occurred. If using PutObject you can retry the request. If using multipart "
-                  b"upload you should initiate another CreateMultipartUpload request and re-upload each part.</Message>"
-                  b"<RequestId>VTGATE409</RequestId></Error>")
-CONFLICT_REPLY = (b"HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\nConnection: close\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(_CONFLICT_BODY), _CONFLICT_BODY))
+_CONFLICT_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>ConditionalRequestConflict</Code><Message>'
+    b"A conflicting operation occurred. If using PutObject you can retry the request. If using multipart "
+    b"upload you should initiate another CreateMultipartUpload request and re-upload each part.</Message>"
+    b"<RequestId>VTGATE409</RequestId></Error>"
+)
+CONFLICT_REPLY = (
+    b"HTTP/1.1 409 Conflict\r\nContent-Type: application/xml\r\nConnection: close\r\n"
+    b"Content-Length: %d\r\n\r\n%s" % (len(_CONFLICT_BODY), _CONFLICT_BODY)
+)
 
 
 class Gate:
@@ -89,7 +95,9 @@ class Gate:
             return
         if busy:
             head = _read_head(client)
-            client.sendall(BUSY_REPLY if not head.startswith(b"HEAD ") else BUSY_REPLY.split(b"\r\n\r\n")[0] + b"\r\n\r\n")
+            client.sendall(
+                BUSY_REPLY if not head.startswith(b"HEAD ") else BUSY_REPLY.split(b"\r\n\r\n")[0] + b"\r\n\r\n"
+            )
             client.close()
             with self._lock:
                 self.answered_busy += 1
@@ -235,8 +243,12 @@ class RecordedMoto:
         self.port = _free_port()
         env = {**os.environ, "MOTO_ENABLE_RECORDING": "True", "MOTO_RECORDER_FILEPATH": str(self.journal)}
         moto = Path(sys.executable).with_name("moto_server")
-        self.proc = subprocess.Popen([str(moto), "-H", "127.0.0.1", "-p", str(self.port)], env=env,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [str(moto), "-H", "127.0.0.1", "-p", str(self.port)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
         def listening():
             with socket.socket() as sock:
@@ -252,12 +264,14 @@ class RecordedMoto:
         """SIGKILL the server, start a new one and replay the journal's writes into it."""
         self.proc.kill()
         self.proc.wait(timeout=10)
-        writes = [entry for entry in journal_entries(self.journal.read_text())
-                  if entry["method"] in ("PUT", "POST", "DELETE")]
+        writes = [
+            entry for entry in journal_entries(self.journal.read_text()) if entry["method"] in ("PUT", "POST", "DELETE")
+        ]
         self.journal.write_text("".join(json.dumps(entry) + "\n" for entry in writes))  # replay reads lines
         self.start()
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/moto-api/recorder/replay-recording",
-                                         method="POST")
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/moto-api/recorder/replay-recording", method="POST"
+        )
         with urllib.request.urlopen(request, timeout=120) as reply:
             assert reply.status == 200
 

@@ -39,12 +39,19 @@ def test_a_conditional_create_answered_409_is_retried_then_412_is_an_answer(gate
     assert gated_s3.gate.conflicted == 3 and storage.read("leases/p0/00000001.json") == b"ours"
 
 
-def test_two_producers_whose_racing_lease_creates_get_409_both_finish(tmp_path, raw_shards, tiny_model_factory,
-                                                                      gated_s3):
+def test_two_producers_whose_racing_lease_creates_get_409_both_finish(
+    tmp_path, raw_shards, tiny_model_factory, gated_s3
+):
     uri = gated_s3.uri + "/window"
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run", uri,
-                          window={"size": "keep", "poll_seconds": 0.05, "timeout_seconds": 300.0},
-                          precompute={"workers": 0, "lanes": 2})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        uri,
+        window={"size": "keep", "poll_seconds": 0.05, "timeout_seconds": 300.0},
+        precompute={"workers": 0, "lanes": 2},
+    )
     gated_s3.gate.conflicts, gated_s3.gate.conflict_keys = 4, "/window/leases/"
     logs = [tmp_path / "a.log", tmp_path / "b.log"]
     producers = [start("precompute", config, log=log) for log in logs]
@@ -68,18 +75,27 @@ def test_two_producers_whose_racing_lease_creates_get_409_both_finish(tmp_path, 
         assert lease.newest_generation(storage, lane) == 1
 
 
-def test_a_store_that_ignores_if_none_match_is_refused_at_the_windows_first_write(tmp_path, raw_shards,
-                                                                                  tiny_model_factory, gated_s3):
+def test_a_store_that_ignores_if_none_match_is_refused_at_the_windows_first_write(
+    tmp_path, raw_shards, tiny_model_factory, gated_s3
+):
     gated_s3.gate.ignore_conditions = True
     uri = gated_s3.uri + "/window"
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run", uri,
-                          window={"size": "keep"}, precompute={"workers": 0})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        uri,
+        window={"size": "keep"},
+        precompute={"workers": 0},
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = run_bounded([os.path.join(os.path.dirname(sys.executable), "vt-precompute"), "run", str(config)],
-                       timeout=300, env=env)
+    done = run_bounded(
+        [os.path.join(os.path.dirname(sys.executable), "vt-precompute"), "run", str(config)], timeout=300, env=env
+    )
     assert done.returncode == 1, f"a store that overwrites a conditional create was used:\n{done.stderr[-3000:]}"
     assert gated_s3.gate.unconditioned >= 2
-    message = done.stderr[done.stderr.index("error:"):]
+    message = done.stderr[done.stderr.index("error:") :]
     assert uri in message and gated_s3.gate.url in message and "If-None-Match" in message, message
     storage = Storage(uri)
     assert not storage.exists("lanes.json") and not storage.list("commits")  # nothing written that others trust

@@ -80,9 +80,14 @@ class RecordWatcher(threading.Thread):
         """Wait until the watcher has read every record there is now (call it while no process runs,
         so none comes or goes meanwhile); returns them. A loaded machine slows the polls, so the records
         seen while processes run vary; these are seen on every run."""
-        present = {(int(rel.split("/")[1][1:]), int(rel.rsplit("/", 1)[1][:8])) for rel in self.window.storage.list("commits")}
-        wait_for(lambda: self.error is not None or present <= self.records.keys(), timeout=timeout,
-                 what=f"the watcher to read records {sorted(present)}")
+        present = {
+            (int(rel.split("/")[1][1:]), int(rel.rsplit("/", 1)[1][:8])) for rel in self.window.storage.list("commits")
+        }
+        wait_for(
+            lambda: self.error is not None or present <= self.records.keys(),
+            timeout=timeout,
+            what=f"the watcher to read records {sorted(present)}",
+        )
         return present
 
 
@@ -120,8 +125,11 @@ class Pipeline:
             what = f"leases/p0/{generation:08d}.json"
             wait_for(lambda: proc.poll() is not None or self.storage.exists(what), timeout=300, what=what)
         else:
-            wait_for(lambda: proc.poll() is not None or "resumed from" in self.log(proc.name), timeout=300,
-                     what=f"{proc.name} to resume")
+            wait_for(
+                lambda: proc.poll() is not None or "resumed from" in self.log(proc.name),
+                timeout=300,
+                what=f"{proc.name} to resume",
+            )
 
     def expect(self, proc, code: int) -> None:
         got = proc.wait(timeout=400)
@@ -136,12 +144,18 @@ class Pipeline:
 
 def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str, s3=None) -> None:
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", model, raw_shards, run_dir, window,
-                          # a loaded CI machine (two xdist workers with their ranks) may keep a side waiting minutes
-                          window={"size": 4, "poll_seconds": 0.05, "timeout_seconds": 300.0},
-                          precompute={"workers": 0},
-                          train={"epochs": EPOCHS, "checkpoint_every": 2, "batch_size": 2},
-                          log={"samples": True, "progress": False})
+    config = write_config(
+        tmp_path / "run.toml",
+        model,
+        raw_shards,
+        run_dir,
+        window,
+        # a loaded CI machine (two xdist workers with their ranks) may keep a side waiting minutes
+        window={"size": 4, "poll_seconds": 0.05, "timeout_seconds": 300.0},
+        precompute={"workers": 0},
+        train={"epochs": EPOCHS, "checkpoint_every": 2, "batch_size": 2},
+        log={"samples": True, "progress": False},
+    )
     pipe = Pipeline(tmp_path, config, window)
     watcher = RecordWatcher(window)
     watcher.start()
@@ -160,8 +174,10 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
         # Round 2, one after the other: the trainer dies mid-epoch, before its next checkpoint, inside its
         # second consumer.json write (a temp file left, which its next start cleans); the producer fills
         # the window, evicts below the watermark and dies between records and data.
-        first, second = (("train", "t2", "storage.put.mid_write:consumer.json@2"),
-                         ("precompute", "p2", "window.evict.mid@1"))
+        first, second = (
+            ("train", "t2", "storage.put.mid_write:consumer.json@2"),
+            ("precompute", "p2", "window.evict.mid@1"),
+        )
         if s3 is not None:
             first, second = second, first
         a = pipe.start(*first)
@@ -180,8 +196,12 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
         p3, t3 = pipe.start("precompute", "p3", "storage.put.mid_write:data@1"), pipe.start("train", "t3")
         pipe.expect(p3, -signal.SIGKILL)
         if s3 is None:
-            temp = [n for _, _, files in os.walk(window) for n in files
-                    if ".vt-tmp-" in n and not n.startswith(".consumer.json")]  # t2's: t3 cleans it at its start
+            temp = [
+                n
+                for _, _, files in os.walk(window)
+                for n in files
+                if ".vt-tmp-" in n and not n.startswith(".consumer.json")
+            ]  # t2's: t3 cleans it at its start
             assert len(temp) == 1, temp  # the half-written shard, invisible to readers
 
         # Round 4: the producer again, while the trainer runs on; on S3 the server is killed and
@@ -191,8 +211,11 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
             pipe.started(p4, generation=4)
             pipe.started(t3)
             s3.gate.down()
-            wait_for(lambda: all("storage retry" in pipe.log(n) for n in ("p4", "t3")), timeout=300,
-                     what="both processes to meet the S3 outage")
+            wait_for(
+                lambda: all("storage retry" in pipe.log(n) for n in ("p4", "t3")),
+                timeout=300,
+                what="both processes to meet the S3 outage",
+            )
             s3.moto.crash_and_restart()
             s3.gate.open(s3.moto.port)
         pipe.expect(p4, 0)

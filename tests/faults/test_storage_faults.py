@@ -25,8 +25,9 @@ FAST = RetryPolicy(attempts=8, base_seconds=0.02, max_seconds=0.2)
 
 
 def client_error(status: int, code: str) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": code},
-                        "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject")
+    return ClientError(
+        {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "GetObject"
+    )
 
 
 def test_transient_or_not():
@@ -37,8 +38,14 @@ def test_transient_or_not():
     wrapped = OSError(5, "server said 502")  # how s3fs hands over an unknown ClientError
     wrapped.__cause__ = client_error(502, "BadGateway")
     assert is_transient(wrapped)
-    for answer in (FileNotFoundError("gone"), FileExistsError("412"), PermissionError("403"),
-                   client_error(404, "NoSuchKey"), client_error(412, "PreconditionFailed"), ValueError("bad")):
+    for answer in (
+        FileNotFoundError("gone"),
+        FileExistsError("412"),
+        PermissionError("403"),
+        client_error(404, "NoSuchKey"),
+        client_error(412, "PreconditionFailed"),
+        ValueError("bad"),
+    ):
         assert not is_transient(answer), answer
 
 
@@ -52,8 +59,9 @@ def test_busy_and_refused_are_retried(gated_s3, caplog):
     assert sum("storage retry" in r.message for r in caplog.records) == 2
 
     gated_s3.gate.down()
-    opener = threading.Thread(target=lambda: (wait_for(lambda: gated_s3.gate.refused >= 2, what="refusals"),
-                                              gated_s3.gate.open()))
+    opener = threading.Thread(
+        target=lambda: (wait_for(lambda: gated_s3.gate.refused >= 2, what="refusals"), gated_s3.gate.open())
+    )
     opener.start()
     storage.put_atomic("b.bin", b"written through an outage")
     opener.join()
@@ -100,8 +108,9 @@ def test_server_restart_keeps_objects_and_clients_carry_on(gated_s3):
     assert storage.create_exclusive("commits/00.json", b"{}")
     gated_s3.gate.down()
     results = {}
-    writer = threading.Thread(target=lambda: results.update(put=storage.put_atomic("during.bin", b"2"),
-                                                            listed=storage.list("")))
+    writer = threading.Thread(
+        target=lambda: results.update(put=storage.put_atomic("during.bin", b"2"), listed=storage.list(""))
+    )
     writer.start()
     wait_for(lambda: gated_s3.gate.refused >= 1, what="the client to meet the outage")
     gated_s3.moto.crash_and_restart()
@@ -177,8 +186,11 @@ def test_a_lost_connection_no_request_awaited_is_no_traceback(gated_s3, caplog):
     with caplog.at_level(logging.DEBUG), caplog.at_level(logging.DEBUG, logger="vt.storage"):
         asyncio.run_coroutine_threadsafe(start_and_forget(), get_loop()).result(timeout=10)
         gc.collect()
-        wait_for(lambda: any("never retrieved" in r.getMessage() for r in caplog.records if r.name == "asyncio"),
-                 timeout=10, what="the unretrieved ValueError's report")
+        wait_for(
+            lambda: any("never retrieved" in r.getMessage() for r in caplog.records if r.name == "asyncio"),
+            timeout=10,
+            what="the unretrieved ValueError's report",
+        )
     shown = [r for r in caplog.records if r.name == "asyncio"]
     assert len(shown) == 1 and "a bug" in repr(shown[0].exc_info or shown[0].getMessage())
     assert any("no request awaited" in r.getMessage() for r in caplog.records if r.name == "vt.storage")

@@ -43,11 +43,33 @@ FAMILY_TRAIN = {
     "mochi": {"mode": "lora", "sigma_sampling": "mode", "loss_weighting": "cosmap"},
     "cogvideox-i2v": {"mode": "lora"},  # 32 input channels: the image latents on the channel axis
     # LoRA on both streams' attention and FFNs, so tensor parallel splits adapters of every kind it splits.
-    "hunyuan-video-1.5": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
-                                                           "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
+    "hunyuan-video-1.5": {
+        "mode": "lora",
+        "lora_targets": [
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "to_add_out",
+            "ff.net.0.proj",
+            "ff_context.net.2",
+        ],
+    },
     # HunyuanVideo 1.5 I2V: the same targets, with the first frame's SigLIP tokens in the joint attention.
-    "hunyuan-video-1.5-i2v": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj",
-                                                               "to_add_out", "ff.net.0.proj", "ff_context.net.2"]},
+    "hunyuan-video-1.5-i2v": {
+        "mode": "lora",
+        "lora_targets": [
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "to_add_out",
+            "ff.net.0.proj",
+            "ff_context.net.2",
+        ],
+    },
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},
     # LTX-2 with model.audio (VARIANTS): a full fine-tune of both streams (every parameter gets a gradient, so
@@ -81,22 +103,28 @@ FAMILY_TRAIN = {
     "ltx-2-audio-independent": {"mode": "lora", "loss_weighting": "cosmap"},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
-VARIANTS = {"wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
-            "cogvideox-i2v": {"family": "cogvideox", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-            "wan2.2-all": {"family": "wan2.2", "expert": "all", "max_text_tokens": TEXT_TOKENS},
-            "wan2.2-ti2v-i2v": {"family": "wan2.2-ti2v", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-            "wan-bf16": {"family": "wan", "dtype": "bfloat16", "max_text_tokens": TEXT_TOKENS},
-            "hunyuan-video-i2v": {"family": "hunyuan-video", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-            "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-            "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
-            "ltx-video-i2v": {"family": "ltx-video", "task": "i2v", "first_frame_noise": 0.5,
-                              "max_text_tokens": TEXT_TOKENS},
-            "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-            "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
-            "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS},
-            "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS},
-            "ltx-2-audio-independent": {"family": "ltx-2", "audio": True, "audio_timesteps": "independent",
-                                        "audio_shift": 3.0, "max_text_tokens": TEXT_TOKENS}}
+VARIANTS = {
+    "wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
+    "cogvideox-i2v": {"family": "cogvideox", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+    "wan2.2-all": {"family": "wan2.2", "expert": "all", "max_text_tokens": TEXT_TOKENS},
+    "wan2.2-ti2v-i2v": {"family": "wan2.2-ti2v", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+    "wan-bf16": {"family": "wan", "dtype": "bfloat16", "max_text_tokens": TEXT_TOKENS},
+    "hunyuan-video-i2v": {"family": "hunyuan-video", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+    "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+    "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
+    "ltx-video-i2v": {"family": "ltx-video", "task": "i2v", "first_frame_noise": 0.5, "max_text_tokens": TEXT_TOKENS},
+    "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
+    "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
+    "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS},
+    "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS},
+    "ltx-2-audio-independent": {
+        "family": "ltx-2",
+        "audio": True,
+        "audio_timesteps": "independent",
+        "audio_shift": 3.0,
+        "max_text_tokens": TEXT_TOKENS,
+    },
+}
 
 
 def bucket_section(key: str) -> dict:
@@ -127,13 +155,23 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
             root = tmp_path_factory.mktemp(f"window-{family}")
             section = model_section(family)
             model = tiny_model_factory(section["family"], task=section.get("task", "t2v"))
-            raw = request.getfixturevalue("control_shards") if get_spec_class(section["family"]).control_video \
+            raw = (
+                request.getfixturevalue("control_shards")
+                if get_spec_class(section["family"]).control_video
                 else raw_shards
+            )
             raw = request.getfixturevalue("sound_shards") if section.get("audio") else raw
-            config = write_config(root / "pre.toml", model, raw, root / "pre", str(root / "window"),
-                                  model=section,
-                                  buckets=bucket_section(family), window={"size": "keep"},
-                                  precompute={"workers": 0})
+            config = write_config(
+                root / "pre.toml",
+                model,
+                raw,
+                root / "pre",
+                str(root / "window"),
+                model=section,
+                buckets=bucket_section(family),
+                window={"size": "keep"},
+                precompute={"workers": 0},
+            )
             Precompute(load_config(config)).run()
             built[family] = (root / "window", model)
         return built[family]
@@ -149,10 +187,18 @@ def run_config(kept_window, raw_shards):
     def make(folder: Path, family: str, name: str, **train) -> Path:
         window, model = kept_window(family)
         settings = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2, **FAMILY_TRAIN[family], **train}
-        return write_config(folder / f"{name}.toml", model, raw_shards, folder / name, str(window),
-                            model=model_section(family), buckets=bucket_section(family),
-                            window={"size": "keep"},
-                            train=settings, log={"progress": False, "samples": True})
+        return write_config(
+            folder / f"{name}.toml",
+            model,
+            raw_shards,
+            folder / name,
+            str(window),
+            model=model_section(family),
+            buckets=bucket_section(family),
+            window={"size": "keep"},
+            train=settings,
+            log={"progress": False, "samples": True},
+        )
 
     return make
 

@@ -19,8 +19,16 @@ def child_env(extra: dict | None = None) -> dict:
     return {**os.environ, **BASE_ENV, **(extra or {})}
 
 
-def torchrun(config: Path, nproc: int, *overrides: str, log: Path, env: dict | None = None,
-             nnodes: int = 1, endpoint: str | None = None, script: Path | None = None):
+def torchrun(
+    config: Path,
+    nproc: int,
+    *overrides: str,
+    log: Path,
+    env: dict | None = None,
+    nnodes: int = 1,
+    endpoint: str | None = None,
+    script: Path | None = None,
+):
     """The ranks of `torchrun ... vt-train run CONFIG --set ...`; `script`: a Python file taking vt-train's
     arguments, in place of vt-train. One node: the ranks are forked from the warm interpreter of
     tests/forkserver.py with torchrun's environment (a Popen-like group); one of `nnodes` nodes: the real
@@ -31,8 +39,13 @@ def torchrun(config: Path, nproc: int, *overrides: str, log: Path, env: dict | N
     entry = str(script) if script else "vt-train"
     if nnodes == 1:
         return launch_ranks(entry, nproc, *args, log=log, env=child_env(env))
-    launch = [f"--nnodes={nnodes}", f"--nproc-per-node={nproc}", "--rdzv-backend=c10d",
-              f"--rdzv-endpoint={endpoint}", "--rdzv-id=vt-test"]
+    launch = [
+        f"--nnodes={nnodes}",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        "--rdzv-id=vt-test",
+    ]
     command = [str(BIN / "torchrun"), *launch, *([str(script)] if script else ["-m", "vt.train"]), *args]
     return subprocess.Popen(command, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env(env))
 
@@ -102,7 +115,9 @@ def sample_log(run_dir: Path) -> list[dict]:
     return entries
 
 
-def assert_same_training(run_dir: Path, reference_dir: Path, rel: float = 1e-4, weights_rel: float | None = None) -> None:
+def assert_same_training(
+    run_dir: Path, reference_dir: Path, rel: float = 1e-4, weights_rel: float | None = None
+) -> None:
     """Losses (and audio losses) and gradient norms per step, and the exported trainable weights, match the
     reference (the weights within `weights_rel`, default `rel`)."""
     import pytest
@@ -124,4 +139,6 @@ def assert_same_training(run_dir: Path, reference_dir: Path, rel: float = 1e-4, 
         weights, reference = trained_weights(run_dir / sub), trained_weights(reference_dir / sub)
         assert weights.keys() == reference.keys()
         worst = max((relative_difference(weights[k], reference[k]), k) for k in reference)
-        assert worst[0] <= (weights_rel or rel), f"{sub or 'trained'} weights differ from the single-process run: {worst}"
+        assert worst[0] <= (weights_rel or rel), (
+            f"{sub or 'trained'} weights differ from the single-process run: {worst}"
+        )

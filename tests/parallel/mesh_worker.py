@@ -7,8 +7,12 @@ import torch.distributed as dist
 
 from vt.train.parallel.dims import MESH_DIMS, ParallelDims
 
-LAYOUTS = (dict(dp_replicate=2, dp_shard=2), dict(dp_shard=2, tp=2), dict(cp=2, tp=2, dp_shard=1),
-           dict(pp=2, dp_shard=2))
+LAYOUTS = (
+    dict(dp_replicate=2, dp_shard=2),
+    dict(dp_shard=2, tp=2),
+    dict(cp=2, tp=2, dp_shard=1),
+    dict(pp=2, dp_shard=2),
+)
 
 
 def check_mesh(rank: int, world: int, store_path: str, queue) -> None:

@@ -44,10 +44,10 @@ def check_slices(run_dir, dims: ParallelDims) -> Counter:
     return trained
 
 
-
 def check_uneven_last_step(run_dir, dims: ParallelDims) -> None:
     """The 4th step holds 1 sample: with several data-parallel ranks, exactly one dp group (its cp x tp
     ranks) trains on it and the others run on a weightless stand-in."""
     last = [e for e in sample_log(run_dir) if e["step"] == 4]
     assert sorted(len(e["keys"]) for e in last) == sorted(
-        [1] * (dims.cp * dims.tp) + [0] * (dims.world_size - dims.cp * dims.tp)), "the last sample went astray"
+        [1] * (dims.cp * dims.tp) + [0] * (dims.world_size - dims.cp * dims.tp)
+    ), "the last sample went astray"

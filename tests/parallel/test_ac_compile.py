@@ -25,8 +25,10 @@ def wan(tiny_model_factory):
             if "lora_B" in name:
                 p.normal_(0, 0.02)
     generator = torch.Generator().manual_seed(1)
-    batch = {"latents": torch.randn(2, 16, 3, 8, 8, generator=generator),
-             "prompt_embeds": torch.randn(2, 8, 64, generator=generator)}
+    batch = {
+        "latents": torch.randn(2, 16, 3, 8, 8, generator=generator),
+        "prompt_embeds": torch.randn(2, 8, 64, generator=generator),
+    }
     return spec, model, batch
 
 

@@ -53,10 +53,13 @@ def test_each_adapter_kind_trains_and_exports_its_kind_and_dora_shards_like_one_
     assert "dora saved for diffusers only" in (tmp_path / "dora.log").read_text()
     # Every kind starts as the base model (the delta's zero factor zero; DoRA's magnitudes the rows' norms, filled
     # after the base): the first step's loss, taken before any update, is the same for all.
-    first = {kind: {m["step"]: m for m in read_metrics(run_dir / "metrics.jsonl")}[1]["loss"]
-             for kind, run_dir in runs.items()}
-    assert first["dora"] == pytest.approx(first["loha"], rel=1e-5) and first["lokr"] == pytest.approx(first["loha"],
-                                                                                                      rel=1e-5), first
+    first = {
+        kind: {m["step"]: m for m in read_metrics(run_dir / "metrics.jsonl")}[1]["loss"]
+        for kind, run_dir in runs.items()
+    }
+    assert first["dora"] == pytest.approx(first["loha"], rel=1e-5) and first["lokr"] == pytest.approx(
+        first["loha"], rel=1e-5
+    ), first
 
     # DoRA's magnitudes start at the base rows' norms on each shard: FSDP2 trains what one process trains.
     config = run_config(tmp_path, FAMILY, "fsdp", adapter="dora")

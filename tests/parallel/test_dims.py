@@ -22,12 +22,15 @@ def test_dp_shard_minus_one_takes_the_rest_and_strategies_follow():
     assert not ParallelDims(world_size=1).distributed
 
 
-@pytest.mark.parametrize("kwargs, fix", [
-    (dict(dp_replicate=2, dp_shard=2, world_size=2), "Launch 4 processes"),
-    (dict(dp_replicate=3, world_size=4), "Launch a multiple of 3 processes"),
-    (dict(tp=0, world_size=2), "parallel.tp must be >= 1"),
-    (dict(dp_shard=-2, world_size=2), "parallel.dp_shard must be >= 1 or -1"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fix",
+    [
+        (dict(dp_replicate=2, dp_shard=2, world_size=2), "Launch 4 processes"),
+        (dict(dp_replicate=3, world_size=4), "Launch a multiple of 3 processes"),
+        (dict(tp=0, world_size=2), "parallel.tp must be >= 1"),
+        (dict(dp_shard=-2, world_size=2), "parallel.dp_shard must be >= 1 or -1"),
+    ],
+)
 def test_a_wrong_product_stops_with_the_fix(kwargs, fix):
     with pytest.raises(ParallelConfigError, match=fix):
         ParallelDims(**kwargs)
@@ -36,7 +39,13 @@ def test_a_wrong_product_stops_with_the_fix(kwargs, fix):
 def test_coordinates_are_row_major_and_cp_tp_peers_share_a_data_slice():
     dims = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, tp=2, world_size=16)
     assert dims.coordinate(0) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 0}
-    assert dims.coordinate(1) == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "cp": 0, "tp": 1}  # tp peers are neighbours
+    assert dims.coordinate(1) == {
+        "pp": 0,
+        "dp_replicate": 0,
+        "dp_shard": 0,
+        "cp": 0,
+        "tp": 1,
+    }  # tp peers are neighbours
     assert dims.coordinate(13) == {"pp": 0, "dp_replicate": 1, "dp_shard": 1, "cp": 0, "tp": 1}
     groups = {}
     for rank in range(16):
@@ -109,4 +118,3 @@ def test_the_trainer_stops_before_joining_a_group_when_degrees_do_not_fit(monkey
     with pytest.raises(ParallelConfigError, match="but 2 processes were launched"):
         setup_world(ParallelConfig(dp_replicate=2, dp_shard=2), "cpu")
     assert not dist.is_initialized()
-

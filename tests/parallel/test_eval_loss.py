@@ -36,13 +36,28 @@ def held_out(tmp_path_factory, tiny_model_factory, raw_shards):
     model = tiny_model_factory("wan")
 
     def config(folder: Path, name: str, **train) -> Path:
-        return write_config(folder / f"{name}.toml", model, root / "train-raw", folder / name, str(root / "window"),
-                            model={"family": "wan", "max_text_tokens": 64}, buckets={"sizes": ["9x64x64"]},
-                            window={"size": "keep"}, data={"eval": str(root / "eval-raw")},
-                            precompute={"workers": 0},
-                            train={"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 1, "eval_every": 1,
-                                   "eval_sigmas": SIGMAS, **train},
-                            log={"progress": False})
+        return write_config(
+            folder / f"{name}.toml",
+            model,
+            root / "train-raw",
+            folder / name,
+            str(root / "window"),
+            model={"family": "wan", "max_text_tokens": 64},
+            buckets={"sizes": ["9x64x64"]},
+            window={"size": "keep"},
+            data={"eval": str(root / "eval-raw")},
+            precompute={"workers": 0},
+            train={
+                "batch_size": 4,
+                "lr": 1e-3,
+                "epochs": 1,
+                "checkpoint_every": 1,
+                "eval_every": 1,
+                "eval_sigmas": SIGMAS,
+                **train,
+            },
+            log={"progress": False},
+        )
 
     report = run_stage1(load_config(config(root, "pre")))
     assert report.status == "done"
@@ -64,8 +79,11 @@ def test_the_held_out_loss_is_the_same_at_every_layout_and_after_a_resume(tmp_pa
     assert len(steps) >= 2 and steps[-1] == last  # every step, the last one too
     assert all(0 < value < 100 for metrics in expected.values() for value in metrics.values())
     assert len({round(v, 6) for v in expected[steps[0]].values()}) == len(KEYS), "each sigma its own number"
-    for name, overrides in (("ddp-2", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-                            ("fsdp-2", ["parallel.dp_shard=2"]), ("pp-2", ["parallel.pp=2", "parallel.dp_shard=1"])):
+    for name, overrides in (
+        ("ddp-2", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+        ("fsdp-2", ["parallel.dp_shard=2"]),
+        ("pp-2", ["parallel.pp=2", "parallel.dp_shard=1"]),
+    ):
         log = tmp_path / f"{name}.log"
         finish(torchrun(held_out(tmp_path, name), 2, *overrides, log=log), log)
         got = evaluations(tmp_path / name)

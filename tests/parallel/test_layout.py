@@ -11,8 +11,7 @@ import torch
 
 from vt.shared.config import ParallelConfig, load_config
 from vt.train.parallel.dims import ParallelDims
-from vt.train.parallel.layout import (GIB, LAYOUT_FILE, LayoutChoice, cached_layout, choose, needs_plan,
-                                     unplanned_reason)
+from vt.train.parallel.layout import GIB, LAYOUT_FILE, LayoutChoice, cached_layout, choose, needs_plan, unplanned_reason
 
 
 def test_auto_is_the_default_and_explicit_degrees_are_kept():
@@ -28,8 +27,10 @@ def test_auto_is_the_default_and_explicit_degrees_are_kept():
 def test_replicates_when_the_replicated_peak_fits_the_budget_else_shards():
     fits = choose(replicated_peak=6 * GIB, sharded_peak=4 * GIB, budget=8 * GIB, data_parallel=4)
     assert (fits.dp_replicate, fits.dp_shard, fits.replicated) == (4, 1, True)
-    assert fits.reason == ("parallel.dp_shard = auto: replicate (DDP); planned peak per rank 6.00 GiB replicated, "
-                           "4.00 GiB sharded, budget 8.00 GiB")
+    assert fits.reason == (
+        "parallel.dp_shard = auto: replicate (DDP); planned peak per rank 6.00 GiB replicated, "
+        "4.00 GiB sharded, budget 8.00 GiB"
+    )
     tight = choose(replicated_peak=9 * GIB, sharded_peak=4 * GIB, budget=8 * GIB, data_parallel=4)
     assert (tight.dp_replicate, tight.dp_shard, tight.replicated) == (1, 4, False)
     assert "shard (FSDP2)" in tight.reason and "9.00 GiB replicated" in tight.reason
@@ -37,30 +38,35 @@ def test_replicates_when_the_replicated_peak_fits_the_budget_else_shards():
     assert exact.replicated
 
 
-@pytest.mark.parametrize("settings, world, why", [
-    ({"dp_shard": -1}, 4, None),  # explicit: setup_world never asks (dp_shard != "auto"); auto would plan here
-    ({"cpu_offload": True}, 4, "CPU offload"),
-    ({"dp_replicate": 2}, 4, "dp_replicate = 2 is set"),
-    ({"cp": 2}, 4, "without cp, tp and pp"),
-    ({"tp": 2}, 2, "without cp, tp and pp"),
-    ({"pp": 2}, 4, "without cp, tp and pp"),
-    ({}, 1, "one data-parallel rank"),
-    ({}, 2, None),
-])
+@pytest.mark.parametrize(
+    "settings, world, why",
+    [
+        ({"dp_shard": -1}, 4, None),  # explicit: setup_world never asks (dp_shard != "auto"); auto would plan here
+        ({"cpu_offload": True}, 4, "CPU offload"),
+        ({"dp_replicate": 2}, 4, "dp_replicate = 2 is set"),
+        ({"cp": 2}, 4, "without cp, tp and pp"),
+        ({"tp": 2}, 2, "without cp, tp and pp"),
+        ({"pp": 2}, 4, "without cp, tp and pp"),
+        ({}, 1, "one data-parallel rank"),
+        ({}, 2, None),
+    ],
+)
 def test_what_is_not_planned(settings, world, why):
     reason = unplanned_reason(ParallelConfig(**settings), world)
     assert (reason is None) if why is None else (why in reason)
 
 
-@pytest.mark.parametrize("dp_shard, world, planned", [("auto", 2, True), ("auto", 8, True), (-1, 2, False),
-                                                       (1, 2, False), (2, 2, False), ("auto", 1, False)])
+@pytest.mark.parametrize(
+    "dp_shard, world, planned",
+    [("auto", 2, True), ("auto", 8, True), (-1, 2, False), (1, 2, False), (2, 2, False), ("auto", 1, False)],
+)
 def test_explicit_degrees_win_over_auto(dp_shard, world, planned):
     """setup_world asks rank 0's planner only where auto has a choice; -1 or an integer builds its own layout."""
     assert needs_plan(ParallelConfig(dp_shard=dp_shard), world) is planned
 
 
 def test_the_choice_is_kept_in_the_run_folder_and_a_resume_does_not_plan_again(tmp_path, caplog):
-    config = load_config(None, [f"run.dir=\"{tmp_path}\""])
+    config = load_config(None, [f'run.dir="{tmp_path}"'])
     planned = []
 
     def plan(config, world_size, device, local_ranks):

@@ -26,8 +26,9 @@ def block_bytes(trainer: Trainer) -> int:
     """Bytes of the blocks' frozen linear weights as stored (the large matmuls: nearly all of a real model)."""
     blocks = trainer.spec.blocks(trainer.transformer)
     linears = [m for b in blocks for m in b.modules() if isinstance(m, torch.nn.Linear)]
-    return sum(p.numel() * p.element_size() for m in linears for p in m.parameters(recurse=False)
-               if not p.requires_grad)
+    return sum(
+        p.numel() * p.element_size() for m in linears for p in m.parameters(recurse=False) if not p.requires_grad
+    )
 
 
 def test_lora_on_fp8_base_weights_trains_like_the_bf16_base(tmp_path, run_config, caplog):
@@ -39,8 +40,14 @@ def test_lora_on_fp8_base_weights_trains_like_the_bf16_base(tmp_path, run_config
     trainers, runs = {}, {}
     for name, fp8 in (("bf16", False), ("fp8", True)):
         config = run_config(tmp_path, "wan", name)
-        cfg = load_config(config, ["train.mixed_precision=\"bf16\"", f"train.fp8_base_weights={str(fp8).lower()}",
-                                   "train.attention_backend=\"native_math\""])
+        cfg = load_config(
+            config,
+            [
+                'train.mixed_precision="bf16"',
+                f"train.fp8_base_weights={str(fp8).lower()}",
+                'train.attention_backend="native_math"',
+            ],
+        )
         trainers[name] = Trainer(cfg)
         if not fp8:
             for p in trainers[name].transformer.parameters():
@@ -61,15 +68,21 @@ def test_lora_on_fp8_base_weights_trains_like_the_bf16_base(tmp_path, run_config
     assert "attention backend native_math (diffusers dispatcher, 4 attention modules)" in text
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["train.attention_backend=\"native_flash\""],
-     "train.attention_backend = 'native_flash' cannot run here: needs a CUDA GPU of sm80+"),
-    (["train.attention_backend=\"flex\""], "This machine can run: native, native_math"),
-    (["train.validation_attention_backend=\"sage\""], "sageattention"),
-    (["train.mode=\"full\"", "train.fp8_training=\"rowwise\""], "float8 training needs a CUDA GPU of sm89+"),
-    (["train.fp8_training=\"tensorwise\""], "is for full fine-tuning"),
-    (["train.mode=\"full\"", "train.fp8_base_weights=true"], "use train.fp8_training"),
-], ids=["native-flash", "flex-backward", "sage", "fp8-cpu", "fp8-lora", "fp8-base-full"])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ['train.attention_backend="native_flash"'],
+            "train.attention_backend = 'native_flash' cannot run here: needs a CUDA GPU of sm80+",
+        ),
+        (['train.attention_backend="flex"'], "This machine can run: native, native_math"),
+        (['train.validation_attention_backend="sage"'], "sageattention"),
+        (['train.mode="full"', 'train.fp8_training="rowwise"'], "float8 training needs a CUDA GPU of sm89+"),
+        (['train.fp8_training="tensorwise"'], "is for full fine-tuning"),
+        (['train.mode="full"', "train.fp8_base_weights=true"], "use train.fp8_training"),
+    ],
+    ids=["native-flash", "flex-backward", "sage", "fp8-cpu", "fp8-lora", "fp8-base-full"],
+)
 def test_what_this_machine_cannot_run_stops_the_run_at_start_up(tmp_path, run_config, overrides, message):
     config = load_config(run_config(tmp_path, "wan", "refused"), overrides)
     with pytest.raises(ValueError, match="^.*" + message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
@@ -82,9 +95,27 @@ def test_accelerate_launch_runs_two_ranks_like_torchrun_with_cpu_offload(tmp_pat
     CPUs) starts two ranks that train the single-process job exactly, here with FSDP2 CPU offload on."""
     config = run_config(tmp_path, "wan", "accelerate")
     log = tmp_path / "run.log"
-    args = [str(BIN / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-            "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port()),
-            "-m", "vt.train", "run", str(config), "--set", "parallel.cpu_offload=true"]
+    args = [
+        str(BIN / "accelerate"),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        "-m",
+        "vt.train",
+        "run",
+        str(config),
+        "--set",
+        "parallel.cpu_offload=true",
+    ]
     finish(subprocess.Popen(args, stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=child_env()), log)
 
     text = log.read_text()
@@ -140,8 +171,9 @@ def test_fp8_training_layers_compose_with_checkpointing_and_fsdp2_float8_all_gat
         for recipe in ("none", "tensorwise"):
             model = build_wan(2, 2, 32, 128, 64)
             if recipe != "none":
-                chosen = apply_fp8_training(model, recipe, fsdp=True,
-                                            module_filter=lambda m, name: name.startswith("blocks."))
+                chosen = apply_fp8_training(
+                    model, recipe, fsdp=True, module_filter=lambda m, name: name.startswith("blocks.")
+                )
                 assert len(chosen) == 20  # 2 blocks x (4 self + 4 cross attention + 2 FFN) linears
             apply_ac(model, spec)
             apply_fsdp(model, spec, mesh, param_dtype=torch.bfloat16)
@@ -169,8 +201,15 @@ def test_sharded_fp8_storage_picks_the_layers_diffusers_hooks_pick():
     from vt.train.fp8 import store_base_fp8
 
     def ltx():
-        return LTXVideoTransformer3DModel(in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16,
-                                          cross_attention_dim=32, num_layers=1, caption_channels=32)
+        return LTXVideoTransformer3DModel(
+            in_channels=16,
+            out_channels=16,
+            num_attention_heads=2,
+            attention_head_dim=16,
+            cross_attention_dim=32,
+            num_layers=1,
+            caption_channels=32,
+        )
 
     hooked, sharded = ltx(), ltx()
     store_base_fp8(hooked, torch.float32, sharded=False)

@@ -9,8 +9,18 @@ from dist_runs import assert_same_training, finish, free_port, torchrun
 def test_two_nodes_match_the_single_node_run(tmp_path, run_config, reference):
     config = run_config(tmp_path, "ltx-video", "two-nodes")
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [torchrun(config, 1, "parallel.dp_replicate=2", "parallel.dp_shard=1", log=tmp_path / f"node{i}.log",
-                      nnodes=2, endpoint=endpoint) for i in range(2)]
+    nodes = [
+        torchrun(
+            config,
+            1,
+            "parallel.dp_replicate=2",
+            "parallel.dp_shard=1",
+            log=tmp_path / f"node{i}.log",
+            nnodes=2,
+            endpoint=endpoint,
+        )
+        for i in range(2)
+    ]
     for i, node in enumerate(nodes):
         finish(node, tmp_path / f"node{i}.log")
 

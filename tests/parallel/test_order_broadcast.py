@@ -51,9 +51,8 @@ def rank_main(window_uri: str, out: str) -> None:
 
 
 def test_rank_one_receives_the_order_and_rank_zeros_timeout(tmp_path):
-    from forkserver import launch_ranks
-
     import torch
+    from forkserver import launch_ranks
 
     from vt.shared.shards import encode_shard
     from vt.shared.window import Window

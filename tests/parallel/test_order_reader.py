@@ -28,23 +28,36 @@ def counted_run(tmp_path, run_config, kept_window, nproc: int, *overrides: str) 
     config = run_config(tmp_path, FAMILY, name)
     log = tmp_path / "run.log"
     counts = tmp_path / "counts"
-    finish(torchrun(config, nproc, f"window.uri=counted://{window}", *overrides, log=log, script=HERE / "counting_worker.py",
-                    env={"VT_STORAGE_COUNTS": str(counts)}), log)
+    finish(
+        torchrun(
+            config,
+            nproc,
+            f"window.uri=counted://{window}",
+            *overrides,
+            log=log,
+            script=HERE / "counting_worker.py",
+            env={"VT_STORAGE_COUNTS": str(counts)},
+        ),
+        log,
+    )
     per_rank = [json.loads((tmp_path / f"counts.{rank}").read_text()) for rank in range(nproc)]
     steps = max(json.loads(line)["step"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines())
     for rank, c in enumerate(per_rank):  # the numbers docs/scale.md quotes
-        print(f"{nproc} ranks, rank {rank}: {steps} steps, lists {c.get('lists', 0)}, reads {c.get('reads', 0)} "
-              f"({c.get('bytes_read', 0)} bytes), of them order reads "
-              f"{sum(c.get(f'reads:{f}', 0) for f in ORDER_FOLDERS)}, data reads {c.get('reads:data', 0)}, "
-              f"exists {c.get('exists', 0)}, writes {c.get('writes', 0)}")
+        print(
+            f"{nproc} ranks, rank {rank}: {steps} steps, lists {c.get('lists', 0)}, reads {c.get('reads', 0)} "
+            f"({c.get('bytes_read', 0)} bytes), of them order reads "
+            f"{sum(c.get(f'reads:{f}', 0) for f in ORDER_FOLDERS)}, data reads {c.get('reads:data', 0)}, "
+            f"exists {c.get('exists', 0)}, writes {c.get('writes', 0)}"
+        )
     return per_rank
 
 
 def check_one_reader(per_rank: list[dict]) -> None:
     """Rank 0 resolves the order (lists, reads records); every other rank lists nothing and reads only data."""
     first, others = per_rank[0], per_rank[1:]
-    assert first.get("lists", 0) > 0 and sum(first.get(f"reads:{f}", 0) for f in ORDER_FOLDERS) > 0, \
+    assert first.get("lists", 0) > 0 and sum(first.get(f"reads:{f}", 0) for f in ORDER_FOLDERS) > 0, (
         f"rank 0 did not resolve the order: {first}"
+    )
     for rank, counts in enumerate(others, start=1):
         assert counts.get("lists", 0) == 0, f"rank {rank} listed the window: {counts}"
         order_reads = {f: counts[f"reads:{f}"] for f in ORDER_FOLDERS if counts.get(f"reads:{f}")}
@@ -52,10 +65,13 @@ def check_one_reader(per_rank: list[dict]) -> None:
         assert counts.get("reads:data", 0) > 0, (rank, counts)  # its rows of the shards
 
 
-@pytest.mark.parametrize("nproc, overrides", [
-    pytest.param(2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], id="ddp-2"),
-    pytest.param(8, ["parallel.dp_replicate=8", "parallel.dp_shard=1"], id="ddp-8"),
-])
+@pytest.mark.parametrize(
+    "nproc, overrides",
+    [
+        pytest.param(2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], id="ddp-2"),
+        pytest.param(8, ["parallel.dp_replicate=8", "parallel.dp_shard=1"], id="ddp-8"),
+    ],
+)
 @pytest.mark.xdist_group(f"parity-{FAMILY}")
 def test_only_rank_zero_reads_the_order(tmp_path, run_config, kept_window, reference, nproc, overrides):
     per_rank = counted_run(tmp_path, run_config, kept_window, nproc, *overrides)

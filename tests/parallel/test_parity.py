@@ -31,10 +31,15 @@ LAYOUTS = {
     "cp-2": (2, ["parallel.dp_shard=1", "parallel.cp=2"]),
     "fsdp-cp-tp-2x2x2": (8, ["parallel.dp_shard=2", "parallel.cp=2", "parallel.tp=2"]),
 }
-EXPECTED_LOG = {"ddp-2": "(DDP)", "fsdp-2": "(FSDP2)", "auto-2": "dp_shard 1 x cp 1 x tp 1 (DDP)",
-                "hsdp-2x2": "(HSDP), activation checkpointing",
-                "tp-2": "cp 1 x tp 2 (no data parallelism)", "cp-2": "dp_shard 1 x cp 2 x tp 1",
-                "fsdp-cp-tp-2x2x2": "dp_shard 2 x cp 2 x tp 2 (FSDP2)"}
+EXPECTED_LOG = {
+    "ddp-2": "(DDP)",
+    "fsdp-2": "(FSDP2)",
+    "auto-2": "dp_shard 1 x cp 1 x tp 1 (DDP)",
+    "hsdp-2x2": "(HSDP), activation checkpointing",
+    "tp-2": "cp 1 x tp 2 (no data parallelism)",
+    "cp-2": "dp_shard 1 x cp 2 x tp 1",
+    "fsdp-cp-tp-2x2x2": "dp_shard 2 x cp 2 x tp 2 (FSDP2)",
+}
 
 # What dp_shard = "auto" picks for a tiny model on a CPU host: replication.
 AUTO_PICKS = {"auto-2": {"dp_replicate": "2", "dp_shard": "1"}}
@@ -124,8 +129,11 @@ FAMILY_LAYOUTS = {
 # the LoRA factors (text block query LoRA B 1.1e-3 apart; losses and gradient norms within 1e-4).
 WEIGHTS_REL = {"skyreels-v2-df": 2e-4, "cp-2-kandinsky5-i2v": 2e-3}
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
-CASES = [pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))
-         for family, layouts in FAMILY_LAYOUTS.items() for layout in layouts]
+CASES = [
+    pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))
+    for family, layouts in FAMILY_LAYOUTS.items()
+    for layout in layouts
+]
 
 
 @pytest.mark.parametrize("family, layout", CASES)
@@ -157,10 +165,15 @@ def test_layout_matches_one_process(tmp_path, run_config, reference, raw_shards,
 
 
 # Accumulation 2 x batch 2 against the reference's batch 4, on a different layout per family.
-ACCUMULATION = {"ltx-video": (2, ["parallel.dp_shard=-1"]), "wan": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"])}
+ACCUMULATION = {
+    "ltx-video": (2, ["parallel.dp_shard=-1"]),
+    "wan": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+}
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.xdist_group(f"parity-{f}")) for f in ACCUMULATION])
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.xdist_group(f"parity-{f}")) for f in ACCUMULATION]
+)
 def test_gradient_accumulation_matches_a_batch_twice_as_large(tmp_path, run_config, reference, family):
     nproc, overrides = ACCUMULATION[family]
     config = run_config(tmp_path, family, "accumulate", batch_size=2, grad_accum=2)
@@ -194,9 +207,15 @@ def test_both_experts_train_in_the_all_experts_runs(reference):
 
     config = load_config(reference("wan2.2-all") / "config.toml")
     spec, train = spec_for(config), config.train
-    owners = [[spec.expert_of(float(sample_sigmas(1, train.sigma_sampling, train.shift,
-                                                  sample_generator(train.seed, step, index))))
-               for index in range(size)] for step, size in enumerate([4, 4, 4, 1])]
+    owners = [
+        [
+            spec.expert_of(
+                float(sample_sigmas(1, train.sigma_sampling, train.shift, sample_generator(train.seed, step, index)))
+            )
+            for index in range(size)
+        ]
+        for step, size in enumerate([4, 4, 4, 1])
+    ]
     assert {"high_noise", "low_noise"} <= {owner for step in owners for owner in step}
     rank_slices = [step[slice(*slice_bounds(len(step), rank, 2))] for step in owners for rank in range(2)]
     # A rank with two real samples of one expert runs the other on a stand-in (the 1-sample last

@@ -20,17 +20,29 @@ LAYOUTS = {
     "pp-fsdp-2x2": (4, ["parallel.pp=2", "parallel.dp_shard=2"]),
     "pp-tp-2x2": (4, ["parallel.pp=2", "parallel.dp_shard=1", "parallel.tp=2"]),
 }
-EXPECTED_LOG = {"pp-2": "world 2 = pp 2 x dp_replicate 1 x dp_shard 1",
-                "pp-fsdp-2x2": "world 4 = pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 (FSDP2)",
-                "pp-tp-2x2": "world 4 = pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2"}
+EXPECTED_LOG = {
+    "pp-2": "world 2 = pp 2 x dp_replicate 1 x dp_shard 1",
+    "pp-fsdp-2x2": "world 4 = pp 2 x dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 (FSDP2)",
+    "pp-tp-2x2": "world 4 = pp 2 x dp_replicate 1 x dp_shard 1 x cp 1 x tp 2",
+}
 # Each family runs each layout once, the schedules alternating between them.
-CASES = [("wan", "pp-2", "gpipe"), ("wan", "pp-fsdp-2x2", "1f1b"), ("wan", "pp-tp-2x2", "gpipe"),
-         ("ltx-video", "pp-2", "1f1b"), ("ltx-video", "pp-fsdp-2x2", "gpipe"), ("ltx-video", "pp-tp-2x2", "1f1b")]
+CASES = [
+    ("wan", "pp-2", "gpipe"),
+    ("wan", "pp-fsdp-2x2", "1f1b"),
+    ("wan", "pp-tp-2x2", "gpipe"),
+    ("ltx-video", "pp-2", "1f1b"),
+    ("ltx-video", "pp-fsdp-2x2", "gpipe"),
+    ("ltx-video", "pp-tp-2x2", "1f1b"),
+]
 
 
-@pytest.mark.parametrize("family, layout, schedule", [
-    pytest.param(f, layout, s, id=f"{layout}-{s}-{f}", marks=pytest.mark.xdist_group(f"parity-{f}"))
-    for f, layout, s in CASES])
+@pytest.mark.parametrize(
+    "family, layout, schedule",
+    [
+        pytest.param(f, layout, s, id=f"{layout}-{s}-{f}", marks=pytest.mark.xdist_group(f"parity-{f}"))
+        for f, layout, s in CASES
+    ],
+)
 def test_pipeline_matches_one_process(tmp_path, run_config, reference, raw_shards, family, layout, schedule):
     nproc, overrides = LAYOUTS[layout]
     config = run_config(tmp_path, family, layout)
@@ -48,8 +60,14 @@ def test_pipeline_matches_one_process(tmp_path, run_config, reference, raw_shard
 def test_pipeline_checkpoint_resumes_in_one_process(tmp_path, run_config, reference):
     """A PP (2) run killed after its step-2 checkpoint continues at pp = 1 exactly as the uninterrupted run."""
     config = run_config(tmp_path, "wan", "run")
-    killed = torchrun(config, 2, "parallel.dp_shard=1", "parallel.pp=2", log=tmp_path / "killed.log",
-                      env={"VT_FAULT_AT": "train.after_checkpoint@1"})
+    killed = torchrun(
+        config,
+        2,
+        "parallel.dp_shard=1",
+        "parallel.pp=2",
+        log=tmp_path / "killed.log",
+        env={"VT_FAULT_AT": "train.after_checkpoint@1"},
+    )
     assert killed.wait(timeout=300) != 0
     run_dir = tmp_path / "run"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002"]
@@ -58,7 +76,6 @@ def test_pipeline_checkpoint_resumes_in_one_process(tmp_path, run_config, refere
     finish(single(config, log=tmp_path / "resumed.log"), tmp_path / "resumed.log")
     assert "resumed from" in (tmp_path / "resumed.log").read_text()
     assert_same_training(run_dir, reference("wan"))  # steps 1-2 from two stages, 3-4 from one process
-
 
 
 def test_pipeline_refuses_sound_and_several_experts():

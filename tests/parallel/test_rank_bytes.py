@@ -38,9 +38,19 @@ def test_each_rank_reads_its_share_of_the_bytes(tmp_path, run_config, even_windo
     assert [len(b) for b in run.batches] == [BATCH, BATCH] and BATCH % dp == 0
     config = run_config(tmp_path, FAMILY, "even", batch_size=BATCH)
     log, counts = tmp_path / "run.log", tmp_path / "counts"
-    finish(torchrun(config, dp, f"window.uri=counted://{window}", f"parallel.dp_replicate={dp}",
-                    "parallel.dp_shard=1", log=log, script=COUNTING_WORKER, env={"VT_STORAGE_COUNTS": str(counts)}),
-           log)
+    finish(
+        torchrun(
+            config,
+            dp,
+            f"window.uri=counted://{window}",
+            f"parallel.dp_replicate={dp}",
+            "parallel.dp_shard=1",
+            log=log,
+            script=COUNTING_WORKER,
+            env={"VT_STORAGE_COUNTS": str(counts)},
+        ),
+        log,
+    )
     steps = len((tmp_path / "even" / "metrics.jsonl").read_text().splitlines())
     assert steps == len(run.batches)
     share = run.global_bytes / dp
@@ -51,11 +61,13 @@ def test_each_rank_reads_its_share_of_the_bytes(tmp_path, run_config, even_windo
     for rank, counted in enumerate(read_counts(counts, dp)):
         expected = run.rank_reads(rank, dp)
         row = rank_row(counted, expected)
-        print(f"{dp} ranks, rank {rank}: {steps} steps, data {row['data_bytes']} B in {row['data_requests']} "
-              f"requests over {row['shards']} shards (headers {row['header_bytes']} B in {row['header_requests']}, "
-              f"caption tables {row['table_bytes']} B), rows and captions {row['rows_bytes']} B; 1/D of the run's "
-              f"{run.global_bytes} B = {share:.0f} B (+{tolerance} B for its captions' lengths); lists {row['lists']}, "
-              f"all reads {counted.get('reads', 0)} ({counted.get('bytes_read', 0)} B)")
+        print(
+            f"{dp} ranks, rank {rank}: {steps} steps, data {row['data_bytes']} B in {row['data_requests']} "
+            f"requests over {row['shards']} shards (headers {row['header_bytes']} B in {row['header_requests']}, "
+            f"caption tables {row['table_bytes']} B), rows and captions {row['rows_bytes']} B; 1/D of the run's "
+            f"{run.global_bytes} B = {share:.0f} B (+{tolerance} B for its captions' lengths); lists {row['lists']}, "
+            f"all reads {counted.get('reads', 0)} ({counted.get('bytes_read', 0)} B)"
+        )
         assert row["data_bytes"] == expected["data"], (rank, row, expected)  # its rows, nothing else
         assert row["header_bytes"] == expected["headers"] and row["header_requests"] == expected["shards"]
         assert row["rows_bytes"] <= share + tolerance, (rank, row, share, tolerance)

@@ -5,17 +5,22 @@ layout (dp_shard = "auto") resumes with the choice its first start kept in the r
 
 from __future__ import annotations
 
-
 from dist_runs import assert_same_training, finish, losses, torchrun
 
 
-def kill_then_resume(tmp_path, run_config, family: str, ranks: tuple[int, int] = (4, 2),
-                     overrides: tuple[str, ...] = ("parallel.dp_shard=-1",)):
+def kill_then_resume(
+    tmp_path,
+    run_config,
+    family: str,
+    ranks: tuple[int, int] = (4, 2),
+    overrides: tuple[str, ...] = ("parallel.dp_shard=-1",),
+):
     """Kill a run of ranks[0] processes after its step-2 checkpoint, resume it with ranks[1]; FSDP2 unless
     `overrides` say otherwise."""
     config = run_config(tmp_path, family, "run")
-    killed = torchrun(config, ranks[0], *overrides, log=tmp_path / "killed.log",
-                      env={"VT_FAULT_AT": "train.after_checkpoint@1"})  # every rank dies after the step-2 save
+    killed = torchrun(
+        config, ranks[0], *overrides, log=tmp_path / "killed.log", env={"VT_FAULT_AT": "train.after_checkpoint@1"}
+    )  # every rank dies after the step-2 save
     assert killed.wait(timeout=300) != 0
     run_dir = tmp_path / "run"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002"]
@@ -49,8 +54,9 @@ def test_full_fine_tune_resumes_at_another_world_size(tmp_path, run_config, refe
     assert_same_training(run_dir, reference("ltx-video"))  # steps 1-2 from 4 ranks, 3-4 from 2
 
 
-def test_lora_resumes_at_another_world_size_from_an_adapter_only_checkpoint(tmp_path, run_config, reference,
-                                                                            kept_window):
+def test_lora_resumes_at_another_world_size_from_an_adapter_only_checkpoint(
+    tmp_path, run_config, reference, kept_window
+):
     from safetensors.torch import load_file
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -61,8 +67,9 @@ def test_lora_resumes_at_another_world_size_from_an_adapter_only_checkpoint(tmp_
     checkpoint = run_dir / "checkpoints" / "step-000004"
     metadata = FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
     model_keys = [k for k in metadata if k.startswith("model.")]
-    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), \
-        [k for k in model_keys if "lora_" not in k][:3]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys), [
+        k for k in model_keys if "lora_" not in k
+    ][:3]
 
     def nbytes(meta) -> int:
         return meta.size.numel() * meta.properties.dtype.itemsize
@@ -73,7 +80,9 @@ def test_lora_resumes_at_another_world_size_from_an_adapter_only_checkpoint(tmp_
     assert tensors == 3 * adapters + steps * 4  # weights, Adam's two moments, a float32 step each
 
     _, model = kept_window("wan")
-    base = sum(v.numel() * v.element_size() for v in load_file(next((model / "transformer").glob("*.safetensors"))).values())
+    base = sum(
+        v.numel() * v.element_size() for v in load_file(next((model / "transformer").glob("*.safetensors"))).values()
+    )
     on_disk = sum(f.stat().st_size for f in checkpoint.iterdir())
     # With the frozen base inside, the files would hold at least its bytes on top of the adapters' state.
     assert on_disk < tensors + base, f"{on_disk} bytes on disk: the frozen base ({base} bytes) seems to be in it"

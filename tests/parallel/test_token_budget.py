@@ -30,12 +30,26 @@ def two_buckets(tmp_path_factory, tiny_model_factory, raw_shards):
     model = tiny_model_factory("wan")
 
     def config(folder: Path, name: str, **train) -> Path:
-        return write_config(folder / f"{name}.toml", model, raw_shards, folder / name, str(root / "window"),
-                            model={"family": "wan", "max_text_tokens": 64}, buckets={"sizes": list(SIZES)},
-                            window={"size": "keep"}, precompute={"workers": 0},
-                            train={"tokens_per_batch": BUDGET, "lr": 1e-3, "epochs": 2, "checkpoint_every": 2,
-                                   "max_grad_norm": 0.05, **train},
-                            log={"progress": False, "samples": True})
+        return write_config(
+            folder / f"{name}.toml",
+            model,
+            raw_shards,
+            folder / name,
+            str(root / "window"),
+            model={"family": "wan", "max_text_tokens": 64},
+            buckets={"sizes": list(SIZES)},
+            window={"size": "keep"},
+            precompute={"workers": 0},
+            train={
+                "tokens_per_batch": BUDGET,
+                "lr": 1e-3,
+                "epochs": 2,
+                "checkpoint_every": 2,
+                "max_grad_norm": 0.05,
+                **train,
+            },
+            log={"progress": False, "samples": True},
+        )
 
     run_stage1(load_config(config(root, "pre")))
     return config
@@ -65,8 +79,10 @@ def test_a_token_budget_fills_each_bucket_and_every_layout_and_a_resume_train_al
     full = {bucket for bucket, samples in trained if samples == SIZES[bucket]}
     assert full == set(SIZES), trained  # both buckets filled to their budget at least once
     assert all(samples <= SIZES[bucket] for bucket, samples in trained), trained
-    for name, overrides in (("ddp-2", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
-                            ("fsdp-2", ["parallel.dp_shard=2"])):
+    for name, overrides in (
+        ("ddp-2", ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+        ("fsdp-2", ["parallel.dp_shard=2"]),
+    ):
         log = tmp_path / f"{name}.log"
         finish(torchrun(two_buckets(tmp_path, name), 2, *overrides, log=log), log)
         got = steps(tmp_path / name)

@@ -34,33 +34,75 @@ FFN = {"ltx-video": "ff", "wan": "ffn"}
 # Families with joint video + text attention, fed random stage-1 tensors of their `condition_shapes` at a
 # bucket whose token count divides by 4: (task, bucket, LoRA targets: both streams' attention and FFNs).
 JOINT = {
-    "hunyuan-video": ("t2v", (5, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
-                                           "add_v_proj", "to_add_out", "ff.net.0.proj", "ff_context.net.2")),
+    "hunyuan-video": (
+        "t2v",
+        (5, 32, 32),
+        (
+            "to_q",
+            "to_k",
+            "to_v",
+            "to_out.0",
+            "add_q_proj",
+            "add_k_proj",
+            "add_v_proj",
+            "to_add_out",
+            "ff.net.0.proj",
+            "ff_context.net.2",
+        ),
+    ),
     # i2v: the first frame's SigLIP tokens join the text streams in the joint attention.
-    "hunyuan-video-1.5": ("i2v", (5, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out",
-                                               "ff.net.0.proj", "ff_context.net.2")),
+    "hunyuan-video-1.5": (
+        "i2v",
+        (5, 32, 32),
+        ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.0.proj", "ff_context.net.2"),
+    ),
     # Not joint (visual self-attention, cross-attention to the text blocks' output), but fed the same way.
     "mochi": ("t2v", (7, 32, 32), ("to_q", "to_k", "to_v", "to_out.0", "add_k_proj", "add_v_proj", "ff.net.0.proj")),
     # Video only (the audio stream isolated); i2v: per-token timesteps split with the tokens, split rotary tables.
     "ltx-2": ("i2v", (9, 64, 64), ("attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0", "ff.net.0.proj")),
     # With audio (whole on every rank): the cross-stream attentions in both directions and the audio stream train.
-    "ltx-2-audio": ("t2v", (9, 64, 64), ("attn1.to_q", "attn1.to_out.0", "video_to_audio_attn.to_q",
-                                         "video_to_audio_attn.to_k", "video_to_audio_attn.to_v",
-                                         "video_to_audio_attn.to_out.0", "audio_to_video_attn.to_q",
-                                         "audio_to_video_attn.to_k", "audio_attn1.to_q", "audio_ff.net.0.proj")),
+    "ltx-2-audio": (
+        "t2v",
+        (9, 64, 64),
+        (
+            "attn1.to_q",
+            "attn1.to_out.0",
+            "video_to_audio_attn.to_q",
+            "video_to_audio_attn.to_k",
+            "video_to_audio_attn.to_v",
+            "video_to_audio_attn.to_out.0",
+            "audio_to_video_attn.to_q",
+            "audio_to_video_attn.to_k",
+            "audio_attn1.to_q",
+            "audio_ff.net.0.proj",
+        ),
+    ),
     # One packed [text | audio | video] sequence per sample, its length following the caption: the two samples'
     # lengths differ by 3 rows, so one of them splits unevenly.
-    "minimax-h3-audio": ("t2v", (5, 64, 64), ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-                                              "ff.net.0.proj")),
-    "ltx-2.3-audio": ("t2v", (9, 64, 64), ("attn1.to_q", "attn1.to_gate_logits", "video_to_audio_attn.to_q",
-                                           "video_to_audio_attn.to_gate_logits", "audio_to_video_attn.to_q")),
-    "kandinsky5": ("i2v", (5, 32, 32), ("to_query", "to_key", "to_value", "attention.out_layer",
-                                        "feed_forward.in_layer", "feed_forward.out_layer")),
+    "minimax-h3-audio": ("t2v", (5, 64, 64), ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj")),
+    "ltx-2.3-audio": (
+        "t2v",
+        (9, 64, 64),
+        (
+            "attn1.to_q",
+            "attn1.to_gate_logits",
+            "video_to_audio_attn.to_q",
+            "video_to_audio_attn.to_gate_logits",
+            "audio_to_video_attn.to_q",
+        ),
+    ),
+    "kandinsky5": (
+        "i2v",
+        (5, 32, 32),
+        ("to_query", "to_key", "to_value", "attention.out_layer", "feed_forward.in_layer", "feed_forward.out_layer"),
+    ),
 }
 TEXT_TOKENS = 8
-VARIANTS = {"ltx-2-audio": ("ltx-2", {"audio": True}),  # key -> (family, model settings)
-            "ltx-2.3-audio": ("ltx-2", {"audio": True}),  # LTX-2.3's preset: gated attention (per-head gate logits)
-            "minimax-h3-audio": ("minimax-h3", {"audio": True})}
+VARIANTS = {
+    "ltx-2-audio": ("ltx-2", {"audio": True}),  # key -> (family, model settings)
+    "ltx-2.3-audio": ("ltx-2", {"audio": True}),  # LTX-2.3's preset: gated attention (per-head gate logits)
+    "minimax-h3-audio": ("minimax-h3", {"audio": True}),
+}
 FPS = {"minimax-h3-audio": 24.0}  # its audio and video rows share one rotary clock at 24 fps
 
 
@@ -70,8 +112,10 @@ def _spec(family: str, model_dir):
 
     extra = {"max_text_tokens": TEXT_TOKENS} if family in JOINT else {}
     name, settings = VARIANTS.get(family, (family, {}))
-    return build_spec(ModelConfig(family=name, path=str(model_dir), task=_task(family), **extra, **settings),
-                      frame_rate=FPS.get(family, 8.0))
+    return build_spec(
+        ModelConfig(family=name, path=str(model_dir), task=_task(family), **extra, **settings),
+        frame_rate=FPS.get(family, 8.0),
+    )
 
 
 def _task(family: str) -> str:
@@ -114,8 +158,11 @@ def _joint_batch(spec, bucket: tuple[int, int, int], g: torch.Generator) -> tupl
 def _lora_model(spec, family: str):
     """The tiny transformer with LoRA on attention and FFN, its factors drawn from a fixed seed."""
     model = spec.load_transformer()
-    targets = list(JOINT[family][2]) if family in JOINT else \
-        ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
+    targets = (
+        list(JOINT[family][2])
+        if family in JOINT
+        else ["to_q", "to_k", "to_v", "to_out.0", f"{FFN[family]}.net.0.proj", f"{FFN[family]}.net.2"]
+    )
     spec.add_lora(model, rank=4, alpha=4.0, targets=targets)
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -212,7 +259,7 @@ def _misuse(family: str, model_dir: str) -> dict:
     batch, sigmas, _ = _batch(family)
     # 3 tokens: one latent frame of 1 x 3 (LTX, patch 1) or 2 x 6 (Wan, patch 2 x 2) latent pixels.
     size = (1, 1, 3) if family == "ltx-video" else (1, 2, 6)
-    odd_batch = {k: v[:, :, :size[0], :size[1], :size[2]] if v.ndim == 5 else v for k, v in batch.items()}
+    odd_batch = {k: v[:, :, : size[0], : size[1], : size[2]] if v.ndim == 5 else v for k, v in batch.items()}
     noise = torch.zeros_like(odd_batch["latents"])
     errors = {}
     try:
@@ -253,8 +300,12 @@ def reference(tiny_model_factory, tmp_path_factory):
         if family not in cache:
             task = "t2v" if family == "ltx-video" else _task(family)
             from vt.shared.models.presets.ltx2 import parts_23
-            model_dir = LTX2Spec.make_tiny(tmp_path_factory.mktemp("ltx23"), parts=parts_23) if family == "ltx-2.3-audio" else \
-                tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
+
+            model_dir = (
+                LTX2Spec.make_tiny(tmp_path_factory.mktemp("ltx23"), parts=parts_23)
+                if family == "ltx-2.3-audio"
+                else tiny_model_factory(VARIANTS.get(family, (family,))[0], task=task)
+            )
             spec = _spec(family, model_dir)
             cache[family] = (model_dir, _train(spec, _lora_model(spec, family), *_batch(family, spec)))
         return cache[family]
@@ -268,14 +319,16 @@ def _spawn(world: int, runs: list[tuple[str, str, str]], tmp_path) -> None:
     from forkserver import launch_ranks
 
     log = tmp_path / "world.log"
-    group = launch_ranks(__file__, world, str(world), str(tmp_path / "store"), ",".join(map("|".join, runs)),
-                         str(tmp_path), log=log)
+    group = launch_ranks(
+        __file__, world, str(world), str(tmp_path / "store"), ",".join(map("|".join, runs)), str(tmp_path), log=log
+    )
     try:
         code = group.wait(timeout=WORLD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         group.kill()
-        raise AssertionError(f"world of {world} processes did not finish in {WORLD_TIMEOUT_S}s:\n"
-                             f"{log.read_text()[-4000:]}") from None
+        raise AssertionError(
+            f"world of {world} processes did not finish in {WORLD_TIMEOUT_S}s:\n{log.read_text()[-4000:]}"
+        ) from None
     assert code == 0, f"a rank of the world of {world} failed:\n{log.read_text()[-6000:]}"
 
 
@@ -303,12 +356,16 @@ WORLD4 = ["cp2_tp2", "fsdp2_tp2", "fsdp2_cp2"]
 # Wan's world-4 combinations train with LoRA in the trainer-level parity runs (test_parity.py) already;
 # LTX's run there as full fine-tunes of t2v, so its LoRA + i2v combinations are checked here. The JOINT families
 # (CP plans only; their tiny presets' 2 heads leave no room for cp x tp) share one world per size.
-CASES = {"ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
-         "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
-         "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
-         "cp-world2": (2, [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2"), ("mochi", "tp2"),
-                                                                      ("mochi", "tp_full")]),
-         "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT if family != "ltx-2.3-audio"])}
+CASES = {
+    "ltx-video-world2": (2, [("ltx-video", layout) for layout in WORLD2]),
+    "ltx-video-world4": (4, [("ltx-video", layout) for layout in WORLD4]),
+    "wan-world2": (2, [("wan", layout) for layout in WORLD2]),
+    "cp-world2": (
+        2,
+        [(family, "cp2") for family in JOINT] + [("kandinsky5", "tp2"), ("mochi", "tp2"), ("mochi", "tp_full")],
+    ),
+    "cp-world4": (4, [(family, "fsdp2_cp2") for family in JOINT if family != "ltx-2.3-audio"]),
+}
 
 
 @pytest.mark.parametrize("world, runs", list(CASES.values()), ids=list(CASES))

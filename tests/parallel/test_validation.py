@@ -20,7 +20,7 @@ def first_frames(clips_dir: Path, out: Path) -> list[str]:
     import av
 
     paths = []
-    for index, clip in enumerate(sorted(clips_dir.glob("*.mp4"))[:len(PROMPTS)]):
+    for index, clip in enumerate(sorted(clips_dir.glob("*.mp4"))[: len(PROMPTS)]):
         with av.open(str(clip)) as container:
             image = next(container.decode(video=0)).to_image().resize((64, 64))
         paths.append(str(out / f"image{index}.png"))
@@ -28,15 +28,22 @@ def first_frames(clips_dir: Path, out: Path) -> list[str]:
     return paths
 
 
-def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encoders(tmp_path, run_config,
-                                                                                    clips_dir):
+def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encoders(tmp_path, run_config, clips_dir):
     """Wan 2.1 i2v: a text encoder, an image encoder and a negative prompt (classifier-free guidance),
     three prompts over two ranks (rank 1 renders a stand-in in the second round)."""
     from vt.shared.video_io import read_video
 
     images = first_frames(clips_dir, tmp_path)
-    config = run_config(tmp_path, "wan-i2v", "validate", validation_prompts=PROMPTS, validation_images=images,
-                        validation_steps=2, max_steps=1, checkpoint_every=0)
+    config = run_config(
+        tmp_path,
+        "wan-i2v",
+        "validate",
+        validation_prompts=PROMPTS,
+        validation_images=images,
+        validation_steps=2,
+        max_steps=1,
+        checkpoint_every=0,
+    )
 
     # The window was made without these prompts: the trainer stops before its first step and says how to add them.
     log = tmp_path / "missing.log"
@@ -44,21 +51,36 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
     assert "vt-precompute prompts" in log.read_text() and PROMPTS[0] in log.read_text()
 
     # The command that adds them (it loads the text and image encoders only).
-    added = subprocess.run([str(BIN / "vt-precompute"), "prompts", str(config)], env=child_env(),
-                           capture_output=True, text=True, timeout=300)
+    added = subprocess.run(
+        [str(BIN / "vt-precompute"), "prompts", str(config)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert added.returncode == 0, added.stderr[-3000:]
     assert "7 inputs encoded" in added.stdout  # 3 prompts, the negative prompt "", 3 images
 
     built = tmp_path / "built"
     log = tmp_path / "fsdp.log"
-    finish(torchrun(config, 2, "run.dir=" + str(tmp_path / "fsdp"), "parallel.dp_shard=-1", log=log, script=HERE / "record_models.py",
-                    env={"VT_BUILT_MODELS": str(built)}), log)
+    finish(
+        torchrun(
+            config,
+            2,
+            "run.dir=" + str(tmp_path / "fsdp"),
+            "parallel.dp_shard=-1",
+            log=log,
+            script=HERE / "record_models.py",
+            env={"VT_BUILT_MODELS": str(built)},
+        ),
+        log,
+    )
     for rank in (0, 1):
-        assert json.loads(Path(f"{built}.{rank}").read_text()) == ["WanTransformer3DModel", "AutoencoderKLWan"], \
+        assert json.loads(Path(f"{built}.{rank}").read_text()) == ["WanTransformer3DModel", "AutoencoderKLWan"], (
             f"rank {rank} built other models than the transformer and the VAE"
+        )
     log = tmp_path / "pp.log"
-    finish(torchrun(config, 2, "run.dir=" + str(tmp_path / "pp"), "parallel.pp=2", "parallel.dp_shard=1", log=log),
-           log)
+    finish(torchrun(config, 2, "run.dir=" + str(tmp_path / "pp"), "parallel.pp=2", "parallel.dp_shard=1", log=log), log)
     log = tmp_path / "single.log"
     finish(single(config, log=log), log)
     for index in range(len(PROMPTS)):
@@ -71,5 +93,6 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
             print(f"{layout} prompt {index}: mean |difference| {difference:.4f} of 255")
             assert difference < 0.5, f"prompt {index}: {layout} validation differs from one process"
     for layout in ("fsdp", "pp"):  # one writer per data-parallel group: each prompt's video once
-        assert sorted(p.name for p in (tmp_path / layout / "validation" / "step-000001").iterdir()) == \
-            [f"{index:02d}.mp4" for index in range(len(PROMPTS))]
+        assert sorted(p.name for p in (tmp_path / layout / "validation" / "step-000001").iterdir()) == [
+            f"{index:02d}.mp4" for index in range(len(PROMPTS))
+        ]

@@ -15,11 +15,25 @@ def wan():
     """Wan 2.1 called as the fp8 test calls it: return_dict=True, so the root returns a BaseOutput."""
     from diffusers import WanTransformer3DModel
 
-    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-                                  out_channels=16, text_dim=32, freq_dim=256, ffn_dim=64, num_layers=2,
-                                  cross_attn_norm=True, rope_max_seq_len=1024)
-    inputs = dict(hidden_states=torch.randn(2, 16, 2, 8, 8), timestep=torch.tensor([500.0, 20.0]),
-                  encoder_hidden_states=torch.randn(2, 8, 32), return_dict=True)
+    model = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=64,
+        num_layers=2,
+        cross_attn_norm=True,
+        rope_max_seq_len=1024,
+    )
+    inputs = dict(
+        hidden_states=torch.randn(2, 16, 2, 8, 8),
+        timestep=torch.tensor([500.0, 20.0]),
+        encoder_hidden_states=torch.randn(2, 8, 32),
+        return_dict=True,
+    )
     return "wan", model, inputs, lambda out: out.sample
 
 
@@ -27,11 +41,26 @@ def cogvideox():
     """CogVideoX as its spec calls it (return_dict=False: a tuple); its blocks return (video, text) pairs."""
     from diffusers import CogVideoXTransformer3DModel
 
-    model = CogVideoXTransformer3DModel(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
-                                        time_embed_dim=32, text_embed_dim=32, num_layers=2, sample_width=8,
-                                        sample_height=8, sample_frames=5, patch_size=2, max_text_seq_length=8)
-    inputs = dict(hidden_states=torch.randn(2, 2, 4, 8, 8), encoder_hidden_states=torch.randn(2, 8, 32),
-                  timestep=torch.tensor([500, 20]), return_dict=False)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=4,
+        time_embed_dim=32,
+        text_embed_dim=32,
+        num_layers=2,
+        sample_width=8,
+        sample_height=8,
+        sample_frames=5,
+        patch_size=2,
+        max_text_seq_length=8,
+    )
+    inputs = dict(
+        hidden_states=torch.randn(2, 2, 4, 8, 8),
+        encoder_hidden_states=torch.randn(2, 8, 32),
+        timestep=torch.tensor([500, 20]),
+        return_dict=False,
+    )
     return "cogvideox", model, inputs, lambda out: out[0]
 
 
@@ -55,8 +84,11 @@ def main() -> None:
                 warnings.filterwarnings("error", message="FSDP2-wrapped module")  # raises: the rank exits 1
                 sample(model(**inputs)).float().pow(2).mean().backward()
             grads = sum(1 for p in model.parameters() if p.grad is not None)
-            print(f"rank {dist.get_rank()} {family}: ok, {grads} of {len(list(model.parameters()))} parameters "
-                  "with gradients", flush=True)
+            print(
+                f"rank {dist.get_rank()} {family}: ok, {grads} of {len(list(model.parameters()))} parameters "
+                "with gradients",
+                flush=True,
+            )
     finally:
         dist.destroy_process_group()
 

@@ -23,8 +23,14 @@ def raw_tars(raw_shards) -> list[Path]:
     return sorted(raw_shards.glob("*.tar"))
 
 
-def encode_clip(frames: np.ndarray, fps: float = 8.0, pts_seconds: list[float] | None = None,
-                rotation: int = 0, gop: int | None = None, container_format: str = "mp4") -> bytes:
+def encode_clip(
+    frames: np.ndarray,
+    fps: float = 8.0,
+    pts_seconds: list[float] | None = None,
+    rotation: int = 0,
+    gop: int | None = None,
+    container_format: str = "mp4",
+) -> bytes:
     """(F, H, W, 3) uint8 -> h264 bytes in mp4 (or "matroska"); `pts_seconds` gives each frame its
     own time (variable frame rate).
 
@@ -102,5 +108,11 @@ def good_clip() -> bytes:
 @pytest.fixture(scope="session")
 def media():
     """The builders above, for test modules (a second conftest module cannot be imported by name)."""
-    return SimpleNamespace(encode_clip=encode_clip, gray_frames=gray_frames, frame_index=frame_index,
-                           audio_only_mp4=audio_only_mp4, write_tar=write_tar, member_offset=member_offset)
+    return SimpleNamespace(
+        encode_clip=encode_clip,
+        gray_frames=gray_frames,
+        frame_index=frame_index,
+        audio_only_mp4=audio_only_mp4,
+        write_tar=write_tar,
+        member_offset=member_offset,
+    )

@@ -31,8 +31,15 @@ STEREO_16K = SoundRequest(16000, 2, "skip")
 SIZES = ["9x32x64", "9x32x32", "9x64x32"]
 
 
-def clip_with_sound(wave: np.ndarray, rate: int, seconds: float = 4.0, fps: int = 8, layout: str = "stereo",
-                    video_start: int = 0, container_format: str = "mp4") -> bytes:
+def clip_with_sound(
+    wave: np.ndarray,
+    rate: int,
+    seconds: float = 4.0,
+    fps: int = 8,
+    layout: str = "stereo",
+    video_start: int = 0,
+    container_format: str = "mp4",
+) -> bytes:
     """An mp4 (or `container_format`) of gray frames (`seconds` at `fps`, a keyframe a second) with `wave`
     (channels, samples) as its AAC track; `video_start`: the first frame's pts (in 1/fps), so the video starts
     after the sound."""
@@ -48,8 +55,9 @@ def clip_with_sound(wave: np.ndarray, rate: int, seconds: float = 4.0, fps: int 
             container.mux(video.encode(frame))
         container.mux(video.encode(None))
         if wave.shape[1]:  # else an audio stream without a frame
-            sound = av.AudioFrame.from_ndarray(np.ascontiguousarray(wave, dtype=np.float32), format="fltp",
-                                               layout=layout)
+            sound = av.AudioFrame.from_ndarray(
+                np.ascontiguousarray(wave, dtype=np.float32), format="fltp", layout=layout
+            )
             sound.sample_rate, sound.pts = rate, 0
             container.mux(audio.encode(sound))
             container.mux(audio.encode(None))
@@ -108,8 +116,9 @@ def test_missing_and_broken_sound_tracks_are_rejects(media):
     assert caught.value.reason == "missing_audio" and "data.missing_audio" in caught.value.detail
     assert torch.equal(decode_sound(silent, 0.0, 1.125, SoundRequest(16000, 2, "silence")), torch.zeros(2, 18000))
     with pytest.raises(SampleError, match="missing_audio: the clip has an audio stream without a decodable frame"):
-        decode_sound(clip_with_sound(np.zeros((2, 0), np.float32), 16000, container_format="matroska"), 0.0, 1.0,
-                     STEREO_16K)  # mp4 drops a track without packets; Matroska keeps it
+        decode_sound(
+            clip_with_sound(np.zeros((2, 0), np.float32), 16000, container_format="matroska"), 0.0, 1.0, STEREO_16K
+        )  # mp4 drops a track without packets; Matroska keeps it
     short = clip_with_sound(np.full((2, 8000), 0.4, np.float32), 16000, seconds=3.0)  # 0.5 s of sound
     padded = decode_sound(short, 0.0, 1.0, STEREO_16K)
     assert padded[:, 2000:7000].abs().min() > 0.2 and padded[:, 9000:].abs().max() < 0.01
@@ -133,7 +142,12 @@ def garbage_audio_clip() -> bytes:
         container.mux(video.encode(None))
         for index in range(16):
             packet = av.Packet(rng.integers(0, 256, 600, dtype=np.uint8).tobytes())
-            packet.stream, packet.pts, packet.dts, packet.time_base = audio, index * 1000, index * 1000, Fraction(1, 16000)
+            packet.stream, packet.pts, packet.dts, packet.time_base = (
+                audio,
+                index * 1000,
+                index * 1000,
+                Fraction(1, 16000),
+            )
             container.mux(packet)
     return out.getvalue()
 
@@ -144,7 +158,9 @@ def sound_raw(clips_dir, tmp_path_factory, media):
     """One raw tar of 6 real pieces (1.2 s, at most 128 px): 4 with a sound track (tones of different pitch,
     noise), 2 without; returns (folder, keys with sound, keys without)."""
     clips = sorted(clips_dir.glob("*.mp4"))
-    pieces = [(clip.stem, index, video) for clip in clips[:3] for index, video in enumerate(cut_clip(clip, 1.2, 128)[:2])]
+    pieces = [
+        (clip.stem, index, video) for clip in clips[:3] for index, video in enumerate(cut_clip(clip, 1.2, 128)[:2])
+    ]
     kinds = ["tone", "tone", "noise", "none", "tone", "none"]
     members, heard, silent = [], set(), set()
     for (stem, index, video), kind in zip(pieces, kinds):
@@ -158,11 +174,20 @@ def sound_raw(clips_dir, tmp_path_factory, media):
 
 def run_stage1(tiny_model_factory, raw, tmp_path, name, workers=0, audio=False, missing="skip"):
     """A stage-1 run of the tiny LTX-2 over `raw`: (config, report, {key: ({name: tensor}, bucket name)})."""
-    config = load_config(write_config(
-        tmp_path / f"{name}.toml", tiny_model_factory("ltx-2"), raw, tmp_path / name, str(tmp_path / f"{name}-window"),
-        model={"family": "ltx-2", "max_text_tokens": 16, "audio": audio}, data={"missing_audio": missing},
-        buckets={"sizes": SIZES}, window={"size": "keep"},
-        precompute={"workers": workers, "samples_per_shard": 4, "storage_dtype": "float32"}))
+    config = load_config(
+        write_config(
+            tmp_path / f"{name}.toml",
+            tiny_model_factory("ltx-2"),
+            raw,
+            tmp_path / name,
+            str(tmp_path / f"{name}-window"),
+            model={"family": "ltx-2", "max_text_tokens": 16, "audio": audio},
+            data={"missing_audio": missing},
+            buckets={"sizes": SIZES},
+            window={"size": "keep"},
+            precompute={"workers": workers, "samples_per_shard": 4, "storage_dtype": "float32"},
+        )
+    )
     report = Precompute(config).run()
     window = Window(str(tmp_path / f"{name}-window"))
     stored = {}
@@ -198,8 +223,9 @@ def test_shards_hold_the_audio_latents_and_silent_clips_are_skipped(sound_raw, t
     for raw in raws[:2]:
         (prepared,) = build_chain([]).prepare(raw, parse_buckets(SIZES), 8.0, sound=request)
         expected[raw.sample_id] = spec.sound.encode(encoders, prepared.sound[None])["audio_latents"][0]
-        torch.testing.assert_close(stored[raw.sample_id][0]["audio_latents"], expected[raw.sample_id],
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            stored[raw.sample_id][0]["audio_latents"], expected[raw.sample_id], atol=1e-4, rtol=1e-4
+        )
     first, second = expected.values()
     assert not torch.allclose(first, second, atol=1e-2)  # two pitches, two encodings
 
@@ -209,8 +235,7 @@ def test_silence_commits_every_clip_and_video_only_reads_no_sound(sound_raw, tin
     false: every clip is committed with no `audio_latents` (the shards of a video-only run), and the latents
     are the same as the audio run's."""
     folder, heard, silent = sound_raw
-    config, report, stored = run_stage1(tiny_model_factory, folder, tmp_path, "silence", audio=True,
-                                        missing="silence")
+    config, report, stored = run_stage1(tiny_model_factory, folder, tmp_path, "silence", audio=True, missing="silence")
     assert report.committed == 6 and not report.rejected and set(stored) == heard | silent
 
     from vt.shared.models import spec_for
@@ -221,8 +246,9 @@ def test_silence_commits_every_clip_and_video_only_reads_no_sound(sound_raw, tin
         torch.testing.assert_close(stored[key][0]["audio_latents"], zeros)
     _, plain_report, plain = run_stage1(tiny_model_factory, folder, tmp_path, "plain")
     assert plain_report.committed == 6 and set(plain) == set(stored)
-    assert all(set(tensors) == {"latents", "prompt_embeds", "prompt_attention_mask"} for tensors, _ in plain.values()), \
-        {name for tensors, _ in plain.values() for name in tensors}
+    assert all(
+        set(tensors) == {"latents", "prompt_embeds", "prompt_attention_mask"} for tensors, _ in plain.values()
+    ), {name for tensors, _ in plain.values() for name in tensors}
     for key, (tensors, _) in plain.items():
         torch.testing.assert_close(tensors["latents"], stored[key][0]["latents"])
 
@@ -232,8 +258,17 @@ def test_audio_settings_are_part_of_the_fingerprint(tiny_model_factory, tmp_path
     the weights); a video-only config records no audio setting at all, as before audio existed."""
     model = tmp_path / "ltx-2"
     shutil.copytree(tiny_model_factory("ltx-2"), model)
-    base = load_config(write_config(tmp_path / "a.toml", model, tmp_path, tmp_path / "run", str(tmp_path / "w"),
-                                    model={"family": "ltx-2", "max_text_tokens": 16}, buckets={"sizes": SIZES}))
+    base = load_config(
+        write_config(
+            tmp_path / "a.toml",
+            model,
+            tmp_path,
+            tmp_path / "run",
+            str(tmp_path / "w"),
+            model={"family": "ltx-2", "max_text_tokens": 16},
+            buckets={"sizes": SIZES},
+        )
+    )
     plain = provenance(base)
     assert "audio" not in plain["processing"] and "audio_vae" not in plain["weights"]
     base.model.audio = True

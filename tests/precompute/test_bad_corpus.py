@@ -41,8 +41,14 @@ VFR_STARTS = [0.0, 0.1, 0.15, 0.5, 0.55, 1.2, 1.25, 1.6]  # irregular gaps, as p
 VFR_EXPECTED = [0, 1, 2, 2, 3, 4, 4, 4, 4]
 
 
-def encode_with(codec: str, frames: np.ndarray, container_format: str, pix_fmt: str = "yuv420p",
-                options: dict | None = None, fps: float = FPS) -> bytes:
+def encode_with(
+    codec: str,
+    frames: np.ndarray,
+    container_format: str,
+    pix_fmt: str = "yuv420p",
+    options: dict | None = None,
+    fps: float = FPS,
+) -> bytes:
     """(F, H, W, 3) uint8 RGB -> a file made by `codec` in `container_format`, in memory."""
     buf = io.BytesIO()
     rate = Fraction(fps).limit_denominator(1001)
@@ -64,19 +70,31 @@ def odd_clips(media) -> dict[str, tuple[bytes, str, list[int]]]:
     all17 = list(range(17))
     return {
         "h264": (media.encode_clip(fade), "17x64x96", all17),
-        "vp9": (encode_with("libvpx-vp9", fade, "webm", options={"deadline": "realtime", "cpu-used": "8"}),
-                "17x64x96", all17),
-        "hevc-10bit": (encode_with("libx265", fade, "mp4", "yuv420p10le",
-                                   {"preset": "ultrafast", "x265-params": "log-level=error"}), "17x64x96", all17),
+        "vp9": (
+            encode_with("libvpx-vp9", fade, "webm", options={"deadline": "realtime", "cpu-used": "8"}),
+            "17x64x96",
+            all17,
+        ),
+        "hevc-10bit": (
+            encode_with(
+                "libx265", fade, "mp4", "yuv420p10le", {"preset": "ultrafast", "x265-params": "log-level=error"}
+            ),
+            "17x64x96",
+            all17,
+        ),
         "av1": (encode_with("libsvtav1", fade, "mp4", options={"preset": "12"}), "17x64x96", all17),
         "mpeg4-avi": (encode_with("mpeg4", fade, "avi", options={"qscale": "2"}), "17x64x96", all17),
         # Stored 64x96 and shown turned by 90 degrees: a portrait clip, for the portrait bucket.
         "rotated": (media.encode_clip(fade, rotation=90), "9x96x64", list(range(9))),
-        "vfr": (media.encode_clip(media.gray_frames(len(VFR_STARTS)), pts_seconds=VFR_STARTS), "9x64x96",
-                VFR_EXPECTED),
+        "vfr": (media.encode_clip(media.gray_frames(len(VFR_STARTS)), pts_seconds=VFR_STARTS), "9x64x96", VFR_EXPECTED),
         # yuv420p at odd sizes is fine for VP9; aspect 1.22 is a hair nearer 1:1 than 3:2.
-        "odd-175x143": (encode_with("libvpx-vp9", media.gray_frames(24, 143, 175), "webm",
-                                    options={"deadline": "realtime", "cpu-used": "8"}), "9x64x64", list(range(9))),
+        "odd-175x143": (
+            encode_with(
+                "libvpx-vp9", media.gray_frames(24, 143, 175), "webm", options={"deadline": "realtime", "cpu-used": "8"}
+            ),
+            "9x64x64",
+            list(range(9)),
+        ),
     }
 
 
@@ -94,8 +112,7 @@ def clips(media):
 @pytest.mark.parametrize("key", ["h264", "vp9", "hevc-10bit", "av1", "mpeg4-avi", "rotated", "vfr", "odd-175x143"])
 def test_odd_clip_decodes_to_the_right_frames(clips, key):
     video, bucket, expected = clips[key]
-    sample = prepare_sample(RawSample(key, "corpus.tar", video, "a gray fade"), [Bucket.parse(b) for b in BUCKETS],
-                            FPS)
+    sample = prepare_sample(RawSample(key, "corpus.tar", video, "a gray fade"), [Bucket.parse(b) for b in BUCKETS], FPS)
     assert sample.bucket.name == bucket
     assert sample.video.shape == (3, sample.bucket.frames, sample.bucket.height, sample.bucket.width)
     assert frame_indices(sample.video) == expected
@@ -144,26 +161,35 @@ def build_corpus(folder: Path, media, clips) -> tuple[set[str], Counter, dict[st
         "short": ([("short.mp4", media.encode_clip(media.gray_frames(5))), ("short.txt", caption)], "too_short"),
         "no-caption": ([("no-caption.mp4", good)], "missing_caption"),
         "blank-caption": ([("blank-caption.mp4", good), ("blank-caption.txt", b" \n ")], "empty_caption"),
-        "latin1-caption": ([("latin1-caption.mp4", good), ("latin1-caption.txt", "café".encode("latin-1"))],
-                           "caption_not_utf8"),
+        "latin1-caption": (
+            [("latin1-caption.mp4", good), ("latin1-caption.txt", "café".encode("latin-1"))],
+            "caption_not_utf8",
+        ),
         "bad-json": ([("bad-json.mp4", good), ("bad-json.json", b'{"caption": "unclosed')], "caption_bad_json"),
     }
     # Interleave: bad samples between good ones, as they come in a crawl.
-    pairs = [members[i:i + 2] for i in range(0, len(members), 2)]
+    pairs = [members[i : i + 2] for i in range(0, len(members), 2)]
     mixed: list[tuple[str, bytes]] = []
     for index, (sample_members, _) in enumerate(bad.values()):
         mixed += (pairs[index] if index < len(pairs) else []) + sample_members
-    for leftover in pairs[len(bad):]:
+    for leftover in pairs[len(bad) :]:
         mixed += leftover
     media.write_tar(folder / "crawl-000000.tar", mixed)
 
-    cut = media.write_tar(folder / "crawl-000001.tar", [
-        (f"{key}.{ext}", data) for key in ("tar-a", "tar-b", "tar-c")
-        for ext, data in (("mp4", good), ("txt", caption))])
+    cut = media.write_tar(
+        folder / "crawl-000001.tar",
+        [
+            (f"{key}.{ext}", data)
+            for key in ("tar-a", "tar-b", "tar-c")
+            for ext, data in (("mp4", good), ("txt", caption))
+        ],
+    )
     cut.write_bytes(cut.read_bytes()[: media.member_offset(cut, "tar-c.mp4") + 512 + len(good) // 2])
 
-    expected_keys = {f"crawl-000000/{key}" for key in [*clips, "json-caption"]} | {"crawl-000001/tar-a",
-                                                                                    "crawl-000001/tar-b"}
+    expected_keys = {f"crawl-000000/{key}" for key in [*clips, "json-caption"]} | {
+        "crawl-000001/tar-a",
+        "crawl-000001/tar-b",
+    }
     expected_reasons = Counter(reason for _, reason in bad.values()) + Counter({"truncated_tar": 1})
     rejects = {f"crawl-000000/{key}": reason for key, (_, reason) in bad.items()}
     rejects["crawl-000001/tar-c"] = "truncated_tar"  # the sample being read when the tar ended
@@ -186,10 +212,18 @@ def test_bad_corpus_through_the_service(tmp_path, media, clips, tiny_model_facto
     raw.mkdir()
     expected_keys, expected_reasons, expected_rejects = build_corpus(raw, media, clips)
     uri = str(tmp_path / "window")
-    config = load_config(write_config(
-        tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run", uri,
-        buckets={"sizes": BUCKETS, "fps": FPS}, window={"size": "keep"},
-        precompute={"workers": 1, "samples_per_shard": 2, "encode_batch": 2}))
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            tiny_model_factory("ltx-video"),
+            raw,
+            tmp_path / "run",
+            uri,
+            buckets={"sizes": BUCKETS, "fps": FPS},
+            window={"size": "keep"},
+            precompute={"workers": 1, "samples_per_shard": 2, "encode_batch": 2},
+        )
+    )
 
     report = Precompute(config).run()
 
@@ -234,9 +268,18 @@ def test_a_hundred_failures_in_a_row_stop_the_run(tmp_path, media, tiny_model_fa
     raw = tmp_path / "raw"
     raw.mkdir()
     media.write_tar(raw / "junk-000000.tar", members)
-    config = load_config(write_config(
-        tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run", str(tmp_path / "window"),
-        buckets={"sizes": BUCKETS, "fps": FPS}, window={"size": "keep"}, precompute={"workers": 0}))
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            tiny_model_factory("ltx-video"),
+            raw,
+            tmp_path / "run",
+            str(tmp_path / "window"),
+            buckets={"sizes": BUCKETS, "fps": FPS},
+            window={"size": "keep"},
+            precompute={"workers": 0},
+        )
+    )
     assert config.precompute.max_consecutive_failures == 100
 
     with pytest.raises(TooManyFailures) as failure:

@@ -67,22 +67,27 @@ def _bad_members(case: str, media, good_clip: bytes) -> list[tuple[str, bytes]]:
     raise AssertionError(case)
 
 
-@pytest.mark.parametrize("case, reason", [
-    ("corrupt_video", "corrupt_video"),
-    ("truncated_mp4", "corrupt_video"),
-    ("empty_video", "empty_video"),
-    ("no_video_stream", "no_video_stream"),
-    ("too_short", "too_short"),
-    ("missing_caption", "missing_caption"),
-    ("empty_caption", "empty_caption"),
-    ("caption_not_utf8", "caption_not_utf8"),
-    ("caption_bad_json", "caption_bad_json"),
-    ("json_without_caption", "missing_caption"),
-    ("missing_video", "missing_video"),
-])
+@pytest.mark.parametrize(
+    "case, reason",
+    [
+        ("corrupt_video", "corrupt_video"),
+        ("truncated_mp4", "corrupt_video"),
+        ("empty_video", "empty_video"),
+        ("no_video_stream", "no_video_stream"),
+        ("too_short", "too_short"),
+        ("missing_caption", "missing_caption"),
+        ("empty_caption", "empty_caption"),
+        ("caption_not_utf8", "caption_not_utf8"),
+        ("caption_bad_json", "caption_bad_json"),
+        ("json_without_caption", "missing_caption"),
+        ("missing_video", "missing_video"),
+    ],
+)
 def test_bad_sample_is_counted_by_reason(case, reason, media, good_clip, tmp_path):
-    shard = media.write_tar(tmp_path / "raw.tar", [("good.mp4", good_clip), ("good.txt", b"a gray fade")]
-                            + _bad_members(case, media, good_clip))
+    shard = media.write_tar(
+        tmp_path / "raw.tar",
+        [("good.mp4", good_clip), ("good.txt", b"a gray fade")] + _bad_members(case, media, good_clip),
+    )
     counts, keys = count_reasons(shard)
     assert keys == ["good", "bad"]
     assert counts == Counter({"ok": 1, reason: 1})
@@ -123,7 +128,7 @@ def test_tar_with_a_garbage_header(media, good_clip, tmp_path):
     shard = _three_sample_tar(media, good_clip, tmp_path / "raw.tar")
     data = bytearray(shard.read_bytes())
     start = media.member_offset(shard, "b.mp4")
-    data[start:start + 512] = np.random.default_rng(0).integers(1, 255, 512, dtype=np.uint8).tobytes()
+    data[start : start + 512] = np.random.default_rng(0).integers(1, 255, 512, dtype=np.uint8).tobytes()
     shard.write_bytes(bytes(data))
     assert [(s.key, s.error) for s in iter_raw_samples(str(shard))] == [("a", None), ("a", "truncated_tar")]
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 from cli_runs import raw_keys, write_config
 
-from vt.precompute.processors import (Processor, SampleError, build_chain, decode_at, fit_pixels, probe,
-                                      sample_times)
+from vt.precompute.processors import Processor, SampleError, build_chain, decode_at, fit_pixels, probe, sample_times
 from vt.precompute.processors.caption import strip_boilerplate
 from vt.precompute.processors.decode import Clip
 from vt.precompute.processors.sample import Sample
@@ -88,8 +87,9 @@ def test_sample_frames_start_random_windows_and_uniform(bikes):
     again = run_steps(bikes, "c", [{"name": "sample_frames", "mode": "random"}])[0]
     assert again.start == random[2].start  # ... and the same draw every time
     assert torch.equal(again.pixels, reference(bikes, SMALL[0], again.start))
-    reseeded = [run_steps(bikes, key, [{"name": "sample_frames", "mode": "random", "seed": 7}], upto=1)[0]
-                for key in "abcd"]
+    reseeded = [
+        run_steps(bikes, key, [{"name": "sample_frames", "mode": "random", "seed": 7}], upto=1)[0] for key in "abcd"
+    ]
     assert [s.start for s in reseeded] != [s.start for s in random]
 
     every = run_steps(bikes, "bikes", [{"name": "sample_frames", "mode": "all_windows"}], upto=1)
@@ -117,8 +117,9 @@ def test_crop_center_and_random(bikes):
     bucket = Bucket(5, 32, 32)  # bikes covers it at 32x75: the crop can sit anywhere along the width
     (center,) = run_steps(bikes, "bikes", [], buckets=[bucket])
     assert center.box == crop_box(32, 75, bucket) and torch.equal(center.pixels, reference(bikes, bucket, 0.0))
-    boxes = [run_steps(bikes, key, [{"name": "crop", "mode": "random"}], buckets=[bucket], upto=2)[0].box
-             for key in "abcd"]
+    boxes = [
+        run_steps(bikes, key, [{"name": "crop", "mode": "random"}], buckets=[bucket], upto=2)[0].box for key in "abcd"
+    ]
     assert all(top == 0 and 0 <= left <= 75 - 32 for top, left in boxes) and len(set(boxes)) > 1
     (cut,) = run_steps(bikes, "b", [{"name": "crop", "mode": "random"}], buckets=[bucket])
     assert cut.box == boxes[1] and torch.equal(cut.pixels, reference(bikes, bucket, 0.0, boxes[1]))
@@ -127,10 +128,15 @@ def test_crop_center_and_random(bikes):
 def test_caption_field_boilerplate_and_prefix(raw_tars, media, tmp_path):
     video = next(iter_raw_samples(str(raw_tars[0]))).video
     meta = {"caption": "The video shows a red car.", "long": "a red car on a wet road"}
-    tar = media.write_tar(tmp_path / "cap.tar", [
-        ("a.mp4", video), ("a.json", json.dumps(meta).encode()),
-        ("b.mp4", video), ("b.json", json.dumps({"long": "only the long one"}).encode()),
-    ])
+    tar = media.write_tar(
+        tmp_path / "cap.tar",
+        [
+            ("a.mp4", video),
+            ("a.json", json.dumps(meta).encode()),
+            ("b.mp4", video),
+            ("b.json", json.dumps({"long": "only the long one"}).encode()),
+        ],
+    )
     a, b = iter_raw_samples(str(tar))
     assert a.meta == meta and b.error == "missing_caption" and b.meta == {"long": "only the long one"}
     buckets = [Bucket(9, 64, 96)]
@@ -139,7 +145,8 @@ def test_caption_field_boilerplate_and_prefix(raw_tars, media, tmp_path):
         return [p.caption for p in build_chain(entries).prepare(raw, buckets, 8.0)]
 
     assert captions(a, [{"name": "caption", "strip_boilerplate": True, "prefix": "sks style, "}]) == [
-        "sks style, A red car."]
+        "sks style, A red car."
+    ]
     assert captions(a, [{"name": "caption", "field": "long", "suffix": "."}]) == ["a red car on a wet road."]
     assert captions(b, [{"name": "caption", "field": "long"}]) == ["only the long one"]  # source's reject lifted
     with pytest.raises(SampleError) as err:
@@ -159,17 +166,24 @@ def test_options_are_checked_at_load_naming_the_processor_and_key():
         return str(err.value)
 
     assert "processor 0 ('caption') option 'prefx' is unknown; allowed: field, prefix" in problem(
-        '[{name="caption", prefx="a"}]')
+        '[{name="caption", prefx="a"}]'
+    )
     assert "processor 1 ('sample_frames') option 'mode' = 'middle'" in problem(
-        '[{name="caption"}, {name="sample_frames", mode="middle"}]')
+        '[{name="caption"}, {name="sample_frames", mode="middle"}]'
+    )
     assert f"processor 0 ('{MIRROR}') option 'axis' = 'diagonal'" in problem(f'[{{name="{MIRROR}", axis="diagonal"}}]')
     assert "out of order" in problem('[{name="decode"}, {name="crop"}]')
     assert "neither a built-in" in problem('[{name="mirror"}]')
     assert "cannot import 'no_such_pkg.mod'" in problem('[{name="no_such_pkg.mod:Thing"}]')
     config = load_config(None, ['precompute.processors=[{name="sample_frames", mode="random", seed=3}]'])
-    assert describe_chain(config.precompute.processors)[0] == {"name": "sample_frames", "version": 1,
-                                                               "mode": "random", "seed": 3, "max_windows": 0,
-                                                               "windows": 2}
+    assert describe_chain(config.precompute.processors)[0] == {
+        "name": "sample_frames",
+        "version": 1,
+        "mode": "random",
+        "seed": 3,
+        "max_windows": 0,
+        "windows": 2,
+    }
 
 
 def test_user_processor_by_import_path(bikes):
@@ -195,9 +209,16 @@ def test_service_commits_every_window_once_through_a_user_processor(tmp_path, ti
     producer dies with one window of a clip committed and the other still buffered (3 per shard)."""
     raw, uri = raw_tars[0], str(tmp_path / "w")
     chain = [{"name": "sample_frames", "mode": "all_windows"}, {"name": "decode"}, {"name": MIRROR}]
-    path = write_config(tmp_path / "c.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run", uri,
-                        window={"size": "keep"}, buckets={"fps": 16.0},
-                        precompute={"workers": 1, "samples_per_shard": 3, "processors": chain})
+    path = write_config(
+        tmp_path / "c.toml",
+        tiny_model_factory("ltx-video"),
+        raw,
+        tmp_path / "run",
+        uri,
+        window={"size": "keep"},
+        buckets={"fps": 16.0},
+        precompute={"workers": 1, "samples_per_shard": 3, "processors": chain},
+    )
     first = Precompute(load_config(path))
     first.window = CrashAfterFirstCommit(uri, "keep", 0.01, 30.0)
     with pytest.raises(RuntimeError, match="died after the first commit"):

@@ -51,8 +51,14 @@ CONTAINERS = {
 }
 
 
-def encode(frames: np.ndarray, codec: str, container_format: str, options: dict | None = None,
-           fps: int = FPS, sar: Fraction | None = None) -> bytes:
+def encode(
+    frames: np.ndarray,
+    codec: str,
+    container_format: str,
+    options: dict | None = None,
+    fps: int = FPS,
+    sar: Fraction | None = None,
+) -> bytes:
     """(F, H, W, 3) uint8 RGB -> `codec` in `container_format`, in memory; `sar` marks pixels non-square."""
     buf = io.BytesIO()
     rate = Fraction(fps)
@@ -112,20 +118,24 @@ def test_anamorphic_clip_reads_back_its_sample_aspect_ratio():
     assert (square.height, square.width, square.sample_aspect_ratio) == (64, 64, 1.0)
 
 
-@pytest.mark.parametrize("buckets, bucket, red_columns", [
-    # shown 128x64 (aspect 2): the 2:1 bucket, no crop; red is the left 32 of 128 columns
-    (["9x64x64", "9x64x96", "9x64x128"], "9x64x128", 32),
-    # only 3:2: covered at 64x128, 16 columns cut off each side, so 16 red columns remain
-    (["9x64x96"], "9x64x96", 16),
-])
+@pytest.mark.parametrize(
+    "buckets, bucket, red_columns",
+    [
+        # shown 128x64 (aspect 2): the 2:1 bucket, no crop; red is the left 32 of 128 columns
+        (["9x64x64", "9x64x96", "9x64x128"], "9x64x128", 32),
+        # only 3:2: covered at 64x128, 16 columns cut off each side, so 16 red columns remain
+        (["9x64x96"], "9x64x96", 16),
+    ],
+)
 def test_anamorphic_clip_is_bucketed_and_fitted_by_its_displayed_shape(buckets, bucket, red_columns):
-    sample = prepare_sample(RawSample("k", "x.tar", split_clip(Fraction(2, 1)), "a split"),
-                            [Bucket.parse(b) for b in buckets], 8.0)
+    sample = prepare_sample(
+        RawSample("k", "x.tar", split_clip(Fraction(2, 1)), "a split"), [Bucket.parse(b) for b in buckets], 8.0
+    )
     assert sample.bucket.name == bucket
     frame = sample.pixels[:, 0].float()  # (3, H, W), first frame
     red = (frame[0] > 128) & (frame[2] < 128)
     columns = red.float().mean(dim=0)  # share of red rows per column
-    assert bool((columns[:red_columns - 2] > 0.95).all()) and bool((columns[red_columns + 2:] < 0.05).all())
+    assert bool((columns[: red_columns - 2] > 0.95).all()) and bool((columns[red_columns + 2 :] < 0.05).all())
 
 
 def test_containers_and_an_anamorphic_clip_through_the_service(tmp_path, media, clips, tiny_model_factory):
@@ -137,9 +147,18 @@ def test_containers_and_an_anamorphic_clip_through_the_service(tmp_path, media, 
     members += [("anamorphic.mkv", split_clip(Fraction(2, 1))), ("anamorphic.txt", b"a split")]
     media.write_tar(raw / "formats.tar", members)
     uri = str(tmp_path / "window")
-    config = load_config(write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run",
-                                      uri, buckets={"sizes": ["9x64x96", "9x64x64", "9x64x128"], "fps": 8.0},
-                                      window={"size": "keep"}, precompute={"workers": 1}))
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            tiny_model_factory("ltx-video"),
+            raw,
+            tmp_path / "run",
+            uri,
+            buckets={"sizes": ["9x64x96", "9x64x64", "9x64x128"], "fps": 8.0},
+            window={"size": "keep"},
+            precompute={"workers": 1},
+        )
+    )
     report = Precompute(config).run()
 
     assert dict(report.rejected) == {}

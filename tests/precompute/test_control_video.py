@@ -30,8 +30,9 @@ from vt.shared.window import Window
 BUCKETS = [Bucket(9, 64, 96), Bucket(9, 96, 64), Bucket(9, 64, 64)]
 
 
-def reencode(video: bytes, scale: float = 1.0, repeat: int = 1, frames: int | None = None,
-             crop_width: int | None = None) -> bytes:
+def reencode(
+    video: bytes, scale: float = 1.0, repeat: int = 1, frames: int | None = None, crop_width: int | None = None
+) -> bytes:
     """The clip re-encoded from its decoded yuv420p frames with qp 0 (lossless, so the same pixels come back):
     scaled by `scale`, each frame shown `repeat` times at `repeat` x the frame rate, only its first `frames`,
     or cut to `crop_width` columns (another aspect ratio)."""
@@ -48,9 +49,12 @@ def reencode(video: bytes, scale: float = 1.0, repeat: int = 1, frames: int | No
         for index, frame in enumerate(source.decode(stream)):
             if frames is not None and index >= frames:
                 break
-            rgb = frame.reformat(width=width, height=height, format="rgb24").to_ndarray()[:, :crop_width or width]
-            planes = av.VideoFrame.from_ndarray(rgb.copy(), format="rgb24").reformat(format="yuv420p").to_ndarray() \
-                if crop_width else frame.reformat(width=width, height=height, format="yuv420p").to_ndarray()
+            rgb = frame.reformat(width=width, height=height, format="rgb24").to_ndarray()[:, : crop_width or width]
+            planes = (
+                av.VideoFrame.from_ndarray(rgb.copy(), format="rgb24").reformat(format="yuv420p").to_ndarray()
+                if crop_width
+                else frame.reformat(width=width, height=height, format="yuv420p").to_ndarray()
+            )
             for _ in range(repeat):
                 picture = av.VideoFrame.from_ndarray(planes, format="yuv420p")
                 picture.pts, picture.time_base = count, 1 / Fraction(rate)
@@ -99,10 +103,12 @@ def test_control_problems_are_rejects_named_for_the_control(samples):
     rejects the sample with a `control_` reason and a detail saying so; the clip's own problems keep theirs."""
     chain = build_chain([])
     raw = samples[0]  # 1.5 s; the bucket needs 9 frames at 8 fps: 1.125 s
-    cases = {"control_too_short": reencode(raw.video, frames=12),  # about 0.5 s
-             "control_aspect": reencode(raw.video, crop_width=128),  # a 144 x 128 picture of a 256 x 144 clip
-             "control_corrupt_video": raw.control[:300],
-             "control_empty_video": b""}
+    cases = {
+        "control_too_short": reencode(raw.video, frames=12),  # about 0.5 s
+        "control_aspect": reencode(raw.video, crop_width=128),  # a 144 x 128 picture of a 256 x 144 clip
+        "control_corrupt_video": raw.control[:300],
+        "control_empty_video": b"",
+    }
     for reason, control in cases.items():
         with pytest.raises(SampleError) as caught:
             chain.prepare(replace(raw, control=control), BUCKETS, 8.0)
@@ -146,8 +152,9 @@ def test_sources_read_the_control_member_of_tars_and_media_folders(samples, cont
     assert iter_raw_samples(units[0]).__next__().control is None
 
 
-def test_a_run_stores_the_control_latents_and_rejects_samples_without_a_control(control_shards, tiny_model_factory,
-                                                                                tmp_path):
+def test_a_run_stores_the_control_latents_and_rejects_samples_without_a_control(
+    control_shards, tiny_model_factory, tmp_path
+):
     """Of two raw tars (5 samples), two samples lose their control video (one has none, one's ends too soon):
     both are rejected with their keys and reasons in rejects.jsonl, the other 3 are committed, each with the
     family's `control_latents` of its own control video (equal to encoding its prepared control directly)."""
@@ -169,14 +176,24 @@ def test_a_run_stores_the_control_latents_and_rejects_samples_without_a_control(
             tar.addfile(info, io.BytesIO(data))
 
     model = tiny_model_factory("wan-vace")
-    config = load_config(write_config(tmp_path / "pre.toml", model, raw_dir, tmp_path / "run", str(tmp_path / "window"),
-                                      model={"family": "wan-vace", "max_text_tokens": 16},
-                                      buckets={"sizes": ["9x32x48", "9x32x32", "9x48x32"]},
-                                      window={"size": "keep"},
-                                      precompute={"workers": 0, "samples_per_shard": 4, "storage_dtype": "float32"}))
+    config = load_config(
+        write_config(
+            tmp_path / "pre.toml",
+            model,
+            raw_dir,
+            tmp_path / "run",
+            str(tmp_path / "window"),
+            model={"family": "wan-vace", "max_text_tokens": 16},
+            buckets={"sizes": ["9x32x48", "9x32x32", "9x48x32"]},
+            window={"size": "keep"},
+            precompute={"workers": 0, "samples_per_shard": 4, "storage_dtype": "float32"},
+        )
+    )
     report = Precompute(config).run()
-    rejected = {"raw-000001/" + dropped.split(".")[0]: "missing_control", "raw-000001/" + cut.split(".")[0]:
-                "control_too_short"}
+    rejected = {
+        "raw-000001/" + dropped.split(".")[0]: "missing_control",
+        "raw-000001/" + cut.split(".")[0]: "control_too_short",
+    }
     lines = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
     assert {line["key"]: line["reason"] for line in lines} == rejected
     assert all(line["detail"] for line in lines)
@@ -195,8 +212,11 @@ def test_a_run_stores_the_control_latents_and_rejects_samples_without_a_control(
     spec = spec_for(config)
     vae = spec.load_component("vae")
     shards = list_raw_shards(str(raw_dir))
-    raw = next(raw for raw in iter_raw_samples(shards[0], shard_names(shards)[shards[0]], control="control")
-               if raw.sample_id in stored)
+    raw = next(
+        raw
+        for raw in iter_raw_samples(shards[0], shard_names(shards)[shards[0]], control="control")
+        if raw.sample_id in stored
+    )
     (prepared,) = build_chain([]).prepare(raw, spec_buckets(config), config.buckets.fps)
     expected = spec.encode_control(vae, prepared.control[None])[0]
     torch.testing.assert_close(stored[prepared.key]["control_latents"], expected, atol=1e-5, rtol=1e-5)

@@ -42,15 +42,23 @@ def test_producers_added_and_killed_mid_run_train_as_one_undisturbed(tmp_path, t
     model = tiny_model_factory("ltx-video")
 
     def config(name: str):
-        return write_config(tmp_path / f"{name}.toml", model, raw_shards, tmp_path / name, str(tmp_path / name / "window"),
-                            window={"size": 6, "poll_seconds": 0.05, "timeout_seconds": 300.0},
-                            precompute={"workers": 0, "lanes": 3},
-                            train={"epochs": EPOCHS, "batch_size": 2, "checkpoint_every": 3},
-                            log={"samples": True, "progress": False})
+        return write_config(
+            tmp_path / f"{name}.toml",
+            model,
+            raw_shards,
+            tmp_path / name,
+            str(tmp_path / name / "window"),
+            window={"size": 6, "poll_seconds": 0.05, "timeout_seconds": 300.0},
+            precompute={"workers": 0, "lanes": 3},
+            train={"epochs": EPOCHS, "batch_size": 2, "checkpoint_every": 3},
+            log={"samples": True, "progress": False},
+        )
 
     reference = config("reference")
-    producer, trainer = start("precompute", reference, log=tmp_path / "ref-p.log"), \
-        start("train", reference, log=tmp_path / "ref-t.log")
+    producer, trainer = (
+        start("precompute", reference, log=tmp_path / "ref-p.log"),
+        start("train", reference, log=tmp_path / "ref-t.log"),
+    )
     finish(producer, tmp_path / "ref-p.log")
     finish(trainer, tmp_path / "ref-t.log")
 

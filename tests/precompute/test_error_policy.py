@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import textwrap
+
 import av
 import pytest
 from cli_runs import start, write_config
@@ -28,14 +29,14 @@ from vt.shared.window import Window
 
 BUCKETS = [Bucket(9, 64, 96)]
 # A user's module, written next to the run and put on PYTHONPATH: its processor has a bug.
-BROKEN_MODULE = textwrap.dedent('''
+BROKEN_MODULE = textwrap.dedent("""
     from vt.precompute.processors import Processor
 
 
     class Broken(Processor):
         def __call__(self, sample):
             yield sample.caption + 1  # the bug: str + int
-''')
+""")
 
 
 class FailsOn(Processor):
@@ -74,8 +75,15 @@ def test_a_buggy_user_processor_stops_vt_precompute_at_once(tmp_path, tiny_model
     (tmp_path / "user" / "buggy.py").write_text(BROKEN_MODULE)
     monkeypatch.syspath_prepend(tmp_path / "user")  # write_config validates the chain here, importing it
     uri = str(tmp_path / "window")
-    config = write_config(tmp_path / "c.toml", tiny_model_factory("ltx-video"), raw_tars[0], tmp_path / "run", uri,
-                          window={"size": "keep", "timeout_seconds": 120}, precompute={"workers": 1, "processors": [{"name": "buggy:Broken"}]})
+    config = write_config(
+        tmp_path / "c.toml",
+        tiny_model_factory("ltx-video"),
+        raw_tars[0],
+        tmp_path / "run",
+        uri,
+        window={"size": "keep", "timeout_seconds": 120},
+        precompute={"workers": 1, "processors": [{"name": "buggy:Broken"}]},
+    )
     log = tmp_path / "precompute.log"
     code = start("precompute", config, log=log, env={"PYTHONPATH": str(tmp_path / "user")}).wait(timeout=300)
     out = log.read_text()
@@ -86,7 +94,7 @@ def test_a_buggy_user_processor_stops_vt_precompute_at_once(tmp_path, tiny_model
     assert message.endswith("(a bug in the processor, not bad data; traceback above)")
     # The processor's own traceback, formatted in the decode worker, comes before the message.
     trace = out.index("Traceback (most recent call last)")
-    assert trace < out.index(message) and out.index("buggy.py\", line 7, in __call__") > trace
+    assert trace < out.index(message) and out.index('buggy.py", line 7, in __call__') > trace
     assert "yield sample.caption + 1" in out
     assert "samples in a row failed" not in out  # stopped at the first sample, not counted as failures
     report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
@@ -102,17 +110,27 @@ def test_a_bug_on_one_sample_stops_the_run_with_whole_shards_only(tmp_path, tiny
     keys = [raw.sample_id for raw in iter_raw_samples(str(raw_tars[0]))]
     assert len(keys) == 4
     uri, name = str(tmp_path / "window"), f"{__name__}:FailsOn"
-    config = load_config(write_config(
-        tmp_path / "c.toml", tiny_model_factory("ltx-video"), raw_tars[0], tmp_path / "run", uri,
-        window={"size": "keep", "timeout_seconds": 120}, buckets={"sizes": ["9x64x96"]},
-        precompute={"workers": 1, "samples_per_shard": 2, "processors": [{"name": name, "key": keys[3]}]}))
+    config = load_config(
+        write_config(
+            tmp_path / "c.toml",
+            tiny_model_factory("ltx-video"),
+            raw_tars[0],
+            tmp_path / "run",
+            uri,
+            window={"size": "keep", "timeout_seconds": 120},
+            buckets={"sizes": ["9x64x96"]},
+            precompute={"workers": 1, "samples_per_shard": 2, "processors": [{"name": name, "key": keys[3]}]},
+        )
+    )
 
     with pytest.raises(ProcessorBug) as bug:
         Precompute(config).run()
 
-    assert str(bug.value) == (f"processor {name!r} raised KeyError: 'no_such_field' on sample {keys[3]!r} "
-                              "(a bug in the processor, not bad data; traceback above)")
-    assert "sample.meta[\"no_such_field\"]" in bug.value.traceback and "in __call__" in bug.value.traceback
+    assert str(bug.value) == (
+        f"processor {name!r} raised KeyError: 'no_such_field' on sample {keys[3]!r} "
+        "(a bug in the processor, not bad data; traceback above)"
+    )
+    assert 'sample.meta["no_such_field"]' in bug.value.traceback and "in __call__" in bug.value.traceback
     data, commits = window_files(uri)
     assert len(data) == 1 and len(commits) == 1  # shard 0 and its record, nothing else
     assert committed_keys(uri) == [keys[:2]]
@@ -121,25 +139,45 @@ def test_a_bug_on_one_sample_stops_the_run_with_whole_shards_only(tmp_path, tiny
     assert (tmp_path / "run" / "rejects.jsonl").read_text() == ""
 
 
-def test_corrupt_clips_next_to_a_user_processor_are_rejects_and_the_run_goes_on(tmp_path, tiny_model_factory,
-                                                                                media, good_clip):
-    raw = media.write_tar(tmp_path / "raw.tar", [
-        ("a.mp4", good_clip), ("a.txt", b"a gray fade"),
-        ("junk.mp4", b"\x00junk-not-a-container\xff" * 200), ("junk.txt", b"a caption"),
-        ("cut.mp4", good_clip[: len(good_clip) // 2]), ("cut.txt", b"a caption"),
-        ("b.mp4", good_clip), ("b.txt", b"a gray fade")])
+def test_corrupt_clips_next_to_a_user_processor_are_rejects_and_the_run_goes_on(
+    tmp_path, tiny_model_factory, media, good_clip
+):
+    raw = media.write_tar(
+        tmp_path / "raw.tar",
+        [
+            ("a.mp4", good_clip),
+            ("a.txt", b"a gray fade"),
+            ("junk.mp4", b"\x00junk-not-a-container\xff" * 200),
+            ("junk.txt", b"a caption"),
+            ("cut.mp4", good_clip[: len(good_clip) // 2]),
+            ("cut.txt", b"a caption"),
+            ("b.mp4", good_clip),
+            ("b.txt", b"a gray fade"),
+        ],
+    )
     uri = str(tmp_path / "window")
     chain = [{"name": "decode"}, {"name": f"{__name__}:FailsOn", "key": "none of them"}]
-    config = load_config(write_config(tmp_path / "c.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run",
-                                      uri, window={"size": "keep", "timeout_seconds": 120}, buckets={"sizes": ["9x64x96"]},
-                                      precompute={"workers": 1, "samples_per_shard": 2, "processors": chain}))
+    config = load_config(
+        write_config(
+            tmp_path / "c.toml",
+            tiny_model_factory("ltx-video"),
+            raw,
+            tmp_path / "run",
+            uri,
+            window={"size": "keep", "timeout_seconds": 120},
+            buckets={"sizes": ["9x64x96"]},
+            precompute={"workers": 1, "samples_per_shard": 2, "processors": chain},
+        )
+    )
 
     report = Precompute(config).run()
 
     assert report.status == "done" and report.committed == 2 and report.rejected == {"corrupt_video": 2}
     lines = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
-    assert [(line["key"], line["reason"]) for line in lines] == [("raw/junk", "corrupt_video"),
-                                                                 ("raw/cut", "corrupt_video")]
+    assert [(line["key"], line["reason"]) for line in lines] == [
+        ("raw/junk", "corrupt_video"),
+        ("raw/cut", "corrupt_video"),
+    ]
     assert all(line["detail"] for line in lines)
     assert committed_keys(uri) == [["raw/a", "raw/b"]]
 

@@ -14,14 +14,20 @@ from vt.precompute.processors.decode import Clip
 from vt.precompute.sources import iter_raw_samples, list_raw_shards, shard_names
 
 # clip file, start, end, caption: spans of the real clips (all > 1.125 s, the 9-frame bucket at 8 fps)
-SPANS = [("bigbuckbunny.mp4", 0.0, 1.5, "a rabbit wakes up"), ("bigbuckbunny.mp4", 2.0, 3.5, "a rabbit stretches"),
-         ("bikes.mp4", 6.0, 8.0, "bikes race downhill"), ("carphone_pristine.mp4", 1.0, 2.5, "a man on the phone"),
-         ("bikes.mp4", 8.5, None, "bikes, to the end")]
+SPANS = [
+    ("bigbuckbunny.mp4", 0.0, 1.5, "a rabbit wakes up"),
+    ("bigbuckbunny.mp4", 2.0, 3.5, "a rabbit stretches"),
+    ("bikes.mp4", 6.0, 8.0, "bikes race downhill"),
+    ("carphone_pristine.mp4", 1.0, 2.5, "a man on the phone"),
+    ("bikes.mp4", 8.5, None, "bikes, to the end"),
+]
 
 
 def write_manifest(path, clips_dir, extra: list[dict] = ()) -> list[dict]:
-    records = [{"video": str(clips_dir / name), "start": start, "end": end, "caption": caption, "source": "test"}
-               for name, start, end, caption in SPANS]
+    records = [
+        {"video": str(clips_dir / name), "start": start, "end": end, "caption": caption, "source": "test"}
+        for name, start, end, caption in SPANS
+    ]
     records[0]["key"] = "first"
     records = [*records, *extra]
     path.write_text("\n".join(json.dumps(r) for r in records) + "\n")
@@ -48,18 +54,28 @@ def test_a_span_decodes_the_frames_of_the_whole_file_at_its_times_by_seeking(cli
 
 def test_a_manifest_lists_units_and_yields_clips_with_their_spans_and_metadata(clips_dir, tmp_path):
     manifest = tmp_path / "clips.jsonl"
-    write_manifest(manifest, clips_dir, extra=[{"video": "missing.mp4", "caption": "gone"},
-                                               {"video": str(clips_dir / "bikes.mp4"), "start": 3, "end": 2,
-                                                "caption": "backwards"}])
+    write_manifest(
+        manifest,
+        clips_dir,
+        extra=[
+            {"video": "missing.mp4", "caption": "gone"},
+            {"video": str(clips_dir / "bikes.mp4"), "start": 3, "end": 2, "caption": "backwards"},
+        ],
+    )
     with manifest.open("a") as out:
         out.write("{not json\n")
     raws = samples(str(manifest))
     assert [r.sample_id for r in raws][:3] == ["clips/first", "clips/000001", "clips/000002"]
     good = [r for r in raws if r.error is None]
     assert [(r.video.start, r.video.end, r.caption) for r in good] == [(s, e, c) for _, s, e, c in SPANS] + [
-        (0.0, None, "gone")]
-    assert good[0].clip == {"uri": str(clips_dir / "bigbuckbunny.mp4"), "start": 0.0, "end": 1.5,
-                            "meta": {"source": "test"}}
+        (0.0, None, "gone")
+    ]
+    assert good[0].clip == {
+        "uri": str(clips_dir / "bigbuckbunny.mp4"),
+        "start": 0.0,
+        "end": 1.5,
+        "meta": {"source": "test"},
+    }
     assert [r.error for r in raws if r.error] == ["bad_span", "manifest_bad_record"]
     # the missing file is found when decoding: a reject of its own, not a crash
     missing = next(r for r in raws if r.caption == "gone")
@@ -85,19 +101,37 @@ def curator_output(root, clips_dir) -> dict[str, dict]:
     (root / "clips").mkdir()
     cut = root / "clips"
     written = {}
-    for index, (source, span, caption, valid) in enumerate([
-            ("bikes.mp4", [1.0, 3.0], "riders on a track", True), ("bigbuckbunny.mp4", [0.5, 2.5], "a rabbit", True),
-            ("carphone_pristine.mp4", [0.0, 2.0], "a caller", True), ("bikes.mp4", [4.0, 6.0], "no buffer", False)]):
+    for index, (source, span, caption, valid) in enumerate(
+        [
+            ("bikes.mp4", [1.0, 3.0], "riders on a track", True),
+            ("bigbuckbunny.mp4", [0.5, 2.5], "a rabbit", True),
+            ("carphone_pristine.mp4", [0.0, 2.0], "a caller", True),
+            ("bikes.mp4", [4.0, 6.0], "no buffer", False),
+        ]
+    ):
         span_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{source}_{span}"))
         location = cut / f"{span_uuid}.mp4"
         if index == 0:  # upload_clips: the transcoded clip is there (here: a copy of a whole clip)
             location.write_bytes((clips_dir / "carphone_distorted.mp4").read_bytes())
-        data = {"span_uuid": span_uuid, "source_video": str(clips_dir / source), "duration_span": span,
-                "width_source": 1280, "height_source": 720, "framerate_source": 25.0, "clip_location": str(location),
-                "aesthetic_score": 5.5,
-                "windows": [{"start_frame": 0, "end_frame": 50, "qwen_caption": caption,
-                             **({"qwen_enhanced_caption": f"{caption}, enhanced"} if index == 1 else {})}],
-                "valid": valid}
+        data = {
+            "span_uuid": span_uuid,
+            "source_video": str(clips_dir / source),
+            "duration_span": span,
+            "width_source": 1280,
+            "height_source": 720,
+            "framerate_source": 25.0,
+            "clip_location": str(location),
+            "aesthetic_score": 5.5,
+            "windows": [
+                {
+                    "start_frame": 0,
+                    "end_frame": 50,
+                    "qwen_caption": caption,
+                    **({"qwen_enhanced_caption": f"{caption}, enhanced"} if index == 1 else {}),
+                }
+            ],
+            "valid": valid,
+        }
         (metas / f"{span_uuid}.json").write_text(json.dumps(data))
         written[span_uuid] = data
     return written
@@ -113,7 +147,9 @@ def test_a_curator_output_folder_is_read_as_its_clip_writer_writes_it(clips_dir,
             assert raw.error == "invalid_clip"
             continue
         uploaded = (tmp_path / "curated" / "clips" / f"{key}.mp4").is_file()
-        expected = MediaRef(data["clip_location"]) if uploaded else MediaRef(data["source_video"], *data["duration_span"])
+        expected = (
+            MediaRef(data["clip_location"]) if uploaded else MediaRef(data["source_video"], *data["duration_span"])
+        )
         assert raw.error is None and raw.video == expected
         assert raw.caption == data["windows"][0].get("qwen_enhanced_caption", data["windows"][0]["qwen_caption"])
         assert raw.clip["meta"]["aesthetic_score"] == 5.5 and raw.clip["meta"]["span_uuid"] == key
@@ -131,13 +167,28 @@ def test_clips_cut_from_a_manifest_train_and_bad_records_are_rejects(clips_dir, 
     from vt.train.trainer import Trainer
 
     manifest = tmp_path / "clips.jsonl"
-    write_manifest(manifest, clips_dir, extra=[{"video": "missing.mp4", "caption": "gone"},
-                                               {"video": str(clips_dir / "bikes.mp4"), "start": 30.0,
-                                                "caption": "past the end"}])
-    config = load_config(write_config(
-        tmp_path / "run.toml", tiny_model_factory("wan"), manifest, tmp_path / "run", str(tmp_path / "window"),
-        model={"family": "wan"}, buckets={"sizes": ["9x64x96"]}, precompute={"workers": 0}, window={"size": "keep"},
-        train={"max_steps": 3, "checkpoint_every": 0}))
+    write_manifest(
+        manifest,
+        clips_dir,
+        extra=[
+            {"video": "missing.mp4", "caption": "gone"},
+            {"video": str(clips_dir / "bikes.mp4"), "start": 30.0, "caption": "past the end"},
+        ],
+    )
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            tiny_model_factory("wan"),
+            manifest,
+            tmp_path / "run",
+            str(tmp_path / "window"),
+            model={"family": "wan"},
+            buckets={"sizes": ["9x64x96"]},
+            precompute={"workers": 0},
+            window={"size": "keep"},
+            train={"max_steps": 3, "checkpoint_every": 0},
+        )
+    )
     Precompute(config).run()
     assert Trainer(config).run()["steps"] == 3
     window = Window(str(tmp_path / "window"), "keep")
@@ -147,8 +198,14 @@ def test_clips_cut_from_a_manifest_train_and_bad_records_are_rejects(clips_dir, 
         keys += shard_keys
         clips.update(meta["clips"])
     assert sorted(keys) == sorted(["clips/first", *(f"clips/{i:06d}" for i in range(1, len(SPANS)))])
-    assert clips["clips/000002"] == {"uri": str(clips_dir / "bikes.mp4"), "start": 6.0, "end": 8.0,
-                                     "meta": {"source": "test"}}
+    assert clips["clips/000002"] == {
+        "uri": str(clips_dir / "bikes.mp4"),
+        "start": 6.0,
+        "end": 8.0,
+        "meta": {"source": "test"},
+    }
     rejects = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
     assert sorted((r["key"], r["reason"]) for r in rejects) == [
-        (f"clips/{len(SPANS):06d}", "missing_video"), (f"clips/{len(SPANS) + 1:06d}", "span_outside_video")]
+        (f"clips/{len(SPANS):06d}", "missing_video"),
+        (f"clips/{len(SPANS) + 1:06d}", "span_outside_video"),
+    ]

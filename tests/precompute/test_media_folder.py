@@ -55,7 +55,10 @@ def test_a_folder_lists_one_sample_per_key_with_its_caption(folder):
     assert caption == (folder / "bikes-000.txt").read_text()
     stills = {k for k, (_, _, s) in samples.items() if s}
     assert {p.suffix for p in folder.rglob("*-still-*") if p.suffix != ".txt" and p.suffix != ".json"} == {
-        ".jpg", ".png", ".webp"}
+        ".jpg",
+        ".png",
+        ".webp",
+    }
     assert len(stills) == 4 and all("still" in k for k in stills)
 
 
@@ -82,8 +85,12 @@ def test_folder_input_and_pack_on_s3(folder, s3_bucket, tmp_path):
     third = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) // 3
     assert samples_of(f"{s3_bucket}/clips") == samples_of(str(folder))
 
-    result = subprocess.run([str(BIN / "vt-precompute"), "pack", f"{s3_bucket}/clips", f"{s3_bucket}/packed",
-                             "--shard-size", str(third)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(BIN / "vt-precompute"), "pack", f"{s3_bucket}/clips", f"{s3_bucket}/packed", "--shard-size", str(third)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     printed = result.stdout.split()
     assert len(printed) >= 2 and printed == sorted(list_raw_shards(f"{s3_bucket}/packed"))

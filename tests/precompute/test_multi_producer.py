@@ -36,16 +36,37 @@ def test_two_ranks_under_torchrun_match_a_rank_by_rank_rerun(tmp_path, tiny_mode
     model = tiny_model_factory("ltx-video")
 
     def config(name: str) -> Path:
-        return write_config(tmp_path / f"{name}.toml", model, raw_shards, tmp_path / name, str(tmp_path / name / "window"),
-                            window={"size": "keep"}, precompute={"workers": 0}, log={"progress": False})
+        return write_config(
+            tmp_path / f"{name}.toml",
+            model,
+            raw_shards,
+            tmp_path / name,
+            str(tmp_path / name / "window"),
+            window={"size": "keep"},
+            precompute={"workers": 0},
+            log={"progress": False},
+        )
 
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     log = tmp_path / "torchrun.log"
     with open(log, "wb") as out:
-        code = subprocess.call([str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "vt.precompute",
-                                "run", str(config("torchrun"))], stdout=out, stderr=subprocess.STDOUT, env=env,
-                               timeout=300)
+        code = subprocess.call(
+            [
+                str(torchrun),
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "vt.precompute",
+                "run",
+                str(config("torchrun")),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            timeout=300,
+        )
     assert code == 0, log.read_text()[-4000:]
 
     alone = Precompute(load_config(config("rerun"), ["precompute.lanes=2"])).run()  # one producer, both lanes
@@ -62,12 +83,14 @@ def test_two_ranks_under_torchrun_match_a_rank_by_rank_rerun(tmp_path, tiny_mode
     assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}
     ranks = [record.producer for record in records]
     short = min(counts, key=counts.get)
-    assert ranks[:2 * counts[short]] == [0, 1] * counts[short]  # round-robin while both have shards
+    assert ranks[: 2 * counts[short]] == [0, 1] * counts[short]  # round-robin while both have shards
 
     slots = lambda uri: [(r.producer, r.seq, r.bucket, tuple(r.keys)) for _, r in Window(uri).order()]
     assert slots(first) == slots(second)
     assert reader_order(first) == reader_order(second)
-    reports = [json.loads((tmp_path / "torchrun" / f"precompute_report.rank{rank}.json").read_text()) for rank in (0, 1)]
+    reports = [
+        json.loads((tmp_path / "torchrun" / f"precompute_report.rank{rank}.json").read_text()) for rank in (0, 1)
+    ]
     assert sorted(lane for report in reports for lane in report["lanes"]) == [0, 1]  # a rank slow to start may find
     assert {report["status"] for report in reports} <= {"done", "already done"}  # both lanes taken by the other
     for lane in (0, 1):

@@ -54,14 +54,18 @@ def start_in_namespace(config: Path, log: Path, task: int, pid: int = 1) -> subp
         command = ["sh", "-c", f'echo {pid - 1} > /proc/sys/kernel/ns_last_pid; "$@"; exit $?', "sh", *command]
     env = {**os.environ, **BASE_ENV, "SLURM_ARRAY_TASK_ID": str(task)}
     with open(log, "wb") as out:
-        return subprocess.Popen([*UNSHARE, *command], stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        return subprocess.Popen(
+            [*UNSHARE, *command], stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
 
 
 def held_by(storage: Storage, producer: str) -> list[str]:
     """The leases naming `producer`."""
-    return [rel for rel in storage.list("leases") if rel.endswith(".json")
-            and json.loads(storage.read(rel))["producer"] == producer]
+    return [
+        rel
+        for rel in storage.list("leases")
+        if rel.endswith(".json") and json.loads(storage.read(rel))["producer"] == producer
+    ]
 
 
 def generations(storage: Storage, lane: int) -> list[int]:
@@ -69,12 +73,17 @@ def generations(storage: Storage, lane: int) -> list[int]:
 
 
 @pytest.mark.skipif(not namespaces_work(), reason="unshare --pid needs root (or user namespaces) here")
-def test_producers_in_separate_pid_namespaces_never_take_each_others_lanes(tmp_path, tiny_model_factory,
-                                                                           raw_shards):
+def test_producers_in_separate_pid_namespaces_never_take_each_others_lanes(tmp_path, tiny_model_factory, raw_shards):
     uri = str(tmp_path / "window")
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run", uri,
-                          window={"size": 2, "poll_seconds": 0.05, "timeout_seconds": 600.0},
-                          precompute={"workers": 0, "lanes": 2, "claim_seconds": 600.0})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        uri,
+        window={"size": 2, "poll_seconds": 0.05, "timeout_seconds": 600.0},
+        precompute={"workers": 0, "lanes": 2, "claim_seconds": 600.0},
+    )
     storage = Storage(uri)
     assert ledger.fix_lanes(storage, 2, len(list_raw_shards(str(raw_shards)))) == 2
     # The test holds lane 1 for B. Its record names its host and pid, no pid namespace: never judged gone by pid.
@@ -90,8 +99,9 @@ def test_producers_in_separate_pid_namespaces_never_take_each_others_lanes(tmp_p
         wait_for(lambda: held_by(storage, "task0"), timeout=300, what="B to take a lane")  # after judging lane 0
         assert generations(storage, 0) == [1], "B took lane 0 from A, alive in another namespace"
         os.killpg(procs["a"].pid, signal.SIGCONT)
-        ledger.write_consumer(storage, {"read": {0: 10**6, 1: 10**6}, "watermark": {}, "read_position": 0,
-                                        "watermark_position": 0})  # the trainer read everything: room for all
+        ledger.write_consumer(
+            storage, {"read": {0: 10**6, 1: 10**6}, "watermark": {}, "read_position": 0, "watermark_position": 0}
+        )  # the trainer read everything: room for all
         for name, proc in procs.items():
             assert proc.wait(timeout=300) == 0, logs[name].read_text()[-3000:]
     finally:
@@ -108,8 +118,10 @@ def test_producers_in_separate_pid_namespaces_never_take_each_others_lanes(tmp_p
     committed = Counter(key for record in records for key in record.keys)
     assert set(committed) == raw_keys(raw_shards) and set(committed.values()) == {1}
     assert {(record.producer, record.data.split("-")[1]) for record in records} == {(0, "g1"), (1, "g2")}
-    reports = {name: json.loads((tmp_path / "run" / f"precompute_report.task{task}.json").read_text())
-               for name, task in (("a", 1), ("b", 0))}
+    reports = {
+        name: json.loads((tmp_path / "run" / f"precompute_report.task{task}.json").read_text())
+        for name, task in (("a", 1), ("b", 0))
+    }
     assert reports["a"]["lanes"] == [0] and reports["b"]["lanes"] == [1]
     assert {r["status"] for r in reports.values()} == {"done"}
 

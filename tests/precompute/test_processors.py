@@ -12,8 +12,17 @@ import numpy as np
 import pytest
 import torch
 
-from vt.precompute.processors import (PreparedSample, SampleError, VideoInfo, decode_at, fit_to_bucket,
-                                      prepare_sample, probe, sample_times, usable_frames)
+from vt.precompute.processors import (
+    PreparedSample,
+    SampleError,
+    VideoInfo,
+    decode_at,
+    fit_to_bucket,
+    prepare_sample,
+    probe,
+    sample_times,
+    usable_frames,
+)
 from vt.precompute.sources import RawSample, iter_raw_samples
 from vt.shared.buckets import Bucket
 
@@ -39,18 +48,28 @@ def _shown_at(times: list[float], frames: list[np.ndarray], t: float) -> np.ndar
     return frames[max(i for i, start in enumerate(times) if start <= t + 1e-6)]
 
 
-@pytest.mark.parametrize("name, expected", [
-    ("bigbuckbunny", (25.0, 132, 5.28, 720, 1280, 1.0)),
-    ("bikes", (25.0, 250, 10.0, 272, 640, 1.0)),
-    # stored 176x144 with pixels 128/117 as wide as tall (CIF at 4:3): shown 193x144
-    ("carphone_pristine", (30000 / 1001, 120, 4.004, 144, 193, 128 / 117)),
-    ("carphone_distorted", (30000 / 1001, 120, 4.004, 144, 193, 128 / 117)),
-])
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("bigbuckbunny", (25.0, 132, 5.28, 720, 1280, 1.0)),
+        ("bikes", (25.0, 250, 10.0, 272, 640, 1.0)),
+        # stored 176x144 with pixels 128/117 as wide as tall (CIF at 4:3): shown 193x144
+        ("carphone_pristine", (30000 / 1001, 120, 4.004, 144, 193, 128 / 117)),
+        ("carphone_distorted", (30000 / 1001, 120, 4.004, 144, 193, 128 / 117)),
+    ],
+)
 def test_probe_real_clips(clips_dir, name, expected):
     info = probe(_read(clips_dir, name))
     fps, frames, duration, height, width, sar = expected
-    assert info == VideoInfo(fps=pytest.approx(fps), frames=frames, duration=pytest.approx(duration),
-                             height=height, width=width, rotation=0, sample_aspect_ratio=pytest.approx(sar))
+    assert info == VideoInfo(
+        fps=pytest.approx(fps),
+        frames=frames,
+        duration=pytest.approx(duration),
+        height=height,
+        width=width,
+        rotation=0,
+        sample_aspect_ratio=pytest.approx(sar),
+    )
 
 
 @pytest.mark.parametrize("name, start", [("bikes", 0.0), ("bikes", 3.3), ("carphone_pristine", 0.7)])
@@ -122,8 +141,12 @@ def test_rotation_metadata_is_applied(media, rotation, corner):
     assert (info.height, info.width) == ((64, 32) if rotation in (90, 270) else (32, 64))
     frame = decode_at(video, [0.0], info)[0].mean(axis=2)
     h, w = frame.shape
-    quarters = {"top-left": frame[: h // 2, : w // 2], "top-right": frame[: h // 2, w // 2:],
-                "bottom-left": frame[h // 2:, : w // 2], "bottom-right": frame[h // 2:, w // 2:]}
+    quarters = {
+        "top-left": frame[: h // 2, : w // 2],
+        "top-right": frame[: h // 2, w // 2 :],
+        "bottom-left": frame[h // 2 :, : w // 2],
+        "bottom-right": frame[h // 2 :, w // 2 :],
+    }
     assert {k for k, q in quarters.items() if q.mean() > 200} == {corner}
 
 

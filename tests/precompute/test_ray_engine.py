@@ -19,8 +19,10 @@ from ray_head import RAY_ENV, session_processes, start_head, stop_head
 
 from vt.shared.window import Window
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'vt[ray]')")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs ray (pip install 'vt[ray]')"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -42,20 +44,34 @@ def test_a_killed_decode_actor_costs_a_retry_never_a_sample(tmp_path, tiny_model
     actor's process is killed mid-run: both exit 0, the actor is replaced, every sample is committed once."""
     address, sid = ray_cluster
     window = tmp_path / "window"
-    config = write_config(tmp_path / "ray.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
-                          str(window), window={"size": "keep"},
-                          precompute={"engine": "ray", "ray_actors": 1, "samples_per_shard": 1, "encode_batch": 1,
-                                      "lanes": 2})
+    config = write_config(
+        tmp_path / "ray.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        str(window),
+        window={"size": "keep"},
+        precompute={"engine": "ray", "ray_actors": 1, "samples_per_shard": 1, "encode_batch": 1, "lanes": 2},
+    )
     env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1"}
     logs = [tmp_path / f"producer{i}.log" for i in range(2)]
     producers = []
     for log in logs:
         with open(log, "wb") as out:
-            producers.append(subprocess.Popen([sys.executable, "-m", "vt.precompute", "run", str(config)], stdout=out,
-                                              stderr=subprocess.STDOUT, env=env))
+            producers.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "vt.precompute", "run", str(config)],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                )
+            )
     try:
-        actors = wait_for(lambda: len(decode_actors(sid)) == 2 and decode_actors(sid), timeout=180,
-                          what="a decode actor per producer on the cluster")
+        actors = wait_for(
+            lambda: len(decode_actors(sid)) == 2 and decode_actors(sid),
+            timeout=180,
+            what="a decode actor per producer on the cluster",
+        )
         wait_for(lambda: any((window / "commits").rglob("*.json")), timeout=180, what="a first committed shard")
         os.kill(actors[0], signal.SIGKILL)  # mid-run: its producer has samples left to decode
         for producer, log in zip(producers, logs):

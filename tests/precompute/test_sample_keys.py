@@ -26,9 +26,14 @@ from vt.train.data import BatchReader
 
 def test_shard_names_are_relative_to_the_common_folder_of_all_shards():
     assert shard_names(["/d/raw/a/000.tar", "/d/raw/b/000.tar.gz", "/d/raw/b/c/001.TGZ"]) == {
-        "/d/raw/a/000.tar": "a/000", "/d/raw/b/000.tar.gz": "b/000", "/d/raw/b/c/001.TGZ": "b/c/001"}
+        "/d/raw/a/000.tar": "a/000",
+        "/d/raw/b/000.tar.gz": "b/000",
+        "/d/raw/b/c/001.TGZ": "b/c/001",
+    }
     assert shard_names(["s3://bucket/raw/x-000.tar", "s3://bucket/raw/x-001.tar"]) == {
-        "s3://bucket/raw/x-000.tar": "x-000", "s3://bucket/raw/x-001.tar": "x-001"}
+        "s3://bucket/raw/x-000.tar": "x-000",
+        "s3://bucket/raw/x-001.tar": "x-001",
+    }
     assert shard_names(["raw/only.tar"]) == {"raw/only.tar": "only"}
     # Two tars that differ only in their suffix keep it: names stay unique.
     assert shard_names(["r/x.tar", "r/x.tgz", "r/y.tar"]) == {"r/x.tar": "x.tar", "r/x.tgz": "x.tgz", "r/y.tar": "y"}
@@ -36,16 +41,28 @@ def test_shard_names_are_relative_to_the_common_folder_of_all_shards():
 
 def test_a_key_repeated_inside_a_shard_is_a_duplicate(media, good_clip, tmp_path):
     caption = b"a gray fade"
-    shard = media.write_tar(tmp_path / "s.tar", [
-        ("000000.mp4", good_clip), ("000000.txt", caption),
-        ("000001.mp4", good_clip), ("000001.txt", caption),
-        ("000000.mp4", good_clip), ("000000.txt", b"the same key again"),  # samples in between
-        ("a.mp4", good_clip), ("a.mp4", good_clip), ("a.txt", caption),  # a member twice in a row
-    ])
+    shard = media.write_tar(
+        tmp_path / "s.tar",
+        [
+            ("000000.mp4", good_clip),
+            ("000000.txt", caption),
+            ("000001.mp4", good_clip),
+            ("000001.txt", caption),
+            ("000000.mp4", good_clip),
+            ("000000.txt", b"the same key again"),  # samples in between
+            ("a.mp4", good_clip),
+            ("a.mp4", good_clip),
+            ("a.txt", caption),  # a member twice in a row
+        ],
+    )
     samples = list(iter_raw_samples(str(shard)))
     assert [(s.sample_id, s.position, s.error) for s in samples] == [
-        ("s/000000", 0, None), ("s/000001", 1, None), ("s/000000", 2, "duplicate_key"),
-        ("s/a", 3, "missing_caption"), ("s/a", 4, "duplicate_key")]  # the first `a` is the one kept
+        ("s/000000", 0, None),
+        ("s/000001", 1, None),
+        ("s/000000", 2, "duplicate_key"),
+        ("s/a", 3, "missing_caption"),
+        ("s/a", 4, "duplicate_key"),
+    ]  # the first `a` is the one kept
     assert "came earlier" in samples[2].detail and samples[2].caption is None
 
 
@@ -56,13 +73,24 @@ def _per_shard_numbered(folder: Path, media) -> None:
     caption = b"a gray fade"
     for camera in ("cam-a", "cam-b"):
         (folder / camera).mkdir(parents=True)
-        media.write_tar(folder / camera / "000.tar", [(f"{key}.{ext}", data) for key in ("000000", "000001")
-                                                      for ext, data in (("mp4", clip), ("txt", caption))])
-    media.write_tar(folder / "mixed.tar", [
-        ("000000.mp4", clip), ("000000.txt", caption), ("000001.mp4", clip), ("000001.txt", caption),
-        ("000000.mp4", clip), ("000000.txt", caption),  # duplicate_key
-        ("000002.mp4", clip), ("000002.txt", caption), ("000002.txt", caption),  # duplicate_key (a lone .txt)
-    ])
+        media.write_tar(
+            folder / camera / "000.tar",
+            [(f"{key}.{ext}", data) for key in ("000000", "000001") for ext, data in (("mp4", clip), ("txt", caption))],
+        )
+    media.write_tar(
+        folder / "mixed.tar",
+        [
+            ("000000.mp4", clip),
+            ("000000.txt", caption),
+            ("000001.mp4", clip),
+            ("000001.txt", caption),
+            ("000000.mp4", clip),
+            ("000000.txt", caption),  # duplicate_key
+            ("000002.mp4", clip),
+            ("000002.txt", caption),
+            ("000002.txt", caption),  # duplicate_key (a lone .txt)
+        ],
+    )
 
 
 def test_keys_numbered_per_shard_through_the_cli(tmp_path, media, tiny_model_factory):
@@ -70,8 +98,15 @@ def test_keys_numbered_per_shard_through_the_cli(tmp_path, media, tiny_model_fac
     _per_shard_numbered(raw, media)
     uri = str(tmp_path / "window")
     run_dir = tmp_path / "run"
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw, run_dir, uri,
-                          window={"size": "keep"}, precompute={"workers": 1, "samples_per_shard": 4})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw,
+        run_dir,
+        uri,
+        window={"size": "keep"},
+        precompute={"workers": 1, "samples_per_shard": 4},
+    )
     log = tmp_path / "precompute.log"  # 4 a shard: both tars' 000000 and 000001 meet in the first one
     finish(start("precompute", config, log=log), log)  # exit 0
 
@@ -87,7 +122,9 @@ def test_keys_numbered_per_shard_through_the_cli(tmp_path, media, tiny_model_fac
     assert report["status"] == "done" and report["rejected"] == {"duplicate_key": 2}
     rejects = [json.loads(line) for line in (run_dir / "rejects.jsonl").read_text().splitlines()]
     assert [(r["key"], r["position"], r["reason"]) for r in rejects] == [
-        ("mixed/000000", 2, "duplicate_key"), ("mixed/000002", 4, "duplicate_key")]
+        ("mixed/000000", 2, "duplicate_key"),
+        ("mixed/000002", 4, "duplicate_key"),
+    ]
     assert "rejects.jsonl" in log.read_text()  # the summary line names the list
 
 
@@ -121,18 +158,32 @@ def test_a_restart_rereads_a_partial_shard_and_lists_its_rejects_once(tmp_path, 
     raw.mkdir()
     media.write_tar(raw / "r.tar", members)
     uri = str(tmp_path / "window")
-    config = load_config(write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw, tmp_path / "run",
-                                      uri, window={"size": "keep"}, precompute={"workers": 0}))
+    config = load_config(
+        write_config(
+            tmp_path / "run.toml",
+            tiny_model_factory("ltx-video"),
+            raw,
+            tmp_path / "run",
+            uri,
+            window={"size": "keep"},
+            precompute={"workers": 0},
+        )
+    )
     first = Precompute(config)
     first.window = CrashingWindow(uri, "keep", 0.01, 30.0, at=2)  # shard 0 = g0, g1; dies before shard 1
     with pytest.raises(Crash):
         first.run()
     report = Precompute(config).run()
 
-    assert report.resumed_at == 1 and report.skipped_committed == 2 and report.rejected == {
-        "missing_caption": 1, "duplicate_key": 1}
+    assert (
+        report.resumed_at == 1
+        and report.skipped_committed == 2
+        and report.rejected == {"missing_caption": 1, "duplicate_key": 1}
+    )
     committed = Counter(key for _, record in Window(uri).order() for key in record.keys)
     assert committed == Counter({f"r/g{i}": 1 for i in range(5)})
     lines = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["key"], r["position"], r["reason"]) for r in lines] == [
-        ("r/nocap", 1, "missing_caption"), ("r/g0", 3, "duplicate_key")]
+        ("r/nocap", 1, "missing_caption"),
+        ("r/g0", 3, "duplicate_key"),
+    ]

@@ -81,8 +81,9 @@ def consume_everything(uri: str, harvested: Counter, seen: set) -> None:
 
 def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_factory, raw_with_bad):
     uri = str(tmp_path / "window")
-    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_with_bad, uri,
-                        window={"size": 64}, train={"epochs": 2})
+    config = config_for(
+        tmp_path, tiny_model_factory("ltx-video"), raw_with_bad, uri, window={"size": 64}, train={"epochs": 2}
+    )
     harvested, seen = Counter(), set()
     reports = []
     for at, when in ((3, "after_record"), (4, "before_data"), (None, None)):
@@ -110,8 +111,14 @@ def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_pa
     """A producer whose heartbeat stopped mid-commit loses its lane to a second one after claim_seconds of
     silence; the second resumes after the last commit, the first is fenced at its commit and drops the lane."""
     uri = str(tmp_path / "window")
-    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_shards, uri, window={"size": "keep"},
-                        precompute={"workers": 0, "claim_seconds": 0.4})
+    config = config_for(
+        tmp_path,
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        uri,
+        window={"size": "keep"},
+        precompute={"workers": 0, "claim_seconds": 0.4},
+    )
     reached, release = threading.Event(), threading.Event()
 
     class PausingWindow(Window):
@@ -166,8 +173,9 @@ def test_a_rerun_commit_with_the_same_samples_counts_as_done(tmp_path):
 
 def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_bad, capsys):
     uri = str(tmp_path / "window")
-    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_with_bad, uri,
-                        window={"size": "keep"}, log={"progress": True})
+    config = config_for(
+        tmp_path, tiny_model_factory("ltx-video"), raw_with_bad, uri, window={"size": "keep"}, log={"progress": True}
+    )
     Precompute(config).run()
     bar = capsys.readouterr().err
     report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
@@ -195,7 +203,10 @@ def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_
 
     status = CliRunner().invoke(app, ["status", uri])
     assert status.exit_code == 0, status.output
-    assert "1 lanes over 3 raw shards" in status.output and "raw shards: 3 complete, 0 being worked, 0 waiting" in status.output
+    assert (
+        "1 lanes over 3 raw shards" in status.output
+        and "raw shards: 3 complete, 0 being worked, 0 waiting" in status.output
+    )
     assert f"{report['producer']:<27} 0         done" in status.output
     assert "rejected: empty_caption 1, missing_caption 1" in status.output
 

@@ -52,7 +52,7 @@ def small_shards(raw_shards, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("raw-small")
     for first in range(0, len(order), 2):
         with tarfile.open(out / f"raw-{first // 2:06d}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
-            for key in order[first:first + 2]:
+            for key in order[first : first + 2]:
                 for info, data in members[key]:
                     tar.addfile(info, io.BytesIO(data))
     assert len(list(out.glob("*.tar"))) >= 6
@@ -66,8 +66,11 @@ def committed_lanes(window: Storage) -> set[int]:
 
 def held_lanes(window: Storage, lanes: int = 3) -> set[int]:
     """The lanes whose newest lease is neither released nor done: what producers see as held (shared/claims.py)."""
-    return {lane for lane, seen in look(window, lanes).items()
-            if seen.generation is not None and not seen.released and not seen.done}
+    return {
+        lane
+        for lane, seen in look(window, lanes).items()
+        if seen.generation is not None and not seen.released and not seen.done
+    }
 
 
 def lane_status(window_dir: Path) -> dict[int, dict]:
@@ -82,32 +85,61 @@ def reports(run_dir: Path) -> dict[str, dict]:
 
 
 def element_logs(tmp_path: Path, job: str) -> str:
-    return "\n".join(f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
-                     for p in sorted(tmp_path.glob(f"slurm-{job}_*.out")))
+    return "\n".join(
+        f"--- {p.name} ---\n{p.read_text(errors='replace')[-2500:]}"
+        for p in sorted(tmp_path.glob(f"slurm-{job}_*.out"))
+    )
 
 
-def test_array_scancelled_and_resubmitted_trains_every_sample_once(tmp_path, slurm, tiny_model_factory,  # noqa: F811
-                                                                   small_shards):
+def test_array_scancelled_and_resubmitted_trains_every_sample_once(
+    tmp_path,
+    slurm,  # noqa: F811 - the fixture
+    tiny_model_factory,
+    small_shards,
+):
     started = time.monotonic()
     run_dir, window_dir = tmp_path / "run", tmp_path / "run" / "window"
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), small_shards, run_dir, str(window_dir),
-                          window={"size": 6, "poll_seconds": 0.05, "timeout_seconds": 120.0},
-                          precompute={"workers": 0, "claim_seconds": 10.0},
-                          train={"epochs": 1, "batch_size": 2},
-                          log={"samples": True, "progress": False})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        small_shards,
+        run_dir,
+        str(window_dir),
+        window={"size": 6, "poll_seconds": 0.05, "timeout_seconds": 120.0},
+        precompute={"workers": 0, "claim_seconds": 10.0},
+        train={"epochs": 1, "batch_size": 2},
+        log={"samples": True, "progress": False},
+    )
     window = Storage(str(window_dir))
-    slurm.env.update({"PATH": f"{BIN}:{slurm.env['PATH']}", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-                      "TOKENIZERS_PARALLELISM": "false"})
+    slurm.env.update(
+        {
+            "PATH": f"{BIN}:{slurm.env['PATH']}",
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
 
     def submit(array: str) -> str:
-        return slurm.sbatch(f"--array={array}", "--gres=none", "--cpus-per-task=1", f"--chdir={tmp_path}",
-                            f"--output={tmp_path}/slurm-%A_%a.out", str(SBATCH), str(config))
+        return slurm.sbatch(
+            f"--array={array}",
+            "--gres=none",
+            "--cpus-per-task=1",
+            f"--chdir={tmp_path}",
+            f"--output={tmp_path}/slurm-%A_%a.out",
+            str(SBATCH),
+            str(config),
+        )
 
     first = submit("0-2")
     # An element that committed: the holder of a held lane with a commit record (`task<i>` in vt-precompute status).
-    victim = slurm.wait(lambda: (lanes := committed_lanes(window) & held_lanes(window)) and
-                        lane_status(window_dir)[min(lanes)]["holder"],
-                        timeout=240, what=lambda: f"a commit of array {first}\n{element_logs(tmp_path, first)}")
+    victim = slurm.wait(
+        lambda: (
+            (lanes := committed_lanes(window) & held_lanes(window)) and lane_status(window_dir)[min(lanes)]["holder"]
+        ),
+        timeout=240,
+        what=lambda: f"a commit of array {first}\n{element_logs(tmp_path, first)}",
+    )
     task = int(victim.removeprefix("task"))
     assert slurm.queue(first).get(str(task)) == "RUNNING", slurm.queue(first)
     slurm.scancel(f"{first}_{task}")
@@ -115,9 +147,13 @@ def test_array_scancelled_and_resubmitted_trains_every_sample_once(tmp_path, slu
     assert ended["JobState"] == "CANCELLED", ended
     # No trainer reads yet: the other elements fill the window (the cancelled lane taken over) and wait for room;
     # stop them then, as a time limit would.
-    slurm.wait(lambda: all(len(window.list(f"commits/p{lane}")) >= SHARE or seen.done
-                           for lane, seen in look(window, 3).items()),
-               timeout=180, what=lambda: f"a full window\n{element_logs(tmp_path, first)}")
+    slurm.wait(
+        lambda: all(
+            len(window.list(f"commits/p{lane}")) >= SHARE or seen.done for lane, seen in look(window, 3).items()
+        ),
+        timeout=180,
+        what=lambda: f"a full window\n{element_logs(tmp_path, first)}",
+    )
     slurm.scancel(first)
     slurm.wait_gone(first, timeout=60)
     first_reports = reports(run_dir)
@@ -125,8 +161,12 @@ def test_array_scancelled_and_resubmitted_trains_every_sample_once(tmp_path, slu
     victim_report = first_reports[f"precompute_report.task{task}.json"]
     assert victim_report["committed"] > 0 and "SystemExit" in victim_report["status"], (victim_report, first_logs)
     # SIGTERM released every lane the array held: none is left held by a stopped producer.
-    assert not held_lanes(window), ("lanes left held by stopped producers (not released on SIGTERM)",
-                                    held_lanes(window), sorted(window.list("leases")), first_logs)
+    assert not held_lanes(window), (
+        "lanes left held by stopped producers (not released on SIGTERM)",
+        held_lanes(window),
+        sorted(window.list("leases")),
+        first_logs,
+    )
     assert json.loads(window.read("lanes.json"))["lanes"] == 3
 
     second = submit("0-1")
@@ -138,8 +178,9 @@ def test_array_scancelled_and_resubmitted_trains_every_sample_once(tmp_path, slu
         if trainer.poll() is None:
             trainer.kill()
             trainer.wait()
-    assert {t: r["JobState"] for t, r in done.items()} == {0: "COMPLETED", 1: "COMPLETED"}, \
-        element_logs(tmp_path, second)
+    assert {t: r["JobState"] for t, r in done.items()} == {0: "COMPLETED", 1: "COMPLETED"}, element_logs(
+        tmp_path, second
+    )
     assert json.loads(window.read("lanes.json"))["lanes"] == 3
 
     second_reports = reports(run_dir)

@@ -9,16 +9,19 @@ import tarfile
 
 import pytest
 import webdataset as wds
-
 from fetch_sample_clips import CLIPS, fetch_clips
 from make_sample_shards import make_sample_shards
+
 from vt.precompute.processors import probe
 from vt.precompute.sources import RawSample, iter_raw_samples, list_raw_shards, split_for_rank
 
 # 1.5 s pieces: bigbuckbunny 5.28 s -> 3, bikes 10 s -> 6, each carphone 4.004 s -> 2
-EXPECTED_KEYS = ([f"bigbuckbunny-{i:03d}" for i in range(3)] + [f"bikes-{i:03d}" for i in range(6)]
-                 + [f"carphone_distorted-{i:03d}" for i in range(2)]
-                 + [f"carphone_pristine-{i:03d}" for i in range(2)])
+EXPECTED_KEYS = (
+    [f"bigbuckbunny-{i:03d}" for i in range(3)]
+    + [f"bikes-{i:03d}" for i in range(6)]
+    + [f"carphone_distorted-{i:03d}" for i in range(2)]
+    + [f"carphone_pristine-{i:03d}" for i in range(2)]
+)
 
 
 def test_fetch_clips_is_idempotent(clips_dir):
@@ -51,13 +54,19 @@ def test_iter_raw_samples_matches_webdataset(raw_tars):
     theirs = list(wds.WebDataset([str(p) for p in raw_tars], shardshuffle=False, empty_check=False))
     assert all(s.error is None for s in ours)
     assert [(s.key, s.video, s.caption) for s in ours] == [
-        (t["__key__"], t["mp4"], t["txt"].decode("utf-8")) for t in theirs]
+        (t["__key__"], t["mp4"], t["txt"].decode("utf-8")) for t in theirs
+    ]
     assert {s.shard for s in ours} == {str(p) for p in raw_tars}
 
 
 def test_json_captions(clips_dir, tmp_path):
-    shards = make_sample_shards([clips_dir / "carphone_distorted.mp4"], tmp_path, seconds=1.0,
-                                captions={"carphone_distorted": "a man on a phone"}, caption_format="json")
+    shards = make_sample_shards(
+        [clips_dir / "carphone_distorted.mp4"],
+        tmp_path,
+        seconds=1.0,
+        captions={"carphone_distorted": "a man on a phone"},
+        caption_format="json",
+    )
     with tarfile.open(shards[0]) as tar:
         assert tar.getnames()[:2] == ["carphone_distorted-000.mp4", "carphone_distorted-000.json"]
         assert json.load(tar.extractfile("carphone_distorted-000.json")) == {"caption": "a man on a phone"}
@@ -66,10 +75,15 @@ def test_json_captions(clips_dir, tmp_path):
 
 
 def test_text_field_and_keys_with_folders(media, good_clip, tmp_path):
-    shard = media.write_tar(tmp_path / "s.tar", [
-        ("part/a.mp4", good_clip), ("part/a.json", json.dumps({"text": " two words "}).encode()),
-        ("c.mp4", good_clip), ("c.txt", b"cat"),
-    ])
+    shard = media.write_tar(
+        tmp_path / "s.tar",
+        [
+            ("part/a.mp4", good_clip),
+            ("part/a.json", json.dumps({"text": " two words "}).encode()),
+            ("c.mp4", good_clip),
+            ("c.txt", b"cat"),
+        ],
+    )
     samples = list(iter_raw_samples(str(shard)))
     assert [(s.key, s.caption, s.error) for s in samples] == [("part/a", "two words", None), ("c", "cat", None)]
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import shutil
 import tarfile
 from pathlib import Path
 
@@ -32,7 +31,10 @@ def raw_distinct(raw_shards, tmp_path_factory) -> Path:
     pieces share their clip's caption), so every shard of one sample brings a caption not encoded yet."""
     folder = tmp_path_factory.mktemp("raw-distinct")
     for tar_path in sorted(raw_shards.glob("*.tar"))[:2]:
-        with tarfile.open(tar_path) as src, tarfile.open(folder / tar_path.name, "w", format=tarfile.USTAR_FORMAT) as out:
+        with (
+            tarfile.open(tar_path) as src,
+            tarfile.open(folder / tar_path.name, "w", format=tarfile.USTAR_FORMAT) as out,
+        ):
             for info in src.getmembers():
                 data = src.extractfile(info).read()
                 if info.name.endswith(".txt"):
@@ -47,13 +49,25 @@ def run(tmp_path: Path, model: Path, raw: Path, name: str, offload: str, window=
     from vt.precompute.service import Precompute
 
     uri = str(tmp_path / f"{name}-window")
-    config = load_config(write_config(
-        tmp_path / f"{name}.toml", model, raw, tmp_path / name, uri,
-        model={"family": family, "task": task, "max_text_tokens": 16}, buckets={"sizes": ["9x64x96"]},
-        window={"size": "keep"},
-        train={"validation_prompts": ["a fox in the snow"]},
-        precompute={"samples_per_shard": 1, "workers": 0, "text_encoder_offload": offload,
-                    "text_phase_shards": GROUP}))
+    config = load_config(
+        write_config(
+            tmp_path / f"{name}.toml",
+            model,
+            raw,
+            tmp_path / name,
+            uri,
+            model={"family": family, "task": task, "max_text_tokens": 16},
+            buckets={"sizes": ["9x64x96"]},
+            window={"size": "keep"},
+            train={"validation_prompts": ["a fox in the snow"]},
+            precompute={
+                "samples_per_shard": 1,
+                "workers": 0,
+                "text_encoder_offload": offload,
+                "text_phase_shards": GROUP,
+            },
+        )
+    )
     producer = Precompute(config)
     if window is not None:
         producer.window = window(uri)
@@ -64,8 +78,12 @@ def run(tmp_path: Path, model: Path, raw: Path, name: str, offload: str, window=
 def window_files(window: Path) -> dict[str, bytes]:
     """The window's safetensors files (shards, empty caption, validation conditions) by where they sit: a shard by its
     lane, seq and generation (its name's last part is an attempt's own)."""
-    return {str(path.parent.relative_to(window) / (path.stem.rsplit("-", 1)[0] if "data" in path.parts else path.name)):
-            path.read_bytes() for path in window.rglob("*.safetensors")}
+    return {
+        str(
+            path.parent.relative_to(window) / (path.stem.rsplit("-", 1)[0] if "data" in path.parts else path.name)
+        ): path.read_bytes()
+        for path in window.rglob("*.safetensors")
+    }
 
 
 def content(data: bytes) -> str:
@@ -73,17 +91,23 @@ def content(data: bytes) -> str:
     in (safetensors writes its header's keys in no fixed order)."""
     from safetensors.torch import load
 
-    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
     tensors = load(data)
-    return json.dumps({"meta": header["__metadata__"],
-                       "tensors": {name: tensors[name].flatten().tolist() for name in sorted(tensors)}}, sort_keys=True)
+    return json.dumps(
+        {
+            "meta": header["__metadata__"],
+            "tensors": {name: tensors[name].flatten().tolist() for name in sorted(tensors)},
+        },
+        sort_keys=True,
+    )
 
 
 # Wan: captions alone (the text cache); HunyuanVideo i2v: its Llava also reads each caption with the clip's first frame,
 # per sample (`spec.text_with_image`), in the same phase.
 @pytest.mark.parametrize("family, task", [("wan", "t2v"), ("hunyuan-video", "i2v")])
 def test_an_offloaded_text_encoder_crosses_once_per_group_of_shards_and_the_window_is_unchanged(
-        tmp_path, tiny_model_factory, raw_distinct, monkeypatch, family, task):
+    tmp_path, tiny_model_factory, raw_distinct, monkeypatch, family, task
+):
     model = tiny_model_factory(family, task)
     _, on_device, expected = run(tmp_path, model, raw_distinct, "on-device", "none", family=family, task=task)
     monkeypatch.setattr(stage1_encoders, "MOVE_ON_CPU", True)
@@ -95,8 +119,9 @@ def test_an_offloaded_text_encoder_crosses_once_per_group_of_shards_and_the_wind
     assert stage1_encoders.text_moves(producer.encoders, producer.spec) == 1 + math.ceil(shards / GROUP)
     # every shard byte for byte as the encoder on the device wrote it: same seq, keys, latents and text conditions
     assert files.keys() == expected.keys() and len([name for name in files if name.startswith("data/")]) == shards
-    assert {name: content(data) for name, data in files.items()} == \
-        {name: content(data) for name, data in expected.items()}
+    assert {name: content(data) for name, data in files.items()} == {
+        name: content(data) for name, data in expected.items()
+    }
 
 
 class CrashAfterRecord(Exception):
@@ -104,7 +129,8 @@ class CrashAfterRecord(Exception):
 
 
 def test_a_crash_between_the_commits_of_one_text_phase_commits_every_sample_once(
-        tmp_path, tiny_model_factory, raw_distinct):
+    tmp_path, tiny_model_factory, raw_distinct
+):
     from vt.shared.window import Window
 
     class CrashingWindow(Window):

@@ -27,8 +27,7 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
     return root / "window", report.committed
 
 
-def test_bare_loop_and_trainer_report_identical_losses_on_the_same_batches(tmp_path, tiny_model_factory,
-                                                                            kept_window):
+def test_bare_loop_and_trainer_report_identical_losses_on_the_same_batches(tmp_path, tiny_model_factory, kept_window):
     model = tiny_model_factory("ltx-video")
     window, _ = kept_window
     result = bench_steps(DEMO, model, model / "transformer", window, tmp_path, rounds=2, steps=4)
@@ -101,22 +100,25 @@ def test_bare_launch_script_trains_on_the_window_shard_files(tiny_model_factory,
     assert sum(len(b["latents"]) for b in first_pass) == samples  # every sample once per pass, none twice
     assert all(b["latents"].dtype == torch.float32 and 1 <= len(b["latents"]) <= 2 for b in first_pass)
 
-    main(["--transformer", str(tiny_model_factory("ltx-video") / "transformer"), "--window", str(window),
-          "--steps", "3"])
+    main(
+        ["--transformer", str(tiny_model_factory("ltx-video") / "transformer"), "--window", str(window), "--steps", "3"]
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(result["step_done"]) == 3 and result["step_done"] == sorted(result["step_done"])
     assert all(0 < loss < 100 for loss in result["losses"])
 
 
-def test_start_up_rows_time_both_stages_from_launch_against_a_bare_import(tmp_path, tiny_model_factory, raw_shards,
-                                                                        kept_window):
+def test_start_up_rows_time_both_stages_from_launch_against_a_bare_import(
+    tmp_path, tiny_model_factory, raw_shards, kept_window
+):
     from bench_startup import bench_startup
 
     window, _ = kept_window
     result = bench_startup(DEMO, tiny_model_factory("ltx-video"), raw_shards, window, tmp_path, rounds=1, threads=1)
     pre_row, train_row = result["rows"]
     assert len(result["bare_s"]) == 2 and pre_row.baseline == train_row.baseline == pytest.approx(
-        sum(result["bare_s"]) / 2)
+        sum(result["bare_s"]) / 2
+    )
     for row, side, last in ((pre_row, "precompute", "first_decoded_sample"), (train_row, "train", "first_step")):
         run = result[side][0]
         assert row.vt == run["first_s"] and row.max_ratio == 1.5 and row.ratio == row.vt / row.baseline
@@ -138,20 +140,23 @@ def test_scale_rows_compare_each_world_with_one_process_and_its_share():
     run = RunBytes([shard, shard], batch_size=8, batches=[[(s, r) for s in range(2) for r in range(4)]])
     assert run.global_bytes == 8 * 50 + 4 * 30 + 4 * 40
     assert run.rank_reads(0, 1)["data"] == 2 * (100 + 16) + 8 * 50 + 2 * (30 + 40)
-    assert run.rank_reads(1, 2) == {"shards": 1, "headers": 100, "tables": 16, "rows": 200, "captions": 70,
-                                    "data": 386}
-    counts = {1: {"steps": 1, "ranks": [{"bytes:data": 772, "header_bytes:data": 200, "reads:data": 6,
-                                         "headers:data": 2}]},
-              2: {"steps": 1, "ranks": [{"bytes:data": 386, "header_bytes:data": 100, "reads:data": 3,
-                                         "headers:data": 1}] * 2}}
+    assert run.rank_reads(1, 2) == {"shards": 1, "headers": 100, "tables": 16, "rows": 200, "captions": 70, "data": 386}
+    counts = {
+        1: {"steps": 1, "ranks": [{"bytes:data": 772, "header_bytes:data": 200, "reads:data": 6, "headers:data": 2}]},
+        2: {
+            "steps": 1,
+            "ranks": [{"bytes:data": 386, "header_bytes:data": 100, "reads:data": 3, "headers:data": 1}] * 2,
+        },
+    }
     rows = rows_for(counts, run)
     assert [round(r.ratio, 3) for r in rows] == [1.0, round(540 / 680, 3), 0.5, round(270 / 340, 3)]
     with pytest.raises(SystemExit):
         scale_args(["--worlds", "1", "3"])  # 3 does not divide the batch of 8
 
 
-def test_producers_bench_commits_every_sample_with_one_and_two_producers(tmp_path, tiny_model_factory, raw_shards,
-                                                                         capsys):
+def test_producers_bench_commits_every_sample_with_one_and_two_producers(
+    tmp_path, tiny_model_factory, raw_shards, capsys
+):
     """bench_producers.py --quick: one round of each side over 2 copies of the raw shards, 2 lanes; both sides
     commit every sample once, the two producers split the lanes, and the ratio is printed."""
     import json
@@ -160,13 +165,27 @@ def test_producers_bench_commits_every_sample_with_one_and_two_producers(tmp_pat
     from bench_producers import main
     from cli_runs import raw_keys
 
-    assert main(["--quick", "--model", str(tiny_model_factory("ltx-video")), "--raw", str(raw_shards),
-                 "--out", str(tmp_path)]) == 0
+    assert (
+        main(
+            [
+                "--quick",
+                "--model",
+                str(tiny_model_factory("ltx-video")),
+                "--raw",
+                str(raw_shards),
+                "--out",
+                str(tmp_path),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "producers.json").read_text())
     samples = 2 * len(raw_keys(raw_shards))
     assert {side: [r["committed"] for r in runs] for side, runs in result["runs"].items()} == {
-        "1 producer": [samples], "2 producers": [samples]}
+        "1 producer": [samples],
+        "2 producers": [samples],
+    }
     (one,), (two,) = result["runs"]["1 producer"], result["runs"]["2 producers"]
     assert sorted(lane for lanes in one["lanes"].values() for lane in lanes) == [0, 1] and len(one["lanes"]) == 1
     assert len(two["lanes"]) == 2 and len(two["exits_s"]) == 2  # both producers ran to their exit

@@ -24,12 +24,14 @@ def test_steady_rate_counts_from_the_first_output():
 
 def test_three_sides_over_the_same_corpus(tmp_path, tiny_model_factory, raw_shards):
     model = tiny_model_factory("ltx-video")
-    result = bench_throughput(DEMO, model, raw_shards, tmp_path, rounds=1, threads=1, repeats=2, workers=1,
-                              batch=4)
+    result = bench_throughput(DEMO, model, raw_shards, tmp_path, rounds=1, threads=1, repeats=2, workers=1, batch=4)
 
     clips = len(raw_keys(raw_shards))
     assert {side: [r["samples"] for r in runs] for side, runs in result["runs"].items()} == {
-        "service": [2 * clips], "naive": [2 * clips], "encode_only": [2 * clips]}
+        "service": [2 * clips],
+        "naive": [2 * clips],
+        "encode_only": [2 * clips],
+    }
     assert len(list((tmp_path / "naive-0" / "naive").glob("*.safetensors"))) == 2 * clips
 
     def window_keys(side: str) -> list[str]:

@@ -18,9 +18,17 @@ def test_dry_run_trains_every_row_and_prints_one_table(tmp_path, capsys):
     assert gpu_check.main(["--dry", "--json", str(out), *groups]) == 0
     rows = json.loads(out.read_text())
     labels = [r["case"] for r in rows]
-    assert labels == ["full, native, AC", "full, native_math, AC", "full, native, no AC",
-                      "fp8, native, AC, bf16", "fp8, native, AC, fp8 tensorwise", "fp8, native, AC, fp8 rowwise",
-                      "lora, native, AC, bf16 base", "lora, native, AC, fp8 base", "plan, native, AC, bf16 base"]
+    assert labels == [
+        "full, native, AC",
+        "full, native_math, AC",
+        "full, native, no AC",
+        "fp8, native, AC, bf16",
+        "fp8, native, AC, fp8 tensorwise",
+        "fp8, native, AC, fp8 rowwise",
+        "lora, native, AC, bf16 base",
+        "lora, native, AC, fp8 base",
+        "plan, native, AC, bf16 base",
+    ]
     for row in rows:
         assert row["note"] == "" or row["group"] == "plan", row
         assert row["tokens"] == 16 and row["step_ms"] > 0
@@ -51,9 +59,12 @@ def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
     out = tmp_path / "rows.json"
     assert gpu_check.main(["--dry", "--only", "run", "--json", str(out), "--work", str(tmp_path / "work")]) == 0
     rows = json.loads(out.read_text())
-    assert [r["case"] for r in rows] == ["run, Wan 2.1 14B LoRA", "run, HunyuanVideo 1.5 480p LoRA",
-                                         "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB",
-                                         "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB"]
+    assert [r["case"] for r in rows] == [
+        "run, Wan 2.1 14B LoRA",
+        "run, HunyuanVideo 1.5 480p LoRA",
+        "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB",
+        "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB",
+    ]
     for row in rows:
         assert row["note"].startswith("plan ") and row["videos"] == 1, row  # vt-train exited 0 and validated
         assert len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])

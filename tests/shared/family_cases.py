@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
@@ -22,7 +23,8 @@ def _ltx_denormalize(latents, vae):  # LTXPipeline's own inverse, as used before
 def _wan_denormalize(latents, vae):  # WanPipeline: latents / (1 / std) + mean
     shape = (1, -1, 1, 1, 1)
     return latents / (1.0 / torch.tensor(vae.config.latents_std).view(shape)) + torch.tensor(
-        vae.config.latents_mean).view(shape)
+        vae.config.latents_mean
+    ).view(shape)
 
 
 def _has_padding_mask(batch):  # padded captions are masked
@@ -62,7 +64,9 @@ def _ltx2_connector_text(batch):  # LTX2Pipeline's connectors: every row is vali
 
 def _h3_denormalize(latents, vae):  # MiniMaxH3VideoDecodeStep: latents * std + mean
     shape = (1, -1, 1, 1, 1)
-    return latents * torch.tensor(vae.config.latents_std).view(shape) + torch.tensor(vae.config.latents_mean).view(shape)
+    return latents * torch.tensor(vae.config.latents_std).view(shape) + torch.tensor(vae.config.latents_mean).view(
+        shape
+    )
 
 
 def _h3_pixels(clip):  # the H3 video VAE's input: [0, 1] pixels, ImageNet-normalised
@@ -86,75 +90,200 @@ def _v_target(spec, x0, noise, sigmas):  # DDPM v-prediction at t = floor(1000 s
 # What each family's tiny preset must show; a new family adds its entry (comfy_key None: the family
 # writes no ComfyUI file; target: the training target, rectified flow unless given).
 EXPECTED = {
-    "ltx-video": dict(frames_step=8, side=32, latent=(16, 2, 2, 3), text_dim=64, text_tokens=128, patch=1,
-                      text_padding=_has_padding_mask, denormalize=_ltx_denormalize,
-                      comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"),
-    "wan": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
-                text_padding=_zero_past_caption, denormalize=_wan_denormalize,
-                comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
-    "wan2.2": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
-                   text_padding=_zero_past_caption, denormalize=_wan_denormalize,
-                   comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+    "ltx-video": dict(
+        frames_step=8,
+        side=32,
+        latent=(16, 2, 2, 3),
+        text_dim=64,
+        text_tokens=128,
+        patch=1,
+        text_padding=_has_padding_mask,
+        denormalize=_ltx_denormalize,
+        comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
+    ),
+    "wan": dict(
+        frames_step=4,
+        side=16,
+        latent=(16, 3, 8, 12),
+        text_dim=64,
+        text_tokens=512,
+        patch=2,
+        text_padding=_zero_past_caption,
+        denormalize=_wan_denormalize,
+        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+    ),
+    "wan2.2": dict(
+        frames_step=4,
+        side=16,
+        latent=(16, 3, 8, 12),
+        text_dim=64,
+        text_tokens=512,
+        patch=2,
+        text_padding=_zero_past_caption,
+        denormalize=_wan_denormalize,
+        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+    ),
     # Wan 2.2 TI2V-5B: the 48-channel VAE folds 2 x 2 pixels first (x16 space), so sides are multiples of 32.
-    "wan2.2-ti2v": dict(frames_step=4, side=32, latent=(48, 3, 4, 6), text_dim=64, text_tokens=512, patch=2,
-                        text_padding=_zero_past_caption, denormalize=_wan_denormalize,
-                        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
-    "cogvideox": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=226, patch=2,
-                      text_padding=_t5_unmasked, denormalize=_cogvideox_denormalize, comfy_key=None,
-                      target=_v_target),
+    "wan2.2-ti2v": dict(
+        frames_step=4,
+        side=32,
+        latent=(48, 3, 4, 6),
+        text_dim=64,
+        text_tokens=512,
+        patch=2,
+        text_padding=_zero_past_caption,
+        denormalize=_wan_denormalize,
+        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+    ),
+    "cogvideox": dict(
+        frames_step=4,
+        side=16,
+        latent=(16, 3, 8, 12),
+        text_dim=64,
+        text_tokens=226,
+        patch=2,
+        text_padding=_t5_unmasked,
+        denormalize=_cogvideox_denormalize,
+        comfy_key=None,
+        target=_v_target,
+    ),
     # LoRA targets of the export test: double blocks only; diffusers splits the single blocks' fused
     # linear1 at the real hidden size (3072), so they read back through it only at the real size.
-    "hunyuan-video": dict(frames_step=4, side=16, latent=(4, 3, 8, 12), text_dim=16, text_tokens=256, patch=2,
-                          text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
-                          comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
-                          lora_targets=r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)"),
+    "hunyuan-video": dict(
+        frames_step=4,
+        side=16,
+        latent=(4, 3, 8, 12),
+        text_dim=16,
+        text_tokens=256,
+        patch=2,
+        text_padding=_has_padding_mask,
+        denormalize=_hunyuan_denormalize,
+        comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
+        lora_targets=r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+    ),
     # x16 VAE, patch 1; the pipeline encodes 1000 text tokens and takes no length argument (it is an attribute).
-    "hunyuan-video-1.5": dict(frames_step=4, side=16, latent=(4, 3, 4, 6), text_dim=16, text_tokens=1000, patch=1,
-                              text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
-                              comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
-                              text_length_in_call=False),
+    "hunyuan-video-1.5": dict(
+        frames_step=4,
+        side=16,
+        latent=(4, 3, 4, 6),
+        text_dim=16,
+        text_tokens=1000,
+        patch=1,
+        text_padding=_has_padding_mask,
+        denormalize=_hunyuan_denormalize,
+        comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
+        text_length_in_call=False,
+    ),
     # Video stream only (the audio branch is not trained); the connectors' mask marks every row.
-    "ltx-2": dict(frames_step=8, side=32, latent=(8, 2, 2, 3), text_dim=16, text_tokens=1024, patch=1,
-                  text_padding=_ltx2_connector_text, denormalize=_ltx2_denormalize,
-                  comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight"),
+    "ltx-2": dict(
+        frames_step=8,
+        side=32,
+        latent=(8, 2, 2, 3),
+        text_dim=16,
+        text_tokens=1024,
+        patch=1,
+        text_padding=_ltx2_connector_text,
+        denormalize=_ltx2_denormalize,
+        comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
+    ),
     # Frames 6k+1 (bucket); nothing in diffusers reads a non-diffusers Mochi LoRA (comfy_in_diffusers):
     # tests/shared/test_mochi.py checks its ComfyUI file through diffusers' single-file converter.
-    "mochi": dict(frames_step=6, side=16, latent=(12, 2, 8, 12), text_dim=64, text_tokens=256, patch=2,
-                  text_padding=_has_padding_mask, denormalize=_mochi_denormalize, target=_inverted_flow_target,
-                  comfy_key="diffusion_model.blocks.0.attn.qkv_x.lora_A.weight", comfy_in_diffusers=False,
-                  bucket=Bucket(7, 64, 96)),
+    "mochi": dict(
+        frames_step=6,
+        side=16,
+        latent=(12, 2, 8, 12),
+        text_dim=64,
+        text_tokens=256,
+        patch=2,
+        text_padding=_has_padding_mask,
+        denormalize=_mochi_denormalize,
+        target=_inverted_flow_target,
+        comfy_key="diffusion_model.blocks.0.attn.qkv_x.lora_A.weight",
+        comfy_in_diffusers=False,
+        bucket=Bucket(7, 64, 96),
+    ),
     # Text blocks run before the visual ones (video_block: the first block fed the video tokens); the
     # output projection is `out_layer.out_layer`; each caption's rows are masked, zeros after them.
-    "kandinsky5": dict(frames_step=4, side=16, latent=(4, 3, 8, 12), text_dim=16, text_tokens=512, patch=2,
-                       text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
-                       comfy_key="diffusion_model.visual_transformer_blocks.0.self_attention.to_query.lora_A.weight",
-                       video_block=1, output_layer="out_layer.out_layer"),
+    "kandinsky5": dict(
+        frames_step=4,
+        side=16,
+        latent=(4, 3, 8, 12),
+        text_dim=16,
+        text_tokens=512,
+        patch=2,
+        text_padding=_has_padding_mask,
+        denormalize=_hunyuan_denormalize,
+        comfy_key="diffusion_model.visual_transformer_blocks.0.self_attention.to_query.lora_A.weight",
+        video_block=1,
+        output_layer="out_layer.out_layer",
+    ),
     # Kandinsky 5's encoders and VAE with MMAudio's sound stream: a text block per stream, then the fused blocks
     # (the video tokens first reach blocks()[2]); the padded text and its mask, 1024 rows by default. Without
     # model.audio the transformer still runs the audio text block, whose output the fused blocks then never read.
-    "kandinsky6": dict(frames_step=4, side=16, latent=(4, 3, 8, 12), text_dim=16, text_tokens=1024, patch=2,
-                       text_padding=_has_padding_mask, denormalize=_hunyuan_denormalize,
-                       comfy_key="diffusion_model.visual_blocks.0.videoT.self_attention.to_query.lora_A.weight",
-                       comfy_in_diffusers=False, blocks=4, video_block=2, output_layer="out_layer.out_layer",
-                       unread_blocks=("audio_text_transformer_blocks.0",)),
+    "kandinsky6": dict(
+        frames_step=4,
+        side=16,
+        latent=(4, 3, 8, 12),
+        text_dim=16,
+        text_tokens=1024,
+        patch=2,
+        text_padding=_has_padding_mask,
+        denormalize=_hunyuan_denormalize,
+        comfy_key="diffusion_model.visual_blocks.0.videoT.self_attention.to_query.lora_A.weight",
+        comfy_in_diffusers=False,
+        blocks=4,
+        video_block=2,
+        output_layer="out_layer.out_layer",
+        unread_blocks=("audio_text_transformer_blocks.0",),
+    ),
     # Wan 2.1's encoders and layout on SkyReelsV2Transformer3DModel (t2v; diffusion forcing: test_skyreels_v2.py).
-    "skyreels-v2": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
-                        text_padding=_zero_past_caption, denormalize=_wan_denormalize,
-                        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight"),
+    "skyreels-v2": dict(
+        frames_step=4,
+        side=16,
+        latent=(16, 3, 8, 12),
+        text_dim=64,
+        text_tokens=512,
+        patch=2,
+        text_padding=_zero_past_caption,
+        denormalize=_wan_denormalize,
+        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+    ),
     # Wan 2.1 t2v plus two VACE blocks (blocks: 2 VACE + 2 main) fed each sample's control video (test
     # inputs pass one: `with_control`, `control_frames`); the LoRA sits on the VACE blocks, and diffusers'
     # Wan LoRA converter reads no `vace_blocks` (its ComfyUI file: tests/shared/test_comfy_keys.py).
-    "wan-vace": dict(frames_step=4, side=16, latent=(16, 3, 8, 12), text_dim=64, text_tokens=512, patch=2,
-                     text_padding=_zero_past_caption, denormalize=_wan_denormalize, blocks=4,
-                     comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight", comfy_in_diffusers=False),
+    "wan-vace": dict(
+        frames_step=4,
+        side=16,
+        latent=(16, 3, 8, 12),
+        text_dim=64,
+        text_tokens=512,
+        patch=2,
+        text_padding=_zero_past_caption,
+        denormalize=_wan_denormalize,
+        blocks=4,
+        comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight",
+        comfy_in_diffusers=False,
+    ),
     # One packed sequence [text | audio | video] per sample (text rows reach the blocks: `other_rows`); frames 17k+5,
     # pixels ImageNet-normalised over [0, 1] (`pixels`); the pipeline predicts x0 - noise (t = 1 - sigma) and
     # generates at least 5 s at 24 fps (`generated_frames`); the ComfyUI file has the original names (q/k/v fused).
-    "minimax-h3": dict(frames_step=17, frames_rule="17k+5", side=32, latent=(4, 2, 4, 6), text_dim=16, text_tokens=512,
-                       patch=2, text_padding=_has_padding_mask, denormalize=_h3_denormalize, pixels=_h3_pixels,
-                       target=_inverted_flow_target, comfy_key="diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight",
-                       bucket=Bucket(5, 64, 96), generated_frames=124,
-                       other_rows=lambda batch: int(batch["prompt_attention_mask"][0].sum())),
+    "minimax-h3": dict(
+        frames_step=17,
+        frames_rule="17k+5",
+        side=32,
+        latent=(4, 2, 4, 6),
+        text_dim=16,
+        text_tokens=512,
+        patch=2,
+        text_padding=_has_padding_mask,
+        denormalize=_h3_denormalize,
+        pixels=_h3_pixels,
+        target=_inverted_flow_target,
+        comfy_key="diffusion_model.blocks.0.attn.qkv_proj.lora_A.weight",
+        bucket=Bucket(5, 64, 96),
+        generated_frames=124,
+        other_rows=lambda batch: int(batch["prompt_attention_mask"][0].sum()),
+    ),
 }
 
 
@@ -171,8 +300,11 @@ def bucket_of(family):
 
 
 def video(batch=2, seed=0, bucket=BUCKET):
-    return torch.rand(batch, 3, bucket.frames, bucket.height, bucket.width,
-                      generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    return (
+        torch.rand(batch, 3, bucket.frames, bucket.height, bucket.width, generator=torch.Generator().manual_seed(seed))
+        * 2
+        - 1
+    )
 
 
 def with_control(spec, clip):
@@ -188,29 +320,39 @@ def control_frames(spec, bucket=BUCKET):
     {} for the others."""
     if not spec.control_video:
         return {}
-    frames = torch.randint(0, 256, (bucket.frames, bucket.height, bucket.width, 3), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(1))
+    frames = torch.randint(
+        0,
+        256,
+        (bucket.frames, bucket.height, bucket.width, 3),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(1),
+    )
     return {"control": frames.numpy()}
 
 
 def stage1(spec, batch=2):
     encoders = spec.load_stage1()
     clip = video(batch, bucket=bucket_of(spec.family))
-    return {**spec.encode_text(encoders, CAPTIONS[:batch]),
-            **spec.encode_video(encoders, clip, **with_control(spec, clip))}
+    return {
+        **spec.encode_text(encoders, CAPTIONS[:batch]),
+        **spec.encode_video(encoders, clip, **with_control(spec, clip)),
+    }
 
 
 def pipeline_latents(spec, pipeline, image=None):
     """The denoised latents of a 2-step run: finer than uint8 frames for comparing transformers."""
     bucket = bucket_of(spec.family)
-    inputs = spec.pipeline_inputs("a rabbit in a meadow", bucket, steps=2, seed=0, image=image,
-                                  **control_frames(spec, bucket))
+    inputs = spec.pipeline_inputs(
+        "a rabbit in a meadow", bucket, steps=2, seed=0, image=image, **control_frames(spec, bucket)
+    )
     return pipeline(**inputs, output_type="latent").frames.float()
 
 
 def folder_digest(folder):
-    return {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*.safetensors"))}
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*.safetensors"))
+    }
 
 
 def first_call(module) -> dict:
@@ -237,12 +379,17 @@ def capture_transformer_inputs(transformer):
 
 def uint8_video(batch=2, seed=0):
     """(video in [-1, 1] as stage 1 makes it from decoded pixels, the uint8 pixels (B, F, H, W, 3))."""
-    pixels = torch.randint(0, 256, (batch, BUCKET.frames, BUCKET.height, BUCKET.width, 3), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(seed))
+    pixels = torch.randint(
+        0,
+        256,
+        (batch, BUCKET.frames, BUCKET.height, BUCKET.width, 3),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return pixels.permute(0, 4, 1, 2, 3).float() / 127.5 - 1, pixels
 
 
 def encode_clip(spec, clip):
     """Stage 1 on a given clip (B, 3, F, H, W) with the first B captions."""
     encoders = spec.load_stage1()
-    return {**spec.encode_text(encoders, CAPTIONS[:len(clip)]), **spec.encode_video(encoders, clip)}
+    return {**spec.encode_text(encoders, CAPTIONS[: len(clip)]), **spec.encode_video(encoders, clip)}

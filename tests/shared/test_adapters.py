@@ -114,8 +114,11 @@ def test_adapter_files_load_in_diffusers_and_comfyui_with_the_trained_weights(sp
     if kind != "dora":
         config = trained.config
         inner = config.num_attention_heads * config.attention_head_dim
-        weights = ref.wan_weights(config.num_layers, inner, config.ffn_dim, i2v=False) if family == "wan" else \
-            ref.ltxv_weights(config.num_layers, inner, config.cross_attention_dim)
+        weights = (
+            ref.wan_weights(config.num_layers, inner, config.ffn_dim, i2v=False)
+            if family == "wan"
+            else ref.ltxv_weights(config.num_layers, inner, config.cross_attention_dim)
+        )
         lora = load_file(comfy_file)
         assert not any(key.endswith(".alpha") for key in lora)
         assert kind == "loha" or any(key.endswith(f".{LOKR_W2[family]}") for key in lora)
@@ -123,16 +126,20 @@ def test_adapter_files_load_in_diffusers_and_comfyui_with_the_trained_weights(sp
         assert not not_loaded, f"ComfyUI logs 'lora key not loaded' for {not_loaded[:6]}"
         comfy = {}
         for key, patch in patches.items():
-            module = key[len("diffusion_model."):-len(".weight")]
+            module = key[len("diffusion_model.") : -len(".weight")]
             comfy[module] = ref.lycoris_delta(patch, weights[module])
-        ours = {name: module.get_delta_weight(module.active_adapters[0]).float()
-                for name, module in trained.named_modules() if isinstance(module, BaseTunerLayer)}
+        ours = {
+            name: module.get_delta_weight(module.active_adapters[0]).float()
+            for name, module in trained.named_modules()
+            if isinstance(module, BaseTunerLayer)
+        }
         assert len(ours) > 4 and len(comfy) == len(ours) and all(patch[0] == kind for patch in patches.values())
         for name, delta in ours.items():
             assert delta.abs().max() > 1e-2, f"{name}: the adapter changes nothing"
             original = original_module(name, spec.original_names)
-            torch.testing.assert_close(comfy[original], delta, atol=1e-4, rtol=1e-4,
-                                       msg=f"{name} ({original}): ComfyUI's {kind} delta")
+            torch.testing.assert_close(
+                comfy[original], delta, atol=1e-4, rtol=1e-4, msg=f"{name} ({original}): ComfyUI's {kind} delta"
+            )
 
     # diffusers / peft
     expected = merged(trained)
@@ -146,8 +153,12 @@ def test_adapter_names_and_starts():
     """Each kind's weights are adapters (base weights are not), carry their module and kind, save under peft's
     names, and start as peft starts them: the delta's zero factor zero, the others Kaiming-uniform, drawn from the
     name's key (the same draw in every layout), DoRA's magnitude the base rows' norms (filled later)."""
-    names = {"lora": "b.0.to_q.lora_B.default.weight", "dora": "b.0.to_q.lora_magnitude_vector.default.weight",
-             "loha": "b.0.to_q.hada_w2_b.default", "lokr": "b.0.to_q.lokr_w1.default"}
+    names = {
+        "lora": "b.0.to_q.lora_B.default.weight",
+        "dora": "b.0.to_q.lora_magnitude_vector.default.weight",
+        "loha": "b.0.to_q.hada_w2_b.default",
+        "lokr": "b.0.to_q.lokr_w1.default",
+    }
     for kind, name in names.items():
         assert adapters.is_adapter(name) and adapters.module_of(name) == "b.0.to_q" and adapters.kind_of([name]) == kind
         assert not adapters.initial(name, (6, 4), seed=1).any()  # the zero factor (and the unfilled magnitude)
@@ -178,5 +189,13 @@ def test_dora_is_refused_on_a_float8_or_quantized_base(spec_of):
         check_fp8_base(TrainConfig(adapter="loha", **setting))  # the other kinds train on either
     lora = {"rank": 2, "alpha": 2.0, "targets": [], "kind": "dora"}
     with pytest.raises(UserError, match="in float8"):
-        prepare_transformer(spec_of("wan"), "transformer", mode="lora", lora=lora, storage_dtype=FP8_STORAGE,
-                            sharded=False, compute_dtype=torch.float32, frozen_dtype=torch.float32)
+        prepare_transformer(
+            spec_of("wan"),
+            "transformer",
+            mode="lora",
+            lora=lora,
+            storage_dtype=FP8_STORAGE,
+            sharded=False,
+            compute_dtype=torch.float32,
+            frozen_dtype=torch.float32,
+        )

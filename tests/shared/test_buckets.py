@@ -14,12 +14,15 @@ def test_parse_and_name():
         parse_buckets([])
 
 
-@pytest.mark.parametrize("frames, height, width, expected", [
-    (40, 720, 1280, Bucket(17, 64, 96)),   # landscape, long enough for 17 frames
-    (10, 720, 1280, Bucket(9, 64, 96)),    # landscape, only 9 frames
-    (40, 1280, 720, Bucket(9, 96, 64)),    # portrait: nearest aspect wins over more frames
-    (40, 500, 500, Bucket(9, 64, 64)),
-])
+@pytest.mark.parametrize(
+    "frames, height, width, expected",
+    [
+        (40, 720, 1280, Bucket(17, 64, 96)),  # landscape, long enough for 17 frames
+        (10, 720, 1280, Bucket(9, 64, 96)),  # landscape, only 9 frames
+        (40, 1280, 720, Bucket(9, 96, 64)),  # portrait: nearest aspect wins over more frames
+        (40, 500, 500, Bucket(9, 64, 64)),
+    ],
+)
 def test_choose_nearest_aspect_then_most_frames(frames, height, width, expected):
     assert choose_bucket(BUCKETS, frames, height, width) == expected
 
@@ -37,8 +40,9 @@ def test_resize_covers_bucket_without_stretching():
     assert top == 0 and left == (width - 96) // 2
 
 
-def test_stills_take_one_frame_buckets_and_families_refuse_them_where_they_cannot_train(tiny_model_factory,
-                                                                                         monkeypatch):
+def test_stills_take_one_frame_buckets_and_families_refuse_them_where_they_cannot_train(
+    tiny_model_factory, monkeypatch
+):
     from vt.shared.config import ModelConfig
     from vt.shared.models import build_spec
 

@@ -25,7 +25,7 @@ CAPTIONS = ["a cat", "a big brown dog runs across the green grass of a sunny par
 
 def _stored(data: bytes) -> dict:
     (length,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + length])
+    return json.loads(data[8 : 8 + length])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -38,8 +38,11 @@ def test_each_caption_is_stored_once_trimmed_and_the_transformer_sees_the_same(f
     expected = {name: tensor[table.index] for name, tensor in table.conditions.items()}  # v1: per sample, padded
     g = spec.geometry
     frames = 1 if spec.single_frame else g.temporal + 1  # the shortest clip the VAE takes (MiniMax H3: 17k+5)
-    latents = torch.randn(4, *spec.latent_shape(Bucket(frames, g.spatial * g.patch * 2, g.spatial * g.patch * 2)),
-                          generator=torch.Generator().manual_seed(0))
+    latents = torch.randn(
+        4,
+        *spec.latent_shape(Bucket(frames, g.spatial * g.patch * 2, g.spatial * g.patch * 2)),
+        generator=torch.Generator().manual_seed(0),
+    )
     keys = [f"k{i}" for i in range(4)]
 
     data = encode_shard({"latents": latents}, keys, {}, table)
@@ -66,9 +69,15 @@ def test_each_caption_is_stored_once_trimmed_and_the_transformer_sees_the_same(f
     noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(1))
     # A family that trains on a control video also reads what stage 1 stores of it (per sample, not text).
     side = g.spatial * g.patch * 2
-    control = {name: torch.randn(4, *shape, generator=torch.Generator().manual_seed(2))
-               for name, shape in spec.condition_shapes(Bucket(frames, side, side)).items()
-               if name != "latents" and name not in expected} if spec.control_video else {}
+    control = (
+        {
+            name: torch.randn(4, *shape, generator=torch.Generator().manual_seed(2))
+            for name, shape in spec.condition_shapes(Bucket(frames, side, side)).items()
+            if name != "latents" and name not in expected
+        }
+        if spec.control_video
+        else {}
+    )
     with torch.no_grad():
         before = spec.forward(transformer, {"latents": latents, **expected, **control}, sigmas, noise).prediction
         after = spec.forward(transformer, {**decoded, **control}, sigmas, noise).prediction
@@ -85,7 +94,9 @@ def test_each_caption_is_stored_once_trimmed_and_the_transformer_sees_the_same(f
 def test_a_version_1_shard_is_refused_with_the_fix():
     from safetensors.torch import save
 
-    old = save({"latents": torch.zeros(1, 2)}, metadata={"format": "vt-latent-shard", "format_version": "1",
-                                                         "keys": '["a"]', "meta": "{}"})
+    old = save(
+        {"latents": torch.zeros(1, 2)},
+        metadata={"format": "vt-latent-shard", "format_version": "1", "keys": '["a"]', "meta": "{}"},
+    )
     with pytest.raises(ShardFormatError, match="version 1 is not 2 .*re-run vt-precompute"):
         decode_shard(old)

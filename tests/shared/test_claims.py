@@ -108,8 +108,12 @@ def test_a_holder_in_another_pid_namespace_of_this_host_is_not_judged_gone_by_it
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(timeout=60)
     with open("/proc/sys/kernel/random/boot_id") as boot:
-        here = {"host": HOST, "boot_id": boot.read().strip(), "pid_ns": os.readlink("/proc/self/ns/pid"),
-                "pid": dead.pid}
+        here = {
+            "host": HOST,
+            "boot_id": boot.read().strip(),
+            "pid_ns": os.readlink("/proc/self/ns/pid"),
+            "pid": dead.pid,
+        }
     elsewhere = {**here, "pid_ns": "pid:[4026500001]"}
     assert not process_gone(elsewhere) and not process_gone({**here, "boot_id": "another-boot"})
     assert process_gone(here)

@@ -7,9 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from family_cases import BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video, video
 from lora_init import randomise_lora
-from family_cases import (BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video,
-                         video)
 
 from vt.shared.buckets import Bucket
 
@@ -19,8 +18,11 @@ def variant(tiny_model_factory, folder, seed=0, **changes):
     from diffusers import CogVideoXTransformer3DModel
 
     base = tiny_model_factory("cogvideox")
-    config = {k: v for k, v in CogVideoXTransformer3DModel.load_config(base, subfolder="transformer").items()
-              if not k.startswith("_")}
+    config = {
+        k: v
+        for k, v in CogVideoXTransformer3DModel.load_config(base, subfolder="transformer").items()
+        if not k.startswith("_")
+    }
     torch.manual_seed(seed)
     CogVideoXTransformer3DModel.from_config({**config, **changes}).save_pretrained(folder)
     return base, str(folder)
@@ -54,8 +56,8 @@ def test_objective_is_v_prediction_on_the_scheduler_schedule(tiny_model_factory)
 
     scheduler.set_timesteps(50)
     for i, step in enumerate(t.tolist()):
-        result = scheduler.step(out.target[i:i + 1], step, noisy[i:i + 1])
-        torch.testing.assert_close(result.pred_original_sample, x0[i:i + 1], atol=1e-4, rtol=1e-4)
+        result = scheduler.step(out.target[i : i + 1], step, noisy[i : i + 1])
+        torch.testing.assert_close(result.pred_original_sample, x0[i : i + 1], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("version", ["1.0", "1.5"])
@@ -77,8 +79,10 @@ def test_transformer_inputs_match_the_pipeline(tiny_model_factory, tmp_path, ver
     piped = calls.pop()
 
     encoders = spec.load_stage1()
-    batch = {**spec.encode_text(encoders, ["a rabbit in a meadow"]),
-             "latents": torch.randn(1, *spec.latent_shape(bucket))}
+    batch = {
+        **spec.encode_text(encoders, ["a rabbit in a meadow"]),
+        "latents": torch.randn(1, *spec.latent_shape(bucket)),
+    }
     spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
     ours = calls.pop()
     assert ours["hidden_states"].shape[1:] == piped["hidden_states"].shape[1:]
@@ -87,7 +91,9 @@ def test_transformer_inputs_match_the_pipeline(tiny_model_factory, tmp_path, ver
     torch.testing.assert_close(cos, piped["image_rotary_emb"][0])
     torch.testing.assert_close(sin, piped["image_rotary_emb"][1])
     # The pipeline runs guidance: its text batch is [negative, prompt].
-    torch.testing.assert_close(ours["encoder_hidden_states"][0], piped["encoder_hidden_states"][1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        ours["encoder_hidden_states"][0], piped["encoder_hidden_states"][1], atol=1e-5, rtol=1e-5
+    )
 
 
 def test_cogvideox_1_5_folds_two_latent_frames(tiny_model_factory, tmp_path):
@@ -101,7 +107,8 @@ def test_cogvideox_1_5_folds_two_latent_frames(tiny_model_factory, tmp_path):
     transformer = spec.load_transformer()
     seen = {}
     spec.blocks(transformer)[0].register_forward_pre_hook(
-        lambda module, args, kwargs: seen.update(tokens=kwargs["hidden_states"].shape[1]), with_kwargs=True)
+        lambda module, args, kwargs: seen.update(tokens=kwargs["hidden_states"].shape[1]), with_kwargs=True
+    )
     batch = {**spec.encode_text(spec.load_stage1(), ["a cat"]), "latents": torch.randn(1, *latent)}
     out = spec.forward(transformer, batch, torch.tensor([0.3]), torch.randn_like(batch["latents"]))
     assert seen["tokens"] == spec.tokens_per_sample(latent) and out.prediction.shape == (1, *latent)
@@ -110,8 +117,9 @@ def test_cogvideox_1_5_folds_two_latent_frames(tiny_model_factory, tmp_path):
 def test_sincos_transformer_needs_its_text_length(tiny_model_factory, tmp_path):
     """The 2B layout (sincos positions over max_text_seq_length text tokens) refuses another text
     length at start-up (check_bucket, which both stages call first), naming the key to set."""
-    folder, transformer_dir = variant(tiny_model_factory, tmp_path / "sincos", use_rotary_positional_embeddings=False,
-                                      max_text_seq_length=16)
+    folder, transformer_dir = variant(
+        tiny_model_factory, tmp_path / "sincos", use_rotary_positional_embeddings=False, max_text_seq_length=16
+    )
     spec = make_spec(folder, "cogvideox", components={"transformer": transformer_dir})  # max_text_tokens=16
     batch = stage1(spec, batch=1)
     out = spec.forward(spec.load_transformer(), batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
@@ -120,13 +128,21 @@ def test_sincos_transformer_needs_its_text_length(tiny_model_factory, tmp_path):
     from vt.shared.config import ModelConfig
     from vt.shared.models import build_spec
 
-    unset = build_spec(ModelConfig(family="cogvideox", path=str(folder), components={"transformer": transformer_dir}),
-                       frame_rate=8.0)
-    with pytest.raises(ValueError, match=r"model.max_text_tokens unset \(226.*max_text_seq_length = 16.*"
-                                         r"Set model.max_text_tokens = 16"):
+    unset = build_spec(
+        ModelConfig(family="cogvideox", path=str(folder), components={"transformer": transformer_dir}), frame_rate=8.0
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"model.max_text_tokens unset \(226.*max_text_seq_length = 16.*"
+        r"Set model.max_text_tokens = 16",
+    ):
         unset.check_bucket(BUCKET)
-    other = build_spec(ModelConfig(family="cogvideox", path=str(folder), max_text_tokens=32,
-                                   components={"transformer": transformer_dir}), frame_rate=8.0)
+    other = build_spec(
+        ModelConfig(
+            family="cogvideox", path=str(folder), max_text_tokens=32, components={"transformer": transformer_dir}
+        ),
+        frame_rate=8.0,
+    )
     with pytest.raises(ValueError, match=r"model.max_text_tokens = 32 does not fit"):
         other.encode_text(other.load_stage1(), ["a cat"])
 
@@ -157,8 +173,9 @@ def test_i2v_conditions_on_the_first_frame_as_the_pipeline_does(tiny_model_facto
     image = pipeline.video_processor.preprocess(Image.fromarray(pixels[1, 0].numpy()), height=64, width=96)
     torch.testing.assert_close(image, clip[1:, :, 0], atol=1e-6, rtol=0)  # the same pixels
     posterior = pipeline.vae.encode(image.unsqueeze(2)).latent_dist
-    _, piped = pipeline.prepare_latents(image, 1, 16, BUCKET.frames, 64, 96, torch.float32, "cpu",
-                                        torch.Generator().manual_seed(0))
+    _, piped = pipeline.prepare_latents(
+        image, 1, 16, BUCKET.frames, 64, 96, torch.float32, "cpu", torch.Generator().manual_seed(0)
+    )
     assert piped.shape == (1, 3, 16, 8, 12) and (piped[:, 1:] == 0).all()  # (B, F, C, H, W)
     sampled = posterior.sample(torch.Generator().manual_seed(0)) * factor
     torch.testing.assert_close(piped[:, :1].transpose(1, 2), sampled, atol=1e-5, rtol=1e-5)
@@ -176,8 +193,12 @@ def test_i2v_conditions_on_the_first_frame_as_the_pipeline_does(tiny_model_facto
     assert seen["ofs"] is None
 
     with pytest.raises(KeyError, match="precompute the shards with model.task"):
-        spec.forward(transformer, {k: v for k, v in batch.items() if k != "image_latents"}, torch.tensor([0.5, 0.5]),
-                     torch.randn_like(batch["latents"]))
+        spec.forward(
+            transformer,
+            {k: v for k, v in batch.items() if k != "image_latents"},
+            torch.tensor([0.5, 0.5]),
+            torch.randn_like(batch["latents"]),
+        )
     with pytest.raises(ValueError, match=r"needs an image-to-video transformer"):
         make_spec(tiny_model_factory("cogvideox"), "cogvideox", task="i2v").check_bucket(BUCKET)
     with pytest.raises(ValueError, match=r"Set model.task = \"i2v\""):
@@ -213,8 +234,9 @@ def test_i2v_lora_and_full_exports_load_into_the_i2v_pipeline(tiny_model_factory
     full = spec.load_transformer()
     with torch.no_grad():
         full.patch_embed.proj.weight.add_(0.5)  # the image channels' patch embedding is saved too
-    override = make_spec(folder, "cogvideox", task="i2v",
-                         components={"transformer": str(spec.save_full(full, tmp_path / "full"))}).load_transformer()
+    override = make_spec(
+        folder, "cogvideox", task="i2v", components={"transformer": str(spec.save_full(full, tmp_path / "full"))}
+    ).load_transformer()
     assert override.config.in_channels == 32
     assert torch.equal(override.patch_embed.proj.weight, full.patch_embed.proj.weight)
     assert isinstance(spec.build_pipeline(override), CogVideoXImageToVideoPipeline)
@@ -224,8 +246,9 @@ def test_i2v_checkpoint_variants_follow_the_pipeline(tiny_model_factory, tmp_pat
     """CogVideoX 1.5 I2V: `ofs` = 2.0 goes to the transformer and a VAE with invert_scale_latents
     divides the image latents by scaling_factor (prepare_latents); the 5B-I2V's learned positional
     embedding refuses other bucket sizes."""
-    folder, transformer_dir = variant(tiny_model_factory, tmp_path / "i2v15", in_channels=32, patch_size_t=2,
-                                      patch_bias=False, ofs_embed_dim=32)  # = time_embed_dim, as 1.5
+    folder, transformer_dir = variant(
+        tiny_model_factory, tmp_path / "i2v15", in_channels=32, patch_size_t=2, patch_bias=False, ofs_embed_dim=32
+    )  # = time_embed_dim, as 1.5
     spec = make_spec(folder, "cogvideox", task="i2v", components={"transformer": transformer_dir})
     encoders = spec.load_stage1()
     encoders["vae"].register_to_config(invert_scale_latents=True)
@@ -239,8 +262,13 @@ def test_i2v_checkpoint_variants_follow_the_pipeline(tiny_model_factory, tmp_pat
     out = spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
     assert seen["ofs"].tolist() == [2.0] and out.prediction.shape == (1, 16, 4, 8, 12)
 
-    _, learned_dir = variant(tiny_model_factory, tmp_path / "learned", in_channels=32,
-                             use_learned_positional_embeddings=True, max_text_seq_length=16)
+    _, learned_dir = variant(
+        tiny_model_factory,
+        tmp_path / "learned",
+        in_channels=32,
+        use_learned_positional_embeddings=True,
+        max_text_seq_length=16,
+    )
     learned = make_spec(folder, "cogvideox", task="i2v", components={"transformer": learned_dir})
     learned.check_bucket(Bucket(5, 64, 96))  # the sample size (8 x 12 latents); any frame count
     with pytest.raises(ValueError, match=r"covers exactly 64x96 pixels.*9x64x96"):

@@ -62,8 +62,10 @@ _WAN = rf"blocks\.\d+\.((attn1|attn2)\.{_ATTN}|attn2\.(add_k_proj|add_v_proj)|ff
 
 def _double(attn: str) -> str:
     """A double-stream block's attention (both streams) and FFNs."""
-    return (rf"transformer_blocks\.\d+\.({attn}\.({_ATTN}|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-            r"|ff(_context)?\.net\.(0\.proj|2))")
+    return (
+        rf"transformer_blocks\.\d+\.({attn}\.({_ATTN}|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+        r"|ff(_context)?\.net\.(0\.proj|2))"
+    )
 
 
 # Attention and FFN of every block (regular expressions, matched whole): more of each key table.
@@ -80,13 +82,13 @@ WIDE = {
     "hunyuan-video-1.5": _double("attn"),
     "mochi": _double("attn1"),
     "minimax-h3": r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
-                  r"|ff\.net\.(0\.proj|2))",
+    r"|ff\.net\.(0\.proj|2))",
     "kandinsky5": r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
-                  r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
+    r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
     # The video stream's text and fused blocks (a video-only run: the audio stream is out of LoRA).
     "kandinsky6": r"(video_text_transformer_blocks\.\d+\.attn|visual_transformer_blocks\.\d+\.video_dec_block\."
-                  r"(self|cross)_attention)\.(to_query|to_key|to_value|out_layer)|(video_text_transformer_blocks\.\d+"
-                  r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
+    r"(self|cross)_attention)\.(to_query|to_key|to_value|out_layer)|(video_text_transformer_blocks\.\d+"
+    r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
 }
 
 # ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's
@@ -94,27 +96,37 @@ WIDE = {
 # -1), q then k then v), SingleStreamBlock (line 331: split [3 x hidden, MLP]); comfy/ldm/genmo/joint_model/
 # asymm_models_joint.py AsymmetricAttention (lines 129, 135: view(..., 3, heads, -1)).
 _HUNYUAN_DOUBLE = {
-    r"double_blocks\.(\d+)\.img_attn\.qkv": ("transformer_blocks.{}.attn.to_q", "transformer_blocks.{}.attn.to_k",
-                                            "transformer_blocks.{}.attn.to_v"),
-    r"double_blocks\.(\d+)\.txt_attn\.qkv": ("transformer_blocks.{}.attn.add_q_proj",
-                                            "transformer_blocks.{}.attn.add_k_proj",
-                                            "transformer_blocks.{}.attn.add_v_proj"),
+    r"double_blocks\.(\d+)\.img_attn\.qkv": (
+        "transformer_blocks.{}.attn.to_q",
+        "transformer_blocks.{}.attn.to_k",
+        "transformer_blocks.{}.attn.to_v",
+    ),
+    r"double_blocks\.(\d+)\.txt_attn\.qkv": (
+        "transformer_blocks.{}.attn.add_q_proj",
+        "transformer_blocks.{}.attn.add_k_proj",
+        "transformer_blocks.{}.attn.add_v_proj",
+    ),
 }
 FUSED = {
-    "HunyuanVideo": {**_HUNYUAN_DOUBLE,
-                     r"single_blocks\.(\d+)\.linear1": tuple(f"single_transformer_blocks.{{}}.{p}" for p in
-                                                             ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp"))},
+    "HunyuanVideo": {
+        **_HUNYUAN_DOUBLE,
+        r"single_blocks\.(\d+)\.linear1": tuple(
+            f"single_transformer_blocks.{{}}.{p}" for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+        ),
+    },
     "HunyuanVideo15": _HUNYUAN_DOUBLE,
     "GenmoMochi": {
         r"blocks\.(\d+)\.attn\.qkv_x": tuple(f"transformer_blocks.{{}}.attn1.{p}" for p in ("to_q", "to_k", "to_v")),
-        r"blocks\.(\d+)\.attn\.qkv_y": tuple(f"transformer_blocks.{{}}.attn1.{p}"
-                                             for p in ("add_q_proj", "add_k_proj", "add_v_proj")),
+        r"blocks\.(\d+)\.attn\.qkv_y": tuple(
+            f"transformer_blocks.{{}}.attn1.{p}" for p in ("add_q_proj", "add_k_proj", "add_v_proj")
+        ),
     },
     # comfy/ldm/minimax/model.py Attention.forward: qkv_proj(x).split(heads * head_dim) -> q, k, v.
     "MiniMaxH3": {
         r"blocks\.(\d+)\.attn\.qkv_proj": tuple(f"transformer_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")),
-        r"token_refiner\.blocks\.(\d+)\.attn\.qkv_proj": tuple(f"token_refiner.refiner_blocks.{{}}.attn.{p}"
-                                                            for p in ("to_q", "to_k", "to_v")),
+        r"token_refiner\.blocks\.(\d+)\.attn\.qkv_proj": tuple(
+            f"token_refiner.refiner_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")
+        ),
     },
 }
 
@@ -137,7 +149,9 @@ def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
         return ref.kandinsky5_weights(c.num_text_blocks, c.num_visual_blocks, c.model_dim, c.time_dim, c.ff_dim)
     if family == "kandinsky6":  # each stream's widths (the audio ones default to the video's, as in both models)
         dims = {name: getattr(c, name) for name in ("model_dim", "time_dim", "ff_dim")}
-        dims.update({f"{name}_a": getattr(c, f"{name}_a") or dims[name] for name in ("model_dim", "time_dim", "ff_dim")})
+        dims.update(
+            {f"{name}_a": getattr(c, f"{name}_a") or dims[name] for name in ("model_dim", "time_dim", "ff_dim")}
+        )
         return ref.kandinsky6_weights(c.num_text_blocks, c.num_visual_blocks, dims, c.cross_gates)
     inner = c.num_attention_heads * c.attention_head_dim
     if family == "ltx-video":
@@ -150,17 +164,33 @@ def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
     if family.startswith("wan") or family == "skyreels-v2":
         return ref.wan_weights(c.num_layers, inner, c.ffn_dim, i2v=c.image_dim is not None)
     if family.startswith("hunyuan-video"):
-        return ref.hunyuan_video_weights(c.num_layers, getattr(c, "num_single_layers", 0), inner,
-                                         int(inner * c.mlp_ratio))
+        return ref.hunyuan_video_weights(
+            c.num_layers, getattr(c, "num_single_layers", 0), inner, int(inner * c.mlp_ratio)
+        )
     if family == "minimax-h3":  # MiniMaxH3Model's constructor arguments from diffusers' names
         video_patch_dim = c.in_channels * c.patch_size[0] * c.patch_size[1] * c.patch_size[2]
-        return ref.minimax_h3_weights(c.num_layers, c.num_refiner_layers, c.hidden_size, inner, c.ffn_dim,
-                                      c.time_embed_dim, c.time_embed_hidden_dim, c.freq_dim, video_patch_dim,
-                                      c.audio_in_channels, c.text_dim)
+        return ref.minimax_h3_weights(
+            c.num_layers,
+            c.num_refiner_layers,
+            c.hidden_size,
+            inner,
+            c.ffn_dim,
+            c.time_embed_dim,
+            c.time_embed_hidden_dim,
+            c.freq_dim,
+            video_patch_dim,
+            c.audio_in_channels,
+            c.text_dim,
+        )
     if family == "mochi":  # the FFN widths as the checkpoint has them (ComfyUI rounds them to 256)
         block = transformer.transformer_blocks[0]
-        return ref.mochi_weights(c.num_layers, inner, c.pooled_projection_dim, block.ff.net[2].in_features,
-                                 block.ff_context.net[2].in_features)
+        return ref.mochi_weights(
+            c.num_layers,
+            inner,
+            c.pooled_projection_dim,
+            block.ff.net[2].in_features,
+            block.ff_context.net[2].in_features,
+        )
     raise AssertionError(family)
 
 
@@ -168,8 +198,11 @@ def lora_deltas(transformer) -> dict[str, torch.Tensor]:
     """module -> the weight change of its active LoRA (peft's own get_delta_weight)."""
     from peft.tuners.lora import LoraLayer
 
-    return {name: module.get_delta_weight(module.active_adapters[0]).float()
-            for name, module in transformer.named_modules() if isinstance(module, LoraLayer)}
+    return {
+        name: module.get_delta_weight(module.active_adapters[0]).float()
+        for name, module in transformer.named_modules()
+        if isinstance(module, LoraLayer)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -194,8 +227,10 @@ def test_comfyui_loads_every_key_at_its_size(spec_of, tmp_path, case, targets):
 
 # LTX-2 with model.audio: the audio stream's attention and FFN and both audio-video cross-attention directions
 # (LTXAVModel's BasicAVTransformerBlock: audio_attn1/2, audio_to_video_attn, video_to_audio_attn, audio_ff).
-_LTX_AV = (rf"transformer_blocks\.\d+\.((attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
-           rf"\.{_ATTN}|(ff|audio_ff)\.net\.(0\.proj|2))")
+_LTX_AV = (
+    rf"transformer_blocks\.\d+\.((attn1|attn2|audio_attn1|audio_attn2|audio_to_video_attn|video_to_audio_attn)"
+    rf"\.{_ATTN}|(ff|audio_ff)\.net\.(0\.proj|2))"
+)
 
 
 @pytest.mark.parametrize("targets", ["default", "wide"])
@@ -203,56 +238,78 @@ def test_comfyui_loads_ltx2_audio_modules(tiny_model_factory, tmp_path, targets)
     """model.audio: LoRAs on LTX-2's audio stream and audio-video cross-attention load into LTXAV at their sizes."""
     spec = build_spec(ModelConfig(family="ltx-2", path=str(tiny_model_factory("ltx-2")), audio=True), frame_rate=8.0)
     modules = check_comfy_file(spec, "LTXAV", None if targets == "default" else _LTX_AV, tmp_path)
-    assert {"transformer_blocks.0.audio_to_video_attn.to_q", "transformer_blocks.1.video_to_audio_attn.to_out.0",
-            "transformer_blocks.0.audio_attn2.to_k"} <= modules
+    assert {
+        "transformer_blocks.0.audio_to_video_attn.to_q",
+        "transformer_blocks.1.video_to_audio_attn.to_out.0",
+        "transformer_blocks.0.audio_attn2.to_k",
+    } <= modules
     assert targets == "default" or "transformer_blocks.1.audio_ff.net.0.proj" in modules
 
 
 # Kandinsky 6 with model.audio: both streams' text and fused blocks, the cross-stream attentions and the modulations.
-_K6_AV = (r"(video|audio)_text_transformer_blocks\.\d+\.(attn\.(to_query|to_key|to_value|out_layer)|feed_forward\."
-          r"net\.(0\.proj|2)|text_modulation\.out_layer)|visual_transformer_blocks\.\d+\.((video|audio)_dec_block\."
-          r"((self|cross)_attention\.(to_query|to_key|to_value|out_layer)|feed_forward\.net\.(0\.proj|2)"
-          r"|visual_modulation\.out_layer)|(va|av)_cross_attention\.(to_query|to_key|to_value|out_layer)"
-          r"|(va|av)_modulation\.out_layer)")
+_K6_AV = (
+    r"(video|audio)_text_transformer_blocks\.\d+\.(attn\.(to_query|to_key|to_value|out_layer)|feed_forward\."
+    r"net\.(0\.proj|2)|text_modulation\.out_layer)|visual_transformer_blocks\.\d+\.((video|audio)_dec_block\."
+    r"((self|cross)_attention\.(to_query|to_key|to_value|out_layer)|feed_forward\.net\.(0\.proj|2)"
+    r"|visual_modulation\.out_layer)|(va|av)_cross_attention\.(to_query|to_key|to_value|out_layer)"
+    r"|(va|av)_modulation\.out_layer)"
+)
 
 
 @pytest.mark.parametrize("targets", ["default", "every"])
 def test_comfyui_loads_kandinsky6_audio_modules(tiny_model_factory, tmp_path, targets):
     """model.audio: LoRAs on both of Kandinsky 6's streams and the cross-stream attentions (every: also FFNs and
     modulations) load into ComfyUI's Kandinsky6 model at their sizes, under its `videoT` / `audioT` names."""
-    spec = build_spec(ModelConfig(family="kandinsky6", path=str(tiny_model_factory("kandinsky6")), audio=True),
-                      frame_rate=8.0)
+    spec = build_spec(
+        ModelConfig(family="kandinsky6", path=str(tiny_model_factory("kandinsky6")), audio=True), frame_rate=8.0
+    )
     modules = check_comfy_file(spec, "Kandinsky6", None if targets == "default" else _K6_AV, tmp_path)
-    assert {"visual_blocks.0.audioT.self_attention.to_query", "visual_blocks.1.va_cross_attention.to_key",
-            "visual_blocks.0.av_cross_attention.out_layer", "audio_text_transformer_blocks.0.self_attention.to_value",
-            "video_text_transformer_blocks.0.self_attention.out_layer"} <= modules
+    assert {
+        "visual_blocks.0.audioT.self_attention.to_query",
+        "visual_blocks.1.va_cross_attention.to_key",
+        "visual_blocks.0.av_cross_attention.out_layer",
+        "audio_text_transformer_blocks.0.self_attention.to_value",
+        "video_text_transformer_blocks.0.self_attention.out_layer",
+    } <= modules
     if targets == "every":
-        assert {"visual_blocks.1.va_modulation.out_layer", "visual_blocks.0.audioT.feed_forward.in_layer",
-                "audio_text_transformer_blocks.0.text_modulation.out_layer"} <= modules
+        assert {
+            "visual_blocks.1.va_modulation.out_layer",
+            "visual_blocks.0.audioT.feed_forward.in_layer",
+            "audio_text_transformer_blocks.0.text_modulation.out_layer",
+        } <= modules
 
 
 # MiniMax H3 with model.audio: every module vt's key table names, the audio stream's own heads included (they train
 # only with model.audio): attention, FFN and AdaLN of the blocks and the refiner, the patch, text, time and output
 # projections.
-_H3_EVERY = (r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
-             r"|ff\.net\.(0\.proj|2)|adaln_proj\.linear)|proj_in|audio_proj_in|context_embedder|proj_out"
-             r"|audio_proj_out|norm_out\.linear|time_embedder\.linear_(1|2)")
+_H3_EVERY = (
+    r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
+    r"|ff\.net\.(0\.proj|2)|adaln_proj\.linear)|proj_in|audio_proj_in|context_embedder|proj_out"
+    r"|audio_proj_out|norm_out\.linear|time_embedder\.linear_(1|2)"
+)
 
 
 @pytest.mark.parametrize("targets", ["default", "wide", "every"])
 def test_comfyui_loads_minimax_h3_audio_modules(tiny_model_factory, tmp_path, targets):
     """model.audio: H3's file, with LoRAs on attention, FFN and (every) the audio heads, loads into ComfyUI's
     MiniMaxH3Model at its sizes: q/k/v fused into qkv_proj, fc1's SwiGLU halves in ComfyUI's order."""
-    spec = build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True),
-                      frame_rate=24.0)
+    spec = build_spec(
+        ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True), frame_rate=24.0
+    )
     pattern = {"default": None, "wide": WIDE["minimax-h3"], "every": _H3_EVERY}[targets]
     modules = check_comfy_file(spec, "MiniMaxH3", pattern, tmp_path)
     assert {"blocks.0.attn.qkv_proj", "token_refiner.blocks.0.attn.qkv_proj", "blocks.1.attn.out_proj"} <= modules
     if targets != "default":
         assert {"blocks.1.mlp.fc1", "token_refiner.blocks.0.mlp.fc2"} <= modules
     if targets == "every":
-        assert {"final_layer.audio_out", "audio_patch_proj", "time_embedder.proj_in", "blocks.0.adaln_proj.linear",
-                "final_layer.adaln_proj.linear", "condition_proj"} <= modules
+        assert {
+            "final_layer.audio_out",
+            "audio_patch_proj",
+            "time_embedder.proj_in",
+            "blocks.0.adaln_proj.linear",
+            "final_layer.adaln_proj.linear",
+            "condition_proj",
+        } <= modules
 
 
 def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
@@ -275,7 +332,7 @@ def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
     weights = comfy_weights(family, transformer)
     patches, not_loaded = ref.load_lora(lora, ref.model_lora_keys_unet(weights, model_class))
     assert not not_loaded, f"ComfyUI ({model_class}) logs 'lora key not loaded' for {not_loaded[:6]}"
-    comfy = {key[len("diffusion_model."):-len(".weight")]: patch for key, patch in patches.items()}
+    comfy = {key[len("diffusion_model.") : -len(".weight")]: patch for key, patch in patches.items()}
     deltas = {module: ref.weight_delta(patch, weights[module]) for module, patch in comfy.items()}
 
     ours = lora_deltas(transformer)
@@ -317,8 +374,8 @@ def test_hunyuan_video15_loader_reads_fused_and_separate_qkv(spec_of, tmp_path):
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file, save_file
 
-    from vt.shared.weights import comfy
     from vt.shared.models.hunyuan_video15_lora import NAMES, SEPARATE_QKV, load_lora
+    from vt.shared.weights import comfy
 
     spec = spec_of("hunyuan-video-1.5", "t2v")
     transformer = spec.load_transformer()
@@ -331,8 +388,9 @@ def test_hunyuan_video15_loader_reads_fused_and_separate_qkv(spec_of, tmp_path):
     assert fused["diffusion_model.double_blocks.0.img_attn_qkv.lora_B.weight"].shape == (48, 4)  # q, k of rank 2
     assert fused["diffusion_model.double_blocks.0.txt_attn_qkv.lora_A.weight"].shape == (2, 16)  # add_q only
     separate = tmp_path / "separate.safetensors"
-    save_file(comfy.comfy_state_dict(tensors, comfy.templated(NAMES + SEPARATE_QKV), 2, 3.0, write_alpha=False),
-              str(separate))
+    save_file(
+        comfy.comfy_state_dict(tensors, comfy.templated(NAMES + SEPARATE_QKV), 2, 3.0, write_alpha=False), str(separate)
+    )
     assert "diffusion_model.double_blocks.0.img_attn_q.lora_A.weight" in load_file(separate)
 
     for path in (tmp_path / "lora_comfyui.safetensors", separate):

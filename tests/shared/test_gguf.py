@@ -27,7 +27,7 @@ def random_blocks(qtype: int, rows: int, blocks_per_row: int, seed: int = 0) -> 
     blocks = rng.integers(0, 256, size=(rows * blocks_per_row, nbytes), dtype=np.uint8)
     for offset in SCALES.get(qtype, (0,)):
         halves = rng.uniform(-1, 1, len(blocks)).astype(np.float16)
-        blocks[:, offset:offset + 2] = halves.view(np.uint8).reshape(-1, 2)
+        blocks[:, offset : offset + 2] = halves.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, blocks_per_row * nbytes)
 
 
@@ -49,9 +49,12 @@ def test_a_files_tensors_read_whole_and_by_rows_in_their_own_shape(tmp_path):
     rng = np.random.default_rng(1)
     q8 = rng.standard_normal((6, 64)).astype(np.float32)
     conv = rng.standard_normal((4, 2, 1, 2, 8)).astype(np.float32)  # 32 values a row: one Q8_0 block
-    stored = {"blocks.0.q.weight": (12, random_blocks(12, 5, 2)), "blocks.0.o.weight": (14, random_blocks(14, 4, 1)),
-              "blocks.0.k.weight": (8, gguf.quants.quantize(q8, gguf.GGMLQuantizationType.Q8_0)),
-              "patch.weight": (8, gguf.quants.quantize(conv.reshape(4, -1), gguf.GGMLQuantizationType.Q8_0))}
+    stored = {
+        "blocks.0.q.weight": (12, random_blocks(12, 5, 2)),
+        "blocks.0.o.weight": (14, random_blocks(14, 4, 1)),
+        "blocks.0.k.weight": (8, gguf.quants.quantize(q8, gguf.GGMLQuantizationType.Q8_0)),
+        "patch.weight": (8, gguf.quants.quantize(conv.reshape(4, -1), gguf.GGMLQuantizationType.Q8_0)),
+    }
     writer = gguf.GGUFWriter(str(tmp_path / "model.gguf"), arch="wan")
     writer.add_array("comfy.gguf.orig_shape.patch.weight", list(conv.shape))
     for name, (qtype, raw) in stored.items():
@@ -69,10 +72,15 @@ def test_a_files_tensors_read_whole_and_by_rows_in_their_own_shape(tmp_path):
             expected = expected.reshape(conv.shape)
             assert weights.shape(name) == conv.shape and weights.entries[name].stored == (4, 32)
         assert weights.qtype(name) == qtype and torch.equal(weights.read(name), expected), name
-        assert torch.equal(weights.read(name, (1, 0, *[0] * (expected.ndim - 2)), (2, *expected.shape[1:])),
-                           expected[1:3]), name
-    assert torch.equal(weights.read("blocks.0.q.weight", (2, 128), (3, 256)), weights.read("blocks.0.q.weight")[2:, 128:384])
-    assert torch.equal(weights.read_packed("blocks.0.q.weight", 1, 2), torch.from_numpy(stored["blocks.0.q.weight"][1][1:3]))
+        assert torch.equal(
+            weights.read(name, (1, 0, *[0] * (expected.ndim - 2)), (2, *expected.shape[1:])), expected[1:3]
+        ), name
+    assert torch.equal(
+        weights.read("blocks.0.q.weight", (2, 128), (3, 256)), weights.read("blocks.0.q.weight")[2:, 128:384]
+    )
+    assert torch.equal(
+        weights.read_packed("blocks.0.q.weight", 1, 2), torch.from_numpy(stored["blocks.0.q.weight"][1][1:3])
+    )
     assert weights.read("blocks.0.k.bias").dtype == torch.float16
     assert torch.equal(weights.read("blocks.0.k.bias"), torch.from_numpy(bias))
     assert weights.qtype("blocks.0.k.bias") is None

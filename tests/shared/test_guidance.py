@@ -24,8 +24,10 @@ BUCKET = Bucket(5, 64, 96)  # H3's shortest latent clip: 17k+5 frames
 def h3(tiny_model_factory):
     """MiniMax H3 with sound (video and audio targets from one transformer call), a LoRA'd transformer whose adapters
     change its output (lora_B drawn, not zero), and the same weights without adapters."""
-    spec = build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True,
-                                  max_text_tokens=8), 24.0)
+    spec = build_spec(
+        ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True, max_text_tokens=8),
+        24.0,
+    )
     torch.manual_seed(0)
     adapted = spec.load_transformer()
     spec.add_lora(adapted, rank=2, alpha=2.0, targets=None)
@@ -42,8 +44,10 @@ def inputs(spec) -> tuple[dict, dict, torch.Tensor, torch.Tensor]:
     batch = {name: torch.randn(2, *shape, generator=generator) for name, shape in shapes.items()}
     batch["prompt_attention_mask"] = torch.tensor([[1.0] * 5 + [0.0] * 3, [1.0] * 3 + [0.0] * 5])
     batch["audio_noise"] = torch.randn(batch["audio_latents"].shape, generator=generator)
-    empty = {"prompt_embeds": torch.zeros(shapes["prompt_embeds"]),
-             "prompt_attention_mask": torch.zeros(shapes["prompt_attention_mask"])}
+    empty = {
+        "prompt_embeds": torch.zeros(shapes["prompt_embeds"]),
+        "prompt_attention_mask": torch.zeros(shapes["prompt_attention_mask"]),
+    }
     return batch, empty, torch.tensor([0.3, 0.8]), torch.randn(batch["latents"].shape, generator=generator)
 
 
@@ -60,8 +64,9 @@ def test_the_base_is_the_transformer_without_adapters_on_the_empty_caption(h3):
     torch.testing.assert_close(base.audio.prediction, expected.audio.prediction, atol=1e-6, rtol=1e-6)
     assert not torch.allclose(before.prediction, unadapted.prediction, atol=1e-3)  # the adapters matter here
     after = spec.forward(adapted, dict(batch), sigmas, noise)  # the adapters are back on
-    assert torch.equal(after.prediction, before.prediction) and torch.equal(after.audio.prediction,
-                                                                            before.audio.prediction)
+    assert torch.equal(after.prediction, before.prediction) and torch.equal(
+        after.audio.prediction, before.audio.prediction
+    )
     assert all(p.requires_grad == ("lora_" in n) for n, p in adapted.named_parameters())  # no flag touched
 
 
@@ -95,8 +100,9 @@ class Drawing:
 def test_the_base_draws_what_the_trained_pass_draws_and_leaves_the_random_state_alone():
     from peft import LoraConfig, inject_adapter_in_model
 
-    model = inject_adapter_in_model(LoraConfig(r=1, target_modules=["layer"], init_lora_weights=False),
-                                    nn.ModuleDict({"layer": nn.Linear(2, 2)}))
+    model = inject_adapter_in_model(
+        LoraConfig(r=1, target_modules=["layer"], init_lora_weights=False), nn.ModuleDict({"layer": nn.Linear(2, 2)})
+    )
     batch = {"prompt_embeds": torch.randn(2, 3, 2), "latents": torch.randn(2, 2)}
     spec = Drawing()
 

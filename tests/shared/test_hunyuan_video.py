@@ -39,8 +39,9 @@ def test_transformer_inputs_match_the_pipeline(tiny_model_factory):
     transformer = spec.load_transformer()
     pipeline = spec.build_pipeline(transformer)
     seen = capture(transformer)
-    pipeline(**spec.pipeline_inputs(PROMPT, BUCKET, steps=1, seed=0), guidance_scale=spec.guidance,
-             output_type="latent")
+    pipeline(
+        **spec.pipeline_inputs(PROMPT, BUCKET, steps=1, seed=0), guidance_scale=spec.guidance, output_type="latent"
+    )
     inference = seen.pop()
 
     encoders = spec.load_stage1()
@@ -63,8 +64,9 @@ def test_lora_never_targets_the_token_refiner(tiny_model_factory, targets):
     spec.add_lora(transformer, rank=4, alpha=4.0, targets=targets)
     lora = [n for n, _ in transformer.named_parameters() if "lora_A" in n]
     assert lora and not any("token_refiner" in n for n in lora)
-    assert {"transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_v"} <= \
-        {n.split(".lora_A")[0] for n in lora}
+    assert {"transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.attn.to_v"} <= {
+        n.split(".lora_A")[0] for n in lora
+    }
     with pytest.raises(ValueError, match="matched no layer .* outside the text token refiner"):
         spec.add_lora(spec.load_transformer(), rank=4, alpha=4.0, targets=[r"refiner_blocks.0.attn.to_q"])
 
@@ -84,10 +86,20 @@ def test_comfy_file_reads_back_through_diffusers_at_the_real_hidden_size(tiny_mo
     for module, out in modules.items():
         lora[f"{module}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen)
         lora[f"{module}.lora_B.weight"] = torch.randn(out, rank, generator=gen)
-    sizes = {"transformer_blocks.0.attn.add_q_proj": hidden, "transformer_blocks.0.attn.add_v_proj": hidden,
-             "single_transformer_blocks.0.proj_mlp": mlp}
-    state = comfy_state_dict(lora, spec.original_names, rank, alpha, write_alpha=False,
-                             fused=spec.comfy_fused, out_features=sizes.__getitem__)
+    sizes = {
+        "transformer_blocks.0.attn.add_q_proj": hidden,
+        "transformer_blocks.0.attn.add_v_proj": hidden,
+        "single_transformer_blocks.0.proj_mlp": mlp,
+    }
+    state = comfy_state_dict(
+        lora,
+        spec.original_names,
+        rank,
+        alpha,
+        write_alpha=False,
+        fused=spec.comfy_fused,
+        out_features=sizes.__getitem__,
+    )
     assert state["diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight"].shape == (3 * rank, hidden)
     assert state["diffusion_model.double_blocks.0.txt_attn_qkv.lora_B.weight"].shape == (3 * hidden, rank)
     assert state["diffusion_model.single_blocks.0.linear1.lora_B.weight"].shape == (3 * hidden + mlp, 3 * rank)
@@ -118,8 +130,13 @@ def i2v_clip(seed: int) -> tuple[torch.Tensor, np.ndarray]:
     """(a clip (1, 3, F, H, W) in [-1, 1] whose first frame is `image`, the uint8 image (H, W, 3))."""
     image = np.random.default_rng(seed).integers(0, 256, (I2V_BUCKET.height, I2V_BUCKET.width, 3), dtype=np.uint8)
     first = torch.from_numpy(image).permute(2, 0, 1).float() / 127.5 - 1
-    rest = torch.rand(3, I2V_BUCKET.frames - 1, I2V_BUCKET.height, I2V_BUCKET.width,
-                      generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    rest = (
+        torch.rand(
+            3, I2V_BUCKET.frames - 1, I2V_BUCKET.height, I2V_BUCKET.width, generator=torch.Generator().manual_seed(seed)
+        )
+        * 2
+        - 1
+    )
     return torch.cat([first[:, None], rest], dim=1)[None], image
 
 
@@ -130,8 +147,9 @@ def latent_concat_spec(tiny_model_factory, tmp_path):
 
     folder = tmp_path / "latent_concat"
     torch.manual_seed(0)
-    tiny_hunyuan_transformer(in_channels=9, guidance_embeds=False, image_condition_type="latent_concat") \
-        .save_pretrained(folder)
+    tiny_hunyuan_transformer(
+        in_channels=9, guidance_embeds=False, image_condition_type="latent_concat"
+    ).save_pretrained(folder)
     return make_i2v_spec(tiny_model_factory, components={"transformer": str(folder)})
 
 
@@ -153,7 +171,10 @@ def test_i2v_stage1_stores_what_the_pipeline_makes_of_the_first_frame(tiny_model
     tokenizer = encoders["tokenizer"]
     ids = tokenizer(template["template"].format(I2V_CAPTIONS[0])).input_ids
     assert tokenizer.convert_ids_to_tokens(ids[template["image_emb_start"]]) == "<image>"
-    assert tokenizer.convert_ids_to_tokens(ids[template["crop_start"]:template["crop_start"] + 2]) == ["a", "\u2581big"]
+    assert tokenizer.convert_ids_to_tokens(ids[template["crop_start"] : template["crop_start"] + 2]) == [
+        "a",
+        "\u2581big",
+    ]
 
     clips, images = zip(*(i2v_clip(seed) for seed in (1, 2)))
     video = torch.cat(clips)
@@ -169,15 +190,27 @@ def test_i2v_stage1_stores_what_the_pipeline_makes_of_the_first_frame(tiny_model
     pipeline = HunyuanVideoImageToVideoPipeline.from_pretrained(tiny_model_factory("hunyuan-video", task="i2v"))
     for i, (caption, image) in enumerate(zip(I2V_CAPTIONS, images)):
         pil = Image.fromarray(image)
-        embeds, pooled, mask = pipeline.encode_prompt(image=pil, prompt=[caption], prompt_template=template,
-                                                      max_sequence_length=16, image_embed_interleave=4)
-        torch.testing.assert_close(sample_text["prompt_embeds"][i:i + 1], embeds)
-        torch.testing.assert_close(sample_text["prompt_attention_mask"][i:i + 1], mask.float())
-        torch.testing.assert_close(text["pooled_prompt_embeds"][i:i + 1], pooled)
+        embeds, pooled, mask = pipeline.encode_prompt(
+            image=pil, prompt=[caption], prompt_template=template, max_sequence_length=16, image_embed_interleave=4
+        )
+        torch.testing.assert_close(sample_text["prompt_embeds"][i : i + 1], embeds)
+        torch.testing.assert_close(sample_text["prompt_attention_mask"][i : i + 1], mask.float())
+        torch.testing.assert_close(text["pooled_prompt_embeds"][i : i + 1], pooled)
         frame = pipeline.video_processor.preprocess(pil, I2V_BUCKET.height, I2V_BUCKET.width)
-        _, image_latents = pipeline.prepare_latents(frame, 1, 4, I2V_BUCKET.height, I2V_BUCKET.width, I2V_BUCKET.frames,
-                                                    torch.float32, "cpu", None, None, "token_replace")
-        torch.testing.assert_close(latents["image_latents"][i:i + 1], image_latents, atol=1e-5, rtol=1e-5)
+        _, image_latents = pipeline.prepare_latents(
+            frame,
+            1,
+            4,
+            I2V_BUCKET.height,
+            I2V_BUCKET.width,
+            I2V_BUCKET.frames,
+            torch.float32,
+            "cpu",
+            None,
+            None,
+            "token_replace",
+        )
+        torch.testing.assert_close(latents["image_latents"][i : i + 1], image_latents, atol=1e-5, rtol=1e-5)
     mask = sample_text["prompt_attention_mask"]
     assert mask[0, :12].all() and not mask[0, 12:].any() and mask[1].all()  # right padded; the cut caption fills
     other = spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], -video[:1, :, 0])["prompt_embeds"]
@@ -191,13 +224,18 @@ def test_i2v_forward_feeds_the_pipelines_inputs_and_weights_the_clean_frame_zero
     spec = make_i2v_spec(tiny_model_factory)
     encoders = spec.load_stage1()
     video, image = i2v_clip(1)
-    batch = {**spec.encode_text(encoders, I2V_CAPTIONS[:1]),
-             **spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
-             **spec.encode_video(encoders, video)}
+    batch = {
+        **spec.encode_text(encoders, I2V_CAPTIONS[:1]),
+        **spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
+        **spec.encode_video(encoders, video),
+    }
     transformer = spec.load_transformer()
     seen = capture(transformer)
-    spec.build_pipeline(transformer, **encoders)(**spec.pipeline_inputs(I2V_CAPTIONS[0], I2V_BUCKET, 1, 0, image),
-                                                 guidance_scale=spec.guidance, output_type="latent")
+    spec.build_pipeline(transformer, **encoders)(
+        **spec.pipeline_inputs(I2V_CAPTIONS[0], I2V_BUCKET, 1, 0, image),
+        guidance_scale=spec.guidance,
+        output_type="latent",
+    )
     inference = seen.pop()
 
     spec.add_lora(transformer, rank=4, alpha=4.0, targets=None)
@@ -226,14 +264,17 @@ def test_i2v_latent_concat_transformer_takes_the_image_on_the_channel_axis(tiny_
     assert spec.image_embed_interleave == 2
     encoders = spec.load_stage1()
     video, image = i2v_clip(1)
-    batch = {**spec.encode_text(encoders, I2V_CAPTIONS[:1]),
-             **spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
-             **spec.encode_video(encoders, video)}
+    batch = {
+        **spec.encode_text(encoders, I2V_CAPTIONS[:1]),
+        **spec.text_with_image.encode(encoders, I2V_CAPTIONS[:1], video[:, :, 0]),
+        **spec.encode_video(encoders, video),
+    }
     assert batch["prompt_embeds"].shape[1] == spec.condition_shapes(I2V_BUCKET)["prompt_embeds"][0] == 8 + 12
     transformer = spec.load_transformer()
     seen = capture(transformer)
-    spec.build_pipeline(transformer, **encoders)(**spec.pipeline_inputs(I2V_CAPTIONS[0], I2V_BUCKET, 1, 0, image),
-                                                 output_type="latent")
+    spec.build_pipeline(transformer, **encoders)(
+        **spec.pipeline_inputs(I2V_CAPTIONS[0], I2V_BUCKET, 1, 0, image), output_type="latent"
+    )
     inference = seen.pop()
     sigma = inference["timestep"] / 1000
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(3))
@@ -266,7 +307,10 @@ def test_i2v_lora_and_full_exports_load_into_a_fresh_i2v_pipeline(tiny_model_fac
     spec = make_i2v_spec(tiny_model_factory)
     _, image = i2v_clip(1)
     encoders = spec.load_stage1()  # the prompt's text once, not at every call
-    text = {**spec.encode_validation_text(encoders, PROMPT), **spec.text_with_image.encode_validation(encoders, PROMPT, image)}
+    text = {
+        **spec.encode_validation_text(encoders, PROMPT),
+        **spec.text_with_image.encode_validation(encoders, PROMPT, image),
+    }
 
     def latents(pipeline):
         return pipeline(**spec.pipeline_inputs(None, I2V_BUCKET, 2, 0, image), **text, output_type="latent").frames
@@ -305,8 +349,11 @@ def test_i2v_validation_renders_from_stored_pair_conditions_without_text_encoder
     spec = make_i2v_spec(tiny_model_factory)
     encoders = spec.load_stage1()
     _, image = i2v_clip(2)
-    stored = {**spec.encode_validation_text(encoders, PROMPT), **spec.text_with_image.encode_validation(encoders, PROMPT, image),
-              **{f"negative_{k}": v for k, v in spec.encode_validation_text(encoders, spec.negative_prompt).items()}}
+    stored = {
+        **spec.encode_validation_text(encoders, PROMPT),
+        **spec.text_with_image.encode_validation(encoders, PROMPT, image),
+        **{f"negative_{k}": v for k, v in spec.encode_validation_text(encoders, spec.negative_prompt).items()},
+    }
     conditions = decode_conditions(encode_conditions(stored, torch.float32))  # as the window gives them back
     assert set(conditions) >= {"prompt_embeds", "prompt_attention_mask", "pooled_prompt_embeds"}
     transformer = spec.load_transformer()

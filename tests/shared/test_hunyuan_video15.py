@@ -40,13 +40,18 @@ def test_text_and_transformer_inputs_are_the_pipelines(tiny_model_factory, tmp_p
     # The pipeline crops its first 108 template tokens: the local tokenizer puts the caption right there.
     pipeline = spec.build_pipeline(spec.load_transformer(), **encoders)
     assert pipeline.tokenizer_max_length == 128 and "tokenizer_max_length = 128" in spec.inference_mismatches()[0]
-    ids = pipeline.tokenizer.apply_chat_template(format_text_input(captions[:1], pipeline.system_message),
-                                                 add_generation_prompt=True, tokenize=True, return_dict=True)
+    ids = pipeline.tokenizer.apply_chat_template(
+        format_text_input(captions[:1], pipeline.system_message),
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=True,
+    )
     tokens = pipeline.tokenizer.convert_ids_to_tokens(ids["input_ids"][0])
-    assert tokens[PROMPT_TEMPLATE_TOKENS:PROMPT_TEMPLATE_TOKENS + 3] == ["a", "\u0120rabbit", "\u0120in"]
+    assert tokens[PROMPT_TEMPLATE_TOKENS : PROMPT_TEMPLATE_TOKENS + 3] == ["a", "\u0120rabbit", "\u0120in"]
     expected = pipeline.encode_prompt(captions, device="cpu", batch_size=2)  # at tokenizer_max_length
-    for name, tensor in zip(("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2"),
-                            expected):
+    for name, tensor in zip(
+        ("prompt_embeds", "prompt_attention_mask", "prompt_embeds_2", "prompt_attention_mask_2"), expected
+    ):
         torch.testing.assert_close(batch[name], tensor.float())
     # ByT5 sees only quoted text: none in the first caption (zeros, masked), "OPEN" in the second.
     assert batch["prompt_attention_mask_2"][0].sum() == 0 and batch["prompt_embeds_2"][0].abs().sum() == 0
@@ -66,12 +71,16 @@ def test_text_and_transformer_inputs_are_the_pipelines(tiny_model_factory, tmp_p
     torch.testing.assert_close(seen["timestep"], torch.tensor([250.0, 750.0]))
     s = sigmas.view(2, 1, 1, 1, 1)
     with torch.no_grad():
-        full = transformer(hidden_states=torch.cat([(1 - s) * latents + s * noise, torch.zeros(2, 5, 3, 4, 6)], 1),
-                           timestep=sigmas * 1000, encoder_hidden_states=batch["prompt_embeds"],
-                           encoder_attention_mask=batch["prompt_attention_mask"],
-                           encoder_hidden_states_2=batch["prompt_embeds_2"],
-                           encoder_attention_mask_2=batch["prompt_attention_mask_2"],
-                           image_embeds=torch.zeros(2, IMAGE_TOKENS, 12), return_dict=False)[0]
+        full = transformer(
+            hidden_states=torch.cat([(1 - s) * latents + s * noise, torch.zeros(2, 5, 3, 4, 6)], 1),
+            timestep=sigmas * 1000,
+            encoder_hidden_states=batch["prompt_embeds"],
+            encoder_attention_mask=batch["prompt_attention_mask"],
+            encoder_hidden_states_2=batch["prompt_embeds_2"],
+            encoder_attention_mask_2=batch["prompt_attention_mask_2"],
+            image_embeds=torch.zeros(2, IMAGE_TOKENS, 12),
+            return_dict=False,
+        )[0]
     torch.testing.assert_close(out.prediction, full, atol=1e-5, rtol=1e-5)
 
     # A full fine-tune trains every parameter that gets a gradient (DDP needs all of them to), and only
@@ -79,13 +88,19 @@ def test_text_and_transformer_inputs_are_the_pipelines(tiny_model_factory, tmp_p
     spec.full_trainable(transformer)
     spec.forward(transformer, {**batch, "latents": latents}, sigmas, noise).prediction.square().mean().backward()
     frozen = {n for n, p in transformer.named_parameters() if not p.requires_grad}
-    assert frozen and all(n.startswith(("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.ff_context."))
-                          for n in frozen)
+    assert frozen and all(
+        n.startswith(("transformer_blocks.1.attn.to_add_out.", "transformer_blocks.1.ff_context.")) for n in frozen
+    )
     assert all(p.grad is not None for p in transformer.parameters() if p.requires_grad)
 
     foreign = tmp_path / "single.safetensors"  # HunyuanVideo 1's single blocks: HunyuanVideo 1.5 has none
-    save_file({"diffusion_model.single_blocks.0.linear1.lora_A.weight": torch.zeros(4, 16),
-               "diffusion_model.single_blocks.0.linear1.lora_B.weight": torch.zeros(16, 4)}, str(foreign))
+    save_file(
+        {
+            "diffusion_model.single_blocks.0.linear1.lora_A.weight": torch.zeros(4, 16),
+            "diffusion_model.single_blocks.0.linear1.lora_B.weight": torch.zeros(16, 4),
+        },
+        str(foreign),
+    )
     with pytest.raises(ValueError, match=r"linear1.*not a LoRA weight of a HunyuanVideo 1.5 module"):
         load_lora(pipeline, foreign)
 
@@ -95,16 +110,25 @@ I2V_BUCKET = Bucket(5, 64, 96)  # one of the tiny i2v transformer's output sizes
 
 
 def make_i2v_spec(tiny_model_factory, **kw):
-    return build_spec(ModelConfig(family=FAMILY, task="i2v", path=str(tiny_model_factory(FAMILY, task="i2v")),
-                                  max_text_tokens=64, **kw), frame_rate=8.0)
+    return build_spec(
+        ModelConfig(
+            family=FAMILY, task="i2v", path=str(tiny_model_factory(FAMILY, task="i2v")), max_text_tokens=64, **kw
+        ),
+        frame_rate=8.0,
+    )
 
 
 def i2v_clip(seed: int):
     """(a clip (1, 3, F, H, W) in [-1, 1] whose first frame is `image`, the uint8 image (H, W, 3))."""
     image = np.random.default_rng(seed).integers(0, 256, (I2V_BUCKET.height, I2V_BUCKET.width, 3), dtype=np.uint8)
     first = torch.from_numpy(image).permute(2, 0, 1).float() / 127.5 - 1
-    rest = torch.rand(3, I2V_BUCKET.frames - 1, I2V_BUCKET.height, I2V_BUCKET.width,
-                      generator=torch.Generator().manual_seed(seed)) * 2 - 1
+    rest = (
+        torch.rand(
+            3, I2V_BUCKET.frames - 1, I2V_BUCKET.height, I2V_BUCKET.width, generator=torch.Generator().manual_seed(seed)
+        )
+        * 2
+        - 1
+    )
     return torch.cat([first[:, None], rest], dim=1)[None], image
 
 
@@ -136,9 +160,9 @@ def test_i2v_stage1_and_forward_are_the_pipelines(tiny_model_factory, tmp_path):
     assert pipeline.video_processor.calculate_default_height_width(64, 96, pipeline.target_size) == (64, 96)
     for i, image in enumerate(images):
         pil = Image.fromarray(image)
-        torch.testing.assert_close(out["image_embeds"][i:i + 1], pipeline.encode_image(pil, 1, "cpu", torch.float32))
+        torch.testing.assert_close(out["image_embeds"][i : i + 1], pipeline.encode_image(pil, 1, "cpu", torch.float32))
         latents = pipeline._get_image_latents(pipeline.vae, pipeline.video_processor, pil, 64, 96, "cpu")
-        torch.testing.assert_close(out["image_latents"][i:i + 1], latents, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out["image_latents"][i : i + 1], latents, atol=1e-5, rtol=1e-5)
 
     # One pipeline step's transformer call against training's at the same sigma, for the first sample.
     text = spec.encode_text(encoders, CAPTIONS[:1])
@@ -146,8 +170,9 @@ def test_i2v_stage1_and_forward_are_the_pipelines(tiny_model_factory, tmp_path):
     transformer = spec.load_transformer()
     seen = []
     transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(dict(kwargs)), with_kwargs=True)
-    spec.build_pipeline(transformer, **encoders)(**spec.pipeline_inputs(CAPTIONS[0], I2V_BUCKET, 1, 0, images[0]),
-                                                 output_type="latent")
+    spec.build_pipeline(transformer, **encoders)(
+        **spec.pipeline_inputs(CAPTIONS[0], I2V_BUCKET, 1, 0, images[0]), output_type="latent"
+    )
     inference = seen.pop()
     sigma = inference["timestep"] / 1000
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(3))
@@ -172,8 +197,9 @@ def test_i2v_stage1_and_forward_are_the_pipelines(tiny_model_factory, tmp_path):
         make_i2v_spec(tiny_model_factory, components={"transformer": str(distilled)}).check_bucket(I2V_BUCKET)
 
 
-def test_i2v_exports_load_into_a_fresh_i2v_pipeline_and_validation_renders_from_stored_tokens(tiny_model_factory,
-                                                                                               tmp_path):
+def test_i2v_exports_load_into_a_fresh_i2v_pipeline_and_validation_renders_from_stored_tokens(
+    tiny_model_factory, tmp_path
+):
     """vt's loader reads the diffusers and the ComfyUI file into a fresh HunyuanVideo15ImageToVideoPipeline,
     which then makes what the in-memory model makes; the full export too. Validation's pipeline, without the
     text encoders or SigLIP, renders from the conditions stage 1 stores (the image's SigLIP tokens among
@@ -187,8 +213,11 @@ def test_i2v_exports_load_into_a_fresh_i2v_pipeline_and_validation_renders_from_
     spec = make_i2v_spec(tiny_model_factory)
     encoders = spec.load_stage1()
     _, image = i2v_clip(1)
-    stored = {**spec.encode_validation_text(encoders, CAPTIONS[0]), **spec.image_conditions.encode(encoders, image),
-              **{f"negative_{k}": v for k, v in spec.encode_validation_text(encoders, spec.negative_prompt).items()}}
+    stored = {
+        **spec.encode_validation_text(encoders, CAPTIONS[0]),
+        **spec.image_conditions.encode(encoders, image),
+        **{f"negative_{k}": v for k, v in spec.encode_validation_text(encoders, spec.negative_prompt).items()},
+    }
     conditions = decode_conditions(encode_conditions(stored, torch.float32))  # as the window gives them back
     assert conditions["image_embeds"].shape == (1, 16, 12)
 
@@ -217,8 +246,10 @@ def test_i2v_exports_load_into_a_fresh_i2v_pipeline_and_validation_renders_from_
     assert frames.shape == (5, *spec.output_size(image), 3) == (5, 64, 96, 3)
     assert np.abs(frames.astype(int) - whole).max() <= 1
     other = {**conditions, **spec.image_conditions.encode(encoders, 255 - image)}
-    moved = bare(**{**spec.pipeline_inputs(None, I2V_BUCKET, 2, 0, 255 - image), "output_type": "latent"},
-                 **spec.pipeline_conditions(bare, other)).frames
+    moved = bare(
+        **{**spec.pipeline_inputs(None, I2V_BUCKET, 2, 0, 255 - image), "output_type": "latent"},
+        **spec.pipeline_conditions(bare, other),
+    ).frames
     assert (moved - in_memory).abs().mean() > 1e-2, "the image did not condition the video"
 
     full = spec.load_transformer()

@@ -67,8 +67,10 @@ def test_training_feeds_the_transformer_what_the_pipeline_feeds(tiny_model_facto
 
     pipeline = spec.build_pipeline(transformer, **encoders)
     theirs = first_call(transformer)
-    pipeline(**spec.pipeline_inputs(CAPTIONS[0], BUCKET, steps=1, seed=0, image=image if task == "i2v" else None),
-             output_type="latent")
+    pipeline(
+        **spec.pipeline_inputs(CAPTIONS[0], BUCKET, steps=1, seed=0, image=image if task == "i2v" else None),
+        output_type="latent",
+    )
     trained = spec.load_transformer()
     ours = first_call(trained)
     out = spec.forward(trained, batch, torch.tensor([0.5, 0.25]), torch.randn_like(batch["latents"]))
@@ -109,16 +111,21 @@ def test_each_sample_is_predicted_from_its_own_text_rows(tiny_model_factory):
     latents = torch.randn(3, *spec.latent_shape(BUCKET), generator=torch.Generator().manual_seed(0))
     noise, sigmas = torch.randn_like(latents), torch.tensor([0.2, 0.5, 0.8])
     calls = []
-    transformer.register_forward_pre_hook(lambda m, args, kwargs: calls.append(kwargs["encoder_hidden_states"].shape),
-                                          with_kwargs=True)
+    transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: calls.append(kwargs["encoder_hidden_states"].shape), with_kwargs=True
+    )
     with torch.no_grad():
         together = spec.forward(transformer, {**text, "latents": latents}, sigmas, noise).prediction
         rows = [int(n) for n in text["prompt_attention_mask"].sum(1)]
         assert calls == [(1, n, 16) for n in rows] and rows[0] < rows[1]
         for index in range(3):
-            alone = spec.forward(transformer, {k: v[index:index + 1] for k, v in {**text, "latents": latents}.items()},
-                                 sigmas[index:index + 1], noise[index:index + 1]).prediction
-            torch.testing.assert_close(together[index:index + 1], alone, atol=0, rtol=0)
+            alone = spec.forward(
+                transformer,
+                {k: v[index : index + 1] for k, v in {**text, "latents": latents}.items()},
+                sigmas[index : index + 1],
+                noise[index : index + 1],
+            ).prediction
+            torch.testing.assert_close(together[index : index + 1], alone, atol=0, rtol=0)
     assert not torch.allclose(together[0], together[2])  # other latents and sigma: a real per-sample check
 
 
@@ -127,8 +134,15 @@ def test_nabla_needs_flex_attention_and_128_pixel_buckets(tiny_model_factory, tm
 
     folder = tiny_model_factory(FAMILY)
     config = dict(Kandinsky5Transformer3DModel.load_config(folder, subfolder="transformer"))
-    nabla = dict(attention_type="nabla", attention_P=0.8, attention_wT=11, attention_wH=3, attention_wW=3,
-                 attention_add_sta=True, attention_method="topcdf")  # the released 10 s models' settings
+    nabla = dict(
+        attention_type="nabla",
+        attention_P=0.8,
+        attention_wT=11,
+        attention_wH=3,
+        attention_wW=3,
+        attention_add_sta=True,
+        attention_method="topcdf",
+    )  # the released 10 s models' settings
     Kandinsky5Transformer3DModel.from_config({**config, **nabla}).save_pretrained(tmp_path / "transformer")
     spec = make_spec(folder, components={"transformer": str(tmp_path / "transformer")})
     with pytest.raises(ValueError, match=r"NABLA.*height must be a multiple of 128"):
@@ -136,8 +150,10 @@ def test_nabla_needs_flex_attention_and_128_pixel_buckets(tiny_model_factory, tm
     bucket = Bucket(5, 128, 128)
     spec.check_bucket(bucket)
     transformer = spec.load_transformer()
-    batch = {**spec.encode_text(spec.load_stage1(), CAPTIONS[:1]),
-             "latents": torch.randn(1, *spec.latent_shape(bucket), generator=torch.Generator().manual_seed(0))}
+    batch = {
+        **spec.encode_text(spec.load_stage1(), CAPTIONS[:1]),
+        "latents": torch.randn(1, *spec.latent_shape(bucket), generator=torch.Generator().manual_seed(0)),
+    }
     with pytest.raises(ValueError, match=r'train.attention_backend = "flex"'):
         spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
 
@@ -148,8 +164,15 @@ def test_nabla_needs_flex_attention_and_128_pixel_buckets(tiny_model_factory, tm
             spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
     finally:
         transformer.set_attention_backend("native")
-    pipeline = spec.pipeline_class()(transformer=transformer, vae=None, text_encoder=None, tokenizer=None,
-                                     text_encoder_2=None, tokenizer_2=None, scheduler=None)
+    pipeline = spec.pipeline_class()(
+        transformer=transformer,
+        vae=None,
+        text_encoder=None,
+        tokenizer=None,
+        text_encoder_2=None,
+        tokenizer_2=None,
+        scheduler=None,
+    )
     expected = pipeline.get_sparse_params(torch.zeros(1, 2, 16, 16, 9), "cpu")  # prepare_latents' layout
     assert seen["sparse_params"].keys() == expected.keys() and expected["to_fractal"]
     assert torch.equal(seen["sparse_params"].pop("sta_mask"), expected.pop("sta_mask"))
@@ -163,8 +186,8 @@ def test_lora_files_of_other_writers_load_and_limits_are_refused(tiny_model_fact
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from vt.shared.weights import comfy
     from vt.shared.models.kandinsky5_conditions import caption_lengths
+    from vt.shared.weights import comfy
 
     folder = tiny_model_factory(FAMILY)
     spec = make_spec(folder)
@@ -172,14 +195,19 @@ def test_lora_files_of_other_writers_load_and_limits_are_refused(tiny_model_fact
     spec.add_lora(transformer, rank=2, alpha=6.0, targets=None)
     randomise_lora(transformer, seed=5)
     state = {k: v.detach() for k, v in get_peft_model_state_dict(transformer).items()}
-    save_file(comfy.comfy_state_dict(state, spec.original_names, 2, 6.0, write_alpha=True),
-              str(tmp_path / "with_alpha.safetensors"))
+    save_file(
+        comfy.comfy_state_dict(state, spec.original_names, 2, 6.0, write_alpha=True),
+        str(tmp_path / "with_alpha.safetensors"),
+    )
     pipeline = spec.pipeline_class().from_pretrained(folder)
     spec.load_lora(pipeline, tmp_path, weight_name="with_alpha.safetensors")
 
     def deltas(model):
-        return {name: module.get_delta_weight(module.active_adapters[0])
-                for name, module in model.named_modules() if isinstance(module, LoraLayer)}
+        return {
+            name: module.get_delta_weight(module.active_adapters[0])
+            for name, module in model.named_modules()
+            if isinstance(module, LoraLayer)
+        }
 
     expected, got = deltas(transformer), deltas(pipeline.transformer)
     assert set(got) == set(expected) and len(expected) == 3 * 4  # q/k/v/out: text self, visual self + cross

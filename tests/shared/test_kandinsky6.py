@@ -45,8 +45,9 @@ def test_text_is_stored_as_the_pipeline_encodes_it(tiny_model_factory):
 
     batch = spec.encode_text(encoders, CAPTIONS)
     pipeline = spec.build_pipeline(spec.load_transformer(), **encoders)
-    embeds, pooled, mask, *_ = pipeline.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
-                                                      max_sequence_length=32, device="cpu")
+    embeds, pooled, mask, *_ = pipeline.encode_prompt(
+        CAPTIONS, do_classifier_free_guidance=False, max_sequence_length=32, device="cpu"
+    )
     assert batch["prompt_embeds"].shape == (2, 32, 16) and batch["pooled_prompt_embeds"].shape == (2, 8)
     torch.testing.assert_close(batch["prompt_attention_mask"], mask.float())
     torch.testing.assert_close(batch["prompt_embeds"], embeds * mask[..., None])  # padding rows stored as zeros
@@ -71,8 +72,14 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(tiny_model_fac
     noise = torch.randn(1, *shape, generator=torch.Generator().manual_seed(7))
     audio_noise = torch.randn(1, *spec.sound.latent_shape(BUCKET), generator=torch.Generator().manual_seed(8))
     kwargs = spec.pipeline_inputs(CAPTIONS[0], BUCKET, steps=1, seed=0, image=pixels[0, 0] if task == "i2v" else None)
-    pipeline(**kwargs, latents=noise, **({"audio_latents": audio_noise} if audio else {}), sigmas=[1.0],
-             guidance_scale=1.0, output_type="latent")
+    pipeline(
+        **kwargs,
+        latents=noise,
+        **({"audio_latents": audio_noise} if audio else {}),
+        sigmas=[1.0],
+        guidance_scale=1.0,
+        output_type="latent",
+    )
     one = {name: value[:1] for name, value in batch.items()}
     if audio:
         one["audio_noise"] = audio_noise
@@ -97,7 +104,9 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(tiny_model_fac
         assert trained.get("audio_hidden_states") is None and seen.get("audio_hidden_states") is None
     if task == "i2v":
         assert trained["hidden_states"].shape[1] == shape[1] + 1  # the image as a tail frame
-        assert (trained["hidden_states"][:, -1, ..., -1] == 1).all() and (trained["hidden_states"][:, :-1, ..., -1] == 0).all()
+        assert (trained["hidden_states"][:, -1, ..., -1] == 1).all() and (
+            trained["hidden_states"][:, :-1, ..., -1] == 0
+        ).all()
         assert torch.equal(trained["visual_token_type_ids"], seen["visual_token_type_ids"])
         for mine, theirs in zip(trained["visual_rope_pos"], seen["visual_rope_pos"]):
             assert torch.equal(mine, theirs)
@@ -125,14 +134,19 @@ def test_a_generated_clip_carries_its_sound(tiny_model_factory):
     encoders = spec.load_stage1()
     pipeline = spec.build_pipeline(spec.load_transformer(), text_encoders=False)
     negative = spec.encode_validation_text(encoders, spec.negative_prompt)
-    conditions = {**spec.encode_validation_text(encoders, CAPTIONS[1]),
-                  **{f"negative_{name}": value for name, value in negative.items()}}
+    conditions = {
+        **spec.encode_validation_text(encoders, CAPTIONS[1]),
+        **{f"negative_{name}": value for name, value in negative.items()},
+    }
     assert conditions["prompt_embeds"].shape == (1, 3, 16)  # the prompt's own rows
     frames, sound = spec.generate_clip(pipeline, None, BUCKET, 2, 0, conditions=conditions)
     assert frames.shape == (9, 64, 96, 3) and sound.sample_rate == 8000 and sound.waveform.shape[0] == 1
     assert abs(sound.waveform.shape[1] / 8000 - 9 / 8) < 0.05
     silent = make_spec(tiny_model_factory(FAMILY))  # video only: no audio parts loaded, no sound sampled
-    assert "audio_vae" not in silent.pipeline_parts() and silent.pipeline_inputs("a", BUCKET, 1, 0)["sample_audio"] is False
+    assert (
+        "audio_vae" not in silent.pipeline_parts()
+        and silent.pipeline_inputs("a", BUCKET, 1, 0)["sample_audio"] is False
+    )
 
 
 def test_a_video_only_lora_stays_off_the_sound_stream(tiny_model_factory):
@@ -156,10 +170,13 @@ def test_i2v_needs_an_image_conditioned_transformer(tiny_model_factory, monkeypa
     config = spec.load_config("transformer")
     assert config["visual_token_type_num_embeddings"] == 2  # one preset for both tasks
     load = spec.load_config
-    monkeypatch.setattr(spec, "load_config", lambda name: {**config, "visual_token_type_num_embeddings": 0}
-                        if name == "transformer" else load(name))
+    monkeypatch.setattr(
+        spec,
+        "load_config",
+        lambda name: {**config, "visual_token_type_num_embeddings": 0} if name == "transformer" else load(name),
+    )
     with pytest.raises(ValueError, match=r"i2v\" needs a Kandinsky 6 transformer with image conditioning"):
-        spec.geometry
+        _ = spec.geometry
 
 
 @pytest.mark.parametrize("key, billions", [("kandinsky6-lite", 3.18), ("kandinsky6-pro", 30.14)])

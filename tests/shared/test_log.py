@@ -13,7 +13,7 @@ def test_loggers_keep_their_names_and_only_the_listed_chatter_is_dropped(caplog)
     assert get_logger("train").name == "vt.train"
     assert all(logging.getLogger(name).getEffectiveLevel() == logging.ERROR for name in QUIET_LOGGERS)
 
-    (logger_name, prefix), = QUIET_MESSAGES.items()
+    ((logger_name, prefix),) = QUIET_MESSAGES.items()
     logger = logging.getLogger(logger_name)
     with caplog.at_level(logging.WARNING, logger=logger_name):
         logger.warning(prefix + " and the API may be subject to change.")
@@ -42,7 +42,10 @@ def test_info_hides_the_libraries_bars_and_notices_and_debug_shows_them(monkeypa
         apply_level("info")
         assert not transformers_logging.is_progress_bar_enabled()  # imported already: told directly
         assert transformers_logging.get_verbosity() == logging.ERROR
-        assert [os.environ[name] for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")] == ["1", "info"]
+        assert [os.environ[name] for name in ("HF_HUB_DISABLE_PROGRESS_BARS", "TRANSFORMERS_VERBOSITY")] == [
+            "1",
+            "info",
+        ]
         assert get_logger().level == logging.INFO
 
         transformers_logging.enable_progress_bar()

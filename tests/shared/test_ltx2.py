@@ -68,10 +68,20 @@ def test_training_runs_the_video_stream_alone_and_full_fine_tune_freezes_the_aud
 
     # No audio <-> video cross-attention: any audio input gives the same video prediction.
     with torch.no_grad():
-        other = transformer(**{**inputs, "audio_hidden_states": torch.randn_like(inputs["audio_hidden_states"]),
-                               "audio_encoder_hidden_states": torch.randn_like(inputs["audio_encoder_hidden_states"])})
-        coupled = transformer(**{**inputs, "isolate_modalities": False,
-                                 "audio_hidden_states": torch.randn_like(inputs["audio_hidden_states"])})
+        other = transformer(
+            **{
+                **inputs,
+                "audio_hidden_states": torch.randn_like(inputs["audio_hidden_states"]),
+                "audio_encoder_hidden_states": torch.randn_like(inputs["audio_encoder_hidden_states"]),
+            }
+        )
+        coupled = transformer(
+            **{
+                **inputs,
+                "isolate_modalities": False,
+                "audio_hidden_states": torch.randn_like(inputs["audio_hidden_states"]),
+            }
+        )
         same = transformer(**inputs)
     assert torch.equal(other[0], same[0]) and not torch.allclose(coupled[0], same[0])
 
@@ -97,8 +107,14 @@ def test_lora_stays_on_the_video_stream(tiny_model_factory):
 
 # ----------------------------------------------------------------------------- image-to-video
 # One pass per step, video and audio: no classifier-free, spatio-temporal or modality guidance batch.
-NO_GUIDANCE = dict(guidance_scale=1.0, audio_guidance_scale=1.0, stg_scale=0.0, audio_stg_scale=0.0,
-                   modality_scale=1.0, audio_modality_scale=1.0)
+NO_GUIDANCE = dict(
+    guidance_scale=1.0,
+    audio_guidance_scale=1.0,
+    stg_scale=0.0,
+    audio_stg_scale=0.0,
+    modality_scale=1.0,
+    audio_modality_scale=1.0,
+)
 
 
 def make_i2v_spec(tiny_model_factory):
@@ -107,8 +123,13 @@ def make_i2v_spec(tiny_model_factory):
 
 def uint8_clip(seed=0):
     """(video in [-1, 1] as stage 1 makes it, its uint8 frames (F, H, W, 3))."""
-    pixels = torch.randint(0, 256, (BUCKET.frames, BUCKET.height, BUCKET.width, 3), dtype=torch.uint8,
-                           generator=torch.Generator().manual_seed(seed))
+    pixels = torch.randint(
+        0,
+        256,
+        (BUCKET.frames, BUCKET.height, BUCKET.width, 3),
+        dtype=torch.uint8,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return pixels.permute(3, 0, 1, 2)[None].float() / 127.5 - 1, pixels
 
 
@@ -122,14 +143,28 @@ def test_i2v_first_latent_frame_is_the_pipelines_image_latent(tiny_model_factory
     folder = tiny_model_factory("ltx-2", task="i2v")
     spec = make_i2v_spec(tiny_model_factory)
     assert spec.pipeline_class() is LTX2ImageToVideoPipeline and spec.condition_shapes(BUCKET).keys() == {
-        "prompt_embeds", "prompt_attention_mask", "latents"}  # latents only: the image is their first frame
+        "prompt_embeds",
+        "prompt_attention_mask",
+        "latents",
+    }  # latents only: the image is their first frame
     clip, pixels = uint8_clip()
     latents = spec.encode_video(spec.load_stage1(), clip)["latents"]
     pipeline = LTX2ImageToVideoPipeline.from_pretrained(folder)
-    image = pipeline.video_processor.preprocess(Image.fromarray(pixels[0].numpy()), height=BUCKET.height,
-                                                width=BUCKET.width)
-    packed, mask = pipeline.prepare_latents(image, 1, 8, BUCKET.height, BUCKET.width, BUCKET.frames, 0.0,
-                                            torch.float32, "cpu", torch.Generator().manual_seed(0))
+    image = pipeline.video_processor.preprocess(
+        Image.fromarray(pixels[0].numpy()), height=BUCKET.height, width=BUCKET.width
+    )
+    packed, mask = pipeline.prepare_latents(
+        image,
+        1,
+        8,
+        BUCKET.height,
+        BUCKET.width,
+        BUCKET.frames,
+        0.0,
+        torch.float32,
+        "cpu",
+        torch.Generator().manual_seed(0),
+    )
     tokens = LTX2ImageToVideoPipeline._pack_latents(latents, 1, 1)
     image_tokens = int(mask.sum())
     assert image_tokens == 2 * 3 and mask[0, :image_tokens].eq(1).all()  # the first latent frame's 2 x 3 tokens
@@ -221,6 +256,7 @@ def av_folder(request, tiny_model_factory, tmp_path_factory):
     if request.param == "2.0":
         return "2.0", tiny_model_factory("ltx-2")
     from vt.shared.models.presets.ltx2 import parts_23
+
     return "2.3", LTX2Spec.make_tiny(tmp_path_factory.mktemp("ltx23-tiny"), parts=parts_23)
 
 
@@ -248,7 +284,9 @@ def test_audio_forward_feeds_what_the_pipeline_feeds(av_folder):
     version, folder = av_folder
     spec = av_spec(folder)
     assert spec.cross_timestep is (version == "2.3")
-    assert type(spec.load_component("vocoder")).__name__ == ("LTX2VocoderWithBWE" if version == "2.3" else "LTX2Vocoder")
+    assert type(spec.load_component("vocoder")).__name__ == (
+        "LTX2VocoderWithBWE" if version == "2.3" else "LTX2Vocoder"
+    )
     encoders = spec.load_stage1()
     text = spec.encode_text(encoders, [PROMPT])
     transformer = spec.load_transformer()
@@ -259,25 +297,45 @@ def test_audio_forward_feeds_what_the_pipeline_feeds(av_folder):
     noise = LTX2Pipeline._unpack_latents(inference["hidden_states"], 2, 2, 3, 1, 1)
     audio_noise = LTX2Pipeline._unpack_audio_latents(inference["audio_hidden_states"], audio_frames, bins)
     generator = torch.Generator().manual_seed(3)
-    batch = {**text, "latents": torch.randn(noise.shape, generator=generator),
-             "audio_latents": torch.randn(audio_noise.shape, generator=generator), "audio_noise": audio_noise}
+    batch = {
+        **text,
+        "latents": torch.randn(noise.shape, generator=generator),
+        "audio_latents": torch.randn(audio_noise.shape, generator=generator),
+        "audio_noise": audio_noise,
+    }
     out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
     training = seen[-1]
 
-    for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states", "audio_encoder_hidden_states",
-                 "timestep", "sigma"):
+    for name in (
+        "hidden_states",
+        "audio_hidden_states",
+        "encoder_hidden_states",
+        "audio_encoder_hidden_states",
+        "timestep",
+        "sigma",
+    ):
         torch.testing.assert_close(training[name], inference[name], msg=name)
     torch.testing.assert_close(training["audio_timestep"], inference["timestep"])  # the pipeline's default: the same
     for name in ("encoder_attention_mask", "audio_encoder_attention_mask"):
         torch.testing.assert_close(training[name].float(), inference[name].float(), msg=name)
-    for name in ("audio_num_frames", "fps", "isolate_modalities", "use_cross_timestep", "num_frames", "height", "width"):
+    for name in (
+        "audio_num_frames",
+        "fps",
+        "isolate_modalities",
+        "use_cross_timestep",
+        "num_frames",
+        "height",
+        "width",
+    ):
         assert training[name] == inference[name], name
     assert training["isolate_modalities"] is False and training["use_cross_timestep"] is (version == "2.3")
-    torch.testing.assert_close(transformer.audio_rope.prepare_audio_coords(1, audio_frames, "cpu"),
-                               inference["audio_coords"])  # what the transformer builds from audio_num_frames
+    torch.testing.assert_close(
+        transformer.audio_rope.prepare_audio_coords(1, audio_frames, "cpu"), inference["audio_coords"]
+    )  # what the transformer builds from audio_num_frames
     torch.testing.assert_close(out.prediction, LTX2Pipeline._unpack_latents(video_out.float(), 2, 2, 3, 1, 1))
-    torch.testing.assert_close(out.audio.prediction, LTX2Pipeline._unpack_audio_latents(audio_out.float(),
-                                                                                        audio_frames, bins))
+    torch.testing.assert_close(
+        out.audio.prediction, LTX2Pipeline._unpack_audio_latents(audio_out.float(), audio_frames, bins)
+    )
     torch.testing.assert_close(out.audio.target, audio_noise - batch["audio_latents"])
 
 
@@ -313,7 +371,9 @@ def test_audio_training_shares_the_sigma_and_trains_both_streams(av_folder):
     inputs = seen.pop()
     for name in ("timestep", "audio_timestep", "sigma"):
         torch.testing.assert_close(inputs[name], sigmas * 1000, msg=name)
-    noisy_audio = (1 - sigmas.view(2, 1, 1, 1)) * batch["audio_latents"] + sigmas.view(2, 1, 1, 1) * batch["audio_noise"]
+    noisy_audio = (1 - sigmas.view(2, 1, 1, 1)) * batch["audio_latents"] + sigmas.view(2, 1, 1, 1) * batch[
+        "audio_noise"
+    ]
     torch.testing.assert_close(inputs["audio_hidden_states"], LTX2Pipeline._pack_audio_latents(noisy_audio))
     assert out.audio.prediction.shape == out.audio.target.shape == (2, 2, 19, 2)
 
@@ -328,8 +388,12 @@ def test_audio_training_shares_the_sigma_and_trains_both_streams(av_folder):
     trainable = {n for n, p in transformer.named_parameters() if p.requires_grad}
     with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert trainable == {n for n, _ in transformer.named_parameters()} == with_grad
-    assert {"audio_proj_out.weight", "transformer_blocks.0.audio_to_video_attn.to_q.weight",
-            "transformer_blocks.1.video_to_audio_attn.to_out.0.weight", "audio_time_embed.linear.weight"} <= with_grad
+    assert {
+        "audio_proj_out.weight",
+        "transformer_blocks.0.audio_to_video_attn.to_q.weight",
+        "transformer_blocks.1.video_to_audio_attn.to_out.0.weight",
+        "audio_time_embed.linear.weight",
+    } <= with_grad
 
 
 def test_audio_lora_defaults_reach_the_audio_stream_and_train(av_folder):
@@ -351,8 +415,12 @@ def test_audio_lora_defaults_reach_the_audio_stream_and_train(av_folder):
     from lora_init import randomise_lora
 
     randomise_lora(transformer, seed=1)  # lora_B non-zero, so lora_A gets a gradient too
-    out = spec.forward(transformer, audio_batch(spec, spec.load_stage1()), torch.tensor([0.4, 0.9]),
-                       torch.randn(2, 8, 2, 2, 3, generator=torch.Generator().manual_seed(2)))
+    out = spec.forward(
+        transformer,
+        audio_batch(spec, spec.load_stage1()),
+        torch.tensor([0.4, 0.9]),
+        torch.randn(2, 8, 2, 2, 3, generator=torch.Generator().manual_seed(2)),
+    )
     joint_loss(out, audio_weight=1.0)[0].backward()
     with_grad = {n for n, p in transformer.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
     assert with_grad == {n for n, p in transformer.named_parameters() if "lora_" in n}
@@ -428,18 +496,33 @@ def test_i2v_audio_forward_feeds_what_the_pipeline_feeds(tiny_model_factory):
     transformer = spec.load_transformer()
     seen = capture(transformer)
     pipeline = spec.build_pipeline(transformer, **encoders)
-    pipeline(**spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0, image=pixels[0].numpy()), **NO_GUIDANCE,
-             image_crf=0, output_type="latent")
+    pipeline(
+        **spec.pipeline_inputs(PROMPT, BUCKET, steps=2, seed=0, image=pixels[0].numpy()),
+        **NO_GUIDANCE,
+        image_crf=0,
+        output_type="latent",
+    )
     inference = seen[0]
     frames = inference["audio_num_frames"]
     audio_noise = LTX2ImageToVideoPipeline._unpack_audio_latents(inference["audio_hidden_states"], frames, 2)
-    batch = {**spec.encode_text(encoders, [PROMPT]), **spec.encode_video(encoders, clip),
-             "audio_latents": torch.randn(audio_noise.shape), "audio_noise": audio_noise}
+    batch = {
+        **spec.encode_text(encoders, [PROMPT]),
+        **spec.encode_video(encoders, clip),
+        "audio_latents": torch.randn(audio_noise.shape),
+        "audio_noise": audio_noise,
+    }
     noise = LTX2ImageToVideoPipeline._unpack_latents(inference["hidden_states"], 2, 2, 3, 1, 1)
     out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
     training = seen[-1]
-    for name in ("hidden_states", "audio_hidden_states", "timestep", "audio_timestep", "sigma",
-                 "encoder_hidden_states", "audio_encoder_hidden_states"):
+    for name in (
+        "hidden_states",
+        "audio_hidden_states",
+        "timestep",
+        "audio_timestep",
+        "sigma",
+        "encoder_hidden_states",
+        "audio_encoder_hidden_states",
+    ):
         torch.testing.assert_close(training[name], inference[name], atol=1e-5, rtol=1e-5, msg=name)
     assert training["isolate_modalities"] is inference["isolate_modalities"] is False
     assert out.weight.flatten().tolist() == [0.0, 1.0] and out.audio.weight is None  # the sound is generated whole
@@ -473,14 +556,20 @@ def test_audio_loss_falls_on_a_clip_trained_repeatedly(tiny_model_factory):
         draw = torch.Generator().manual_seed(seed)
         held = {**batch, "audio_noise": torch.randn(batch["audio_latents"].shape, generator=draw)}
         with torch.no_grad():
-            out = spec.forward(transformer, held, torch.tensor([sigma]), torch.randn(batch["latents"].shape, generator=draw))
+            out = spec.forward(
+                transformer, held, torch.tensor([sigma]), torch.randn(batch["latents"].shape, generator=draw)
+            )
         return float(joint_loss(out, 1.0)[1])
 
     before = audio_loss(0.5, 99)
     for _ in range(12):
         step = {**batch, "audio_noise": torch.randn(batch["audio_latents"].shape, generator=generator)}
-        out = spec.forward(transformer, step, torch.rand(1, generator=generator),
-                           torch.randn(batch["latents"].shape, generator=generator))
+        out = spec.forward(
+            transformer,
+            step,
+            torch.rand(1, generator=generator),
+            torch.randn(batch["latents"].shape, generator=generator),
+        )
         joint_loss(out, 1.0)[0].backward()
         optimizer.step()
         optimizer.zero_grad()

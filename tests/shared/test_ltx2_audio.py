@@ -12,8 +12,8 @@ import torch
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
-from vt.shared.models import build_spec
 from vt.shared.mel import hz_to_mel, log_mel, mel_filterbank, mel_to_hz
+from vt.shared.models import build_spec
 
 BUCKET = Bucket(9, 32, 64)
 RATE = 16000
@@ -31,19 +31,22 @@ def test_slaney_mel_scale_and_filterbank_follow_their_definitions():
     """1 kHz is mel 15 and 6.4 kHz mel 42 (linear below 1 kHz, 27 mels per factor 6.4 above); each filter is a
     triangle peaking at its centre frequency whose area in Hz is 1 (Slaney's normalisation)."""
     hz = torch.tensor([0.0, 200.0, 1000.0, 6400.0, 8000.0], dtype=torch.float64)
-    torch.testing.assert_close(hz_to_mel(hz), torch.tensor([0.0, 3.0, 15.0, 42.0, 15 + 27 * math.log(8) / math.log(6.4)],
-                                                           dtype=torch.float64))
+    torch.testing.assert_close(
+        hz_to_mel(hz), torch.tensor([0.0, 3.0, 15.0, 42.0, 15 + 27 * math.log(8) / math.log(6.4)], dtype=torch.float64)
+    )
     torch.testing.assert_close(mel_to_hz(hz_to_mel(hz)), hz)
     n_fft, n_mels = 1024, 64
     bank = mel_filterbank(RATE, n_fft, n_mels).double()
     assert bank.shape == (n_fft // 2 + 1, n_mels) and bank.min() >= 0
     step = RATE / n_fft  # Hz per STFT bin
-    centres = mel_to_hz(torch.linspace(0, float(hz_to_mel(torch.tensor(RATE / 2.0))), n_mels + 2,
-                                       dtype=torch.float64))[1:-1]
+    centres = mel_to_hz(torch.linspace(0, float(hz_to_mel(torch.tensor(RATE / 2.0))), n_mels + 2, dtype=torch.float64))[
+        1:-1
+    ]
     assert (bank.argmax(0).double() * step - centres).abs().max() < step  # one of the two bins around its centre
-    wide = (centres > 400)  # filters spanning many bins: the bin sum approximates the area
-    torch.testing.assert_close(bank.sum(0)[wide] * step, torch.ones(int(wide.sum()), dtype=torch.float64),
-                               atol=0.03, rtol=0)
+    wide = centres > 400  # filters spanning many bins: the bin sum approximates the area
+    torch.testing.assert_close(
+        bank.sum(0)[wide] * step, torch.ones(int(wide.sum()), dtype=torch.float64), atol=0.03, rtol=0
+    )
 
 
 # librosa 0.11's mel filters (htk=False, norm="slaney": torchaudio's mel_scale / norm "slaney" are the same) and
@@ -51,9 +54,11 @@ def test_slaney_mel_scale_and_filterbank_follow_their_definitions():
 # periodic Hann, centred, reflect padding), computed once outside the suite (librosa is not a dependency).
 LIBROSA_PEAK_BINS = [21, 43, 64, 91, 129, 182, 257, 362]
 LIBROSA_PEAKS = [0.00292115, 0.00296892, 0.00261983, 0.00199282, 0.00139908, 0.000993727, 0.000704303, 0.00049915]
-LIBROSA_FRAMES = {0: [-0.280174, -0.986958, -3.09019, -4.45224, -4.66967, -2.17107, -3.25396, -4.75947],
-                  50: [-1.12166, -1.91322, -10.6677, -11.5129, -11.5129, -3.16993, -4.75252, -11.5129],
-                  112: [-0.293029, -0.974535, -2.89239, -3.64185, -4.06316, -2.6745, -4.24075, -8.40525]}
+LIBROSA_FRAMES = {
+    0: [-0.280174, -0.986958, -3.09019, -4.45224, -4.66967, -2.17107, -3.25396, -4.75947],
+    50: [-1.12166, -1.91322, -10.6677, -11.5129, -11.5129, -3.16993, -4.75252, -11.5129],
+    112: [-0.293029, -0.974535, -2.89239, -3.64185, -4.06316, -2.6745, -4.24075, -8.40525],
+}
 
 
 def test_log_mel_matches_librosas_slaney_mel_spectrogram():
@@ -61,8 +66,9 @@ def test_log_mel_matches_librosas_slaney_mel_spectrogram():
     matches librosa's at the first frame, one inside and the last (the centred, reflect-padded edges)."""
     bank = mel_filterbank(RATE, 1024, 8)
     assert bank.argmax(0).tolist() == LIBROSA_PEAK_BINS
-    torch.testing.assert_close(bank.max(0).values.double(), torch.tensor(LIBROSA_PEAKS, dtype=torch.float64),
-                               atol=0, rtol=1e-5)
+    torch.testing.assert_close(
+        bank.max(0).values.double(), torch.tensor(LIBROSA_PEAKS, dtype=torch.float64), atol=0, rtol=1e-5
+    )
     wave = (tone(440, 18000, 0.3) + tone(3100, 18000, 0.1)).float()
     mel = log_mel(wave[None, None], RATE, 1024, 160, 8)[0, 0]
     assert mel.shape == (113, 8)
@@ -89,8 +95,12 @@ def test_log_mel_of_a_tone_is_its_stft_magnitude_through_the_filters():
     expected = torch.log(torch.clamp(peak * (bank[bin_] + 0.5 * bank[bin_ - 1] + 0.5 * bank[bin_ + 1]), min=1e-5))
     inner = mel[0, 0, 10:-10].double()  # frames whose window lies inside the signal
     torch.testing.assert_close(inner, expected.expand_as(inner), atol=2e-3, rtol=0)
-    torch.testing.assert_close(mel[0, 1, 10:-10].double(), torch.log(torch.clamp(
-        0.5 * torch.exp(expected), min=1e-5)).expand_as(inner), atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        mel[0, 1, 10:-10].double(),
+        torch.log(torch.clamp(0.5 * torch.exp(expected), min=1e-5)).expand_as(inner),
+        atol=2e-3,
+        rtol=0,
+    )
     silence = log_mel(torch.zeros(1, 1, 3200), RATE, n_fft, hop, n_mels)
     assert torch.equal(silence, torch.full_like(silence, math.log(1e-5)))
 
@@ -114,16 +124,24 @@ def test_audio_latents_have_the_pipelines_shape_and_decode_through_its_own_path(
 
     encoders = spec.load_stage1()
     assert "audio_vae" in encoders
-    sound = torch.stack([torch.stack([tone(440, samples), tone(660, samples)]),
-                         torch.stack([tone(880, samples), tone(880, samples)])]).float()
+    sound = torch.stack(
+        [torch.stack([tone(440, samples), tone(660, samples)]), torch.stack([tone(880, samples), tone(880, samples)])]
+    ).float()
     stored = spec.sound.encode(encoders, sound)["audio_latents"]
     assert stored.shape == (2, *shape) and stored.dtype == torch.float32 and stored.isfinite().all()
     assert not torch.allclose(stored[0], stored[1], atol=1e-3)  # the sound is what is encoded
 
     pipeline = spec.build_pipeline(spec.load_transformer(), **spec.load_stage1())
-    out = pipeline(**spec.pipeline_inputs("a tone", BUCKET, steps=2, seed=0), guidance_scale=1.0, stg_scale=0.0,
-                   modality_scale=1.0, audio_guidance_scale=1.0, audio_stg_scale=0.0, audio_modality_scale=1.0,
-                   output_type="latent")
+    out = pipeline(
+        **spec.pipeline_inputs("a tone", BUCKET, steps=2, seed=0),
+        guidance_scale=1.0,
+        stg_scale=0.0,
+        modality_scale=1.0,
+        audio_guidance_scale=1.0,
+        audio_stg_scale=0.0,
+        audio_modality_scale=1.0,
+        output_type="latent",
+    )
     assert tuple(out.audio.shape[1:]) == shape  # what the pipeline generates for 9 frames at 8 fps
 
     vae = encoders["audio_vae"]
@@ -133,7 +151,7 @@ def test_audio_latents_have_the_pipelines_shape_and_decode_through_its_own_path(
     raw = LTX2Pipeline._unpack_audio_latents(packed, shape[1], shape[2])
     mel = log_mel(sound, RATE, 1024, vae.config.mel_hop_length, vae.config.mel_bins)
     mode = vae.encode(mel).latent_dist.mode()
-    torch.testing.assert_close(raw, mode[:, :, :shape[1]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(raw, mode[:, :, : shape[1]], atol=1e-5, rtol=1e-5)
     waveform = pipeline.vocoder(vae.decode(raw).sample)
     assert waveform.shape[:2] == (2, 2) and waveform.shape[2] > 0 and waveform.isfinite().all()
 

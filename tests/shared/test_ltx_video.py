@@ -69,8 +69,9 @@ def test_ltx_i2v_generates_from_an_image(tiny_model_factory):
 
 def test_ltx_trains_and_samples_at_the_bucket_frame_rate(tiny_model_factory):
     """RoPE's temporal scale is VAE time compression / frame rate, in training and in the pipeline."""
-    spec = build_spec(ModelConfig(family="ltx-video", path=str(tiny_model_factory("ltx-video")), max_text_tokens=16),
-                      frame_rate=12.0)
+    spec = build_spec(
+        ModelConfig(family="ltx-video", path=str(tiny_model_factory("ltx-video")), max_text_tokens=16), frame_rate=12.0
+    )
     assert spec.pipeline_inputs("a cat", BUCKET, 2, 0)["frame_rate"] == 12.0
     assert any("frame_rate=12 but LTXPipeline uses 25" in line for line in spec.inference_mismatches())
     transformer = spec.load_transformer()
@@ -78,5 +79,8 @@ def test_ltx_trains_and_samples_at_the_bucket_frame_rate(tiny_model_factory):
     transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.update(kwargs), with_kwargs=True)
     batch = stage1(spec, batch=1)
     spec.forward(transformer, batch, torch.tensor([0.5]), torch.randn_like(batch["latents"]))
-    assert seen["rope_interpolation_scale"] == (spec.geometry.temporal / 12.0, spec.geometry.spatial,
-                                                spec.geometry.spatial)
+    assert seen["rope_interpolation_scale"] == (
+        spec.geometry.temporal / 12.0,
+        spec.geometry.spatial,
+        spec.geometry.spatial,
+    )

@@ -24,8 +24,12 @@ def make_spec(folder, **kw):
 def capture(transformer):
     """The kwargs of every call, copied (the pipeline steps its rows in place after the call)."""
     seen = []
-    transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(
-        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}), with_kwargs=True)
+    transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(
+            {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        ),
+        with_kwargs=True,
+    )
     return seen
 
 
@@ -46,8 +50,12 @@ def test_training_feeds_the_transformer_what_the_pipeline_feeds_it_first(tiny_mo
     inference = seen[0]
 
     stored = spec.encode_text(encoders, [PROMPT])
-    batch = {**stored, "latents": torch.randn(1, *latent), "audio_latents": torch.randn(1, *audio_shape),
-             "audio_noise": audio_noise}
+    batch = {
+        **stored,
+        "latents": torch.randn(1, *latent),
+        "audio_latents": torch.randn(1, *audio_shape),
+        "audio_noise": audio_noise,
+    }
     out = spec.forward(transformer, batch, torch.tensor([1.0]), noise)
     training = seen[-1]
     assert set(training) == set(inference) - {"attention_kwargs"}
@@ -74,11 +82,16 @@ def test_audio_rows_take_the_audio_schedules_sigma_at_every_step(tiny_model_fact
     seen = capture(transformer)
     pipeline(**spec.pipeline_inputs(None, SHORTEST, steps=4, seed=0), **conditions, output_type="latent")
     assert len(seen) == 3
-    batch = {**conditions, "latents": torch.zeros(1, *spec.latent_shape(SHORTEST)),
-             "audio_latents": torch.zeros(1, *spec.sound.latent_shape(SHORTEST))}
+    batch = {
+        **conditions,
+        "latents": torch.zeros(1, *spec.latent_shape(SHORTEST)),
+        "audio_latents": torch.zeros(1, *spec.sound.latent_shape(SHORTEST)),
+    }
     for step in seen[1:]:
-        video_t, audio_t = step["timestep"][step["timestep_indices"][step["video_indices"][0]]], \
-            step["timestep"][step["timestep_indices"][step["audio_indices"][0]]]
+        video_t, audio_t = (
+            step["timestep"][step["timestep_indices"][step["video_indices"][0]]],
+            step["timestep"][step["timestep_indices"][step["audio_indices"][0]]],
+        )
         assert audio_t > video_t  # the audio schedule is ahead: less noise at the same step
         # the step's rows as the noise itself (x0 = 0, so the noisy rows are sigma x noise): rows / sigma
         noise = unpatchified(spec, step["hidden_states"][0]) / (1 - video_t)
@@ -115,8 +128,9 @@ def test_audio_latents_are_the_pipelines_soundtrack_encoding(tiny_model_factory)
     with pytest.raises(ValueError, match=r"\(B, 2, samples\)"):
         spec.sound.encode({"audio_vae": vae}, audio[:, :1])
     with pytest.raises(ValueError, match="buckets.fps = 24"):
-        build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True),
-                   frame_rate=12.0)
+        build_spec(
+            ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True), frame_rate=12.0
+        )
 
 
 def test_audio_heads_train_only_with_audio(tiny_model_factory):
@@ -124,7 +138,9 @@ def test_audio_heads_train_only_with_audio(tiny_model_factory):
     video_only, joint = make_spec(folder), make_spec(folder, audio=True)
     encoders = joint.load_stage1()
     bucket = Bucket(5, 32, 64)
-    video = torch.rand(2, 3, bucket.frames, bucket.height, bucket.width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    video = (
+        torch.rand(2, 3, bucket.frames, bucket.height, bucket.width, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    )
     batch = {**joint.encode_text(encoders, [PROMPT, ""]), **joint.encode_video(encoders, video)}
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(1))
     sigmas = torch.tensor([0.3, 0.8])
@@ -183,14 +199,22 @@ def test_comfy_file_with_every_kind_of_target_loads_back_through_diffusers(tiny_
     folder = tiny_model_factory("minimax-h3")
     spec = make_spec(folder, audio=True)
     transformer = spec.load_transformer()
-    targets = r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2)" \
-              r"|adaln_proj\.linear)|proj_in|audio_proj_in|context_embedder|proj_out|audio_proj_out|norm_out\.linear"
+    targets = (
+        r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)|ff\.net\.(0\.proj|2)"
+        r"|adaln_proj\.linear)|proj_in|audio_proj_in|context_embedder|proj_out|audio_proj_out|norm_out\.linear"
+    )
     spec.add_lora(transformer, rank=4, alpha=8.0, targets=targets)
     randomise_lora(transformer, seed=3)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
     comfy = load_file(tmp_path / "lora" / "lora_comfyui.safetensors")
-    for name in ("blocks.1.mlp.fc1", "token_refiner.blocks.0.attn.qkv_proj", "final_layer.audio_out",
-                 "video_patch_proj", "blocks.0.adaln_proj.linear", "final_layer.adaln_proj.linear"):
+    for name in (
+        "blocks.1.mlp.fc1",
+        "token_refiner.blocks.0.attn.qkv_proj",
+        "final_layer.audio_out",
+        "video_patch_proj",
+        "blocks.0.adaln_proj.linear",
+        "final_layer.adaln_proj.linear",
+    ):
         assert f"diffusion_model.{name}.lora_A.weight" in comfy, name
     assert comfy["diffusion_model.blocks.0.attn.qkv_proj.lora_B.weight"].shape == (3 * 32, 3 * 4)
 

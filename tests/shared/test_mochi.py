@@ -17,8 +17,8 @@ import re
 
 import pytest
 import torch
-from lora_init import randomise_lora
 from family_cases import make_spec
+from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
 from vt.shared.models.mochi import swap_halves
@@ -26,8 +26,19 @@ from vt.shared.models.mochi import swap_halves
 REAL_LAYERS = 48  # what diffusers' converter iterates over
 # Every linear the ComfyUI table names, in the first block and the last (which has no text output
 # projection or text MLP); add_v_proj is left out so its fused qkv_y rows must be zero.
-LINEARS = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.add_q_proj", "attn1.add_k_proj", "attn1.to_out.0",
-           "attn1.to_add_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+LINEARS = [
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.add_q_proj",
+    "attn1.add_k_proj",
+    "attn1.to_out.0",
+    "attn1.to_add_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+]
 TARGETS = [f"transformer_blocks.{block}.{linear}" for block in (0, REAL_LAYERS - 1) for linear in LINEARS]
 RENAMES = (  # diffusers -> original, one tensor to one tensor
     (r"patch_embed\.proj\.(.*)", r"x_embedder.proj.\1"),
@@ -92,7 +103,7 @@ def test_comfy_lora_applied_to_original_weights_reproduces_the_lora_model(tiny_m
     assert not any(key.endswith(".alpha") for key in comfy)
     qkv_y = comfy["diffusion_model.blocks.0.attn.qkv_y.lora_B.weight"]  # q, k trained; v rows zero
     inner = config["num_attention_heads"] * config["attention_head_dim"]
-    assert qkv_y.shape == (3 * inner, 4) and qkv_y[2 * inner:].abs().sum() == 0 and qkv_y[:inner].abs().sum() > 0
+    assert qkv_y.shape == (3 * inner, 4) and qkv_y[2 * inner :].abs().sum() == 0 and qkv_y[:inner].abs().sum() > 0
 
     merged = dict(original)
     for key in (k for k in comfy if k.endswith(".lora_A.weight")):  # ComfyUI: W += B A (no alpha: scale 1)

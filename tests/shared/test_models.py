@@ -7,14 +7,26 @@ import re
 import numpy as np
 import pytest
 import torch
-from family_cases import (CAPTIONS, EXPECTED, _flow_target, bucket_of, control_frames, folder_digest, make_spec,
-                          pipeline_latents, stage1, video, with_control)
+from family_cases import (
+    CAPTIONS,
+    EXPECTED,
+    _flow_target,
+    bucket_of,
+    control_frames,
+    folder_digest,
+    make_spec,
+    pipeline_latents,
+    stage1,
+    video,
+    with_control,
+)
 from lora_init import randomise_lora
+
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import FAMILIES, build_spec, get_spec_class
-from vt.shared.weights.comfy import filename as comfy_filename
 from vt.shared.models.components import ModelLoadError
+from vt.shared.weights.comfy import filename as comfy_filename
 
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
 
@@ -59,8 +71,12 @@ def test_frozen_components_honour_dtype(tiny_model_factory, family):
     # A bfloat16 transformer (mixed precision) takes the float32 batch and returns a float32 prediction.
     conds = spec.encode_text(encoders, CAPTIONS[:1])
     assert all(v.dtype == torch.float32 for v in conds.values())
-    out = spec.forward(spec.load_transformer(dtype=torch.bfloat16), {**conds, **encoded},
-                       torch.tensor([0.5]), torch.randn_like(latents))
+    out = spec.forward(
+        spec.load_transformer(dtype=torch.bfloat16),
+        {**conds, **encoded},
+        torch.tensor([0.5]),
+        torch.randn_like(latents),
+    )
     assert out.prediction.dtype == torch.float32 and torch.isfinite(out.prediction).all()
 
 
@@ -77,8 +93,11 @@ def test_missing_paths_say_which_key_to_set(tmp_path):
         spec.load_component("vae")
     with pytest.raises(ValueError, match="model.components.unet is not a component"):
         make_spec(tmp_path, "wan", components={"unet": "x"})
-    with pytest.raises(ModelLoadError, match=r"the vae of 'wan' from hub id 'someone/missing-model'.*offline "
-                                             r"\(HF_HUB_OFFLINE=1\).*set model.path"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"the vae of 'wan' from hub id 'someone/missing-model'.*offline "
+        r"\(HF_HUB_OFFLINE=1\).*set model.path",
+    ):
         make_spec("someone/missing-model", "wan").load_component("vae")  # HF_HUB_OFFLINE=1: fails at once
 
 
@@ -149,6 +168,7 @@ def test_checkpointing_recomputes_every_block_of_every_list(tiny_model_factory, 
     from collections import Counter
 
     from torch.nn.modules.module import register_module_forward_pre_hook
+
     from vt.train.parallel import apply_ac
 
     spec = make_spec(tiny_model_factory(family), family)
@@ -170,8 +190,9 @@ def test_checkpointing_recomputes_every_block_of_every_list(tiny_model_factory, 
         handle.remove()
     starts.pop(None, None)
     unread = EXPECTED[family].get("unread_blocks", ())  # run, but nothing reads their output: no recomputation
-    assert calls and starts == {name: (1 if name in unread else 2) * len(calls) for name in names.values()}, \
+    assert calls and starts == {name: (1 if name in unread else 2) * len(calls) for name in names.values()}, (
         f"{family}: block forward starts {dict(starts)} in {len(calls)} transformer calls"
+    )
 
 
 # ----------------------------------------------------------------------------- export and validation
@@ -198,7 +219,11 @@ def test_lora_export_loads_into_a_fresh_pipeline(tiny_model_factory, tmp_path, f
 
     bucket = bucket_of(family)
     frames = spec.generate(fresh, "a rabbit in a meadow", bucket, steps=2, seed=0, **control_frames(spec, bucket))
-    assert frames.shape == (EXPECTED[family].get("generated_frames", bucket.frames), 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
+    assert (
+        frames.shape == (EXPECTED[family].get("generated_frames", bucket.frames), 64, 96, 3)
+        and frames.dtype == np.uint8
+        and frames.std() > 0
+    )
 
     # The ComfyUI file: original module names under diffusion_model., read back by diffusers' own
     # conversion of non-diffusers LoRA files into the same model (by the family's own loader where
@@ -265,8 +290,10 @@ def test_make_tiny_cli_is_deterministic_for_a_seed(tiny_model_factory, tmp_path,
     make_tiny_model.main(["--family", family, str(tmp_path / "again")])
     assert folder_digest(tmp_path / "again") == folder_digest(tiny_model_factory(family))
     other = make_tiny_model.make_tiny_model(family, tmp_path / "seed1", seed=1)
-    assert folder_digest(other)["transformer/diffusion_pytorch_model.safetensors"] != \
-        folder_digest(tmp_path / "again")["transformer/diffusion_pytorch_model.safetensors"]
+    assert (
+        folder_digest(other)["transformer/diffusion_pytorch_model.safetensors"]
+        != folder_digest(tmp_path / "again")["transformer/diffusion_pytorch_model.safetensors"]
+    )
     with pytest.raises(SystemExit):
         make_tiny_model.main(["--family", "nope", str(tmp_path / "x")])
 
@@ -284,8 +311,10 @@ def test_text_length_defaults_to_what_the_family_pipeline_encodes(tiny_model_fac
         assert inputs["max_sequence_length"] == 16
     else:  # no such call argument: validation sets the pipeline's own length attribute (the family's test)
         assert "max_sequence_length" not in inputs
-    assert any(f"max_sequence_length=16 but {shorter.pipeline_class().__name__} uses {expected}" in line
-               for line in shorter.inference_mismatches())
+    assert any(
+        f"max_sequence_length=16 but {shorter.pipeline_class().__name__} uses {expected}" in line
+        for line in shorter.inference_mismatches()
+    )
     assert spec.encode_text(spec.load_stage1(), CAPTIONS[:1])["prompt_embeds"].shape[1] == expected
 
 

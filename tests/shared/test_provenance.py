@@ -107,15 +107,24 @@ def stale_setup(tmp_path_factory, tiny_model_factory, raw_shards):
     root = tmp_path_factory.mktemp("stale")
     model = tiny_model_factory("ltx-video")
     raw = sorted(raw_shards.glob("*.tar"))[0]
-    config = write_config(root / "pre.toml", model, raw, root / "pre", str(root / "window"),
-                          window={"size": "keep"}, precompute={"workers": 0}, train={"validation_prompts": PROMPTS})
+    config = write_config(
+        root / "pre.toml",
+        model,
+        raw,
+        root / "pre",
+        str(root / "window"),
+        window={"size": "keep"},
+        precompute={"workers": 0},
+        train={"validation_prompts": PROMPTS},
+    )
     Precompute(load_config(config)).run()
     return root, model, raw
 
 
 def refusal(root: Path, model: Path, raw: Path, name: str, **sections) -> str:
-    config = write_config(root / f"{name}.toml", model, raw, root / name, str(root / "window"),
-                          window={"size": "keep"}, **sections)
+    config = write_config(
+        root / f"{name}.toml", model, raw, root / name, str(root / "window"), window={"size": "keep"}, **sections
+    )
     with pytest.raises(StaleShardError) as caught:
         Trainer(load_config(config)).run()
     return str(caught.value)
@@ -157,9 +166,18 @@ def test_trainer_trains_and_validates_with_the_text_encoder_absent(stale_setup, 
     root, model, raw = stale_setup
     assert os.environ["HF_HUB_OFFLINE"] == "1"
     trimmed = tmp_path / "model"
-    shutil.copytree(model, trimmed, ignore=lambda folder, names: [n for n in names if n in ("text_encoder", "tokenizer")])
-    config = write_config(root / "trimmed.toml", trimmed, raw, tmp_path / "run", str(root / "window"),
-                          window={"size": "keep"}, train={"validation_prompts": PROMPTS, "max_steps": 2})
+    shutil.copytree(
+        model, trimmed, ignore=lambda folder, names: [n for n in names if n in ("text_encoder", "tokenizer")]
+    )
+    config = write_config(
+        root / "trimmed.toml",
+        trimmed,
+        raw,
+        tmp_path / "run",
+        str(root / "window"),
+        window={"size": "keep"},
+        train={"validation_prompts": PROMPTS, "max_steps": 2},
+    )
     trainer = Trainer(load_config(config))
     summary = trainer.run()
     assert summary["steps"] == 2 and math.isfinite(summary["last_loss"]) and summary["videos"] == 1
@@ -168,8 +186,16 @@ def test_trainer_trains_and_validates_with_the_text_encoder_absent(stale_setup, 
     assert trainer.fingerprint == prov.fingerprint(prov.provenance(load_config(root / "pre.toml")))
 
     # the checkpoint keeps the shards taken; a resume checks them against its own (here changed) config
-    changed = write_config(root / "trimmed-resume.toml", trimmed, raw, tmp_path / "run", str(root / "window"),
-                           window={"size": "keep"}, buckets={"sizes": BUCKETS + ["17x64x64"]}, train={"max_steps": 3})
+    changed = write_config(
+        root / "trimmed-resume.toml",
+        trimmed,
+        raw,
+        tmp_path / "run",
+        str(root / "window"),
+        window={"size": "keep"},
+        buckets={"sizes": BUCKETS + ["17x64x64"]},
+        train={"max_steps": 3},
+    )
     with pytest.raises(StaleShardError, match="the checkpoint's shards .*processing.buckets: shard has"):
         Trainer(load_config(changed)).run()
 

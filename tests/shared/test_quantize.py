@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from vt.shared.weights.quantize import (NF4_BLOCK, NF4_LEVELS, dequantize_nf4, packing, quantize_int8_rows,
-                                        quantize_nf4)
+from vt.shared.weights.quantize import NF4_BLOCK, NF4_LEVELS, dequantize_nf4, packing, quantize_int8_rows, quantize_nf4
 
 
 def test_nf4_keeps_the_nearest_level_of_each_block_and_packs_two_codes_a_byte():

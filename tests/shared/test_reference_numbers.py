@@ -56,9 +56,17 @@ def run(spec, draw=None) -> dict[str, list[float]]:
     come from the batch's generator, after the batch)."""
     world = setup_world(ParallelConfig(), "cpu")
     transformer = build_transformer(
-        spec, spec.trained_component, world, mode="lora", lora={"rank": 4, "alpha": 4.0, "targets": []},
-        storage_dtype=None, compute_dtype=torch.float32, frozen_dtype=torch.float32, seed=0,
-        parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill))
+        spec,
+        spec.trained_component,
+        world,
+        mode="lora",
+        lora={"rank": 4, "alpha": 4.0, "targets": []},
+        storage_dtype=None,
+        compute_dtype=torch.float32,
+        frozen_dtype=torch.float32,
+        seed=0,
+        parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill),
+    )
     optimizer = torch.optim.AdamW([p for p in transformer.parameters() if p.requires_grad], lr=1e-3)
     generator = torch.Generator().manual_seed(0)
     batch = seeded_batch(spec, smallest_bucket(spec), generator)
@@ -101,9 +109,17 @@ def check_pinned(pinned: dict, request, key: str, got: dict[str, list[float]]) -
     if request.config.getoption("update_reference_numbers"):
         pinned[key] = got
         return
-    assert key in pinned, (f"no pinned numbers for {key}: run pytest {__file__} --update-reference-numbers "
-                           "and commit tests/assets/reference_numbers.json")
+    assert key in pinned, (
+        f"no pinned numbers for {key}: run pytest {__file__} --update-reference-numbers "
+        "and commit tests/assets/reference_numbers.json"
+    )
     for name in ("losses", "prediction"):
-        torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(pinned[key][name]), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, name=name: f"{key} {name} moved from the pinned numbers "
-                                   f"(tests/assets/reference_numbers.json): {m}")
+        torch.testing.assert_close(
+            torch.tensor(got[name]),
+            torch.tensor(pinned[key][name]),
+            rtol=RTOL,
+            atol=ATOL,
+            msg=lambda m, name=name: (
+                f"{key} {name} moved from the pinned numbers (tests/assets/reference_numbers.json): {m}"
+            ),
+        )

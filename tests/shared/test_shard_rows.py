@@ -32,8 +32,11 @@ def make_shard() -> tuple[bytes, list[str]]:
     mask = torch.zeros(5, 6, dtype=torch.int64)
     for caption, length in enumerate([6, 2, 4, 1, 3]):
         mask[caption, :length] = 1
-    captions = Captions({"prompt_embeds": embeds, "prompt_attention_mask": mask}, [0, 1, 1, 2, 3, 1, 4, 0],
-                        {"prompt_embeds": "prompt_attention_mask"})
+    captions = Captions(
+        {"prompt_embeds": embeds, "prompt_attention_mask": mask},
+        [0, 1, 1, 2, 3, 1, 4, 0],
+        {"prompt_embeds": "prompt_attention_mask"},
+    )
     return encode_shard({"latents": latents, "first_frame": first_frame}, keys, {"bucket": "9x64x64"}, captions), keys
 
 
@@ -103,11 +106,18 @@ def test_a_shard_without_row_digests_is_read_whole_and_checked(tmp_path):
     from vt.train.data import BatchReader
 
     window, record, data = committed(str(tmp_path / "window"))
-    old = CommitRecord.from_json(record.to_json().replace(b'"header_bytes": %d' % record.header_bytes,
-                                                          b'"header_bytes": 0'))
+    old = CommitRecord.from_json(
+        record.to_json().replace(b'"header_bytes": %d' % record.header_bytes, b'"header_bytes": 0')
+    )
     assert old.header_bytes == 0
-    reader = BatchReader(window, 4, on_read=lambda position: None, order=lambda position, block=True:
-                         old if position == 0 else None, dp_rank=1, dp_size=2)
+    reader = BatchReader(
+        window,
+        4,
+        on_read=lambda position: None,
+        order=lambda position, block=True: old if position == 0 else None,
+        dp_rank=1,
+        dp_size=2,
+    )
     batches = list(reader)
     whole, _, _ = decode_shard(data)
     assert [b.first for b in batches] == [2, 2]

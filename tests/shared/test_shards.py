@@ -9,20 +9,28 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from vt.shared.shards import (FORMAT_VERSION, CommitRecord, ShardFormatError, decode_shard,
-                              encode_shard, read_shard_metadata)
+from vt.shared.shards import (
+    FORMAT_VERSION,
+    CommitRecord,
+    ShardFormatError,
+    decode_shard,
+    encode_shard,
+    read_shard_metadata,
+)
 
 
 def _header(data: bytes) -> dict:
     (n,) = struct.unpack("<Q", data[:8])
-    return json.loads(data[8:8 + n])
+    return json.loads(data[8 : 8 + n])
 
 
 def test_round_trip_bf16_fp32_keys_meta():
     g = torch.Generator().manual_seed(0)
-    tensors = {"latents": torch.randn(3, 16, 3, 4, 4, generator=g).to(torch.bfloat16),
-               "prompt_embeds": torch.randn(3, 8, 64, generator=g),
-               "prompt_mask": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.int64)}
+    tensors = {
+        "latents": torch.randn(3, 16, 3, 4, 4, generator=g).to(torch.bfloat16),
+        "prompt_embeds": torch.randn(3, 8, 64, generator=g),
+        "prompt_mask": torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1]], dtype=torch.int64),
+    }
     keys = ["clip-a", "clip-b", "clip-c"]
     meta = {"bucket": "9x64x96", "fingerprint": "ab12", "family": "ltx-video"}
     data = encode_shard(tensors, keys, meta)
@@ -52,9 +60,15 @@ def test_decode_rejects_foreign_and_future_shards():
     foreign = save({"x": torch.zeros(1, 2)})
     with pytest.raises(ShardFormatError, match="not a vt latent shard"):
         decode_shard(foreign)
-    future = save({"x": torch.zeros(1, 2)}, metadata={"format": "vt-latent-shard",
-                                                     "format_version": str(FORMAT_VERSION + 1),
-                                                     "keys": '["a"]', "meta": "{}"})
+    future = save(
+        {"x": torch.zeros(1, 2)},
+        metadata={
+            "format": "vt-latent-shard",
+            "format_version": str(FORMAT_VERSION + 1),
+            "keys": '["a"]',
+            "meta": "{}",
+        },
+    )
     with pytest.raises(ShardFormatError, match="re-run vt-precompute"):
         read_shard_metadata(future)
     good = encode_shard({"x": torch.zeros(1, 2)}, ["a"], {})
@@ -63,9 +77,17 @@ def test_decode_rejects_foreign_and_future_shards():
 
 
 def test_commit_record_round_trip_and_errors():
-    record = CommitRecord(producer=1, seq=7, epoch=0, bucket="9x64x64", keys=["a", "b"],
-                          data="data/p1/00000007.safetensors", nbytes=123, sha256="f" * 64,
-                          fingerprint="abc")
+    record = CommitRecord(
+        producer=1,
+        seq=7,
+        epoch=0,
+        bucket="9x64x64",
+        keys=["a", "b"],
+        data="data/p1/00000007.safetensors",
+        nbytes=123,
+        sha256="f" * 64,
+        fingerprint="abc",
+    )
     assert CommitRecord.from_json(record.to_json()) == record
     obj = json.loads(record.to_json())
     del obj["sha256"]

@@ -23,14 +23,15 @@ IMAGE = np.random.default_rng(2).integers(0, 256, (BUCKET.height, BUCKET.width, 
 
 def df_spec(folder, task="t2v", frame_rate=8.0, **kw):
     """Diffusion forcing on the t2v preset (the DF checkpoints' transformer layout), text of 16 tokens."""
-    config = ModelConfig(family="skyreels-v2", path=str(folder), task=task, max_text_tokens=16,
-                         diffusion_forcing=True, **kw)
+    config = ModelConfig(
+        family="skyreels-v2", path=str(folder), task=task, max_text_tokens=16, diffusion_forcing=True, **kw
+    )
     return build_spec(config, frame_rate=frame_rate)
 
 
 def stage1(spec, clip):
     encoders = spec.load_stage1()
-    return {**spec.encode_text(encoders, CAPTIONS[:len(clip)]), **spec.encode_video(encoders, clip)}
+    return {**spec.encode_text(encoders, CAPTIONS[: len(clip)]), **spec.encode_video(encoders, clip)}
 
 
 @pytest.fixture(scope="module")
@@ -66,8 +67,9 @@ def test_i2v_conditions_as_the_i2v_pipeline_and_its_lora_loads_back(tiny_model_f
     image = Image.fromarray(pixels[0, 0].numpy())
     torch.testing.assert_close(batch["image_embeds"], reference.encode_image(image, "cpu"))
     frame = reference.video_processor.preprocess(image, height=BUCKET.height, width=BUCKET.width)
-    _, condition = reference.prepare_latents(frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames,
-                                             torch.float32, "cpu", torch.Generator().manual_seed(0))
+    _, condition = reference.prepare_latents(
+        frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames, torch.float32, "cpu", torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(condition[:, 4:], batch["condition_latents"], atol=1e-5, rtol=1e-5)
 
     transformer = spec.load_transformer()
@@ -151,8 +153,12 @@ def test_diffusion_forcing_trains_what_the_df_pipeline_feeds(tiny_model_factory,
 
         handle = transformer.register_forward_pre_hook(record, with_kwargs=True)
         with torch.no_grad():
-            pipeline(**spec.pipeline_inputs("a rabbit in a meadow", BUCKET, steps=3, seed=0), ar_step=1,
-                     guidance_scale=1.0, output_type="latent")
+            pipeline(
+                **spec.pipeline_inputs("a rabbit in a meadow", BUCKET, steps=3, seed=0),
+                ar_step=1,
+                guidance_scale=1.0,
+                output_type="latent",
+            )
         handle.remove()
         call = next(c for c in calls if len(set(c["timestep"].flatten().tolist())) == 3)  # three levels at once
         assert call["fps"] == [index] and call["enable_diffusion_forcing"] is True
@@ -161,8 +167,12 @@ def test_diffusion_forcing_trains_what_the_df_pipeline_feeds(tiny_model_factory,
         with torch.no_grad():
             expected = transformer(**{**call, "return_dict": False})[0]
             seen = capture_transformer_inputs(transformer)
-            out = spec.forward(transformer, {"latents": latents, "prompt_embeds": call["encoder_hidden_states"]},
-                               call["timestep"].float() / 1000, latents)  # x0 = noise: the noisy input is exact
+            out = spec.forward(
+                transformer,
+                {"latents": latents, "prompt_embeds": call["encoder_hidden_states"]},
+                call["timestep"].float() / 1000,
+                latents,
+            )  # x0 = noise: the noisy input is exact
         assert seen["fps"] == call["fps"] and seen["enable_diffusion_forcing"] is True
         torch.testing.assert_close(seen["timestep"], call["timestep"].float(), atol=1e-3, rtol=0)
         torch.testing.assert_close(seen["hidden_states"], latents)
@@ -185,10 +195,12 @@ def test_diffusion_forcing_i2v_keeps_the_image_frame_clean(tiny_model_factory):
     assert set(batch) == {"prompt_embeds", "latents"}
     transformer = spec.load_transformer()
     pipeline = spec.build_pipeline(transformer)
-    frame = pipeline.video_processor.preprocess(Image.fromarray(pixels[1, 0].numpy()), height=BUCKET.height,
-                                                width=BUCKET.width)
-    _, _, condition, prefix = pipeline.prepare_latents(frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames,
-                                                       torch.float32, "cpu", torch.Generator().manual_seed(0))
+    frame = pipeline.video_processor.preprocess(
+        Image.fromarray(pixels[1, 0].numpy()), height=BUCKET.height, width=BUCKET.width
+    )
+    _, _, condition, prefix = pipeline.prepare_latents(
+        frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames, torch.float32, "cpu", torch.Generator().manual_seed(0)
+    )
     assert prefix == 1
     torch.testing.assert_close(condition, batch["latents"][1:, :, :1], atol=1e-4, rtol=1e-4)
 
@@ -231,8 +243,11 @@ def test_diffusion_forcing_lora_loads_into_the_df_pipeline(tiny_model_factory, t
 def test_what_diffusion_forcing_refuses(tiny_model_factory, df13b, tmp_path):
     from vt.shared.models.presets.skyreels_v2 import tiny_skyreels_transformer
 
-    with pytest.raises(ValueError, match=r"diffusion_forcing = true needs a transformer that takes a noise level per "
-                                         r"latent frame; the 'wan' transformer takes one timestep per sample"):
+    with pytest.raises(
+        ValueError,
+        match=r"diffusion_forcing = true needs a transformer that takes a noise level per "
+        r"latent frame; the 'wan' transformer takes one timestep per sample",
+    ):
         make_spec(tiny_model_factory("wan"), "wan", diffusion_forcing=True)
     with pytest.raises(ConfigError, match=r"model.diffusion_forcing = 1: must be true or false"):
         load_config(None, ["model.diffusion_forcing=1"])
@@ -257,13 +272,15 @@ def test_diffusion_forcing_gives_the_pinned_numbers(tiny_model_factory, pinned, 
     pinned beside the families' numbers (tests/shared/test_reference_numbers.py's set-up and flag)."""
     from vt.train.parallel.batching import Slice, draw_inputs
 
-    spec = build_spec(ModelConfig(family="skyreels-v2", path=str(tiny_model_factory("skyreels-v2")),
-                                  diffusion_forcing=True), 16.0)
+    spec = build_spec(
+        ModelConfig(family="skyreels-v2", path=str(tiny_model_factory("skyreels-v2")), diffusion_forcing=True), 16.0
+    )
 
     def keyed_draw(step, batch):
         part = Slice("bucket", 0, [str(i) for i in range(BATCH)], batch, first_index=0, count=BATCH)
-        sigmas, noise = draw_inputs(part, 0, step, "logit_normal", 1.0,
-                                    levels=spec.noise_levels(batch["latents"].shape[1:]))
+        sigmas, noise = draw_inputs(
+            part, 0, step, "logit_normal", 1.0, levels=spec.noise_levels(batch["latents"].shape[1:])
+        )
         assert sigmas.shape == (BATCH, batch["latents"].shape[2])
         return sigmas, noise
 
@@ -281,16 +298,26 @@ def test_the_trainer_draws_the_per_frame_sigmas(tiny_model_factory, raw_shards, 
     from vt.train.trainer import Trainer
 
     one_shard = sorted(raw_shards.glob("*.tar"))[0]  # 4 clips: enough for one step of 2
-    config = load_config(write_config(
-        tmp_path / "df.toml", tiny_model_factory("skyreels-v2"), one_shard, tmp_path / "run", str(tmp_path / "window"),
-        model={"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": 16},
-        buckets={"sizes": ["9x64x64"]}, window={"size": "keep"}, precompute={"workers": 0, "samples_per_shard": 4},
-        train={"batch_size": 2, "max_steps": 1, "shift": 3.0}))
+    config = load_config(
+        write_config(
+            tmp_path / "df.toml",
+            tiny_model_factory("skyreels-v2"),
+            one_shard,
+            tmp_path / "run",
+            str(tmp_path / "window"),
+            model={"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": 16},
+            buckets={"sizes": ["9x64x64"]},
+            window={"size": "keep"},
+            precompute={"workers": 0, "samples_per_shard": 4},
+            train={"batch_size": 2, "max_steps": 1, "shift": 3.0},
+        )
+    )
     Precompute(config).run()
     trainer = Trainer(config)
     drawn, forward = [], trainer.spec.forward
-    trainer.spec.forward = lambda model, batch, sigmas, noise, **kw: drawn.append(sigmas) or forward(
-        model, batch, sigmas, noise, **kw)
+    trainer.spec.forward = lambda model, batch, sigmas, noise, **kw: (
+        drawn.append(sigmas) or forward(model, batch, sigmas, noise, **kw)
+    )
     trainer.run()
     expected = [sample_sigmas(3, "logit_normal", 3.0, sample_generator(0, 0, index)) for index in range(2)]
     assert len(drawn) == 1 and torch.equal(drawn[0], torch.stack(expected))
@@ -300,8 +327,9 @@ def test_the_parallel_plans_name_skyreels_modules(tiny_model_factory):
     """Wan's TP plan (with the image keys/values for i2v) and both CP plans name layers the SkyReels V2
     transformer has: the `wan` parity rows run the same plans on the same module names."""
     for task in ("t2v", "i2v"):
-        spec = build_spec(ModelConfig(family="skyreels-v2", task=task, path=str(tiny_model_factory("skyreels-v2",
-                                                                                                  task=task))), 8.0)
+        spec = build_spec(
+            ModelConfig(family="skyreels-v2", task=task, path=str(tiny_model_factory("skyreels-v2", task=task))), 8.0
+        )
         transformer = spec.load_transformer()
         block = spec.blocks(transformer)[0]
         plan = spec.tp_plan()
@@ -368,8 +396,9 @@ def test_context_parallel_splits_the_per_frame_modulations(tiny_model_factory, t
     spec, model, inputs = _cp_case(folder)
     expected = _cp_step(spec, model, inputs)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    context = mp.start_processes(_cp_worker, args=(2, str(tmp_path / "store"), folder, str(tmp_path)), nprocs=2,
-                                 join=False, start_method="spawn")
+    context = mp.start_processes(
+        _cp_worker, args=(2, str(tmp_path / "store"), folder, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
+    )
     deadline = time.monotonic() + 240
     while not context.join(timeout=1.0):  # raises with the worker's traceback
         if time.monotonic() > deadline:

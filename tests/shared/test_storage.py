@@ -77,12 +77,10 @@ def test_listing_sees_writes_from_another_client(s3_bucket, s3_server):
     assert s.list("commits/p0") == ["commits/p0/00000000.json"]
     assert not s.exists("commits/p0/00000001.json")
     bucket = s3_bucket.removeprefix("s3://")
-    boto3.client("s3", endpoint_url=s3_server).put_object(
-        Bucket=bucket, Key="w/commits/p0/00000001.json", Body=b"{}")
+    boto3.client("s3", endpoint_url=s3_server).put_object(Bucket=bucket, Key="w/commits/p0/00000001.json", Body=b"{}")
     assert s.list("commits/p0") == ["commits/p0/00000000.json", "commits/p0/00000001.json"]
     assert s.exists("commits/p0/00000001.json")
-    assert Storage(s3_bucket + "/w").sizes("commits") == {"commits/p0/00000000.json": 2,
-                                                          "commits/p0/00000001.json": 2}
+    assert Storage(s3_bucket + "/w").sizes("commits") == {"commits/p0/00000000.json": 2, "commits/p0/00000001.json": 2}
 
 
 def test_local_uri_forms_and_bad_input(tmp_path):

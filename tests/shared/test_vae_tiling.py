@@ -15,9 +15,14 @@ BIG = "5x320x320"  # past diffusers' smallest tile (256 pixels): tiling splits i
 
 
 def _config(model, family: str, bucket: str = BIG, **train) -> Config:
-    return build(Config, {"model": {"family": family, "path": str(model), "max_text_tokens": 16},
-                          "buckets": {"sizes": [bucket]},
-                          "train": {"validation_prompts": ["a fox"], **train}})
+    return build(
+        Config,
+        {
+            "model": {"family": family, "path": str(model), "max_text_tokens": 16},
+            "buckets": {"sizes": [bucket]},
+            "train": {"validation_prompts": ["a fox"], **train},
+        },
+    )
 
 
 def test_auto_tiles_only_what_would_not_fit():
@@ -66,6 +71,11 @@ def test_the_plan_decodes_tiled_when_the_untiled_decode_would_not_fit(tiny_model
     tight = make_plan(config, 1, "cpu", stage1=False, budget=budget)
     assert tight.vae_tiled and tight.validation["decode_tiled"] < roomy.validation["decode"]
     assert tight.rank.validation < roomy.rank.validation
-    untiled = make_plan(config.model_copy(update={"train": config.train.model_copy(
-        update={"validation_vae_tiling": False})}), 1, "cpu", stage1=False, budget=budget)
+    untiled = make_plan(
+        config.model_copy(update={"train": config.train.model_copy(update={"validation_vae_tiling": False})}),
+        1,
+        "cpu",
+        stage1=False,
+        budget=budget,
+    )
     assert not untiled.vae_tiled and untiled.rank.validation == roomy.rank.validation

@@ -59,12 +59,15 @@ def test_fractional_fps_and_single_frame(tmp_path):
         assert float(container.streams.video[0].average_rate) == pytest.approx(29.97, abs=0.01)
 
 
-@pytest.mark.parametrize("frames, message", [
-    (np.zeros((4, 8, 8), dtype=np.uint8), r"\(F, H, W, 3\)"),
-    (np.zeros((4, 8, 8, 4), dtype=np.uint8), r"\(F, H, W, 3\)"),
-    (np.zeros((0, 8, 8, 3), dtype=np.uint8), r"F, H, W >= 1"),
-    (np.zeros((2, 8, 8, 3), dtype=np.float32), r"astype\(np.uint8\)"),
-])
+@pytest.mark.parametrize(
+    "frames, message",
+    [
+        (np.zeros((4, 8, 8), dtype=np.uint8), r"\(F, H, W, 3\)"),
+        (np.zeros((4, 8, 8, 4), dtype=np.uint8), r"\(F, H, W, 3\)"),
+        (np.zeros((0, 8, 8, 3), dtype=np.uint8), r"F, H, W >= 1"),
+        (np.zeros((2, 8, 8, 3), dtype=np.float32), r"astype\(np.uint8\)"),
+    ],
+)
 def test_bad_frames_are_rejected_with_a_fix(tmp_path, frames, message):
     with pytest.raises(ValueError, match=message):
         write_video(frames, tmp_path / "bad.mp4")
@@ -85,8 +88,9 @@ def test_a_sound_track_is_muxed_beside_the_frames(tmp_path, channels):
     rate = 16000
     time = np.arange(rate) / rate
     tones = np.stack([np.sin(2 * np.pi * 220 * time), np.sin(2 * np.pi * 330 * time)])[:channels] * 0.5
-    path = write_video(_moving_gradient(8, 32, 32), tmp_path / "clip.mp4", fps=8,
-                       sound=Sound(tones.astype(np.float32), rate))
+    path = write_video(
+        _moving_gradient(8, 32, 32), tmp_path / "clip.mp4", fps=8, sound=Sound(tones.astype(np.float32), rate)
+    )
     assert read_video(path).shape == (8, 32, 32, 3)
     sound = read_sound(path)
     assert sound.sample_rate == rate and sound.waveform.shape[0] == channels

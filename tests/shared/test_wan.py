@@ -5,9 +5,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import (BUCKET, CAPTIONS, capture_transformer_inputs, folder_digest, make_spec, pipeline_latents,
-                          uint8_video)
+from family_cases import (
+    BUCKET,
+    CAPTIONS,
+    capture_transformer_inputs,
+    folder_digest,
+    make_spec,
+    pipeline_latents,
+    uint8_video,
+)
 from lora_init import randomise_lora
+
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
@@ -16,9 +24,9 @@ from vt.shared.models import build_spec
 # ----------------------------------------------------------------------------- Wan image-to-video
 def make_wan_i2v_spec(tiny_model_factory, **kw):
     """Wan 2.1 I2V on its tiny preset; the text length is the pipeline's 512 (the only one i2v takes)."""
-    return build_spec(ModelConfig(family="wan", task="i2v", path=str(tiny_model_factory("wan", task="i2v")), **kw),
-                      frame_rate=8.0)
-
+    return build_spec(
+        ModelConfig(family="wan", task="i2v", path=str(tiny_model_factory("wan", task="i2v")), **kw), frame_rate=8.0
+    )
 
 
 WAN_I2V_IMAGE = np.random.default_rng(0).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
@@ -58,13 +66,22 @@ def test_wan_i2v_stage1_conditions_as_the_pipeline_does(tiny_model_factory):
     pipeline = WanImageToVideoPipeline.from_pretrained(tiny_model_factory("wan", task="i2v"))
     for i in range(2):
         image = Image.fromarray(pixels[i, 0].numpy())
-        torch.testing.assert_close(out["image_embeds"][i:i + 1], pipeline.encode_image(image, "cpu"))
+        torch.testing.assert_close(out["image_embeds"][i : i + 1], pipeline.encode_image(image, "cpu"))
         frame = pipeline.video_processor.preprocess(image, height=BUCKET.height, width=BUCKET.width)
-        _, condition = pipeline.prepare_latents(frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames,
-                                                torch.float32, "cpu", torch.Generator().manual_seed(0))
+        _, condition = pipeline.prepare_latents(
+            frame,
+            1,
+            16,
+            BUCKET.height,
+            BUCKET.width,
+            BUCKET.frames,
+            torch.float32,
+            "cpu",
+            torch.Generator().manual_seed(0),
+        )
         assert condition.shape == (1, 20, 3, 8, 12)
-        torch.testing.assert_close(condition[:, :4], spec.condition_mask(out["latents"][i:i + 1]))
-        torch.testing.assert_close(condition[:, 4:], out["condition_latents"][i:i + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(condition[:, :4], spec.condition_mask(out["latents"][i : i + 1]))
+        torch.testing.assert_close(condition[:, 4:], out["condition_latents"][i : i + 1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out["condition_latents"][:, :, 1:], out["latents"][:, :, 1:], atol=1e-2)
 
 
@@ -83,8 +100,9 @@ def test_wan_i2v_forward_feeds_36_channels_and_image_tokens_and_trains_lora_only
 
     hidden = seen["hidden_states"]
     assert hidden.shape == (2, 36, 3, 8, 12)
-    torch.testing.assert_close(hidden[:, :16], (1 - sigmas.view(2, 1, 1, 1, 1)) * batch["latents"]
-                               + sigmas.view(2, 1, 1, 1, 1) * noise)
+    torch.testing.assert_close(
+        hidden[:, :16], (1 - sigmas.view(2, 1, 1, 1, 1)) * batch["latents"] + sigmas.view(2, 1, 1, 1, 1) * noise
+    )
     assert (hidden[:, 16:20, 0] == 1).all() and (hidden[:, 16:20, 1:] == 0).all()
     assert torch.equal(hidden[:, 20:], batch["condition_latents"])
     assert torch.equal(seen["encoder_hidden_states_image"], batch["image_embeds"])
@@ -115,8 +133,10 @@ def test_wan_i2v_lora_export_loads_into_a_fresh_i2v_pipeline(tiny_model_factory,
     randomise_lora(transformer, seed=3)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path / "lora")
     comfy = load_file(tmp_path / "lora" / "lora_comfyui.safetensors")
-    assert {"diffusion_model.blocks.0.cross_attn.k_img.lora_A.weight",
-            "diffusion_model.blocks.1.cross_attn.v_img.lora_B.weight"} <= set(comfy)
+    assert {
+        "diffusion_model.blocks.0.cross_attn.k_img.lora_A.weight",
+        "diffusion_model.blocks.1.cross_attn.v_img.lora_B.weight",
+    } <= set(comfy)
 
     in_memory = pipeline_latents(spec, spec.build_pipeline(transformer), image=WAN_I2V_IMAGE)
     for weight_name in ("pytorch_lora_weights.safetensors", "lora_comfyui.safetensors"):
@@ -137,8 +157,9 @@ def test_wan_i2v_full_export_round_trips_and_generates_from_an_image(tiny_model_
     with torch.no_grad():
         transformer.condition_embedder.image_embedder.ff.net[2].weight.add_(0.5)  # the image branch is saved too
     out = spec.save_full(transformer, tmp_path / "full")
-    override = build_spec(ModelConfig(family="wan", task="i2v", path=str(folder),
-                                      components={"transformer": str(out)}), 8.0).load_transformer()
+    override = build_spec(
+        ModelConfig(family="wan", task="i2v", path=str(folder), components={"transformer": str(out)}), 8.0
+    ).load_transformer()
     expected = transformer.state_dict()
     assert override.state_dict().keys() == expected.keys()
     assert all(torch.equal(v, expected[k]) for k, v in override.state_dict().items())
@@ -172,8 +193,9 @@ def test_make_tiny_builds_the_wan_i2v_preset_deterministically(tiny_model_factor
 # ----------------------------------------------------------------------------- Wan first-and-last-frame (FLF2V)
 def make_wan_flf2v_spec(tiny_model_factory, **kw):
     """Wan 2.1 FLF2V on its tiny preset (the i2v preset with FLF2V's image position embedding)."""
-    return build_spec(ModelConfig(family="wan", task="flf2v", path=str(tiny_model_factory("wan", task="flf2v")), **kw),
-                      frame_rate=8.0)
+    return build_spec(
+        ModelConfig(family="wan", task="flf2v", path=str(tiny_model_factory("wan", task="flf2v")), **kw), frame_rate=8.0
+    )
 
 
 FLF2V_LAST = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
@@ -189,11 +211,17 @@ def test_wan_flf2v_takes_only_flf2v_transformers_and_checks_its_last_images(tiny
     from vt.shared.config import ConfigError, load_config
 
     i2v, flf2v = (str(tiny_model_factory("wan", task=task)) for task in ("i2v", "flf2v"))
-    with pytest.raises(ValueError, match=r"model.task = \"flf2v\" needs a Wan 2.1 first-and-last-frame transformer "
-                                         r"\(pos_embed_seq_len 34.*has pos_embed_seq_len None"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.task = \"flf2v\" needs a Wan 2.1 first-and-last-frame transformer "
+        r"\(pos_embed_seq_len 34.*has pos_embed_seq_len None",
+    ):
         build_spec(ModelConfig(family="wan", task="flf2v", path=i2v), 8.0).check_bucket(BUCKET)
-    with pytest.raises(ValueError, match=r"first-and-last-frame one \(pos_embed_seq_len 34\): set model.task = "
-                                         r"\"flf2v\""):
+    with pytest.raises(
+        ValueError,
+        match=r"first-and-last-frame one \(pos_embed_seq_len 34\): set model.task = "
+        r"\"flf2v\"",
+    ):
         build_spec(ModelConfig(family="wan", task="i2v", path=flf2v), 8.0).check_bucket(BUCKET)
     with pytest.raises(ValueError, match=r"image-to-video one .*\(or \"flf2v\": it takes two images\)"):
         make_spec(flf2v, "wan").check_bucket(BUCKET)
@@ -205,8 +233,9 @@ def test_wan_flf2v_takes_only_flf2v_transformers_and_checks_its_last_images(tiny
     with pytest.raises(ValueError, match=r"wan flf2v generation needs a last_image"):
         spec.pipeline_inputs("a rabbit", BUCKET, 2, 0, image=WAN_I2V_IMAGE)
     with pytest.raises(ValueError, match=r"task 'i2v' takes no last image; use model.task = \"flf2v\""):
-        make_wan_i2v_spec(tiny_model_factory).pipeline_inputs("a rabbit", BUCKET, 2, 0, image=WAN_I2V_IMAGE,
-                                                              last_image=FLF2V_LAST)
+        make_wan_i2v_spec(tiny_model_factory).pipeline_inputs(
+            "a rabbit", BUCKET, 2, 0, image=WAN_I2V_IMAGE, last_image=FLF2V_LAST
+        )
 
     sets = ['train.validation_prompts=["a", "b"]', 'train.validation_images=["x.png", "y.png"]']
     with pytest.raises(ConfigError, match=r"validation_last_images has 1 entries for 2 train.validation_prompts"):
@@ -232,14 +261,27 @@ def test_wan_flf2v_stage1_conditions_as_the_pipeline_does(tiny_model_factory):
     for i in range(2):
         first, last = Image.fromarray(pixels[i, 0].numpy()), Image.fromarray(pixels[i, -1].numpy())
         torch.testing.assert_close(out["image_embeds"][i], pipeline.encode_image([first, last], "cpu"))
-        frames = [pipeline.video_processor.preprocess(image, height=BUCKET.height, width=BUCKET.width)
-                  for image in (first, last)]
-        _, condition = pipeline.prepare_latents(frames[0], 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames,
-                                                torch.float32, "cpu", torch.Generator().manual_seed(0), None, frames[1])
-        mask = spec.condition_mask(out["latents"][i:i + 1])
+        frames = [
+            pipeline.video_processor.preprocess(image, height=BUCKET.height, width=BUCKET.width)
+            for image in (first, last)
+        ]
+        _, condition = pipeline.prepare_latents(
+            frames[0],
+            1,
+            16,
+            BUCKET.height,
+            BUCKET.width,
+            BUCKET.frames,
+            torch.float32,
+            "cpu",
+            torch.Generator().manual_seed(0),
+            None,
+            frames[1],
+        )
+        mask = spec.condition_mask(out["latents"][i : i + 1])
         torch.testing.assert_close(condition[:, :4], mask)
         assert mask[0, :, :, 0, 0].tolist() == [[1, 0, 0], [1, 0, 0], [1, 0, 0], [1, 0, 1]]  # the last frame's slot
-        torch.testing.assert_close(condition[:, 4:], out["condition_latents"][i:i + 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(condition[:, 4:], out["condition_latents"][i : i + 1], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(out["condition_latents"][:, :, -1], out["latents"][:, :, -1], atol=1e-2)  # causal VAE
 
 
@@ -276,8 +318,9 @@ def test_wan_flf2v_forward_feeds_what_the_pipeline_feeds_and_trains_lora_only(ti
     assert transformer.get_parameter("blocks.0.attn2.add_v_proj.lora_B.default.weight").grad.abs().sum() > 0
     swapped = {**batch, "image_embeds": batch["image_embeds"].flip(1)}  # the position embedding tells them apart
     with torch.no_grad():
-        assert not torch.allclose(spec.forward(transformer, swapped, torch.tensor([0.6]), noise).prediction,
-                                  out.prediction, atol=1e-4)
+        assert not torch.allclose(
+            spec.forward(transformer, swapped, torch.tensor([0.6]), noise).prediction, out.prediction, atol=1e-4
+        )
 
 
 def test_wan_flf2v_exports_load_back_and_validation_renders_from_both_images(tiny_model_factory, tmp_path):
@@ -303,9 +346,15 @@ def test_wan_flf2v_exports_load_back_and_validation_renders_from_both_images(tin
     full = spec.load_transformer()
     with torch.no_grad():
         full.condition_embedder.image_embedder.pos_embed.add_(0.5)  # FLF2V's own parameter is saved too
-    override = build_spec(ModelConfig(family="wan", task="flf2v", path=str(folder),
-                                      components={"transformer": str(spec.save_full(full, tmp_path / "full"))}),
-                          8.0).load_transformer()
+    override = build_spec(
+        ModelConfig(
+            family="wan",
+            task="flf2v",
+            path=str(folder),
+            components={"transformer": str(spec.save_full(full, tmp_path / "full"))},
+        ),
+        8.0,
+    ).load_transformer()
     assert all(torch.equal(v, full.state_dict()[k]) for k, v in override.state_dict().items())
     assert override.config.pos_embed_seq_len == 34
     encoders = spec.load_stage1()
@@ -316,12 +365,15 @@ def test_wan_flf2v_exports_load_back_and_validation_renders_from_both_images(tin
     assert frames.shape == (9, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
 
     negative = spec.encode_validation_text(encoders, spec.negative_prompt)
-    conditions = {**spec.encode_validation_text(encoders, "a rabbit"),
-                  **{f"negative_{k}": v for k, v in negative.items()},
-                  **spec.image_conditions.encode(encoders, WAN_I2V_IMAGE),
-                  **{f"last_{k}": v for k, v in spec.image_conditions.encode(encoders, FLF2V_LAST).items()}}
+    conditions = {
+        **spec.encode_validation_text(encoders, "a rabbit"),
+        **{f"negative_{k}": v for k, v in negative.items()},
+        **spec.image_conditions.encode(encoders, WAN_I2V_IMAGE),
+        **{f"last_{k}": v for k, v in spec.image_conditions.encode(encoders, FLF2V_LAST).items()},
+    }
     bare = spec.build_pipeline(override, text_encoders=False, vae=encoders["vae"])
     assert bare.image_encoder is None and bare.text_encoder is None
-    stored = spec.generate(bare, None, BUCKET, steps=2, seed=0, image=WAN_I2V_IMAGE, last_image=FLF2V_LAST,
-                           conditions=conditions)
+    stored = spec.generate(
+        bare, None, BUCKET, steps=2, seed=0, image=WAN_I2V_IMAGE, last_image=FLF2V_LAST, conditions=conditions
+    )
     assert np.abs(stored.astype(int) - frames).max() <= 1

@@ -9,12 +9,10 @@ import pytest
 import torch
 from family_cases import BUCKET, capture_transformer_inputs, encode_clip, make_spec, pipeline_latents, uint8_video
 from lora_init import randomise_lora
+
 from vt.shared.models.lora import lora_weight_name
 
 IMAGE = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
-
-
-
 
 
 def test_i2v_a14b_conditions_on_the_frame_and_exports_one_lora_per_expert(tiny_model_factory, tmp_path):
@@ -37,14 +35,17 @@ def test_i2v_a14b_conditions_on_the_frame_and_exports_one_lora_per_expert(tiny_m
     batch = encode_clip(spec, clip)
     assert set(batch) == {"prompt_embeds", "latents", "condition_latents"}
     reference = WanImageToVideoPipeline.from_pretrained(folder)
-    frame = reference.video_processor.preprocess(Image.fromarray(pixels[0, 0].numpy()), height=BUCKET.height,
-                                                 width=BUCKET.width)
-    _, condition = reference.prepare_latents(frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames,
-                                             torch.float32, "cpu", torch.Generator().manual_seed(0))
+    frame = reference.video_processor.preprocess(
+        Image.fromarray(pixels[0, 0].numpy()), height=BUCKET.height, width=BUCKET.width
+    )
+    _, condition = reference.prepare_latents(
+        frame, 1, 16, BUCKET.height, BUCKET.width, BUCKET.frames, torch.float32, "cpu", torch.Generator().manual_seed(0)
+    )
     torch.testing.assert_close(condition[:, 4:], batch["condition_latents"], atol=1e-5, rtol=1e-5)
 
-    experts = torch.nn.ModuleDict({name: spec.load_transformer(name=component)
-                                   for name, component in spec.trained_experts.items()})
+    experts = torch.nn.ModuleDict(
+        {name: spec.load_transformer(name=component) for name, component in spec.trained_experts.items()}
+    )
     for seed, transformer in enumerate(experts.values()):
         spec.add_lora(transformer, rank=4, alpha=8.0, targets=None)
         randomise_lora(transformer, seed)
@@ -72,8 +73,9 @@ def test_i2v_a14b_conditions_on_the_frame_and_exports_one_lora_per_expert(tiny_m
         fresh = WanImageToVideoPipeline.from_pretrained(folder)
         fresh.set_progress_bar_config(disable=True)
         for expert, weight_name in zip(experts, names):
-            fresh.load_lora_weights(tmp_path, weight_name=weight_name, adapter_name=expert,
-                                    **spec.lora_load_kwargs(expert))
+            fresh.load_lora_weights(
+                tmp_path, weight_name=weight_name, adapter_name=expert, **spec.lora_load_kwargs(expert)
+            )
         torch.testing.assert_close(pipeline_latents(spec, fresh, image=IMAGE), in_memory, atol=1e-4, rtol=1e-4)
 
 

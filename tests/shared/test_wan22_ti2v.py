@@ -7,10 +7,7 @@ import pytest
 import torch
 from family_cases import BUCKET, capture_transformer_inputs, encode_clip, make_spec, uint8_video
 
-
 IMAGE = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
-
-
 
 
 def test_ti2v_trains_as_the_expand_timesteps_pipelines_sample(tiny_model_factory):
@@ -27,10 +24,12 @@ def test_ti2v_trains_as_the_expand_timesteps_pipelines_sample(tiny_model_factory
     assert set(batch) == {"prompt_embeds", "latents"} and batch["latents"].shape == (2, 48, 3, 4, 6)
     reference = WanImageToVideoPipeline.from_pretrained(folder)
     assert reference.config.expand_timesteps
-    frame = reference.video_processor.preprocess(Image.fromarray(pixels[1, 0].numpy()), height=BUCKET.height,
-                                                 width=BUCKET.width)
-    _, condition, mask = reference.prepare_latents(frame, 1, 48, BUCKET.height, BUCKET.width, BUCKET.frames,
-                                                   torch.float32, "cpu", torch.Generator().manual_seed(0))
+    frame = reference.video_processor.preprocess(
+        Image.fromarray(pixels[1, 0].numpy()), height=BUCKET.height, width=BUCKET.width
+    )
+    _, condition, mask = reference.prepare_latents(
+        frame, 1, 48, BUCKET.height, BUCKET.width, BUCKET.frames, torch.float32, "cpu", torch.Generator().manual_seed(0)
+    )
     assert condition.shape == (1, 48, 1, 4, 6) and (mask[:, :, 0] == 0).all() and (mask[:, :, 1:] == 1).all()
     torch.testing.assert_close(condition, batch["latents"][1:, :, :1], atol=1e-4, rtol=1e-4)
 
@@ -44,8 +43,10 @@ def test_ti2v_trains_as_the_expand_timesteps_pipelines_sample(tiny_model_factory
     assert (timestep[:, 0] == 0).all()
     torch.testing.assert_close(timestep[:, 1:], (sigmas * 1000).view(2, 1, 1).expand(2, 2, 6))
     assert torch.equal(seen["hidden_states"][:, :, 0], x0[:, :, 0])
-    torch.testing.assert_close(seen["hidden_states"][:, :, 1:], (1 - sigmas.view(2, 1, 1, 1, 1)) * x0[:, :, 1:]
-                               + sigmas.view(2, 1, 1, 1, 1) * noise[:, :, 1:])
+    torch.testing.assert_close(
+        seen["hidden_states"][:, :, 1:],
+        (1 - sigmas.view(2, 1, 1, 1, 1)) * x0[:, :, 1:] + sigmas.view(2, 1, 1, 1, 1) * noise[:, :, 1:],
+    )
     assert out.weight.flatten().tolist() == [0.0, 1.0, 1.0] and torch.equal(out.target, noise - x0)
 
     out = t2v.forward(transformer, batch, sigmas, noise)
@@ -57,5 +58,5 @@ def test_ti2v_trains_as_the_expand_timesteps_pipelines_sample(tiny_model_factory
     assert pipeline.config.expand_timesteps and pipeline.config.boundary_ratio is None
     frames = i2v.generate(pipeline, "a rabbit", BUCKET, steps=2, seed=0, image=IMAGE)
     assert frames.shape == (9, 64, 96, 3) and frames.dtype == np.uint8 and frames.std() > 0
-    with pytest.raises(ValueError, match="use family \"wan2.2-ti2v\""):
+    with pytest.raises(ValueError, match='use family "wan2.2-ti2v"'):
         _ = make_spec(folder, "wan2.2").boundary

@@ -9,6 +9,7 @@ import pytest
 import torch
 from family_cases import BUCKET, CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 from lora_init import randomise_lora
+
 from vt.shared.buckets import Bucket
 from vt.shared.config import ConfigError, load_config
 from vt.shared.models.wan_vace import VACE_LORA_MODULES
@@ -44,12 +45,22 @@ def test_control_latents_are_what_the_pipelines_own_functions_make(vace):
     pipeline = WanVACEPipeline.from_pretrained(folder)
     for i in range(2):
         video, mask, references = pipeline.preprocess_conditions(
-            pil_frames(control_pixels[i]), None, None, 1, BUCKET.height, BUCKET.width, BUCKET.frames, torch.float32,
-            torch.device("cpu"))
+            pil_frames(control_pixels[i]),
+            None,
+            None,
+            1,
+            BUCKET.height,
+            BUCKET.width,
+            BUCKET.frames,
+            torch.float32,
+            torch.device("cpu"),
+        )
         assert references == [[]] and bool((mask == 1).all())
         expected = pipeline.prepare_video_latents(video, mask, references, None, torch.device("cpu"))
-        torch.testing.assert_close(out["control_latents"][i:i + 1], expected, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(spec.control_mask(out["latents"][i:i + 1]), pipeline.prepare_masks(mask, references))
+        torch.testing.assert_close(out["control_latents"][i : i + 1], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            spec.control_mask(out["latents"][i : i + 1]), pipeline.prepare_masks(mask, references)
+        )
     # The inactive half is the zero video's, the same for both; the reactive half is each sample's control.
     assert torch.equal(out["control_latents"][0, :16], out["control_latents"][1, :16])
     assert not torch.allclose(out["control_latents"][0, 16:], out["control_latents"][1, 16:], atol=1e-2)
@@ -66,8 +77,16 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(vace):
     seen = capture_transformer_inputs(transformer)
     clip, _ = uint8_video(1, seed=0)
     control, control_pixels = uint8_video(1, seed=1)
-    spec.generate(pipeline, CAPTIONS[0], BUCKET, steps=1, seed=0, control=control_pixels[0].numpy(), decode=False,
-                  guidance_scale=1.0)
+    spec.generate(
+        pipeline,
+        CAPTIONS[0],
+        BUCKET,
+        steps=1,
+        seed=0,
+        control=control_pixels[0].numpy(),
+        decode=False,
+        guidance_scale=1.0,
+    )
     piped = dict(seen)
     seen.clear()
     batch = {**spec.encode_text(encoders, CAPTIONS[:1]), **spec.encode_video(encoders, clip, control=control)}
@@ -79,8 +98,12 @@ def test_forward_feeds_the_transformer_what_the_pipeline_feeds_it(vace):
     torch.testing.assert_close(seen["encoder_hidden_states"], piped["encoder_hidden_states"])
     assert seen["hidden_states"].shape == piped["hidden_states"].shape == (1, 16, 3, 8, 12)
     with pytest.raises(KeyError, match="control_latents"):
-        spec.forward(transformer, {k: v for k, v in batch.items() if k != "control_latents"}, torch.tensor([0.7]),
-                     torch.randn_like(batch["latents"]))
+        spec.forward(
+            transformer,
+            {k: v for k, v in batch.items() if k != "control_latents"},
+            torch.tensor([0.7]),
+            torch.randn_like(batch["latents"]),
+        )
 
 
 def test_default_lora_is_a_control_lora_and_both_kinds_export_to_the_pipeline(vace, tmp_path):
@@ -97,8 +120,13 @@ def test_default_lora_is_a_control_lora_and_both_kinds_export_to_the_pipeline(va
     assert adapted == {f"vace_blocks.{b}.{m}" for b in (0, 1) for m in VACE_LORA_MODULES}
 
     both = spec.load_transformer()
-    spec.add_lora(both, rank=4, alpha=8.0, targets=r"(vace_blocks|blocks)\.\d+\.(attn1|attn2)\.(to_q|to_v)|"
-                                                   r"vace_blocks\.0\.proj_in")
+    spec.add_lora(
+        both,
+        rank=4,
+        alpha=8.0,
+        targets=r"(vace_blocks|blocks)\.\d+\.(attn1|attn2)\.(to_q|to_v)|"
+        r"vace_blocks\.0\.proj_in",
+    )
     randomise_lora(both, seed=3)
     names = {n.split(".lora_")[0] for n, _ in both.named_parameters() if ".lora_" in n}
     assert {"blocks.0.attn1.to_q", "vace_blocks.1.attn2.to_v", "vace_blocks.0.proj_in"} <= names
@@ -122,8 +150,10 @@ def test_validation_renders_under_the_prompts_control_video(vace, tmp_path):
     pipeline = spec.build_pipeline(spec.load_transformer())
     small = Bucket(5, 32, 48)
     pixels = torch.randint(0, 256, (2, 5, 32, 48, 3), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
-    renders = [spec.generate(pipeline, CAPTIONS[0], small, steps=2, seed=0, control=pixels[i].numpy(),
-                             guidance_scale=1.0) for i in range(2)]
+    renders = [
+        spec.generate(pipeline, CAPTIONS[0], small, steps=2, seed=0, control=pixels[i].numpy(), guidance_scale=1.0)
+        for i in range(2)
+    ]
     assert renders[0].shape == (5, 32, 48, 3)
     assert np.abs(renders[0].astype(int) - renders[1].astype(int)).max() > 0
     with pytest.raises(ValueError, match="needs a control video.*train.validation_videos"):
@@ -165,8 +195,7 @@ def test_control_video_config_keys_are_checked_at_load(tmp_path):
         load_config(None, ['data.control="pose.mp4"'])
 
     def print_of(family: str, member: str) -> str:
-        config = load_config(None, [f'model.family="{family}"', f'data.control="{member}"',
-                                    f'model.path="{tmp_path}"'])
+        config = load_config(None, [f'model.family="{family}"', f'data.control="{member}"', f'model.path="{tmp_path}"'])
         return fingerprint(provenance(config, weights={}, spec=build_spec(config.model, config.buckets.fps)))
 
     assert print_of("wan-vace", "control") != print_of("wan-vace", "pose")  # another member: other shards

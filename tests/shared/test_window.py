@@ -15,11 +15,11 @@ import threading
 
 import pytest
 import torch
-
 from polling import wait_for
+
 from vt.shared.shards import decode_shard, encode_shard
 from vt.shared.storage import Storage
-from vt.shared.window import (ShardCorruptError, Window, WindowTimeout, commit_path, data_path)
+from vt.shared.window import ShardCorruptError, Window, WindowTimeout, commit_path, data_path
 
 FAST = {"poll_seconds": 0.01, "timeout_seconds": 30.0}
 
@@ -44,8 +44,15 @@ def data_of(w: Window, rank: int, seq: int) -> str:
 
 def commit(w: Window, rank: int, seq: int):
     w.wait_for_room(rank)
-    return w.commit(rank, seq, epoch=0, data=shard(rank, seq), bucket="9x64x64",
-                    keys=[f"p{rank}-s{seq}-a", f"p{rank}-s{seq}-b"], fingerprint="fp")
+    return w.commit(
+        rank,
+        seq,
+        epoch=0,
+        data=shard(rank, seq),
+        bucket="9x64x64",
+        keys=[f"p{rank}-s{seq}-a", f"p{rank}-s{seq}-b"],
+        fingerprint="fp",
+    )
 
 
 def produce(w: Window, rank: int, world: int, count: int):
@@ -86,8 +93,12 @@ def test_sigkill_before_commit(uri, tmp_path):
     for seq in range(2):
         files.append(tmp_path / f"shard{seq}.safetensors")
         files[-1].write_bytes(shard(0, seq if seq == 0 else 11))  # the killed run's shard 1 differs
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, uri, *map(str, files)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD, uri, *map(str, files)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     line = proc.stdout.readline()
     assert line == b"DATA-WRITTEN\n", proc.stderr.read().decode()
     proc.send_signal(signal.SIGKILL)
@@ -257,15 +268,27 @@ def test_the_trainers_eviction_lists_once_then_deletes_from_the_order_it_holds(t
     reader.publish_watermark(5)
     first = reader.evict_read()
     assert listings and sorted(first) == sorted(
-        [commit_path(0, 0), commit_path(1, 0), before[0], before[1],
-         commit_path(2, 0), commit_path(3, 0), commit_path(0, 1), records[2].data, records[3].data, records[4].data])
+        [
+            commit_path(0, 0),
+            commit_path(1, 0),
+            before[0],
+            before[1],
+            commit_path(2, 0),
+            commit_path(3, 0),
+            commit_path(0, 1),
+            records[2].data,
+            records[3].data,
+            records[4].data,
+        ]
+    )
     listings.clear()
     reader.publish_watermark(9)
     second = reader.evict_read(background=True)  # as the trainer does it: the deletes on a thread of their own
     reader.wait_evictions()
     assert listings == [], f"the trainer's eviction listed {listings}"
-    assert second == [commit_path(r.producer, r.seq) for r in (records[p] for p in range(5, 9))] + \
-        [records[p].data for p in range(5, 9)]  # records first, then data
+    assert second == [commit_path(r.producer, r.seq) for r in (records[p] for p in range(5, 9))] + [
+        records[p].data for p in range(5, 9)
+    ]  # records first, then data
     left = Storage(uri)
     assert not any(left.exists(rel) for rel in second)
     assert sorted(left.list("commits")) == sorted(commit_path(records[p].producer, records[p].seq) for p in (9, 10, 11))
@@ -379,7 +402,6 @@ def test_misuse_gets_clear_errors(uri):
         w.publish_read(3)
     with pytest.raises(ValueError, match="positive integer"):
         Window(uri, size=0)
-
 
 
 def test_walking_the_order_again_asks_storage_nothing(tmp_path):

@@ -13,14 +13,26 @@ from vt.train.attention import backend_for, check_backend, set_backend
 
 def tiny_wan() -> WanTransformer3DModel:
     torch.manual_seed(0)
-    return WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=16, in_channels=16,
-                                 out_channels=16, text_dim=32, freq_dim=32, ffn_dim=64, num_layers=1,
-                                 rope_max_seq_len=32).eval()
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=64,
+        num_layers=1,
+        rope_max_seq_len=32,
+    ).eval()
 
 
 def backends(model) -> set[str]:
-    return {module.processor._attention_backend.value for module in model.modules()
-            if getattr(getattr(module, "processor", None), "_attention_backend", None) is not None}
+    return {
+        module.processor._attention_backend.value
+        for module in model.modules()
+        if getattr(getattr(module, "processor", None), "_attention_backend", None) is not None
+    }
 
 
 def test_backends_switch_every_attention_and_validation_restores_training():

@@ -19,8 +19,12 @@ def part(rows: int, first: int) -> Slice:
 
 def test_independent_audio_sigmas_are_keyed_per_sample_and_leave_the_video_draws_alone():
     whole = draw_audio_sigmas(part(4, 0), 7, 3, "logit_normal", 1.0)
-    halves = torch.cat([draw_audio_sigmas(part(2, 0), 7, 3, "logit_normal", 1.0),
-                        draw_audio_sigmas(part(2, 2), 7, 3, "logit_normal", 1.0)])
+    halves = torch.cat(
+        [
+            draw_audio_sigmas(part(2, 0), 7, 3, "logit_normal", 1.0),
+            draw_audio_sigmas(part(2, 2), 7, 3, "logit_normal", 1.0),
+        ]
+    )
     assert torch.equal(whole, halves) and whole.shape == (4,)  # any data-parallel slicing draws the same
     video, _ = draw_inputs(part(4, 0), 7, 3, "logit_normal", 1.0)
     assert not torch.allclose(video, whole)  # a key of their own, not the video's sigmas
@@ -29,16 +33,33 @@ def test_independent_audio_sigmas_are_keyed_per_sample_and_leave_the_video_draws
 
 
 def test_families_say_which_audio_timesteps_they_take(tiny_model_factory):
-    for family, modes in (("ltx-2", ("shared", "independent")), ("minimax-h3", ("shared", "independent")),
-                          ("kandinsky6", ("shared",))):
+    for family, modes in (
+        ("ltx-2", ("shared", "independent")),
+        ("minimax-h3", ("shared", "independent")),
+        ("kandinsky6", ("shared",)),
+    ):
         spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family)), audio=True), 24.0)
         assert spec.sound.timestep_modes == modes and spec.audio_timesteps == "shared"  # the default: shared
-    with pytest.raises(ValueError, match=r"audio_timesteps = 'independent': the 'kandinsky6' transformer takes "
-                                         r"'shared' audio timesteps"):
-        build_spec(ModelConfig(family="kandinsky6", path=str(tiny_model_factory("kandinsky6")), audio=True,
-                               audio_timesteps="independent"), 24.0)
-    h3 = build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True,
-                                audio_timesteps="independent"), 24.0)
+    with pytest.raises(
+        ValueError,
+        match=r"audio_timesteps = 'independent': the 'kandinsky6' transformer takes "
+        r"'shared' audio timesteps",
+    ):
+        build_spec(
+            ModelConfig(
+                family="kandinsky6",
+                path=str(tiny_model_factory("kandinsky6")),
+                audio=True,
+                audio_timesteps="independent",
+            ),
+            24.0,
+        )
+    h3 = build_spec(
+        ModelConfig(
+            family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True, audio_timesteps="independent"
+        ),
+        24.0,
+    )
     assert h3.audio_timesteps == "independent" and h3.sound.default_shift == 3.0  # its audio scheduler's
 
 
@@ -49,8 +70,16 @@ def seen_by(transformer) -> dict:
 
 
 def test_ltx2_feeds_the_audio_stream_its_own_timestep(tiny_model_factory):
-    spec = build_spec(ModelConfig(family="ltx-2", path=str(tiny_model_factory("ltx-2")), audio=True,
-                                  max_text_tokens=16, audio_timesteps="independent"), 12.0)
+    spec = build_spec(
+        ModelConfig(
+            family="ltx-2",
+            path=str(tiny_model_factory("ltx-2")),
+            audio=True,
+            max_text_tokens=16,
+            audio_timesteps="independent",
+        ),
+        12.0,
+    )
     encoders = spec.load_stage1()
     generator = torch.Generator().manual_seed(0)
     video = torch.rand(2, 3, 9, 64, 96, generator=generator) * 2 - 1
@@ -72,8 +101,16 @@ def test_ltx2_feeds_the_audio_stream_its_own_timestep(tiny_model_factory):
 
 
 def test_minimax_h3_rows_take_the_audio_sigma_given(tiny_model_factory):
-    spec = build_spec(ModelConfig(family="minimax-h3", path=str(tiny_model_factory("minimax-h3")), audio=True,
-                                  max_text_tokens=16, audio_timesteps="independent"), 24.0)
+    spec = build_spec(
+        ModelConfig(
+            family="minimax-h3",
+            path=str(tiny_model_factory("minimax-h3")),
+            audio=True,
+            max_text_tokens=16,
+            audio_timesteps="independent",
+        ),
+        24.0,
+    )
     encoders = spec.load_stage1()
     generator = torch.Generator().manual_seed(1)
     bucket = Bucket(5, 64, 96)
@@ -102,16 +139,35 @@ def test_the_trainer_draws_the_audio_sigmas_it_is_asked_for(tmp_path, tiny_model
     from vt.train.trainer import Trainer
 
     model = {"family": "ltx-2", "max_text_tokens": 16, "audio": True}
-    common = dict(buckets={"sizes": ["9x64x64"], "fps": 12.0}, window={"size": "keep"},
-                  train={"batch_size": 2, "max_steps": 1, "checkpoint_every": 0}, log={"progress": False})
+    common = dict(
+        buckets={"sizes": ["9x64x64"], "fps": 12.0},
+        window={"size": "keep"},
+        train={"batch_size": 2, "max_steps": 1, "checkpoint_every": 0},
+        log={"progress": False},
+    )
     folder = tiny_model_factory("ltx-2")
-    config = write_config(tmp_path / "pre.toml", folder, sound_shards, tmp_path / "pre", str(tmp_path / "window"),
-                          model=model, precompute={"workers": 0}, **common)
+    config = write_config(
+        tmp_path / "pre.toml",
+        folder,
+        sound_shards,
+        tmp_path / "pre",
+        str(tmp_path / "window"),
+        model=model,
+        precompute={"workers": 0},
+        **common,
+    )
     Precompute(load_config(config)).run()
     seen = {}
     for mode in ("shared", "independent"):
-        run = write_config(tmp_path / f"{mode}.toml", folder, sound_shards, tmp_path / mode, str(tmp_path / "window"),
-                           model={**model, "audio_timesteps": mode, "audio_shift": 2.0}, **common)
+        run = write_config(
+            tmp_path / f"{mode}.toml",
+            folder,
+            sound_shards,
+            tmp_path / mode,
+            str(tmp_path / "window"),
+            model={**model, "audio_timesteps": mode, "audio_shift": 2.0},
+            **common,
+        )
         trainer = Trainer(load_config(run))
         forward = trainer.spec.forward
 

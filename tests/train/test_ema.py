@@ -16,7 +16,7 @@ def test_the_average_follows_the_weights_at_its_decay_and_swaps_in_and_out():
     assert set(ema.state_dict()) == {"0.weight", "0.bias"}
     start = model[0].weight.detach().clone()
     history = [start]
-    for step in range(3):
+    for _ in range(3):
         with torch.no_grad():
             model[0].weight.add_(1.0)  # what an optimizer step does: in place
         ema.update()

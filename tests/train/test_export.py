@@ -17,8 +17,15 @@ def precompute_and_train(tmp_path, model_path, raw, family: str, **sections):
     sections.setdefault("precompute", {}).update(workers=0)
     sections.setdefault("model", {}).update(family=family)
     sections.setdefault("log", {}).update(progress=False)
-    path = write_config(tmp_path / "run.toml", model_path, raw, tmp_path / "run", str(tmp_path / "window"), **sections,
-                        window={"size": "keep"})
+    path = write_config(
+        tmp_path / "run.toml",
+        model_path,
+        raw,
+        tmp_path / "run",
+        str(tmp_path / "window"),
+        **sections,
+        window={"size": "keep"},
+    )
     config = load_config(path)
     Precompute(config).run()
     trainer = Trainer(config)
@@ -51,8 +58,14 @@ def test_trained_wan_full_weights_load_with_from_pretrained(tmp_path, tiny_model
     from diffusers import WanTransformer3DModel
 
     model = tiny_model_factory("wan")
-    config, trainer, summary = precompute_and_train(tmp_path, model, raw_shards, "wan", train={"mode": "full"},
-                                                    buckets={"sizes": ["9x64x96", "9x64x64", "9x64x128"]})
+    config, trainer, summary = precompute_and_train(
+        tmp_path,
+        model,
+        raw_shards,
+        "wan",
+        train={"mode": "full"},
+        buckets={"sizes": ["9x64x96", "9x64x64", "9x64x128"]},
+    )
     loaded = WanTransformer3DModel.from_pretrained(tmp_path / "run" / "model")
     original = WanTransformer3DModel.from_pretrained(model, subfolder="transformer")
     trained = trainer.transformer.state_dict()
@@ -61,7 +74,9 @@ def test_trained_wan_full_weights_load_with_from_pretrained(tmp_path, tiny_model
     assert any(not torch.equal(original.state_dict()[k], trained[k]) for k in trained), "full fine-tune changed nothing"
 
 
-def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(tmp_path, tiny_model_factory, raw_shards, clips_dir):
+def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(
+    tmp_path, tiny_model_factory, raw_shards, clips_dir
+):
     import av
 
     from vt.shared.video_io import read_video
@@ -70,15 +85,24 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(tmp_path,
     with av.open(str(clips_dir / "bigbuckbunny.mp4")) as container:
         next(container.decode(video=0)).to_image().resize((96, 64)).save(image)
     config, trainer, summary = precompute_and_train(
-        tmp_path, tiny_model_factory("ltx-video"), raw_shards, "ltx-video", model={"task": "i2v"},
-        train={"validation_prompts": ["a cartoon rabbit"], "validation_images": [str(image)], "validation_steps": 2,
-               "validation_vae_tiling": True})
+        tmp_path,
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        "ltx-video",
+        model={"task": "i2v"},
+        train={
+            "validation_prompts": ["a cartoon rabbit"],
+            "validation_images": [str(image)],
+            "validation_steps": 2,
+            "validation_vae_tiling": True,
+        },
+    )
     assert type(trainer.validator._pipeline).__name__ == "LTXImageToVideoPipeline"
     assert trainer.validator._tiled  # asked for: decoded through diffusers' tiling (tests/shared/test_vae_tiling.py)
     video = read_video(tmp_path / "run" / "validation" / f"step-{summary['steps']:06d}" / "00.mp4")
     assert video.shape[0] == 9 and video.shape[1:3] == (64, 64)  # the smallest bucket
-    from vt.shared.window import Window
     from vt.shared.shards import decode_shard
+    from vt.shared.window import Window
 
     window = Window(str(tmp_path / "window"), "keep")
     _, record = next(iter(window.order()))
@@ -86,8 +110,7 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(tmp_path,
     assert "first_frame_latents" in tensors and tensors["first_frame_latents"].shape[2] == 1
 
 
-def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tmp_path, tiny_model_factory,
-                                                                            raw_shards):
+def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tmp_path, tiny_model_factory, raw_shards):
     """model.expert = "all": each sample trains the expert of its sigma (sigmas reach both sides of the
     boundary), validation runs the pipeline around both trained experts, and each expert's full
     weights land in model/<pipeline component> for from_pretrained."""
@@ -95,10 +118,20 @@ def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tm
 
     model = tiny_model_factory("wan2.2")
     config, trainer, summary = precompute_and_train(
-        tmp_path, model, raw_shards, "wan2.2", model={"expert": "all", "max_text_tokens": 16},
+        tmp_path,
+        model,
+        raw_shards,
+        "wan2.2",
+        model={"expert": "all", "max_text_tokens": 16},
         buckets={"sizes": ["9x64x64"]},
-        train={"mode": "full", "sigma_sampling": "uniform", "shift": 5.0, "validation_prompts": ["a rabbit"],
-               "validation_steps": 2})
+        train={
+            "mode": "full",
+            "sigma_sampling": "uniform",
+            "shift": 5.0,
+            "validation_prompts": ["a rabbit"],
+            "validation_steps": 2,
+        },
+    )
     assert summary["export"] == str(tmp_path / "run" / "model") and summary["videos"] == 1
     pipeline = trainer.validator._pipeline
     assert pipeline.transformer is trainer.transformer["high_noise"]

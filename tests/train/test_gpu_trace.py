@@ -17,10 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import gpu_standin as standin
 import pytest
 import torch
-
-import gpu_standin as standin
 from polling import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -30,11 +29,22 @@ WORKER = Path(__file__).resolve().parents[1] / "gpu_trace_worker.py"
 
 
 def tree(folder: Path, work: Path, family: str, bucket: str, parallel: dict, train: dict, **model) -> dict:
-    return {"model": {"family": family, "path": str(folder), "dtype": "bfloat16", **model},
-            "buckets": {"sizes": [bucket]}, "window": {"uri": str(work / "window")}, "run": {"dir": str(work / "run")},
-            "train": {"device": f"{standin.NAME}:0", "mixed_precision": "bf16", "batch_size": 1, "lora_rank": 32,
-                      "lora_alpha": 32.0, **train},
-            "parallel": {"dp_shard": 1, "activation_checkpointing": True, **parallel}, "log": {"progress": False}}
+    return {
+        "model": {"family": family, "path": str(folder), "dtype": "bfloat16", **model},
+        "buckets": {"sizes": [bucket]},
+        "window": {"uri": str(work / "window")},
+        "run": {"dir": str(work / "run")},
+        "train": {
+            "device": f"{standin.NAME}:0",
+            "mixed_precision": "bf16",
+            "batch_size": 1,
+            "lora_rank": 32,
+            "lora_alpha": 32.0,
+            **train,
+        },
+        "parallel": {"dp_shard": 1, "activation_checkpointing": True, **parallel},
+        "log": {"progress": False},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +54,31 @@ def cases(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("gpu-trace")
     wan, k6 = config_only_model("wan2.1-14b", root / "wan"), config_only_model("kandinsky6-lite", root / "k6")
-    return {"swap+offload": (tree(wan, root / "a", "wan", "81x480x832", {**SWAP, **OFFLOAD}, {}, max_text_tokens=512),
-                             None),
-            "nf4+offload": (tree(wan, root / "b", "wan", "81x480x832", OFFLOAD, {"quantize_base": "nf4"},
-                                 max_text_tokens=512), None),
-            "q4_k": (tree(wan, root / "c", "wan", "81x480x832", {}, {}, max_text_tokens=512), 12),
-            "sound": (tree(k6, root / "d", "kandinsky6", "121x480x864", {"blocks_on_gpu": 8, **OFFLOAD}, {},
-                           max_text_tokens=1024, audio=True), None),
-            "root": root}
+    return {
+        "swap+offload": (
+            tree(wan, root / "a", "wan", "81x480x832", {**SWAP, **OFFLOAD}, {}, max_text_tokens=512),
+            None,
+        ),
+        "nf4+offload": (
+            tree(wan, root / "b", "wan", "81x480x832", OFFLOAD, {"quantize_base": "nf4"}, max_text_tokens=512),
+            None,
+        ),
+        "q4_k": (tree(wan, root / "c", "wan", "81x480x832", {}, {}, max_text_tokens=512), 12),
+        "sound": (
+            tree(
+                k6,
+                root / "d",
+                "kandinsky6",
+                "121x480x864",
+                {"blocks_on_gpu": 8, **OFFLOAD},
+                {},
+                max_text_tokens=1024,
+                audio=True,
+            ),
+            None,
+        ),
+        "root": root,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -61,18 +88,21 @@ def traces(cases):
     spec = {name: {"config": case[0], "gguf": case[1]} for name, case in cases.items() if name != "root"}
     (root / "cases.json").write_text(json.dumps(spec))
     out, log = root / "traces.json", (root / "worker.log").open("w")
-    worker = subprocess.Popen([sys.executable, str(WORKER), str(root / "cases.json"), str(out)], stdout=log,
-                              stderr=subprocess.STDOUT)
+    worker = subprocess.Popen(
+        [sys.executable, str(WORKER), str(root / "cases.json"), str(out)], stdout=log, stderr=subprocess.STDOUT
+    )
 
     def read(name: str):
         def done():
             if worker.poll() not in (None, 0):
-                raise AssertionError(f"the trace worker exited {worker.returncode}:\n"
-                                     + (root / "worker.log").read_text()[-3000:])
+                raise AssertionError(
+                    f"the trace worker exited {worker.returncode}:\n" + (root / "worker.log").read_text()[-3000:]
+                )
             try:
                 return json.loads(out.read_text()).get(name)
             except (OSError, ValueError):
                 return None
+
         return wait_for(done, timeout=900, interval=0.5, what=f"the trace of {name}")
 
     yield read
@@ -97,11 +127,14 @@ def plan_of(config_tree: dict, gguf: int | None):
 def assert_plan_matches(plan, traced, tolerance: float = 0.05) -> dict:
     rank = plan.rank
     host = max(traced["startup"].get("cpu", 0), traced["step"].get("cpu", 0))
-    rows = {"start-up device": (rank.startup, traced["startup"][standin.NAME]),
-            "step device": (rank.device_total, traced["step"][standin.NAME]),
-            "host": (rank.host_peak, host)}
-    report = ", ".join(f"{what}: plan {standin.gib(p):.2f} GiB, trace {standin.gib(t):.2f} GiB"
-                       for what, (p, t) in rows.items())
+    rows = {
+        "start-up device": (rank.startup, traced["startup"][standin.NAME]),
+        "step device": (rank.device_total, traced["step"][standin.NAME]),
+        "host": (rank.host_peak, host),
+    }
+    report = ", ".join(
+        f"{what}: plan {standin.gib(p):.2f} GiB, trace {standin.gib(t):.2f} GiB" for what, (p, t) in rows.items()
+    )
     assert all(standin.close(p, t, tolerance) for p, t in rows.values()), report
     return rows
 
@@ -148,8 +181,18 @@ def test_what_fits_24_gib_is_searched_in_pairs_cheapest_first(cases):
     from vt.train.plan_search import alternatives
     from vt.train.step_cost import step_seconds
 
-    config, plan = plan_of(tree(Path(cases["swap+offload"][0]["model"]["path"]), cases["root"] / "e", "wan",
-                                "81x480x832", {}, {}, max_text_tokens=512), None)
+    config, plan = plan_of(
+        tree(
+            Path(cases["swap+offload"][0]["model"]["path"]),
+            cases["root"] / "e",
+            "wan",
+            "81x480x832",
+            {},
+            {},
+            max_text_tokens=512,
+        ),
+        None,
+    )
     budget = 24 * 2**30
     assert plan.rank.device_total > budget  # as it is, it does not fit
     fitting = alternatives(config, 1, "cuda", budget, host_budget=64 * 2**30)

@@ -14,8 +14,16 @@ def losses(tmp_path, name, folder, raw, window, **train) -> list[float]:
     from vt.train.trainer import Trainer
 
     settings = {"batch_size": 2, "max_steps": 2, "checkpoint_every": 0, **train}
-    config = write_config(tmp_path / f"{name}.toml", folder, raw, tmp_path / name, str(window),
-                          buckets={"sizes": ["9x64x64"], "fps": 8.0}, window={"size": "keep"}, train=settings)
+    config = write_config(
+        tmp_path / f"{name}.toml",
+        folder,
+        raw,
+        tmp_path / name,
+        str(window),
+        buckets={"sizes": ["9x64x64"], "fps": 8.0},
+        window={"size": "keep"},
+        train=settings,
+    )
     Trainer(load_config(config)).run()
     return [record["loss"] for record in read_metrics(tmp_path / name / "metrics.jsonl")]
 
@@ -24,9 +32,16 @@ def test_scale_one_trains_plain_flow_matching_and_scale_three_other_targets(tmp_
     from vt.precompute.service import Precompute
 
     folder = tiny_model_factory("ltx-video")
-    config = write_config(tmp_path / "pre.toml", folder, raw_shards, tmp_path / "pre", str(tmp_path / "window"),
-                          buckets={"sizes": ["9x64x64"], "fps": 8.0}, window={"size": "keep"},
-                          precompute={"workers": 0})
+    config = write_config(
+        tmp_path / "pre.toml",
+        folder,
+        raw_shards,
+        tmp_path / "pre",
+        str(tmp_path / "window"),
+        buckets={"sizes": ["9x64x64"], "fps": 8.0},
+        window={"size": "keep"},
+        precompute={"workers": 0},
+    )
     Precompute(load_config(config)).run()
     window = tmp_path / "window"
     plain = losses(tmp_path, "plain", folder, raw_shards, window)

@@ -30,8 +30,15 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
     from vt.precompute.service import Precompute
 
     root = tmp_path_factory.mktemp("reads")
-    config = write_config(root / "pre.toml", tiny_model_factory("ltx-video"), raw_shards, root / "pre",
-                          str(root / "window"), window={"size": "keep"}, precompute={"workers": 0})
+    config = write_config(
+        root / "pre.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        root / "pre",
+        str(root / "window"),
+        window={"size": "keep"},
+        precompute={"workers": 0},
+    )
     Precompute(load_config(config)).run()
     return root / "window"
 
@@ -40,8 +47,16 @@ def trainer_for(tmp_path, tiny_model_factory, raw_shards, window, **train):
     from vt.train.trainer import Trainer
 
     settings = {"batch_size": 1, "epochs": 100, "max_steps": 8, "checkpoint_every": 0, **train}
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
-                          str(window), window={"size": "keep"}, train=settings, log={"every_steps": 4})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        str(window),
+        window={"size": "keep"},
+        train=settings,
+        log={"every_steps": 4},
+    )
     return Trainer(load_config(config))
 
 
@@ -79,8 +94,9 @@ def test_only_logged_steps_read_the_device(tmp_path, tiny_model_factory, raw_sha
 
 
 @pytest.mark.parametrize("checkpoint_every", [2, 3])
-def test_a_nan_loss_stops_the_run_before_the_optimizer_applies_it(tmp_path, tiny_model_factory, raw_shards, kept_window,
-                                                                 monkeypatch, checkpoint_every):
+def test_a_nan_loss_stops_the_run_before_the_optimizer_applies_it(
+    tmp_path, tiny_model_factory, raw_shards, kept_window, monkeypatch, checkpoint_every
+):
     """A NaN loss at step 3 stops the run at step 3, on the host read before the optimizer: the weights stay step
     2's, no checkpoint of step 3 (or later) is written, nothing is exported."""
     from vt.train import trainer as trainer_module
@@ -112,9 +128,15 @@ def test_a_time_interval_logs_every_step_it_is_due(tmp_path, tiny_model_factory,
     shorter than a step logs every step, well before log.every_steps."""
     from vt.train.trainer import Trainer
 
-    config = write_config(tmp_path / "run.toml", tiny_model_factory("ltx-video"), raw_shards, tmp_path / "run",
-                          str(kept_window), window={"size": "keep"},
-                          train={"batch_size": 1, "epochs": 100, "max_steps": 3, "checkpoint_every": 0},
-                          log={"every_steps": 100, "every_seconds": 1e-6})
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        tmp_path / "run",
+        str(kept_window),
+        window={"size": "keep"},
+        train={"batch_size": 1, "epochs": 100, "max_steps": 3, "checkpoint_every": 0},
+        log={"every_steps": 100, "every_seconds": 1e-6},
+    )
     Trainer(load_config(config)).run()
     assert [m["step"] for m in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]

@@ -18,18 +18,29 @@ from vt.train.parallel.world import setup_world
 def build(spec, mode: str, dtype: torch.dtype, seed: int = 0):
     world = setup_world(ParallelConfig(), "cpu")
     lora = {"rank": 4, "alpha": 4.0, "targets": []}
-    return build_transformer(spec, spec.trained_component, world, mode=mode, lora=lora, storage_dtype=None,
-                             compute_dtype=torch.float32, frozen_dtype=dtype,
-                             parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill),
-                             seed=seed)
+    return build_transformer(
+        spec,
+        spec.trained_component,
+        world,
+        mode=mode,
+        lora=lora,
+        storage_dtype=None,
+        compute_dtype=torch.float32,
+        frozen_dtype=dtype,
+        parallelize=lambda model, fill: parallelize(model, spec, world, materialize=fill),
+        seed=seed,
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_built_transformer_is_what_from_pretrained_loads(tiny_model_factory, family):
     spec = build_spec(ModelConfig(family=family, path=str(tiny_model_factory(family)), dtype="bfloat16"), 8.0)
     frozen = build(spec, "frozen", torch.bfloat16)
-    expected = spec.component_classes()[spec.trained_component].from_pretrained(
-        spec.config.path, subfolder=spec.trained_component, torch_dtype=torch.bfloat16).state_dict()
+    expected = (
+        spec.component_classes()[spec.trained_component]
+        .from_pretrained(spec.config.path, subfolder=spec.trained_component, torch_dtype=torch.bfloat16)
+        .state_dict()
+    )
     got = frozen.state_dict()
     assert got.keys() == expected.keys()
     for name, tensor in expected.items():
@@ -42,8 +53,11 @@ def test_built_transformer_is_what_from_pretrained_loads(tiny_model_factory, fam
 
 def test_lora_base_stays_in_model_dtype_adapters_train_in_float32_and_start_alike(tiny_model_factory):
     spec = build_spec(ModelConfig(family="wan", path=str(tiny_model_factory("wan")), dtype="bfloat16"), 8.0)
-    first, again, other_seed = build(spec, "lora", torch.bfloat16), build(spec, "lora", torch.bfloat16), \
-        build(spec, "lora", torch.bfloat16, seed=1)
+    first, again, other_seed = (
+        build(spec, "lora", torch.bfloat16),
+        build(spec, "lora", torch.bfloat16),
+        build(spec, "lora", torch.bfloat16, seed=1),
+    )
     trained = {n: p for n, p in first.named_parameters() if p.requires_grad}
     assert trained and all(".lora_" in n and p.dtype == torch.float32 for n, p in trained.items())
     frozen = [p for p in first.parameters() if not p.requires_grad]
@@ -56,8 +70,7 @@ def test_lora_base_stays_in_model_dtype_adapters_train_in_float32_and_start_alik
 
 
 def test_full_fine_tune_trains_float32_master_weights(tiny_model_factory):
-    spec = build_spec(ModelConfig(family="ltx-video", path=str(tiny_model_factory("ltx-video")), dtype="bfloat16"),
-                      8.0)
+    spec = build_spec(ModelConfig(family="ltx-video", path=str(tiny_model_factory("ltx-video")), dtype="bfloat16"), 8.0)
     model = build(spec, "full", torch.bfloat16)
     assert all(p.requires_grad and p.dtype == torch.float32 for p in model.parameters())
     reference = spec.load_transformer(dtype=torch.float32).state_dict()
@@ -67,13 +80,17 @@ def test_full_fine_tune_trains_float32_master_weights(tiny_model_factory):
 def test_weights_reader_reads_blocks_of_tensors_across_index_files(tmp_path):
     from safetensors.torch import save_file
 
-    tensors = {"a": torch.arange(60, dtype=torch.float32).reshape(6, 10),
-               "b": torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4), "c": torch.tensor(3.5)}
+    tensors = {
+        "a": torch.arange(60, dtype=torch.float32).reshape(6, 10),
+        "b": torch.arange(24, dtype=torch.bfloat16).reshape(2, 3, 4),
+        "c": torch.tensor(3.5),
+    }
     save_file({"a": tensors["a"]}, tmp_path / "model-00001-of-00002.safetensors")
     save_file({"b": tensors["b"], "c": tensors["c"]}, tmp_path / "model-00002-of-00002.safetensors")
     (tmp_path / "model.safetensors.index.json").write_text(
         '{"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors", '
-        '"c": "model-00002-of-00002.safetensors"}}')
+        '"c": "model-00002-of-00002.safetensors"}}'
+    )
     weights = Weights.in_folder(tmp_path)
     assert sorted(weights.names()) == ["a", "b", "c"] and weights.shape("b") == (2, 3, 4)
     assert torch.equal(weights.read("a"), tensors["a"]) and weights.read("c").item() == 3.5

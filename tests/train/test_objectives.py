@@ -44,20 +44,26 @@ def test_each_sampling_scheme_has_its_density():
     import math
 
     n = 20000
-    draws = {scheme: sample_sigmas(n, scheme, 1.0, step_generator(0, 0)) for scheme in ("logit_normal", "uniform",
-                                                                                        "mode", "cosmap")}
+    draws = {
+        scheme: sample_sigmas(n, scheme, 1.0, step_generator(0, 0))
+        for scheme in ("logit_normal", "uniform", "mode", "cosmap")
+    }
     assert all(0 <= d.min() and d.max() <= 1 for d in draws.values())
     middle = {k: ((d > 0.3) & (d < 0.7)).float().mean().item() for k, d in draws.items()}
     assert middle["mode"] > middle["uniform"] + 0.05 and middle["logit_normal"] > middle["uniform"] + 0.05
     shifted = sample_sigmas(n, "logit_normal", 1.0, step_generator(0, 0), logit_mean=1.0)
     assert abs(shifted.median().item() - 1 / (1 + math.exp(-1.0))) < 0.01
     u = torch.rand(5, generator=step_generator(0, 0))
-    assert torch.allclose(sample_sigmas(5, "cosmap", 1.0, step_generator(0, 0)), 1 - 1 / (torch.tan(math.pi * u / 2) + 1))
+    assert torch.allclose(
+        sample_sigmas(5, "cosmap", 1.0, step_generator(0, 0)), 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
+    )
     # mode_scale 0 is uniform sigma = 1 - u
     assert torch.allclose(sample_sigmas(5, "mode", 1.0, step_generator(0, 0), mode_scale=0.0), 1 - u)
     # the defaults draw what logit-normal drew before the parameters existed (pinned numbers unchanged)
-    assert torch.equal(sample_sigmas(5, "logit_normal", 1.0, step_generator(0, 0)),
-                       torch.sigmoid(torch.randn(5, generator=step_generator(0, 0))))
+    assert torch.equal(
+        sample_sigmas(5, "logit_normal", 1.0, step_generator(0, 0)),
+        torch.sigmoid(torch.randn(5, generator=step_generator(0, 0))),
+    )
 
 
 def test_loss_weighting_scales_each_samples_error_by_its_sigma():
@@ -66,7 +72,7 @@ def test_loss_weighting_scales_each_samples_error_by_its_sigma():
     sigmas = torch.tensor([0.25, 0.5])
     assert loss_weights(sigmas, "none") is None
     assert torch.allclose(loss_weights(sigmas, "sigma_sqrt"), torch.tensor([16.0, 4.0]))
-    assert torch.allclose(loss_weights(sigmas, "cosmap"), 2 / (torch.pi * (1 - 2 * sigmas + 2 * sigmas ** 2)))
+    assert torch.allclose(loss_weights(sigmas, "cosmap"), 2 / (torch.pi * (1 - 2 * sigmas + 2 * sigmas**2)))
     prediction, target = torch.ones(2, 3), torch.zeros(2, 3)
     prediction[1] = 2.0  # errors 1 and 4
     weighted = flow_matching_loss(Prediction(prediction, target, None), torch.tensor([16.0, 4.0]))
@@ -86,13 +92,16 @@ def test_auto_shift_is_the_family_schedulers_own_at_each_buckets_size(tiny_model
     from vt.shared.config import Config, build
     from vt.train.objectives import scheduler_shift
 
-    config = dict(FlowMatchEulerDiscreteScheduler.load_config(str(tiny_model_factory("ltx-video")), subfolder="scheduler"))
+    config = dict(
+        FlowMatchEulerDiscreteScheduler.load_config(str(tiny_model_factory("ltx-video")), subfolder="scheduler")
+    )
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     sigmas = torch.linspace(0.05, 0.95, 7)
     shifts = []
     for tokens in (256, 1024, 2048, 4096):
-        mu = calculate_shift(tokens, config["base_image_seq_len"], config["max_image_seq_len"], config["base_shift"],
-                             config["max_shift"])
+        mu = calculate_shift(
+            tokens, config["base_image_seq_len"], config["max_image_seq_len"], config["base_shift"], config["max_shift"]
+        )
         shift = scheduler_shift(config, tokens)
         assert shift == pytest.approx(math.exp(mu))
         assert torch.allclose(shift_sigmas(sigmas, shift), scheduler.time_shift(mu, 1.0, sigmas).float(), atol=1e-6)

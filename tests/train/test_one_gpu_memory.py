@@ -28,11 +28,21 @@ def run(tmp_path_factory, tiny_model_factory, raw_shards):
     def train(name: str, **parallel):
         if name in runs:
             return runs[name]
-        config = load_config(write_config(
-            root / f"{name}.toml", model, raw_shards, root / name, str(root / "window"),
-            model={"family": "wan", "max_text_tokens": 16}, buckets={"sizes": ["9x64x96"]}, window={"size": "keep"},
-            precompute={"workers": 0}, train={"max_steps": 3, "lr": 5e-2, "checkpoint_every": 0},
-            parallel={"activation_checkpointing": True, **parallel}))
+        config = load_config(
+            write_config(
+                root / f"{name}.toml",
+                model,
+                raw_shards,
+                root / name,
+                str(root / "window"),
+                model={"family": "wan", "max_text_tokens": 16},
+                buckets={"sizes": ["9x64x96"]},
+                window={"size": "keep"},
+                precompute={"workers": 0},
+                train={"max_steps": 3, "lr": 5e-2, "checkpoint_every": 0},
+                parallel={"activation_checkpointing": True, **parallel},
+            )
+        )
         if not (root / "window").exists():
             Precompute(config).run()
         trainer = Trainer(config)
@@ -79,10 +89,19 @@ def test_the_plan_counts_the_inputs_left_in_host_memory(tiny_model_factory):
     from vt.train.plan import make_plan
 
     def plan(**parallel):
-        return make_plan(build(Config, {
-            "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
-            "buckets": {"sizes": ["33x512x512"]}, "parallel": {"activation_checkpointing": True, **parallel}}),
-            1, "cuda", stage1=False)
+        return make_plan(
+            build(
+                Config,
+                {
+                    "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
+                    "buckets": {"sizes": ["33x512x512"]},
+                    "parallel": {"activation_checkpointing": True, **parallel},
+                },
+            ),
+            1,
+            "cuda",
+            stage1=False,
+        )
 
     checkpointed, offloaded = plan(), plan(activation_offload=True)
     bucket = offloaded.activations["33x512x512"]
@@ -99,10 +118,19 @@ def test_the_plan_keeps_swapped_blocks_in_host_memory(tiny_model_factory):
     from vt.train.plan import make_plan
 
     def plan(**parallel):
-        return make_plan(build(Config, {
-            "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
-            "buckets": {"sizes": ["9x64x96"]}, "parallel": {"activation_checkpointing": True, **parallel}}),
-            1, "cuda", stage1=False)
+        return make_plan(
+            build(
+                Config,
+                {
+                    "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
+                    "buckets": {"sizes": ["9x64x96"]},
+                    "parallel": {"activation_checkpointing": True, **parallel},
+                },
+            ),
+            1,
+            "cuda",
+            stage1=False,
+        )
 
     resident, swapped = plan(), plan(blocks_on_gpu=0)
     # Two blocks, both swapped: built in host memory (start-up holds neither), both in flight while the step runs,

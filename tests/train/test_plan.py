@@ -20,9 +20,14 @@ BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96", "mini
 
 
 def config_for(model: Path, family: str, **train) -> Config:
-    return build(Config, {"model": {"family": family, "path": str(model), "max_text_tokens": 16},
-                          "buckets": {"sizes": [BUCKETS.get(family, "9x64x96")]},
-                          "train": {"batch_size": 2, "validation_prompts": ["a fox"], **train}})
+    return build(
+        Config,
+        {
+            "model": {"family": family, "path": str(model), "max_text_tokens": 16},
+            "buckets": {"sizes": [BUCKETS.get(family, "9x64x96")]},
+            "train": {"batch_size": 2, "validation_prompts": ["a fox"], **train},
+        },
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -32,10 +37,18 @@ def test_every_family_plans_from_its_configs(tiny_model_factory, family):
 
     config = config_for(tiny_model_factory(family), family)
     one, two = make_plan(config, 1, "cpu"), make_plan(config, 2, "cpu")
+
     def weight_bytes(mode: str) -> int:
-        built = prepare_transformer(spec_for(config), "transformer", mode=mode,
-                                    lora={"rank": 16, "alpha": 16.0, "targets": []}, storage_dtype=None,
-                                    sharded=False, compute_dtype=torch.float32, frozen_dtype=torch.float32)
+        built = prepare_transformer(
+            spec_for(config),
+            "transformer",
+            mode=mode,
+            lora={"rank": 16, "alpha": 16.0, "targets": []},
+            storage_dtype=None,
+            sharded=False,
+            compute_dtype=torch.float32,
+            frozen_dtype=torch.float32,
+        )
         return sum(p.numel() * p.element_size() for p in built.parameters())
 
     expected = weight_bytes("lora")
@@ -55,8 +68,12 @@ def test_plan_command_says_what_fits(tiny_model_factory, tmp_path):
 
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config_for(tiny_model_factory("wan"), "wan", mode="full")))
-    out = subprocess.run([str(BIN / "vt-train"), "plan", str(path), "--gpus", "2", "--gpu-memory", "0.001",
-                          "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [str(BIN / "vt-train"), "plan", str(path), "--gpus", "2", "--gpu-memory", "0.001", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "(FSDP2)" in out.stdout and "does NOT fit" in out.stdout and "what fits" in out.stdout
     assert "parallel.dp_shard = auto: shard (FSDP2); planned peak per rank" in out.stdout  # the default, planned
@@ -67,8 +84,15 @@ def test_plan_command_says_what_fits(tiny_model_factory, tmp_path):
     assert (roomy.parallel.dp_replicate, roomy.parallel.dp_shard) == (2, 1)
     assert line.startswith("parallel.dp_shard = auto: replicate (DDP); planned peak per rank")
     assert "budget 100.00 GiB" in line
-    plan = json.loads(subprocess.run([str(BIN / "vt-train"), "plan", str(path), "--json"], capture_output=True,
-                                     text=True, timeout=300, check=True).stdout)
+    plan = json.loads(
+        subprocess.run(
+            [str(BIN / "vt-train"), "plan", str(path), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        ).stdout
+    )
     rank = plan["per_rank_bytes"]
     assert rank["gradients"] * 2 == rank["optimizer"] and rank["validation"] > 0
     # Phases: what stays resident, plus the larger of training (gradients, activations) and validation.
@@ -114,12 +138,15 @@ def _plan_in_a_fresh_process(config, device: str) -> dict:
 
     from vt.shared.config import to_toml
 
-    code = ("import json, sys; from vt.shared.config import Config, build; import tomllib; "
-            "from vt.train.plan import make_plan; "
-            "plan = make_plan(build(Config, tomllib.loads(sys.stdin.read()), ''), 1, sys.argv[1]); "
-            "print(json.dumps({'activations': plan.activations, 'validation': plan.rank.validation}))")
-    result = subprocess.run([sys.executable, "-c", code, device], input=to_toml(config), capture_output=True,
-                            text=True, timeout=600)
+    code = (
+        "import json, sys; from vt.shared.config import Config, build; import tomllib; "
+        "from vt.train.plan import make_plan; "
+        "plan = make_plan(build(Config, tomllib.loads(sys.stdin.read()), ''), 1, sys.argv[1]); "
+        "print(json.dumps({'activations': plan.activations, 'validation': plan.rank.validation}))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, device], input=to_toml(config), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -148,7 +175,7 @@ def test_ltx2_plans_a_run_that_trains_sound(tiny_model_factory):
     video = make_plan(config_for(model, "ltx-2", mode="full"), 1, "cpu")
     config = config_for(model, "ltx-2", mode="full")
     sound = make_plan(config.model_copy(update={"model": config.model.model_copy(update={"audio": True})}), 1, "cpu")
-    (name, steps), = sound.activations.items()
+    ((name, steps),) = sound.activations.items()
     assert steps["none"] > video.activations[name]["none"] > 0
 
 
@@ -166,7 +193,8 @@ def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_fac
     options = alternatives(config, 1, "cpu")
     rows = {label: ratio for label, _, ratio in by_step_time(base, options)}
     assert rows["parallel.activation_checkpointing=true"] == pytest.approx(
-        base.flops["checkpointing"] / base.flops["none"])
+        base.flops["checkpointing"] / base.flops["none"]
+    )
     assert rows["2 GPUs (FSDP2)"] < 1.0 < rows["parallel.activation_checkpointing=true"]
     ordered = [ratio for _, _, ratio in by_step_time(base, options)]
     assert ordered == sorted(ordered)
@@ -174,10 +202,12 @@ def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_fac
     swap.rank.swapped = 3 * 2**20  # two tiny blocks leave little to swap: what a real model's would move
     slow_bus = Rates(pcie=1.0)  # bytes moved dominate: the swapped weights in for the forward and the backward,
     assert step_seconds(swap, slow_bus) == pytest.approx(  # and the first block's, which nothing overlaps
-        (2 * swap.rank.swapped + swap.rank.in_flight / 2) * config.train.grad_accum)
+        (2 * swap.rank.swapped + swap.rank.in_flight / 2) * config.train.grad_accum
+    )
     fast_bus = Rates(pcie=float("inf"))  # nothing to wait for: a swap run computes as a checkpointed one
     assert step_seconds(swap, fast_bus) == pytest.approx(
-        step_seconds(dict(options)["parallel.activation_checkpointing=true"], fast_bus))
+        step_seconds(dict(options)["parallel.activation_checkpointing=true"], fast_bus)
+    )
     lines = format_fits(base, alternatives(config, 1, "cpu", budget=100 * 2**30), 100.0, None)
     assert lines[0].startswith("what fits 100 GiB, quickest first") and "TFLOPS" in lines[0]
     assert "x" in lines[1] and "GiB host" in lines[1]
@@ -190,8 +220,14 @@ def test_a_token_budget_plans_each_bucket_at_its_own_micro_batch(tiny_model_fact
     from vt.train.plan import format_plan, make_plan
 
     def plan(**train):
-        config = build(Config, {"model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
-                                "buckets": {"sizes": ["9x64x64", "9x64x128"]}, "train": {"batch_size": 2, **train}})
+        config = build(
+            Config,
+            {
+                "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
+                "buckets": {"sizes": ["9x64x64", "9x64x128"]},
+                "train": {"batch_size": 2, **train},
+            },
+        )
         return make_plan(config, 1, "cpu", stage1=False)
 
     fixed, budget = plan(), plan(tokens_per_batch=192)

@@ -16,8 +16,11 @@ BIN = Path(sys.executable).parent
 
 
 def config(model: Path, **sections) -> Config:
-    tree = {"model": {"family": "wan", "path": str(model), "max_text_tokens": 16}, "buckets": {"sizes": ["9x64x96"]},
-            "parallel": {"activation_checkpointing": True}}
+    tree = {
+        "model": {"family": "wan", "path": str(model), "max_text_tokens": 16},
+        "buckets": {"sizes": ["9x64x96"]},
+        "parallel": {"activation_checkpointing": True},
+    }
     for name, values in sections.items():
         tree[name] = {**tree.get(name, {}), **values}
     return build(Config, tree)
@@ -25,14 +28,19 @@ def config(model: Path, **sections) -> Config:
 
 REFUSED = {
     "block swap with compile": ({"parallel": {"blocks_on_gpu": 1, "compile": True}}, "set parallel.compile = false"),
-    "block swap with CPU offload": ({"parallel": {"blocks_on_gpu": 1, "cpu_offload": True}},
-                                    "CPU offload keeps every weight in host memory already"),
-    "block swap of a full fine-tune": ({"parallel": {"blocks_on_gpu": 1}, "train": {"mode": "full"}},
-                                       "use parallel.cpu_offload = true for a full fine-tune"),
-    "LoKr with tensor parallel": ({"parallel": {"tp": 2, "dp_shard": 1}, "train": {"adapter": "lokr"}},
-                                  "tensor parallel splits only LoRA's two factors"),
-    "DoRA on a quantized base": ({"train": {"adapter": "dora", "quantize_base": "nf4"}},
-                                 "set train.adapter = \"lora\""),
+    "block swap with CPU offload": (
+        {"parallel": {"blocks_on_gpu": 1, "cpu_offload": True}},
+        "CPU offload keeps every weight in host memory already",
+    ),
+    "block swap of a full fine-tune": (
+        {"parallel": {"blocks_on_gpu": 1}, "train": {"mode": "full"}},
+        "use parallel.cpu_offload = true for a full fine-tune",
+    ),
+    "LoKr with tensor parallel": (
+        {"parallel": {"tp": 2, "dp_shard": 1}, "train": {"adapter": "lokr"}},
+        "tensor parallel splits only LoRA's two factors",
+    ),
+    "DoRA on a quantized base": ({"train": {"adapter": "dora", "quantize_base": "nf4"}}, 'set train.adapter = "lora"'),
 }
 
 
@@ -61,7 +69,8 @@ def test_the_trainer_stops_before_building_and_the_plan_command_says_why(tiny_mo
         Trainer(run)
     path = tmp_path / "lokr.toml"
     path.write_text(to_toml(config(tiny_model_factory("wan"), **REFUSED["LoKr with tensor parallel"][0])))
-    out = subprocess.run([str(BIN / "vt-train"), "plan", str(path), "--gpus", "2", "--json"], capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run(
+        [str(BIN / "vt-train"), "plan", str(path), "--gpus", "2", "--json"], capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "tensor parallel splits only LoRA's two factors" in out.stderr + out.stdout

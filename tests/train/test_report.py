@@ -18,21 +18,60 @@ PROMPTS = ["a red fox", "a <b>bold</b> prompt"]
 def run_dir(tmp_path):
     run = tmp_path / "run"
     (run / "validation" / "step-000004").mkdir(parents=True)
-    records = [{"step": s, "loss": 1.0 / s, "audio_loss": 0.5 / s, "lr": 1e-3, "grad_norm": 0.1 * s, "samples_s": 4.0,
-                "tokens_s": 96.0, "data_wait_s": 0.01, "peak_mem_gb/rank0": 0.5, "peak_mem_gb/rank1": 0.6,
-                "time": 1e9 + s} for s in range(1, 9)]
+    records = [
+        {
+            "step": s,
+            "loss": 1.0 / s,
+            "audio_loss": 0.5 / s,
+            "lr": 1e-3,
+            "grad_norm": 0.1 * s,
+            "samples_s": 4.0,
+            "tokens_s": 96.0,
+            "data_wait_s": 0.01,
+            "peak_mem_gb/rank0": 0.5,
+            "peak_mem_gb/rank1": 0.6,
+            "time": 1e9 + s,
+        }
+        for s in range(1, 9)
+    ]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (run / "config.toml").write_text('[model]\nfamily = "ltx-video"\npath = "m"\n[train]\nmode = "lora"\n'
-                                      f'validation_prompts = {json.dumps(PROMPTS)}\n[window]\nuri = "{run}/nowindow"\n')
+    (run / "config.toml").write_text(
+        '[model]\nfamily = "ltx-video"\npath = "m"\n[train]\nmode = "lora"\n'
+        f'validation_prompts = {json.dumps(PROMPTS)}\n[window]\nuri = "{run}/nowindow"\n'
+    )
     frames = np.zeros((9, 32, 32, 3), dtype=np.uint8)
     for index in range(2):
         write_video(frames, run / "validation" / "step-000004" / f"{index:02d}.mp4", fps=8.0)
-    (run / "precompute_report.json").write_text(json.dumps(
-        {"rank": 0, "status": "done", "seen": 5, "committed": 4, "rejected_total": 1, "shards": 2, "bytes": 2e6,
-         "elapsed_s": 2.0, "samples_per_s": 2.0, "seconds": {"decode": 0.5, "vae_encode": 1.0}}))
-    (run / "rejects.jsonl").write_text(json.dumps({"epoch": 0, "shard": "raw-0.tar", "position": 3,
-                                                   "key": "raw-0/000003", "reason": "too_short", "detail": "4 frames"})
-                                       + "\n" + '{"torn')
+    (run / "precompute_report.json").write_text(
+        json.dumps(
+            {
+                "rank": 0,
+                "status": "done",
+                "seen": 5,
+                "committed": 4,
+                "rejected_total": 1,
+                "shards": 2,
+                "bytes": 2e6,
+                "elapsed_s": 2.0,
+                "samples_per_s": 2.0,
+                "seconds": {"decode": 0.5, "vae_encode": 1.0},
+            }
+        )
+    )
+    (run / "rejects.jsonl").write_text(
+        json.dumps(
+            {
+                "epoch": 0,
+                "shard": "raw-0.tar",
+                "position": 3,
+                "key": "raw-0/000003",
+                "reason": "too_short",
+                "detail": "4 frames",
+            }
+        )
+        + "\n"
+        + '{"torn'
+    )
     (run / "env.txt").write_text("torch: 2.13.0\n")
     return run
 
@@ -43,8 +82,15 @@ def test_every_loss_like_metric_is_plotted_and_a_constant_lr_axis_starts_at_zero
     records = _metrics(run_dir)
     assert loss_keys(records) == ["loss", "audio_loss"]
     figures = {fig.layout.title.text: fig for fig in curve_figures(records)}
-    assert set(figures) == {"loss", "learning rate", "gradient norm (before clipping)", "samples/s",
-                            "transformer tokens/s", "data wait per log interval", "peak memory per rank"}
+    assert set(figures) == {
+        "loss",
+        "learning rate",
+        "gradient norm (before clipping)",
+        "samples/s",
+        "transformer tokens/s",
+        "data wait per log interval",
+        "peak memory per rank",
+    }
     names = [trace.name for trace in figures["loss"].data]
     assert names == ["loss", "loss (mean of 2)", "audio_loss", "audio_loss (mean of 2)"]
     assert tuple(figures["learning rate"].layout.yaxis.range) == pytest.approx((0, 1.15e-3))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import pytest
 from cli_runs import finish, start, write_config
 
@@ -16,8 +15,15 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
     from vt.precompute.service import Precompute
 
     root = tmp_path_factory.mktemp("kept")
-    config = write_config(root / "pre.toml", tiny_model_factory("ltx-video"), raw_shards, root / "pre",
-                          str(root / "window"), window={"size": "keep"}, precompute={"workers": 0})
+    config = write_config(
+        root / "pre.toml",
+        tiny_model_factory("ltx-video"),
+        raw_shards,
+        root / "pre",
+        str(root / "window"),
+        window={"size": "keep"},
+        precompute={"workers": 0},
+    )
     Precompute(load_config(config)).run()
     return root / "window"
 
@@ -28,16 +34,22 @@ def losses(run_dir) -> dict[int, float]:
 
 def test_resume_after_kill_repeats_the_uninterrupted_losses(tmp_path, tiny_model_factory, raw_shards, kept_window):
     def config(name):
-        return write_config(tmp_path / f"{name}.toml", tiny_model_factory("ltx-video"), raw_shards,
-                            tmp_path / name, str(kept_window), window={"size": "keep"},
-                            train={"epochs": 2, "checkpoint_every": 3, "batch_size": 3, "max_steps": 9,
-                                   "caption_dropout": 0.3})  # dropout is drawn per (seed, step, sample): exact too
+        return write_config(
+            tmp_path / f"{name}.toml",
+            tiny_model_factory("ltx-video"),
+            raw_shards,
+            tmp_path / name,
+            str(kept_window),
+            window={"size": "keep"},
+            train={"epochs": 2, "checkpoint_every": 3, "batch_size": 3, "max_steps": 9, "caption_dropout": 0.3},
+        )  # dropout is drawn per (seed, step, sample): exact too
 
     reference = start("train", config("reference"), log=tmp_path / "reference.log")
     finish(reference, tmp_path / "reference.log")
 
-    killed = start("train", config("resumed"), log=tmp_path / "killed.log",
-                   env={"VT_FAULT_AT": "train.after_checkpoint@2"})  # dies right after the step-6 checkpoint
+    killed = start(
+        "train", config("resumed"), log=tmp_path / "killed.log", env={"VT_FAULT_AT": "train.after_checkpoint@2"}
+    )  # dies right after the step-6 checkpoint
     assert killed.wait(timeout=300) == -9
     checkpoints = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
     assert checkpoints[-1] == "step-000006"

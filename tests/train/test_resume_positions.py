@@ -18,9 +18,12 @@ from cli_runs import write_config
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
 
-SETTINGS = dict(window={"size": "keep"}, precompute={"workers": 0, "samples_per_shard": 5, "encode_batch": 5},
-                train={"batch_size": 2, "epochs": 2, "warmup_steps": 3, "checkpoint_every": 1, "lr": 1e-3},
-                log={"samples": True})
+SETTINGS = dict(
+    window={"size": "keep"},
+    precompute={"workers": 0, "samples_per_shard": 5, "encode_batch": 5},
+    train={"batch_size": 2, "epochs": 2, "warmup_steps": 3, "checkpoint_every": 1, "lr": 1e-3},
+    log={"samples": True},
+)
 
 
 def steps(run_dir) -> dict[int, tuple[list[str], float]]:
@@ -48,8 +51,9 @@ def reference(tmp_path_factory, tiny_model_factory, clips_dir):
     root = tmp_path_factory.mktemp("positions")
     raw = root / "raw"
     make_sample_shards(sorted(clips_dir.glob("*.mp4")), raw, seconds=1.3, per_shard=4, max_side=128, interleave=True)
-    config = write_config(root / "run.toml", tiny_model_factory("ltx-video"), raw, root / "reference",
-                          str(root / "window"), **SETTINGS)
+    config = write_config(
+        root / "run.toml", tiny_model_factory("ltx-video"), raw, root / "reference", str(root / "window"), **SETTINGS
+    )
     Precompute(load_config(config)).run()
     trainer = Trainer(load_config(config))
     trainer.checkpointer.keep = 10**6
@@ -100,7 +104,17 @@ def test_a_log_interval_longer_than_the_run_still_logs_and_plots_the_last_step(r
 
     config, _ = reference
     run_dir = tmp_path / "sparse"
-    summary = Trainer(load_config(config, [f'run.dir="{run_dir}"', "log.every_steps=100", "train.max_steps=3",
-                                           "log.samples=false", "train.checkpoint_every=0"])).run()
+    summary = Trainer(
+        load_config(
+            config,
+            [
+                f'run.dir="{run_dir}"',
+                "log.every_steps=100",
+                "train.max_steps=3",
+                "log.samples=false",
+                "train.checkpoint_every=0",
+            ],
+        )
+    ).run()
     assert [m["step"] for m in read_metrics(run_dir / "metrics.jsonl")] == [3]
     assert summary["steps"] == 3 and (run_dir / "loss.png").stat().st_size > 0

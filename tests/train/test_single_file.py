@@ -23,14 +23,13 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig, ParallelConfig
 from vt.shared.models import build_spec
 from vt.shared.models.components import ModelLoadError
-from vt.shared.weights.single_file import SingleFileError
 from vt.shared.weights.folder import Weights
+from vt.shared.weights.single_file import SingleFileError
 from vt.train.fp8 import FP8_STORAGE
 from vt.train.frozen_storage import StoredLinear
-from vt.train.packed_base import PackedLinear
 from vt.train.model_build import build_transformer
-from vt.shared.weights.gguf_quants import dequantize
 from vt.train.objectives import flow_matching_loss
+from vt.train.packed_base import PackedLinear
 from vt.train.parallel import parallelize
 from vt.train.parallel.world import setup_world
 
@@ -38,45 +37,79 @@ FAMILIES = ("wan", "hunyuan-video")
 FP8_MAX = 448.0
 
 # diffusers' convert_wan_transformer_to_diffusers, read backwards (the rest of Wan's names are the same)
-WAN = (("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
-       ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
-       ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
-       ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
-       ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"),
-       (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."), ("ffn.net.0.proj", "ffn.0"),
-       ("ffn.net.2", "ffn.2"), ("proj_out", "head.head"), ("norm2", "norm__swap"), ("norm3", "norm2"),
-       ("norm__swap", "norm3"))
+WAN = (
+    ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+    ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+    ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+    ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+    ("condition_embedder.time_proj", "time_projection.1"),
+    ("attn2", "cross_attn"),
+    ("attn1", "self_attn"),
+    (".to_out.0.", ".o."),
+    (".to_q.", ".q."),
+    (".to_k.", ".k."),
+    (".to_v.", ".v."),
+    ("ffn.net.0.proj", "ffn.0"),
+    ("ffn.net.2", "ffn.2"),
+    ("proj_out", "head.head"),
+    ("norm2", "norm__swap"),
+    ("norm3", "norm2"),
+    ("norm__swap", "norm3"),
+)
 # diffusers' convert_hunyuan_video_transformer_to_diffusers, read backwards: per scope, then the fused q/k/v
-HUNYUAN_REFINER = ((".attn.to_out.0", ".self_attn_proj"), (".ff.net.0.proj", ".mlp.fc1"), (".ff.net.2", ".mlp.fc2"),
-                   (".norm_out.linear", ".adaLN_modulation.1"))
-HUNYUAN_DOUBLE = ((".norm1_context.linear", ".txt_mod.linear"), (".norm1.linear", ".img_mod.linear"),
-                  (".attn.norm_added_q", ".txt_attn_q_norm"), (".attn.norm_added_k", ".txt_attn_k_norm"),
-                  (".attn.norm_q", ".img_attn_q_norm"), (".attn.norm_k", ".img_attn_k_norm"),
-                  (".attn.to_out.0", ".img_attn_proj"), (".attn.to_add_out", ".txt_attn_proj"),
-                  (".ff_context.net.0.proj", ".txt_mlp.fc1"), (".ff_context.net.2", ".txt_mlp.fc2"),
-                  (".ff.net.0.proj", ".img_mlp.fc1"), (".ff.net.2", ".img_mlp.fc2"))
-HUNYUAN_TOP = (("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0"),
-               ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2"),
-               ("context_embedder.time_text_embed.text_embedder", "txt_in.c_embedder"),
-               ("context_embedder.proj_in", "txt_in.input_embedder"),
-               ("time_text_embed.timestep_embedder.linear_1", "time_in.mlp.0"),
-               ("time_text_embed.timestep_embedder.linear_2", "time_in.mlp.2"),
-               ("time_text_embed.guidance_embedder.linear_1", "guidance_in.mlp.0"),
-               ("time_text_embed.guidance_embedder.linear_2", "guidance_in.mlp.2"),
-               ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
-               ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"), ("x_embedder", "img_in"),
-               ("norm_out.linear", "final_layer.adaLN_modulation.1"), ("proj_out", "final_layer.linear"))
-HUNYUAN_FUSED = ((r"(transformer_blocks\.\d+)\.attn\.to_(q|k|v)\.(weight|bias)", r"\1.img_attn_qkv.\3"),
-                 (r"(transformer_blocks\.\d+)\.attn\.add_(q|k|v)_proj\.(weight|bias)", r"\1.txt_attn_qkv.\3"),
-                 (r"(context_embedder\.token_refiner\.refiner_blocks\.\d+)\.attn\.to_(q|k|v)\.(weight|bias)",
-                  r"\1.self_attn_qkv.\3"))
+HUNYUAN_REFINER = (
+    (".attn.to_out.0", ".self_attn_proj"),
+    (".ff.net.0.proj", ".mlp.fc1"),
+    (".ff.net.2", ".mlp.fc2"),
+    (".norm_out.linear", ".adaLN_modulation.1"),
+)
+HUNYUAN_DOUBLE = (
+    (".norm1_context.linear", ".txt_mod.linear"),
+    (".norm1.linear", ".img_mod.linear"),
+    (".attn.norm_added_q", ".txt_attn_q_norm"),
+    (".attn.norm_added_k", ".txt_attn_k_norm"),
+    (".attn.norm_q", ".img_attn_q_norm"),
+    (".attn.norm_k", ".img_attn_k_norm"),
+    (".attn.to_out.0", ".img_attn_proj"),
+    (".attn.to_add_out", ".txt_attn_proj"),
+    (".ff_context.net.0.proj", ".txt_mlp.fc1"),
+    (".ff_context.net.2", ".txt_mlp.fc2"),
+    (".ff.net.0.proj", ".img_mlp.fc1"),
+    (".ff.net.2", ".img_mlp.fc2"),
+)
+HUNYUAN_TOP = (
+    ("context_embedder.time_text_embed.timestep_embedder.linear_1", "txt_in.t_embedder.mlp.0"),
+    ("context_embedder.time_text_embed.timestep_embedder.linear_2", "txt_in.t_embedder.mlp.2"),
+    ("context_embedder.time_text_embed.text_embedder", "txt_in.c_embedder"),
+    ("context_embedder.proj_in", "txt_in.input_embedder"),
+    ("time_text_embed.timestep_embedder.linear_1", "time_in.mlp.0"),
+    ("time_text_embed.timestep_embedder.linear_2", "time_in.mlp.2"),
+    ("time_text_embed.guidance_embedder.linear_1", "guidance_in.mlp.0"),
+    ("time_text_embed.guidance_embedder.linear_2", "guidance_in.mlp.2"),
+    ("time_text_embed.text_embedder.linear_1", "vector_in.in_layer"),
+    ("time_text_embed.text_embedder.linear_2", "vector_in.out_layer"),
+    ("x_embedder", "img_in"),
+    ("norm_out.linear", "final_layer.adaLN_modulation.1"),
+    ("proj_out", "final_layer.linear"),
+)
+HUNYUAN_FUSED = (
+    (r"(transformer_blocks\.\d+)\.attn\.to_(q|k|v)\.(weight|bias)", r"\1.img_attn_qkv.\3"),
+    (r"(transformer_blocks\.\d+)\.attn\.add_(q|k|v)_proj\.(weight|bias)", r"\1.txt_attn_qkv.\3"),
+    (
+        r"(context_embedder\.token_refiner\.refiner_blocks\.\d+)\.attn\.to_(q|k|v)\.(weight|bias)",
+        r"\1.self_attn_qkv.\3",
+    ),
+)
 
 
 def wan_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {}
     for name, tensor in state.items():
-        name = "head.modulation" if name == "scale_shift_table" else re.sub(
-            r"^(blocks\.\d+)\.scale_shift_table$", r"\1.modulation", name)
+        name = (
+            "head.modulation"
+            if name == "scale_shift_table"
+            else re.sub(r"^(blocks\.\d+)\.scale_shift_table$", r"\1.modulation", name)
+        )
         for new, old in WAN:
             name = name.replace(new, old)
         out[name] = tensor
@@ -121,7 +154,9 @@ def fp8_scaled(original: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
             scale = tensor.abs().amax().float() / FP8_MAX
             stored = (tensor.float() / scale).to(torch.float8_e4m3fn)
             module = name.removesuffix(".weight")
-            out.update({prefix + name: stored, f"{prefix}{module}.scale_weight": scale.reshape(() if index % 2 else (1,))})
+            out.update(
+                {prefix + name: stored, f"{prefix}{module}.scale_weight": scale.reshape(() if index % 2 else (1,))}
+            )
             if index % 3 == 0:
                 out[f"{prefix}{module}.scale_input"] = torch.ones(())
             dequantized[name] = stored.float() * scale
@@ -155,12 +190,19 @@ def preset(tiny_model_factory, tmp_path_factory):
         scaled, dequantized = fp8_scaled(original)
         save_file({k: v.contiguous() for k, v in scaled.items()}, out / "scaled.safetensors")
         # the dequantized model as diffusers' own single-file loader maps it, saved in diffusers' layout
-        reference = cls.from_single_file(dequantized, config=str(path), subfolder="transformer",
-                                         torch_dtype=torch.float32)
+        reference = cls.from_single_file(
+            dequantized, config=str(path), subfolder="transformer", torch_dtype=torch.float32
+        )
         reference.save_pretrained(out / "dequantized")
-        made[family] = {"family": family, "path": path, "state": state, "original": out / "original.safetensors",
-                        "scaled": out / "scaled.safetensors", "dequantized": out / "dequantized",
-                        "scaled_tensors": scaled}
+        made[family] = {
+            "family": family,
+            "path": path,
+            "state": state,
+            "original": out / "original.safetensors",
+            "scaled": out / "scaled.safetensors",
+            "dequantized": out / "dequantized",
+            "scaled_tensors": scaled,
+        }
         return made[family]
 
     return get
@@ -169,18 +211,28 @@ def preset(tiny_model_factory, tmp_path_factory):
 def spec_of(case: dict, transformer=None, dtype: str = "float32", path=None):
     """The spec of `case`'s family and model folder (or `path`), its transformer from `transformer` if given."""
     components = {"transformer": str(transformer)} if transformer else {}
-    return build_spec(ModelConfig(family=case["family"], path=str(path or case["path"]), dtype=dtype,
-                                  components=components), 8.0)
+    return build_spec(
+        ModelConfig(family=case["family"], path=str(path or case["path"]), dtype=dtype, components=components), 8.0
+    )
 
 
 def build(spec, mode: str, storage=None, frozen=torch.float32, world=None, quantize: str = "none"):
     """The trainer's build on the CPU (float32 compute); under FSDP2 the all-gather upcasts float8 storage."""
     world = world or setup_world(ParallelConfig(), "cpu")
     gather = torch.float32 if storage == FP8_STORAGE and world.dims.fsdp_enabled else None
-    return build_transformer(spec, spec.trained_component, world, mode=mode, lora={"rank": 4, "alpha": 4.0, "targets": []},
-                             storage_dtype=storage, compute_dtype=torch.float32, frozen_dtype=frozen, seed=0,
-                             parallelize=lambda model, fill: parallelize(model, spec, world, param_dtype=gather,
-                                                                         materialize=fill), quantize=quantize)
+    return build_transformer(
+        spec,
+        spec.trained_component,
+        world,
+        mode=mode,
+        lora={"rank": 4, "alpha": 4.0, "targets": []},
+        storage_dtype=storage,
+        compute_dtype=torch.float32,
+        frozen_dtype=frozen,
+        seed=0,
+        parallelize=lambda model, fill: parallelize(model, spec, world, param_dtype=gather, materialize=fill),
+        quantize=quantize,
+    )
 
 
 def batch_of(spec) -> tuple[dict, torch.Tensor, torch.Tensor]:
@@ -189,8 +241,10 @@ def batch_of(spec) -> tuple[dict, torch.Tensor, torch.Tensor]:
     side = g.spatial * g.patch * 2
     generator = torch.Generator().manual_seed(0)
     masks = set(spec.text_masks.values())
-    batch = {name: torch.ones(2, *shape, dtype=torch.long) if name in masks else torch.randn(2, *shape, generator=generator)
-             for name, shape in sorted(spec.condition_shapes(Bucket(g.temporal + 1, side, side)).items())}
+    batch = {
+        name: torch.ones(2, *shape, dtype=torch.long) if name in masks else torch.randn(2, *shape, generator=generator)
+        for name, shape in sorted(spec.condition_shapes(Bucket(g.temporal + 1, side, side)).items())
+    }
     return batch, torch.tensor([0.3, 0.8]), torch.randn(batch["latents"].shape, generator=generator)
 
 
@@ -240,7 +294,8 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_original_layout_file_builds_the_model_from_pretrained_loads_reading_each_tensor_once(
-        preset, family, monkeypatch, caplog, tmp_path):
+    preset, family, monkeypatch, caplog, tmp_path
+):
     """The trainer's build (frozen, bf16), `load_transformer` and `load_component` from the original-layout
     file equal `from_pretrained` of the diffusers folder, tensor for tensor; the build reads every byte of the
     file's tensors exactly once (renamed ones block by block, each computed group once) and no more."""
@@ -249,8 +304,11 @@ def test_original_layout_file_builds_the_model_from_pretrained_loads_reading_eac
     cls = spec.component_classes()["transformer"]
     reads = []
     original_read = Weights._read_bytes
-    monkeypatch.setattr(Weights, "_read_bytes", staticmethod(
-        lambda entry, start, count: reads.append(count) or original_read(entry, start, count)))
+    monkeypatch.setattr(
+        Weights,
+        "_read_bytes",
+        staticmethod(lambda entry, start, count: reads.append(count) or original_read(entry, start, count)),
+    )
     built = build(spec, "frozen", frozen=torch.bfloat16).state_dict()
     header = Weights([case["original"]])
     assert sum(reads) == sum(e.end - e.start for e in header.entries.values())
@@ -268,11 +326,14 @@ def test_original_layout_file_builds_the_model_from_pretrained_loads_reading_eac
     as_saved = spec_of(case, tmp_path / "diffusers-layout.safetensors").load_transformer().state_dict()
     assert all(torch.equal(as_saved[n], t) for n, t in case["state"].items())  # read as it is, no mapping
     # the file is what diffusers' own single-file loader reads as this model (so the layout above is the original)
-    theirs = cls.from_single_file(str(case["original"]), config=str(case["path"]), subfolder="transformer",
-                                  torch_dtype=torch.float32).state_dict()
+    theirs = cls.from_single_file(
+        str(case["original"]), config=str(case["path"]), subfolder="transformer", torch_dtype=torch.float32
+    ).state_dict()
     assert all(torch.equal(theirs[n], t) for n, t in case["state"].items())
     weights = spec.weights("transformer")
-    mapped = re.search(r"original layout, mapped by diffusers' \w+ \((\d+) tensors renamed, (\d+) computed", caplog.text)
+    mapped = re.search(
+        r"original layout, mapped by diffusers' \w+ \((\d+) tensors renamed, (\d+) computed", caplog.text
+    )
     renamed, computed = map(int, mapped.groups())
     assert renamed + computed == len(case["state"])
     if family == "hunyuan-video":  # q/k/v split out of the fused tensors, the final modulation's halves swapped
@@ -294,8 +355,9 @@ def test_fp8_scaled_file_is_dequantized_into_model_dtype(preset, family):
     assert built.keys() == expected.keys() and not any("scale_weight" in n or "scaled_fp8" in n for n in built)
     assert all(torch.equal(built[n], t) for n, t in expected.items())
     queries = [n for n in case["state"] if n.endswith(("attn1.to_q.weight", "attn.to_q.weight"))]
-    assert queries and not any(torch.equal(built[n], case["state"][n]) for n in queries), \
+    assert queries and not any(torch.equal(built[n], case["state"][n]) for n in queries), (
         "the dequantized weights must differ from the unquantized ones"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -361,29 +423,42 @@ def test_missing_scale_unknown_layout_and_wrong_size_are_clear_errors(preset, tm
     scaled = dict(case["scaled_tensors"])
     del scaled["model.diffusion_model.blocks.0.self_attn.k.scale_weight"]
     save_file({k: v.contiguous() for k, v in scaled.items()}, tmp_path / "no_scale.safetensors")
-    with pytest.raises(SingleFileError, match=r"float8 model\.diffusion_model\.blocks\.0\.self_attn\.k\.weight has no "
-                                              r"model\.diffusion_model\.blocks\.0\.self_attn\.k\.scale_weight"):
+    with pytest.raises(
+        SingleFileError,
+        match=r"float8 model\.diffusion_model\.blocks\.0\.self_attn\.k\.weight has no "
+        r"model\.diffusion_model\.blocks\.0\.self_attn\.k\.scale_weight",
+    ):
         spec_of(case, tmp_path / "no_scale.safetensors").weights("transformer")
     # Wan's original layout given as a HunyuanVideo transformer: the mapping finds none of its parameters
     hunyuan = preset("hunyuan-video")
-    with pytest.raises(SingleFileError, match=r"lacks \d+ of HunyuanVideoTransformer3DModel's \d+ parameters after "
-                                              r"diffusers' convert_hunyuan_video_transformer_to_diffusers .* the "
-                                              r"file's keys look like blocks\.0\.cross_attn"):
+    with pytest.raises(
+        SingleFileError,
+        match=r"lacks \d+ of HunyuanVideoTransformer3DModel's \d+ parameters after "
+        r"diffusers' convert_hunyuan_video_transformer_to_diffusers .* the "
+        r"file's keys look like blocks\.0\.cross_attn",
+    ):
         spec_of(hunyuan, case["original"]).weights("transformer")
     original = {k: v.contiguous() for k, v in wan_original(case["state"]).items()}
     original["blocks.0.ffn.0.weight"] = original["blocks.0.ffn.0.weight"][:-1].contiguous()
     save_file(original, tmp_path / "smaller.safetensors")
-    with pytest.raises(SingleFileError, match=r"does not fit the config\.json .*blocks\.0\.ffn\.net\.0\.proj\.weight: "
-                                              r"file \(\d+, \d+\), model"):
+    with pytest.raises(
+        SingleFileError,
+        match=r"does not fit the config\.json .*blocks\.0\.ffn\.net\.0\.proj\.weight: "
+        r"file \(\d+, \d+\), model",
+    ):
         spec_of(case, tmp_path / "smaller.safetensors").weights("transformer")
     empty = tmp_path / "no-model"
     empty.mkdir()
-    with pytest.raises(FileNotFoundError, match=r"model\.components\.transformer = .* is one weights file; its "
-                                                r"config\.json is read from model\.path's 'transformer' folder"):
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"model\.components\.transformer = .* is one weights file; its "
+        r"config\.json is read from model\.path's 'transformer' folder",
+    ):
         spec_of(case, case["original"], path=empty).empty_component("transformer")
     with pytest.raises(ValueError, match="only for a transformer"):
-        build_spec(ModelConfig(family="wan", path=str(case["path"]), components={"vae": str(case["original"])}),
-                   8.0).load_component("vae")
+        build_spec(
+            ModelConfig(family="wan", path=str(case["path"]), components={"vae": str(case["original"])}), 8.0
+        ).load_component("vae")
 
 
 def test_a_hub_file_is_read_from_the_cache_and_offline_names_the_download(preset, tmp_path, monkeypatch):
@@ -425,8 +500,11 @@ def quantized(preset, tmp_path_factory):
             out = tmp_path_factory.mktemp(f"wan-{kind}")
             original = {k: v.to(torch.bfloat16) for k, v in wan_original(case["state"]).items()}
             file = out / (f"wan-{kind}.gguf" if kind.startswith("Q") else f"wan-{kind}.safetensors")
-            stored = write_gguf(original, file, kind) if kind.startswith("Q") else \
-                write_int8(original, file, per_row=kind == "int8-rows")
+            stored = (
+                write_gguf(original, file, kind)
+                if kind.startswith("Q")
+                else write_int8(original, file, per_row=kind == "int8-rows")
+            )
             dequantized = build(spec_of(case, file), "frozen").state_dict()
             save_file({k: v.contiguous() for k, v in dequantized.items()}, out / "dequantized.safetensors")
             made[kind] = {"file": file, "dequantized": out / "dequantized.safetensors", "stored": stored}
@@ -436,8 +514,9 @@ def quantized(preset, tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-def test_lora_on_a_quantized_base_keeps_its_stored_form_and_trains_like_the_dequantized_model(preset, quantized, kind,
-                                                                                              tmp_path):
+def test_lora_on_a_quantized_base_keeps_its_stored_form_and_trains_like_the_dequantized_model(
+    preset, quantized, kind, tmp_path
+):
     """The linear weights of the blocks stay as the file stores them (Q4_1: uint8, 20 bytes per 32 weights; int8
     values with their scale, one or one per row), dequantized per matmul; losses and LoRA gradients equal the
     dequantized model's; the exported ComfyUI LoRA names the file's own weights (ComfyUI loads the file by them)."""
@@ -493,15 +572,26 @@ def test_the_plan_counts_a_quantized_base_as_stored(preset, quantized, kind):
     """`vt-train plan` of a LoRA on a quantized file: its weights are the dequantized run's less what the packed
     layers save (4-byte float32 weights become 20 bytes per 32, or 1 byte each), and the widest dequantized weight
     is among its buffers."""
-    from vt.shared.config import Config, build as build_config
+    from vt.shared.config import Config
+    from vt.shared.config import build as build_config
     from vt.train.plan import make_plan
 
     case, base = preset("wan"), quantized(kind)
 
     def plan(transformer):
-        config = build_config(Config, {
-            "model": {"family": "wan", "path": str(case["path"]), "components": {"transformer": str(transformer)},
-                      "max_text_tokens": 16}, "buckets": {"sizes": ["5x64x64"]}, "train": {"batch_size": 1}})
+        config = build_config(
+            Config,
+            {
+                "model": {
+                    "family": "wan",
+                    "path": str(case["path"]),
+                    "components": {"transformer": str(transformer)},
+                    "max_text_tokens": 16,
+                },
+                "buckets": {"sizes": ["5x64x64"]},
+                "train": {"batch_size": 1},
+            },
+        )
         return make_plan(config, 1, "cpu", stage1=False).rank
 
     model = build(spec_of(case, base["file"]), "lora")
@@ -524,8 +614,11 @@ def test_a_per_row_int8_file_reads_by_rows_and_other_scaled_formats_are_refused(
     assert torch.equal(weights.read("blocks.0.attn1.to_q.weight", (3, 0), (4, full.shape[1])), full[3:7])
     stored["blocks.0.self_attn.k.weight"] = stored["blocks.0.self_attn.k.weight"].view(torch.uint8)
     save_file(stored, tmp_path / "nvfp4.safetensors")
-    with pytest.raises(SingleFileError, match=r"blocks\.0\.self_attn\.k\.weight is uint8 with a scale .* vt does not "
-                                              r"read"):
+    with pytest.raises(
+        SingleFileError,
+        match=r"blocks\.0\.self_attn\.k\.weight is uint8 with a scale .* vt does not "
+        r"read",
+    ):
         spec_of(case, tmp_path / "nvfp4.safetensors").weights("transformer")
 
 
@@ -541,7 +634,8 @@ def test_a_base_quantized_as_it_is_read_trains_like_its_dequantized_model(preset
     codes, two a byte, and a float32 absmax per block; int8 with a scale per row), the embedders and projections
     diffusers keeps in their dtype left as they are; a LoRA on it trains exactly as on the model of its dequantized
     weights, and the plan counts the stored bytes."""
-    from vt.shared.config import Config, build as build_config
+    from vt.shared.config import Config
+    from vt.shared.config import build as build_config
     from vt.train.packed_base import unpack
     from vt.train.plan import make_plan
 
@@ -569,12 +663,18 @@ def test_a_base_quantized_as_it_is_read_trains_like_its_dequantized_model(preset
     trains_alike(spec, model, reference)
 
     def plan(quantize):
-        config = build_config(Config, {"model": {"family": "wan", "path": str(case["path"]), "max_text_tokens": 16},
-                                       "buckets": {"sizes": ["5x64x64"]},
-                                       "train": {"batch_size": 1, "quantize_base": quantize}})
+        config = build_config(
+            Config,
+            {
+                "model": {"family": "wan", "path": str(case["path"]), "max_text_tokens": 16},
+                "buckets": {"sizes": ["5x64x64"]},
+                "train": {"batch_size": 1, "quantize_base": quantize},
+            },
+        )
         return make_plan(config, 1, "cpu", stage1=False).rank
 
-    saved = sum(m.in_features * m.out_features * 4 - m.weight.numel() * m.weight.element_size()
-                - m.weight_scale.numel() * 4 for m in packed.values())
+    saved = sum(
+        m.in_features * m.out_features * 4 - m.weight.numel() * m.weight.element_size() - m.weight_scale.numel() * 4
+        for m in packed.values()
+    )
     assert saved > 0 and plan(kind).weights == plan("none").weights - saved
-

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from vt.train.plots import moving_average, plot_loss
 from vt.shared.progress import Progress
+from vt.train.plots import moving_average, plot_loss
 from vt.train.trackers import Tracker, read_metrics
 
 

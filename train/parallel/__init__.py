@@ -29,15 +29,32 @@ from vt.train.parallel.fsdp import apply_fsdp
 from vt.train.parallel.pp import keep_last_output, split_blocks
 from vt.train.parallel.tp import apply_tp
 
-__all__ = ["ParallelDims", "ParallelConfigError", "parallelize", "apply_ac", "apply_compile", "apply_cp", "apply_ddp",
-           "apply_fsdp", "apply_tp"]
+__all__ = [
+    "ParallelDims",
+    "ParallelConfigError",
+    "parallelize",
+    "apply_ac",
+    "apply_compile",
+    "apply_cp",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+]
 
 log = get_logger("vt.train.parallel")
 
 
-def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool = False,
-                compile: bool = False, param_dtype: torch.dtype | None = None, cpu_offload: bool = False,
-                materialize: Callable[[nn.Module], None] | None = None) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    spec,
+    world,
+    *,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    param_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
+    materialize: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
     """Apply every enabled strategy to `model` in place, in the fixed order; returns `model`.
     `materialize(model)`, if given, runs once the shards exist and before DDP replicates the weights."""
     dims: ParallelDims = world.dims
@@ -45,9 +62,11 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
     split = None
     if dims.pp > 1:
         if dims.cp > 1:
-            raise ParallelConfigError("parallel.pp > 1 with parallel.cp > 1 is not supported: context parallel splits "
-                                      "the sequence at the first block and gathers it after the last, which pipeline "
-                                      "stages own separately; set parallel.cp = 1 or parallel.pp = 1")
+            raise ParallelConfigError(
+                "parallel.pp > 1 with parallel.cp > 1 is not supported: context parallel splits "
+                "the sequence at the first block and gathers it after the last, which pipeline "
+                "stages own separately; set parallel.cp = 1 or parallel.pp = 1"
+            )
         split = split_blocks(model, spec, dims.coordinate(world.rank)["pp"], dims.pp, world.group("pp"))
     if dims.tp > 1:
         apply_tp(model, spec, mesh["tp"])
@@ -58,14 +77,25 @@ def parallelize(model: nn.Module, spec, world, *, activation_checkpointing: bool
     if compile:
         apply_compile(model, spec)
     if dims.fsdp_enabled:
-        apply_fsdp(model, spec, mesh[dims.fsdp_mesh_dims()], param_dtype=param_dtype, cpu_offload=cpu_offload,
-                   split_blocks=not compile)
+        apply_fsdp(
+            model,
+            spec,
+            mesh[dims.fsdp_mesh_dims()],
+            param_dtype=param_dtype,
+            cpu_offload=cpu_offload,
+            split_blocks=not compile,
+        )
     if materialize is not None:
         materialize(model)
     if dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
     if split is not None:
         keep_last_output(model, spec, split)
-    log.info("parallel layout: %s%s%s%s", dims.describe(), ", activation checkpointing" if activation_checkpointing else "",
-             ", compiled blocks" if compile else "", ", CPU offload" if cpu_offload and dims.fsdp_enabled else "")
+    log.info(
+        "parallel layout: %s%s%s%s",
+        dims.describe(),
+        ", activation checkpointing" if activation_checkpointing else "",
+        ", compiled blocks" if compile else "",
+        ", CPU offload" if cpu_offload and dims.fsdp_enabled else "",
+    )
     return model

@@ -16,7 +16,8 @@ def apply_ac(model: nn.Module, spec) -> nn.Module:
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
     for name, block in spec.named_blocks(model):
-        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-                                     preserve_rng_state=False)  # blocks draw no random numbers
+        wrapped = checkpoint_wrapper(
+            block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False
+        )  # blocks draw no random numbers
         model.set_submodule(name, wrapped)
     return model

@@ -65,8 +65,10 @@ def take_slice(batch: "Batch", dp_rank: int, dp_size: int, offset: int = 0) -> S
     rows = slice(start, stop) if count else slice(0, 1)  # stand-in: the batch's first row, weight 0
     held = next(iter(batch.tensors.values())).shape[0]
     if rows.start < batch.first or rows.stop > batch.first + held:
-        raise ValueError(f"batch rows {rows.start}..{rows.stop - 1} were not read: it holds rows "
-                         f"{batch.first}..{batch.first + held - 1} (another rank's slice?)")
+        raise ValueError(
+            f"batch rows {rows.start}..{rows.stop - 1} were not read: it holds rows "
+            f"{batch.first}..{batch.first + held - 1} (another rank's slice?)"
+        )
     local = slice(rows.start - batch.first, rows.stop - batch.first)
     tensors = {name: t[local] for name, t in batch.tensors.items()}
     return Slice(batch.bucket, batch.epoch, batch.keys[start:stop], tensors, offset + rows.start, count)
@@ -77,9 +79,16 @@ def sample_generator(seed: int, step: int, index: int) -> torch.Generator:
     return keyed_generator(seed, step, "sample", index)
 
 
-def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float,
-                sigma_range: tuple[float, float] = (0.0, 1.0), levels: int = 1,
-                **density) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_inputs(
+    part: Slice,
+    seed: int,
+    step: int,
+    scheme: str,
+    shift: float,
+    sigma_range: tuple[float, float] = (0.0, 1.0),
+    levels: int = 1,
+    **density,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sigmas, noise like latents) for the rows of `part`, one generator per sample.
 
     `sigma_range` (low, high) maps the drawn sigmas affinely into that range: an expert trained on
@@ -95,7 +104,7 @@ def draw_inputs(part: Slice, seed: int, step: int, scheme: str, shift: float,
         generator = sample_generator(seed, step, part.first_index + row)
         drawn = low + (high - low) * sample_sigmas(levels, scheme, shift, generator, **density)
         sigmas.append(drawn if levels == 1 else drawn[None])
-        noise.append(sample_noise(latents[row:row + 1], generator))
+        noise.append(sample_noise(latents[row : row + 1], generator))
     return torch.cat(sigmas), torch.cat(noise)
 
 
@@ -109,13 +118,23 @@ def spec_generators(part: Slice, seed: int, step: int) -> list[torch.Generator]:
 def draw_audio_sigmas(part: Slice, seed: int, step: int, scheme: str, shift: float, **density) -> torch.Tensor:
     """Each row's audio sigma (model.audio_timesteps = "independent"), from a generator on a key of its own per
     sample: the video's sigmas and noise are drawn exactly as with shared timesteps."""
-    return torch.cat([sample_sigmas(1, scheme, shift, keyed_generator(seed, step, "audio_sigma", part.first_index + row),
-                                    **density) for row in range(part.tensors["latents"].shape[0])])
+    return torch.cat(
+        [
+            sample_sigmas(
+                1, scheme, shift, keyed_generator(seed, step, "audio_sigma", part.first_index + row), **density
+            )
+            for row in range(part.tensors["latents"].shape[0])
+        ]
+    )
 
 
 def draw_audio_noise(part: Slice, seed: int, step: int) -> torch.Tensor:
     """Noise like `audio_latents` for the rows of `part` (model.audio), one generator per sample on a key
     of its own, so the video's sigmas and noise are drawn exactly as without audio."""
     audio = part.tensors["audio_latents"]
-    return torch.cat([sample_noise(audio[row:row + 1], keyed_generator(seed, step, "audio", part.first_index + row))
-                      for row in range(audio.shape[0])])
+    return torch.cat(
+        [
+            sample_noise(audio[row : row + 1], keyed_generator(seed, step, "audio", part.first_index + row))
+            for row in range(audio.shape[0])
+        ]
+    )

@@ -64,19 +64,26 @@ def check(parallel, world_size: int, trained_experts) -> None:
     if resident is None:
         return
     if world_size > 1 or trained_experts:
-        raise UserError(f"parallel.blocks_on_gpu = {resident} is for one process training one transformer; with more "
-                         "GPUs shard the model instead (parallel.dp_shard), or train one expert per run (model.expert)")
+        raise UserError(
+            f"parallel.blocks_on_gpu = {resident} is for one process training one transformer; with more "
+            "GPUs shard the model instead (parallel.dp_shard), or train one expert per run (model.expert)"
+        )
     if parallel.compile:
-        raise UserError(f"parallel.blocks_on_gpu = {resident} with parallel.compile: a compiled block would trace the "
-                         "swap's stream waits and weight exchanges into its graph; set parallel.compile = false (block "
-                         "swap is for cards the weights do not fit, where the copies, not the kernels, set the pace)")
+        raise UserError(
+            f"parallel.blocks_on_gpu = {resident} with parallel.compile: a compiled block would trace the "
+            "swap's stream waits and weight exchanges into its graph; set parallel.compile = false (block "
+            "swap is for cards the weights do not fit, where the copies, not the kernels, set the pace)"
+        )
     if parallel.cpu_offload:
-        raise UserError(f"parallel.blocks_on_gpu = {resident} with parallel.cpu_offload: CPU offload keeps every weight "
-                         "in host memory already (FSDP2 copies each block in for its use); use one of the two, "
-                         "parallel.blocks_on_gpu for a LoRA's frozen base")
+        raise UserError(
+            f"parallel.blocks_on_gpu = {resident} with parallel.cpu_offload: CPU offload keeps every weight "
+            "in host memory already (FSDP2 copies each block in for its use); use one of the two, "
+            "parallel.blocks_on_gpu for a LoRA's frozen base"
+        )
     if parallel.cp > 1 or parallel.tp > 1 or parallel.pp > 1:
-        raise UserError(f"parallel.blocks_on_gpu = {resident} is for one process: set parallel.cp, parallel.tp and "
-                         "parallel.pp to 1")
+        raise UserError(
+            f"parallel.blocks_on_gpu = {resident} is for one process: set parallel.cp, parallel.tp and parallel.pp to 1"
+        )
 
 
 class BlockSwap:
@@ -98,15 +105,21 @@ class BlockSwap:
         self.loading: dict[int, tuple[dict[str, torch.Tensor], object | None]] = {}
         self.loads = 0  # copies to the device (tests and logs)
         for index in sorted(self.swapped):
-            slots = {f"{path}.{attr}" if path else attr: (module, attr)
-                     for path, module in self.blocks[index].named_modules()
-                     for attr, p in module._parameters.items() if p is not None and not p.requires_grad}
-            on_device = [name for name, (module, attr) in slots.items()
-                         if module._parameters[attr].device.type != "cpu"]
+            slots = {
+                f"{path}.{attr}" if path else attr: (module, attr)
+                for path, module in self.blocks[index].named_modules()
+                for attr, p in module._parameters.items()
+                if p is not None and not p.requires_grad
+            }
+            on_device = [
+                name for name, (module, attr) in slots.items() if module._parameters[attr].device.type != "cpu"
+            ]
             if on_device:
-                raise RuntimeError(f"block {index}'s frozen weights ({on_device[0]} ...) are on {device}: a swapped "
-                                   "block is built in host memory (model_build.materialize, host_blocks) (internal "
-                                   "error)")
+                raise RuntimeError(
+                    f"block {index}'s frozen weights ({on_device[0]} ...) are on {device}: a swapped "
+                    "block is built in host memory (model_build.materialize, host_blocks) (internal "
+                    "error)"
+                )
             self.slots[index] = slots
             self.host[index] = {name: module._parameters[attr] for name, (module, attr) in slots.items()}
         for index, block in enumerate(self.blocks):  # every block: a resident one starts the first swapped one's copy
@@ -116,8 +129,9 @@ class BlockSwap:
     def _put(self, index: int, tensors: dict[str, torch.Tensor]) -> None:
         for name, (module, attr) in self.slots[index].items():
             tensor = tensors[name]
-            module._parameters[attr] = tensor if isinstance(tensor, nn.Parameter) else \
-                nn.Parameter(tensor, requires_grad=False)
+            module._parameters[attr] = (
+                tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor, requires_grad=False)
+            )
 
     def _point_at_host(self, index: int) -> None:
         self._put(index, self.host[index])
@@ -131,8 +145,9 @@ class BlockSwap:
             return
         self.loads += 1
         host = self.host[index]
-        self.loading[index] = self.side.start(lambda: {name: t.data.to(self.device, non_blocking=True)
-                                                       for name, t in host.items()})
+        self.loading[index] = self.side.start(
+            lambda: {name: t.data.to(self.device, non_blocking=True) for name, t in host.items()}
+        )
 
     def _before(self, index: int) -> None:
         backward = torch._C._current_graph_task_id() != -1  # the recomputation inside backward
@@ -162,5 +177,9 @@ class BlockSwap:
 
     def on_device_bytes(self) -> int:
         """Bytes of the swapped blocks' frozen weights held on the device right now (in flight included)."""
-        return sum(t.numel() * t.element_size() for copies, _ in self.loading.values() for t in copies.values()
-                   if t.device.type != "cpu" or self.device.type == "cpu")
+        return sum(
+            t.numel() * t.element_size()
+            for copies, _ in self.loading.values()
+            for t in copies.values()
+            if t.device.type != "cpu" or self.device.type == "cpu"
+        )

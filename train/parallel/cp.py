@@ -61,8 +61,9 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
     layout = {"sizes": None}  # every rank's token count in the current forward, set where the tokens are split
     for path, arguments in plan.split_inputs.items():
         module = transformer.get_submodule(path) if path else transformer
-        module.register_forward_pre_hook(_split_arguments(module, arguments, group, layout, plan.uneven),
-                                         with_kwargs=True)
+        module.register_forward_pre_hook(
+            _split_arguments(module, arguments, group, layout, plan.uneven), with_kwargs=True
+        )
     for where, block in spec.named_blocks(transformer):
         if plan.block_lists and where.rpartition(".")[0] not in plan.block_lists:
             continue  # e.g. text-only blocks, which every rank runs whole
@@ -76,19 +77,23 @@ def apply_cp(transformer: nn.Module, spec: ModelSpec, cp_mesh: DeviceMesh) -> No
     for rope, dim in plan.rope_heads.items():
         slice_rope_channels(transformer.get_submodule(rope), cp_mesh, dim)
     transformer.get_submodule(plan.gather_output).register_forward_hook(
-        lambda module, args, output: gather_sequence(output, 1, group, layout["sizes"]))
+        lambda module, args, output: gather_sequence(output, 1, group, layout["sizes"])
+    )
     setattr(transformer, APPLIED_ATTR, applied + ["cp"])
     log.info("context parallel (Ulysses) over %d ranks", size)
 
 
-def _split_arguments(module: nn.Module, arguments: dict[str, int], group: dist.ProcessGroup, layout: dict,
-                     uneven: bool):
+def _split_arguments(
+    module: nn.Module, arguments: dict[str, int], group: dist.ProcessGroup, layout: dict, uneven: bool
+):
     """A forward pre-hook cutting the named arguments (given by keyword or position) to this rank's chunk."""
     names = list(inspect.signature(module.forward).parameters)
     missing = [name for name in arguments if name not in names]
     if missing:
-        raise ValueError(f"the CP plan splits {missing} of {type(module).__name__}, whose forward takes {names}; "
-                         f"fix the family's cp_plan()")
+        raise ValueError(
+            f"the CP plan splits {missing} of {type(module).__name__}, whose forward takes {names}; "
+            f"fix the family's cp_plan()"
+        )
     positions = {name: names.index(name) for name in arguments}
 
     def split(module, args, kwargs):

@@ -33,8 +33,10 @@ def layout_plan(spec, kind: str):
     one raises the spec's own Unplanned, a UserError too)."""
     plan = getattr(spec, f"{kind}_plan")()
     if plan is None:
-        raise ParallelConfigError(f"family {spec.family!r} has no {kind.upper()} plan; set parallel.{kind} = 1 (or "
-                                  f"add {kind}_plan() to its spec file)")
+        raise ParallelConfigError(
+            f"family {spec.family!r} has no {kind.upper()} plan; set parallel.{kind} = 1 (or "
+            f"add {kind}_plan() to its spec file)"
+        )
     return plan
 
 
@@ -74,7 +76,8 @@ class ParallelDims:
                 raise ParallelConfigError(
                     f"parallel.pp x dp_replicate x cp x tp = {self.pp} x {self.dp_replicate} x {self.cp} x {self.tp} = "
                     f"{others} does not divide the world size {self.world_size}, so parallel.dp_shard = -1 cannot "
-                    f"fill the rest. Launch a multiple of {others} processes or lower those degrees.")
+                    f"fill the rest. Launch a multiple of {others} processes or lower those degrees."
+                )
             object.__setattr__(self, "dp_shard", self.world_size // others)
         elif self.dp_shard < 1:
             raise ParallelConfigError(f"parallel.dp_shard must be >= 1 or -1 (the rest), got {self.dp_shard}")
@@ -85,7 +88,8 @@ class ParallelDims:
                 f"{self.dp_shard} x {self.cp} x {self.tp} = {product}, but {self.world_size} processes were launched "
                 f"(torchrun --nnodes x --nproc-per-node). Launch {product} processes, or set degrees whose "
                 f"product is {self.world_size}, e.g. --set parallel.dp_shard=-1 to let data-parallel "
-                f"sharding take the rest.")
+                f"sharding take the rest."
+            )
 
     @classmethod
     def from_config(cls, parallel, world_size: int) -> "ParallelDims":
@@ -93,8 +97,9 @@ class ParallelDims:
         `dp_shard = "auto"` counts as -1 (the sharded layout): the trainer resolves it before it builds the
         world (parallel/layout.py), `vt-train plan` plans what it would pick."""
         dp_shard = -1 if parallel.dp_shard == "auto" else parallel.dp_shard
-        return cls(parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp, world_size, parallel.cpu_offload,
-                   parallel.pp)
+        return cls(
+            parallel.dp_replicate, dp_shard, parallel.cp, parallel.tp, world_size, parallel.cpu_offload, parallel.pp
+        )
 
     # -- what is on ----------------------------------------------------------------------------------
     @property
@@ -123,11 +128,20 @@ class ParallelDims:
         return self.world_size > 1 or self.fsdp_enabled
 
     def describe(self) -> str:
-        strategy = "HSDP" if self.hsdp_enabled else "FSDP2" if self.fsdp_enabled else \
-            "DDP" if self.ddp_enabled else "no data parallelism"
+        strategy = (
+            "HSDP"
+            if self.hsdp_enabled
+            else "FSDP2"
+            if self.fsdp_enabled
+            else "DDP"
+            if self.ddp_enabled
+            else "no data parallelism"
+        )
         stages = f"pp {self.pp} x " if self.pp > 1 else ""
-        return (f"world {self.world_size} = {stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
-                f"cp {self.cp} x tp {self.tp} ({strategy})")
+        return (
+            f"world {self.world_size} = {stages}dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} x "
+            f"cp {self.cp} x tp {self.tp} ({strategy})"
+        )
 
     # -- coordinates (pure, no process group needed) -------------------------------------------------
     def coordinate(self, rank: int) -> dict[str, int]:

@@ -33,8 +33,9 @@ class ShardedRMSNorm(nn.Module):
     def from_rmsnorm(cls, norm: nn.RMSNorm, mesh: DeviceMesh) -> "ShardedRMSNorm":
         """Replaces torch's RMSNorm over all channels; the weight is split in rank order, as ColwiseParallel splits."""
         if not isinstance(norm, nn.RMSNorm) or len(norm.normalized_shape) != 1:
-            raise TypeError(f"the TP plan's head norms must be torch.nn.RMSNorm over one dim, "
-                            f"got {type(norm).__name__}")
+            raise TypeError(
+                f"the TP plan's head norms must be torch.nn.RMSNorm over one dim, got {type(norm).__name__}"
+            )
         (full_dim,) = norm.normalized_shape
         if full_dim % mesh.size():
             raise UserError(f"a query/key norm over {full_dim} channels cannot be split over tp={mesh.size()} ranks")

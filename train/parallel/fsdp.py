@@ -39,9 +39,15 @@ import torch
 from torch import nn
 
 
-def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = None,
-               reduce_dtype: torch.dtype | None = torch.float32, cpu_offload: bool = False,
-               split_blocks: bool = True) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module,
+    spec,
+    mesh,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    cpu_offload: bool = False,
+    split_blocks: bool = True,
+) -> nn.Module:
     """Shard each block (its large parts first, with `split_blocks`), then the root, over `mesh` (1-D: FSDP,
     2-D (replicate, shard): HSDP)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -58,8 +64,7 @@ def apply_fsdp(model: nn.Module, spec, mesh, param_dtype: torch.dtype | None = N
     for index, block in enumerate(blocks):
         last = index == len(blocks) - 1
         for unit in units(block) if split_blocks else ():
-            fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=not last,
-                        offload_policy=offload)
+            fully_shard(unit, mesh=mesh, mp_policy=block_policy, reshard_after_forward=not last, offload_policy=offload)
             kept += [unit] if last else []
         fully_shard(block, mesh=mesh, mp_policy=block_policy, reshard_after_forward=not last, offload_policy=offload)
     kept += blocks[-1:]

@@ -28,8 +28,17 @@ import torch
 
 from vt.shared.log import get_logger
 
-__all__ = ["LayoutChoice", "choose", "needs_plan", "unplanned_reason", "device_budget", "plan_layout", "cached_layout",
-           "LAYOUT_FILE", "HEADROOM"]
+__all__ = [
+    "LayoutChoice",
+    "choose",
+    "needs_plan",
+    "unplanned_reason",
+    "device_budget",
+    "plan_layout",
+    "cached_layout",
+    "LAYOUT_FILE",
+    "HEADROOM",
+]
 
 log = get_logger("vt.train.parallel")
 
@@ -56,8 +65,10 @@ def choose(replicated_peak: int, sharded_peak: int, budget: int, data_parallel: 
     (bytes), else shard over them. The sharded peak is only reported: sharding is the fallback either way."""
     fits = replicated_peak <= budget
     picked = "replicate (DDP)" if fits else "shard (FSDP2)"
-    reason = (f"parallel.dp_shard = auto: {picked}; planned peak per rank {_size(replicated_peak)} replicated, "
-              f"{_size(sharded_peak)} sharded, budget {_size(budget)}")
+    reason = (
+        f"parallel.dp_shard = auto: {picked}; planned peak per rank {_size(replicated_peak)} replicated, "
+        f"{_size(sharded_peak)} sharded, budget {_size(budget)}"
+    )
     return LayoutChoice(data_parallel, 1, reason) if fits else LayoutChoice(1, data_parallel, reason)
 
 
@@ -112,8 +123,9 @@ def plan_layout(config, world_size: int, device: torch.device, local_ranks: int)
 
     def peak(dp_replicate: int, dp_shard: int) -> int:
         parallel = config.parallel.model_copy(update={"dp_replicate": dp_replicate, "dp_shard": dp_shard})
-        return make_plan(config.model_copy(update={"parallel": parallel}), world_size, where,
-                         stage1=False, budget=budget, lean=True).rank.device_total
+        return make_plan(
+            config.model_copy(update={"parallel": parallel}), world_size, where, stage1=False, budget=budget, lean=True
+        ).rank.device_total
 
     budget, source = device_budget(device, local_ranks)
     choice = choose(peak(data_parallel, 1), peak(1, data_parallel), budget, data_parallel)
@@ -124,16 +136,32 @@ def layout_key(config, world_size: int, device: torch.device, local_ranks: int) 
     """What the choice depends on: the model, the buckets, what trains and how, the parallel settings, the
     world and the device. A resume with all of these unchanged reuses the cached choice."""
     train = config.train
-    return {"world_size": world_size, "local_ranks": local_ranks, "device": device.type,
-            "model": config.model.model_dump(mode="json"), "buckets": config.buckets.model_dump(mode="json"),
-            "train": {name: getattr(train, name) for name in (
-                "mode", "lora_rank", "lora_targets", "batch_size", "mixed_precision", "fp8_base_weights",
-                "fp8_training")} | {"validation": bool(train.validation_prompts)},
-            "parallel": config.parallel.model_dump(mode="json")}
+    return {
+        "world_size": world_size,
+        "local_ranks": local_ranks,
+        "device": device.type,
+        "model": config.model.model_dump(mode="json"),
+        "buckets": config.buckets.model_dump(mode="json"),
+        "train": {
+            name: getattr(train, name)
+            for name in (
+                "mode",
+                "lora_rank",
+                "lora_targets",
+                "batch_size",
+                "mixed_precision",
+                "fp8_base_weights",
+                "fp8_training",
+            )
+        }
+        | {"validation": bool(train.validation_prompts)},
+        "parallel": config.parallel.model_dump(mode="json"),
+    }
 
 
-def cached_layout(config, world_size: int, device: torch.device, local_ranks: int, run_dir: Path,
-                  plan=plan_layout) -> LayoutChoice:
+def cached_layout(
+    config, world_size: int, device: torch.device, local_ranks: int, run_dir: Path, plan=plan_layout
+) -> LayoutChoice:
     """The choice kept in `run_dir`/layout.json when its key matches, else `plan(...)`'s, written there. Logs
     the choice's line either way (rank 0 calls this)."""
     key = layout_key(config, world_size, device, local_ranks)

@@ -68,8 +68,12 @@ class OffloadSaved:
 
     def _keeps(self, tensor: torch.Tensor) -> bool:
         base = tensor._base if tensor._base is not None else tensor
-        return (isinstance(tensor, nn.Parameter) or isinstance(base, nn.Parameter) or tensor.device != self.device
-                or tensor.numel() * tensor.element_size() < self.min_bytes)
+        return (
+            isinstance(tensor, nn.Parameter)
+            or isinstance(base, nn.Parameter)
+            or tensor.device != self.device
+            or tensor.numel() * tensor.element_size() < self.min_bytes
+        )
 
     def pack(self, tensor: torch.Tensor):
         if self._keeps(tensor):

@@ -132,8 +132,8 @@ def one_sample_microbatches(part: Slice, count: int) -> list[Slice]:
     out = []
     for m in range(count):
         row = m if m < part.count else 0
-        keys = part.keys[m:m + 1] if m < part.count else []
-        tensors = {name: t[row:row + 1] for name, t in part.tensors.items()}
+        keys = part.keys[m : m + 1] if m < part.count else []
+        tensors = {name: t[row : row + 1] for name, t in part.tensors.items()}
         out.append(Slice(part.bucket, part.epoch, keys, tensors, part.first_index + row, int(m < part.count)))
     return out
 
@@ -219,8 +219,9 @@ class Pipeline:
 
             self.module.probing = True
             stage = PipelineStage(self.module, self.split.stage, self.split.stages, self.world.device, group=self.group)
-            self._schedules[key] = self.schedule_class(stage, microbatches, loss_fn=lambda output, target: output,
-                                                       scale_grads=False)
+            self._schedules[key] = self.schedule_class(
+                stage, microbatches, loss_fn=lambda output, target: output, scale_grads=False
+            )
         return self._schedules[key]
 
     def run(self, key: tuple, microbatches: int, run: Callable[[int, nn.Module], torch.Tensor]) -> None:

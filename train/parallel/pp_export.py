@@ -47,8 +47,13 @@ class StageStream:
     """The stages' tensors as one model's: `entries` in the one-process order, and `fetch(name)`, which every
     rank calls for every entry in that order (a collective): the tensor's bytes on the writer, None elsewhere."""
 
-    def __init__(self, model: nn.Module, state: dict[str, torch.Tensor], split: PipelineSplit,
-                 dtype_of: Callable[[str, torch.Tensor], torch.dtype]):
+    def __init__(
+        self,
+        model: nn.Module,
+        state: dict[str, torch.Tensor],
+        split: PipelineSplit,
+        dtype_of: Callable[[str, torch.Tensor], torch.dtype],
+    ):
         self.state, self.split = state, split
         positions = _folded_positions(model, split)
         local = []

@@ -65,8 +65,12 @@ class _StagedForward:
                 if split.baton.value is None:
                     raise RuntimeError(f"pipeline stage {split.stage} ran no block of its own during inference")
                 sent = [t.contiguous() for t in _tensors(split.baton.value)]
-                dist.send_object_list([[(tuple(t.shape), t.dtype) for t in sent]], dst=self._peer(split.stage + 1),
-                                      group=split.group, device=torch.device("cpu"))
+                dist.send_object_list(
+                    [[(tuple(t.shape), t.dtype) for t in sent]],
+                    dst=self._peer(split.stage + 1),
+                    group=split.group,
+                    device=torch.device("cpu"),
+                )
                 for tensor in sent:
                     dist.send(tensor, dst=self._peer(split.stage + 1), group=split.group)
         finally:
@@ -75,8 +79,11 @@ class _StagedForward:
         shared = []
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
-                leaf = leaf.contiguous() if split.is_last else \
-                    torch.empty_like(leaf, memory_format=torch.contiguous_format)
+                leaf = (
+                    leaf.contiguous()
+                    if split.is_last
+                    else torch.empty_like(leaf, memory_format=torch.contiguous_format)
+                )
                 dist.broadcast(leaf, src=self._peer(split.stages - 1), group=split.group)
             shared.append(leaf)
         return pytree.tree_unflatten(shared, spec)

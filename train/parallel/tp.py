@@ -51,15 +51,19 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
         raise ValueError(f"apply_tp needs the 1-D tp mesh (world_mesh['tp']), got a {tp_mesh.ndim}-D mesh")
     applied = getattr(transformer, APPLIED_ATTR, [])
     if applied:
-        raise RuntimeError(f"apply_tp must come first (order: TP -> CP -> AC -> compile -> FSDP/DDP); "
-                           f"{applied} was already applied to this transformer")
+        raise RuntimeError(
+            f"apply_tp must come first (order: TP -> CP -> AC -> compile -> FSDP/DDP); "
+            f"{applied} was already applied to this transformer"
+        )
     if tp_mesh.size() == 1:
         return
     kind = kind_of(name for name, _ in transformer.named_parameters())
     if kind != "lora":
-        raise UserError(f"train.adapter = {kind!r} with parallel.tp = {tp_mesh.size()}: tensor parallel splits only "
-                         "LoRA's two factors; set train.adapter = \"lora\", or parallel.tp = 1 (FSDP2 shards any "
-                         "adapter: parallel.dp_shard)")
+        raise UserError(
+            f"train.adapter = {kind!r} with parallel.tp = {tp_mesh.size()}: tensor parallel splits only "
+            'LoRA\'s two factors; set train.adapter = "lora", or parallel.tp = 1 (FSDP2 shards any '
+            "adapter: parallel.dp_shard)"
+        )
     plan = layout_plan(spec, "tp")
     for where, block in spec.named_blocks(transformer):
         has = _present(block, plan)
@@ -99,20 +103,27 @@ def _check_block(block: nn.Module, plan: TensorParallelPlan, size: int, where: s
         attn = block.get_submodule(name)
         heads = getattr(attn, plan.heads_attribute)
         if heads % size:
-            raise UserError(f"{where}.{name} has {heads} attention heads, which do not divide over "
-                             f"parallel.tp = {size}; choose a tp size that divides {heads}")
+            raise UserError(
+                f"{where}.{name} has {heads} attention heads, which do not divide over "
+                f"parallel.tp = {size}; choose a tp size that divides {heads}"
+            )
         if getattr(attn, "fused_projections", False):
             raise ValueError(f"{where}.{name} has fused q/k/v projections; unfuse them before tensor parallel")
-        if getattr(attn, "add_k_proj", None) is not None and not {f"{name}.add_k_proj", f"{name}.add_v_proj"} <= \
-                set(plan.colwise):
-            raise UserError(f"{where}.{name} has added key/value projections (image conditioning), "
-                             f"which the family's TP plan does not split; use parallel.tp = 1")
+        if getattr(attn, "add_k_proj", None) is not None and not {f"{name}.add_k_proj", f"{name}.add_v_proj"} <= set(
+            plan.colwise
+        ):
+            raise UserError(
+                f"{where}.{name} has added key/value projections (image conditioning), "
+                f"which the family's TP plan does not split; use parallel.tp = 1"
+            )
         split = tuple(f"{layer}." for layer in (*plan.colwise, *plan.rowwise, *plan.head_norms))
         for param_name, param in attn.named_parameters():
             if param.requires_grad and not f"{name}.{param_name}".startswith(split):
-                raise UserError(f"{where}.{name}.{param_name} is shared by every head (e.g. a per-head query/key "
-                                 f"norm) and trains: under tensor parallel each rank would see only its own heads' "
-                                 f"gradient. Train LoRA (train.mode = \"lora\"), or set parallel.tp = 1")
+                raise UserError(
+                    f"{where}.{name}.{param_name} is shared by every head (e.g. a per-head query/key "
+                    f"norm) and trains: under tensor parallel each rank would see only its own heads' "
+                    f'gradient. Train LoRA (train.mode = "lora"), or set parallel.tp = 1'
+                )
 
 
 def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, ParallelStyle]:
@@ -123,8 +134,10 @@ def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, Paral
         return {name: _local_split(split())}
     if hasattr(module, "base_layer") and hasattr(module, "lora_A"):
         if getattr(module, "lora_variant", None) or any(getattr(module, "use_dora", {}).values()):
-            raise UserError(f"{name}: LoRA variants such as DoRA are not supported with tensor parallel; "
-                             f"use plain LoRA or parallel.tp = 1")
+            raise UserError(
+                f"{name}: LoRA variants such as DoRA are not supported with tensor parallel; "
+                f"use plain LoRA or parallel.tp = 1"
+            )
         if not isinstance(module.base_layer, nn.Linear):
             raise TypeError(f"{name}: the LoRA layer wraps {type(module.base_layer).__name__}, not a Linear")
         styles: dict[str, ParallelStyle] = {f"{name}.base_layer": _local_split(split())}
@@ -135,8 +148,10 @@ def _linear_styles(block: nn.Module, name: str, column: bool) -> dict[str, Paral
             else:
                 styles[f"{name}.lora_A.{adapter}"] = _local_split(RowwiseParallel())
         return styles
-    raise TypeError(f"the TP plan names {name!r}, a {type(module).__name__}; expected a Linear or a peft LoRA "
-                    f"layer around one. Fix the family's tp_plan()")
+    raise TypeError(
+        f"the TP plan names {name!r}, a {type(module).__name__}; expected a Linear or a peft LoRA "
+        f"layer around one. Fix the family's tp_plan()"
+    )
 
 
 def _local_split(style: ParallelStyle) -> ParallelStyle:

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 from torch import Tensor
+
 from vt.shared.errors import UserError
 
 
@@ -85,7 +86,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x: Tensor, dim: int, group: dist.ProcessGroup, sizes: list[int] | None) -> Tensor:
         ctx.dim, ctx.rank, ctx.size, ctx.length = dim, dist.get_rank(group), dist.get_world_size(group), x.shape[dim]
         sizes = sizes or [ctx.length] * ctx.size
-        ctx.start = sum(sizes[:ctx.rank])
+        ctx.start = sum(sizes[: ctx.rank])
         moved = x.movedim(dim, 0)
         if len(set(sizes)) > 1:  # all-gather takes equal pieces: pad to the longest, keep each rank's own
             moved = torch.cat([moved, moved.new_zeros(max(sizes) - ctx.length, *moved.shape[1:])])

@@ -40,13 +40,16 @@ def _gather_heads_pre_hook(group):
 def _local_head_count(attn: nn.Module, plan: ContextParallelPlan, size: int, where: str) -> None:
     heads = getattr(attn, plan.heads_attribute)
     if heads % size:
-        raise UserError(f"{where} has {heads} attention heads on this rank, which do not divide over "
-                         f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count")
+        raise UserError(
+            f"{where} has {heads} attention heads on this rank, which do not divide over "
+            f"parallel.cp = {size}; Ulysses needs tp x cp to divide the head count"
+        )
     setattr(attn, plan.heads_attribute, heads // size)
 
 
-def make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str,
-                 layout: dict) -> None:
+def make_ulysses(
+    attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str, layout: dict
+) -> None:
     """`layout["sizes"]`: every rank's count of split tokens in this forward (cp.py sets it where it splits)."""
     _local_head_count(attn, plan, dist.get_world_size(group), where)
     held = {"split": 0, "whole": 0}  # this call's token counts: split (video) and whole (joint text)
@@ -75,26 +78,31 @@ def make_ulysses(attn: nn.Module, plan: ContextParallelPlan, group: dist.Process
     to_sequence = _optional(attn, plan.heads_to_sequence)
     if to_sequence is not None:
         to_sequence.register_forward_pre_hook(
-            lambda module, args: (heads_to_sequence(args[0], group, layout["sizes"]), *args[1:]), prepend=True)
+            lambda module, args: (heads_to_sequence(args[0], group, layout["sizes"]), *args[1:]), prepend=True
+        )
     gather_from = _optional(attn, plan.replicated_from_heads) if joint else None
     if gather_from is not None:
         gather_from.register_forward_pre_hook(_gather_heads_pre_hook(group), prepend=True)
     if to_sequence is None or (joint and gather_from is None):  # a pre-only attention returns (video, text)
+
         def switch_back(module, args, output):
             video, text = output if isinstance(output, tuple) else (output, None)
             video = heads_to_sequence(video, group, layout["sizes"]) if to_sequence is None else video
             text = gather_heads(text, group) if joint and gather_from is None and text is not None else text
             return (video, text) if isinstance(output, tuple) else video
+
         attn.register_forward_hook(switch_back)
 
 
 def _count_tokens(held: dict):
     """A pre-hook on a joint attention noting its split (hidden_states) and whole (encoder_hidden_states) lengths."""
+
     def count(module, args, kwargs):
         video = kwargs.get("hidden_states", args[0] if args else None)
         text = kwargs.get("encoder_hidden_states", args[1] if len(args) > 1 else None)
         held["split"] = video.shape[1]
         held["whole"] = text.shape[1] if isinstance(text, Tensor) else 0
+
     return count
 
 
@@ -108,8 +116,9 @@ def _optional(module: nn.Module, name: str | None) -> nn.Module | None:
         return None
 
 
-def make_whole_queries(attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str,
-                       layout: dict) -> None:
+def make_whole_queries(
+    attn: nn.Module, plan: ContextParallelPlan, group: dist.ProcessGroup, where: str, layout: dict
+) -> None:
     """Queries from a whole stream, keys and values from the split tokens (e.g. video-to-audio attention)."""
     cross = plan.cross_stream
     _local_head_count(attn, plan, dist.get_world_size(group), where)
@@ -136,8 +145,9 @@ def make_split_queries(attn: nn.Module, cross: CrossStreamPlan, group: dist.Proc
 
     def rope_tokens(module, args, kwargs):
         if kwargs.get(query_rope) is not None:
-            kwargs[query_rope] = tuple(split_sequence(t, tokens % t.ndim, group, uneven=True)
-                                       for t in kwargs[query_rope])
+            kwargs[query_rope] = tuple(
+                split_sequence(t, tokens % t.ndim, group, uneven=True) for t in kwargs[query_rope]
+            )
         return args, kwargs
 
     attn.register_forward_pre_hook(rope_tokens, with_kwargs=True)

@@ -133,8 +133,10 @@ def _agree_on_layout(device: torch.device, auto_layout) -> tuple[int, int]:
         raise failure
     dp_replicate, dp_shard = (int(v) for v in degrees.tolist())
     if dp_replicate < 1:
-        raise RuntimeError("rank 0 could not plan parallel.dp_shard = auto (its log says why); "
-                           "set parallel.dp_shard to -1 or a degree to skip planning")
+        raise RuntimeError(
+            "rank 0 could not plan parallel.dp_shard = auto (its log says why); "
+            "set parallel.dp_shard to -1 or a degree to skip planning"
+        )
     return dp_replicate, dp_shard
 
 

@@ -13,42 +13,99 @@ INDEX_NAMES = {"image_processor": ["transformers", "CLIPImageProcessor"]}  # as 
 def parts(task: str) -> dict[str, Any]:
     """diffusers' test sizes; i2v: the token_replace transformer (as HunyuanVideo-I2V) and a Llava."""
     from diffusers import FlowMatchEulerDiscreteScheduler
-    from transformers import (CLIPImageProcessor, CLIPTextConfig, CLIPTextModel, CLIPVisionConfig, LlamaConfig,
-                              LlamaModel, LlavaConfig, LlavaForConditionalGeneration)
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPTextConfig,
+        CLIPTextModel,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlamaModel,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     i2v = task == "i2v"
     tokenizer, tokenizer_2 = build_llava_tokenizer() if i2v else build_llama_tokenizer(), build_clip_tokenizer()
     transformer = tiny_hunyuan_transformer(**({"image_condition_type": "token_replace"} if i2v else {}))
     vae = tiny_hunyuan_vae()
     llama = LlamaConfig(  # i2v: 3 layers, so the pipeline's third-to-last hidden states have read the image
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, hidden_size=16, intermediate_size=37, num_attention_heads=4,
-        num_hidden_layers=3 if i2v else 2, vocab_size=len(tokenizer), hidden_act="gelu")
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=16,
+        intermediate_size=37,
+        num_attention_heads=4,
+        num_hidden_layers=3 if i2v else 2,
+        vocab_size=len(tokenizer),
+        hidden_act="gelu",
+    )
     if i2v:  # 32 x 32 images in 8 x 8 patches: 16 image tokens
-        vision = CLIPVisionConfig(hidden_size=8, intermediate_size=37, projection_dim=32, num_attention_heads=4,
-                                  num_hidden_layers=2, image_size=32, patch_size=8)
-        text_encoder = LlavaForConditionalGeneration(LlavaConfig(
-            vision_config=vision, text_config=llama, pad_token_id=tokenizer.pad_token_id,
-            image_token_index=tokenizer.convert_tokens_to_ids("<image>")))
+        vision = CLIPVisionConfig(
+            hidden_size=8,
+            intermediate_size=37,
+            projection_dim=32,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            image_size=32,
+            patch_size=8,
+        )
+        text_encoder = LlavaForConditionalGeneration(
+            LlavaConfig(
+                vision_config=vision,
+                text_config=llama,
+                pad_token_id=tokenizer.pad_token_id,
+                image_token_index=tokenizer.convert_tokens_to_ids("<image>"),
+            )
+        )
     else:
         text_encoder = LlamaModel(llama)
-    text_encoder_2 = CLIPTextModel(CLIPTextConfig(
-        bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
-        pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=4,
-        num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=32))
+    text_encoder_2 = CLIPTextModel(
+        CLIPTextConfig(
+            bos_token_id=tokenizer_2.bos_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            pad_token_id=tokenizer_2.pad_token_id,
+            hidden_size=8,
+            intermediate_size=37,
+            num_attention_heads=4,
+            num_hidden_layers=2,
+            vocab_size=len(tokenizer_2),
+            hidden_act="gelu",
+            projection_dim=32,
+        )
+    )
     scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)  # hunyuanvideo-community/HunyuanVideo's
     parts = {"image_processor": CLIPImageProcessor(crop_size=32, size=32)} if i2v else {}
-    return dict(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae, scheduler=scheduler,
-                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, **parts)
+    return dict(
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        transformer=transformer,
+        vae=vae,
+        scheduler=scheduler,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        **parts,
+    )
 
 
 def tiny_hunyuan_transformer(**config):
     """The tiny preset's transformer; `config` overrides (I2V: image_condition_type, in_channels, ...)."""
     from diffusers import HunyuanVideoTransformer3DModel
 
-    settings = dict(in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=10, num_layers=1,
-                    num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
-                    text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(2, 4, 4))
+    settings = dict(
+        in_channels=4,
+        out_channels=4,
+        num_attention_heads=2,
+        attention_head_dim=10,
+        num_layers=1,
+        num_single_layers=1,
+        num_refiner_layers=1,
+        patch_size=2,
+        patch_size_t=1,
+        guidance_embeds=True,
+        text_embed_dim=16,
+        pooled_projection_dim=8,
+        rope_axes_dim=(2, 4, 4),
+    )
     return HunyuanVideoTransformer3DModel(**{**settings, **config})
 
 
@@ -57,10 +114,20 @@ def tiny_hunyuan_vae():
     from diffusers import AutoencoderKLHunyuanVideo
 
     return AutoencoderKLHunyuanVideo(
-        in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-        up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-        act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
-        temporal_compression_ratio=4, mid_block_add_attention=True)
+        in_channels=3,
+        out_channels=3,
+        latent_channels=4,
+        down_block_types=("HunyuanVideoDownBlock3D",) * 4,
+        up_block_types=("HunyuanVideoUpBlock3D",) * 4,
+        block_out_channels=(8, 8, 8, 8),
+        layers_per_block=1,
+        act_fn="silu",
+        norm_num_groups=4,
+        scaling_factor=0.476986,
+        spatial_compression_ratio=8,
+        temporal_compression_ratio=4,
+        mid_block_add_attention=True,
+    )
 
 
 def build_llava_tokenizer(words: list[str] = TINY_WORDS):
@@ -79,7 +146,15 @@ def build_llava_tokenizer(words: list[str] = TINY_WORDS):
     vocab.setdefault("\n", len(vocab))
     for word in ("system", "user", "assistant", "\n\n"):
         add_merge_chain(list(word), vocab, merges)
-    tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                               pad_token="<pad>", padding_side="right", model_max_length=1024)
+    tokenizer = LlamaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        padding_side="right",
+        model_max_length=1024,
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(LLAVA_CHAT_TOKENS)})
     return tokenizer

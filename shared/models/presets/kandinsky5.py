@@ -9,8 +9,12 @@ from vt.shared.models.presets.hunyuan_video import tiny_hunyuan_vae
 from vt.shared.models.tiny import TINY_WORDS, add_merge_chain, build_clip_tokenizer
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-VISION_TOKENS = {"vision_start_token_id": "<|vision_start|>", "vision_end_token_id": "<|vision_end|>",
-                 "image_token_id": "<|image_pad|>", "video_token_id": "<|video_pad|>"}
+VISION_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
 
 
 def parts(task: str) -> dict[str, Any]:
@@ -21,27 +25,72 @@ def parts(task: str) -> dict[str, Any]:
     prefix = Kandinsky5T2VPipeline(*([None] * 7)).prompt_template.split("{}")[0]
     tokenizer, tokenizer_2 = build_template_tokenizer(prefix, PROMPT_TEMPLATE_TOKENS), build_clip_tokenizer()
     transformer = Kandinsky5Transformer3DModel(
-        in_visual_dim=4, out_visual_dim=4, in_text_dim=16, in_text_dim2=8, time_dim=16, patch_size=(1, 2, 2),
-        model_dim=16, ff_dim=32, num_text_blocks=1, num_visual_blocks=1, axes_dims=(2, 2, 4), visual_cond=True)
+        in_visual_dim=4,
+        out_visual_dim=4,
+        in_text_dim=16,
+        in_text_dim2=8,
+        time_dim=16,
+        patch_size=(1, 2, 2),
+        model_dim=16,
+        ff_dim=32,
+        num_text_blocks=1,
+        num_visual_blocks=1,
+        axes_dims=(2, 2, 4),
+        visual_cond=True,
+    )
     for name, module in transformer.named_modules():
         if name.endswith("modulation"):  # drawn: the class zeroes them, which would leave every block an identity
             module.out_layer.reset_parameters()
     vae = tiny_hunyuan_vae()
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in VISION_TOKENS.items()}
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=16, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, pad_token_id=tokenizer.pad_token_id,
-                         bos_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.pad_token_id,
-                         rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6}),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16,
-                           fullatt_block_indexes=[0]), **ids))
-    text_encoder_2 = CLIPTextModel(CLIPTextConfig(
-        bos_token_id=tokenizer_2.bos_token_id, eos_token_id=tokenizer_2.eos_token_id,
-        pad_token_id=tokenizer_2.pad_token_id, hidden_size=8, intermediate_size=37, num_attention_heads=2,
-        num_hidden_layers=2, vocab_size=len(tokenizer_2), hidden_act="gelu", projection_dim=8))
-    return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
-                text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2,
-                scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))  # Lite's
+    text_encoder = Qwen2_5_VLForConditionalGeneration(
+        Qwen2_5_VLConfig(
+            text_config=dict(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=16,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                num_key_value_heads=2,
+                pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.pad_token_id,
+                rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "rope_theta": 1e6},
+            ),
+            vision_config=dict(
+                depth=1,
+                hidden_size=16,
+                intermediate_size=16,
+                num_heads=2,
+                out_hidden_size=16,
+                fullatt_block_indexes=[0],
+            ),
+            **ids,
+        )
+    )
+    text_encoder_2 = CLIPTextModel(
+        CLIPTextConfig(
+            bos_token_id=tokenizer_2.bos_token_id,
+            eos_token_id=tokenizer_2.eos_token_id,
+            pad_token_id=tokenizer_2.pad_token_id,
+            hidden_size=8,
+            intermediate_size=37,
+            num_attention_heads=2,
+            num_hidden_layers=2,
+            vocab_size=len(tokenizer_2),
+            hidden_act="gelu",
+            projection_dim=8,
+        )
+    )
+    return dict(
+        transformer=transformer,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer_2,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0),
+    )  # Lite's
 
 
 def build_template_tokenizer(prefix: str, template_tokens: int, words: list[str] = TINY_WORDS):
@@ -59,13 +108,17 @@ def build_template_tokenizer(prefix: str, template_tokens: int, words: list[str]
     for char in sorted(pre_tokenizers.ByteLevel.alphabet()):
         vocab.setdefault(char, len(vocab))
     to_bytes = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    pieces = [to_bytes.pre_tokenize_str(piece)[0][0] for text in regex.split(r"<\|im_start\|>|<\|im_end\|>", prefix)
-              for piece in regex.findall(PRETOKENIZE_REGEX, text)]
+    pieces = [
+        to_bytes.pre_tokenize_str(piece)[0][0]
+        for text in regex.split(r"<\|im_start\|>|<\|im_end\|>", prefix)
+        for piece in regex.findall(PRETOKENIZE_REGEX, text)
+    ]
     split = template_tokens - len(pieces) - prefix.count("<|im_")
     once = sorted({p for p in pieces if pieces.count(p) == 1 and len(p) > 3}, key=lambda p: (-len(p), p))
     if split < 0 or split > len(once):
-        raise AssertionError(f"the prompt template has {len(pieces)} pre-tokens: no {template_tokens}-token tiny "
-                             "tokenizer")
+        raise AssertionError(
+            f"the prompt template has {len(pieces)} pre-tokens: no {template_tokens}-token tiny tokenizer"
+        )
     merges: list[tuple[str, str]] = []
     for piece in pieces:
         if len(piece) > 1:

@@ -16,13 +16,32 @@ def parts(task: str) -> dict[str, Any]:
     from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiTransformer3DModel
 
     transformer = MochiTransformer3DModel(
-        patch_size=2, num_attention_heads=2, attention_head_dim=16, num_layers=2, pooled_projection_dim=16,
-        in_channels=12, qk_norm="rms_norm", text_embed_dim=64, time_embed_dim=32, activation_fn="swiglu",
-        max_sequence_length=256)
+        patch_size=2,
+        num_attention_heads=2,
+        attention_head_dim=16,
+        num_layers=2,
+        pooled_projection_dim=16,
+        in_channels=12,
+        qk_norm="rms_norm",
+        text_embed_dim=64,
+        time_embed_dim=32,
+        activation_fn="swiglu",
+        max_sequence_length=256,
+    )
     with torch.no_grad():  # a fresh transformer's rotary frequencies are all zero: the rotary embedding unchecked
         transformer.pos_frequencies.normal_(std=0.5)
-    vae = AutoencoderKLMochi(latent_channels=12, out_channels=3, encoder_block_out_channels=(32,) * 4,
-                             decoder_block_out_channels=(32,) * 4, layers_per_block=(1,) * 5,
-                             add_attention_block=(False,) * 5)
-    return dict(scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True), vae=vae, text_encoder=tiny_t5_encoder(),
-                tokenizer=build_t5_tokenizer(model_max_length=256), transformer=transformer)
+    vae = AutoencoderKLMochi(
+        latent_channels=12,
+        out_channels=3,
+        encoder_block_out_channels=(32,) * 4,
+        decoder_block_out_channels=(32,) * 4,
+        layers_per_block=(1,) * 5,
+        add_attention_block=(False,) * 5,
+    )
+    return dict(
+        scheduler=FlowMatchEulerDiscreteScheduler(invert_sigmas=True),
+        vae=vae,
+        text_encoder=tiny_t5_encoder(),
+        tokenizer=build_t5_tokenizer(model_max_length=256),
+        transformer=transformer,
+    )

@@ -16,8 +16,14 @@ def parts(task: str) -> dict[str, Any]:
     i2v = task == "i2v"
     transformer = tiny_skyreels_transformer(out_channels=16, **wan.image_channels(i2v))
     parts = wan.tiny_image_parts(32) if i2v else {}
-    return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=wan.tiny_wan_vae(),
-                scheduler=wan.flow_unipc_scheduler(5.0 if i2v else 8.0), transformer=transformer, **parts)
+    return dict(
+        tokenizer=build_t5_tokenizer(),
+        text_encoder=tiny_t5_encoder(umt5=True),
+        vae=wan.tiny_wan_vae(),
+        scheduler=wan.flow_unipc_scheduler(5.0 if i2v else 8.0),
+        transformer=transformer,
+        **parts,
+    )
 
 
 def tiny_skyreels_transformer(**config):

@@ -12,8 +12,16 @@ from vt.shared.models.wan import IMAGE_TASKS
 
 INDEX_NAMES = {"image_processor": ["transformers", "CLIPImageProcessor"]}  # as the real checkpoints name it
 # The tiny Wan DiT (SkyReels V2's and VACE's too): 2 layers of 4 heads x 16, patch 1x2x2, text width 64.
-TINY_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=16, text_dim=64, freq_dim=256,
-                ffn_dim=128, num_layers=2, rope_max_seq_len=64)
+TINY_DIT = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=4,
+    attention_head_dim=16,
+    text_dim=64,
+    freq_dim=256,
+    ffn_dim=128,
+    num_layers=2,
+    rope_max_seq_len=64,
+)
 
 
 def parts(task: str) -> dict[str, Any]:
@@ -28,8 +36,14 @@ def parts(task: str) -> dict[str, Any]:
     text_encoder = tiny_t5_encoder(umt5=True)
     parts = tiny_image_parts(32) if task in IMAGE_TASKS else {}
     # Wan2.1-T2V-1.3B-Diffusers' (and I2V-480P's) scheduler: UniPC on flow sigmas with shift 3.
-    return dict(tokenizer=build_t5_tokenizer(), text_encoder=text_encoder, vae=vae,
-                scheduler=flow_unipc_scheduler(3.0), transformer=transformer, **parts)
+    return dict(
+        tokenizer=build_t5_tokenizer(),
+        text_encoder=text_encoder,
+        vae=vae,
+        scheduler=flow_unipc_scheduler(3.0),
+        transformer=transformer,
+        **parts,
+    )
 
 
 def image_channels(i2v: bool) -> dict[str, int]:
@@ -41,8 +55,14 @@ def tiny_wan_vae(z_dim: int = 16, **config):
     """The Wan VAE at 3 levels of tiny width (x4 time, x8 space unless `config` says otherwise)."""
     from diffusers import AutoencoderKLWan
 
-    return AutoencoderKLWan(base_dim=16, z_dim=z_dim, dim_mult=[1, 1, 2, 2], num_res_blocks=1,
-                            temperal_downsample=[False, True, True], **config)
+    return AutoencoderKLWan(
+        base_dim=16,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 2, 2],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        **config,
+    )
 
 
 def tiny_wan_transformer(**config):
@@ -55,15 +75,27 @@ def flow_unipc_scheduler(shift: float):
     """The Wan checkpoints' scheduler: UniPC on flow sigmas with `shift`."""
     from diffusers import UniPCMultistepScheduler
 
-    return UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
-                                   num_train_timesteps=NUM_TRAIN_TIMESTEPS, flow_shift=shift)
+    return UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        num_train_timesteps=NUM_TRAIN_TIMESTEPS,
+        flow_shift=shift,
+    )
 
 
 def tiny_image_parts(hidden: int) -> dict[str, Any]:
     """A 2-layer CLIP vision encoder (32 x 32 images in 8 x 8 patches: 16 + 1 tokens) and its processor."""
     from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModelWithProjection
 
-    encoder = CLIPVisionModelWithProjection(CLIPVisionConfig(
-        hidden_size=hidden, projection_dim=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
-        num_attention_heads=2, image_size=32, patch_size=8))
+    encoder = CLIPVisionModelWithProjection(
+        CLIPVisionConfig(
+            hidden_size=hidden,
+            projection_dim=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        )
+    )
     return {"image_encoder": encoder, "image_processor": CLIPImageProcessor(crop_size=32, size=32)}

@@ -14,6 +14,12 @@ def parts(task: str) -> dict[str, Any]:
     i2v = task == "i2v"
     vae = tiny_wan_vae()
     high, low = (tiny_wan_transformer(in_channels=36 if i2v else 16, out_channels=16) for _ in range(2))
-    return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=vae,
-                scheduler=flow_unipc_scheduler(3.0), transformer=high, transformer_2=low,
-                boundary_ratio=0.9 if i2v else 0.875)
+    return dict(
+        tokenizer=build_t5_tokenizer(),
+        text_encoder=tiny_t5_encoder(umt5=True),
+        vae=vae,
+        scheduler=flow_unipc_scheduler(3.0),
+        transformer=high,
+        transformer_2=low,
+        boundary_ratio=0.9 if i2v else 0.875,
+    )

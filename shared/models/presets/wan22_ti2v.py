@@ -16,12 +16,26 @@ def parts(task: str) -> dict[str, Any]:
     latent statistics) and UMT5; the checkpoint's scheduler (shift 5)."""
     z_dim = 48
     stats = torch.rand(2, z_dim)
-    vae = tiny_wan_vae(z_dim, in_channels=12, out_channels=12, is_residual=True, patch_size=2,
-                       scale_factor_spatial=16, scale_factor_temporal=4, latents_mean=(stats[0] - 0.5).tolist(),
-                       latents_std=(stats[1] + 0.5).tolist())
+    vae = tiny_wan_vae(
+        z_dim,
+        in_channels=12,
+        out_channels=12,
+        is_residual=True,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=(stats[0] - 0.5).tolist(),
+        latents_std=(stats[1] + 0.5).tolist(),
+    )
     transformer = tiny_wan_transformer(in_channels=z_dim, out_channels=z_dim)
-    return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=vae,
-                scheduler=flow_unipc_scheduler(5.0), transformer=transformer, expand_timesteps=True)
+    return dict(
+        tokenizer=build_t5_tokenizer(),
+        text_encoder=tiny_t5_encoder(umt5=True),
+        vae=vae,
+        scheduler=flow_unipc_scheduler(5.0),
+        transformer=transformer,
+        expand_timesteps=True,
+    )
 
 
 def pipeline(task: str) -> type:

@@ -13,7 +13,13 @@ def parts(task: str) -> dict[str, Any]:
     (vace_layers [0, 1]; 96 control channels: 2 x 16 latents + 8 x 8 mask); WanVACEPipeline layout."""
     from diffusers import WanVACETransformer3DModel
 
-    transformer = WanVACETransformer3DModel(**TINY_DIT, in_channels=16, out_channels=16, vace_layers=[0, 1],
-                                            vace_in_channels=96)
-    return dict(tokenizer=build_t5_tokenizer(), text_encoder=tiny_t5_encoder(umt5=True), vae=tiny_wan_vae(),
-                scheduler=flow_unipc_scheduler(3.0), transformer=transformer)
+    transformer = WanVACETransformer3DModel(
+        **TINY_DIT, in_channels=16, out_channels=16, vace_layers=[0, 1], vace_in_channels=96
+    )
+    return dict(
+        tokenizer=build_t5_tokenizer(),
+        text_encoder=tiny_t5_encoder(umt5=True),
+        vae=tiny_wan_vae(),
+        scheduler=flow_unipc_scheduler(3.0),
+        transformer=transformer,
+    )
