@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 
 import torch
 
@@ -32,18 +31,7 @@ from vt.shared.window import Window, eval_window_uri
 from vt.train.data import Batch, BatchReader
 from vt.train.objectives import sample_noise
 from vt.train.parallel.batching import Slice, take_slice
-
-
-@dataclass
-class Draws:
-    """What a forward of a slice is given besides its data: sigmas, noise and the spec's own generators, and with
-    model.audio the audio noise (and independent audio sigmas)."""
-
-    sigmas: torch.Tensor
-    noise: torch.Tensor
-    generators: list[torch.Generator]
-    audio_noise: torch.Tensor | None = None
-    audio_sigmas: torch.Tensor | None = None
+from vt.train.step import Draws
 
 
 def fixed_draws(sample: Slice, sigmas: list[float], seed: int, levels: int, independent_audio: bool) -> Iterator[Draws]:
@@ -78,8 +66,8 @@ class HeldOut:
     """`evaluate(model)` -> the held-out metrics, the same on every rank (every rank must call it)."""
 
     def __init__(self, config, spec, world, check_record, losses: Callable[..., Iterator], inference=None):
-        """`check_record`: the trainer's shard check (its WindowMatch); `losses(model, part, draws)`: the trainer's
-        (loss, audio loss, count) per route of a one-row slice; `inference()`: a context every call runs in (the
+        """`check_record`: the trainer's shard check (its WindowMatch); `losses(model, part, draws)`: the run's loss
+        path (train/step.py LossPath.losses), (loss, audio loss, count) per route of a one-row slice; `inference()`: a context every call runs in (the
         stages' pass under pipeline parallel), None for none."""
         from vt.train.parallel.order import OrderFromRankZero
 

@@ -4,8 +4,8 @@ One bucket per step, no padding. The same loop runs as one process or under torc
 reads the same global batches and trains on its data-parallel slice (parallel/batching.py); the
 model is wrapped by `parallelize` (pipeline stages, TP, CP, activation checkpointing, compile,
 FSDP2/HSDP or DDP); with pipeline stages a rank's slice runs through torch.distributed.pipelining's
-schedule one sample per microbatch (`_pipeline_micro_step`, parallel/pp.py).
-Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
+schedule one sample per microbatch (`_pipeline_micro_step`, parallel/pp.py). Draws, caption dropout, the forward
+and the loss are one path (train/step.py), which the held-out loss shares. Noise and sigmas come from (seed, step, sample index), the data cursor and optimizer live in the
 DCP checkpoint, so a resumed run, at any world size with the same global batch, repeats the
 uninterrupted run's losses. Rank 0 alone writes metrics, window consumer state, exports and plots.
 A step reads one thing back to the host, whether its loss and gradient norm are finite (a non-finite one stops
@@ -20,8 +20,7 @@ import json
 import math
 import resource
 import time
-from dataclasses import dataclass, field, replace
-from functools import cached_property
+from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 
@@ -42,26 +41,17 @@ from vt.shared.startup import StartupTimeline
 from vt.shared.window import Window
 from vt.train import refusals
 from vt.train.attention import backend_for, check_backend, set_backend
-from vt.train.caption_dropout import drop_captions, dropped
 from vt.train.checkpoint import Checkpointer
 from vt.train.data import Batch, BatchReader, bucket_batch_sizes, watermark
 from vt.train.ema import EMA, checkpoint_has_ema
-from vt.train.eval_loss import Draws, HeldOut
-from vt.train.experts import expert_modules, routes
+from vt.train.eval_loss import HeldOut
+from vt.train.experts import expert_modules
 from vt.train.export import lora_states, write_full_weights
 from vt.train.fp8 import after_optimizer_step, apply_fp8_training, check_fp8_training
 from vt.train.guidance import guidance_for
 from vt.train.model_build import Dtypes, build_transformer
-from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel import parallelize
-from vt.train.parallel.batching import (
-    Slice,
-    draw_audio_noise,
-    draw_audio_sigmas,
-    draw_inputs,
-    spec_generators,
-    take_slice,
-)
+from vt.train.parallel.batching import Slice, take_slice
 from vt.train.parallel.block_swap import BlockSwap, swapped_blocks
 from vt.train.parallel.grads import clip_grad_norm, set_gradient_sync
 from vt.train.parallel.offload import OffloadSaved
@@ -72,6 +62,7 @@ from vt.train.parallel.world import setup_world, shutdown_world
 from vt.train.plots import plot_loss
 from vt.train.read_ahead import ReadAhead
 from vt.train.report import ReportWriter
+from vt.train.step import LossPath
 from vt.train.trackers import Tracker
 from vt.train.validation import Validator, validation_loads
 from vt.train.window_match import WindowMatch
@@ -235,6 +226,16 @@ class Trainer:
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed
         self.guidance = guidance_for(config, self.spec, self.empty_caption)  # train.guidance_scale: train/guidance.py
+        # draws, caption dropout, forward and loss: one path for the step and the held-out loss (train/step.py)
+        self.loss_path = LossPath(
+            config,
+            self.spec,
+            self.device,
+            self.amp_dtype,
+            self.empty_caption,
+            guidance=self.guidance,
+            offload=self.offload,
+        )
         # data.eval: the held-out loss every train.eval_every steps and at the end (train/eval_loss.py)
         self.held_out = (
             HeldOut(
@@ -242,7 +243,7 @@ class Trainer:
                 self.spec,
                 self.world,
                 self.shards.check,
-                self._route_losses,
+                self.loss_path.losses,
                 inference=self._staged if self.pipeline is not None else None,
             )
             if config.data.eval
@@ -515,7 +516,7 @@ class Trainer:
         audio_sum = torch.zeros_like(loss_sum)  # model.audio: the audio stream's share, logged
         offset, parts = 0, []
         for index, batch in enumerate(micro):
-            batch = self._drop_captions(batch, offset)  # on the global batch: every rank drops the same
+            batch = self.loss_path.drop_captions(batch, offset, self.step)  # the global batch: every rank drops alike
             part = take_slice(batch, world.dp_rank, world.dims.dp, offset)
             offset += len(batch)
             parts.append(part)
@@ -523,7 +524,8 @@ class Trainer:
             if self.pipeline is not None:
                 loss_sum += self._pipeline_micro_step(part, scale)
                 continue
-            for loss, audio_loss, count in self._route_losses(self.transformer, part):
+            draws = self.loss_path.draws(part, self.step)
+            for loss, audio_loss, count in self.loss_path.losses(self.transformer, part, draws):
                 sample_losses = loss * count  # sum of these rows' per-sample losses
                 (sample_losses * scale).backward()
                 if self.offload is not None:
@@ -557,75 +559,6 @@ class Trainer:
             metrics["audio_loss"] = summed[1]
         return metrics
 
-    def _shift(self, latent_shape: tuple[int, ...]) -> float:
-        """`train.shift`, or with "auto" the family scheduler's at this bucket's token count (objectives.py)."""
-        if self.config.train.shift != "auto":
-            return self.config.train.shift
-        return scheduler_shift(self._scheduler_config, self.spec.tokens_per_sample(latent_shape))
-
-    @cached_property
-    def _scheduler_config(self) -> dict:
-        return dict(self.spec.load_config("scheduler"))
-
-    def _draws(self, part: Slice) -> Draws:
-        """This step's sigmas and noise for `part` (and with model.audio the audio noise and independent audio
-        sigmas, and the spec's own generators), each from its sample's key (parallel/batching.py)."""
-        train = self.config.train
-        levels = self.spec.noise_levels(part.tensors["latents"].shape[1:])  # > 1: a sigma per latent frame
-        shift = self._shift(part.tensors["latents"].shape[1:])
-        density = dict(logit_mean=train.logit_mean, logit_std=train.logit_std, mode_scale=train.mode_scale)
-        sigmas, noise = draw_inputs(
-            part, train.seed, self.step, train.sigma_sampling, shift, self.spec.sigma_range(), levels, **density
-        )
-        draws = Draws(sigmas, noise, spec_generators(part, train.seed, self.step))
-        if "audio_latents" in part.tensors:
-            draws.audio_noise = draw_audio_noise(part, train.seed, self.step)
-            if self.spec.audio_timesteps == "independent":
-                shift = self.config.model.audio_shift or self.spec.sound.default_shift or shift
-                draws.audio_sigmas = draw_audio_sigmas(
-                    part, train.seed, self.step, train.sigma_sampling, shift, **density
-                )
-        return draws
-
-    def _route_losses(self, model: torch.nn.Module, part: Slice, draws: Draws | None = None):
-        """(loss, audio loss or None, real rows) of each route of `part` (the one transformer, or each expert's
-        rows), lazily: a caller's backward of one route runs before the next route's forward. `draws`: this
-        step's (`_draws`), or the held-out loss's fixed ones (train/eval_loss.py)."""
-        train = self.config.train
-        tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
-        draws = draws or self._draws(part)
-        sigmas, noise, generators, audio_sigmas = draws.sigmas, draws.noise, draws.generators, draws.audio_sigmas
-        if draws.audio_noise is not None:
-            tensors["audio_noise"] = draws.audio_noise.to(self.device)
-        if audio_sigmas is not None:
-            tensors["audio_sigmas"] = audio_sigmas.to(self.device)
-        models = expert_modules(model)
-        for route in routes(self.spec, sigmas, part.count):
-            rows = slice(None) if route.expert is None else route.rows
-            with (
-                torch.autocast(
-                    self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
-                ),
-                self.offload() if self.offload is not None else contextlib.nullcontext(),
-            ):
-                forward = self.spec.forward if self.guidance is None else self.guidance.forward  # guided targets
-                out = forward(
-                    models[route.expert],
-                    {k: v[rows] for k, v in tensors.items()},
-                    sigmas[rows].to(self.device),
-                    noise[rows].to(self.device),
-                    generators=generators if route.expert is None else [generators[row] for row in route.rows.tolist()],
-                )
-            weights = loss_weights(sigmas[rows], train.loss_weighting)  # None: unweighted
-            audio_weights = None if audio_sigmas is None else loss_weights(audio_sigmas[rows], train.loss_weighting)
-            loss, audio_loss = joint_loss(
-                out,
-                self.config.model.audio_weight,
-                None if weights is None else weights.to(self.device),
-                None if audio_weights is None else audio_weights.to(self.device),
-            )
-            yield loss, audio_loss, route.count
-
     def _pipeline_micro_step(self, part: Slice, scale: float) -> torch.Tensor:
         """Forward and backward of this rank's slice through the pipeline stages (parallel.pp > 1), one sample
         per microbatch; returns the sum of its per-sample losses on the last stage (0 on the others)."""
@@ -634,7 +567,9 @@ class Trainer:
         losses: dict[int, torch.Tensor] = {}
 
         def run(m: int, transformer: torch.nn.Module) -> torch.Tensor:
-            total = sum(loss * count for loss, _, count in self._route_losses(transformer, microbatches[m]))
+            sample = microbatches[m]
+            losses_of = self.loss_path.losses(transformer, sample, self.loss_path.draws(sample, self.step))
+            total = sum(loss * count for loss, _, count in losses_of)
             losses[m] = total.detach().double()
             return total * scale
 
@@ -643,16 +578,6 @@ class Trainer:
         if not self.pipeline.split.is_last:
             return torch.zeros((), dtype=torch.float64, device=self.device)
         return sum(losses[m] for m in range(len(microbatches)))
-
-    def _drop_captions(self, batch: Batch, first: int) -> Batch:
-        """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global
-        index of its first sample in this step (see train/caption_dropout.py)."""
-        train = self.config.train
-        held = range(batch.first, batch.first + next(iter(batch.tensors.values())).shape[0])  # the rows this rank read
-        rows = [row - batch.first for row in held if dropped(train.seed, self.step, first + row, train.caption_dropout)]
-        if not rows:
-            return batch
-        return replace(batch, tensors=drop_captions(batch.tensors, self.empty_caption(), rows))
 
     def empty_caption(self) -> dict[str, torch.Tensor]:
         """The window's empty-caption conditions (name -> one sample's tensor, float32), read once when first needed:

@@ -69,8 +69,8 @@ def test_images_and_videos_train_in_one_run_with_caption_dropout(tmp_path, tiny_
     window = Window(config.window.uri, "keep")
     empty = decode_caption(window.empty_caption(trainer.fingerprint))
     batch = next(iter(BatchReader(window, 2, on_read=lambda position: None)))
-    trainer.step = next(s for s in range(100) if [dropped(0, s, i, 0.5) for i in range(2)] == [True, False])
-    out = trainer._drop_captions(batch, 0).tensors
+    step = next(s for s in range(100) if [dropped(0, s, i, 0.5) for i in range(2)] == [True, False])
+    out = trainer.loss_path.drop_captions(batch, 0, step).tensors
     assert set(empty) == {"prompt_embeds", "prompt_attention_mask"}
     for name, value in empty.items():
         assert torch.equal(out[name][0], value.float()) and torch.equal(out[name][1], batch.tensors[name][1])

@@ -115,22 +115,24 @@ def test_auto_shift_is_the_family_schedulers_own_at_each_buckets_size(tiny_model
 
 
 def test_the_trainer_resolves_auto_shift_per_bucket(tiny_model_factory):
-    """The trainer's sigma draws take `train.shift` as it is, or with "auto" the scheduler's at the batch's bucket:
-    the LTX-Video tiny preset's larger bucket (more tokens) draws with the larger shift."""
-    from types import SimpleNamespace
+    """The step's sigma draws (train/step.py) take `train.shift` as it is, or with "auto" the scheduler's at the
+    batch's bucket: the LTX-Video tiny preset's larger bucket (more tokens) draws with the larger shift."""
+    import torch
 
     from vt.shared.config import Config, build
     from vt.shared.models import spec_for
     from vt.train.objectives import scheduler_shift
-    from vt.train.trainer import Trainer
+    from vt.train.step import LossPath
 
     model = tiny_model_factory("ltx-video")
-    config = build(Config, {"model": {"family": "ltx-video", "path": str(model)}, "train": {"shift": "auto"}})
-    spec = spec_for(config)
-    scheduler = dict(spec.load_config("scheduler"))
-    trainer = SimpleNamespace(config=config, spec=spec, _scheduler_config=scheduler)
+
+    def path(shift) -> LossPath:
+        config = build(Config, {"model": {"family": "ltx-video", "path": str(model)}, "train": {"shift": shift}})
+        return LossPath(config, spec_for(config), torch.device("cpu"), None, empty_caption=dict)
+
+    auto = path("auto")
+    scheduler = dict(auto.spec.load_config("scheduler"))
     small, large = (2, 2, 2, 3), (2, 3, 4, 6)
-    assert Trainer._shift(trainer, small) == scheduler_shift(scheduler, spec.tokens_per_sample(small))
-    assert Trainer._shift(trainer, large) > Trainer._shift(trainer, small)
-    trainer.config = build(Config, {"model": {"family": "ltx-video", "path": str(model)}, "train": {"shift": 3.0}})
-    assert Trainer._shift(trainer, large) == 3.0
+    assert auto.shift(small) == scheduler_shift(scheduler, auto.spec.tokens_per_sample(small))
+    assert auto.shift(large) > auto.shift(small)
+    assert path(3.0).shift(large) == 3.0

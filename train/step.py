@@ -1,0 +1,136 @@
+"""One step's loss path: draws, caption dropout, the forward and the loss, shared by the trainer's step, the held-out
+loss (train/eval_loss.py) and the benchmark (which times `Trainer.train_step`, this path inside it).
+
+- `draws(part, step)`: the sigmas, noise and the spec's own generators for a data-parallel slice, each from its
+  sample's key, the step and `train.seed` (parallel/batching.py), so every layout and every resume draws alike; with
+  model.audio the audio noise and, for a family with independent audio timesteps, the audio sigmas.
+- `losses(model, part, draws)`: (loss, audio loss or None, real rows) per route of the slice (the one transformer,
+  or each expert's rows), lazily, under the run's autocast and activation offload; guided targets where
+  `train.guidance_scale` is set (train/guidance.py).
+- `drop_captions(batch, first, step)`: `train.caption_dropout` of a global batch's samples on the window's empty
+  caption (train/caption_dropout.py).
+
+The held-out loss passes fixed draws of its own instead of `draws` (the same loss path, other sigmas and noise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from functools import cached_property
+
+import torch
+
+from vt.train.caption_dropout import drop_captions, dropped
+from vt.train.data import Batch
+from vt.train.experts import expert_modules, routes
+from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
+from vt.train.parallel.batching import Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators
+
+
+@dataclass
+class Draws:
+    """What a forward of a slice is given besides its data: sigmas, noise and the spec's own generators, and with
+    model.audio the audio noise (and independent audio sigmas)."""
+
+    sigmas: torch.Tensor
+    noise: torch.Tensor
+    generators: list[torch.Generator]
+    audio_noise: torch.Tensor | None = None
+    audio_sigmas: torch.Tensor | None = None
+
+
+class LossPath:
+    """The loss of a slice as the run computes it. `guidance`: the run's Guidance or None; `offload`: the run's
+    activation offload (a context per forward) or None; `empty_caption()`: the window's empty-caption conditions, read
+    when first needed."""
+
+    def __init__(
+        self,
+        config,
+        spec,
+        device: torch.device,
+        amp_dtype: torch.dtype | None,
+        empty_caption: Callable[[], dict[str, torch.Tensor]],
+        guidance=None,
+        offload=None,
+    ):
+        self.config, self.spec, self.device, self.amp_dtype = config, spec, device, amp_dtype
+        self.empty_caption, self.guidance, self.offload = empty_caption, guidance, offload
+
+    def shift(self, latent_shape: tuple[int, ...]) -> float:
+        """`train.shift`, or with "auto" the family scheduler's at this bucket's token count (objectives.py)."""
+        if self.config.train.shift != "auto":
+            return self.config.train.shift
+        return scheduler_shift(self.scheduler_config, self.spec.tokens_per_sample(latent_shape))
+
+    @cached_property
+    def scheduler_config(self) -> dict:
+        return dict(self.spec.load_config("scheduler"))
+
+    def draws(self, part: Slice, step: int) -> Draws:
+        """Optimizer step `step`'s sigmas and noise for `part` (and with model.audio the audio noise and independent
+        audio sigmas, and the spec's own generators), each from its sample's key (parallel/batching.py)."""
+        train = self.config.train
+        latent_shape = part.tensors["latents"].shape[1:]
+        levels = self.spec.noise_levels(latent_shape)  # > 1: a sigma per latent frame
+        shift = self.shift(latent_shape)
+        density = dict(logit_mean=train.logit_mean, logit_std=train.logit_std, mode_scale=train.mode_scale)
+        sigmas, noise = draw_inputs(
+            part, train.seed, step, train.sigma_sampling, shift, self.spec.sigma_range(), levels, **density
+        )
+        draws = Draws(sigmas, noise, spec_generators(part, train.seed, step))
+        if "audio_latents" in part.tensors:
+            draws.audio_noise = draw_audio_noise(part, train.seed, step)
+            if self.spec.audio_timesteps == "independent":
+                shift = self.config.model.audio_shift or self.spec.sound.default_shift or shift
+                draws.audio_sigmas = draw_audio_sigmas(part, train.seed, step, train.sigma_sampling, shift, **density)
+        return draws
+
+    def losses(self, model: torch.nn.Module, part: Slice, draws: Draws) -> Iterator[tuple]:
+        """(loss, audio loss or None, real rows) of each route of `part`, lazily: a caller's backward of one route
+        runs before the next route's forward."""
+        tensors = {k: v.to(self.device, non_blocking=True) for k, v in part.tensors.items()}  # pinned on CUDA
+        sigmas, noise, generators, audio_sigmas = draws.sigmas, draws.noise, draws.generators, draws.audio_sigmas
+        if draws.audio_noise is not None:
+            tensors["audio_noise"] = draws.audio_noise.to(self.device)
+        if audio_sigmas is not None:
+            tensors["audio_sigmas"] = audio_sigmas.to(self.device)
+        models = expert_modules(model)
+        forward = self.spec.forward if self.guidance is None else self.guidance.forward  # guided targets
+        weighting = self.config.train.loss_weighting
+        for route in routes(self.spec, sigmas, part.count):
+            rows = slice(None) if route.expert is None else route.rows
+            with (
+                torch.autocast(
+                    self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
+                ),
+                self.offload() if self.offload is not None else contextlib.nullcontext(),
+            ):
+                out = forward(
+                    models[route.expert],
+                    {k: v[rows] for k, v in tensors.items()},
+                    sigmas[rows].to(self.device),
+                    noise[rows].to(self.device),
+                    generators=generators if route.expert is None else [generators[row] for row in route.rows.tolist()],
+                )
+            weights = loss_weights(sigmas[rows], weighting)  # None: unweighted
+            audio_weights = None if audio_sigmas is None else loss_weights(audio_sigmas[rows], weighting)
+            loss, audio_loss = joint_loss(
+                out,
+                self.config.model.audio_weight,
+                None if weights is None else weights.to(self.device),
+                None if audio_weights is None else audio_weights.to(self.device),
+            )
+            yield loss, audio_loss, route.count
+
+    def drop_captions(self, batch: Batch, first: int, step: int) -> Batch:
+        """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global index of its
+        first sample in optimizer step `step` (see train/caption_dropout.py)."""
+        train = self.config.train
+        held = range(batch.first, batch.first + next(iter(batch.tensors.values())).shape[0])  # the rows this rank read
+        rows = [row - batch.first for row in held if dropped(train.seed, step, first + row, train.caption_dropout)]
+        if not rows:
+            return batch
+        return replace(batch, tensors=drop_captions(batch.tensors, self.empty_caption(), rows))
