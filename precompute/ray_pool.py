@@ -6,8 +6,11 @@ local one on this machine. `RayDecodePool` is `DecodePool`'s interface (workers.
 `inflight` clips submitted, so a slow encoder holds the decoding back (and the object store stays bounded). An actor
 that dies mid-clip (its process killed, its node lost) or passes `precompute.ray_timeout_seconds` on one clip is
 replaced, and the clip runs again on the new actor; a clip that has taken `precompute.ray_tries` actors with it is
-rejected as `decoder_crashed`, like a clip that kills a local decode worker. Every `ray.get` has that deadline, so a
-lost cluster stops the producer with an error instead of a hang; what it committed stays committed.
+rejected as `decoder_crashed`, like a clip that kills a local decode worker (a clip whose actor another clip took
+down runs again without spending a try). A clip's deadline counts its own run only: a fresh actor is first waited
+for until it has started (its process imports torch and PyAV, slow on a loaded machine), within
+`max(timeout, START_SECONDS)`. Every `ray.get` has a deadline, so a lost cluster stops the producer with an error
+instead of a hang; what it committed stays committed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ log = get_logger("vt.precompute.ray")
 # A local cluster this pool starts (no RAY_ADDRESS) listens on loopback only and sends no usage report; a cluster
 # the user started is reached as it was started (a driver must match its settings).
 LOCAL_CLUSTER_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+START_SECONDS = 300.0  # the least a fresh actor is given to start, whatever the clip deadline
 
 
 class DecodeActor:
@@ -65,7 +69,10 @@ class RayDecodePool:
             actors = max(1, int(ray.cluster_resources().get("CPU", 1)))
         self._remote = ray.remote(num_cpus=1, max_restarts=0)(DecodeActor)
         self.initializer = initializer
-        self.actors = [self._remote.remote(initializer) for _ in range(actors)]
+        self.actors: list = []
+        self._starts: list = []  # per actor, its first call (`pid`): ready once the actor has started
+        for _ in range(actors):
+            self._new_actor()
         self._turn = 0
         log.info("decoding on Ray (%s): %d actors", os.environ.get("RAY_ADDRESS") or "a local cluster", actors)
 
@@ -75,7 +82,7 @@ class RayDecodePool:
 
     def warm_up(self) -> None:
         """Wait until every actor has started (its process imports torch and PyAV)."""
-        self._get([actor.pid.remote() for actor in self.actors])
+        self._get(list(self._starts), max(self.timeout, START_SECONDS))
 
     def close(self) -> None:
         """Stop the actors at once, and the local cluster if this pool started one."""
@@ -85,14 +92,33 @@ class RayDecodePool:
         if self._started and self.ray.is_initialized():
             self.ray.shutdown()
 
-    def _get(self, refs):
+    def _get(self, refs, timeout: float):
         try:
-            return self.ray.get(refs, timeout=self.timeout)
+            return self.ray.get(refs, timeout=timeout)
         except self.ray.exceptions.GetTimeoutError as err:
             raise UserError(
-                f"the Ray cluster answered nothing in precompute.ray_timeout_seconds = {self.timeout:g}: "
-                "is it up (RAY_ADDRESS)?"
+                f"the Ray cluster started no decode actor in {timeout:g} s (precompute.ray_timeout_seconds = "
+                f"{self.timeout:g}): is it up (RAY_ADDRESS)?"
             ) from err
+
+    def _new_actor(self, index: int | None = None) -> None:
+        """A new actor (at `index`, or appended), its first call made at once: an actor runs its calls in order, so
+        that one's answer says the process has started, whatever clips are queued behind it."""
+        actor = self._remote.remote(self.initializer)
+        if index is None:
+            self.actors.append(actor)
+            self._starts.append(actor.pid.remote())
+        else:
+            self.actors[index], self._starts[index] = actor, actor.pid.remote()
+
+    def _wait_started(self, index: int, actor) -> None:
+        """Until actor `index` has started (a clip's deadline then counts its run only)."""
+        if self.actors[index] is not actor:
+            return
+        try:
+            self._get(self._starts[index], max(self.timeout, START_SECONDS))
+        except self.ray.exceptions.RayActorError:
+            return  # died starting: the clip's own get reports it
 
     def map(self, fn: Callable[[Any], Any], items: Iterable, inflight: int, on_crash: Callable[[Any], Any]) -> Iterator:
         """fn over items in order, with at most `inflight` submitted (no eager read-ahead)."""
@@ -115,25 +141,26 @@ class RayDecodePool:
         exceptions = self.ray.exceptions
         while True:
             item, tries, index, actor, ref = queue[0]
+            self._wait_started(index, actor)
             try:
                 result = self.ray.get(ref, timeout=self.timeout)
             except (exceptions.RayActorError, exceptions.GetTimeoutError) as err:
-                self._replace(index, actor, timed_out=isinstance(err, exceptions.GetTimeoutError))
-                if tries + 1 >= self.tries:
+                if self.actors[index] is actor:  # this clip's own actor died or hung on it: a try spent
+                    self._replace(index, actor, timed_out=isinstance(err, exceptions.GetTimeoutError))
+                    tries += 1
+                if tries >= self.tries:
                     queue.popleft()
                     self.crashes += 1
                     return on_crash(item)
-                queue[0] = self._submit(fn_ref, item, tries + 1)
+                queue[0] = self._submit(fn_ref, item, tries)
                 continue
             queue.popleft()
             return result
 
     def _replace(self, index: int, actor, timed_out: bool) -> None:
-        """A fresh actor in place of one that died or hung (once, however many of its clips report it)."""
-        if self.actors[index] is not actor:
-            return
+        """A fresh actor in place of one that died or hung on a clip (`_take` calls it once per actor)."""
         self.ray.kill(actor)
-        self.actors[index] = self._remote.remote(self.initializer)
+        self._new_actor(index)
         self.restarts += 1
         log.warning(
             "decode actor %d %s; replaced, its clips run again",

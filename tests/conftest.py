@@ -14,10 +14,21 @@ from polling import wait_for
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Each pytest-xdist worker computes on its share of the cores (1 each with 2 workers on 2 cores), and so does every
+# process it starts (inherited): with OpenMP's default of a thread per core in every worker, the workers and their
+# children spin against each other (a test of 1 s took 10 beside two busy processes, 1.3 with one thread).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // WORKERS)))
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 os.environ.setdefault("VT_CACHE_DIR", str(ROOT / ".cache" / "tests"))  # weight digests: not the user's ~/.cache
+
+
+def pytest_configure(config):
+    import torch  # imported before this file set OMP_NUM_THREADS (a plugin's import): the same share
+
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

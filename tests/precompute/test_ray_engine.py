@@ -119,3 +119,27 @@ def test_a_hung_clip_runs_again_on_a_fresh_actor_and_a_killer_clip_is_rejected(r
         pool.close()
     assert out == [0, 10, 20, 30, ("rejected", 4), 50, 60]
     assert pool.crashes == 1 and pool.restarts >= 2  # the hung actor, then the one clip 4 killed (at least)
+
+
+def test_a_clips_deadline_counts_its_own_run_not_its_actors_start(ray_cluster, monkeypatch):
+    """On a loaded machine an actor takes longer to start (its process imports torch and PyAV) than a clip may run:
+    the deadline is the clip's own, so every clip decodes on the actors it was given, none replaced or rejected.
+    Before, the first clip of each actor was timed from its submission, start-up included, and with a start slower
+    than the deadline every clip timed out on every fresh actor and was rejected."""
+    from vt.precompute.ray_pool import RayDecodePool
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster[0])
+    for name, value in RAY_ENV.items():
+        monkeypatch.setenv(name, value)
+
+    def slow_start():  # stands in for the imports of an actor's process on a busy machine
+        import time
+
+        time.sleep(4)
+
+    pool = RayDecodePool(2, initializer=slow_start, tries=2, timeout_seconds=2)
+    try:
+        out = list(pool.map(lambda item: item * 10, range(4), inflight=2, on_crash=lambda item: ("rejected", item)))
+    finally:
+        pool.close()
+    assert out == [0, 10, 20, 30] and pool.restarts == 0 and pool.crashes == 0

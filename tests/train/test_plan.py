@@ -122,16 +122,16 @@ def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family, t
     positional tables autocast keeps in float32 weigh much: Wan's are 13% smaller, HunyuanVideo 1.5's half)."""
     config = config_for(tiny_model_factory(family, task=task), family)
     config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": "bfloat16", "task": task})})
-    gpu, cpu = (_plan_in_a_fresh_process(config, device) for device in ("cuda", "cpu"))
+    gpu, cpu = _plans_in_a_fresh_process(config, ("cuda", "cpu"))
     for bucket, sizes in gpu["activations"].items():
         assert sizes["none"] < 0.95 * cpu["activations"][bucket]["none"], (bucket, sizes, cpu["activations"][bucket])
     assert gpu["validation"] > 0
 
 
-def _plan_in_a_fresh_process(config, device: str) -> dict:
-    """make_plan in its own interpreter, as `vt-train plan` and the trainer's start-up run it: in this test
-    process the HunyuanVideo 1.5 I2V activations once came out twice as large after other tests (a state this
-    process's earlier tests leave, not found yet), so the plan is measured where nothing ran before it."""
+def _plans_in_a_fresh_process(config, devices: tuple[str, ...]) -> list[dict]:
+    """make_plan for each device in one interpreter of its own, as `vt-train plan` and the trainer's start-up run it:
+    in this test process the HunyuanVideo 1.5 I2V activations once came out twice as large after other tests (a
+    state this process's earlier tests leave, not found yet), so the plans are measured where no test ran before."""
     import json
     import subprocess
     import sys
@@ -141,11 +141,12 @@ def _plan_in_a_fresh_process(config, device: str) -> dict:
     code = (
         "import json, sys; from vt.shared.config import Config, build; import tomllib; "
         "from vt.train.plan import make_plan; "
-        "plan = make_plan(build(Config, tomllib.loads(sys.stdin.read()), ''), 1, sys.argv[1]); "
-        "print(json.dumps({'activations': plan.activations, 'validation': plan.rank.validation}))"
+        "config = build(Config, tomllib.loads(sys.stdin.read()), ''); "
+        "plans = [make_plan(config, 1, device) for device in sys.argv[1:]]; "
+        "print(json.dumps([{'activations': p.activations, 'validation': p.rank.validation} for p in plans]))"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, device], input=to_toml(config), capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", code, *devices], input=to_toml(config), capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
