@@ -101,12 +101,12 @@ def inspect(
 ) -> None:
     """Print a window's state: producers, committed, consumed watermark, evicted, bytes, buckets, fingerprint."""
     from vt.shared.storage import Storage
-    from vt.shared.window import Window
+    from vt.shared.window import inspect
 
     try:
         if not Storage(window).list(""):
             raise fail(f"{window} holds no window (nothing there); give the window.uri of a run")
-        state = Window(window).state()
+        state = inspect(window)
     except (UserError, OSError) as err:
         raise fail(f"cannot read the window {window}: {err}") from err
     typer.echo(json.dumps(state, indent=1) if as_json else format_state(state))

@@ -68,7 +68,7 @@ from vt.shared.provenance import component_records, fingerprint, provenance
 from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
 from vt.shared.shards import encode_shard
 from vt.shared.startup import StartupTimeline
-from vt.shared.window import ProducerFenced, Window, eval_window_uri
+from vt.shared.window import ProducerFenced, eval_window_uri, open_writer
 
 log = get_logger("vt.precompute")
 _warned: set[str] = set()  # settings that do nothing, warned about once per process
@@ -194,7 +194,7 @@ class Precompute:
         self.fingerprint = fingerprint(self.provenance)
         self.sources = components  # beside the provenance in every shard: what a trainer checks unloaded encoders by
         self.startup.mark("raw_list_and_weight_digests")
-        self.window = Window(
+        self.window = open_writer(
             config.window.uri, config.window.size, config.window.poll_seconds, config.window.timeout_seconds
         )
         self.lanes = self.window.lanes(wanted_lanes(pre.lanes), len(self.every_shard))
@@ -330,7 +330,7 @@ class Precompute:
         """Raise WindowTimeout once a lane has waited window.timeout_seconds for room (the trainer is gone)."""
         for run in runs:
             if run.blocked_since is not None and time.monotonic() - run.blocked_since > self.window.timeout_seconds:
-                raise self.window.writer.timeout(run.index, *run.fill)
+                raise self.window.timeout(run.index, *run.fill)
 
     def _lane(self, index: int, generation: int) -> LaneRun:
         raw_shards = split_for_rank(self.every_shard, index, self.lanes)

@@ -31,7 +31,7 @@ def write_validation_conditions(
     images, pairs = bool(spec.image_conditions), bool(spec.text_with_image)
     inputs = validation_inputs(config.train, spec.negative_prompt, images, pairs)
     for item in inputs:
-        if window.validation(fingerprint, item.key) is not None:
+        if window.has_validation(fingerprint, item.key):
             continue
         if item.kind == "prompt":
             tensors = spec.encode_validation_text(encoders, item.value)
@@ -51,10 +51,10 @@ def encode_validation_inputs(config) -> int:
     from vt.shared.models import spec_for
     from vt.shared.provenance import fingerprint, provenance
     from vt.shared.runtime import DTYPES, pick_device
-    from vt.shared.window import Window
+    from vt.shared.window import open_writer
 
     spec = spec_for(config)
-    window = Window(config.window.uri, config.window.size)
+    window = open_writer(config.window.uri, config.window.size)
     device = pick_device(config.precompute.device)
     encoders = {name: spec.load_component(name, device) for name in text_components(spec)}
     return write_validation_conditions(

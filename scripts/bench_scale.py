@@ -127,12 +127,12 @@ def real_size_rows(work: Path, worlds: list[int], batch: int = 8, shards: int = 
 
     from vt.shared.caption_table import Captions
     from vt.shared.shards import encode_shard
-    from vt.shared.window import Window
+    from vt.shared.window import open_reader, open_writer
     from vt.train.data import BatchReader
 
     uri = work / "real-size-window"
     shutil.rmtree(uri, ignore_errors=True)
-    window = Window(str(uri), size="keep")
+    window = open_writer(str(uri), size="keep")
     window.register_producer(0, 1)
     generator = torch.Generator().manual_seed(0)
     for seq in range(shards):
@@ -158,7 +158,7 @@ def real_size_rows(work: Path, worlds: list[int], batch: int = 8, shards: int = 
     for world in sorted(worlds):
         per_rank = []
         for rank in range(world):
-            counted = Window(str(uri), size="keep")
+            counted = open_reader(str(uri))
             read_ranges, got = counted.storage.read_ranges, [0, 0]
 
             def counting(rel, ranges, read_ranges=read_ranges, got=got):

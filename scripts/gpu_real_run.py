@@ -164,14 +164,14 @@ def fill_window(config, window_dir: Path, samples: int, device: str) -> str:
     from vt.shared.models import spec_for
     from vt.shared.provenance import component_records, fingerprint, provenance
     from vt.shared.shards import encode_shard
-    from vt.shared.window import Window
+    from vt.shared.window import open_writer
 
     spec = spec_for(config)
     bucket = parse_buckets(config.buckets.sizes)[0]
     components = component_records(spec)
     prov = provenance(config, {name: c.pop("digest") for name, c in components.items()}, spec)
     fp = fingerprint(prov)
-    window = Window(str(window_dir), size="keep")
+    window = open_writer(str(window_dir), size="keep")
     window.acquire(0)
     window.register_producer(0, 1, fp)
     encoders = random_text_encoders(spec, device)

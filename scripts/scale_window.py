@@ -36,11 +36,11 @@ def regroup(source: Path, dest: Path, samples: int = 16, per_shard: int = 4) -> 
     from vt.shared.shard_rows import ShardLayout
     from vt.shared.shards import decode_shard, encode_shard
     from vt.shared.storage import Storage
-    from vt.shared.window import Window
+    from vt.shared.window import open_reader, open_writer
 
     if samples % per_shard:
         raise ValueError(f"{samples} samples do not fill shards of {per_shard}")
-    old = Window(str(source), size="keep")
+    old = open_reader(str(source))
     records = list(old.order())
     bucket = max(
         sorted({r.bucket for _, r in records}), key=lambda b: sum(len(r.keys) for _, r in records if r.bucket == b)
@@ -56,7 +56,7 @@ def regroup(source: Path, dest: Path, samples: int = 16, per_shard: int = 4) -> 
         pool += [(key, {name: t[i] for name, t in tensors.items()}) for i, key in enumerate(keys)]
     if not pool:
         raise ValueError(f"{source} holds no committed samples")
-    new = Window(str(dest), size="keep")
+    new = open_writer(str(dest), size="keep")
     new.acquire(0)
     new.register_producer(0, 1, fingerprint)
     src, dst = Storage(str(source)), Storage(str(dest))
@@ -176,9 +176,9 @@ def shard_bytes(data: bytes) -> ShardBytes:
 def run_bytes(window: Path, batch_size: int) -> RunBytes:
     """The shards of a finished one-bucket window in its order, and the run's global batches over them (full
     batches, then the remainder: train/data.py's plan for one bucket, one epoch)."""
-    from vt.shared.window import Window
+    from vt.shared.window import open_reader
 
-    win = Window(str(window), size="keep")
+    win = open_reader(str(window))
     shards = [shard_bytes(win.read_shard(record)) for _, record in win.order()]
     refs = [(s, r) for s, shard in enumerate(shards) for r in range(len(shard.rows))]
     batches = [refs[i : i + batch_size] for i in range(0, len(refs), batch_size)]

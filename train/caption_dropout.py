@@ -2,7 +2,7 @@
 
 Which samples is a function of (seed, step, the sample's index in the step's global batches), drawn
 from a keyed generator, so a resumed run and every parallel layout drop the same ones. The empty
-caption's conditions come from the window (stage 1 stores them once, see Window.put_empty_caption);
+caption's conditions come from the window (stage 1 stores them once, see the window's Writer.put_empty_caption);
 they replace exactly the text tensors of a dropped sample, whatever the family names them.
 """
 

@@ -30,7 +30,7 @@ import torch
 from vt.shared.errors import UserError
 from vt.shared.shard_rows import ShardLayout
 from vt.shared.shards import CommitRecord, decode_shard
-from vt.shared.window import Window
+from vt.shared.window import Reader
 from vt.shared.window.reader import NotYet
 from vt.train.parallel.batching import slice_bounds
 
@@ -125,7 +125,7 @@ class BatchReader:
 
     def __init__(
         self,
-        window: Window,
+        window: Reader,
         batch_size: int | Callable[[str], int],
         passes: int = 1,
         check_record: Callable[[CommitRecord, Callable[[CommitRecord], dict]], None] | None = None,
@@ -271,7 +271,7 @@ class _ShardCache:
     and kept decoded while it is among the `keep_whole` most recent of those (a whole shard can be large).
     Thread-safe: a read-ahead's threads share it."""
 
-    def __init__(self, window: Window, keep: int = 64, keep_whole: int = 4):
+    def __init__(self, window: Reader, keep: int = 64, keep_whole: int = 4):
         self.window = window
         self.keep = keep
         self.keep_whole = keep_whole

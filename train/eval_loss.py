@@ -27,7 +27,7 @@ import torch
 
 from vt.shared.errors import UserError
 from vt.shared.runtime import keyed_generator
-from vt.shared.window import Window, eval_window_uri
+from vt.shared.window import eval_window_uri, open_reader
 from vt.train.data import Batch, BatchReader
 from vt.train.objectives import sample_noise
 from vt.train.parallel.batching import Slice, take_slice
@@ -78,7 +78,7 @@ class HeldOut:
         self.inference = inference or contextlib.nullcontext
         low, high = spec.sigma_range()  # one expert of several: its own part of the noise levels
         self.levels = [low + (high - low) * s for s in self.sigmas]
-        self.window = Window(eval_window_uri(window.uri), "keep", window.poll_seconds, window.timeout_seconds)
+        self.window = open_reader(eval_window_uri(window.uri), "keep", window.poll_seconds, window.timeout_seconds)
         self.reader = BatchReader(
             self.window,
             2**62,

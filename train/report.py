@@ -114,7 +114,7 @@ def _videos(run_dir: Path, page_dir: Path, prompts: list[str]) -> str:
 
 
 def _window(config: dict) -> str:
-    from vt.shared.window import Window
+    from vt.shared.window import inspect
 
     uri = config.get("window", {}).get("uri")
     if not uri:
@@ -122,7 +122,7 @@ def _window(config: dict) -> str:
     if "://" not in uri and not Path(uri).exists():
         return f"<p class='muted'>window {_esc(uri)} not found from {_esc(Path.cwd())}</p>"
     try:
-        state = Window(uri).state()
+        state = inspect(uri)
     except (OSError, ValueError, KeyError) as err:
         return f"<p class='muted'>cannot read the window {_esc(uri)}: {_esc(err)}</p>"
     totals = _table(

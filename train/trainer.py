@@ -38,7 +38,7 @@ from vt.shared.models.components import keeps_float32
 from vt.shared.progress import Progress
 from vt.shared.runtime import map_large_allocations
 from vt.shared.startup import StartupTimeline
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 from vt.train import refusals
 from vt.train.attention import backend_for, check_backend, set_backend
 from vt.train.checkpoint import Checkpointer
@@ -181,7 +181,7 @@ class Trainer:
         )
 
         keep = config.window.size == "keep"
-        self.window = Window(
+        self.window = open_reader(
             config.window.uri, config.window.size, config.window.poll_seconds, config.window.timeout_seconds
         )
         # The window's shards this run takes: checked against the config without reading an encoder it never loads.

@@ -7,8 +7,8 @@ committed, never on timing, and each rank's share of any prefix is known: consum
 stored per producer (next unread / unevicted seq), backpressure and eviction compare seqs per
 producer, and a restart of either side recomputes everything from storage alone.
 
-One trainer process (rank 0) writes consumer.json (`publish_read`, `publish_watermark`); producers
-only read it. Fault points: window.publish_read, window.publish_watermark.
+One trainer process (rank 0) writes consumer.json (`publish_read`, `publish_watermark`) and evicts below the
+watermark (`evict_read`); producers only read it. Fault points: window.publish_read, window.publish_watermark.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hashlib
 import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Iterator
 
 from ..faults import fault_point
@@ -35,10 +36,14 @@ class NotYet(Exception):
 
 
 class Reader:
-    """Walks the fixed order; remembers every slot resolved so far (a resolved slot never changes)."""
+    """The consumer of one window (`open_reader`): walks the fixed order, remembering every slot resolved so far (a
+    resolved slot never changes), reads shards, and publishes the consumer's positions. `keep`: a window that is
+    never evicted (window.size = "keep")."""
 
-    def __init__(self, storage: Storage, poll_seconds: float, timeout_seconds: float):
+    def __init__(self, storage: Storage, poll_seconds: float, timeout_seconds: float, keep: bool = True):
         self.storage = storage
+        self.uri = storage.uri
+        self.keep = keep
         self.poll_seconds = poll_seconds
         self.timeout_seconds = timeout_seconds
         # (rank, seq) of every position resolved so far: walks of the order (publish_read per shard,
@@ -68,6 +73,21 @@ class Reader:
         # (`_prefetch`): a record is immutable once created, so the walk waits on one round trip at most
         self._ahead: dict[int, Future] = {}
         self._pool: ThreadPoolExecutor | None = None
+        self._evictions: ThreadPoolExecutor | None = None  # `evict_read(background=True)`: one thread, in turn
+        self._pending: list[Future] = []
+
+    def __repr__(self) -> str:
+        return f"Reader({self.uri!r})"
+
+    def world_size(self) -> int | None:
+        """The producers' world size as registered (None before any producer registered)."""
+        return ledger.world_size(self.storage)
+
+    def next_seq(self, rank: int, consumer: dict | None = None) -> int:
+        return ledger.next_seq(self.storage, rank, consumer)
+
+    def record(self, rank: int, seq: int) -> CommitRecord | None:
+        return ledger.record(self.storage, rank, seq)
 
     def slot(self, position: int, block: bool) -> tuple[int, int] | None:
         """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet
@@ -335,14 +355,38 @@ class Reader:
         self.publish_read(position)
         self._published_at = time.monotonic()
 
-    def evict(self) -> list[str]:
-        """The consumer's eviction after a checkpoint: the records, then the data, of the positions below the
-        watermark (`evict_plan`, then the deletes). Returns the paths deleted."""
+    def evict_read(self, background: bool = False) -> list[str] | None:
+        """The trainer's eviction (its rank 0, after a checkpoint): the records, then the data, of the positions below
+        the watermark (`evict_plan`, then the deletes); returns the paths deleted ([] with `keep`). `background`:
+        planned here, the deletes made on a thread of their own, one eviction after the other (`wait_evictions`), so
+        a checkpoint never waits on them; returns the planned paths (None for the first, which lists the folders)."""
+        if self.keep:
+            return []
         plan = self.evict_plan()
-        return cleaning.evict(self.storage) if plan is None else cleaning.delete_records_then_data(self.storage, *plan)
+        task = (
+            cleaning.evict
+            if plan is None
+            else partial(cleaning.delete_records_then_data, records=plan[0], data=plan[1])
+        )
+        if not background:
+            return task(self.storage)
+        if self._evictions is None:
+            self._evictions = ThreadPoolExecutor(1, thread_name_prefix="vt-window-evict")
+        self._pending.append(self._evictions.submit(task, self.storage))
+        return None if plan is None else [*plan[0], *plan[1]]
+
+    def wait_evictions(self) -> None:
+        """Until the background evictions are done; raises the first one's error."""
+        pending, self._pending = self._pending, []
+        for future in pending:
+            future.result()
+
+    def clean_consumer_debris(self) -> list[str]:
+        """The trainer's rank 0 at start: temp files of an earlier trainer killed inside a consumer.json write."""
+        return cleaning.clean_consumer_debris(self.storage)
 
     def evict_plan(self) -> tuple[list[str], list[str]] | None:
-        """What `evict` deletes, worked out from the order held here and marked as done: (records, data files) of
+        """What `evict_read` deletes, worked out from the order held here and marked as done: (records, data files) of
         the positions this reader resolved below the watermark since the last eviction, with no request, so the
         cost follows the shards consumed, not the number of producers; None the first time in a process, when
         what earlier trainers left can only be found by listing each producer's folders (cleaning.evict)."""

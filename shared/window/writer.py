@@ -52,17 +52,43 @@ def _identity(record: CommitRecord) -> tuple:
 
 
 class Writer:
-    """One process's producer ranks of a window: the seq each commits next, the lease generation it holds,
-    and the uncommitted data found at its start."""
+    """One process's producer ranks of a window (`open_writer`): the seq each commits next, the lease generation it
+    holds, and the uncommitted data found at its start."""
 
     def __init__(self, storage: Storage, size: int | str, poll_seconds: float, timeout_seconds: float):
         self.storage = storage
+        self.uri = storage.uri
         self.size = size
+        self.keep = size == "keep"
         self.poll_seconds = poll_seconds
         self.timeout_seconds = timeout_seconds
         self.expected: dict[int, int] = {}  # rank -> seq this process commits next
         self.generation: dict[int, int] = {}  # rank -> lease generation this process holds
         self.leftovers: dict[int, dict[int, list[str]]] = {}  # rank -> seq -> uncommitted data found at start
+
+    def __repr__(self) -> str:
+        return f"Writer({self.uri!r}, size={self.size!r})"
+
+    def world_size(self) -> int | None:
+        return ledger.world_size(self.storage)
+
+    def next_seq(self, rank: int, consumer: dict | None = None) -> int:
+        return ledger.next_seq(self.storage, rank, consumer)
+
+    def record(self, rank: int, seq: int) -> CommitRecord | None:
+        return ledger.record(self.storage, rank, seq)
+
+    def lanes(self, wanted: int, raw_shards: int | None = None) -> int:
+        """The window's lane count: fixed by its first producer (`wanted`), the same for every later one."""
+        return ledger.fix_lanes(self.storage, wanted, raw_shards)
+
+    def read_progress(self, rank: int) -> list[tuple[int, dict]]:
+        """(generation, payload) of every stored resume state of `rank`, newest generation first."""
+        return lease.read_progress(self.storage, rank)
+
+    def evict(self, rank: int | None = None) -> list[str]:
+        """Shards below the watermark, deleted (never with size="keep"); see cleaning.evict."""
+        return [] if self.keep else cleaning.evict(self.storage, rank)
 
     def acquire(self, rank: int) -> int:
         """Take over producer `rank` (a new lease generation); an older producer of it stops at its next commit."""
@@ -195,6 +221,12 @@ class Writer:
             header_sha256=hashlib.sha256(data[:header]).hexdigest() if header else "",
         )
 
+    def commit(
+        self, rank: int, seq: int, epoch: int, data: bytes, bucket: str, keys: list[str], fingerprint: str
+    ) -> CommitRecord:
+        """prepare + publish: the shard is visible when this returns."""
+        return self.publish(self.prepare(rank, seq, epoch, data, bucket, keys, fingerprint), data)
+
     def publish(self, record: CommitRecord, data: bytes) -> CommitRecord:
         """Write the shard data fully, then create its commit record exclusively (visible from then)."""
         rank, seq = record.producer, record.seq
@@ -244,6 +276,10 @@ class Writer:
 
     def put_validation(self, fingerprint: str, key: str, data: bytes) -> bool:
         return self.put_once(validation_path(fingerprint, key), data)
+
+    def has_validation(self, fingerprint: str, key: str) -> bool:
+        """Whether validation input `key`'s conditions are stored already (a producer encodes only what is not)."""
+        return self.storage.exists(validation_path(fingerprint, key))
 
     def finish_producer(self, rank: int, num_shards: int) -> None:
         """Done marker: this rank's shards are seqs 0..num_shards-1; the reader stops waiting on it."""

@@ -14,7 +14,7 @@ from cli_runs import finish, raw_keys, start, write_config
 from vt.precompute.sources import list_raw_shards
 from vt.shared.shards import decode_shard
 from vt.shared.video_io import read_sound, read_video
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 from vt.train.trackers import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -74,7 +74,7 @@ def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_f
     assert sorted(r["key"] for r in rejects) == sorted(silent)  # each once, though the data is read 6 times
     assert {r["reason"] for r in rejects} == {"missing_audio"}
 
-    window = Window(window_uri)
+    window = open_reader(window_uri)
     stored = {}
     for _, record in window.order():
         tensors, keys, _ = decode_shard(window.read_shard(record))

@@ -18,7 +18,7 @@ from vt.precompute.pack import pack_folder
 from vt.precompute.service import Precompute
 from vt.shared.caption_table import decode_caption
 from vt.shared.config import load_config
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 from vt.train.caption_dropout import dropped
 from vt.train.data import BatchReader
 from vt.train.trackers import read_metrics
@@ -66,7 +66,7 @@ def test_images_and_videos_train_in_one_run_with_caption_dropout(tmp_path, tiny_
     assert summary["steps"] == len(steps)
 
     # Caption dropout: the samples `dropped` names get exactly the window's empty caption, the others keep theirs.
-    window = Window(config.window.uri, "keep")
+    window = open_reader(config.window.uri)
     empty = decode_caption(window.empty_caption(trainer.fingerprint))
     batch = next(iter(BatchReader(window, 2, on_read=lambda position: None)))
     step = next(s for s in range(100) if [dropped(0, s, i, 0.5) for i in range(2)] == [True, False])

@@ -21,7 +21,7 @@ from vt.shared import lease
 from vt.shared.errors import UserError
 from vt.shared.shards import CommitRecord
 from vt.shared.storage import RetryPolicy, Storage
-from vt.shared.window import Window
+from vt.shared.window import open_writer
 
 FAST = RetryPolicy(attempts=8, base_seconds=0.02, max_seconds=0.2)
 
@@ -100,4 +100,4 @@ def test_a_store_that_ignores_if_none_match_is_refused_at_the_windows_first_writ
     storage = Storage(uri)
     assert not storage.exists("lanes.json") and not storage.list("commits")  # nothing written that others trust
     with pytest.raises(UserError, match="ignores conditional writes"):  # every producer's start refuses it
-        Window(uri).lanes(1, 4)
+        open_writer(uri).lanes(1, 4)

@@ -32,7 +32,7 @@ from polling import wait_for
 
 from vt.shared.shards import CommitRecord
 from vt.shared.storage import RetryPolicy, Storage
-from vt.shared.window import ShardCorruptError, Window
+from vt.shared.window import ShardCorruptError, inspect, open_reader
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,7 @@ class RecordWatcher(threading.Thread):
 
     def __init__(self, uri: str):
         super().__init__(daemon=True)
-        self.window = Window(uri, storage=Storage(uri, retry=RetryPolicy(attempts=200, max_seconds=0.5)))
+        self.window = open_reader(uri, storage=Storage(uri, retry=RetryPolicy(attempts=200, max_seconds=0.5)))
         self.stop = threading.Event()
         self.records: dict[tuple[int, int], CommitRecord] = {}
         self.problems: list[str] = []
@@ -167,7 +167,7 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
         pipe.expect(p1, -signal.SIGKILL)
         pipe.expect(t1, -signal.SIGKILL)
         checked = watcher.catch_up()
-        state = Window(window).state()
+        state = inspect(window)
         assert state["producers"][0]["committed"] == 2 and state["watermark"] == 2
         assert [int(rel.rsplit("/", 1)[1][:8]) for rel in state["orphans"]] == [2]  # data, no record: invisible
 
@@ -186,7 +186,7 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
         pipe.expect(a, -signal.SIGKILL)
         pipe.expect(b, -signal.SIGKILL)
         checked |= watcher.catch_up()
-        state = Window(window).state()
+        state = inspect(window)
         assert state["producers"][0]["committed"] >= 6
         assert [int(rel.rsplit("/", 1)[1][:8]) for rel in state["orphans"]] == [0, 1]  # not dangling records
         if s3 is None:

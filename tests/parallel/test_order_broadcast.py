@@ -18,13 +18,13 @@ SHARDS = 2  # committed before the world starts; the third never comes
 def rank_main(window_uri: str, out: str) -> None:
     """One rank: walk the order through OrderFromRankZero past its committed shards; write what happened."""
     from vt.shared.config import ParallelConfig
-    from vt.shared.window import Window, WindowTimeout
+    from vt.shared.window import WindowTimeout, open_reader
     from vt.shared.window.reader import NotYet
     from vt.train.parallel.order import OrderFromRankZero
     from vt.train.parallel.world import setup_world, shutdown_world
 
     world = setup_world(ParallelConfig(dp_replicate=2, dp_shard=1), "cpu")
-    window = Window(window_uri, size="keep", poll_seconds=0.02, timeout_seconds=0.5)
+    window = open_reader(window_uri, poll_seconds=0.02, timeout_seconds=0.5)
     lists = []
     find = window.storage.backend.find
     window.storage.backend.find = lambda base: (lists.append(base), find(base))[1]
@@ -55,9 +55,9 @@ def test_rank_one_receives_the_order_and_rank_zeros_timeout(tmp_path):
     from forkserver import launch_ranks
 
     from vt.shared.shards import encode_shard
-    from vt.shared.window import Window
+    from vt.shared.window import open_writer
 
-    window = Window(str(tmp_path / "window"), size="keep")
+    window = open_writer(str(tmp_path / "window"), size="keep")
     window.register_producer(0, 1)
     for seq in range(SHARDS):
         data = encode_shard({"latents": torch.full((1, 4, 2, 2), float(seq))}, [f"k{seq}"], {"bucket": "9x64x64"})

@@ -25,7 +25,7 @@ from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.config import load_config
 from vt.shared.provenance import fingerprint, provenance
 from vt.shared.shards import decode_shard
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 
 STEREO_16K = SoundRequest(16000, 2, "skip")
 SIZES = ["9x32x64", "9x32x32", "9x64x32"]
@@ -189,7 +189,7 @@ def run_stage1(tiny_model_factory, raw, tmp_path, name, workers=0, audio=False, 
         )
     )
     report = Precompute(config).run()
-    window = Window(str(tmp_path / f"{name}-window"))
+    window = open_reader(str(tmp_path / f"{name}-window"))
     stored = {}
     for _, record in window.order():
         tensors, keys, meta = decode_shard(window.read_shard(record))

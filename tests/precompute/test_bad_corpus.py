@@ -30,7 +30,7 @@ from vt.precompute.sources import RawSample
 from vt.shared.buckets import Bucket
 from vt.shared.config import load_config
 from vt.shared.shards import decode_shard
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 
 BUCKETS = ["9x64x96", "9x96x64", "9x64x64", "17x64x96"]
 FPS = 8.0
@@ -198,7 +198,7 @@ def build_corpus(folder: Path, media, clips) -> tuple[set[str], Counter, dict[st
 
 def committed_shards(uri: str) -> list[tuple[object, dict, list[str]]]:
     """(record, tensors, keys) of every shard producer 0 committed, read through its record."""
-    window = Window(uri)
+    window = open_reader(uri)
     out = []
     for seq in range(window.next_seq(0)):
         record = window.record(0, seq)
@@ -253,7 +253,7 @@ def test_bad_corpus_through_the_service(tmp_path, media, clips, tiny_model_facto
             assert tensor.shape[0] == len(shard_keys), name
             assert torch.isfinite(tensor.float()).all(), name
     # No partial shard: every data file in the window is named by a record, and vice versa.
-    window = Window(uri)
+    window = open_reader(uri)
     assert sorted(window.storage.list("data")) == sorted(record.data for record, _, _ in shards)
 
 
@@ -292,4 +292,4 @@ def test_a_hundred_failures_in_a_row_stop_the_run(tmp_path, media, tiny_model_fa
     report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
     assert report["rejected"] == {"corrupt_video": 100, "missing_caption": 99}
     assert report["seen"] == 200 and report["committed"] == 0
-    assert Window(str(tmp_path / "window")).storage.list("commits") == []
+    assert open_reader(str(tmp_path / "window")).storage.list("commits") == []

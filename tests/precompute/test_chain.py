@@ -26,7 +26,8 @@ from vt.precompute.sources import RawSample, iter_raw_samples
 from vt.shared.buckets import Bucket, crop_box, resize_for_crop
 from vt.shared.chain import BUILTINS, ProcessorOptions, describe_chain, load_user_class, resolve_chain
 from vt.shared.config import ConfigError, load_config
-from vt.shared.window import Window
+from vt.shared.storage import Storage
+from vt.shared.window import Writer, open_reader
 
 
 class Mirror(Processor):
@@ -193,8 +194,8 @@ def test_user_processor_by_import_path(bikes):
     assert torch.equal(mirrored.pixels, plain.pixels.flip(3)) and not torch.equal(mirrored.pixels, plain.pixels)
 
 
-class CrashAfterFirstCommit(Window):
-    """A real Window whose first publish raises right after the record is created (a producer dying there)."""
+class CrashAfterFirstCommit(Writer):
+    """A real window writer whose first publish raises right after the record is created (a producer dying there)."""
 
     def publish(self, record, data):
         out = super().publish(record, data)
@@ -220,11 +221,11 @@ def test_service_commits_every_window_once_through_a_user_processor(tmp_path, ti
         precompute={"workers": 1, "samples_per_shard": 3, "processors": chain},
     )
     first = Precompute(load_config(path))
-    first.window = CrashAfterFirstCommit(uri, "keep", 0.01, 30.0)
+    first.window = CrashAfterFirstCommit(Storage(uri), "keep", 0.01, 30.0)
     with pytest.raises(RuntimeError, match="died after the first commit"):
         first.run()
     report = Precompute(load_config(path, ["precompute.workers=0"])).run()  # the restart decodes in-process
-    keys = Counter(key for _, record in Window(uri).order() for key in record.keys)
+    keys = Counter(key for _, record in open_reader(uri).order() for key in record.keys)
     assert set(keys) == {f"{key}#w{i}" for key in raw_keys(raw) for i in (0, 1)} and set(keys.values()) == {1}
     assert report.resumed_at == 1 and report.skipped_committed == 3  # the first shard's windows, dropped
     assert report.committed == len(keys) - 3 and report.rejected == {}

@@ -27,7 +27,7 @@ from vt.precompute.service import Precompute
 from vt.precompute.sources import VIDEO_EXTS, RawSample, iter_raw_samples
 from vt.shared.buckets import Bucket
 from vt.shared.config import load_config
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 
 FPS = 24  # a rate MPEG-1/2 accept
 FRAMES = 36
@@ -162,7 +162,7 @@ def test_containers_and_an_anamorphic_clip_through_the_service(tmp_path, media, 
     report = Precompute(config).run()
 
     assert dict(report.rejected) == {}
-    bucket_of = {key: record.bucket for _, record in Window(uri).order() for key in record.keys}
+    bucket_of = {key: record.bucket for _, record in open_reader(uri).order() for key in record.keys}
     assert set(bucket_of) == {f"formats/{ext}-clip" for ext in clips} | {"formats/anamorphic"}
     assert bucket_of["formats/anamorphic"] == "9x64x128"
     assert {bucket_of[f"formats/{ext}-clip"] for ext in clips} == {"9x64x96"}

@@ -25,7 +25,7 @@ from vt.precompute.sources import iter_raw_samples, list_raw_shards, shard_names
 from vt.shared.buckets import Bucket
 from vt.shared.config import load_config
 from vt.shared.shards import decode_shard
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 
 BUCKETS = [Bucket(9, 64, 96), Bucket(9, 96, 64), Bucket(9, 64, 64)]
 
@@ -199,7 +199,7 @@ def test_a_run_stores_the_control_latents_and_rejects_samples_without_a_control(
     assert all(line["detail"] for line in lines)
     assert report.status == "done" and report.committed == 3 and dict(report.rejected) == Counter(rejected.values())
 
-    window = Window(str(tmp_path / "window"))
+    window = open_reader(str(tmp_path / "window"))
     stored = {}
     for _, record in window.order():
         tensors, keys, _ = decode_shard(window.read_shard(record))

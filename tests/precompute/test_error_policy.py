@@ -25,7 +25,7 @@ from vt.shared.buckets import Bucket
 from vt.shared.chain import ProcessorOptions
 from vt.shared.config import load_config
 from vt.shared.shards import decode_shard
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 
 BUCKETS = [Bucket(9, 64, 96)]
 # A user's module, written next to the run and put on PYTHONPATH: its processor has a bug.
@@ -60,13 +60,13 @@ class Reopens(Processor):
 
 
 def window_files(uri: str) -> tuple[list[str], list[str]]:
-    storage = Window(uri).storage
+    storage = open_reader(uri).storage
     return sorted(storage.list("data")), sorted(storage.list("commits"))
 
 
 def committed_keys(uri: str) -> list[list[str]]:
     """The keys of each shard producer 0 committed, read through its record (size and sha256 checked)."""
-    window = Window(uri)
+    window = open_reader(uri)
     return [decode_shard(window.read_shard(window.record(0, seq)))[1] for seq in range(window.next_seq(0))]
 
 

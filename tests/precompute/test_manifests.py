@@ -163,7 +163,7 @@ def test_clips_cut_from_a_manifest_train_and_bad_records_are_rejects(clips_dir, 
     from vt.precompute.service import Precompute
     from vt.shared.config import load_config
     from vt.shared.shards import decode_shard
-    from vt.shared.window import Window
+    from vt.shared.window import open_reader
     from vt.train.trainer import Trainer
 
     manifest = tmp_path / "clips.jsonl"
@@ -191,7 +191,7 @@ def test_clips_cut_from_a_manifest_train_and_bad_records_are_rejects(clips_dir, 
     )
     Precompute(config).run()
     assert Trainer(config).run()["steps"] == 3
-    window = Window(str(tmp_path / "window"), "keep")
+    window = open_reader(str(tmp_path / "window"))
     keys, clips = [], {}
     for _, record in window.order():
         _, shard_keys, meta = decode_shard(window.read_shard(record))

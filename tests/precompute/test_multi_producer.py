@@ -21,7 +21,7 @@ from cli_runs import raw_keys, write_config
 
 from vt.precompute.service import Precompute
 from vt.shared.config import load_config
-from vt.shared.window import Window
+from vt.shared.window import inspect, open_reader
 from vt.train.data import BatchReader
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 def reader_order(uri: str) -> list[tuple[str, tuple[str, ...]]]:
     """The trainer's batches (bucket, keys) in the order its reader yields them."""
-    return [(batch.bucket, tuple(batch.keys)) for batch in BatchReader(Window(uri), 2, on_read=lambda p: None)]
+    return [(batch.bucket, tuple(batch.keys)) for batch in BatchReader(open_reader(uri), 2, on_read=lambda p: None)]
 
 
 def test_two_ranks_under_torchrun_match_a_rank_by_rank_rerun(tmp_path, tiny_model_factory, raw_shards):
@@ -73,19 +73,19 @@ def test_two_ranks_under_torchrun_match_a_rank_by_rank_rerun(tmp_path, tiny_mode
     assert sorted(alone.lanes) == [0, 1]
 
     first, second = str(tmp_path / "torchrun" / "window"), str(tmp_path / "rerun" / "window")
-    state = Window(first).state()
+    state = inspect(first)
     assert state["world_size"] == 2 and all(p["done"] for p in state["producers"].values())
     counts = {rank: p["committed"] for rank, p in state["producers"].items()}
     assert counts[0] != counts[1]  # unequal shares: one rank runs out first, the order goes on
 
-    records = [record for _, record in Window(first).order()]
+    records = [record for _, record in open_reader(first).order()]
     keys = Counter(key for record in records for key in record.keys)
     assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}
     ranks = [record.producer for record in records]
     short = min(counts, key=counts.get)
     assert ranks[: 2 * counts[short]] == [0, 1] * counts[short]  # round-robin while both have shards
 
-    slots = lambda uri: [(r.producer, r.seq, r.bucket, tuple(r.keys)) for _, r in Window(uri).order()]
+    slots = lambda uri: [(r.producer, r.seq, r.bucket, tuple(r.keys)) for _, r in open_reader(uri).order()]
     assert slots(first) == slots(second)
     assert reader_order(first) == reader_order(second)
     reports = [

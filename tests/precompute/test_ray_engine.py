@@ -17,7 +17,7 @@ from cli_runs import raw_keys, write_config
 from polling import wait_for
 from ray_head import RAY_ENV, session_processes, start_head, stop_head
 
-from vt.shared.window import Window
+from vt.shared.window import open_reader
 
 pytestmark = [
     pytest.mark.slow,
@@ -86,7 +86,7 @@ def test_a_killed_decode_actor_costs_a_retry_never_a_sample(tmp_path, tiny_model
     assert sum(r["decode_restarts"] for r in reports) >= 1 and sum(r["rejected_total"] for r in reports) == 0
     assert sorted(lane for r in reports for lane in r["lanes"]) == [0, 1]
     assert any("decode actors replaced: " in log.read_text() for log in logs)
-    keys = Counter(key for _, record in Window(str(window)).order() for key in record.keys)
+    keys = Counter(key for _, record in open_reader(str(window)).order() for key in record.keys)
     assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}  # every sample, exactly once
 
 

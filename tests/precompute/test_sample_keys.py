@@ -20,7 +20,8 @@ from cli_runs import finish, raw_keys, start, write_config
 from vt.precompute.service import Precompute
 from vt.precompute.sources import iter_raw_samples, shard_names
 from vt.shared.config import load_config
-from vt.shared.window import Window
+from vt.shared.storage import Storage
+from vt.shared.window import Writer, open_reader
 from vt.train.data import BatchReader
 
 
@@ -113,9 +114,9 @@ def test_keys_numbered_per_shard_through_the_cli(tmp_path, media, tiny_model_fac
     expected = {f"{shard}/{key}" for shard in ("cam-a/000", "cam-b/000") for key in ("000000", "000001")}
     expected |= {f"mixed/{key}" for key in ("000000", "000001", "000002")}
     assert raw_keys(raw) == expected
-    committed = Counter(key for _, record in Window(uri).order() for key in record.keys)
+    committed = Counter(key for _, record in open_reader(uri).order() for key in record.keys)
     assert set(committed) == expected and set(committed.values()) == {1}
-    trained = Counter(key for batch in BatchReader(Window(uri), 2, on_read=lambda p: None) for key in batch.keys)
+    trained = Counter(key for batch in BatchReader(open_reader(uri), 2, on_read=lambda p: None) for key in batch.keys)
     assert trained == committed  # the trainer's reader sees every sample once, under its own key
 
     report = json.loads((run_dir / "precompute_report.json").read_text())
@@ -132,8 +133,8 @@ class Crash(Exception):
     """Stands in for a process dying at a commit."""
 
 
-class CrashingWindow(Window):
-    """A real Window that dies at its `at`-th publish, before writing the shard's data."""
+class CrashingWindow(Writer):
+    """A real window writer that dies at its `at`-th publish, before writing the shard's data."""
 
     def __init__(self, *args, at: int, **kwargs):
         super().__init__(*args, **kwargs)
@@ -170,7 +171,7 @@ def test_a_restart_rereads_a_partial_shard_and_lists_its_rejects_once(tmp_path, 
         )
     )
     first = Precompute(config)
-    first.window = CrashingWindow(uri, "keep", 0.01, 30.0, at=2)  # shard 0 = g0, g1; dies before shard 1
+    first.window = CrashingWindow(Storage(uri), "keep", 0.01, 30.0, at=2)  # shard 0 = g0, g1; dies before shard 1
     with pytest.raises(Crash):
         first.run()
     report = Precompute(config).run()
@@ -180,7 +181,7 @@ def test_a_restart_rereads_a_partial_shard_and_lists_its_rejects_once(tmp_path, 
         and report.skipped_committed == 2
         and report.rejected == {"missing_caption": 1, "duplicate_key": 1}
     )
-    committed = Counter(key for _, record in Window(uri).order() for key in record.keys)
+    committed = Counter(key for _, record in open_reader(uri).order() for key in record.keys)
     assert committed == Counter({f"r/g{i}": 1 for i in range(5)})
     lines = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
     assert [(r["key"], r["position"], r["reason"]) for r in lines] == [

@@ -24,15 +24,16 @@ from vt.precompute.cli import app
 from vt.precompute.service import Precompute
 from vt.shared.config import load_config
 from vt.shared.shards import encode_shard
-from vt.shared.window import ProducerConflict, Window
+from vt.shared.storage import Storage
+from vt.shared.window import ProducerConflict, Writer, inspect, open_reader, open_writer
 
 
 class Crash(Exception):
     """Stands in for a process dying at a commit."""
 
 
-class CrashingWindow(Window):
-    """A real Window that dies at its `at`-th publish, before writing the data or after the record."""
+class CrashingWindow(Writer):
+    """A real window writer that dies at its `at`-th publish, before writing the data or after the record."""
 
     def __init__(self, *args, at: int, when: str, **kwargs):
         super().__init__(*args, **kwargs)
@@ -66,7 +67,7 @@ def config_for(tmp_path: Path, model: Path, raw: Path, uri: str, **sections):
 
 def consume_everything(uri: str, harvested: Counter, seen: set) -> None:
     """The trainer's part: read every committed shard, checkpoint past it, evict it (records gone)."""
-    window = Window(uri, size=64)
+    window = open_reader(uri, size=64)
     end = window.next_seq(0)
     for seq in range(end):
         record = window.record(0, seq)
@@ -76,7 +77,7 @@ def consume_everything(uri: str, harvested: Counter, seen: set) -> None:
     if end:
         window.publish_read(end)
         window.publish_watermark(end)
-        window.evict()
+        window.evict_read()
 
 
 def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_factory, raw_with_bad):
@@ -89,21 +90,21 @@ def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_f
     for at, when in ((3, "after_record"), (4, "before_data"), (None, None)):
         producer = Precompute(config)
         if at is not None:
-            producer.window = CrashingWindow(uri, 64, 0.01, 30.0, at=at, when=when)
+            producer.window = CrashingWindow(Storage(uri), 64, 0.01, 30.0, at=at, when=when)
             with pytest.raises(Crash):
                 producer.run()
         else:
             producer.run()
         reports.append(json.loads((tmp_path / "run" / "precompute_report.json").read_text()))
         consume_everything(uri, harvested, seen)
-        assert Window(uri).storage.list("commits") == []  # nothing left to learn from: all evicted
+        assert open_reader(uri).storage.list("commits") == []  # nothing left to learn from: all evicted
 
     expected = raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"}
     assert harvested == Counter({(epoch, key): 1 for epoch in (0, 1) for key in expected})
     assert [r["status"].split(":")[0] for r in reports] == ["failed", "failed", "done"]
     assert [r["resumed_at"] for r in reports] == [0, 3, 3 + 3]  # the crash before data lost shard 6 only
     assert reports[1]["skipped_shards"] == reports[2]["skipped_shards"] == 2  # raw tars not read again
-    state = Window(uri).state()
+    state = inspect(uri)
     assert state["producers"][0]["done"] and state["orphans"] == [] and state["evicted"] == len(seen)
 
 
@@ -121,7 +122,7 @@ def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_pa
     )
     reached, release = threading.Event(), threading.Event()
 
-    class PausingWindow(Window):
+    class PausingWindow(Writer):
         def publish(self, record, data):
             if record.seq == 1 and not release.is_set():
                 reached.set()
@@ -129,7 +130,7 @@ def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_pa
             return super().publish(record, data)
 
     first = Precompute(config)
-    first.window = PausingWindow(uri, "keep", 0.01, 30.0)
+    first.window = PausingWindow(Storage(uri), "keep", 0.01, 30.0)
     errors = []
     thread = threading.Thread(target=lambda: _run_catching(first, errors))
     thread.start()
@@ -140,10 +141,10 @@ def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_pa
     thread.join(60)
 
     assert errors == [] and first.report.status == "done" and first.report.shards == 1
-    keys = Counter(key for _, record in Window(uri).order() for key in record.keys)
+    keys = Counter(key for _, record in open_reader(uri).order() for key in record.keys)
     assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}
     assert second.generation == 2 and second.resumed_at == 1
-    assert Window(uri).state()["orphans"] == []  # the fenced writer removed its own bytes
+    assert inspect(uri)["orphans"] == []  # the fenced writer removed its own bytes
 
 
 def _run_catching(producer, errors):
@@ -160,7 +161,7 @@ def test_a_rerun_commit_with_the_same_samples_counts_as_done(tmp_path):
     def data(value: float) -> bytes:
         return encode_shard({"latents": torch.full((2, 4), value)}, ["a", "b"], {"bucket": "9x64x64"})
 
-    first, rerun, other = Window(uri), Window(uri), Window(uri)
+    first, rerun, other = open_writer(uri), open_writer(uri), open_writer(uri)
     first.register_producer(0, 1)
     same = rerun.prepare(0, 0, 0, data(1.0), "9x64x64", ["a", "b"], "fp")  # all three start at seq 0
     different = other.prepare(0, 0, 0, data(2.0), "9x64x64", ["c", "d"], "fp")
@@ -168,7 +169,7 @@ def test_a_rerun_commit_with_the_same_samples_counts_as_done(tmp_path):
     assert rerun.publish(same, data(1.0)) == committed  # same samples (not the same bytes): done
     with pytest.raises(ProducerConflict, match="already exists .* with other content"):
         other.publish(different, data(2.0))
-    assert Window(uri).storage.list("data") == [committed.data]  # the losers' bytes are gone
+    assert open_reader(uri).storage.list("data") == [committed.data]  # the losers' bytes are gone
 
 
 def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_bad, capsys):
@@ -186,11 +187,11 @@ def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_
     assert report["rejected"] == {"empty_caption": 1, "missing_caption": 1}
     assert set(report["seconds"]) == {"read", "decode", "text_encode", "vae_encode", "write", "wait"}
     assert report["seconds"]["vae_encode"] > 0 and report["seconds"]["decode"] > 0
-    assert report["bytes"] == Window(uri).state()["bytes"] > 0
+    assert report["bytes"] == inspect(uri)["bytes"] > 0
 
     result = CliRunner().invoke(app, ["inspect", uri])
     assert result.exit_code == 0, result.output
-    state = Window(uri).state()
+    state = inspect(uri)
     assert f"committed {state['committed']} shards" in result.output
     assert "size=keep " in result.output and state["size"] == "keep"  # as the producer registered it
     for bucket, counts in state["buckets"].items():

@@ -21,6 +21,8 @@ from torch import nn
 
 from vt.precompute import encoders as stage1_encoders
 from vt.shared.config import load_config
+from vt.shared.storage import Storage
+from vt.shared.window import Writer, open_reader
 
 GROUP = 3  # precompute.text_phase_shards in these runs
 
@@ -131,9 +133,7 @@ class CrashAfterRecord(Exception):
 def test_a_crash_between_the_commits_of_one_text_phase_commits_every_sample_once(
     tmp_path, tiny_model_factory, raw_distinct
 ):
-    from vt.shared.window import Window
-
-    class CrashingWindow(Window):
+    class CrashingWindow(Writer):
         """A real window whose producer dies right after the record of its second shard: the first text phase's
         third shard is encoded but not committed."""
 
@@ -145,10 +145,17 @@ def test_a_crash_between_the_commits_of_one_text_phase_commits_every_sample_once
 
     model = tiny_model_factory("wan")
     with pytest.raises(CrashAfterRecord):
-        run(tmp_path, model, raw_distinct, "crashed", "model", window=lambda uri: CrashingWindow(uri, "keep"))
+        run(
+            tmp_path,
+            model,
+            raw_distinct,
+            "crashed",
+            "model",
+            window=lambda uri: CrashingWindow(Storage(uri), "keep", 0.2, 1800.0),
+        )
     _, report, _ = run(tmp_path, model, raw_distinct, "crashed", "model")
     assert report.resumed_at == 2 and report.shards == 6
-    window = Window(str(tmp_path / "crashed-window"))
+    window = open_reader(str(tmp_path / "crashed-window"))
     committed = [key for seq in range(window.next_seq(0)) for key in window.record(0, seq).keys]
     assert sorted(committed) == sorted(raw_keys(raw_distinct))  # each sample once: none lost, none twice
 

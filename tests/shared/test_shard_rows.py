@@ -9,7 +9,7 @@ import torch
 
 from vt.shared.caption_table import Captions
 from vt.shared.shards import decode_shard, encode_shard
-from vt.shared.window import ShardCorruptError, Window
+from vt.shared.window import Reader, ShardCorruptError, open_reader, open_writer
 
 ROWS = 8
 
@@ -41,13 +41,14 @@ def make_shard() -> tuple[bytes, list[str]]:
 
 
 def committed(uri: str):
-    window = Window(uri, size="keep")
-    window.register_producer(0, 1)
+    writer = open_writer(uri, size="keep")
+    writer.register_producer(0, 1)
     data, keys = make_shard()
-    return window, window.commit(0, 0, 0, data, "9x64x64", keys, "fp"), data
+    record = writer.commit(0, 0, 0, data, "9x64x64", keys, "fp")
+    return open_reader(uri), record, data
 
 
-def count_ranges(window: Window) -> list[tuple[int, int]]:
+def count_ranges(window: Reader) -> list[tuple[int, int]]:
     """Every byte range the window's storage is asked for, from now on."""
     asked: list[tuple[int, int]] = []
     read_ranges = window.storage.read_ranges

@@ -19,9 +19,35 @@ from polling import wait_for
 
 from vt.shared.shards import decode_shard, encode_shard
 from vt.shared.storage import Storage
-from vt.shared.window import ShardCorruptError, Window, WindowTimeout, commit_path, data_path
+from vt.shared.window import (
+    Reader,
+    ShardCorruptError,
+    WindowTimeout,
+    Writer,
+    commit_path,
+    data_path,
+    inspect,
+    open_reader,
+    open_writer,
+)
 
 FAST = {"poll_seconds": 0.01, "timeout_seconds": 30.0}
+
+
+class Both:
+    """A producer's writer and a trainer's reader of one window over one storage, for the tests that play both
+    sides of the protocol in one process."""
+
+    def __init__(
+        self,
+        uri: str,
+        size: int | str = 8,
+        poll_seconds: float = 0.2,
+        timeout_seconds: float = 1800.0,
+        storage: Storage | None = None,
+    ):
+        self.writer = open_writer(uri, size, poll_seconds, timeout_seconds, storage)
+        self.reader = open_reader(uri, size, poll_seconds, timeout_seconds, self.writer.storage)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -37,12 +63,12 @@ def shard(rank: int, seq: int) -> bytes:
     return encode_shard({"latents": latents}, keys, {"bucket": "9x64x64"})
 
 
-def data_of(w: Window, rank: int, seq: int) -> str:
+def data_of(w: Reader, rank: int, seq: int) -> str:
     """Where shard (rank, seq) landed: data files are named by seq and content, as its record says."""
     return w.record(rank, seq).data
 
 
-def commit(w: Window, rank: int, seq: int):
+def commit(w: Writer, rank: int, seq: int):
     w.wait_for_room(rank)
     return w.commit(
         rank,
@@ -55,21 +81,21 @@ def commit(w: Window, rank: int, seq: int):
     )
 
 
-def produce(w: Window, rank: int, world: int, count: int):
+def produce(w: Writer, rank: int, world: int, count: int):
     w.register_producer(rank, world)
     for seq in range(count):
         commit(w, rank, seq)
     w.finish_producer(rank, count)
 
 
-def slots(w: Window, start: int = 0):
+def slots(w: Reader, start: int = 0):
     return [(pos, r.producer, r.seq) for pos, r in w.order(start)]
 
 
 CHILD = r"""
 import sys
 from vt.shared.storage import Storage
-from vt.shared.window import Window
+from vt.shared.window import open_writer
 
 uri, shard0, shard1 = sys.argv[1:]
 create = Storage.create_exclusive
@@ -81,7 +107,7 @@ def stall_before_second_record(self, rel, data):
     return create(self, rel, data)
 
 Storage.create_exclusive = stall_before_second_record
-w = Window(uri)
+w = open_writer(uri)
 w.register_producer(0, 1)
 for seq, path in enumerate([shard0, shard1]):
     w.commit(0, seq, 0, open(path, "rb").read(), "9x64x64", ["a", "b"], "fp")
@@ -108,22 +134,22 @@ def test_sigkill_before_commit(uri, tmp_path):
     storage = Storage(uri)
     orphan = data_path(0, 1, hashlib.sha256(files[1].read_bytes()).hexdigest())
     assert storage.exists(orphan) and not storage.exists(commit_path(0, 1))
-    impatient = Window(uri, poll_seconds=0.01, timeout_seconds=0.3)
+    impatient = open_reader(uri, poll_seconds=0.01, timeout_seconds=0.3)
     order = impatient.order()
     assert next(order)[1].seq == 0
     with pytest.raises(WindowTimeout, match="producer 0 shard 1"):
         next(order)  # the orphan is invisible: the reader still waits for shard 1's record
 
-    restarted = Window(uri, **FAST)
-    assert restarted.next_seq(0) == 1
-    assert restarted.clean_orphans(0) == []  # seq 1 is not committed yet: kept until it is
-    commit(restarted, 0, 1)
+    restarted = Both(uri, **FAST)
+    assert restarted.reader.next_seq(0) == 1
+    assert restarted.writer.clean_orphans(0) == []  # seq 1 is not committed yet: kept until it is
+    commit(restarted.writer, 0, 1)
     assert not storage.exists(orphan)  # committing seq 1 deleted the killed run's bytes for it
-    restarted.finish_producer(0, 2)
-    records = [r for _, r in Window(uri, **FAST).order()]
+    restarted.writer.finish_producer(0, 2)
+    records = [r for _, r in open_reader(uri).order()]
     assert [r.seq for r in records] == [0, 1]
     assert storage.list("data") == [r.data for r in records]
-    tensors, keys, _ = decode_shard(restarted.read_shard(records[1]))
+    tensors, keys, _ = decode_shard(restarted.reader.read_shard(records[1]))
     assert keys == ["p0-s1-a", "p0-s1-b"] and tensors["latents"][0, 0, 0, 0].item() == 1.0
 
 
@@ -135,7 +161,7 @@ def _run_schedule(uri: str, counts: dict[int, int], schedule: list[tuple[int, in
 
     def producer(rank):
         try:
-            w = Window(uri, size="keep", **FAST)
+            w = open_writer(uri, size="keep", **FAST)
             w.register_producer(rank, len(counts))
             for seq in range(counts[rank]):
                 assert turns[(rank, seq)].wait(30)
@@ -147,7 +173,7 @@ def _run_schedule(uri: str, counts: dict[int, int], schedule: list[tuple[int, in
             errors.append(err)
 
     seen = []
-    reader = threading.Thread(target=lambda: seen.extend(slots(Window(uri, **FAST))))
+    reader = threading.Thread(target=lambda: seen.extend(slots(open_reader(uri, **FAST))))
     threads = [reader] + [threading.Thread(target=producer, args=(r,)) for r in counts]
     for t in threads:
         t.start()
@@ -165,16 +191,16 @@ def test_fixed_order_scrambled(uri):
     p0_first = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
     assert _run_schedule(uri + "/a", counts, p1_first) == expected
     assert _run_schedule(uri + "/b", counts, p0_first) == expected
-    assert slots(Window(uri + "/a", **FAST), start=5) == expected[5:]  # a restarted reader
+    assert slots(open_reader(uri + "/a", **FAST), start=5) == expected[5:]  # a restarted reader
 
 
 def test_order_ends_when_done(uri):
-    w = Window(uri, **FAST)
-    produce(w, 0, 3, 2)
-    produce(w, 1, 3, 0)  # a producer with nothing to write
-    produce(w, 2, 3, 1)
-    assert slots(w) == [(0, 0, 0), (1, 2, 0), (2, 0, 1)]
-    state = w.state()
+    w = Both(uri, **FAST)
+    produce(w.writer, 0, 3, 2)
+    produce(w.writer, 1, 3, 0)  # a producer with nothing to write
+    produce(w.writer, 2, 3, 1)
+    assert slots(w.reader) == [(0, 0, 0), (1, 2, 0), (2, 0, 1)]
+    state = inspect(w.reader.uri)
     assert state["committed"] == 3 and state["world_size"] == 3
     assert all(p["done"] for p in state["producers"].values())
 
@@ -191,42 +217,42 @@ class PollCountingStorage(Storage):
 
 
 def test_backpressure(uri):
-    w = Window(uri, size=4, **FAST)
+    w = Both(uri, size=4, **FAST)
     for rank in (0, 1):
-        w.register_producer(rank, 2)
+        w.writer.register_producer(rank, 2)
         for seq in range(2):  # share = 4 // 2 = 2 each
-            commit(w, rank, seq)
-    assert w.state()["unread"] == 4
-    impatient = Window(uri, size=4, poll_seconds=0.01, timeout_seconds=0.2)
+            commit(w.writer, rank, seq)
+    assert inspect(w.reader.uri)["unread"] == 4
+    impatient = open_writer(uri, size=4, poll_seconds=0.01, timeout_seconds=0.2)
     with pytest.raises(WindowTimeout, match="2 committed shards .* are unread"):
         impatient.wait_for_room(0)
 
     counting = PollCountingStorage(uri)
-    blocked = Window(uri, size=4, storage=counting, **FAST)
+    blocked = open_writer(uri, size=4, storage=counting, **FAST)
     room = threading.Event()
     thread = threading.Thread(target=lambda: (blocked.wait_for_room(0), room.set()))
     thread.start()
     wait_for(lambda: counting.polls >= 2, what="the producer to poll while the window is full")
     assert not room.is_set()
-    Window(uri, size=4).publish_read(1)  # position 0 = producer 0 shard 0
+    open_reader(uri, size=4).publish_read(1)  # position 0 = producer 0 shard 0
     thread.join(30)
     assert room.is_set()
     with pytest.raises(WindowTimeout):
         impatient.wait_for_room(1)  # producer 1 has nothing read yet: still full
-    commit(w, 0, 2)
-    assert w.state()["unread"] == 4
+    commit(w.writer, 0, 2)
+    assert inspect(w.reader.uri)["unread"] == 4
 
 
 def test_watermark_eviction(uri):
-    w = Window(uri, size=8, **FAST)
+    w = Both(uri, size=8, **FAST)
     for rank in (0, 1):
-        produce(w, rank, 2, 3)
+        produce(w.writer, rank, 2, 3)
     # order: (0,0) (1,0) (0,1) (1,1) (0,2) (1,2)
-    w.publish_read(6)
-    assert w.evict() == []  # nothing below a watermark yet
-    w.publish_watermark(3)  # positions 0..2: producer 0 seqs 0-1, producer 1 seq 0
-    names = {(r.producer, r.seq): r.data for _, r in w.order()}
-    evicted = w.evict()
+    w.reader.publish_read(6)
+    assert w.writer.evict() == []  # nothing below a watermark yet
+    w.reader.publish_watermark(3)  # positions 0..2: producer 0 seqs 0-1, producer 1 seq 0
+    names = {(r.producer, r.seq): r.data for _, r in w.reader.order()}
+    evicted = w.writer.evict()
     gone = [(0, 0), (0, 1), (1, 0)]
     kept = [(0, 2), (1, 1), (1, 2)]
     assert sorted(evicted) == sorted([commit_path(*s) for s in gone] + [names[s] for s in gone])
@@ -235,7 +261,7 @@ def test_watermark_eviction(uri):
     for s in kept:
         assert storage.exists(commit_path(*s)) and storage.exists(names[s])
 
-    fresh = Window(uri, size=8, **FAST)  # a restart recomputes everything from storage
+    fresh = open_reader(uri, size=8, **FAST)  # a restart recomputes everything from storage
     assert fresh.next_seq(0) == 3 and fresh.next_seq(1) == 3
     records = list(fresh.order(start=3))
     assert [(p, r.producer, r.seq) for p, r in records] == [(3, 1, 1), (4, 0, 2), (5, 1, 2)]
@@ -243,7 +269,7 @@ def test_watermark_eviction(uri):
     with pytest.raises(RuntimeError, match="evicted"):
         next(fresh.order(start=0))
     fresh.publish_watermark(1)  # never moves back
-    state = fresh.state()
+    state = inspect(fresh.uri)
     assert state["watermark"] == 3 and state["evicted"] == 3 and state["present"] == 3
     assert state["bytes"] == sum(r.nbytes for _, r in records)
 
@@ -254,12 +280,12 @@ def test_the_trainers_eviction_lists_once_then_deletes_from_the_order_it_holds(t
     of the positions it read and the watermark passed, with no listing, whatever the number of producers."""
     uri = str(tmp_path / "window")
     for rank in range(4):
-        produce(Window(uri, 12, **FAST), rank, 4, 3)
-    earlier = Window(uri, 12, **FAST)  # a trainer that read 4 positions and checkpointed, then stopped
+        produce(open_writer(uri, 12, **FAST), rank, 4, 3)
+    earlier = open_reader(uri, 12, **FAST)  # a trainer that read 4 positions and checkpointed, then stopped
     list(zip(range(4), earlier.order()))
     earlier.publish_read(4)
     earlier.publish_watermark(2)
-    reader = Window(uri, 12, **FAST)
+    reader = open_reader(uri, 12, **FAST)
     records = dict(reader.order(start=2))
     before = {p: r.data for p, r in earlier.order()}  # what the earlier trainer read: positions 0 and 1
     listings = []
@@ -333,9 +359,9 @@ def test_the_trainers_requests_per_shard_do_not_grow_with_the_producers(tmp_path
     for producers in (1, 8):
         uri = str(tmp_path / f"window-{producers}")
         for rank in range(producers):
-            produce(Window(uri, 16, **FAST), rank, producers, 16 // producers)
+            produce(open_writer(uri, 16, **FAST), rank, producers, 16 // producers)
         storage = ThreadCountingStorage(uri)
-        reader = Window(uri, 16, storage=storage, **FAST)
+        reader = open_reader(uri, 16, storage=storage, **FAST)
         for position in range(8):  # the first round: every producer found
             assert reader.record_at(position) is not None
         reader.publish_read(8)
@@ -356,60 +382,60 @@ def test_the_trainers_requests_per_shard_do_not_grow_with_the_producers(tmp_path
 
 
 def test_keep_never_evicts(uri):
-    w = Window(uri, size="keep", poll_seconds=0.01, timeout_seconds=0.2)
-    produce(w, 0, 1, 5)  # wait_for_room never blocks although nothing is read
-    assert slots(w) == [(i, 0, i) for i in range(5)]
-    w.publish_read(5)
-    w.publish_watermark(5)
-    assert w.evict() == []
-    assert Storage(uri).list("data") == [data_of(w, 0, i) for i in range(5)]
-    assert slots(w) == [(i, 0, i) for i in range(5)]  # a second epoch reads it all again
+    w = Both(uri, size="keep", poll_seconds=0.01, timeout_seconds=0.2)
+    produce(w.writer, 0, 1, 5)  # wait_for_room never blocks although nothing is read
+    assert slots(w.reader) == [(i, 0, i) for i in range(5)]
+    w.reader.publish_read(5)
+    w.reader.publish_watermark(5)
+    assert w.writer.evict() == []
+    assert Storage(uri).list("data") == [data_of(w.reader, 0, i) for i in range(5)]
+    assert slots(w.reader) == [(i, 0, i) for i in range(5)]  # a second epoch reads it all again
 
 
 def test_corrupt_data_fails_read(uri):
-    w = Window(uri, **FAST)
-    w.register_producer(0, 1)
-    record = commit(w, 0, 0)
+    w = Both(uri, **FAST)
+    w.writer.register_producer(0, 1)
+    record = commit(w.writer, 0, 0)
     storage = Storage(uri)
     good = storage.read(record.data)
     storage.put_atomic(record.data, good[:-1] + bytes([good[-1] ^ 1]))
     with pytest.raises(ShardCorruptError, match="sha256"):
-        w.read_shard(record)
+        w.reader.read_shard(record)
     storage.put_atomic(record.data, good[:-4])
     with pytest.raises(ShardCorruptError, match=f"{len(good) - 4} bytes but its commit record says"):
-        w.read_shard(record)
+        w.reader.read_shard(record)
     storage.put_atomic(record.data, good)
-    assert w.read_shard(record) == good
+    assert w.reader.read_shard(record) == good
 
 
 def test_misuse_gets_clear_errors(uri):
-    w = Window(uri, **FAST)
-    w.acquire(0)
-    w.register_producer(0, 2)
+    w = Both(uri, **FAST)
+    w.writer.acquire(0)
+    w.writer.register_producer(0, 2)
     with pytest.raises(ValueError, match="world size 2"):
-        w.register_producer(1, 3)
+        w.writer.register_producer(1, 3)
     with pytest.raises(ValueError, match="must commit seq 0 next, got 1"):
-        w.commit(0, 1, 0, shard(0, 1), "9x64x64", ["a", "b"], "fp")
-    commit(w, 0, 0)
-    other = Window(uri, **FAST)  # a second process that wrongly also runs as rank 0
+        w.writer.commit(0, 1, 0, shard(0, 1), "9x64x64", ["a", "b"], "fp")
+    commit(w.writer, 0, 0)
+    other = open_writer(uri, **FAST)  # a second process that wrongly also runs as rank 0
     other.acquire(0)  # its lease is newer: w is fenced at its next commit
     commit(other, 0, 1)
     with pytest.raises(RuntimeError, match="lane 0 of .* was taken over by generation"):
-        commit(w, 0, 1)  # w still expects seq 1, but a newer producer holds rank 0 now
+        commit(w.writer, 0, 1)  # w still expects seq 1, but a newer producer holds rank 0 now
     with pytest.raises(ValueError, match="finish with num_shards=2"):
-        w.finish_producer(0, 3)
+        w.writer.finish_producer(0, 3)
     with pytest.raises(ValueError, match="past the shards committed"):
-        w.publish_read(3)
+        w.reader.publish_read(3)
     with pytest.raises(ValueError, match="positive integer"):
-        Window(uri, size=0)
+        open_writer(uri, size=0)
 
 
 def test_walking_the_order_again_asks_storage_nothing(tmp_path):
     """publish_read runs for every shard read: a long run must not re-walk the order from position 0."""
     uri = str(tmp_path / "window")
     for rank in range(2):
-        produce(Window(uri, "keep", **FAST), rank, 2, 5 - rank)
-    reader = Window(uri, "keep", **FAST)
+        produce(open_writer(uri, "keep", **FAST), rank, 2, 5 - rank)
+    reader = open_reader(uri, "keep", **FAST)
     expected = slots(reader)
     assert len(expected) == 9
 
@@ -428,31 +454,31 @@ def test_state_shows_the_size_producers_registered(uri):
     from vt.precompute.cli import app
     from vt.shared.window import producer_path
 
-    Window(uri, size=2, **FAST).register_producer(0, 2)
-    assert Window(uri).state()["size"] == 2  # Window(uri) itself defaults to 8
-    Window(uri, size=2, **FAST).register_producer(1, 2)
-    state = Window(uri).state()
+    open_writer(uri, size=2, **FAST).register_producer(0, 2)
+    assert inspect(uri)["size"] == 2  # open_writer(uri) itself defaults to 8
+    open_writer(uri, size=2, **FAST).register_producer(1, 2)
+    state = inspect(uri)
     assert state["size"] == 2 and [p["size"] for p in state["producers"].values()] == [2, 2]
     assert "size=2 " in CliRunner().invoke(app, ["inspect", uri]).output
-    Window(uri, size=6, **FAST).register_producer(0, 2)  # a restart with another size: kept current
-    assert Window(uri).state()["size"] == "p0=6, p1=2"
-    Window(uri, size=6, **FAST).register_producer(1, 2)
-    assert Window(uri).state()["size"] == 6
+    open_writer(uri, size=6, **FAST).register_producer(0, 2)  # a restart with another size: kept current
+    assert inspect(uri)["size"] == "p0=6, p1=2"
+    open_writer(uri, size=6, **FAST).register_producer(1, 2)
+    assert inspect(uri)["size"] == 6
     # A window whose registrations hold no size (written by an older vt): unknown, never a made-up 8.
     storage = Storage(uri)
     storage.put_atomic(producer_path(0), b'{"rank": 0, "world_size": 1, "done": false, "num_shards": null}')
     storage.delete(producer_path(1))
-    assert Window(uri).state()["size"] == "unknown"
+    assert inspect(uri)["size"] == "unknown"
     assert "size=unknown " in CliRunner().invoke(app, ["inspect", uri]).output
 
 
 def test_a_restart_with_other_settings_is_refused(uri):
     """A producer restarted into a window its rank wrote with another fingerprint stops, naming both."""
-    w = Window(uri, size=4, **FAST)
+    w = open_writer(uri, size=4, **FAST)
     w.acquire(0)
     assert w.register_producer(0, 1, fingerprint="fp")
     commit(w, 0, 0)
-    restarted = Window(uri, size=4, **FAST)
+    restarted = open_writer(uri, size=4, **FAST)
     restarted.acquire(0)
     with pytest.raises(ValueError, match=r"other settings \(fingerprint fp, now other\).*fresh window.uri"):
         restarted.register_producer(0, 1, fingerprint="other")
@@ -461,15 +487,15 @@ def test_a_restart_with_other_settings_is_refused(uri):
 
 KILLED_WRITE = r"""
 import sys
-from vt.shared.window import Window
+from vt.shared.window import open_reader, open_writer
 
 uri, role = sys.argv[1:]
-window = Window(uri)
 if role == "consumer":
-    window.publish_read(1)  # killed inside consumer.json's write
+    open_reader(uri).publish_read(1)  # killed inside consumer.json's write
 else:
-    window.acquire(0)
-    window.write_progress(0, {"samples": 4})  # killed inside progress/p0's write
+    writer = open_writer(uri)
+    writer.acquire(0)
+    writer.write_progress(0, {"samples": 4})  # killed inside progress/p0's write
 """
 
 
@@ -493,31 +519,33 @@ def test_killed_writers_temp_files_are_shown_and_cleaned_by_the_role_that_owns_t
     from vt.shared.storage import STALE_TEMP_SECONDS
 
     uri = str(tmp_path / "window")
-    w = Window(uri, **FAST)
-    w.acquire(0)
-    w.register_producer(0, 1)
-    commit(w, 0, 0)
+    w = Both(uri, **FAST)
+    w.writer.acquire(0)
+    w.writer.register_producer(0, 1)
+    commit(w.writer, 0, 0)
     killed_inside_a_write(uri, "consumer", "storage.put.mid_write:consumer.json")
     killed_inside_a_write(uri, "producer", "storage.put.mid_write:progress")
-    leftovers = w.state()["leftovers"]
+    leftovers = inspect(w.reader.uri)["leftovers"]
     consumer_tmp = [rel for rel in leftovers if rel.startswith(".consumer.json.vt-tmp-")]
     progress_tmp = [rel for rel in leftovers if rel.startswith("progress/p0/.")]
     assert len(consumer_tmp) == 1 and len(progress_tmp) == 1 and len(leftovers) == 2, leftovers
     assert all(0 <= age < 600 for age in leftovers.values())
-    assert consumer_tmp[0] in format_state(w.state()) and "unfinished writes" in format_state(w.state())
+    assert consumer_tmp[0] in format_state(inspect(w.reader.uri)) and "unfinished writes" in format_state(
+        inspect(w.reader.uri)
+    )
     assert not any(".vt-tmp-" in rel for rel in Storage(uri).list(""))  # listings never show temp files
 
-    assert Window(uri).clean_orphans(0) == progress_tmp  # the producer cleans its own folders only
-    assert list(w.state()["leftovers"]) == consumer_tmp
-    assert Window(uri).clean_consumer_debris() == consumer_tmp  # the trainer's rank 0, at its start
-    assert w.state()["leftovers"] == {}
+    assert open_writer(uri).clean_orphans(0) == progress_tmp  # the producer cleans its own folders only
+    assert list(inspect(w.reader.uri)["leftovers"]) == consumer_tmp
+    assert open_reader(uri).clean_consumer_debris() == consumer_tmp  # the trainer's rank 0, at its start
+    assert inspect(w.reader.uri)["leftovers"] == {}
 
     foreign = tmp_path / "window" / ".consumer.json.vt-tmp-otherhost-1-abcdef012345"
     foreign.write_bytes(b"half")  # another host's writer: its pid cannot be checked, only its age
-    assert w.clean_consumer_debris() == []
+    assert w.reader.clean_consumer_debris() == []
     old = time.time() - STALE_TEMP_SECONDS - 60
     os.utime(foreign, (old, old))
-    assert w.clean_consumer_debris() == [foreign.name] and not foreign.exists()
+    assert w.reader.clean_consumer_debris() == [foreign.name] and not foreign.exists()
 
 
 def test_a_noted_read_position_is_written_once_flushed_or_before_the_reader_waits(tmp_path):
@@ -526,20 +554,20 @@ def test_a_noted_read_position_is_written_once_flushed_or_before_the_reader_wait
     wait on each other."""
     from vt.shared.window import ledger
 
-    w = Window(str(tmp_path / "w"), size=2, poll_seconds=2.0, timeout_seconds=0.5)  # a write per 2 s at most
-    w.register_producer(0, 1)
-    commit(w, 0, 0)
-    commit(w, 0, 1)
-    read = lambda: ledger.consumer(w.storage)["read_position"]  # noqa: E731
-    assert w.record_at(0) is not None
-    w.note_read(1)
+    w = Both(str(tmp_path / "w"), size=2, poll_seconds=2.0, timeout_seconds=0.5)  # a write per 2 s at most
+    w.writer.register_producer(0, 1)
+    commit(w.writer, 0, 0)
+    commit(w.writer, 0, 1)
+    read = lambda: ledger.consumer(w.reader.storage)["read_position"]  # noqa: E731
+    assert w.reader.record_at(0) is not None
+    w.reader.note_read(1)
     assert read() == 0, "noted, not written yet"
-    w.flush_read()
+    w.reader.flush_read()
     assert read() == 1
-    assert w.record_at(1) is not None
-    w.note_read(2)
-    w.flush_read()
+    assert w.reader.record_at(1) is not None
+    w.reader.note_read(2)
+    w.reader.flush_read()
     assert read() == 1, "at most one write per poll_seconds"
     with pytest.raises(WindowTimeout):
-        w.record_at(2)  # shard 2 never comes: the reader waits, and writes its position first
+        w.reader.record_at(2)  # shard 2 never comes: the reader waits, and writes its position first
     assert read() == 2

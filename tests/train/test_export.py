@@ -102,9 +102,9 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(
     video = read_video(tmp_path / "run" / "validation" / f"step-{summary['steps']:06d}" / "00.mp4")
     assert video.shape[0] == 9 and video.shape[1:3] == (64, 64)  # the smallest bucket
     from vt.shared.shards import decode_shard
-    from vt.shared.window import Window
+    from vt.shared.window import open_reader
 
-    window = Window(str(tmp_path / "window"), "keep")
+    window = open_reader(str(tmp_path / "window"))
     _, record = next(iter(window.order()))
     tensors, _, _ = decode_shard(window.read_shard(record))
     assert "first_frame_latents" in tensors and tensors["first_frame_latents"].shape[2] == 1

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vt.shared.shards import encode_shard
-from vt.shared.window import Window
+from vt.shared.window import open_reader, open_writer
 from vt.train.data import BatchReader
 from vt.train.read_ahead import ReadAhead
 
@@ -25,7 +25,7 @@ SHARDS, ROWS = 8, 2  # one shard a batch
 @pytest.fixture(scope="module")
 def window_uri(tmp_path_factory) -> str:
     uri = str(tmp_path_factory.mktemp("read-ahead") / "window")
-    window = Window(uri, size="keep")
+    window = open_writer(uri, size="keep")
     window.register_producer(0, 1)
     for seq in range(SHARDS):
         keys = [f"s{seq}-{row}" for row in range(ROWS)]
@@ -39,7 +39,7 @@ class CountedReads:
     """A window whose storage requests are counted; a test can wait for the count to reach a number."""
 
     def __init__(self, uri: str):
-        self.window = Window(uri, size="keep")
+        self.window = open_reader(uri)
         self.count = 0
         self._changed = threading.Condition()
         read_ranges = self.window.storage.read_ranges

@@ -64,10 +64,10 @@ def reference(tmp_path_factory, tiny_model_factory, clips_dir):
 def test_the_reference_run_takes_the_paths_a_resume_must_repeat(reference):
     """The data really has what makes resume hard: several buckets interleaved, shards larger than
     the batch, uneven tails; each sample once per epoch."""
-    from vt.shared.window import Window
+    from vt.shared.window import open_reader
 
     config, run_dir = reference
-    records = [record for _, record in Window(load_config(config).window.uri, "keep").order()]
+    records = [record for _, record in open_reader(load_config(config).window.uri).order()]
     buckets = [record.bucket for record in records]
     assert len(set(buckets)) >= 2 and any(a != b for a, b in zip(buckets, buckets[1:]))
     assert max(len(record.keys) for record in records) > 2  # a shard holds more than one batch

@@ -4,7 +4,7 @@ Resolving the fixed order (shared/window/reader.py) lists commits/ and producers
 and commit records, and polls while the next shard is not committed yet. If every rank did that, a job
 of D ranks would make D times the listing requests (the requests object storage limits per prefix)
 for an answer that is the same on every rank. Here rank 0 alone resolves each position the trainer
-asks for (`Window.record_at`) and broadcasts the commit record; the other ranks make no listing request and read no commit
+asks for (`Reader.record_at`) and broadcasts the commit record; the other ranks make no listing request and read no commit
 record or registration: they read only the data (shards, captions) the records name. Backpressure
 (`publish_read`) and eviction stay with rank 0, which holds the resolved order they need.
 
@@ -19,7 +19,7 @@ stops with an error (a window timeout, an evicted position), the others raise th
 from __future__ import annotations
 
 from vt.shared.shards import CommitRecord
-from vt.shared.window import Window, WindowTimeout
+from vt.shared.window import Reader, WindowTimeout
 from vt.shared.window.reader import NotYet
 
 __all__ = ["OrderFromRankZero"]
@@ -29,15 +29,15 @@ ERRORS = {"WindowTimeout": WindowTimeout}
 
 
 class OrderFromRankZero:
-    """`order(position, block)` with Window.record_at's contract, resolved on rank 0 and broadcast (the window's
+    """`order(position, block)` with Reader.record_at's contract, resolved on rank 0 and broadcast (the window's
     own in one process)."""
 
-    def __init__(self, window: Window, world):
+    def __init__(self, window: Reader, world):
         self.window = window
         self.world = world
         self.distributed = world.mesh is not None
         if self.distributed and world.is_main:
-            window.reader.on_poll = lambda: world.broadcast_object(("wait",))
+            window.on_poll = lambda: world.broadcast_object(("wait",))
 
     def __call__(self, position: int, block: bool = True) -> CommitRecord | None:
         if not self.distributed:
