@@ -193,13 +193,25 @@ def test_no_module_but_a_familys_own_and_the_registry_imports_or_names_it_in_cod
 FAMILY_MODULE_LINES = 300
 
 
+def spread(text: str) -> bool:
+    """A line that opens a bracketed list, holds one element of it, or only brackets: the lines ruff format spreads a
+    call, literal or signature over when it is longer than a line (one element a line). The size and repeat rules
+    count the others, so a module measures the same however its calls are wrapped."""
+    text = text.strip()
+    return text.endswith((",", "(", "[", "{")) or (bool(text) and text.strip("()[]{},:") == "")
+
+
+def code_lines(path: Path) -> int:
+    return sum(not spread(line) for line in path.read_text().splitlines())
+
+
 def test_every_module_of_the_seam_is_small():
-    """Every module under shared/models (spec, roles and family modules) is at most 300 lines: tiny builders,
-    tokenizer builders, pipeline handles and LoRA loaders live in modules of their own."""
+    """Every module under shared/models (spec, roles and family modules) is at most 300 lines (`code_lines`): tiny
+    builders, tokenizer builders, pipeline handles and LoRA loaders live in modules of their own."""
     long = {
         str(path.relative_to(ROOT)): n
         for path in python_files("shared/models")
-        if (n := len(path.read_text().splitlines())) > FAMILY_MODULE_LINES
+        if (n := code_lines(path)) > FAMILY_MODULE_LINES
     }
     assert not long, f"modules over {FAMILY_MODULE_LINES} lines: {long}"
 
@@ -209,15 +221,15 @@ SEAM_LINES = 5000
 
 def test_the_seam_stays_small():
     """shared/models, every module under it (spec, roles, family modules, tiny presets), is at most 5,000 lines for
-    its 14 families (issue 26's target): weight and LoRA file formats live in shared/weights, a new family adds its
+    its 14 families (issue 26's target; `code_lines`): weight and LoRA file formats live in shared/weights, a new family adds its
     own module(s) and shares what it has in common with another."""
-    total = sum(len(path.read_text().splitlines()) for path in python_files("shared/models"))
+    total = sum(code_lines(path) for path in python_files("shared/models"))
     assert total <= SEAM_LINES, f"shared/models is {total} lines, over {SEAM_LINES}"
 
 
 def test_no_six_lines_repeat_inside_the_seam():
-    """No run of six code lines stands twice in two modules under shared/models (docstrings, comments, imports, lone
-    brackets and method signatures aside): what two families share is one function of the seam's, not a copy."""
+    """No run of six code lines stands twice in two modules under shared/models (docstrings, comments, imports, the
+    lines a call or literal is spread over (`spread`) and method signatures aside): what two families share is one function of the seam's, not a copy."""
     seen: dict[tuple[str, ...], str] = {}
     repeats = []
     for path in python_files("shared/models"):
@@ -248,7 +260,7 @@ def test_no_six_lines_repeat_inside_the_seam():
         code = [
             (n, text)
             for n, text in code
-            if text and not text.startswith(("#", "import ", "from ")) and text.strip("()[]{},:") != ""
+            if text and not text.startswith(("#", "import ", "from ")) and not spread(text)
         ]
         for start in range(len(code) - 5):
             window = tuple(text for _, text in code[start : start + 6])

@@ -99,10 +99,10 @@ def test_a_nan_loss_stops_the_run_before_the_optimizer_applies_it(
 ):
     """A NaN loss at step 3 stops the run at step 3, on the host read before the optimizer: the weights stay step
     2's, no checkpoint of step 3 (or later) is written, nothing is exported."""
-    from vt.train import trainer as trainer_module
+    from vt.train import step as step_module  # the step's loss path (train/step.py)
 
     trainer = trainer_for(tmp_path, tiny_model_factory, raw_shards, kept_window, checkpoint_every=checkpoint_every)
-    joint_loss = trainer_module.joint_loss
+    joint_loss = step_module.joint_loss
     before = {}
 
     def nan_at_step_3(*args, **kwargs):
@@ -112,7 +112,7 @@ def test_a_nan_loss_stops_the_run_before_the_optimizer_applies_it(
             loss = loss * math.nan
         return loss, audio_loss
 
-    monkeypatch.setattr(trainer_module, "joint_loss", nan_at_step_3)
+    monkeypatch.setattr(step_module, "joint_loss", nan_at_step_3)
     with pytest.raises(FloatingPointError, match="loss is nan at step 3, which the optimizer did not apply"):
         trainer.run()
     assert trainer.step == 2 and before
