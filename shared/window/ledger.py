@@ -1,8 +1,8 @@
 """The window's small shared records, read and written by both sides: producer registrations, the
 consumer's positions (consumer.json), commit records and `next_seq`, which needs all three.
 
-Functions over a Storage, not a class: the writer, the reader, cleaning and state each hold their own
-state and read these records the same way."""
+Functions over a Storage: the writer, the reader, cleaning and state each hold their own state and read these
+records the same way (the writer and the reader through `LedgerReads`)."""
 
 from __future__ import annotations
 
@@ -111,3 +111,19 @@ def record(storage: Storage, rank: int, seq: int) -> CommitRecord | None:
         return CommitRecord.from_json(storage.read(commit_path(rank, seq)))
     except FileNotFoundError:
         return None
+
+
+class LedgerReads:
+    """What both roles read of the ledger, for a class holding the window's `storage` (writer.py, reader.py)."""
+
+    storage: Storage
+
+    def world_size(self) -> int | None:
+        """The producers' world size as registered (None before any producer registered)."""
+        return world_size(self.storage)
+
+    def next_seq(self, rank: int, consumer: dict | None = None) -> int:
+        return next_seq(self.storage, rank, consumer)
+
+    def record(self, rank: int, seq: int) -> CommitRecord | None:
+        return record(self.storage, rank, seq)

@@ -35,7 +35,7 @@ class NotYet(Exception):
     """A slot of the order cannot be resolved yet: neither its record nor a done marker exists."""
 
 
-class Reader:
+class Reader(ledger.LedgerReads):
     """The consumer of one window (`open_reader`): walks the fixed order, remembering every slot resolved so far (a
     resolved slot never changes), reads shards, and publishes the consumer's positions. `keep`: a window that is
     never evicted (window.size = "keep")."""
@@ -78,16 +78,6 @@ class Reader:
 
     def __repr__(self) -> str:
         return f"Reader({self.uri!r})"
-
-    def world_size(self) -> int | None:
-        """The producers' world size as registered (None before any producer registered)."""
-        return ledger.world_size(self.storage)
-
-    def next_seq(self, rank: int, consumer: dict | None = None) -> int:
-        return ledger.next_seq(self.storage, rank, consumer)
-
-    def record(self, rank: int, seq: int) -> CommitRecord | None:
-        return ledger.record(self.storage, rank, seq)
 
     def slot(self, position: int, block: bool) -> tuple[int, int] | None:
         """(rank, seq) at `position` of the fixed order; None past its end. block=False raises NotYet

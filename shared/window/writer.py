@@ -51,7 +51,7 @@ def _identity(record: CommitRecord) -> tuple:
     return record.producer, record.seq, record.epoch, record.bucket, tuple(record.keys), record.fingerprint
 
 
-class Writer:
+class Writer(ledger.LedgerReads):
     """One process's producer ranks of a window (`open_writer`): the seq each commits next, the lease generation it
     holds, and the uncommitted data found at its start."""
 
@@ -68,15 +68,6 @@ class Writer:
 
     def __repr__(self) -> str:
         return f"Writer({self.uri!r}, size={self.size!r})"
-
-    def world_size(self) -> int | None:
-        return ledger.world_size(self.storage)
-
-    def next_seq(self, rank: int, consumer: dict | None = None) -> int:
-        return ledger.next_seq(self.storage, rank, consumer)
-
-    def record(self, rank: int, seq: int) -> CommitRecord | None:
-        return ledger.record(self.storage, rank, seq)
 
     def lanes(self, wanted: int, raw_shards: int | None = None) -> int:
         """The window's lane count: fixed by its first producer (`wanted`), the same for every later one."""
