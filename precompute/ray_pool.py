@@ -70,7 +70,8 @@ class RayDecodePool:
         self._remote = ray.remote(num_cpus=1, max_restarts=0)(DecodeActor)
         self.initializer = initializer
         self.actors: list = []
-        self._starts: list = []  # per actor, its first call (`pid`): ready once the actor has started
+        self._starts: list = []  # per actor, its first call (`pid`) until answered (the actor started), then None
+        self.awaiting_start: int | None = None  # the actor whose start this driver waits for now, if any
         for _ in range(actors):
             self._new_actor()
         self._turn = 0
@@ -82,7 +83,8 @@ class RayDecodePool:
 
     def warm_up(self) -> None:
         """Wait until every actor has started (its process imports torch and PyAV)."""
-        self._get(list(self._starts), max(self.timeout, START_SECONDS))
+        self._get([ref for ref in self._starts if ref is not None], max(self.timeout, START_SECONDS))
+        self._starts = [None] * len(self._starts)
 
     def close(self) -> None:
         """Stop the actors at once, and the local cluster if this pool started one."""
@@ -112,13 +114,17 @@ class RayDecodePool:
             self.actors[index], self._starts[index] = actor, actor.pid.remote()
 
     def _wait_started(self, index: int, actor) -> None:
-        """Until actor `index` has started (a clip's deadline then counts its run only)."""
-        if self.actors[index] is not actor:
+        """Until actor `index` has started, once per actor (a clip's deadline then counts its run only)."""
+        if self.actors[index] is not actor or self._starts[index] is None:
             return
+        self.awaiting_start = index
         try:
             self._get(self._starts[index], max(self.timeout, START_SECONDS))
         except self.ray.exceptions.RayActorError:
             return  # died starting: the clip's own get reports it
+        finally:
+            self.awaiting_start = None
+        self._starts[index] = None
 
     def map(self, fn: Callable[[Any], Any], items: Iterable, inflight: int, on_crash: Callable[[Any], Any]) -> Iterator:
         """fn over items in order, with at most `inflight` submitted (no eager read-ahead)."""

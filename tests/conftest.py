@@ -26,9 +26,8 @@ os.environ.setdefault("VT_CACHE_DIR", str(ROOT / ".cache" / "tests"))  # weight 
 
 
 def pytest_configure(config):
-    import torch  # imported before this file set OMP_NUM_THREADS (a plugin's import): the same share
-
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    if "torch" in sys.modules:  # imported before this file set OMP_NUM_THREADS (a plugin's import): the same share
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections import Counter
 
 import pytest
@@ -121,25 +122,37 @@ def test_a_hung_clip_runs_again_on_a_fresh_actor_and_a_killer_clip_is_rejected(r
     assert pool.crashes == 1 and pool.restarts >= 2  # the hung actor, then the one clip 4 killed (at least)
 
 
-def test_a_clips_deadline_counts_its_own_run_not_its_actors_start(ray_cluster, monkeypatch):
+def test_a_clips_deadline_counts_its_own_run_not_its_actors_start(ray_cluster, tmp_path, monkeypatch):
     """On a loaded machine an actor takes longer to start (its process imports torch and PyAV) than a clip may run:
     the deadline is the clip's own, so every clip decodes on the actors it was given, none replaced or rejected.
-    Before, the first clip of each actor was timed from its submission, start-up included, and with a start slower
-    than the deadline every clip timed out on every fresh actor and was rejected."""
+    Here every actor's start waits, on a named pipe, until the driver has waited for a start (this code) or replaced
+    an actor whose first clip passed its deadline (before: the first clip of each actor was timed from its
+    submission, start-up included, and every clip was rejected)."""
     from vt.precompute.ray_pool import RayDecodePool
 
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster[0])
     for name, value in RAY_ENV.items():
         monkeypatch.setenv(name, value)
+    gate = str(tmp_path / "start-gate")
+    os.mkfifo(gate)
 
-    def slow_start():  # stands in for the imports of an actor's process on a busy machine
-        import time
+    def slow_start():  # an actor's start held until the test opens the gate (the pipe has a writer)
+        open(gate, "rb").close()
 
-        time.sleep(4)
-
-    pool = RayDecodePool(2, initializer=slow_start, tries=2, timeout_seconds=2)
+    pool = RayDecodePool(2, initializer=slow_start, tries=2, timeout_seconds=0.5)
+    out: list = []
+    decoding = threading.Thread(
+        target=lambda: out.extend(pool.map(lambda item: item * 10, range(4), inflight=2, on_crash=lambda i: ("x", i)))
+    )
+    decoding.start()
     try:
-        out = list(pool.map(lambda item: item * 10, range(4), inflight=2, on_crash=lambda item: ("rejected", item)))
+        wait_for(
+            lambda: getattr(pool, "awaiting_start", None) is not None or pool.restarts > 0,
+            what="the driver to wait on a start",
+        )
+        opened = os.open(gate, os.O_RDWR | os.O_NONBLOCK)  # every start waiting now or later goes on
+        decoding.join(120)
+        os.close(opened)
     finally:
         pool.close()
-    assert out == [0, 10, 20, 30] and pool.restarts == 0 and pool.crashes == 0
+    assert not decoding.is_alive() and out == [0, 10, 20, 30] and pool.restarts == 0 and pool.crashes == 0
