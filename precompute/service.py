@@ -101,13 +101,8 @@ def held_out_config(config: Config) -> Config:
             "data": config.data.model_copy(update={"raw": config.data.eval, "eval": None}),
             "window": config.window.model_copy(update={"uri": eval_window_uri(config.window.uri), "size": "keep"}),
             "run": config.run.model_copy(update={"dir": str(config.run_dir / "eval")}),
-            "train": config.train.model_copy(
-                update={
-                    "validation_prompts": [],
-                    "validation_images": [],
-                    "validation_last_images": [],
-                    "validation_videos": [],
-                }
+            "validation": config.validation.model_copy(
+                update={"prompts": [], "images": [], "last_images": [], "videos": []}
             ),
         }
     )

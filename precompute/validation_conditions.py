@@ -29,7 +29,7 @@ def write_validation_conditions(
     """Encode and store every validation input the window lacks for `fingerprint`; returns how many."""
     written = 0
     images, pairs = bool(spec.image_conditions), bool(spec.text_with_image)
-    inputs = validation_inputs(config.train, spec.negative_prompt, images, pairs)
+    inputs = validation_inputs(config.validation, spec.negative_prompt, images, pairs)
     for item in inputs:
         if window.has_validation(fingerprint, item.key):
             continue

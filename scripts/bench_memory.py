@@ -17,7 +17,7 @@ one prompt, export), and each rank reports its peak resident set in <run>/memory
                                width as fit, and the row says so)
     LoRA, one process, on the transformer quantized to a Q8_0 GGUF file and to int8 (scripts/quantize_base.py,
     kept as stored: train/packed_base.py)   goal: <= 0.75x the bf16 base's one-process run
-    LoRA, one process, the bf16 base quantized to NF4 as it is read (train.quantize_base)   goal: <= 0.6x
+    LoRA, one process, the bf16 base quantized to NF4 as it is read (frozen_base.quantize)   goal: <= 0.6x
     `vt-train plan --device cpu` for each row: within 15% of the measured peak
 
 Peaks are the runs' own (the process's resident set at its highest), less the resident set the process
@@ -126,7 +126,14 @@ def bf16_weights_bytes(folder: Path) -> int:
 
 
 def write_config(
-    path: Path, model: Path, raw: Path, window: Path, run: Path, transformer: Path | None = None, **train
+    path: Path,
+    model: Path,
+    raw: Path,
+    window: Path,
+    run: Path,
+    transformer: Path | None = None,
+    sections: dict | None = None,
+    **train,
 ) -> Path:
     from vt.shared.config import Config, build, to_toml
 
@@ -153,10 +160,10 @@ def write_config(
             "max_steps": 1,
             "lr": 1e-4,
             "checkpoint_every": 0,
-            "validation_prompts": [PROMPT],
-            "validation_steps": 1,
             **train,
         },
+        "validation": {"prompts": [PROMPT], "steps": 1},
+        **(sections or {}),
         "parallel": {"activation_checkpointing": True, "dp_shard": -1},  # FSDP2, as `vt-train plan` plans it
         "log": {"progress": False},
     }
@@ -260,7 +267,14 @@ def main(argv: list[str] | None = None) -> dict:
     for kind in () if args.only_full else ("Q8_0", "int8", "nf4"):
         name = f"lora-1-{kind}"
         config = (
-            write_config(runs / f"{name}.toml", model, args.raw, window, runs / name, quantize_base="nf4")
+            write_config(
+                runs / f"{name}.toml",
+                model,
+                args.raw,
+                window,
+                runs / name,
+                sections={"frozen_base": {"quantize": "nf4"}},
+            )
             if kind == "nf4"
             else write_config(
                 runs / f"{name}.toml",

@@ -51,7 +51,7 @@ def train_overrides(model: Path, run_dir: Path, window: Path, batch: int, world:
         "train.epochs=1",
         "train.max_steps=0",
         "train.checkpoint_every=0",
-        "train.validation_prompts=[]",
+        "validation.prompts=[]",
         "log.progress=false",
         f"parallel.dp_replicate={world}",
         "parallel.dp_shard=1",

@@ -48,9 +48,9 @@ def train_start(config: Path, model: Path, window: Path, work: Path, name: str, 
         'window.size="keep"',
         f"run.dir={toml_string(run_dir)}",
         "train.max_steps=2",
-        "train.validate_every=0",
+        "validation.every=0",
         "train.checkpoint_every=0",
-        "train.validation_prompts=[]",
+        "validation.prompts=[]",
         "log.progress=false",
     ]
     cfg = write_run_config(config, work / f"{name}.toml", overrides)

@@ -66,24 +66,26 @@ def train_overrides(model: Path, transformer: Path, window: Path, run_dir: Path)
         f"run.dir={toml_string(run_dir)}",
         f"window.uri={toml_string(window)}",
         'window.size="keep"',
-        "train.validation_prompts=[]",
+        "validation.prompts=[]",
         "train.checkpoint_every=0",
-        "train.validate_every=0",
+        "validation.every=0",
         "log.progress=false",
     ]
 
 
 def bare_settings(trainer) -> BareSettings:
     """The bare loop's settings, taken from the trainer so both sides agree by construction."""
-    train, model = trainer.config.train, trainer.config.model
+    config = trainer.config
+    train, model, flow = config.train, config.model, config.flow
+    lora = trainer.parts["adapter"].build_options(trainer.spec, trains=True)["lora"]
     unsupported = {
         "model.family": model.family != "ltx-video",
         "model.task": model.task != "t2v",
         "train.mode": train.mode != "lora",
         "train.grad_accum": train.grad_accum != 1,
-        "train.sigma_sampling": train.sigma_sampling != "logit_normal",
-        "train.shift": train.shift != 1.0,
-        "train.warmup_steps": train.warmup_steps > 0,
+        "flow.sigma_sampling": flow.sigma_sampling != "logit_normal",
+        "flow.shift": flow.shift != 1.0,
+        "lr_schedule": not trainer.parts["lr_schedule"].constant(),
     }
     bad = [key for key, differs in unsupported.items() if differs]
     if bad:
@@ -94,9 +96,9 @@ def bare_settings(trainer) -> BareSettings:
     g = trainer.spec.geometry
     return BareSettings(
         seed=train.seed,
-        lora_rank=train.lora_rank,
-        lora_alpha=train.lora_alpha,
-        lora_targets=list(train.lora_targets or trainer.spec.default_lora_targets),
+        lora_rank=lora["rank"],
+        lora_alpha=lora["alpha"],
+        lora_targets=list(lora["targets"] or trainer.spec.default_lora_targets),
         lr=train.lr,
         weight_decay=train.weight_decay,
         max_grad_norm=train.max_grad_norm or float("inf"),

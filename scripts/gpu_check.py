@@ -12,7 +12,7 @@ the Model Spec's forward (flow-matching loss, AdamW), in one process on one GPU:
   same clip, full fine-tuning in bf16 against torchao float8 tensorwise and rowwise (compiled
   blocks: torchao's float8 casts need compile to pay off), on the layers torchao's filter picks.
 - lora: the 1.3B shape with rank-32 LoRA on a bf16 base against an fp8 e4m3 base (vt's
-  `train.fp8_base_weights`): memory and step time.
+  `frozen_base.fp8`): memory and step time.
 - plan: a rank-32 LoRA on a Wan 2.1 14B-shaped transformer (all 40 blocks, random bf16 weights) at the
   same clip, activation checkpointing on, its peak GPU memory over the training steps next to what
   `vt-train plan` estimates for that run from the real configs (scripts/real_models.json).
@@ -296,12 +296,11 @@ def planned_gib(case: Case, args) -> float:
             {
                 "model": {"family": "wan", "path": str(folder), "dtype": "bfloat16", "max_text_tokens": shape.text_len},
                 "buckets": {"sizes": [f"{4 * (shape.frames - 1) + 1}x{8 * shape.height}x{8 * shape.width}"]},
-                "train": {
-                    "mode": "lora",
-                    "lora_rank": args.lora_rank,
-                    "lora_alpha": float(args.lora_rank),
-                    "lora_targets": ["to_q", "to_k", "to_v", "to_out.0"],
-                    "batch_size": 1,
+                "train": {"mode": "lora", "batch_size": 1},
+                "adapter": {
+                    "rank": args.lora_rank,
+                    "alpha": float(args.lora_rank),
+                    "targets": ["to_q", "to_k", "to_v", "to_out.0"],
                 },
                 "parallel": {"activation_checkpointing": case.ac},
             },

@@ -38,13 +38,17 @@ RUNS = {
     "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
     "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
 }
-# rows on one GPU under a memory cap: (GiB, the parallel and train settings docs/memory.md names for that card)
+# rows on one GPU under a memory cap: (GiB, the parts' settings docs/memory.md names for that card, a name for them)
 CAPPED = {
-    "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": (24, {"blocks_on_gpu": 10, "activation_offload": True}, {}),
+    "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": (
+        24,
+        {"block_swap": {"blocks_on_gpu": 10}, "activation_offload": {"enabled": True}},
+        "swap10-offload",
+    ),
     "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": (
         24,
-        {"activation_offload": True},
-        {"quantize_base": "nf4"},
+        {"activation_offload": {"enabled": True}, "frozen_base": {"quantize": "nf4"}},
+        "nf4",
     ),
 }
 PROMPT = "a red fox running through fresh snow, cinematic"
@@ -95,8 +99,7 @@ def run_config(
     window: Path,
     gpus: int,
     dry: bool,
-    parallel: dict | None = None,
-    train: dict | None = None,
+    sections: dict | None = None,
 ) -> Path:
     from vt.shared.config import Config, build, to_toml
 
@@ -108,18 +111,16 @@ def run_config(
         "window": {"uri": str(window), "size": "keep"},
         "train": {
             "mode": "lora",
-            "lora_rank": 32,
-            "lora_alpha": 32.0,
             "batch_size": gpus,
             "max_steps": STEPS,
             "lr": 1e-5,
-            "validation_prompts": [PROMPT],
-            "validation_steps": 2,
             "device": "cpu" if dry else "cuda",
             "mixed_precision": "auto",
-            **(train or {}),
         },
-        "parallel": {"activation_checkpointing": True, **(parallel or {})},
+        "adapter": {"rank": 32, "alpha": 32.0},
+        "validation": {"prompts": [PROMPT], "steps": 2},
+        "parallel": {"activation_checkpointing": True},
+        **(sections or {}),
         "log": {"every_steps": 1, "progress": False},
     }
     path = run_dir.with_suffix(".toml")
@@ -261,16 +262,16 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     key, bucket, dry_bucket = RUNS[label]
     bucket = dry_bucket if dry else bucket
     device = "cpu" if dry else "cuda"
-    cap_gib, parallel, train = CAPPED.get(label, (None, {}, {}))
+    cap_gib, sections, settings = CAPPED.get(label, (None, {}, ""))
     gpus = 1 if cap_gib else gpus
     row = {"case": label, "group": "run", "gpus": gpus}
     slug = key.replace(".", "_")
     folder = model_folder(key, work / f"{slug}-{'tiny' if dry else 'real'}", dry, device)
-    slug += f"-cap{cap_gib}" + "".join(f"-{v}" for v in train.values()) if cap_gib else ""
+    slug += f"-cap{cap_gib}-{settings}" if cap_gib else ""
     run_dir, window = work / f"{slug}-run", work / f"{slug}-window"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(window, ignore_errors=True)
-    config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry, parallel, train)
+    config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry, sections)
     config = load_config(config_path)
     fill_window(config, window, samples=gpus * (STEPS + 1), device=device)
     budget = None if dry else int(cap_gib * 2**30) if cap_gib else _gpu_bytes()  # "auto" VAE tiling, as the run

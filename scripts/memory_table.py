@@ -80,11 +80,10 @@ def run_config(folder: Path, key: str, mode: str, gpus: int):
         "buckets": {"sizes": [bucket], "fps": fps},
         "train": {
             "mode": mode,
-            "lora_rank": 32,
-            "lora_alpha": 32.0,
             "batch_size": gpus,
-            "validation_prompts": ["a red fox running through fresh snow"],
         },
+        "adapter": {"rank": 32, "alpha": 32.0},
+        "validation": {"prompts": ["a red fox running through fresh snow"]},
         "parallel": {"activation_checkpointing": True},
     }
     return build(Config, tree)

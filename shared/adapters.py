@@ -1,4 +1,4 @@
-"""The adapter kinds a run trains (`train.adapter`), in one place: their peft configs, their weights' names,
+"""The adapter kinds a run trains (`adapter.kind`), in one place: their peft configs, their weights' names,
 how each starts, and what names their files use.
 
     lora  LoraConfig                    <module>.lora_A.weight (r, in), .lora_B.weight (out, r)
@@ -24,7 +24,7 @@ import torch
 
 from vt.shared.runtime import keyed_generator
 
-KINDS: tuple[str, ...] = ("lora", "dora", "loha", "lokr")  # train.adapter's values
+KINDS: tuple[str, ...] = ("lora", "dora", "loha", "lokr")  # adapter.kind's values
 MAGNITUDE = "lora_magnitude_vector"
 # Each kind's weights, by the part of the name that follows the module (peft's `adapter_layer_names`).
 PARTS = {

@@ -14,20 +14,35 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args
 
 import tomli_w
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError, field_validator
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.chain import resolve_chain
+from vt.shared.config_section import Section
 from vt.shared.errors import UserError
+from vt.shared.part_configs import (
+    ATTENTION_BACKENDS,
+    ActivationOffloadConfig,
+    AdapterConfig,
+    BlockSwapConfig,
+    CaptionDropoutConfig,
+    EMAConfig,
+    FlowConfig,
+    FP8TrainingConfig,
+    FrozenBaseConfig,
+    GuidanceConfig,
+    HeldOutConfig,
+    LRScheduleConfig,
+    TokenBudgetConfig,
+    ValidationConfig,
+)
 
 
 class ConfigError(UserError):
     """A config problem the user must fix; the message names the key and what is allowed."""
 
 
-class _Section(BaseModel):
-    # strict: no bool for an int, no string for a number (a float key still takes an int); no inf/nan
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_Section = Section
 
 
 _URL = re.compile(r"^[a-z][a-z0-9+.-]*://", re.IGNORECASE)
@@ -77,7 +92,7 @@ class ModelConfig(_Section):
     audio_weight: float = Field(1.0, ge=0)
     # With model.audio: the audio stream's noise level per sample. None: the family's default; "shared": the
     # video's, as the family's pipeline pairs the two streams at each step; "independent": drawn on a key of its own
-    # (train.sigma_sampling, at model.audio_shift), for families whose transformer takes a timestep per stream.
+    # (flow.sigma_sampling, at model.audio_shift), for families whose transformer takes a timestep per stream.
     audio_timesteps: Literal["shared", "independent"] | None = None
     audio_shift: float | None = Field(None, gt=0)  # the independent audio sigmas' shift; None: the family's default
 
@@ -92,7 +107,7 @@ class DataConfig(_Section):
     # trained on silence. Part of the shards' provenance.
     missing_audio: Literal["skip", "silence"] = "skip"
     # Held-out raw data (as `raw`: a folder, tar, glob, s3:// prefix or manifest), encoded by vt-precompute into the
-    # window's eval/ prefix and never trained on: the trainer's held-out loss (train.eval_every, train/eval_loss.py).
+    # window's eval/ prefix and never trained on: the trainer's held-out loss (held_out.every, train/parts/held_out.py).
     eval: str | None = None
 
     @field_validator("control")
@@ -177,36 +192,15 @@ class PrecomputeConfig(_Section):
         return value
 
 
-# The attention kernels a run may name (vt names; vt.train.attention maps them to diffusers' dispatcher).
-ATTENTION_BACKENDS = (
-    "native",
-    "native_cudnn",
-    "native_flash",
-    "native_efficient",
-    "native_math",
-    "flash",
-    "flex",
-    "xformers",
-)
-VALIDATION_ATTENTION_BACKENDS = ("", *ATTENTION_BACKENDS, "sage")  # sage: forward only, so inference only
-
-
 class TrainConfig(_Section):
-    mode: Literal["lora", "full"] = "lora"
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: float = Field(16.0, gt=0)
-    lora_targets: list[str] = Field(default_factory=list)  # empty: the family's default targets
-    # The adapters train.mode = "lora" trains on those targets, at lora_rank and lora_alpha (vt.shared.adapters):
-    # LoRA, DoRA (LoRA with a trained magnitude per output), LoHa (Hadamard product) or LoKr (Kronecker product)
-    adapter: Literal["lora", "dora", "loha", "lokr"] = "lora"
+    """The run itself: what trains, the batch, the optimizer, checkpoints. Each option that changes the model, the
+    step or memory has a section of its own (shared/part_configs.py, its part in vt.train.parts)."""
+
+    mode: Literal["lora", "full"] = "lora"  # "lora": the [adapter] section's adapters; "full": every weight
     batch_size: int = Field(2, ge=1)  # global samples per optimizer micro-step (all data-parallel ranks)
-    # A token budget in place of batch_size: each bucket's micro-batch holds as many samples as fit this many
-    # transformer tokens (at least one), so a small bucket takes a larger batch (train/data.py, bucket_batch_sizes)
-    tokens_per_batch: int | None = Field(None, ge=1)
     grad_accum: int = Field(1, ge=1)
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(1e-4, gt=0)  # the peak rate ([lr_schedule]: warm-up and decay)
     weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
     max_grad_norm: float = Field(1.0, ge=0)  # 0: no clipping
     epochs: int = Field(1, ge=1)  # rolling window: the producer streams the data this many times; "keep": re-read
     max_steps: int = Field(0, ge=0)  # 0: until the data ends
@@ -214,63 +208,14 @@ class TrainConfig(_Section):
     # rows (and 4 x grad_accum batches) ahead of the one in use; 0: read each batch when it is needed
     read_ahead_mb: int = Field(256, ge=0)
     seed: int = Field(0, ge=0)
-    # How each sample's sigma is drawn (train/objectives.py, SD3's schemes as diffusers' training_utils names them):
-    # logit-normal (`logit_mean`, `logit_std`), uniform, "mode" (`mode_scale`) or "cosmap"; then `shift`.
-    sigma_sampling: Literal["logit_normal", "uniform", "mode", "cosmap"] = "logit_normal"
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
-    mode_scale: float = Field(1.29, ge=0)
-    # Each sample's loss weighted by its sigma: none, "sigma_sqrt" (sigma^-2) or "cosmap" (SD3's weightings).
-    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
-    # Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample).
-    caption_dropout: float = Field(0.0, ge=0, le=1)
-    # Guidance-distilled bases (MiniMax H3): each target becomes u + w (target - u), u the frozen base's prediction
-    # for the empty caption (train/guidance.py); w = 1 is plain flow matching. None: off. LoRA only, no pipeline stages.
-    guidance_scale: float | None = Field(None, gt=0)
-    # The sigmas' shift towards noise (> 1: more). "auto": the family's scheduler's own, at each bucket's size where it
-    # shifts by resolution (`use_dynamic_shifting`: LTX-Video, LTX-2), else its fixed `shift` / `flow_shift`.
-    shift: float | Literal["auto"] = 1.0
     mixed_precision: Literal["auto", "bf16", "no"] = "auto"
     checkpoint_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end
-    validate_every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end (if prompts are set)
-    validation_prompts: list[str] = Field(default_factory=list)
-    validation_images: list[str] = Field(default_factory=list)  # i2v, flf2v: one first frame per prompt
-    validation_last_images: list[str] = Field(default_factory=list)  # flf2v: one last frame per prompt
-    # Families that train on a control video: one control video per prompt, fitted to the bucket as stage 1
-    # fits a sample's (frames from its start at buckets.fps, scaled to cover, center-cropped).
-    validation_videos: list[str] = Field(default_factory=list)
-    validation_steps: int = Field(4, ge=1)
-    # The held-out loss over data.eval every this many optimizer steps and at the end (0 with data.eval: at the end
-    # only), at each of `eval_sigmas` with fixed noise per sample (train/eval_loss.py)
-    eval_every: int = Field(0, ge=0)
-    eval_sigmas: list[float] = Field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], min_length=1)
-    # An exponential moving average of the trained weights (train/ema.py): its decay per optimizer step (None: off),
-    # kept in checkpoints, exported in <run.dir>/ema/; `ema_validation` renders validation with it, `ema_eval` computes
-    # the held-out loss with it.
-    ema_decay: float | None = Field(None, gt=0, lt=1)
-    ema_validation: bool = False
-    ema_eval: bool = False  # the held-out loss (data.eval) of the average instead of the trained weights
-    # Decode validation videos with the VAE tiled (vt.shared.vae_tiling): true, false, or "auto" (tiled when the
-    # untiled decode would not fit in the GPU memory free at validation; untiled on a CPU).
-    validation_vae_tiling: Literal["auto"] | bool = "auto"
     resume: bool = True  # continue from the newest checkpoint in the run folder
     device: str = "auto"
     # Attention kernel through diffusers' dispatcher (vt.train.attention): "native" (torch SDPA picks),
     # "native_cudnn" / "native_flash" / "native_efficient" / "native_math" (one SDPA kernel), "flash"
     # (the flash-attn package), "flex", "xformers"; checked against this machine at start-up.
     attention_backend: Literal[ATTENTION_BACKENDS] = "native"
-    # Validation's kernel ("": the training one); may also be an inference-only one ("sage").
-    validation_attention_backend: Literal[VALIDATION_ATTENTION_BACKENDS] = ""
-    # LoRA: keep the frozen transformer in float8 e4m3 and upcast it layer by layer for compute (half
-    # the weight memory of bf16); adapters and optimizer stay fp32.
-    fp8_base_weights: bool = False
-    # LoRA: quantize the frozen transformer's linear weights as they are read, kept so and dequantized for each matmul
-    # (train/packed_base.py, shared/weights/quantize.py): "nf4" (4-bit NormalFloat, 64-weight blocks: 0.56 bytes a
-    # weight) or "int8" (a scale per output feature: 1 byte); one process (a sharded layout divides the weights itself)
-    quantize_base: Literal["none", "nf4", "int8"] = "none"
-    # Full fine-tuning: torchao float8 linear layers ("tensorwise" or "rowwise"; CUDA sm89+ only), on
-    # the linear layers torchao's size filter picks (small ones stay bf16: float8 would not pay there).
-    fp8_training: Literal["none", "tensorwise", "rowwise"] = "none"
 
 
 class LogConfig(_Section):
@@ -298,30 +243,10 @@ class ParallelConfig(_Section):
     pp: int = Field(1, ge=1)
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     activation_checkpointing: bool = False  # recompute each block's activations in backward: less memory
-    # With activation checkpointing: the blocks' inputs (and what the layers outside them save) wait in pinned
-    # host memory between forward and backward (train/parallel/offload.py).
-    activation_offload: bool = False
-    # One GPU: only the first `blocks_on_gpu` blocks' frozen weights stay on it, the others wait in pinned host
-    # memory and are copied in a block ahead of use (train/parallel/block_swap.py). None: every block on the GPU.
-    blocks_on_gpu: int | None = Field(None, ge=0)
     compile: bool = False  # torch.compile each transformer block
     # FSDP2 keeps parameters, gradients and optimizer state in CPU memory and the optimizer steps on
     # the CPU (CPUOffloadPolicy); one process shards over a group of one, so a single GPU can use it.
     cpu_offload: bool = False
-
-    @model_validator(mode="after")
-    def _offload_needs_checkpointing(self) -> "ParallelConfig":
-        if self.activation_offload and not self.activation_checkpointing:
-            raise UserError(
-                "activation_offload = true moves the checkpointed blocks' inputs to host memory: set "
-                "parallel.activation_checkpointing = true as well"
-            )
-        if self.blocks_on_gpu is not None and not self.activation_checkpointing:
-            raise UserError(
-                "blocks_on_gpu swaps blocks' weights out after their forward, which only activation "
-                "checkpointing leaves unsaved: set parallel.activation_checkpointing = true as well"
-            )
-        return self
 
     @field_validator("dp_shard", mode="before")
     @classmethod
@@ -344,48 +269,72 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     log: LogConfig = Field(default_factory=LogConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    flow: FlowConfig = Field(default_factory=FlowConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    # the training parts' sections (vt.train.parts)
+    adapter: AdapterConfig = Field(default_factory=AdapterConfig)
+    lr_schedule: LRScheduleConfig = Field(default_factory=LRScheduleConfig)
+    token_budget: TokenBudgetConfig = Field(default_factory=TokenBudgetConfig)
+    caption_dropout: CaptionDropoutConfig = Field(default_factory=CaptionDropoutConfig)
+    guidance: GuidanceConfig = Field(default_factory=GuidanceConfig)
+    held_out: HeldOutConfig = Field(default_factory=HeldOutConfig)
+    ema: EMAConfig = Field(default_factory=EMAConfig)
+    frozen_base: FrozenBaseConfig = Field(default_factory=FrozenBaseConfig)
+    fp8_training: FP8TrainingConfig = Field(default_factory=FP8TrainingConfig)
+    block_swap: BlockSwapConfig = Field(default_factory=BlockSwapConfig)
+    activation_offload: ActivationOffloadConfig = Field(default_factory=ActivationOffloadConfig)
 
     @property
     def run_dir(self) -> Path:
         return Path(self.run.dir)
 
-    @model_validator(mode="after")
-    def _eval_needs_data(self) -> "Config":
-        if self.train.eval_every and not self.data.eval:
-            raise UserError(
-                f"train.eval_every = {self.train.eval_every} computes the held-out loss over data.eval, "
-                "which is not set: set data.eval to held-out raw data (a folder, tar or manifest that "
-                "data.raw does not hold), or remove train.eval_every"
-            )
-        if self.train.ema_eval and not (self.train.ema_decay and self.data.eval):
-            raise UserError(
-                "train.ema_eval = true computes the held-out loss of the weights' average: it needs "
-                "train.ema_decay and data.eval set"
-            )
-        if any(not 0 < sigma <= 1 for sigma in self.train.eval_sigmas):
-            raise UserError(f"train.eval_sigmas = {self.train.eval_sigmas}: each must be in (0, 1]")
-        return self
 
-    @model_validator(mode="after")
-    def _guidance_needs_lora(self) -> "Config":
-        """train.guidance_scale takes the frozen base's prediction from the trained transformer with its adapters
-        switched off: a full fine-tune has no frozen base, and pipeline stages no whole model to call twice."""
-        scale = self.train.guidance_scale
-        if scale is None:
-            return self
-        if self.train.mode != "lora":
-            raise UserError(
-                f"train.guidance_scale = {scale} guides each target with the frozen base's prediction, "
-                "the transformer with its adapters switched off; a full fine-tune has no frozen base: "
-                'set train.mode = "lora" or remove train.guidance_scale'
-            )
-        if self.parallel.pp > 1:
-            raise UserError(
-                f"train.guidance_scale = {scale} with parallel.pp = {self.parallel.pp}: the base's extra "
-                "forward is not carried through the pipeline stages; set parallel.pp = 1 or remove "
-                "train.guidance_scale"
-            )
-        return self
+# Keys that moved to a section of their own: old dotted key -> its new place. A config that still sets one is refused
+# with one line naming where it went (`moved_keys`).
+MOVED = {
+    "train.adapter": "adapter.kind",
+    "train.lora_rank": "adapter.rank",
+    "train.lora_alpha": "adapter.alpha",
+    "train.lora_targets": "adapter.targets",
+    "train.warmup_steps": "lr_schedule.warmup_steps",
+    "train.tokens_per_batch": "token_budget.tokens_per_batch",
+    "train.sigma_sampling": "flow.sigma_sampling",
+    "train.logit_mean": "flow.logit_mean",
+    "train.logit_std": "flow.logit_std",
+    "train.mode_scale": "flow.mode_scale",
+    "train.shift": "flow.shift",
+    "train.loss_weighting": "flow.loss_weighting",
+    "train.caption_dropout": "caption_dropout.rate",
+    "train.guidance_scale": "guidance.scale",
+    "train.eval_every": "held_out.every",
+    "train.eval_sigmas": "held_out.sigmas",
+    "train.ema_decay": "ema.decay",
+    "train.ema_validation": "ema.validation",
+    "train.ema_eval": "ema.eval",
+    "train.validate_every": "validation.every",
+    "train.validation_prompts": "validation.prompts",
+    "train.validation_images": "validation.images",
+    "train.validation_last_images": "validation.last_images",
+    "train.validation_videos": "validation.videos",
+    "train.validation_steps": "validation.steps",
+    "train.validation_vae_tiling": "validation.vae_tiling",
+    "train.validation_attention_backend": "validation.attention_backend",
+    "train.fp8_base_weights": "frozen_base.fp8",
+    "train.quantize_base": "frozen_base.quantize",
+    "train.fp8_training": "fp8_training.recipe",
+    "parallel.blocks_on_gpu": "block_swap.blocks_on_gpu",
+    "parallel.activation_offload": "activation_offload.enabled",
+}
+
+
+def moved_keys(tree: dict) -> list[str]:
+    """One line per key of `tree` (a config's TOML tables) that moved to another section: its old and new place."""
+    lines = []
+    for old, new in MOVED.items():
+        section, key = old.split(".")
+        if isinstance(tree.get(section), dict) and key in tree[section]:
+            lines.append(f"{old} moved to {new}: set {new} = {tree[section][key]!r} instead (docs/stage2.md)")
+    return lines
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -429,23 +378,23 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
 
 
 def check_validation_videos(config: Config) -> None:
-    """`train.validation_videos` holds one control video per validation prompt, for a family that trains on
+    """`validation.videos` holds one control video per validation prompt, for a family that trains on
     a control video (`ModelSpec.control_video`) only: at start-up, not at validation. (Such a family's
     prompts without videos are refused where the trainer builds its validation, which knows the family
     without importing it here for every config.)"""
-    family, train = config.model.family, config.train
-    if not train.validation_videos:
+    family, validation = config.model.family, config.validation
+    if not validation.videos:
         return
     if not _takes_control_video(family):
         raise ConfigError(
-            f"train.validation_videos = {train.validation_videos!r}: model.family = {family!r} trains "
+            f"validation.videos = {validation.videos!r}: model.family = {family!r} trains "
             "on no control video, so validation has no use for them; remove it (the families with "
             "control videos: docs/families.md)"
         )
-    prompts, videos = len(train.validation_prompts), len(train.validation_videos)
+    prompts, videos = len(validation.prompts), len(validation.videos)
     if videos != prompts:
         raise ConfigError(
-            f"train.validation_videos has {videos} entries for {prompts} train.validation_prompts: "
+            f"validation.videos has {videos} entries for {prompts} validation.prompts: "
             f"model.family = {family!r} renders each prompt under a control video (pose, depth ...); "
             "give one video file per prompt (the same file may repeat)"
         )
@@ -461,28 +410,31 @@ def _takes_control_video(family: str) -> bool:
 
 
 def check_last_images(config: Config) -> None:
-    """`train.validation_last_images` is for model.task = "flf2v" only, one per validation prompt: a list of
+    """`validation.last_images` is for model.task = "flf2v" only, one per validation prompt: a list of
     the wrong length, or one that a task would ignore, stops the run at start-up rather than at validation."""
-    task, train = config.model.task, config.train
+    task, validation = config.model.task, config.validation
     if task != "flf2v":
-        if train.validation_last_images:
+        if validation.last_images:
             raise ConfigError(
-                f"train.validation_last_images = {train.validation_last_images!r}: only model.task = "
+                f"validation.last_images = {validation.last_images!r}: only model.task = "
                 f'"flf2v" (first and last frame) takes last frames, this run\'s task is {task!r}; '
                 'remove it, or set model.task = "flf2v"'
             )
         return
-    prompts, last = len(train.validation_prompts), len(train.validation_last_images)
+    prompts, last = len(validation.prompts), len(validation.last_images)
     if last != prompts:
         raise ConfigError(
-            f"train.validation_last_images has {last} entries for {prompts} train.validation_prompts: "
+            f"validation.last_images has {last} entries for {prompts} validation.prompts: "
             'model.task = "flf2v" needs one last-frame image per validation prompt (and one '
-            "train.validation_images entry for its first frame)"
+            "validation.images entry for its first frame)"
         )
 
 
 def build(cls: type[BaseModel], tree: dict, prefix: str = "") -> Any:
     """Validate `tree` into `cls`; every problem becomes one line of a `ConfigError`, keys shown under `prefix`."""
+    moved = moved_keys(tree) if cls is Config else []
+    if moved:
+        raise ConfigError("\n".join(moved))
     try:
         return cls.model_validate(tree)
     except ValidationError as err:

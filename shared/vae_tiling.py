@@ -9,7 +9,7 @@ decoding one 121x480x848 clip: about 40 GiB), so both stages tile where the unti
   its own chunking: diffusers warns that path changes what the VAE computes. Wan's VAE already runs
   frame chunk by frame chunk with a causal cache.
 
-`decide` applies `precompute.vae_tiling` and `train.validation_vae_tiling`: true or false as given;
+`decide` applies `precompute.vae_tiling` and `validation.vae_tiling`: true or false as given;
 "auto" tiles when the untiled pass's working memory, traced on fake tensors from the VAE's config
 (`untiled_peak`, what `vt-train plan` counts), exceeds the memory free for it.
 """

@@ -3,10 +3,10 @@ encoded conditions' file format. The trainer renders validation videos without a
 stores each input's conditions in the window (precompute/validation_conditions.py) under
 `validation_key`, and the trainer reads them back by the same key (train/validation.py).
 
-Inputs: every `train.validation_prompts` entry, the family's negative prompt (what its pipeline encodes
+Inputs: every `validation.prompts` entry, the family's negative prompt (what its pipeline encodes
 for `negative_prompt=None`, for classifier-free guidance) and, for an i2v family whose pipeline runs an
-image encoder (Wan 2.1's CLIP), every `train.validation_images` file and, for first-and-last-frame
-(flf2v), every `train.validation_last_images` file; for a family whose text encoder reads the prompt
+image encoder (Wan 2.1's CLIP), every `validation.images` file and, for first-and-last-frame
+(flf2v), every `validation.last_images` file; for a family whose text encoder reads the prompt
 together with the image (HunyuanVideo I2V's Llava), every (prompt, image) pair.
 """
 
@@ -32,7 +32,7 @@ def prompt_input(text: str) -> ValidationInput:
     return ValidationInput("prompt", text, validation_key("prompt", text.encode()))
 
 
-def image_input(path: str, key: str = "train.validation_images") -> ValidationInput:
+def image_input(path: str, key: str = "validation.images") -> ValidationInput:
     """An image by content; `key`: the config list it comes from, named in the error if it cannot be read."""
     try:
         content = Path(path).read_bytes()
@@ -47,22 +47,22 @@ def pair_input(prompt: str, path: str) -> ValidationInput:
     return ValidationInput("pair", path, validation_key("pair", prompt.encode() + b"\0" + image.key.encode()), prompt)
 
 
-def validation_inputs(train, negative_prompt: str, images: bool, pairs: bool = False) -> list[ValidationInput]:
-    """Every input validation needs conditions of (the config's `train` section; `images`: whether the
+def validation_inputs(validation, negative_prompt: str, images: bool, pairs: bool = False) -> list[ValidationInput]:
+    """Every input validation needs conditions of (the config's [validation] section; `images`: whether the
     family encodes its i2v images with a stage-1 encoder; `pairs`: whether its text encoder reads each
     prompt with its image), each once."""
-    if not train.validation_prompts:
+    if not validation.prompts:
         return []
-    inputs = [prompt_input(text) for text in dict.fromkeys([*train.validation_prompts, negative_prompt])]
+    inputs = [prompt_input(text) for text in dict.fromkeys([*validation.prompts, negative_prompt])]
     if images:
-        inputs += [image_input(path) for path in dict.fromkeys(train.validation_images)]
+        inputs += [image_input(path) for path in dict.fromkeys(validation.images)]
         inputs += [
-            image_input(path, "train.validation_last_images")
-            for path in dict.fromkeys(train.validation_last_images)
-            if path not in train.validation_images
+            image_input(path, "validation.last_images")
+            for path in dict.fromkeys(validation.last_images)
+            if path not in validation.images
         ]
     if pairs:
-        inputs += [pair_input(*pair) for pair in dict.fromkeys(zip(train.validation_prompts, train.validation_images))]
+        inputs += [pair_input(*pair) for pair in dict.fromkeys(zip(validation.prompts, validation.images))]
     return inputs
 
 

@@ -43,6 +43,21 @@ def write_config(path: Path, model_path: Path, raw: Path | str, run_dir: Path, w
     return path
 
 
+def sectioned(*settings: dict) -> tuple[dict, dict]:
+    """(train keys, other sections) of `settings` merged in order: a dict value under a section's name is that
+    section ({"mode": "full", "ema": {"decay": 0.5}}), merged key by key; anything else is a train key."""
+    from vt.shared.config import Config
+
+    train, sections = {}, {}
+    for layer in settings:
+        for key, value in layer.items():
+            if key in Config.model_fields and isinstance(value, dict):
+                sections[key] = {**sections.get(key, {}), **value}
+            else:
+                train[key] = value
+    return train, sections
+
+
 def start(stage: str, config: Path, *overrides: str, log: Path | None = None, env: dict | None = None) -> Forked:
     """Start `vt-<stage> run CONFIG` as its own process (stdout+stderr to `log`), forked from the warm
     interpreter of tests/forkserver.py."""

@@ -13,7 +13,7 @@ run cannot show what a GPU run holds where. The stand-in:
   memory), until nothing refers to it: `peak` per device, as the allocators would need it. Host memory pinned
   through torch's caching host allocator (`pin_memory=True`) counts at the power of two that allocator rounds it to;
 - `FakeWeights`: a component's checkpoint as a table of names and shapes (optionally its linear layers quantized as a
-  GGUF or `train.quantize_base` file stores them), read as fake host tensors.
+  GGUF or `frozen_base.quantize` file stores them), read as fake host tensors.
 
 The trainer runs unchanged on `DEVICE`: it has no CUDA streams there (vt's SideStream runs copies in order off CUDA),
 which move no memory; everything else, where each tensor is made and copied, is the GPU path.

@@ -269,3 +269,68 @@ def test_no_six_lines_repeat_inside_the_seam():
                 repeats.append(f"{where} repeats {seen[window]}")
             seen.setdefault(window, where)
     assert not repeats, "\n".join(repeats)
+
+
+# -- training parts: one home per option (vt.train.parts) ---------------------------------------------------------
+
+
+def part_section_reads(source: str, owner: str | None) -> list[str]:
+    """`config.<section>` reads of a training part's section in `source` (a module's text), but the part's own
+    (`owner`: the section the module owns, None for none): an attribute of a name or attribute ending in "config"
+    (config.ema, self.config.ema, trainer.config.ema), or getattr(config, "ema")."""
+    from vt.train.parts import PARTS
+
+    sections = {part.section for part in PARTS} - {owner}
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in sections:
+            holder = node.value
+            name = holder.id if isinstance(holder, ast.Name) else getattr(holder, "attr", "")
+            if name.endswith("config"):
+                found.append(f"{node.lineno}: .{node.attr}")
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "id", "") == "getattr"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and node.args[1].value in sections
+        ):
+            found.append(f"{node.lineno}: getattr {node.args[1].value}")
+    return found
+
+
+def test_no_module_outside_a_part_reads_its_config_section():
+    """A training part's section (shared/part_configs.py) is read by its own module in train/parts only: the trainer,
+    the plan and everything else call the part's hooks. The sections' declarations (shared/config.py,
+    shared/part_configs.py) aside."""
+    from vt.train.parts import PARTS
+
+    owners = {ROOT / "train" / "parts" / f"{part.__module__.rsplit('.', 1)[-1]}.py": part.section for part in PARTS}
+    declared = {ROOT / "shared" / "config.py", ROOT / "shared" / "part_configs.py"}
+    reads = [
+        f"{path.relative_to(ROOT)}:{read}"
+        for folder in ("train", "precompute", "shared", "scripts")
+        for path in python_files(folder)
+        if path not in declared
+        for read in part_section_reads(path.read_text(), owners.get(path))
+    ]
+    assert not reads, "a part's config section read outside its module:\n" + "\n".join(reads)
+    planted = "def f(trainer):\n    return trainer.config.ema.decay, getattr(trainer.config, 'block_swap')\n"
+    assert sorted(part_section_reads(planted, None)) == ["2: .ema", "2: getattr block_swap"]
+    assert part_section_reads(planted, "ema") == ["2: getattr block_swap"]  # the EMA part's own module reads .ema
+
+
+def test_every_part_has_a_section_a_test_and_a_docs_entry():
+    """Adding an option is its part's module, its section, a test that sets it and its line in docs/stage2.md."""
+    from vt.shared.config import Config
+    from vt.train.parts import PARTS
+
+    stage2 = (ROOT / "docs" / "stage2.md").read_text()
+    tests = "\n".join(path.read_text() for path in (ROOT / "tests").rglob("test_*.py"))
+    for part in PARTS:
+        module = part.__module__
+        assert part.section in Config.model_fields, f"{module}: no [{part.section}] section in the config"
+        assert f"train/parts/{module.rsplit('.', 1)[-1]}.py" in stage2, f"docs/stage2.md does not name {module}"
+        assert f"[{part.section}]" in stage2, f"docs/stage2.md shows no [{part.section}] section"
+        used = re.search(rf'"{part.section}"|\b{part.section}=|\b{part.section}\.\w+\s*=|\[{part.section}\]', tests)
+        assert used, f"no test sets [{part.section}] ({module})"

@@ -2,7 +2,7 @@
 
 diffusers routes every attention of its transformers through `dispatch_attention_fn`, and
 `ModelMixin.set_attention_backend(name)` points each attention processor at one kernel. vt only
-chooses the name (`train.attention_backend`, and `train.validation_attention_backend` for the
+chooses the name (`train.attention_backend`, and `validation.attention_backend` for the
 validation videos) and checks at start-up that this machine can run it, so a run never fails at its
 first step, or silently falls back, because a package or GPU feature is missing. No kernel is
 patched: a processor that does not go through the dispatcher keeps its own attention, and the log
@@ -92,7 +92,7 @@ def check_backend(name: str, device: torch.device, training: bool = True, key: s
     if training and not BACKENDS[name].trains:
         raise UserError(
             f"{key} = {name!r}: its kernel has no backward, so it can only be used for validation "
-            f"(train.validation_attention_backend)"
+            f"(validation.attention_backend)"
         )
     why = _missing(name, device, training)
     if why is not None:

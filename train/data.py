@@ -1,7 +1,7 @@
 """Window reader: latent shards in the window's fixed order -> one-bucket global batches, this rank's rows.
 
 Shards arrive one bucket each. The reader appends every shard's samples to its bucket's pending list
-and plans a batch as soon as a bucket holds its batch size (`train.batch_size`, or with `train.tokens_per_batch`
+and plans a batch as soon as a bucket holds its batch size (`train.batch_size`, or with `token_budget.tokens_per_batch`
 as many samples as fit the token budget: `bucket_batch_sizes`), so a batch never mixes shapes and never needs
 padding. At the end of an epoch each bucket's remainder goes out as a smaller batch:
 every sample is trained on exactly once per epoch.
@@ -101,17 +101,6 @@ def watermark(state: dict) -> int:
 
 class StaleShardError(UserError, RuntimeError):
     """A shard was made with settings other than the trainer's config."""
-
-
-def bucket_batch_sizes(train, spec, buckets) -> dict[str, int]:
-    """bucket name -> samples per global micro-batch: `train.batch_size` for every bucket, or with
-    `train.tokens_per_batch` as many samples as fit that many transformer tokens (at least one)."""
-    if train.tokens_per_batch is None:
-        return {bucket.name: train.batch_size for bucket in buckets}
-    return {
-        bucket.name: max(1, train.tokens_per_batch // spec.tokens_per_sample(spec.latent_shape(bucket)))
-        for bucket in buckets
-    }
 
 
 class BatchReader:

@@ -1,6 +1,6 @@
 """Exports at the end of a run, without one host holding the whole model.
 
-- LoRA (or another adapter kind, train.adapter): only the adapters are gathered (to rank 0's CPU), then
+- LoRA (or another adapter kind, adapter.kind): only the adapters are gathered (to rank 0's CPU), then
   written by the spec (diffusers and ComfyUI files).
 - Full weights: a diffusers-layout folder (config.json, `diffusion_pytorch_model[-0000i-of-0000n].safetensors`
   and their index) written tensor by tensor. The file layout and every tensor's byte range follow from
@@ -23,8 +23,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from vt.shared.adapters import is_adapter, saved_name
+from vt.shared.models.components import keeps_float32
 from vt.shared.weights.folder import DTYPES
 from vt.train.checkpoint import gather_full_state_dict
+from vt.train.experts import expert_modules
 from vt.train.parallel.pp import pipeline_split
 from vt.train.parallel.pp_export import StageStream
 
@@ -141,3 +143,32 @@ def _open_with_header(path: Path, group: list):
     handle.write(len(text).to_bytes(8, "little"))
     handle.write(text)
     return handle
+
+
+def export_run(transformer: nn.Module, spec, mode: str, root: Path, step: int, barrier) -> None:
+    """The LoRA files or full weights of `transformer` under `root` (every rank calls this): a run over all experts
+    writes each expert's (LoRA files named after the expert, full weights in model/<its pipeline component>/)."""
+    if mode == "lora":
+        for expert, tensors in lora_states(transformer).items():  # {} off rank 0
+            spec.save_lora(tensors, root / "lora", expert=expert, step=step)
+        barrier()
+        return
+    experts = spec.trained_experts
+    for expert, module in expert_modules(transformer).items():
+        folder = root / "model" / experts[expert] if expert else root / "model"
+        write_full_weights(
+            module,
+            folder,
+            dtype_of=lambda name, tensor, module=module: (
+                torch.float32 if keeps_float32(module, name) else spec.frozen_dtype
+            ),
+        )
+
+
+def export_path(spec, mode: str, run_dir: Path) -> Path:
+    """Where `export_run` writes under `run_dir` (LoRA file or model folder), known on every rank."""
+    if spec.trains_all_experts:  # one file or folder per expert in it
+        return run_dir / ("lora" if mode == "lora" else "model")
+    if mode == "lora":
+        return run_dir / "lora" / "pytorch_lora_weights.safetensors"
+    return run_dir / "model"

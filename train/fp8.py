@@ -1,13 +1,13 @@
 """float8 where it saves memory or time: fp8 frozen base weights for LoRA, torchao fp8 training.
 
-- `train.fp8_base_weights` (LoRA): the frozen transformer is stored in float8 e4m3 (1 byte per
+- `frozen_base.fp8` (LoRA): the frozen transformer is stored in float8 e4m3 (1 byte per
   weight, half of bf16) and each layer is upcast just for its own compute (train/frozen_storage.py:
   one process upcasts per matmul, skipping the layers the model class marks as precision-sensitive:
   norms, embeddings, patch projections; under FSDP2 FSDP2's MixedPrecisionPolicy upcasts them when it
   all-gathers a block). It is applied before the adapters are added, so the LoRA weights and their
   optimizer state stay fp32. A base from one fp8-scaled file (ComfyUI's) keeps the file's own float8 values
   and per-tensor scales instead of a plain cast (frozen_storage.py).
-- `train.fp8_training` (full fine-tuning): torchao's float8 linear layers with the tensorwise or
+- `fp8_training.recipe` (full fine-tuning): torchao's float8 linear layers with the tensorwise or
   rowwise recipe, on the layers torchao's size filter keeps (small matmuls stay bf16); tensorwise
   under FSDP2 all-gathers in float8. It needs float8 matmuls: a CUDA GPU of sm89+ (Ada, Hopper, later).
 """
@@ -19,15 +19,12 @@ import importlib.util
 import torch
 from torch import nn
 
-from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.train.frozen_storage import store_frozen, weight_bytes
 
 __all__ = [
     "FP8_STORAGE",
     "fp8_training_support",
-    "check_fp8_training",
-    "check_fp8_base",
     "store_base_fp8",
     "apply_fp8_training",
     "after_optimizer_step",
@@ -39,7 +36,7 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 def store_base_fp8(model: nn.Module, compute_dtype: torch.dtype, sharded: bool) -> int:
-    """`train.fp8_base_weights`: the frozen weights stored in float8 e4m3 (train/frozen_storage.py)."""
+    """`frozen_base.fp8`: the frozen weights stored in float8 e4m3 (train/frozen_storage.py)."""
     return store_frozen(model, FP8_STORAGE, compute_dtype, sharded)
 
 
@@ -56,47 +53,6 @@ def fp8_training_support(device: torch.device) -> str | None:
     if importlib.util.find_spec("torchao") is None:
         return "float8 training needs torchao: pip install 'vt[fp8]' (or pip install torchao)"
     return None
-
-
-def check_fp8_training(train, device: torch.device) -> None:
-    """Stop at start-up when `train.fp8_training` cannot run: wrong mode, or no fp8 on this machine."""
-    if train.fp8_training == "none":
-        return
-    if train.mode != "full":
-        raise UserError(
-            f"train.fp8_training = {train.fp8_training!r} is for full fine-tuning; for LoRA use "
-            'train.fp8_base_weights = true (or set train.mode = "full")'
-        )
-    why = fp8_training_support(device)
-    if why is not None:
-        raise UserError(f'train.fp8_training = {train.fp8_training!r}: {why}. Set train.fp8_training = "none"')
-
-
-def check_fp8_base(train) -> None:
-    """fp8 base weights and quantized bases are for LoRA: full fine-tuning trains those weights (see
-    train.fp8_training); the two narrow storages exclude each other, and DoRA takes neither."""
-    if train.fp8_base_weights and train.mode != "lora":
-        raise UserError(
-            'train.fp8_base_weights = true stores frozen weights in float8, but train.mode = "full" '
-            'trains them all; use train.fp8_training = "rowwise" (or "tensorwise") for full '
-            'fine-tuning, or set train.mode = "lora"'
-        )
-    if train.quantize_base != "none" and (train.mode != "lora" or train.fp8_base_weights):
-        raise UserError(
-            f"train.quantize_base = {train.quantize_base!r} quantizes the frozen base of a LoRA: it needs "
-            'train.mode = "lora" and train.fp8_base_weights = false (one narrow storage)'
-        )
-    if train.mode == "lora" and train.adapter == "dora" and (train.fp8_base_weights or train.quantize_base != "none"):
-        setting = (
-            "train.fp8_base_weights = true"
-            if train.fp8_base_weights
-            else f"train.quantize_base = {train.quantize_base!r}"
-        )
-        raise UserError(
-            f'train.adapter = "dora" with {setting}: DoRA divides by the base weight\'s row norms in '
-            "every forward, which a float8 or quantized base does not give as peft computes them; "
-            'set train.adapter = "lora" (or "loha", "lokr"), or keep the base in model.dtype'
-        )
 
 
 def apply_fp8_training(model: nn.Module, recipe: str, fsdp: bool, module_filter=None) -> list[str]:

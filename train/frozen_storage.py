@@ -1,6 +1,6 @@
 """Frozen weights stored narrower than they compute: float8 base weights, bf16 weights in a float32 run.
 
-A LoRA's frozen base may be kept in a dtype it does not compute in: float8 e4m3 (`train.fp8_base_weights`,
+A LoRA's frozen base may be kept in a dtype it does not compute in: float8 e4m3 (`frozen_base.fp8`,
 half of bf16) under bf16 autocast, or bf16 in a run without autocast (a CPU, where bf16 matmuls without
 bf16 instructions run far slower than float32 ones). `store_frozen` stores the linear and conv weights
 in the storage dtype and everything diffusers' layerwise casting skips (norms, embeddings, the input

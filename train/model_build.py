@@ -6,7 +6,7 @@
 
 - Dtypes: frozen weights (a LoRA's base, whatever a full fine-tune freezes) are read from the file
   into `model.dtype` (float32 for the class's `_keep_in_fp32_modules`, as `from_pretrained` does;
-  float8 with `train.fp8_base_weights`); only what trains is float32. Where the run computes in
+  float8 with `frozen_base.fp8`); only what trains is float32. Where the run computes in
   another dtype than the frozen weights are stored in (fp8; bf16 weights without autocast, e.g. on a
   CPU), each layer is upcast for its compute (store_frozen). A full fine-tune without autocast keeps
   its few frozen weights float32, since nothing would cast between them.
@@ -23,10 +23,10 @@
 - A single-file transformer (`model.components.transformer = "file.safetensors"`, shared/weights/single_file.py)
   fills the same way, through the same reading interface: renamed tensors block by block, tensors diffusers'
   mapping computes from their group. Its fp8-scaled weights are dequantized into `model.dtype`, or with
-  `train.fp8_base_weights` kept as stored, float8 values and per-tensor scale (train/frozen_storage.py).
+  `frozen_base.fp8` kept as stored, float8 values and per-tensor scale (train/frozen_storage.py).
 - LoRA adapters start as peft's default (lora_A Kaiming-uniform, lora_B zero) drawn from a generator
   keyed by (train.seed, component, parameter name): the same adapters in every layout and on every
-  rank, with no broadcast. The other kinds (train.adapter) start so too (shared/adapters.py: the zero factor
+  rank, with no broadcast. The other kinds (adapter.kind) start so too (shared/adapters.py: the zero factor
   zero, the others Kaiming-uniform); DoRA's magnitude is the base weight's row norms, computed once the base is
   filled, each rank from its own rows (FSDP2 shards the base weight and the magnitude alike, by rows).
 """
@@ -97,7 +97,7 @@ class Dtypes:
     autocast: torch.dtype | None  # the autocast dtype, None without autocast
     model: torch.dtype  # model.dtype: what frozen weights are stored in
     mode: str  # train.mode
-    fp8_base: bool  # train.fp8_base_weights
+    fp8_base: bool = False  # frozen_base.fp8 (train/parts/frozen_base.py)
 
     @property
     def compute(self) -> torch.dtype:
@@ -147,12 +147,12 @@ def prepare_transformer(
     quantize: str = "none",
 ) -> nn.Module:
     """Transformer `component` of `spec` on the meta device, set up to train: `mode` "lora" (adapters per
-    `lora`: rank, alpha, targets and kind, train.adapter), "full" (what `spec.full_trainable` marks) or "frozen"
+    `lora`: rank, alpha, targets and kind, adapter.kind), "full" (what `spec.full_trainable` marks) or "frozen"
     (nothing trains: validation's other expert); float32 for whatever trains. `storage_dtype`: the frozen weights'
     storage when it is not what they compute in (fp8 base weights; bf16 computed in float32), see store_frozen;
     `scaled`: the modules whose float8 weights the file stores with a per-tensor scale (kept with fp8 storage);
     `packed`: those whose weights a LoRA's base keeps in the file's quantized blocks (train/packed_base.py);
-    `quantize`: train.quantize_base, every linear layer of a LoRA's base in one process quantized so."""
+    `quantize`: frozen_base.quantize, every linear layer of a LoRA's base in one process quantized so."""
     model = spec.empty_component(component, dtype=frozen_dtype)
     if quantize != "none" and mode == "lora" and not sharded:
         packed = linear_packings(model, quantize)
@@ -168,10 +168,10 @@ def prepare_transformer(
     kind = lora.get("kind", "lora") if mode == "lora" else None
     if kind == "dora" and (packed or storage_dtype == FP8_STORAGE):
         raise UserError(
-            'train.adapter = "dora" needs the base weights as numbers (DoRA divides by their row norms '
+            'adapter.kind = "dora" needs the base weights as numbers (DoRA divides by their row norms '
             "in every forward), but this base is kept "
             + ("in the file's quantized blocks (a quantized checkpoint in one process)" if packed else "in float8")
-            + '; train.adapter = "lora" trains '
+            + '; adapter.kind = "lora" trains '
             "on it, or use a full-precision checkpoint"
         )
     if packed and mode == "lora":
@@ -213,19 +213,19 @@ def build_transformer(
     if quantize != "none" and mode == "lora":
         if weights.quantized_modules():
             raise UserError(
-                f"train.quantize_base = {quantize!r} quantizes a full-precision base, but the {component} "
-                "file is quantized already; keep it as stored (unset train.quantize_base)"
+                f"frozen_base.quantize = {quantize!r} quantizes a full-precision base, but the {component} "
+                "file is quantized already; keep it as stored (unset frozen_base.quantize)"
             )
         if sharded and world.is_main:
             log.info(
-                "%s: train.quantize_base = %r is for one process; a sharded layout keeps model.dtype",
+                "%s: frozen_base.quantize = %r is for one process; a sharded layout keeps model.dtype",
                 component,
                 quantize,
             )
         weights = weights if sharded else QuantizingWeights(weights, quantize)
         if not sharded and world.is_main:
             log.info(
-                "%s: %d linear weights quantized to %s as they are read (train.quantize_base)",
+                "%s: %d linear weights quantized to %s as they are read (frozen_base.quantize)",
                 component,
                 len(weights.quantized_modules()),
                 quantize,
@@ -234,7 +234,7 @@ def build_transformer(
     packed = quantized_base(weights, mode, sharded, world.is_main, component, frozen_dtype)
     if scaled and storage_dtype != FP8_STORAGE and world.is_main:
         log.info(
-            "%s: %d fp8-scaled weights dequantized into %s; train.fp8_base_weights = true keeps them in float8 "
+            "%s: %d fp8-scaled weights dequantized into %s; frozen_base.fp8 = true keeps them in float8 "
             "with their scales (half the memory of bf16)",
             component,
             len(scaled),

@@ -88,7 +88,7 @@ def joint_loss(
     audio_sample_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(loss, audio loss or None): the video loss plus `audio_weight` x the audio stream's (model.audio);
-    `sample_weights` (n,) scale each sample's error (train.loss_weighting), in the audio loss too unless it has its
+    `sample_weights` (n,) scale each sample's error (flow.loss_weighting), in the audio loss too unless it has its
     own (`audio_sample_weights`: its sigmas' weights, with independent audio timesteps)."""
     if out.audio is None:
         return flow_matching_loss(out, sample_weights), None

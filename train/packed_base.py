@@ -57,7 +57,7 @@ def unpack_peak(module: "PackedLinear") -> int:
 
 
 def linear_packings(model: nn.Module, kind: str) -> dict[str, Packing]:
-    """How `train.quantize_base` stores each Linear of `model` (built on the meta device): its names -> Packing."""
+    """How `frozen_base.quantize` stores each Linear of `model` (built on the meta device): its names -> Packing."""
     out = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and (stored := packing(kind, module.out_features, module.in_features)):

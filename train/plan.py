@@ -13,7 +13,7 @@ computing anything. Per rank, for the config's layout over `gpus` ranks:
   with the all-gather's own buffers), the root's gathered parameters, a full fine-tune's block of
   unsharded gradients with its reduce-scatter buffers, DDP's gradient buckets;
 - activations: one micro-batch (this rank's share of the bucket's batch: train.batch_size, or what fits
-  train.tokens_per_batch) of each bucket, the largest counted, through
+  token_budget.tokens_per_batch) of each bucket, the largest counted, through
   the family's forward and a backward, with and without activation checkpointing, divided over cp;
 - validation: the VAE and the pipeline's other frozen parts, and the most the pipeline's steps or the VAE's decode
   hold at once;
@@ -37,14 +37,12 @@ from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_param
 from vt.shared.models import spec_for
 from vt.shared.runtime import encoder_dtype
 from vt.train import refusals
-from vt.train.data import bucket_batch_sizes
 from vt.train.model_build import Dtypes, prepare_transformer, quantized_base
-from vt.train.packed_base import PackedLinear, unpack_peak
-from vt.train.parallel import block_swap
 from vt.train.parallel.dims import ParallelDims, layout_plan
 from vt.train.parallel.fsdp import ROOT_UNIT
 from vt.train.parallel.fsdp import units as fsdp_units
 from vt.train.parallel.offload import OffloadSaved
+from vt.train.parts import ModelMemory, Parts, RunContext
 
 GIB = 2**30
 
@@ -69,9 +67,9 @@ class RankPlan:
     activations: int = 0
     validation: int = 0
     host: int = 0  # parallel.cpu_offload: weights, gradients and optimizer state in host memory
-    swapped: int = 0  # parallel.blocks_on_gpu: the swapped blocks' frozen weights in host memory (not in `weights`)
-    in_flight: int = 0  # parallel.blocks_on_gpu: the swapped frozen weights on the device at once (two blocks)
-    offloaded: int = 0  # parallel.activation_offload: the host arena of one micro-step's saved inputs
+    swapped: int = 0  # block_swap.blocks_on_gpu: the swapped blocks' frozen weights in host memory (not in `weights`)
+    in_flight: int = 0  # block_swap.blocks_on_gpu: the swapped frozen weights on the device at once (two blocks)
+    offloaded: int = 0  # activation_offload.enabled: the host arena of one micro-step's saved inputs
     validation_host: int = 0  # the validation pipeline's parts (the VAE ...) in host memory between validations
     startup: int = 0  # on the device while the model is built and filled
     fill: int = 0  # in host memory while the model is filled: the largest tensor read at once
@@ -113,9 +111,9 @@ class Plan:
     activations: dict[str, dict[str, int]] = field(default_factory=dict)  # bucket -> {"checkpointing": b, "none": b}
     stage1: dict[str, int] = field(default_factory=dict)  # encoder -> bytes, "working" / "working_tiled" -> bytes
     validation: dict[str, int] = field(default_factory=dict)  # "frozen", "step", "decode" / "decode_tiled" -> bytes
-    micro_batch: int = 1  # the largest bucket's; with train.tokens_per_batch each bucket has its own
+    micro_batch: int = 1  # the largest bucket's; with token_budget.tokens_per_batch each bucket has its own
     micro_batches: dict[str, int] = field(default_factory=dict)  # bucket -> samples per rank per micro-step
-    vae_tiled: bool = False  # validation decodes tiled (train.validation_vae_tiling, "auto" against the budget)
+    vae_tiled: bool = False  # validation decodes tiled (validation.vae_tiling, "auto" against the budget)
     # FLOPs of one micro-batch's forward and backward of the largest bucket, {"none": ..., "checkpointing": ...}
     # (memory_trace.FlopCount over the fake step; checkpointing adds the blocks' recomputed forward): step_cost.py
     flops: dict[str, int] = field(default_factory=dict)
@@ -207,13 +205,23 @@ class _Layout:
         return math.ceil(rows / self.fsdp) * rest * size
 
 
-def run_dtypes(config: Config, device: str) -> Dtypes:
+def run_dtypes(config: Config, device: str, parts: Parts | None = None) -> Dtypes:
     """The trainer's dtypes on `device`: a GPU with bfloat16, or the CPU, where "auto" means no autocast."""
     from vt.shared.runtime import DTYPES
 
     precision = config.train.mixed_precision
     amp = None if precision == "no" or (device == "cpu" and precision == "auto") else torch.bfloat16
-    return Dtypes(amp, DTYPES[config.model.dtype], config.train.mode, config.train.fp8_base_weights)
+    return (parts or Parts(config)).dtypes(Dtypes(amp, DTYPES[config.model.dtype], config.train.mode))
+
+
+@dataclass
+class _Units:
+    """What FSDP2 gathers at once, over the transformers a plan builds: the largest unit (parameters; a full
+    fine-tune's gradients in float32) and the root's own parameters, gathered all along."""
+
+    largest: int = 0
+    largest_grad: int = 0
+    root: int = 0
 
 
 def make_plan(
@@ -222,142 +230,155 @@ def make_plan(
     """Memory per rank of `config` over `gpus` ranks on `device` ("cuda", or "cpu" for host-only runs);
     `stage1=False` leaves out what stage 1's encoding works in (the trainer's own plans need none of it, and
     tracing a large VAE's encode takes minutes); `lean=True` traces only the step the config runs (with or without
-    checkpointing, offloaded or not), not the others the printed plan compares. `budget`: the bytes a rank has, against which
-    `train.validation_vae_tiling = "auto"` and `precompute.vae_tiling = "auto"` decide (None: untiled)."""
-    spec = spec_for(config)
+    checkpointing, offloaded or not), not the others the printed plan compares. `budget`: the bytes a rank has, against
+    which `validation.vae_tiling = "auto"` and `precompute.vae_tiling = "auto"` decide (None: untiled). What each
+    training part costs comes from its own memory model (vt.train.parts: `model_memory`, `run_memory`)."""
+    spec, parts = spec_for(config), Parts(config)
     dims = ParallelDims.from_config(config.parallel, gpus)
-    refusals.check(config, spec, dims.world_size)  # what the trainer refuses, the plan refuses alike
-    train, parallel = config.train, config.parallel
-    dtypes = run_dtypes(config, device)
-    lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets, "kind": train.adapter}
-    trained = spec.trained_experts or {None: spec.trained_component}
-    resident = dict(trained)
-    if train.validation_prompts and spec.experts() and not spec.trains_all_experts:
+    refusals.check(config, spec, dims.world_size, parts)  # what the trainer refuses, the plan refuses alike
+    dtypes = run_dtypes(config, device, parts)
+    rank, units, layer = RankPlan(), _Units(), ModelMemory(spec, None, "", None, None, dtypes)
+    for key, component in _resident(config, spec).items():
+        mode = "frozen" if str(key).startswith("frozen:") else config.train.mode
+        _model_memory(config, spec, parts, dims, dtypes, component, mode, rank, units, layer)
+    _buffers(config, dims, rank, units, layer.widest)
+    if config.parallel.cpu_offload:
+        rank.host = rank.weights + rank.gradients + rank.optimizer
+        rank.startup = 0  # built and filled in host memory
+    sizes = parts.batch_sizes(spec, parse_buckets(config.buckets.sizes))
+    micro = {name: max(1, math.ceil(size / dims.dp)) for name, size in sizes.items()}
+    plan = Plan(
+        config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro, dequantized=layer.dequantized
+    )
+    _traced_step(plan, spec, parts, dtypes, stage1, lean)
+    _choose_tiling(plan, spec, budget, stage1)
+    parts.run_memory(plan)
+    return plan
+
+
+def _resident(config: Config, spec) -> dict:
+    """The transformers a rank holds: the trained one(s), and for validation a one-expert run's other expert."""
+    resident = dict(spec.trained_experts or {None: spec.trained_component})
+    if config.validation.prompts and spec.experts() and not spec.trains_all_experts:
         for component, _ in spec.experts().values():  # the other expert, frozen, for validation
             if component not in resident.values():
                 resident[f"frozen:{component}"] = component
-    rank = RankPlan()
-    largest_unit, largest_grad_unit, root, widest, dequantized = 0, 0, 0, 0, 0
-    split = not parallel.compile  # FSDP2 units: a block's large parts, the root's large parts (parallel/fsdp.py)
-    for key, component in resident.items():
-        mode = "frozen" if str(key).startswith("frozen:") else train.mode
-        packed = (
-            quantized_base(
-                spec.weights(component), mode, dims.fsdp_enabled or dims.tp > 1, False, component, dtypes.frozen
-            )
-            if spec.single_file(component)
-            else {}
-        )
-        model = _prepared(
-            spec,
-            config.model,
-            component,
-            mode=mode,
-            lora=lora,
-            storage_dtype=dtypes.storage(mode),
-            sharded=dims.fsdp_enabled,
-            compute_dtype=dtypes.compute,
-            frozen_dtype=dtypes.frozen,
-            packed=packed,
-            quantize="none" if dims.fsdp_enabled or dims.tp > 1 else train.quantize_base,
-        )
-        gather = dtypes.param_dtype(mode)
-        for module in model.modules():  # a quantized weight, dequantized for its matmul, and its scales
-            if isinstance(module, PackedLinear):
-                widest = max(widest, unpack_peak(module))
-                dequantized += unpack_peak(module) if mode != "frozen" else 0
-                if train.quantize_base != "none":  # quantized at read from the file's full-precision weight
-                    rank.fill = max(rank.fill, module.in_features * module.out_features * dtypes.frozen.itemsize)
-                scale = getattr(module, "weight_scale", None)
-                scales = 0 if scale is None else scale.numel() * scale.element_size()
-                rank.weights += scales
-                rank.startup += scales if mode != "frozen" else 0
-        layout = _Layout.of(spec, model, dims)
-        names = {id(p): n for n, p in model.named_parameters()}
+    return resident
 
-        def unit_bytes(params, bytes_per=None) -> int:
-            if bytes_per is not None:
-                return sum(layout.gathered().local(names[id(p)], p, bytes_per) for p in params if p.requires_grad)
-            return sum(_gathered_bytes(names[id(p)], p, layout, gather) for p in params)
 
-        transient = [unit for _, block in spec.named_blocks(model) for unit in (fsdp_units(block) if split else [])]
-        transient += [block for _, block in spec.named_blocks(model)]
-        transient += [
-            child
-            for child in model.children()
-            if split
-            and child not in {getattr(model, n) for n in spec.block_lists}
-            and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT
-        ]
-        counted = set()
-        for unit in transient:  # innermost first: each parameter belongs to the first unit that holds it
-            params = [p for p in unit.parameters() if id(p) not in counted]
-            counted |= {id(p) for p in params}
-            largest_unit = max(largest_unit, unit_bytes(params))
-            largest_grad_unit = max(largest_grad_unit, unit_bytes(params, 4))
-        for name, param in model.named_parameters():
-            rank.weights += layout.local(name, param)
-            if not param.requires_grad and mode != "frozen":  # the fill reads one tensor at a time into host memory
-                rank.fill = max(rank.fill, layout.local(name, param))
-            if param.requires_grad:
-                rank.gradients += layout.local(name, param, 4)
-                rank.optimizer += (3 if train.ema_decay else 2) * layout.local(name, param, 4)  # AdamW's moments, EMA
-            if id(param) not in counted:  # the root's own: gathered all along
-                root += _gathered_bytes(name, param, layout, gather)
-            if dtypes.storage(mode) is not None and gather is None:  # a linear upcast for its matmul
-                widest = max(widest, param.numel() * torch.empty((), dtype=dtypes.compute).element_size())
-        if parallel.blocks_on_gpu is not None and mode != "frozen":  # built and kept in host memory, two in flight
-            swap = block_swap.memory(spec, model, parallel.blocks_on_gpu)
-            rank.weights -= swap.frozen
-            rank.swapped += swap.host
-            rank.in_flight = max(rank.in_flight, swap.device)
-        if mode != "frozen":  # what start-up builds on the device (validation's other expert comes at validation)
-            rank.startup += sum(layout.local(name, param) for name, param in model.named_parameters()) - (
-                swap.frozen if parallel.blocks_on_gpu is not None else 0
-            )
+def _model_memory(config, spec, parts, dims, dtypes, component, mode, rank, units, layer) -> None:
+    """One transformer's weights, gradients and optimizer state on a rank, its FSDP2 units, and what each part adds
+    (`layer` carries the widest layer and the dequantized bytes over the transformers)."""
+    packed = (
+        quantized_base(spec.weights(component), mode, dims.fsdp_enabled or dims.tp > 1, False, component, dtypes.frozen)
+        if spec.single_file(component)
+        else {}
+    )
+    options = parts.build_options(spec, trains=mode != "frozen")
+    options.pop("host_blocks", None)  # built on the meta device here: where the blocks live is the part's model
+    if dims.fsdp_enabled or dims.tp > 1:  # a sharded layout divides the weights itself
+        options["quantize"] = "none"
+    model = _prepared(
+        spec,
+        config.model,
+        component,
+        mode=mode,
+        lora=options.pop("lora", None),
+        storage_dtype=dtypes.storage(mode),
+        sharded=dims.fsdp_enabled,
+        compute_dtype=dtypes.compute,
+        frozen_dtype=dtypes.frozen,
+        packed=packed,
+        **options,
+    )
+    layout = _Layout.of(spec, model, dims)
+    memory = ModelMemory(spec, model, mode, layout, rank, dtypes, layer.widest, layer.dequantized)
+    _units(config, spec, model, layout, dtypes.param_dtype(mode), units)
+    gather = dtypes.param_dtype(mode)
+    for name, param in model.named_parameters():
+        rank.weights += layout.local(name, param)
+        if not param.requires_grad and mode != "frozen":  # the fill reads one tensor at a time into host memory
+            rank.fill = max(rank.fill, layout.local(name, param))
+        if param.requires_grad:
+            rank.gradients += layout.local(name, param, 4)
+            rank.optimizer += 2 * layout.local(name, param, 4)  # AdamW's moments
+        if dtypes.storage(mode) is not None and gather is None:  # a linear upcast for its matmul
+            memory.widest = max(memory.widest, param.numel() * torch.empty((), dtype=dtypes.compute).element_size())
+    if mode != "frozen":  # what start-up builds on the device (validation's other expert comes at validation)
+        rank.startup += sum(layout.local(name, param) for name, param in model.named_parameters())
+    parts.model_memory(memory)
+    layer.widest, layer.dequantized = memory.widest, memory.dequantized
+
+
+def _units(config, spec, model, layout, gather, units: _Units) -> None:
+    """FSDP2's units of `model` (a block's large parts, the block, the root's large parts: parallel/fsdp.py), the
+    largest gathered one and the root's own parameters, into `units`."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    split = not config.parallel.compile
+
+    def unit_bytes(params, bytes_per=None) -> int:
+        if bytes_per is not None:
+            return sum(layout.gathered().local(names[id(p)], p, bytes_per) for p in params if p.requires_grad)
+        return sum(_gathered_bytes(names[id(p)], p, layout, gather) for p in params)
+
+    transient = [unit for _, block in spec.named_blocks(model) for unit in (fsdp_units(block) if split else [])]
+    transient += [block for _, block in spec.named_blocks(model)]
+    transient += [
+        child
+        for child in model.children()
+        if split
+        and child not in {getattr(model, n) for n in spec.block_lists}
+        and sum(p.numel() for p in child.parameters()) >= ROOT_UNIT
+    ]
+    counted = set()
+    for unit in transient:  # innermost first: each parameter belongs to the first unit that holds it
+        params = [p for p in unit.parameters() if id(p) not in counted]
+        counted |= {id(p) for p in params}
+        units.largest = max(units.largest, unit_bytes(params))
+        units.largest_grad = max(units.largest_grad, unit_bytes(params, 4))
+    for name, param in model.named_parameters():
+        if id(param) not in counted:  # the root's own: gathered all along
+            units.root += _gathered_bytes(name, param, layout, gather)
+
+
+def _buffers(config, dims, rank: RankPlan, units: _Units, widest: int) -> None:
+    """Communication and compute buffers: FSDP2's gathered units or DDP's gradient buckets, and the widest layer."""
     if dims.fsdp_enabled:
         # A gathered unit is its unsharded parameters; gathering one also holds the all-gather's output and
         # this rank's copied-in shard until the copy-out: the unit running plus the next one fetched ahead
         # come to (3 + 1/N) units at the peak (measured: docs/memory.md). A full fine-tune's backward adds
         # a unit's unsharded gradients and its reduce-scatter buffers in the reduce dtype (float32).
-        shards = layout.fsdp
-        rank.buffers = int((3 + 1 / shards) * largest_unit) + root
-        if train.mode == "full":
-            rank.buffers += int((2 + 1 / shards) * largest_grad_unit)
+        shards = dims.dp_shard * dims.cp
+        rank.buffers = int((3 + 1 / shards) * units.largest) + units.root
+        if config.train.mode == "full":
+            rank.buffers += int((2 + 1 / shards) * units.largest_grad)
     elif dims.ddp_enabled:
         rank.buffers = min(100 * 2**20, rank.gradients)
     rank.buffers += widest
-    if parallel.cpu_offload:
-        rank.host = rank.weights + rank.gradients + rank.optimizer
-        rank.startup = 0  # built and filled in host memory
-    sizes = bucket_batch_sizes(train, spec, parse_buckets(config.buckets.sizes))
-    micro = {name: max(1, math.ceil(size / dims.dp)) for name, size in sizes.items()}
-    plan = Plan(
-        config, dims, device, rank, micro_batch=max(micro.values()), micro_batches=micro, dequantized=dequantized
-    )
+
+
+def _traced_step(plan: Plan, spec, parts: Parts, dtypes: Dtypes, stage1: bool, lean: bool) -> None:
+    """The activations of the run's step (traced once per model, buckets, dtypes and what the parts change of it)."""
+    config, dims, device = plan.config, plan.dims, plan.device
     # Under FSDP2 the blocks compute with gathered copies in the param dtype; one process casts its float32
     # weights under autocast (and autocast keeps those casts for the whole forward).
-    gathered = dtypes.param_dtype(train.mode) if dims.fsdp_enabled else None
+    gathered = dtypes.param_dtype(config.train.mode) if dims.fsdp_enabled else None
     key = (
         config.model.model_dump_json(),
         config.buckets.model_dump_json(),
-        train.mode,
-        train.lora_rank,
-        tuple(train.lora_targets),
-        train.adapter,
-        bool(train.validation_prompts),
+        config.train.mode,
+        parts.trace_key(),
+        bool(config.validation.prompts),
         device,
         str(replace(dtypes, fp8_base=False)),  # (the trace holds frozen weights as they compute: fp8 the same)
         str(gathered),
-        tuple(sorted(micro.items())),
-        train.guidance_scale,
+        tuple(sorted(plan.micro_batches.items())),
     )
-    offload = parallel.activation_offload and device == "cuda"  # (on a CPU host memory is where they were already)
-    kind = "offload" if offload else "checkpointing" if parallel.activation_checkpointing else "none"
+    kind = parts.activation_kind("checkpointing" if config.parallel.activation_checkpointing else "none", device)
     kinds = frozenset({kind} if lean else {"none", "checkpointing", "offload"})
     traced = _cached(key, stage1, kinds, lean)
     if traced is None:  # alternatives of one config share what the fake runs measured
-        _trace(plan, spec, dtypes, lora, gathered, stage1, kinds, largest_only=lean)
+        _trace(plan, spec, parts, dtypes, gathered, stage1, kinds, largest_only=lean)
         traced = _TRACES[(key, stage1, kinds, not lean)] = (plan.activations, plan.stage1, plan.validation, plan.flops)
     activations, stage1_bytes, validation, flops = traced
     plan.activations, plan.stage1, plan.validation, plan.flops = (
@@ -367,12 +388,7 @@ def make_plan(
         flops,
     )
     worst = max(plan.activations.values(), key=lambda a: a[kind])
-    rank.activations = worst[kind] // dims.cp
-    if offload:
-        rank.offloaded = max(a.get("offload_host", 0) for a in plan.activations.values()) // dims.cp
-        plan.offload_largest = max(a.get("offload_largest", 0) for a in plan.activations.values()) // dims.cp
-    _choose_tiling(plan, spec, budget, stage1)
-    return plan
+    plan.rank.activations = worst[kind] // dims.cp
 
 
 _PREPARED: dict[tuple, nn.Module] = {}
@@ -402,7 +418,7 @@ def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:
     parts = plan.validation
     if parts:
         rank.validation = parts["frozen"] + max(parts["step"], parts["decode"])
-        setting = config.train.validation_vae_tiling
+        setting = config.validation.vae_tiling
         if tileable and (setting is True or (setting == "auto" and budget is not None)):
             free = None if budget is None else budget - rank.resident - parts["frozen"]  # what the decode may take
             plan.vae_tiled, _ = decide(setting, parts["decode"], free, tileable)
@@ -410,8 +426,6 @@ def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:
             parts["decode_tiled"] = _vae_peak(config, spec, largest, "decode", vae_dtype, tiled=True)
             rank.validation = parts["frozen"] + max(parts["step"], parts["decode_tiled"])
         rank.validation_host = parts["frozen"]  # moved to host memory between validations (train/validation.py)
-        if config.train.ema_decay and config.train.ema_validation:  # the trained weights kept while the EMA renders
-            rank.validation += rank.gradients
     setting = config.precompute.vae_tiling
     if stage1 and tileable and (setting is True or (setting == "auto" and budget is not None)):
         if setting is True or plan.stage1_peak(tiled=False) > budget:
@@ -447,8 +461,8 @@ def _gathered_bytes(name: str, param: torch.Tensor, layout: _Layout, dtype: torc
 def _trace(
     plan: Plan,
     spec,
+    parts: Parts,
     dtypes: Dtypes,
-    lora,
     gathered: torch.dtype | None,
     stage1: bool = True,
     kinds=frozenset({"none", "checkpointing", "offload"}),
@@ -475,7 +489,7 @@ def _trace(
         for name in spec.stage1_components
         if stage1 and isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)
     ]
-    parts = {
+    encoders = {
         name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
         for name in modules
     }
@@ -487,7 +501,7 @@ def _trace(
             spec,
             component,
             mode=train.mode,
-            lora=lora,
+            lora=parts.build_options(spec, trains=True).get("lora"),
             storage_dtype=None,
             sharded=False,
             compute_dtype=dtypes.compute,
@@ -502,9 +516,9 @@ def _trace(
             for param in model.parameters():
                 param.data = param.data.to(gathered)  # meta tensors: no memory
     with fake_mode():
-        for name, part in parts.items():  # tokenizers and processors hold no weights
-            fake_parameters(part).eval().requires_grad_(False)
-            plan.stage1[name] = sum(p.numel() * p.element_size() for p in part.parameters())
+        for name, encoder in encoders.items():  # tokenizers and processors hold no weights
+            fake_parameters(encoder).eval().requires_grad_(False)
+            plan.stage1[name] = sum(p.numel() * p.element_size() for p in encoder.parameters())
         for checkpointing, model in models.items():
             fake_parameters(model)
             for param in model.parameters():  # gradients leave as soon as they exist (FSDP2 frees them per block)
@@ -514,7 +528,7 @@ def _trace(
                 apply_ac(model, spec)
             for bucket in buckets:
                 batch = _batch(shapes[bucket], plan.micro_for(bucket.name))
-                forward = _forward(spec, config, batch)
+                forward = _forward(spec, parts, batch)
                 measured = plan.activations.setdefault(bucket.name, {})
                 kind = "checkpointing" if checkpointing else "none"
                 if kind in kinds:
@@ -529,7 +543,7 @@ def _trace(
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     measured[kind] = step.peak
                     plan.flops[kind] = max(plan.flops.get(kind, 0), counted.total)  # the largest bucket's
-                if checkpointing and "offload" in kinds:  # parallel.activation_offload: saved inputs in host memory
+                if checkpointing and "offload" in kinds:  # activation_offload.enabled: saved inputs in host memory
                     offload = _TraceOffload()
                     with KnownValues(), peak_bytes() as offloaded, FlopCount() as counted:
                         with _autocast(amp), offload():
@@ -543,20 +557,20 @@ def _trace(
                     measured["offload"] = offloaded.peak + offload.largest
                     measured["offload_host"], measured["offload_largest"] = offload.host, offload.largest
                     plan.flops.setdefault("checkpointing", counted.total)  # the same step's (lean plans)
-        if train.validation_prompts:
+        if config.validation.prompts:
             plan.validation = {
                 "frozen": _validation_parts(spec, vae_dtype),
                 "step": _denoise_bytes(shapes, next(iter(models.values())), spec, amp),
             }
-    if train.validation_prompts:  # the decode of one clip of the largest bucket, untiled
+    if config.validation.prompts:  # the decode of one clip of the largest bucket, untiled
         plan.validation["decode"] = _vae_peak(config, spec, _largest(config), "decode", vae_dtype)
     for bucket in buckets if stage1 else ():  # the VAE's working memory while stage 1 encodes a clip of each bucket
-        working = _vae_peak(config, spec, bucket, "encode", parts["vae"].dtype)
+        working = _vae_peak(config, spec, bucket, "encode", encoders["vae"].dtype)
         plan.stage1["working"] = max(plan.stage1.get("working", 0), working)
 
 
 class _TraceOffload(OffloadSaved):
-    """parallel.activation_offload in the trace: what would go to host memory is dropped when saved and made
+    """activation_offload.enabled in the trace: what would go to host memory is dropped when saved and made
     anew (a fake tensor: device memory again) when backward unpacks it, with a CUDA run's size threshold. `host`: the
     bytes its host arena takes (each tensor once, aligned as the arena lays it out); `largest`: the largest tensor
     sent, of which one more is on the device while its copy back runs ahead of its use."""
@@ -584,16 +598,11 @@ class _TraceOffload(OffloadSaved):
         return original() if original() is not None else torch.zeros(shape, dtype=dtype)
 
 
-def _forward(spec, config: Config, batch: dict[str, torch.Tensor]):
-    """The step's forward: the family's, or with `train.guidance_scale` the guided one (train/guidance.py: the base's
-    forward on the empty caption first, no gradients, its prediction kept through the step's), its empty caption the
-    batch's first row of conditions."""
-    if config.train.guidance_scale is None:
-        return spec.forward
-    from vt.train.guidance import guidance_for
-
+def _forward(spec, parts: Parts, batch: dict[str, torch.Tensor]):
+    """The step's forward as the parts wrap the family's (guidance: the base's forward on the empty caption first,
+    no gradients, its prediction kept through the step's), its empty caption the batch's first row of conditions."""
     empty = {name: tensor[0] for name, tensor in batch.items() if name not in ("latents", "audio_latents")}
-    return guidance_for(config, spec, lambda: empty).forward
+    return parts.forward(spec.forward, RunContext(spec, torch.device("cpu"), empty_caption=lambda: empty))
 
 
 REAL_CONDITION = 1 << 22  # elements: a condition up to this size is a real tensor in the trace
@@ -697,13 +706,13 @@ def format_plan(plan: Plan, budget_gib: float | None, host_gib: float | None = N
         f"per rank ({where}):",
         f"  weights       {rank.weights / GIB:8.2f} GiB",
         f"  optimizer     {rank.optimizer / GIB:8.2f} GiB  (AdamW: two float32 moments"
-        f"{'; the EMA: one more' if config.train.ema_decay else ''})",
+        f"{'; the EMA: one more' if 'ema' in Parts(config).names() else ''})",
         f"  buffers       {rank.buffers / GIB:8.2f} GiB  (FSDP2 gathered blocks / DDP buckets)",
         "  training phase:",
         f"    gradients   {rank.gradients / GIB:8.2f} GiB  (freed after each optimizer step)",
         f"    activations {rank.activations / GIB:8.2f} GiB  "
         f"(checkpointing {'on' if config.parallel.activation_checkpointing else 'off'}"
-        f"{', inputs offloaded to host memory' if config.parallel.activation_offload else ''}, largest bucket)",
+        f"{', inputs offloaded to host memory' if rank.offloaded else ''}, largest bucket)",
         "  validation phase:",
         f"    validation  {rank.validation / GIB:8.2f} GiB  (the VAE and the pipeline's other frozen parts, and the "
         f"larger of a denoising step and "

@@ -14,64 +14,30 @@ and orders them by the step-time estimate (train/step_cost.py).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
+from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
 from vt.shared.models import spec_for
 from vt.shared.models.plans import Unplanned
+from vt.train.parts import Change, Parts
+from vt.train.parts.base import change
+
+CHECKPOINTED = {"activation_checkpointing": True}
 
 GIB = 2**30
 ALONE = ("gpus", "cpu_offload")  # axes tried without a partner
 
 
-@dataclass(frozen=True)
-class Change:
-    axis: str
-    label: str
-    section_values: tuple  # ((section, {key: value}), ...)
-    gpus: int | None = None  # another GPU count
-
-    def apply(self, config: Config) -> Config:
-        for section, values in self.section_values:
-            config = config.model_copy(update={section: getattr(config, section).model_copy(update=dict(values))})
-        return config
-
-
-def _change(axis: str, label: str, section: str, gpus: int | None = None, **values) -> Change:
-    return Change(axis, label, ((section, tuple(sorted(values.items()))),) if values else (), gpus)
-
-
 def _axes(config: Config, gpus: int) -> list[list[Change]]:
+    """The training parts' own axes (a narrow base, block swap, activation offload: vt.train.parts), then the
+    layout's."""
     train, parallel = config.train, config.parallel
     spec = spec_for(config)
-    checkpointed = {"activation_checkpointing": True}
-    axes: list[list[Change]] = []
-    if train.mode == "lora" and not train.fp8_base_weights and train.quantize_base == "none":
-        axes.append(
-            [_change("base", "train.fp8_base_weights=true", "train", fp8_base_weights=True)]
-            + [_change("base", f"train.quantize_base={kind}", "train", quantize_base=kind) for kind in ("int8", "nf4")]
-        )
+    axes: list[list[Change]] = Parts.alternatives(config, gpus)
     if not parallel.activation_checkpointing:
-        axes.append([_change("checkpointing", "parallel.activation_checkpointing=true", "parallel", **checkpointed)])
-    if not parallel.activation_offload:
-        axes.append(
-            [
-                _change(
-                    "offload", "parallel.activation_offload=true", "parallel", **checkpointed, activation_offload=True
-                )
-            ]
-        )
-    if gpus == 1 and train.mode == "lora" and parallel.blocks_on_gpu is None:
-        axes.append(
-            [
-                _change(
-                    "swap", f"parallel.blocks_on_gpu={resident}", "parallel", **checkpointed, blocks_on_gpu=resident
-                )
-                for resident in (20, 10, 5, 0)
-            ]
-        )
+        axes.append([change("checkpointing", "parallel.activation_checkpointing=true", "parallel", **CHECKPOINTED)])
     if not parallel.cpu_offload:
-        axes.append([_change("cpu_offload", "parallel.cpu_offload=true", "parallel", cpu_offload=True)])
+        axes.append([change("cpu_offload", "parallel.cpu_offload=true", "parallel", cpu_offload=True)])
     try:
         has_cp = spec.cp_plan() is not None
     except Unplanned:
@@ -80,13 +46,15 @@ def _axes(config: Config, gpus: int) -> list[list[Change]]:
         cp for cp in (2, 4, 8) if has_cp and cp > parallel.cp and gpus % (cp * parallel.tp * parallel.dp_replicate) == 0
     ]
     if cps:
-        axes.append([_change("cp", f"parallel.cp={cp}", "parallel", cp=cp) for cp in cps])
-    axes.append([_change("gpus", f"{more} GPUs (FSDP2)", "", more) for more in (2, 4, 8, 16, 32) if more > gpus])
+        axes.append([change("cp", f"parallel.cp={cp}", "parallel", cp=cp) for cp in cps])
+    axes.append([change("gpus", f"{more} GPUs (FSDP2)", "", more) for more in (2, 4, 8, 16, 32) if more > gpus])
     per_rank = -(-train.batch_size // max(gpus, 1))
-    if train.tokens_per_batch is None and per_rank > 1 and train.batch_size % per_rank == 0:
+    sizes = Parts(config).batch_sizes(spec, parse_buckets(config.buckets.sizes))
+    plain = all(size == train.batch_size for size in sizes.values())  # no token budget sets its own
+    if plain and per_rank > 1 and train.batch_size % per_rank == 0:
         axes.append(
             [
-                _change(
+                change(
                     "split",
                     f"train.batch_size={train.batch_size // per_rank} + train.grad_accum={train.grad_accum * per_rank}",
                     "train",
@@ -95,12 +63,9 @@ def _axes(config: Config, gpus: int) -> list[list[Change]]:
                 )
             ]
         )
-    if (
-        train.validation_prompts
-        and train.validation_vae_tiling is not True
-        and hasattr(spec._class_of("vae"), "enable_tiling")
-    ):
-        axes.append([_change("tiling", "train.validation_vae_tiling=true", "train", validation_vae_tiling=True)])
+    validation = config.validation
+    if validation.prompts and validation.vae_tiling is not True and hasattr(spec._class_of("vae"), "enable_tiling"):
+        axes.append([change("tiling", "validation.vae_tiling=true", "validation", vae_tiling=True)])
     return [axis for axis in axes if axis]
 
 
@@ -129,9 +94,9 @@ def alternatives(
     planned: dict[tuple[Change, ...], object] = {}
     for combo in combinations(config, gpus):
         changed = config
-        for change in combo:
-            changed = change.apply(changed)
-        count = next((change.gpus for change in combo if change.gpus), gpus)
+        for setting in combo:
+            changed = setting.apply(changed)
+        count = next((setting.gpus for setting in combo if setting.gpus), gpus)
         try:
             planned[combo] = make_plan(changed, count, device, budget=budget, stage1=False, lean=True)
         except ValueError:  # refused (a UserError, Unplanned, ParallelConfigError: all ValueErrors)

@@ -3,46 +3,23 @@
 The trainer calls `check` at start-up and `vt-train plan` for its config and for each setting it tries, so the plan
 never offers what the trainer would stop, and says the trainer's own reason for a config it cannot run. Each
 refusal names the keys and what to use instead. Checks that need this machine (attention kernels, fp8 hardware)
-stay in the trainer (`Trainer._check_kernels`): a plan is made for another machine.
+stay in the trainer (`Trainer._check`, the parts' `check_machine`): a plan is made for another machine.
 """
 
 from __future__ import annotations
 
 from vt.shared.config import Config
 from vt.shared.errors import UserError
-from vt.train.fp8 import check_fp8_base
-from vt.train.parallel import block_swap
 
 
-def check(config: Config, spec, world_size: int) -> None:
+def check(config: Config, spec, world_size: int, parts=None) -> None:
     """Raise UserError for the first combination of `config`'s settings the trainer cannot run over `world_size`
-    ranks with the family `spec`."""
-    train, parallel = config.train, config.parallel
-    check_fp8_base(train)
-    if train.mode == "lora" and train.adapter != "lora" and parallel.tp > 1:
-        raise UserError(
-            f"train.adapter = {train.adapter!r} with parallel.tp = {parallel.tp}: tensor parallel splits "
-            'only LoRA\'s two factors; set train.adapter = "lora", or parallel.tp = 1 (FSDP2 shards any '
-            "adapter: parallel.dp_shard)"
-        )
-    if parallel.blocks_on_gpu is not None and train.mode != "lora":
-        raise UserError(
-            f"parallel.blocks_on_gpu = {parallel.blocks_on_gpu} swaps frozen weights, but train.mode = "
-            f"{train.mode!r} trains them all; use parallel.cpu_offload = true for a full fine-tune on one "
-            'GPU, or train.mode = "lora"'
-        )
-    block_swap.check(parallel, world_size, spec.trained_experts)
-    if train.caption_dropout > 0 and spec.text_with_image:
-        raise UserError(
-            f"train.caption_dropout = {train.caption_dropout}: {spec.family}'s text encoder reads each "
-            "caption together with its clip's first frame, so the window's empty caption cannot stand in "
-            "for a sample's text; set train.caption_dropout = 0"
-        )
-    if train.loss_weighting != "none" and config.model.diffusion_forcing:
-        raise UserError(
-            f"train.loss_weighting = {train.loss_weighting!r} weights each sample by its sigma, but "
-            'model.diffusion_forcing draws one sigma per latent frame; set train.loss_weighting = "none"'
-        )
+    ranks with the family `spec`: each part's own refusals (vt.train.parts), the loss path's, pipeline stages'."""
+    from vt.train.parts import Parts
+    from vt.train.step import LossPath
+
+    (parts or Parts(config)).check(spec, world_size)
+    LossPath.check(config, spec)
     check_pipeline_stages(config, spec)
 
 

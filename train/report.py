@@ -107,10 +107,7 @@ def _videos(run_dir: Path, page_dir: Path, prompts: list[str]) -> str:
         if cells:
             number = re.sub(r"^step-0*(?=\d)", "", step.name)
             blocks.append(f"<h3>step {_esc(number)}</h3><div class='step'>{''.join(cells)}</div>")
-    return (
-        "".join(blocks)
-        or "<p class='muted'>no validation videos yet (train.validate_every, train.validation_prompts)</p>"
-    )
+    return "".join(blocks) or "<p class='muted'>no validation videos yet (validation.every, validation.prompts)</p>"
 
 
 def _window(config: dict) -> str:
@@ -260,7 +257,7 @@ def build_report(run_dir: Path, page_dir: Path | None = None) -> str:
         raise FileNotFoundError(f"no run folder at {run_dir}: give the run.dir of a run (e.g. runs/demo)")
     config_text, config = _read_config(run_dir)
     records = _metrics(run_dir)
-    prompts = config.get("train", {}).get("validation_prompts", [])
+    prompts = config.get("validation", {}).get("prompts", [])
     sections = [
         ("Training", _plots(records)),
         ("Validation videos", _videos(run_dir, Path(page_dir or run_dir), prompts)),

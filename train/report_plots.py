@@ -79,7 +79,7 @@ def loss_figure(records: list[dict]):
     for key in loss_keys(records):
         steps, values = _series(records, key)
         x, y = _thin(steps, values)
-        sparse = key == "eval_loss"  # computed every train.eval_every steps: its points marked
+        sparse = key == "eval_loss"  # computed every held_out.every steps: its points marked
         fig.add_trace(
             go.Scatter(x=x, y=y, mode="lines+markers" if sparse else "lines", name=key, opacity=1.0 if sparse else 0.35)
         )
@@ -105,7 +105,7 @@ def _single(records: list[dict], key: str, title: str, y_title: str, from_zero: 
 
 
 def held_out_figure(records: list[dict]):
-    """The held-out loss per sigma of `train.eval_sigmas` (`eval_loss/sigma_<s>`), one curve each."""
+    """The held-out loss per sigma of `held_out.sigmas` (`eval_loss/sigma_<s>`), one curve each."""
     import plotly.graph_objects as go
 
     keys = sorted(

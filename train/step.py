@@ -5,25 +5,24 @@ loss (train/eval_loss.py) and the benchmark (which times `Trainer.train_step`, t
   sample's key, the step and `train.seed` (parallel/batching.py), so every layout and every resume draws alike; with
   model.audio the audio noise and, for a family with independent audio timesteps, the audio sigmas.
 - `losses(model, part, draws)`: (loss, audio loss or None, real rows) per route of the slice (the one transformer,
-  or each expert's rows), lazily, under the run's autocast and activation offload; guided targets where
-  `train.guidance_scale` is set (train/guidance.py).
-- `drop_captions(batch, first, step)`: `train.caption_dropout` of a global batch's samples on the window's empty
-  caption (train/caption_dropout.py).
+  or each expert's rows), lazily, under the run's autocast and its parts' forward contexts (activation offload),
+  through the family's forward as the parts wrap it (guided targets: train/parts/guidance.py).
+
+The [flow] section (sigma sampling, shift, loss weighting) is this module's and train/objectives.py's. Caption
+dropout changes a batch before it gets here (train/parts/caption_dropout.py, the parts' `batch` hook).
 
 The held-out loss passes fixed draws of its own instead of `draws` (the same loss path, other sigmas and noise).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
-from vt.train.caption_dropout import drop_captions, dropped
-from vt.train.data import Batch
+from vt.shared.errors import UserError
 from vt.train.experts import expert_modules, routes
 from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators
@@ -42,27 +41,27 @@ class Draws:
 
 
 class LossPath:
-    """The loss of a slice as the run computes it. `guidance`: the run's Guidance or None; `offload`: the run's
-    activation offload (a context per forward) or None; `empty_caption()`: the window's empty-caption conditions, read
-    when first needed."""
+    """The loss of a slice as the run computes it, through the run's parts (vt.train.parts.Parts): their forward
+    wrapping (guidance) and forward contexts (activation offload)."""
 
-    def __init__(
-        self,
-        config,
-        spec,
-        device: torch.device,
-        amp_dtype: torch.dtype | None,
-        empty_caption: Callable[[], dict[str, torch.Tensor]],
-        guidance=None,
-        offload=None,
-    ):
-        self.config, self.spec, self.device, self.amp_dtype = config, spec, device, amp_dtype
-        self.empty_caption, self.guidance, self.offload = empty_caption, guidance, offload
+    def __init__(self, config, spec, device: torch.device, amp_dtype: torch.dtype | None, parts, run):
+        """`run`: the trainer's RunContext (vt.train.parts), for the parts that wrap the forward."""
+        self.config, self.spec, self.device, self.amp_dtype, self.parts = config, spec, device, amp_dtype, parts
+        self.flow, self.run = config.flow, run
+
+    @staticmethod
+    def check(config, spec) -> None:
+        """What the [flow] settings cannot do with the family (the trainer and the plan call it)."""
+        if config.flow.loss_weighting != "none" and config.model.diffusion_forcing:
+            raise UserError(
+                f"flow.loss_weighting = {config.flow.loss_weighting!r} weights each sample by its sigma, but "
+                'model.diffusion_forcing draws one sigma per latent frame; set flow.loss_weighting = "none"'
+            )
 
     def shift(self, latent_shape: tuple[int, ...]) -> float:
-        """`train.shift`, or with "auto" the family scheduler's at this bucket's token count (objectives.py)."""
-        if self.config.train.shift != "auto":
-            return self.config.train.shift
+        """`flow.shift`, or with "auto" the family scheduler's at this bucket's token count (objectives.py)."""
+        if self.flow.shift != "auto":
+            return self.flow.shift
         return scheduler_shift(self.scheduler_config, self.spec.tokens_per_sample(latent_shape))
 
     @cached_property
@@ -72,20 +71,20 @@ class LossPath:
     def draws(self, part: Slice, step: int) -> Draws:
         """Optimizer step `step`'s sigmas and noise for `part` (and with model.audio the audio noise and independent
         audio sigmas, and the spec's own generators), each from its sample's key (parallel/batching.py)."""
-        train = self.config.train
+        flow, seed = self.flow, self.config.train.seed
         latent_shape = part.tensors["latents"].shape[1:]
         levels = self.spec.noise_levels(latent_shape)  # > 1: a sigma per latent frame
         shift = self.shift(latent_shape)
-        density = dict(logit_mean=train.logit_mean, logit_std=train.logit_std, mode_scale=train.mode_scale)
+        density = dict(logit_mean=flow.logit_mean, logit_std=flow.logit_std, mode_scale=flow.mode_scale)
         sigmas, noise = draw_inputs(
-            part, train.seed, step, train.sigma_sampling, shift, self.spec.sigma_range(), levels, **density
+            part, seed, step, flow.sigma_sampling, shift, self.spec.sigma_range(), levels, **density
         )
-        draws = Draws(sigmas, noise, spec_generators(part, train.seed, step))
+        draws = Draws(sigmas, noise, spec_generators(part, seed, step))
         if "audio_latents" in part.tensors:
-            draws.audio_noise = draw_audio_noise(part, train.seed, step)
+            draws.audio_noise = draw_audio_noise(part, seed, step)
             if self.spec.audio_timesteps == "independent":
                 shift = self.config.model.audio_shift or self.spec.sound.default_shift or shift
-                draws.audio_sigmas = draw_audio_sigmas(part, train.seed, step, train.sigma_sampling, shift, **density)
+                draws.audio_sigmas = draw_audio_sigmas(part, seed, step, flow.sigma_sampling, shift, **density)
         return draws
 
     def losses(self, model: torch.nn.Module, part: Slice, draws: Draws) -> Iterator[tuple]:
@@ -98,15 +97,15 @@ class LossPath:
         if audio_sigmas is not None:
             tensors["audio_sigmas"] = audio_sigmas.to(self.device)
         models = expert_modules(model)
-        forward = self.spec.forward if self.guidance is None else self.guidance.forward  # guided targets
-        weighting = self.config.train.loss_weighting
+        forward = self.parts.forward(self.spec.forward, self.run)  # guided targets with guidance.scale
+        weighting = self.flow.loss_weighting
         for route in routes(self.spec, sigmas, part.count):
             rows = slice(None) if route.expert is None else route.rows
             with (
                 torch.autocast(
                     self.device.type, dtype=self.amp_dtype or torch.float32, enabled=self.amp_dtype is not None
                 ),
-                self.offload() if self.offload is not None else contextlib.nullcontext(),
+                self.parts.forward_context(),
             ):
                 out = forward(
                     models[route.expert],
@@ -124,13 +123,3 @@ class LossPath:
                 None if audio_weights is None else audio_weights.to(self.device),
             )
             yield loss, audio_loss, route.count
-
-    def drop_captions(self, batch: Batch, first: int, step: int) -> Batch:
-        """`batch` with train.caption_dropout of its samples on the empty caption; `first` is the global index of its
-        first sample in optimizer step `step` (see train/caption_dropout.py)."""
-        train = self.config.train
-        held = range(batch.first, batch.first + next(iter(batch.tensors.values())).shape[0])  # the rows this rank read
-        rows = [row - batch.first for row in held if dropped(train.seed, step, first + row, train.caption_dropout)]
-        if not rows:
-            return batch
-        return replace(batch, tensors=drop_captions(batch.tensors, self.empty_caption(), rows))

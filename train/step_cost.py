@@ -5,8 +5,8 @@ bucket's forward and backward (vt.shared.memory_trace.FlopCount over the fake st
 forward is in the count) over the context- and tensor-parallel degrees, at an achieved throughput, plus a quantized
 base's dequantizing (each packed weight unpacked once a pass, its bytes written and read at the device memory's
 rate), overlapped with what the setting moves over PCIe per micro-batch: the saved block inputs out and back
-(`parallel.activation_offload`), the swapped blocks' frozen weights in for the forward and again for the backward
-(`parallel.blocks_on_gpu`); what cannot overlap is added: the first input backward takes back, the first swapped
+(`activation_offload.enabled`), the swapped blocks' frozen weights in for the forward and again for the backward
+(`block_swap.blocks_on_gpu`); what cannot overlap is added: the first input backward takes back, the first swapped
 block's weights when no resident block runs before it. CPU offload (`parallel.cpu_offload`) adds, once a step and not overlapped, the weights
 and gradients crossing PCIe and the optimizer's step over host memory. Collectives are left out (the same for the
 settings compared on one layout).
@@ -19,6 +19,8 @@ scripts/gpu_check.sh measures the real ones where a GPU is lent. The estimate or
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from vt.train.parts import Parts
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,7 @@ def step_seconds(plan, rates: Rates = CARD) -> float | None:
     # the recomputed forward; each pass writes and reads what `unpack` makes (plan.dequantized: its bytes).
     passes = 3 if parallel.activation_checkpointing else 2
     compute += passes * 2 * plan.dequantized / rates.memory
-    moved, exposed = 0, 0
-    if parallel.activation_offload:
-        moved += 2 * rank.offloaded
-        exposed += plan.offload_largest  # the first input backward takes back has no compute to overlap
-    if parallel.blocks_on_gpu is not None:
-        moved += 2 * rank.swapped
-        exposed += rank.in_flight / 2 if parallel.blocks_on_gpu == 0 else 0  # the first block, before any compute
+    moved, exposed = Parts(plan.config).transfers(plan)  # the parts' copies over PCIe (vt.train.parts)
     per_micro = max(compute, moved / rates.pcie) + exposed / rates.pcie
     offload = (rank.weights + rank.gradients) / rates.pcie + rank.optimizer / rates.host if parallel.cpu_offload else 0
     return plan.config.train.grad_accum * per_micro + offload

@@ -42,7 +42,7 @@ class MissingConditions(FileNotFoundError):
 def validation_loads(spec: ModelSpec, config: Config) -> set[str]:
     """The components validation loads from model.path: none without validation prompts, else the pipeline's
     parts but its text and image encoders (stage 1 stored their output); the transformers are the trainer's."""
-    if not config.train.validation_prompts:
+    if not config.validation.prompts:
         return set()
     return {name for name in set(spec.pipeline_parts()) - set(spec.text_parts()) if not name.startswith("transformer")}
 
@@ -69,20 +69,20 @@ class Validator:
         self.window, self.shards = window, shards
         self.autocast, self.parts_dtype = autocast, parts_dtype
         self.extra_parts = extra_parts or dict
-        self.prompts = config.train.validation_prompts
-        self.images = [load_image(p) for p in config.train.validation_images]
-        self.last_images = [load_image(p) for p in config.train.validation_last_images]  # flf2v (config.py checks)
+        self.prompts = config.validation.prompts
+        self.images = [load_image(p) for p in config.validation.images]
+        self.last_images = [load_image(p) for p in config.validation.last_images]  # flf2v (config.py checks)
         task = config.model.task
         if self.prompts and task in ("i2v", "flf2v") and len(self.images) != len(self.prompts):
             raise UserError(
-                f"model.task = {task!r} needs one train.validation_images entry per validation prompt "
+                f"model.task = {task!r} needs one validation.images entry per validation prompt "
                 f"({len(self.prompts)} prompts, {len(self.images)} images)"
             )
-        videos = config.train.validation_videos  # control videos (config.py checks who may set them)
+        videos = config.validation.videos  # control videos (config.py checks who may set them)
         if self.prompts and spec.control_video and len(videos) != len(self.prompts):
             raise UserError(
                 f"{spec.family} trains on a control video, so each validation prompt needs one: set "
-                f"train.validation_videos, one video file per prompt ({len(self.prompts)} prompts, "
+                f"validation.videos, one video file per prompt ({len(self.prompts)} prompts, "
                 f"{len(videos)} videos)"
             )
         # Fitted to the validation bucket as stage 1 fits a sample's control video, once.
@@ -101,14 +101,14 @@ class Validator:
         last image's (named last_*), read once. MissingConditions, naming every input the window lacks, if any
         is not there."""
         if self._conditions is None:
-            train = self.config.train
-            images = train.validation_images if self.spec.image_conditions else []
-            last_images = train.validation_last_images if self.spec.image_conditions else []
+            validation = self.config.validation
+            images = validation.images if self.spec.image_conditions else []
+            last_images = validation.last_images if self.spec.image_conditions else []
             items = [prompt_input(p) for p in self.prompts] + [image_input(path) for path in images]
-            items += [image_input(path, "train.validation_last_images") for path in last_images]
+            items += [image_input(path, "validation.last_images") for path in last_images]
             # A text encoder that reads each prompt with its image (`spec.text_with_image`): one input per pair.
             pairs = (
-                [pair_input(*pair) for pair in zip(self.prompts, train.validation_images)]
+                [pair_input(*pair) for pair in zip(self.prompts, validation.images)]
                 if self.spec.text_with_image
                 else []
             )
@@ -121,7 +121,7 @@ class Validator:
             if missing:
                 raise MissingConditions(
                     f"the window {self.window.uri} holds no conditions for {', '.join(dict.fromkeys(missing))} "
-                    f"(shards {self.shards.fingerprint}): stage 1 encodes train.validation_prompts (and i2v images), so the "
+                    f"(shards {self.shards.fingerprint}): stage 1 encodes validation.prompts (and i2v images), so the "
                     "trainer needs no text encoder. Encode them with `vt-precompute prompts CONFIG` (it loads only "
                     "the text encoders), or remove them from the config"
                 )
@@ -157,6 +157,15 @@ class Validator:
         dp, dp_rank = self.world.dims.dp, self.world.dp_rank
         rounds = -(-len(self.prompts) // dp)
         return [r * dp + dp_rank if r * dp + dp_rank < len(self.prompts) else None for r in range(rounds)]
+
+    def render(self, transformer, step: int, weights) -> list[Path]:
+        """`run` with validation's attention kernel (validation.attention_backend, the training one after) and the
+        weights the parts give for validation (`weights`: a context, the EMA's average with ema.validation)."""
+        from vt.train.attention import backend_for
+
+        kernel = self.config.train.attention_backend
+        with backend_for(transformer, self.config.validation.attention_backend or kernel, restore=kernel), weights:
+            return self.run(transformer, step)
 
     @torch.no_grad()
     def run(self, transformer, step: int) -> list[Path]:
@@ -203,7 +212,7 @@ class Validator:
                         pipeline,
                         None,
                         self.bucket,
-                        train.validation_steps,
+                        self.config.validation.steps,
                         seed=train.seed + shown,
                         image=image,
                         conditions=conditions[shown],
@@ -225,9 +234,9 @@ class Validator:
         return paths
 
     def _decode_tiled(self, vae) -> bool:
-        """`train.validation_vae_tiling`, with "auto" resolved on a GPU: the untiled decode of one clip of the
+        """`validation.vae_tiling`, with "auto" resolved on a GPU: the untiled decode of one clip of the
         validation bucket, traced on fake tensors (what `vt-train plan` counts), against the memory free now."""
-        setting = self.config.train.validation_vae_tiling
+        setting = self.config.validation.vae_tiling
         free = free_device_memory(self.world.device) if setting == "auto" else None
         untiled = 0
         if free is not None and can_tile(vae):
@@ -237,7 +246,7 @@ class Validator:
         tiled, why = decide(setting, untiled, free, can_tile(vae))
         if self.world.is_main:
             log.info(
-                "validation decodes %s with the VAE %s (train.validation_vae_tiling = %s: %s)",
+                "validation decodes %s with the VAE %s (validation.vae_tiling = %s: %s)",
                 self.bucket.name,
                 "tiled" if tiled else "untiled",
                 str(setting).lower(),
@@ -261,7 +270,7 @@ def _read_control(path: str, bucket: Bucket, fps: float):
         return read_fitted(path, bucket, fps)
     except (OSError, ValueError) as err:
         raise UserError(
-            f"train.validation_videos: cannot use {path!r} ({err}); give video files both stages can read"
+            f"validation.videos: cannot use {path!r} ({err}); give video files both stages can read"
         ) from err
 
 

@@ -196,7 +196,7 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
             raise UserError(
                 f'this {self.family} transformer uses NABLA sparse attention (attention_type "nabla"), '
                 'whose block mask only FlexAttention runs: set train.attention_backend = "flex" (and '
-                "train.validation_attention_backend, if set) and parallel.compile = true on a CUDA GPU"
+                "validation.attention_backend, if set) and parallel.compile = true on a CUDA GPU"
             )
         rules = SimpleNamespace(transformer=transformer, fast_sta_nabla=self._rules.fast_sta_nabla)
         return type(self._rules).get_sparse_params(rules, hidden, hidden.device)

@@ -3,7 +3,7 @@
 A family declares data: `default_lora_targets`, `lora_exclusions` (modules no adapter may reach) and its ComfyUI
 key table (`original_names`, `comfy_fused`, `comfy_alpha`; comfy.py). Export writes the pipeline's
 `load_lora_weights` file and lora_comfyui.safetensors, and refuses a NaN or inf tensor (a diverged run would ship
-a LoRA that renders black videos). The adapters are LoRA or another kind (`train.adapter`, vt/shared/adapters.py);
+a LoRA that renders black videos). The adapters are LoRA or another kind (`adapter.kind`, vt/shared/adapters.py);
 comfy_adapters.py writes the ComfyUI file of a LoHa or LoKr.
 """
 
@@ -78,24 +78,24 @@ class LoraMixin:
         )
         if reached:
             raise UserError(
-                f"train.lora_targets {targets} reach the audio stream ({reached[0]}, ...), which "
+                f"adapter.targets {targets} reach the audio stream ({reached[0]}, ...), which "
                 f"{self.family} trains only with model.audio = true; set it to train the sound, or name "
                 f"other modules (suffixes such as {self.default_lora_targets[0]!r}), or leave "
-                "train.lora_targets unset"
+                "adapter.targets unset"
             )
 
     def add_lora(
         self, transformer, rank: int, alpha: float, targets: list[str] | str | None, kind: str = "lora"
     ) -> None:
-        """Freeze the transformer and inject peft adapters of `kind` (train.adapter) on `targets` (names matched
+        """Freeze the transformer and inject peft adapters of `kind` (adapter.kind) on `targets` (names matched
         by suffix, or one regular expression matched whole), never on `lora_exclusions`; only the adapters train."""
         if rank < 1:
-            raise UserError(f"train.lora_rank must be >= 1, got {rank}")
+            raise UserError(f"adapter.rank must be >= 1, got {rank}")
         targets = targets if isinstance(targets, str) else list(targets or self.default_lora_targets)
         excluded = self.lora_exclusions(transformer)
         transformer.requires_grad_(False)
         unmatched = ValueError(
-            f"train.lora_targets {targets} matched no layer of the {self.family} transformer"
+            f"adapter.targets {targets} matched no layer of the {self.family} transformer"
             + (f" outside {self.excluded_modules_named}" if excluded else "")
         )
         with warnings.catch_warnings():  # peft warns when the targets never reached the excluded modules anyway

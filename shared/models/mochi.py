@@ -135,7 +135,7 @@ class MochiSpec(ModelSpec):
 
     def pipeline_inputs(self, prompt: str, bucket, steps: int, seed: int, image=None) -> dict:
         if steps < 2:  # MochiPipeline's linear_quadratic_schedule divides by zero below 2 steps
-            raise UserError(f"MochiPipeline needs at least 2 steps, got {steps}; set train.validation_steps >= 2")
+            raise UserError(f"MochiPipeline needs at least 2 steps, got {steps}; set validation.steps >= 2")
         return super().pipeline_inputs(prompt, bucket, steps, seed, image)
 
     def comfy_out_features(self, module: str) -> int:  # any q/k/v, video or text side, of any block count

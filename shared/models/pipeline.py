@@ -59,7 +59,7 @@ IMAGE_ARGUMENTS = {
         ("i2v", "flf2v"),
         "an image",
         "first frame",
-        "train.validation_images",
+        "validation.images",
         "image",
         "i2v",
         "first-frame conditioning",
@@ -68,7 +68,7 @@ IMAGE_ARGUMENTS = {
         ("flf2v",),
         "a last_image",
         "last frame",
-        "train.validation_last_images",
+        "validation.last_images",
         "last image",
         "flf2v",
         "first-and-last-frame conditioning",
@@ -263,7 +263,7 @@ class PipelineMixin:
             if control is None:
                 raise UserError(
                     f"{self.family} generation needs a control video ((F, H, W, 3) uint8 frames); set "
-                    "train.validation_videos, one per validation prompt"
+                    "validation.videos, one per validation prompt"
                 )
             kwargs.update(self.control_video.pipeline_inputs(_check_control(control, bucket)))
         elif control is not None:

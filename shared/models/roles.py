@@ -24,7 +24,7 @@ class ControlVideo:
     """The family trains on a control video per sample (pose, depth, edges ...; `<key>.control.mp4` beside the
     clip): stage 1 decodes it at the clip's own frame times, sized and cropped as the clip (docs/processors.md),
     rejects a sample without one (`missing_control`), and hands it to `encode_video(..., control=)`; validation
-    needs `train.validation_videos`, one control video per prompt. `pipeline_inputs(frames)`: the pipeline call's
+    needs `validation.videos`, one control video per prompt. `pipeline_inputs(frames)`: the pipeline call's
     arguments for a control video of (F, H, W, 3) uint8 frames at the bucket's size (e.g. `video=` as a list of
     frames)."""
 
@@ -77,7 +77,7 @@ class SoundStream(ABC):
     validation's video carries `output`'s track. `parameters` (a regular expression searched in parameter names) is
     what only the sound stream trains: frozen and refused as LoRA targets in a video-only run. `timestep_modes`: how
     its noise level may relate to the video's (`model.audio_timesteps`), the default first; `default_shift`: the
-    independent audio sigmas' (None: train.shift)."""
+    independent audio sigmas' (None: flow.shift)."""
 
     components: ClassVar[tuple[str, ...]] = ("audio_vae",)
     parameters: ClassVar[str]

@@ -1,4 +1,4 @@
-"""Frozen base weights quantized as they are read (`train.quantize_base`): NF4 and int8, for a LoRA on any device.
+"""Frozen base weights quantized as they are read (`frozen_base.quantize`): NF4 and int8, for a LoRA on any device.
 
 - NF4 (QLoRA's 4-bit NormalFloat): each block of 64 input weights of a row is scaled by its absolute maximum and
   each value stored as the index of the nearest of 16 levels, the quantiles of a standard normal (`NF4_LEVELS`, the

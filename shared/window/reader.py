@@ -291,7 +291,7 @@ class Reader(ledger.LedgerReads):
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"{self.storage.uri} holds no empty caption for shards {fingerprint}: it was made before caption "
-                "dropout existed; re-run vt-precompute into a fresh window, or set train.caption_dropout = 0"
+                "dropout existed; re-run vt-precompute into a fresh window, or set caption_dropout.rate = 0"
             ) from None
 
     def seqs_at(self, position: int) -> dict[int, int]:

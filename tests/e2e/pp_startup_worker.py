@@ -46,7 +46,8 @@ def unstaged(trainer, component: str, mode: str):
 
     train = trainer.config.train
     world = SimpleNamespace(dims=SimpleNamespace(fsdp_enabled=False, tp=1), device=trainer.device, is_main=False)
-    lora = {"rank": train.lora_rank, "alpha": train.lora_alpha, "targets": train.lora_targets}
+    adapter = trainer.config.adapter
+    lora = {"rank": adapter.rank, "alpha": adapter.alpha, "targets": adapter.targets}
     model = build_transformer(
         trainer.spec,
         component,
@@ -99,7 +100,7 @@ def compare(trainer, export_to: str) -> dict:
     # The trained transformer and, in a one-expert run, the other expert validation renders with (split too).
     models = {
         spec.trained_component: (trainer.transformer, trainer.config.train.mode),
-        **{component: (model, "frozen") for component, model in trainer._untrained_experts().items()},
+        **{component: (model, "frozen") for component, model in trainer.setup.untrained_experts().items()},
     }
     record = {"max_diff": 0.0, "scale": 0.0, "finite": True, "models": len(models)}
     for component, (model, mode) in models.items():

@@ -61,9 +61,8 @@ def test_audio_trains_with_the_video_through_both_stages(mixed_raw, tiny_model_f
             "batch_size": 2,
             "lr": 3e-3,
             "epochs": EPOCHS,
-            "validation_prompts": ["a tone over a rabbit"],
-            "validation_steps": 2,
         },
+        validation={"prompts": ["a tone over a rabbit"], "steps": 2},
     )
     logs = {stage: tmp_path / f"{stage}.log" for stage in ("precompute", "train")}
     procs = {stage: start(stage, config, log=logs[stage]) for stage in ("precompute", "train")}

@@ -43,7 +43,8 @@ def learned(tmp_path_factory, tiny_model_factory, clips_dir):
         window={"size": "keep"},
         data={"eval": str(root / "eval-raw")},
         precompute={"workers": 0},
-        train={"mode": "full", "lr": 1e-3, "batch_size": 2, "epochs": 8, "eval_every": 2},
+        train={"mode": "full", "lr": 1e-3, "batch_size": 2, "epochs": 8},
+        held_out={"every": 2},
         log={"report_every_seconds": 0.0},
     )
     for stage in ("precompute", "train"):

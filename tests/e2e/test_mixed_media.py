@@ -19,8 +19,8 @@ from vt.precompute.service import Precompute
 from vt.shared.caption_table import decode_caption
 from vt.shared.config import load_config
 from vt.shared.window import open_reader
-from vt.train.caption_dropout import dropped
 from vt.train.data import BatchReader
+from vt.train.parts.caption_dropout import dropped
 from vt.train.trackers import read_metrics
 from vt.train.trainer import Trainer
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 VIDEO_BUCKETS, IMAGE_BUCKETS = ["9x64x96", "9x64x64"], ["1x64x96", "1x64x64"]
 
 
-def run_both_stages(tmp_path, model, raw, buckets, **train):
+def run_both_stages(tmp_path, model, raw, buckets, rate: float = 0.0, max_steps: int = 0):
     config = load_config(
         write_config(
             tmp_path / "run.toml",
@@ -40,7 +40,8 @@ def run_both_stages(tmp_path, model, raw, buckets, **train):
             buckets={"sizes": buckets},
             window={"size": "keep"},
             precompute={"workers": 0},
-            train={"batch_size": 2, **train},
+            train={"batch_size": 2, "max_steps": max_steps},
+            caption_dropout={"rate": rate},
             log={"samples": True, "progress": False},
         )
     )
@@ -53,7 +54,7 @@ def run_both_stages(tmp_path, model, raw, buckets, **train):
 
 def test_images_and_videos_train_in_one_run_with_caption_dropout(tmp_path, tiny_model_factory, media_folder):
     config, report, trainer, summary, steps = run_both_stages(
-        tmp_path, tiny_model_factory("ltx-video"), media_folder, VIDEO_BUCKETS + IMAGE_BUCKETS, caption_dropout=0.5
+        tmp_path, tiny_model_factory("ltx-video"), media_folder, VIDEO_BUCKETS + IMAGE_BUCKETS, rate=0.5
     )
 
     media = [p for p in media_folder.iterdir() if p.suffix != ".txt"]
@@ -70,7 +71,7 @@ def test_images_and_videos_train_in_one_run_with_caption_dropout(tmp_path, tiny_
     empty = decode_caption(window.empty_caption(trainer.fingerprint))
     batch = next(iter(BatchReader(window, 2, on_read=lambda position: None)))
     step = next(s for s in range(100) if [dropped(0, s, i, 0.5) for i in range(2)] == [True, False])
-    out = trainer.loss_path.drop_captions(batch, 0, step).tensors
+    out = trainer.parts["caption_dropout"].batch(batch, 0, step).tensors
     assert set(empty) == {"prompt_embeds", "prompt_attention_mask"}
     for name, value in empty.items():
         assert torch.equal(out[name][0], value.float()) and torch.equal(out[name][1], batch.tensors[name][1])

@@ -32,13 +32,8 @@ def demo(tmp_path_factory, tiny_model_factory, raw_shards):
         raw_shards,
         run_dir,
         str(root / "window"),
-        train={
-            "epochs": 1,
-            "checkpoint_every": 4,
-            "validate_every": 4,
-            "validation_steps": 2,
-            "validation_prompts": PROMPTS,
-        },
+        train={"epochs": 1, "checkpoint_every": 4},
+        validation={"every": 4, "steps": 2, "prompts": PROMPTS},
         log={"progress": True, "report_every_seconds": 0.0},
     )
     env = {**os.environ, "CI": "true", "PATH": f"{BIN}:{os.environ['PATH']}"}

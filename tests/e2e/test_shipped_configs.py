@@ -61,7 +61,7 @@ def small_buckets(sizes: list[str], spec) -> list[str]:
 def overrides(config_path: Path, tmp_path: Path, model: Path, raw: Path) -> list[str]:
     config = load_config(config_path, [f'model.path="{model}"'])
     spec = build_spec(config.model, config.buckets.fps)
-    train = config.train
+    validation = config.validation
     sets = [
         f'model.path="{model}"',
         f'run.dir="{tmp_path / "run"}"',
@@ -72,25 +72,25 @@ def overrides(config_path: Path, tmp_path: Path, model: Path, raw: Path) -> list
         "window.timeout_seconds=300",
         f"precompute.workers={min(config.precompute.workers, 1)}",
         *(
-            ["train.checkpoint_every=2", "train.validate_every=2"]
+            ["train.checkpoint_every=2", "validation.every=2"]
             if config_path.stem in KILLED
             # one epoch, validated and checkpointed at the end only: the killed configs cover the intervals
-            else ["train.epochs=1", "train.checkpoint_every=1000", "train.validate_every=1000"]
+            else ["train.epochs=1", "train.checkpoint_every=1000", "validation.every=1000"]
         ),
-        f"train.validation_steps={min(train.validation_steps, 2)}",
+        f"validation.steps={min(validation.steps, 2)}",
         "log.every_steps=1",
         "log.progress=false",
         "log.samples=true",
     ]
-    if config.model.task in ("i2v", "flf2v") and train.validation_prompts:
+    if config.model.task in ("i2v", "flf2v") and validation.prompts:
         image = validation_image(tmp_path / "first_frame.png")
-        sets.append(f"train.validation_images={json.dumps([str(image)] * len(train.validation_prompts))}")
-    if config.model.task == "flf2v" and train.validation_prompts:
+        sets.append(f"validation.images={json.dumps([str(image)] * len(validation.prompts))}")
+    if config.model.task == "flf2v" and validation.prompts:
         last = validation_image(tmp_path / "last_frame.png", mirrored=True)
-        sets.append(f"train.validation_last_images={json.dumps([str(last)] * len(train.validation_prompts))}")
-    if spec.control_video and train.validation_prompts:
+        sets.append(f"validation.last_images={json.dumps([str(last)] * len(validation.prompts))}")
+    if spec.control_video and validation.prompts:
         control = validation_video(tmp_path / "control.mp4")
-        sets.append(f"train.validation_videos={json.dumps([str(control)] * len(train.validation_prompts))}")
+        sets.append(f"validation.videos={json.dumps([str(control)] * len(validation.prompts))}")
     return sets
 
 
@@ -142,7 +142,7 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
     logs = {name: tmp_path / f"{name}.log" for name in ("precompute", "killed", "train")}
 
     producer = start("precompute", config_path, *sets, log=logs["precompute"])
-    videos = [f"{i:02d}.mp4" for i in range(len(config.train.validation_prompts))]
+    videos = [f"{i:02d}.mp4" for i in range(len(config.validation.prompts))]
     if config_path.stem in KILLED:
         killed = start("train", config_path, *sets, log=logs["killed"], env={"VT_FAULT_AT": "train.after_checkpoint@2"})
         assert killed.wait(timeout=600) == -9, logs["killed"].read_text()[-3000:]
@@ -160,7 +160,7 @@ def test_shipped_config_runs_both_stages(config_path, tmp_path, tiny_model_facto
     assert all(math.isfinite(m["loss"]) for m in metrics.values())
     if config.model.audio:
         assert all(math.isfinite(m["audio_loss"]) and 0 < m["audio_loss"] for m in metrics.values())
-    warmup, lr = config.train.warmup_steps, config.train.lr
+    warmup, lr = config.lr_schedule.warmup_steps, config.train.lr
     assert all(m["lr"] == pytest.approx(lr * min(1.0, step / warmup) if warmup else lr) for step, m in metrics.items())
     spec = build_spec(config.model, config.buckets.fps)
     buckets = {e["step"]: e["bucket"] for e in map(json.loads, (run_dir / "samples.jsonl").read_text().splitlines())}

@@ -27,12 +27,15 @@ TEXT_TOKENS = 64
 # so parity also covers the global gradient norm.
 FAMILY_TRAIN = {
     # A full fine-tune with an average of its weights (train/ema.py): every layout's EMA export is compared too.
-    "ltx-video": {"mode": "full", "ema_decay": 0.5},
+    "ltx-video": {"mode": "full", "ema": {"decay": 0.5}},
     "wan": {"mode": "lora", "max_grad_norm": 0.05},
     # Both experts in one run (VARIANTS); uniform sigmas shifted by 5 land on both sides of the 0.875 boundary.
-    "wan2.2-all": {"mode": "lora", "sigma_sampling": "uniform", "shift": 5.0},
+    "wan2.2-all": {"mode": "lora", "flow": {"sigma_sampling": "uniform", "shift": 5.0}},
     # LoRA on attention and FFN, so tensor parallel splits adapters in both directions.
-    "cogvideox": {"mode": "lora", "lora_targets": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]},
+    "cogvideox": {
+        "mode": "lora",
+        "adapter": {"targets": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]},
+    },
     "wan-i2v": {"mode": "lora", "max_grad_norm": 0.05},  # default targets: attention and the image keys/values
     "hunyuan-video": {"mode": "lora"},  # double and single blocks' attention (the default targets)
     # HunyuanVideo I2V (token_replace): Llava's text of each sample read with its first frame (stage 1, per
@@ -40,35 +43,39 @@ FAMILY_TRAIN = {
     "hunyuan-video-i2v": {"mode": "lora"},
     # The blocks' video attention (the default targets); SD3's "mode" sigmas and cosmap loss weights, so parity
     # also covers a non-default sigma density and a per-sample weighted loss.
-    "mochi": {"mode": "lora", "sigma_sampling": "mode", "loss_weighting": "cosmap"},
+    "mochi": {"mode": "lora", "flow": {"sigma_sampling": "mode", "loss_weighting": "cosmap"}},
     "cogvideox-i2v": {"mode": "lora"},  # 32 input channels: the image latents on the channel axis
     # LoRA on both streams' attention and FFNs, so tensor parallel splits adapters of every kind it splits.
     "hunyuan-video-1.5": {
         "mode": "lora",
-        "lora_targets": [
-            "to_q",
-            "to_k",
-            "to_v",
-            "to_out.0",
-            "add_q_proj",
-            "to_add_out",
-            "ff.net.0.proj",
-            "ff_context.net.2",
-        ],
+        "adapter": {
+            "targets": [
+                "to_q",
+                "to_k",
+                "to_v",
+                "to_out.0",
+                "add_q_proj",
+                "to_add_out",
+                "ff.net.0.proj",
+                "ff_context.net.2",
+            ]
+        },
     },
     # HunyuanVideo 1.5 I2V: the same targets, with the first frame's SigLIP tokens in the joint attention.
     "hunyuan-video-1.5-i2v": {
         "mode": "lora",
-        "lora_targets": [
-            "to_q",
-            "to_k",
-            "to_v",
-            "to_out.0",
-            "add_q_proj",
-            "to_add_out",
-            "ff.net.0.proj",
-            "ff_context.net.2",
-        ],
+        "adapter": {
+            "targets": [
+                "to_q",
+                "to_k",
+                "to_v",
+                "to_out.0",
+                "add_q_proj",
+                "to_add_out",
+                "ff.net.0.proj",
+                "ff_context.net.2",
+            ]
+        },
     },
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},
@@ -100,7 +107,7 @@ FAMILY_TRAIN = {
     "kandinsky6-audio": {"mode": "lora"},
     # LTX-2 with the audio stream's own sigma per sample (model.audio_timesteps = "independent", shift 3), cosmap
     # loss weights (each stream's loss weighted by its own sigmas): the audio sigmas split over ranks by sample key.
-    "ltx-2-audio-independent": {"mode": "lora", "loss_weighting": "cosmap"},
+    "ltx-2-audio-independent": {"mode": "lora", "flow": {"loss_weighting": "cosmap"}},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {
@@ -181,12 +188,14 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
 
 @pytest.fixture(scope="session")
 def run_config(kept_window, raw_shards):
-    """run_config(folder, family, name, **train) -> config path of a 4-sample-batch, one-epoch run."""
-    from cli_runs import write_config
+    """run_config(folder, family, name, **settings) -> config path of a 4-sample-batch, one-epoch run; `settings` are
+    train keys, or sections by name (validation={"prompts": [...]}) (cli_runs.sectioned)."""
+    from cli_runs import sectioned, write_config
 
-    def make(folder: Path, family: str, name: str, **train) -> Path:
+    def make(folder: Path, family: str, name: str, **settings) -> Path:
         window, model = kept_window(family)
-        settings = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2, **FAMILY_TRAIN[family], **train}
+        base = {"batch_size": 4, "lr": 1e-3, "epochs": 1, "checkpoint_every": 2}
+        train, sections = sectioned({**base, **FAMILY_TRAIN[family]}, settings)
         return write_config(
             folder / f"{name}.toml",
             model,
@@ -196,8 +205,9 @@ def run_config(kept_window, raw_shards):
             model=model_section(family),
             buckets=bucket_section(family),
             window={"size": "keep"},
-            train=settings,
+            train=train,
             log={"progress": False, "samples": True},
+            **sections,
         )
 
     return make

@@ -133,7 +133,7 @@ def assert_same_training(
         assert got[step]["grad_norm"] == pytest.approx(expected[step]["grad_norm"], rel=rel), f"grad norm at {step}"
         if "audio_loss" in expected[step]:  # model.audio: the audio stream's share, all-reduced like the loss
             assert got[step]["audio_loss"] == pytest.approx(expected[step]["audio_loss"], rel=rel), f"audio at {step}"
-    for sub in ("", "ema"):  # the weights, and with train.ema_decay their average (<run.dir>/ema/)
+    for sub in ("", "ema"):  # the weights, and with ema.decay their average (<run.dir>/ema/)
         if sub and not (reference_dir / sub).is_dir():
             continue
         weights, reference = trained_weights(run_dir / sub), trained_weights(reference_dir / sub)

@@ -1,4 +1,4 @@
-"""DoRA, LoHa and LoKr (train.adapter) train through the real trainer and export a file of their kind: one process
+"""DoRA, LoHa and LoKr (adapter.kind) train through the real trainer and export a file of their kind: one process
 each on Wan's tiny preset (the parity runs' kept window, 4 steps), and DoRA also under FSDP2 (2 ranks over gloo),
 equal to one process within 1e-4 (losses, gradient norms, exported weights): its magnitudes start from each rank's
 own rows of the filled base weight. Every kind's first loss is the base model's. Tensor parallel is refused for a
@@ -41,7 +41,7 @@ def test_each_adapter_kind_trains_and_exports_its_kind_and_dora_shards_like_one_
     for kind, run_dir in runs.items():
         tensors, metadata, files = exported(run_dir)
         assert adapters.kind_of(tensors) == kind and all(adapters.is_adapter(k) for k in tensors)
-        assert metadata["transformer.r"] == 16  # train.lora_rank's default, as the adapters were built
+        assert metadata["transformer.r"] == 16  # adapter.rank's default, as the adapters were built
         assert metadata.get("transformer.use_dora") is (True if kind == "dora" else None)
         assert metadata.get("transformer.peft_type") == {"loha": "LOHA", "lokr": "LOKR"}.get(kind)
         # ComfyUI's file for LoHa and LoKr; DoRA's diffusers file only (ComfyUI's DoRA normalises other axes)
@@ -70,4 +70,4 @@ def test_each_adapter_kind_trains_and_exports_its_kind_and_dora_shards_like_one_
     config = run_config(tmp_path, FAMILY, "tp", adapter="loha", max_steps=1)
     proc = torchrun(config, 2, "parallel.dp_shard=1", "parallel.tp=2", log=tmp_path / "tp.log")
     assert proc.wait(timeout=300) != 0
-    assert "train.adapter = 'loha' with parallel.tp = 2" in (tmp_path / "tp.log").read_text()
+    assert "adapter.kind = 'loha' with parallel.tp = 2" in (tmp_path / "tp.log").read_text()

@@ -35,7 +35,7 @@ def held_out(tmp_path_factory, tiny_model_factory, raw_shards):
             shutil.copy(tar, root / folder / tar.name)
     model = tiny_model_factory("wan")
 
-    def config(folder: Path, name: str, **train) -> Path:
+    def config(folder: Path, name: str, **sections) -> Path:
         return write_config(
             folder / f"{name}.toml",
             model,
@@ -52,11 +52,10 @@ def held_out(tmp_path_factory, tiny_model_factory, raw_shards):
                 "lr": 1e-3,
                 "epochs": 1,
                 "checkpoint_every": 1,
-                "eval_every": 1,
-                "eval_sigmas": SIGMAS,
-                **train,
             },
+            held_out={"every": 1, "sigmas": SIGMAS},
             log={"progress": False},
+            **sections,
         )
 
     report = run_stage1(load_config(config(root, "pre")))
@@ -100,13 +99,13 @@ def test_the_held_out_loss_is_the_same_at_every_layout_and_after_a_resume(tmp_pa
 
 @pytest.mark.xdist_group("eval-loss")
 def test_the_held_out_loss_of_the_average_is_asked_for_with_ema_eval(tmp_path, held_out):
-    """train.ema_eval: the held-out loss is the weights' average's. An average that barely averages (decay 1e-9)
+    """ema.eval: the held-out loss is the weights' average's. An average that barely averages (decay 1e-9)
     gives the trained weights' numbers; a slow one (0.9) others."""
-    runs = {"plain": {}, "near": {"ema_decay": 1e-9, "ema_eval": True}, "slow": {"ema_decay": 0.9, "ema_eval": True}}
+    runs = {"plain": {}, "near": {"decay": 1e-9, "eval": True}, "slow": {"decay": 0.9, "eval": True}}
     got = {}
-    for name, train in runs.items():
+    for name, ema in runs.items():
         log = tmp_path / f"{name}.log"
-        finish(single(held_out(tmp_path, name, **train), log=log), log)
+        finish(single(held_out(tmp_path, name, **({"ema": ema} if ema else {})), log=log), log)
         got[name] = evaluations(tmp_path / name)
     last = max(got["plain"])
     assert got["near"][last] == pytest.approx(got["plain"][last], rel=1e-5)

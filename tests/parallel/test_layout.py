@@ -87,7 +87,7 @@ def test_the_choice_is_kept_in_the_run_folder_and_a_resume_does_not_plan_again(t
 
     # What the plan reads changed (another world size, another LoRA rank): plan again and keep the new choice.
     cached_layout(config, 4, cpu, 4, tmp_path, plan=plan)
-    bigger = config.model_copy(update={"train": config.train.model_copy(update={"lora_rank": 64})})
+    bigger = config.model_copy(update={"adapter": config.adapter.model_copy(update={"rank": 64})})
     cached_layout(bigger, 4, cpu, 4, tmp_path, plan=plan)
     assert planned == [2, 4, 4]
     assert LayoutChoice(**json.loads((tmp_path / LAYOUT_FILE).read_text())["choice"]).dp_replicate == 4

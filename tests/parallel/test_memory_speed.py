@@ -44,7 +44,7 @@ def test_lora_on_fp8_base_weights_trains_like_the_bf16_base(tmp_path, run_config
             config,
             [
                 'train.mixed_precision="bf16"',
-                f"train.fp8_base_weights={str(fp8).lower()}",
+                f"frozen_base.fp8={str(fp8).lower()}",
                 'train.attention_backend="native_math"',
             ],
         )
@@ -76,10 +76,10 @@ def test_lora_on_fp8_base_weights_trains_like_the_bf16_base(tmp_path, run_config
             "train.attention_backend = 'native_flash' cannot run here: needs a CUDA GPU of sm80+",
         ),
         (['train.attention_backend="flex"'], "This machine can run: native, native_math"),
-        (['train.validation_attention_backend="sage"'], "sageattention"),
-        (['train.mode="full"', 'train.fp8_training="rowwise"'], "float8 training needs a CUDA GPU of sm89+"),
-        (['train.fp8_training="tensorwise"'], "is for full fine-tuning"),
-        (['train.mode="full"', "train.fp8_base_weights=true"], "use train.fp8_training"),
+        (['validation.attention_backend="sage"'], "sageattention"),
+        (['train.mode="full"', 'fp8_training.recipe="rowwise"'], "float8 training needs a CUDA GPU of sm89+"),
+        (['fp8_training.recipe="tensorwise"'], "is for full fine-tuning"),
+        (['train.mode="full"', "frozen_base.fp8=true"], "use fp8_training.recipe"),
     ],
     ids=["native-flash", "flex-backward", "sage", "fp8-cpu", "fp8-lora", "fp8-base-full"],
 )

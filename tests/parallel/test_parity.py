@@ -206,11 +206,11 @@ def test_both_experts_train_in_the_all_experts_runs(reference):
     from vt.train.parallel.batching import sample_generator, slice_bounds
 
     config = load_config(reference("wan2.2-all") / "config.toml")
-    spec, train = spec_for(config), config.train
+    spec, train, flow = spec_for(config), config.train, config.flow
     owners = [
         [
             spec.expert_of(
-                float(sample_sigmas(1, train.sigma_sampling, train.shift, sample_generator(train.seed, step, index)))
+                float(sample_sigmas(1, flow.sigma_sampling, flow.shift, sample_generator(train.seed, step, index)))
             )
             for index in range(size)
         ]

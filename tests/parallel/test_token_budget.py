@@ -1,4 +1,4 @@
-"""Token budgets (`train.tokens_per_batch`): each bucket's batch holds as many samples as fit the budget, so the small
+"""Token budgets (`token_budget.tokens_per_batch`): each bucket's batch holds as many samples as fit the budget, so the small
 bucket takes twice the samples of the wide one; every layout trains what one process trains, and a killed run
 resumes into the same steps.
 
@@ -40,8 +40,8 @@ def two_buckets(tmp_path_factory, tiny_model_factory, raw_shards):
             buckets={"sizes": list(SIZES)},
             window={"size": "keep"},
             precompute={"workers": 0},
+            token_budget={"tokens_per_batch": BUDGET},
             train={
-                "tokens_per_batch": BUDGET,
                 "lr": 1e-3,
                 "epochs": 2,
                 "checkpoint_every": 2,

@@ -38,9 +38,7 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
         tmp_path,
         "wan-i2v",
         "validate",
-        validation_prompts=PROMPTS,
-        validation_images=images,
-        validation_steps=2,
+        validation={"prompts": PROMPTS, "images": images, "steps": 2},
         max_steps=1,
         checkpoint_every=0,
     )

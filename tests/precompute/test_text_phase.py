@@ -61,7 +61,7 @@ def run(tmp_path: Path, model: Path, raw: Path, name: str, offload: str, window=
             model={"family": family, "task": task, "max_text_tokens": 16},
             buckets={"sizes": ["9x64x96"]},
             window={"size": "keep"},
-            train={"validation_prompts": ["a fox in the snow"]},
+            validation={"prompts": ["a fox in the snow"]},
             precompute={
                 "samples_per_shard": 1,
                 "workers": 0,

@@ -1,4 +1,4 @@
-"""DoRA, LoHa and LoKr (train.adapter) exported where each consumer loads them, on Wan's and LTX-Video's tiny presets
+"""DoRA, LoHa and LoKr (adapter.kind) exported where each consumer loads them, on Wan's and LTX-Video's tiny presets
 with random (non-zero) adapters at alpha / rank = 2:
 
 - the diffusers file loads into a fresh model as each kind's loader reads it (DoRA: the pipeline's own
@@ -177,16 +177,20 @@ def test_adapter_names_and_starts():
 
 def test_dora_is_refused_on_a_float8_or_quantized_base(spec_of):
     """DoRA divides by the base weight's row norms in every forward: a float8 or quantized base is refused, by the
-    config (train.fp8_base_weights, train.quantize_base) and by the build (a float8 storage, a packed file)."""
-    from vt.shared.config import TrainConfig
+    config (frozen_base.fp8, frozen_base.quantize) and by the build (a float8 storage, a packed file)."""
+    from vt.shared.config import Config
     from vt.shared.errors import UserError
-    from vt.train.fp8 import FP8_STORAGE, check_fp8_base
+    from vt.train.fp8 import FP8_STORAGE
     from vt.train.model_build import prepare_transformer
+    from vt.train.parts import Parts
 
-    for setting in ({"fp8_base_weights": True}, {"quantize_base": "int8"}):
-        with pytest.raises(UserError, match=r'train.adapter = "dora" with train\.(fp8_base_weights|quantize_base)'):
-            check_fp8_base(TrainConfig(adapter="dora", **setting))
-        check_fp8_base(TrainConfig(adapter="loha", **setting))  # the other kinds train on either
+    def check(kind: str, base: dict) -> None:
+        Parts(Config.model_validate({"adapter": {"kind": kind}, "frozen_base": base}))["adapter"].check(None, 1)
+
+    for setting in ({"fp8": True}, {"quantize": "int8"}):
+        with pytest.raises(UserError, match=r'adapter.kind = "dora" with frozen_base\.(fp8|quantize)'):
+            check("dora", setting)
+        check("loha", setting)  # the other kinds train on either
     lora = {"rank": 2, "alpha": 2.0, "targets": [], "kind": "dora"}
     with pytest.raises(UserError, match="in float8"):
         prepare_transformer(

@@ -119,11 +119,11 @@ def test_edge_values_are_accepted():
             "model.first_frame_noise=1",
             "window.size=1",
             "parallel.dp_shard=4",
-            "train.lora_alpha=8",
+            "adapter.alpha=8",
             'run.dir="file:///tmp/run"',
         ],
     )
-    assert config.train.lora_alpha == 8.0 and isinstance(config.train.lora_alpha, float)
+    assert config.adapter.alpha == 8.0 and isinstance(config.adapter.alpha, float)
     assert config.model.max_text_tokens is None  # unset: the family's default
     assert config.run_dir == Path("/tmp/run")
 
@@ -134,7 +134,7 @@ def test_missing_file_says_what_to_do(tmp_path):
 
 
 def test_resolved_config_round_trips_through_toml():
-    config = load_config(None, ['model.components.transformer="x/y"', 'train.validation_prompts=["a \\"q\\""]'])
+    config = load_config(None, ['model.components.transformer="x/y"', 'validation.prompts=["a \\"q\\""]'])
     assert build(Config, tomllib.loads(to_toml(config)), "") == config
     config = load_config(None, ["model.max_text_tokens=77", 'window.size="keep"', "train.lr=2.5e-5"])
     assert build(Config, tomllib.loads(to_toml(config)), "") == config
@@ -206,3 +206,29 @@ def test_cli_stops_on_an_out_of_range_value_before_loading_anything(stage):
     }
     assert "vt.shared.config" in imported  # the log is there
     assert not {"diffusers.models", "transformers.modeling_utils", "vt.shared.models.spec"} & imported
+
+
+def test_a_key_that_moved_to_a_part_section_is_refused_with_its_new_place(tmp_path):
+    """Options moved from [train] and [parallel] to their parts' sections (shared/config.py MOVED): an old key stops
+    the load with one line per key naming where it went and the value to set there, from a file or --set."""
+    from vt.shared.config import MOVED
+
+    path = tmp_path / "old.toml"
+    path.write_text("[train]\nlora_rank = 8\nema_decay = 0.99\n[parallel]\nblocks_on_gpu = 4\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value).splitlines() == [
+        "train.lora_rank moved to adapter.rank: set adapter.rank = 8 instead (docs/stage2.md)",
+        "train.ema_decay moved to ema.decay: set ema.decay = 0.99 instead (docs/stage2.md)",
+        "parallel.blocks_on_gpu moved to block_swap.blocks_on_gpu: set block_swap.blocks_on_gpu = 4 instead "
+        "(docs/stage2.md)",
+    ]
+    with pytest.raises(ConfigError, match=r"^train.guidance_scale moved to guidance.scale"):
+        load_config(None, ["train.guidance_scale=3.0"])
+    config = load_config(None, ["adapter.rank=8", "ema.decay=0.99", "block_swap.blocks_on_gpu=4"])
+    assert (config.adapter.rank, config.ema.decay, config.block_swap.blocks_on_gpu) == (8, 0.99, 4)
+    for old, new in MOVED.items():  # every new place is a key of its section, and no old key is one any more
+        (old_section, old_key), (section, key) = old.split("."), new.split(".")
+        assert key in type(getattr(config, section)).model_fields, new
+        assert old_key not in type(getattr(config, old_section)).model_fields, old
+    assert len(TrainConfig.model_fields) <= 20  # the run's own section: each option has a part's

@@ -1,4 +1,4 @@
-"""Guidance-augmented targets (`train.guidance_scale`, train/guidance.py): the base's prediction is the transformer
+"""Guidance-augmented targets (`guidance.scale`, train/guidance.py): the base's prediction is the transformer
 without its adapters on the empty caption, the adapters are back on afterwards, each target (video and audio) becomes
 u + w (target - u), w = 1 leaves it exactly as it was, and the config refuses what has no frozen base."""
 
@@ -15,7 +15,7 @@ from vt.shared.config import Config, ModelConfig, build
 from vt.shared.errors import UserError
 from vt.shared.models import build_spec
 from vt.shared.models.flow import Prediction
-from vt.train.guidance import Guidance, adapters_off
+from vt.train.parts.guidance import Guidance, GuidancePart, adapters_off
 
 BUCKET = Bucket(5, 64, 96)  # H3's shortest latent clip: 17k+5 frames
 
@@ -130,13 +130,16 @@ def config(**sections) -> Config:
 
 
 def test_the_config_keeps_it_off_and_refuses_what_has_no_frozen_base():
-    assert config().train.guidance_scale is None
-    assert config(train={"guidance_scale": 4}).train.guidance_scale == 4.0
-    with pytest.raises(UserError, match=r"train.guidance_scale = 0: must be > 0"):
-        config(train={"guidance_scale": 0})
+    assert config().guidance.scale is None
+    assert config(guidance={"scale": 4}).guidance.scale == 4.0
+    with pytest.raises(UserError, match=r"guidance.scale = 0: must be > 0"):
+        config(guidance={"scale": 0})
+    with pytest.raises(UserError, match=r"guidance.scale moved to guidance.scale|train.guidance_scale moved to "):
+        config(train={"guidance_scale": 3.0})
+    plain = SimpleNamespace(family="toy", text_with_image=None)
     with pytest.raises(UserError, match=r"a full fine-tune has no frozen base: set train.mode = \"lora\""):
-        config(train={"guidance_scale": 3.0, "mode": "full"})
+        GuidancePart(config(guidance={"scale": 3.0}, train={"mode": "full"})).check(plain, 1)
     with pytest.raises(UserError, match=r"parallel.pp = 2: the base's extra forward is not carried"):
-        config(train={"guidance_scale": 3.0}, parallel={"pp": 2})
+        GuidancePart(config(guidance={"scale": 3.0}, parallel={"pp": 2})).check(plain, 1)
     with pytest.raises(UserError, match="reads each caption together with its clip's first frame"):
-        Guidance(SimpleNamespace(family="toy", text_with_image=object()), 3.0, dict)
+        GuidancePart(config(guidance={"scale": 3.0})).check(SimpleNamespace(family="toy", text_with_image=object()), 1)

@@ -127,5 +127,5 @@ def test_validation_refuses_fewer_steps_than_mochis_schedule_takes(tiny_model_fa
     """MochiPipeline's linear-quadratic sigma schedule divides by zero at 1 step: refused by name."""
     spec = make_spec(tiny_model_factory("mochi"), "mochi")
     assert spec.pipeline_inputs("a cat", Bucket(7, 64, 96), 2, 0)["num_inference_steps"] == 2
-    with pytest.raises(ValueError, match=r"at least 2 steps, got 1; set train.validation_steps >= 2"):
+    with pytest.raises(ValueError, match=r"at least 2 steps, got 1; set validation.steps >= 2"):
         spec.pipeline_inputs("a cat", Bucket(7, 64, 96), 1, 0)

@@ -115,7 +115,7 @@ def stale_setup(tmp_path_factory, tiny_model_factory, raw_shards):
         str(root / "window"),
         window={"size": "keep"},
         precompute={"workers": 0},
-        train={"validation_prompts": PROMPTS},
+        validation={"prompts": PROMPTS},
     )
     Precompute(load_config(config)).run()
     return root, model, raw
@@ -156,7 +156,7 @@ def test_trainer_refuses_shards_of_another_vae(stale_setup, tmp_path):
     tensors[name] = tensors[name].clone()
     tensors[name].view(-1)[0] += 0.001  # one weight of the VAE
     save_file(tensors, str(vae_file), metadata={"format": "pt"})
-    message = refusal(root, changed, raw, "vae", train={"validation_prompts": PROMPTS})
+    message = refusal(root, changed, raw, "vae", validation={"prompts": PROMPTS})
     assert message.count("weights.") == 1 and "weights.vae: shard has '" in message
 
 
@@ -176,7 +176,8 @@ def test_trainer_trains_and_validates_with_the_text_encoder_absent(stale_setup, 
         tmp_path / "run",
         str(root / "window"),
         window={"size": "keep"},
-        train={"validation_prompts": PROMPTS, "max_steps": 2},
+        validation={"prompts": PROMPTS},
+        train={"max_steps": 2},
     )
     trainer = Trainer(load_config(config))
     summary = trainer.run()

@@ -309,7 +309,8 @@ def test_the_trainer_draws_the_per_frame_sigmas(tiny_model_factory, raw_shards, 
             buckets={"sizes": ["9x64x64"]},
             window={"size": "keep"},
             precompute={"workers": 0, "samples_per_shard": 4},
-            train={"batch_size": 2, "max_steps": 1, "shift": 3.0},
+            train={"batch_size": 2, "max_steps": 1},
+            flow={"shift": 3.0},
         )
     )
     Precompute(config).run()

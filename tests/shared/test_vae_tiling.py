@@ -14,13 +14,13 @@ from vt.shared.vae_tiling import decide, pass_peak, tiling
 BIG = "5x320x320"  # past diffusers' smallest tile (256 pixels): tiling splits it
 
 
-def _config(model, family: str, bucket: str = BIG, **train) -> Config:
+def _config(model, family: str, bucket: str = BIG) -> Config:
     return build(
         Config,
         {
             "model": {"family": family, "path": str(model), "max_text_tokens": 16},
             "buckets": {"sizes": [bucket]},
-            "train": {"validation_prompts": ["a fox"], **train},
+            "validation": {"prompts": ["a fox"]},
         },
     )
 
@@ -72,7 +72,7 @@ def test_the_plan_decodes_tiled_when_the_untiled_decode_would_not_fit(tiny_model
     assert tight.vae_tiled and tight.validation["decode_tiled"] < roomy.validation["decode"]
     assert tight.rank.validation < roomy.rank.validation
     untiled = make_plan(
-        config.model_copy(update={"train": config.train.model_copy(update={"validation_vae_tiling": False})}),
+        config.model_copy(update={"validation": config.validation.model_copy(update={"vae_tiling": False})}),
         1,
         "cpu",
         stage1=False,

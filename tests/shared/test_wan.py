@@ -237,13 +237,13 @@ def test_wan_flf2v_takes_only_flf2v_transformers_and_checks_its_last_images(tiny
             "a rabbit", BUCKET, 2, 0, image=WAN_I2V_IMAGE, last_image=FLF2V_LAST
         )
 
-    sets = ['train.validation_prompts=["a", "b"]', 'train.validation_images=["x.png", "y.png"]']
-    with pytest.raises(ConfigError, match=r"validation_last_images has 1 entries for 2 train.validation_prompts"):
-        load_config(None, ['model.task="flf2v"', *sets, 'train.validation_last_images=["z.png"]'])
+    sets = ['validation.prompts=["a", "b"]', 'validation.images=["x.png", "y.png"]']
+    with pytest.raises(ConfigError, match=r"validation.last_images has 1 entries for 2 validation.prompts"):
+        load_config(None, ['model.task="flf2v"', *sets, 'validation.last_images=["z.png"]'])
     with pytest.raises(ConfigError, match=r"only model.task = \"flf2v\" .* this run's task is 'i2v'; remove it"):
-        load_config(None, ['model.task="i2v"', *sets, 'train.validation_last_images=["z.png", "w.png"]'])
-    config = load_config(None, ['model.task="flf2v"', *sets, 'train.validation_last_images=["z.png", "w.png"]'])
-    assert config.train.validation_last_images == ["z.png", "w.png"]
+        load_config(None, ['model.task="i2v"', *sets, 'validation.last_images=["z.png", "w.png"]'])
+    config = load_config(None, ['model.task="flf2v"', *sets, 'validation.last_images=["z.png", "w.png"]'])
+    assert config.validation.last_images == ["z.png", "w.png"]
 
 
 def test_wan_flf2v_stage1_conditions_as_the_pipeline_does(tiny_model_factory):

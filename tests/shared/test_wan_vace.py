@@ -156,7 +156,7 @@ def test_validation_renders_under_the_prompts_control_video(vace, tmp_path):
     ]
     assert renders[0].shape == (5, 32, 48, 3)
     assert np.abs(renders[0].astype(int) - renders[1].astype(int)).max() > 0
-    with pytest.raises(ValueError, match="needs a control video.*train.validation_videos"):
+    with pytest.raises(ValueError, match="needs a control video.*validation.videos"):
         spec.generate(pipeline, CAPTIONS[0], small, steps=2, seed=0)
     with pytest.raises(ValueError, match=r"must be \(5, 32, 48, 3\) uint8"):
         spec.generate(pipeline, CAPTIONS[0], small, steps=2, seed=0, control=pixels[0, :4].numpy())
@@ -179,18 +179,18 @@ def test_validation_renders_under_the_prompts_control_video(vace, tmp_path):
 
 
 def test_control_video_config_keys_are_checked_at_load(tmp_path):
-    """train.validation_videos: one per prompt for a family that trains on a control video, refused for one
+    """validation.videos: one per prompt for a family that trains on a control video, refused for one
     that does not; data.control is a member name; the member goes into the shards' provenance."""
     from vt.shared.models import build_spec
     from vt.shared.provenance import fingerprint, provenance
 
-    vace = ['model.family="wan-vace"', 'train.validation_prompts=["a dancer", "a skater"]']
-    with pytest.raises(ConfigError, match="train.validation_videos has 1 entries for 2 train.validation_prompts"):
-        load_config(None, [*vace, 'train.validation_videos=["pose.mp4"]'])
-    config = load_config(None, [*vace, 'train.validation_videos=["pose.mp4", "pose.mp4"]'])
-    assert config.train.validation_videos == ["pose.mp4", "pose.mp4"] and config.data.control == "control"
+    vace = ['model.family="wan-vace"', 'validation.prompts=["a dancer", "a skater"]']
+    with pytest.raises(ConfigError, match="validation.videos has 1 entries for 2 validation.prompts"):
+        load_config(None, [*vace, 'validation.videos=["pose.mp4"]'])
+    config = load_config(None, [*vace, 'validation.videos=["pose.mp4", "pose.mp4"]'])
+    assert config.validation.videos == ["pose.mp4", "pose.mp4"] and config.data.control == "control"
     with pytest.raises(ConfigError, match=r"model.family = 'wan' trains on no control video.*remove it"):
-        load_config(None, ['model.family="wan"', 'train.validation_videos=["pose.mp4"]'])
+        load_config(None, ['model.family="wan"', 'validation.videos=["pose.mp4"]'])
     with pytest.raises(ConfigError, match=r"data.control = 'pose.mp4': must be a member name"):
         load_config(None, ['data.control="pose.mp4"'])
 

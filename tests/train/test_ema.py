@@ -1,12 +1,12 @@
 """The average of the trained weights (train/ema.py): its arithmetic, and that it is what the model computes with
 inside `swapped_in` and nothing after. Layout parity and resume at another world size: the ltx-video rows of
-tests/parallel (FAMILY_TRAIN sets train.ema_decay there; assert_same_training compares <run.dir>/ema/)."""
+tests/parallel (FAMILY_TRAIN sets ema.decay there; assert_same_training compares <run.dir>/ema/)."""
 
 from __future__ import annotations
 
 import torch
 
-from vt.train.ema import EMA
+from vt.train.parts.ema import EMA
 
 
 def test_the_average_follows_the_weights_at_its_decay_and_swaps_in_and_out():

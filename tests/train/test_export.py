@@ -90,12 +90,7 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(
         raw_shards,
         "ltx-video",
         model={"task": "i2v"},
-        train={
-            "validation_prompts": ["a cartoon rabbit"],
-            "validation_images": [str(image)],
-            "validation_steps": 2,
-            "validation_vae_tiling": True,
-        },
+        validation={"prompts": ["a cartoon rabbit"], "images": [str(image)], "steps": 2, "vae_tiling": True},
     )
     assert type(trainer.validator._pipeline).__name__ == "LTXImageToVideoPipeline"
     assert trainer.validator._tiled  # asked for: decoded through diffusers' tiling (tests/shared/test_vae_tiling.py)
@@ -124,13 +119,9 @@ def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tm
         "wan2.2",
         model={"expert": "all", "max_text_tokens": 16},
         buckets={"sizes": ["9x64x64"]},
-        train={
-            "mode": "full",
-            "sigma_sampling": "uniform",
-            "shift": 5.0,
-            "validation_prompts": ["a rabbit"],
-            "validation_steps": 2,
-        },
+        train={"mode": "full"},
+        flow={"sigma_sampling": "uniform", "shift": 5.0},
+        validation={"prompts": ["a rabbit"], "steps": 2},
     )
     assert summary["export"] == str(tmp_path / "run" / "model") and summary["videos"] == 1
     pipeline = trainer.validator._pipeline

@@ -23,12 +23,12 @@ import torch
 from polling import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore")
-SWAP = {"blocks_on_gpu": 10}
-OFFLOAD = {"activation_offload": True}
+SWAP = {"block_swap": {"blocks_on_gpu": 10}}
+OFFLOAD = {"activation_offload": {"enabled": True}}
 WORKER = Path(__file__).resolve().parents[1] / "gpu_trace_worker.py"
 
 
-def tree(folder: Path, work: Path, family: str, bucket: str, parallel: dict, train: dict, **model) -> dict:
+def tree(folder: Path, work: Path, family: str, bucket: str, sections: dict, **model) -> dict:
     return {
         "model": {"family": family, "path": str(folder), "dtype": "bfloat16", **model},
         "buckets": {"sizes": [bucket]},
@@ -38,11 +38,10 @@ def tree(folder: Path, work: Path, family: str, bucket: str, parallel: dict, tra
             "device": f"{standin.NAME}:0",
             "mixed_precision": "bf16",
             "batch_size": 1,
-            "lora_rank": 32,
-            "lora_alpha": 32.0,
-            **train,
         },
-        "parallel": {"dp_shard": 1, "activation_checkpointing": True, **parallel},
+        "adapter": {"rank": 32, "alpha": 32.0},
+        "parallel": {"dp_shard": 1, "activation_checkpointing": True},
+        **sections,
         "log": {"progress": False},
     }
 
@@ -56,22 +55,28 @@ def cases(tmp_path_factory):
     wan, k6 = config_only_model("wan2.1-14b", root / "wan"), config_only_model("kandinsky6-lite", root / "k6")
     return {
         "swap+offload": (
-            tree(wan, root / "a", "wan", "81x480x832", {**SWAP, **OFFLOAD}, {}, max_text_tokens=512),
+            tree(wan, root / "a", "wan", "81x480x832", {**SWAP, **OFFLOAD}, max_text_tokens=512),
             None,
         ),
         "nf4+offload": (
-            tree(wan, root / "b", "wan", "81x480x832", OFFLOAD, {"quantize_base": "nf4"}, max_text_tokens=512),
+            tree(
+                wan,
+                root / "b",
+                "wan",
+                "81x480x832",
+                {**OFFLOAD, "frozen_base": {"quantize": "nf4"}},
+                max_text_tokens=512,
+            ),
             None,
         ),
-        "q4_k": (tree(wan, root / "c", "wan", "81x480x832", {}, {}, max_text_tokens=512), 12),
+        "q4_k": (tree(wan, root / "c", "wan", "81x480x832", {}, max_text_tokens=512), 12),
         "sound": (
             tree(
                 k6,
                 root / "d",
                 "kandinsky6",
                 "121x480x864",
-                {"blocks_on_gpu": 8, **OFFLOAD},
-                {},
+                {"block_swap": {"blocks_on_gpu": 8}, **OFFLOAD},
                 max_text_tokens=1024,
                 audio=True,
             ),
@@ -188,7 +193,6 @@ def test_what_fits_24_gib_is_searched_in_pairs_cheapest_first(cases):
             "wan",
             "81x480x832",
             {},
-            {},
             max_text_tokens=512,
         ),
         None,
@@ -197,8 +201,8 @@ def test_what_fits_24_gib_is_searched_in_pairs_cheapest_first(cases):
     assert plan.rank.device_total > budget  # as it is, it does not fit
     fitting = alternatives(config, 1, "cuda", budget, host_budget=64 * 2**30)
     labels = [label for label, _ in fitting]
-    assert "train.quantize_base=nf4 + parallel.activation_offload=true" in labels
-    assert any("parallel.blocks_on_gpu=" in label and "activation_offload" in label for label in labels)
+    assert "frozen_base.quantize=nf4 + activation_offload.enabled=true" in labels
+    assert any("block_swap.blocks_on_gpu=" in label and "activation_offload" in label for label in labels)
     assert all(p.rank.device_total <= budget and p.rank.host_peak <= 64 * 2**30 for _, p in fitting)
     single = [label for label in labels if " + " not in label]
     assert not any(one in label.split(" + ") for one in single for label in labels if label != one)

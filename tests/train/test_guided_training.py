@@ -1,4 +1,4 @@
-"""`train.guidance_scale` in a real run (tiny LTX-Video, one kept window): w = 1 trains the losses of a run without it,
+"""`guidance.scale` in a real run (tiny LTX-Video, one kept window): w = 1 trains the losses of a run without it,
 w = 3 other losses from the first step on (its targets are u + 3 (target - u), u the base on the empty caption)."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
 
 
-def losses(tmp_path, name, folder, raw, window, **train) -> list[float]:
+def losses(tmp_path, name, folder, raw, window, **sections) -> list[float]:
     from vt.train.trainer import Trainer
 
-    settings = {"batch_size": 2, "max_steps": 2, "checkpoint_every": 0, **train}
+    settings = {"batch_size": 2, "max_steps": 2, "checkpoint_every": 0}
     config = write_config(
         tmp_path / f"{name}.toml",
         folder,
@@ -23,6 +23,7 @@ def losses(tmp_path, name, folder, raw, window, **train) -> list[float]:
         buckets={"sizes": ["9x64x64"], "fps": 8.0},
         window={"size": "keep"},
         train=settings,
+        **sections,
     )
     Trainer(load_config(config)).run()
     return [record["loss"] for record in read_metrics(tmp_path / name / "metrics.jsonl")]
@@ -45,8 +46,8 @@ def test_scale_one_trains_plain_flow_matching_and_scale_three_other_targets(tmp_
     Precompute(load_config(config)).run()
     window = tmp_path / "window"
     plain = losses(tmp_path, "plain", folder, raw_shards, window)
-    same = losses(tmp_path, "one", folder, raw_shards, window, guidance_scale=1.0)
-    guided = losses(tmp_path, "three", folder, raw_shards, window, guidance_scale=3.0)
+    same = losses(tmp_path, "one", folder, raw_shards, window, guidance={"scale": 1.0})
+    guided = losses(tmp_path, "three", folder, raw_shards, window, guidance={"scale": 3.0})
     assert len(plain) == 2
     assert same == pytest.approx(plain, rel=1e-6, abs=1e-6)
     assert all(abs(a - b) > 1e-4 for a, b in zip(guided, plain))  # the first step's loss already differs

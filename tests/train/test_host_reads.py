@@ -20,7 +20,9 @@ from cli_runs import write_config
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
 
-WATCHED = tuple(str(Path("train") / name) for name in ("trainer.py", str(Path("parallel") / "grads.py")))
+WATCHED = tuple(
+    str(Path("train") / name) for name in ("trainer.py", "run_stats.py", str(Path("parallel") / "grads.py"))
+)
 READS = ("item", "tolist", "cpu", "__float__", "__bool__")
 
 
@@ -61,7 +63,7 @@ def trainer_for(tmp_path, tiny_model_factory, raw_shards, window, **train):
 
 
 def count_host_reads(monkeypatch, trainer) -> Counter:
-    """step -> host reads of tensors made directly by train/trainer.py or train/parallel/grads.py while
+    """step -> host reads of tensors made directly by train/trainer.py, run_stats.py or parallel/grads.py while
     `trainer.step` was that step (a read after step N's train_step, e.g. its logging, counts for N)."""
     reads: Counter = Counter()
     for name in READS:

@@ -80,7 +80,7 @@ def test_loss_weighting_scales_each_samples_error_by_its_sigma():
 
 
 def test_auto_shift_is_the_family_schedulers_own_at_each_buckets_size(tiny_model_factory):
-    """`train.shift = "auto"`: LTX-Video's scheduler shifts by resolution (`use_dynamic_shifting`): the trainer's
+    """`flow.shift = "auto"`: LTX-Video's scheduler shifts by resolution (`use_dynamic_shifting`): the trainer's
     shift at a bucket's token count is the pipeline's `calculate_shift` through the scheduler's own `time_shift`;
     Wan's UniPC takes its fixed `flow_shift`; a config takes "auto" or a number, nothing else."""
     import math
@@ -109,26 +109,28 @@ def test_auto_shift_is_the_family_schedulers_own_at_each_buckets_size(tiny_model
     assert shifts == sorted(shifts) and shifts[0] < shifts[-1]  # larger clips: more noise
     unipc = dict(UniPCMultistepScheduler.load_config(str(tiny_model_factory("wan")), subfolder="scheduler"))
     assert scheduler_shift(unipc, 10**5) == scheduler_shift(unipc, 10) == unipc["flow_shift"] == 3.0  # Wan's, fixed
-    assert build(Config, {"train": {"shift": "auto"}}).train.shift == "auto"
+    assert build(Config, {"flow": {"shift": "auto"}}).flow.shift == "auto"
     with pytest.raises(ValueError, match="shift"):
-        build(Config, {"train": {"shift": "resolution"}})
+        build(Config, {"flow": {"shift": "resolution"}})
 
 
 def test_the_trainer_resolves_auto_shift_per_bucket(tiny_model_factory):
-    """The step's sigma draws (train/step.py) take `train.shift` as it is, or with "auto" the scheduler's at the
+    """The step's sigma draws (train/step.py) take `flow.shift` as it is, or with "auto" the scheduler's at the
     batch's bucket: the LTX-Video tiny preset's larger bucket (more tokens) draws with the larger shift."""
     import torch
 
     from vt.shared.config import Config, build
     from vt.shared.models import spec_for
     from vt.train.objectives import scheduler_shift
+    from vt.train.parts import Parts, RunContext
     from vt.train.step import LossPath
 
     model = tiny_model_factory("ltx-video")
 
     def path(shift) -> LossPath:
-        config = build(Config, {"model": {"family": "ltx-video", "path": str(model)}, "train": {"shift": shift}})
-        return LossPath(config, spec_for(config), torch.device("cpu"), None, empty_caption=dict)
+        config = build(Config, {"model": {"family": "ltx-video", "path": str(model)}, "flow": {"shift": shift}})
+        spec = spec_for(config)
+        return LossPath(config, spec, torch.device("cpu"), None, Parts(config), RunContext(spec, torch.device("cpu")))
 
     auto = path("auto")
     scheduler = dict(auto.spec.load_config("scheduler"))

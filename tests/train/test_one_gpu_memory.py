@@ -1,5 +1,5 @@
-"""One GPU's memory settings: parallel.activation_offload (train/parallel/offload.py), the checkpointed blocks'
-inputs through host memory between forward and backward, and parallel.blocks_on_gpu (parallel/block_swap.py),
+"""One GPU's memory settings: activation_offload.enabled (train/parallel/offload.py), the checkpointed blocks'
+inputs through host memory between forward and backward, and block_swap.blocks_on_gpu (parallel/block_swap.py),
 blocks' frozen weights in host memory copied in a block ahead; training is unchanged, the plan counts both."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def run(tmp_path_factory, tiny_model_factory, raw_shards):
     model = tiny_model_factory("wan")
     runs = {}
 
-    def train(name: str, **parallel):
+    def train(name: str, **sections):
         if name in runs:
             return runs[name]
         config = load_config(
@@ -40,7 +40,8 @@ def run(tmp_path_factory, tiny_model_factory, raw_shards):
                 window={"size": "keep"},
                 precompute={"workers": 0},
                 train={"max_steps": 3, "lr": 5e-2, "checkpoint_every": 0},
-                parallel={"activation_checkpointing": True, **parallel},
+                parallel={"activation_checkpointing": True},
+                **sections,
             )
         )
         if not (root / "window").exists():
@@ -61,8 +62,8 @@ def assert_same(got, expected):
 
 
 def test_offloaded_block_inputs_train_as_without(run):
-    offloaded = run("offloaded", activation_offload=True)
-    offload = offloaded[0].offload
+    offloaded = run("offloaded", activation_offload={"enabled": True})
+    offload = offloaded[0].parts["activation_offload"].offload
     assert offload.offloaded >= 3 * 2  # at least every block's input of every step went to host memory
     # each input came back ahead of its use (the one saved before it, while it was in use), and the host arena is
     # one buffer of the most a step saved, taken again by every step after the first
@@ -72,8 +73,8 @@ def test_offloaded_block_inputs_train_as_without(run):
 
 
 def test_swapped_blocks_train_as_resident_ones_and_go_back_to_host_memory(run):
-    swapped = run("swapped", blocks_on_gpu=0)  # both blocks of the tiny Wan swapped
-    swap = swapped[0].block_swap
+    swapped = run("swapped", block_swap={"blocks_on_gpu": 0})  # both blocks of the tiny Wan swapped
+    swap = swapped[0].parts["block_swap"].swap
     assert swap.swapped == {0, 1}
     # Per step: each block copied in for its forward and again for its recomputation in backward, but the last
     # block, whose forward copies stay for its recomputation (backward's first).
@@ -88,14 +89,15 @@ def test_the_plan_counts_the_inputs_left_in_host_memory(tiny_model_factory):
     from vt.shared.config import Config, build
     from vt.train.plan import make_plan
 
-    def plan(**parallel):
+    def plan(checkpointing=True, **sections):
         return make_plan(
             build(
                 Config,
                 {
                     "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
                     "buckets": {"sizes": ["33x512x512"]},
-                    "parallel": {"activation_checkpointing": True, **parallel},
+                    "parallel": {"activation_checkpointing": checkpointing},
+                    **sections,
                 },
             ),
             1,
@@ -103,28 +105,29 @@ def test_the_plan_counts_the_inputs_left_in_host_memory(tiny_model_factory):
             stage1=False,
         )
 
-    checkpointed, offloaded = plan(), plan(activation_offload=True)
+    checkpointed, offloaded = plan(), plan(activation_offload={"enabled": True})
     bucket = offloaded.activations["33x512x512"]
     # What stays on the device, plus one input on its way back ahead of its use; the rest in the host arena.
     assert bucket["offload"] - bucket["offload_largest"] < bucket["checkpointing"]
     assert offloaded.rank.activations == bucket["offload"] and offloaded.rank.offloaded == bucket["offload_host"] > 0
     assert checkpointed.rank.activations == bucket["checkpointing"]
     with pytest.raises(ValueError, match="set parallel.activation_checkpointing = true"):
-        build(Config, {"parallel": {"activation_offload": True}})
+        plan(checkpointing=False, activation_offload={"enabled": True})
 
 
 def test_the_plan_keeps_swapped_blocks_in_host_memory(tiny_model_factory):
     from vt.shared.config import Config, build
     from vt.train.plan import make_plan
 
-    def plan(**parallel):
+    def plan(checkpointing=True, **sections):
         return make_plan(
             build(
                 Config,
                 {
                     "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
                     "buckets": {"sizes": ["9x64x96"]},
-                    "parallel": {"activation_checkpointing": True, **parallel},
+                    "parallel": {"activation_checkpointing": checkpointing},
+                    **sections,
                 },
             ),
             1,
@@ -132,7 +135,7 @@ def test_the_plan_keeps_swapped_blocks_in_host_memory(tiny_model_factory):
             stage1=False,
         )
 
-    resident, swapped = plan(), plan(blocks_on_gpu=0)
+    resident, swapped = plan(), plan(block_swap={"blocks_on_gpu": 0})
     # Two blocks, both swapped: built in host memory (start-up holds neither), both in flight while the step runs,
     # so this small depth saves nothing at the peak; a real depth moves all but two blocks' frozen weights (the
     # 14B's 40 blocks: tests/train/test_gpu_trace.py).
@@ -141,4 +144,4 @@ def test_the_plan_keeps_swapped_blocks_in_host_memory(tiny_model_factory):
     assert swapped.rank.in_flight == frozen and swapped.rank.device_total == resident.rank.device_total
     assert frozen <= swapped.rank.swapped < frozen + 2 * 512 * 64  # the host arenas: their bytes, each view aligned
     with pytest.raises(ValueError, match="set parallel.activation_checkpointing = true"):
-        build(Config, {"parallel": {"blocks_on_gpu": 2}})
+        plan(checkpointing=False, block_swap={"blocks_on_gpu": 2})

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_runs import sectioned
 
 from vt.shared.config import Config, build
 from vt.shared.memory_trace import fake_mode, peak_bytes
@@ -19,13 +20,16 @@ BIN = Path(sys.executable).parent
 BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96", "minimax-h3": "5x64x96"}
 
 
-def config_for(model: Path, family: str, **train) -> Config:
+def config_for(model: Path, family: str, **sections) -> Config:
+    """A plan's config: train keys or sections by name (cli_runs.sectioned) over a batch of 2 and one prompt."""
+    train, sections = sectioned({"batch_size": 2, "validation": {"prompts": ["a fox"]}}, sections)
     return build(
         Config,
         {
             "model": {"family": family, "path": str(model), "max_text_tokens": 16},
             "buckets": {"sizes": [BUCKETS.get(family, "9x64x96")]},
-            "train": {"batch_size": 2, "validation_prompts": ["a fox"], **train},
+            "train": train,
+            **sections,
         },
     )
 
@@ -199,7 +203,7 @@ def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_fac
     assert rows["2 GPUs (FSDP2)"] < 1.0 < rows["parallel.activation_checkpointing=true"]
     ordered = [ratio for _, _, ratio in by_step_time(base, options)]
     assert ordered == sorted(ordered)
-    swap = dict(options)["parallel.blocks_on_gpu=0"]
+    swap = dict(options)["block_swap.blocks_on_gpu=0"]
     swap.rank.swapped = 3 * 2**20  # two tiny blocks leave little to swap: what a real model's would move
     slow_bus = Rates(pcie=1.0)  # bytes moved dominate: the swapped weights in for the forward and the backward,
     assert step_seconds(swap, slow_bus) == pytest.approx(  # and the first block's, which nothing overlaps
@@ -215,23 +219,24 @@ def test_what_fits_is_ordered_by_the_step_time_each_setting_costs(tiny_model_fac
 
 
 def test_a_token_budget_plans_each_bucket_at_its_own_micro_batch(tiny_model_factory):
-    """train.tokens_per_batch: Wan's 9x64x64 (48 tokens a sample) takes 4 samples of a 192-token budget, 9x64x128
+    """token_budget.tokens_per_batch: Wan's 9x64x64 (48 tokens a sample) takes 4 samples of a 192-token budget, 9x64x128
     (96) takes 2; the plan traces each bucket at its own batch (the small bucket's activations grow, the wide one's
     stay as at batch_size 2) and prints both."""
     from vt.train.plan import format_plan, make_plan
 
-    def plan(**train):
+    def plan(**sections):
         config = build(
             Config,
             {
                 "model": {"family": "wan", "path": str(tiny_model_factory("wan")), "max_text_tokens": 16},
                 "buckets": {"sizes": ["9x64x64", "9x64x128"]},
-                "train": {"batch_size": 2, **train},
+                "train": {"batch_size": 2},
+                **sections,
             },
         )
         return make_plan(config, 1, "cpu", stage1=False)
 
-    fixed, budget = plan(), plan(tokens_per_batch=192)
+    fixed, budget = plan(), plan(token_budget={"tokens_per_batch": 192})
     assert fixed.micro_batches == {"9x64x64": 2, "9x64x128": 2}
     assert budget.micro_batches == {"9x64x64": 4, "9x64x128": 2} and budget.micro_batch == 4
     assert budget.activations["9x64x64"]["none"] > fixed.activations["9x64x64"]["none"]
@@ -251,9 +256,9 @@ def test_what_is_live_is_what_is_counted(tiny_model_factory):
     assert rank.validation_host == plain.validation["frozen"] > 0
     assert rank.resident == rank.weights + rank.optimizer + rank.buffers  # the parts are not resident
     assert rank.device_total == max(rank.startup, rank.resident + max(rank.training, rank.validating))
-    ema = make_plan(config_for(model, "wan", ema_decay=0.9, ema_validation=True), 1, "cuda", stage1=False)
+    ema = make_plan(config_for(model, "wan", ema={"decay": 0.9, "validation": True}), 1, "cuda", stage1=False)
     assert ema.rank.validation == rank.validation + rank.gradients  # the trained weights' float32 copy
-    guided = make_plan(config_for(model, "wan", guidance_scale=3.0), 1, "cuda", stage1=False)
+    guided = make_plan(config_for(model, "wan", guidance={"scale": 3.0}), 1, "cuda", stage1=False)
     assert guided.activations != plain.activations  # the guided step's own trace
     bucket = next(iter(plain.activations))
     assert guided.activations[bucket]["none"] > plain.activations[bucket]["none"]

@@ -27,20 +27,26 @@ def config(model: Path, **sections) -> Config:
 
 
 REFUSED = {
-    "block swap with compile": ({"parallel": {"blocks_on_gpu": 1, "compile": True}}, "set parallel.compile = false"),
+    "block swap with compile": (
+        {"block_swap": {"blocks_on_gpu": 1}, "parallel": {"compile": True}},
+        "set parallel.compile = false",
+    ),
     "block swap with CPU offload": (
-        {"parallel": {"blocks_on_gpu": 1, "cpu_offload": True}},
+        {"block_swap": {"blocks_on_gpu": 1}, "parallel": {"cpu_offload": True}},
         "CPU offload keeps every weight in host memory already",
     ),
     "block swap of a full fine-tune": (
-        {"parallel": {"blocks_on_gpu": 1}, "train": {"mode": "full"}},
+        {"block_swap": {"blocks_on_gpu": 1}, "train": {"mode": "full"}},
         "use parallel.cpu_offload = true for a full fine-tune",
     ),
     "LoKr with tensor parallel": (
-        {"parallel": {"tp": 2, "dp_shard": 1}, "train": {"adapter": "lokr"}},
+        {"parallel": {"tp": 2, "dp_shard": 1}, "adapter": {"kind": "lokr"}},
         "tensor parallel splits only LoRA's two factors",
     ),
-    "DoRA on a quantized base": ({"train": {"adapter": "dora", "quantize_base": "nf4"}}, 'set train.adapter = "lora"'),
+    "DoRA on a quantized base": (
+        {"adapter": {"kind": "dora"}, "frozen_base": {"quantize": "nf4"}},
+        'set adapter.kind = "lora"',
+    ),
 }
 
 

@@ -37,7 +37,7 @@ def run_dir(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (run / "config.toml").write_text(
         '[model]\nfamily = "ltx-video"\npath = "m"\n[train]\nmode = "lora"\n'
-        f'validation_prompts = {json.dumps(PROMPTS)}\n[window]\nuri = "{run}/nowindow"\n'
+        f'[validation]\nprompts = {json.dumps(PROMPTS)}\n[window]\nuri = "{run}/nowindow"\n'
     )
     frames = np.zeros((9, 32, 32, 3), dtype=np.uint8)
     for index in range(2):

@@ -41,7 +41,8 @@ def test_resume_after_kill_repeats_the_uninterrupted_losses(tmp_path, tiny_model
             tmp_path / name,
             str(kept_window),
             window={"size": "keep"},
-            train={"epochs": 2, "checkpoint_every": 3, "batch_size": 3, "max_steps": 9, "caption_dropout": 0.3},
+            train={"epochs": 2, "checkpoint_every": 3, "batch_size": 3, "max_steps": 9},
+            caption_dropout={"rate": 0.3},
         )  # dropout is drawn per (seed, step, sample): exact too
 
     reference = start("train", config("reference"), log=tmp_path / "reference.log")

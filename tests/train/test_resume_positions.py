@@ -21,7 +21,8 @@ from vt.train.trackers import read_metrics
 SETTINGS = dict(
     window={"size": "keep"},
     precompute={"workers": 0, "samples_per_shard": 5, "encode_batch": 5},
-    train={"batch_size": 2, "epochs": 2, "warmup_steps": 3, "checkpoint_every": 1, "lr": 1e-3},
+    train={"batch_size": 2, "epochs": 2, "checkpoint_every": 1, "lr": 1e-3},
+    lr_schedule={"warmup_steps": 3},
     log={"samples": True},
 )
 

@@ -362,7 +362,7 @@ def test_fp8_scaled_file_is_dequantized_into_model_dtype(preset, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_lora_on_fp8_scaled_base_keeps_the_files_fp8_values_and_trains_like_the_dequantized_model(preset, family):
-    """`train.fp8_base_weights` with an fp8-scaled file: the frozen linears hold the file's own float8 values
+    """`frozen_base.fp8` with an fp8-scaled file: the frozen linears hold the file's own float8 values
     (also those diffusers' mapping splits out of a fused tensor) and its scales as non-persistent buffers (no
     parameter, in no state dict); forward and backward with LoRA equal the dequantized model's."""
     case = preset(family)
@@ -630,7 +630,7 @@ def load_file_tensors(path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_a_base_quantized_as_it_is_read_trains_like_its_dequantized_model(preset, kind, tmp_path):
-    """train.quantize_base: the diffusers folder's float weights quantized at fill (NF4 in 64-weight blocks: uint8
+    """frozen_base.quantize: the diffusers folder's float weights quantized at fill (NF4 in 64-weight blocks: uint8
     codes, two a byte, and a float32 absmax per block; int8 with a scale per row), the embedders and projections
     diffusers keeps in their dtype left as they are; a LoRA on it trains exactly as on the model of its dequantized
     weights, and the plan counts the stored bytes."""
@@ -668,7 +668,8 @@ def test_a_base_quantized_as_it_is_read_trains_like_its_dequantized_model(preset
             {
                 "model": {"family": "wan", "path": str(case["path"]), "max_text_tokens": 16},
                 "buckets": {"sizes": ["5x64x64"]},
-                "train": {"batch_size": 1, "quantize_base": quantize},
+                "train": {"batch_size": 1},
+                "frozen_base": {"quantize": quantize},
             },
         )
         return make_plan(config, 1, "cpu", stage1=False).rank

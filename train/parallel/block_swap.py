@@ -1,4 +1,4 @@
-"""Block swap (`parallel.blocks_on_gpu = K`): the first K blocks stay on the GPU, the others wait in host memory.
+"""Block swap (`block_swap.blocks_on_gpu = K`): the first K blocks stay on the GPU, the others wait in host memory.
 
 For one-GPU runs of models whose frozen weights do not fit beside the step (a 14B LoRA on a 24 GB card).
 
@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from vt.shared.errors import UserError
 from vt.shared.host_memory import layout_bytes
 from vt.train.parallel.side_stream import SideStream
 
@@ -37,7 +36,7 @@ def frozen_parameters(block: nn.Module) -> dict[str, nn.Parameter]:
 
 
 def swapped_blocks(spec, model: nn.Module, resident: int) -> list[nn.Module]:
-    """The blocks `parallel.blocks_on_gpu = resident` keeps in host memory: all after the first `resident`."""
+    """The blocks `block_swap.blocks_on_gpu = resident` keeps in host memory: all after the first `resident`."""
     return [block for _, block in spec.named_blocks(model)][resident:]
 
 
@@ -50,40 +49,12 @@ class SwapMemory:
 
 
 def memory(spec, model: nn.Module, resident: int) -> SwapMemory:
-    """What `parallel.blocks_on_gpu = resident` costs for `model` (built on the meta device as the trainer builds
+    """What `block_swap.blocks_on_gpu = resident` costs for `model` (built on the meta device as the trainer builds
     it): each swapped block's frozen weights, and its arena as `materialize` lays it out."""
     blocks = [list(frozen_parameters(block).values()) for block in swapped_blocks(spec, model, resident)]
     sizes = [sum(p.numel() * p.element_size() for p in params) for params in blocks]
     arenas = [layout_bytes([(p.shape, p.dtype) for p in params]) for params in blocks]
     return SwapMemory(frozen=sum(sizes), device=sum(sorted(sizes)[-2:]), host=sum(arenas), blocks=len(blocks))
-
-
-def check(parallel, world_size: int, trained_experts) -> None:
-    """The settings block swap cannot run with: refused before anything is built."""
-    resident = parallel.blocks_on_gpu
-    if resident is None:
-        return
-    if world_size > 1 or trained_experts:
-        raise UserError(
-            f"parallel.blocks_on_gpu = {resident} is for one process training one transformer; with more "
-            "GPUs shard the model instead (parallel.dp_shard), or train one expert per run (model.expert)"
-        )
-    if parallel.compile:
-        raise UserError(
-            f"parallel.blocks_on_gpu = {resident} with parallel.compile: a compiled block would trace the "
-            "swap's stream waits and weight exchanges into its graph; set parallel.compile = false (block "
-            "swap is for cards the weights do not fit, where the copies, not the kernels, set the pace)"
-        )
-    if parallel.cpu_offload:
-        raise UserError(
-            f"parallel.blocks_on_gpu = {resident} with parallel.cpu_offload: CPU offload keeps every weight "
-            "in host memory already (FSDP2 copies each block in for its use); use one of the two, "
-            "parallel.blocks_on_gpu for a LoRA's frozen base"
-        )
-    if parallel.cp > 1 or parallel.tp > 1 or parallel.pp > 1:
-        raise UserError(
-            f"parallel.blocks_on_gpu = {resident} is for one process: set parallel.cp, parallel.tp and parallel.pp to 1"
-        )
 
 
 class BlockSwap:

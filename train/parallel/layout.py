@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from vt.shared.log import get_logger
+from vt.train.parts import Parts
 
 __all__ = [
     "LayoutChoice",
@@ -142,19 +143,9 @@ def layout_key(config, world_size: int, device: torch.device, local_ranks: int) 
         "device": device.type,
         "model": config.model.model_dump(mode="json"),
         "buckets": config.buckets.model_dump(mode="json"),
-        "train": {
-            name: getattr(train, name)
-            for name in (
-                "mode",
-                "lora_rank",
-                "lora_targets",
-                "batch_size",
-                "mixed_precision",
-                "fp8_base_weights",
-                "fp8_training",
-            )
-        }
-        | {"validation": bool(train.validation_prompts)},
+        "train": {name: getattr(train, name) for name in ("mode", "batch_size", "mixed_precision")}
+        | {"validation": bool(config.validation.prompts)},
+        "parts": {part.section: part.settings.model_dump(mode="json") for part in Parts(config)},
         "parallel": config.parallel.model_dump(mode="json"),
     }
 

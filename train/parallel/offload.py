@@ -1,4 +1,4 @@
-"""Activation offload (`parallel.activation_offload`): the checkpointed blocks' inputs wait in host memory.
+"""Activation offload (`activation_offload.enabled`): the checkpointed blocks' inputs wait in host memory.
 
 With activation checkpointing, what a training step keeps on the device between its forward and its backward is
 each block's input (torch's checkpoint saves it through the saved-tensor hooks in effect, and recomputes the block

@@ -268,3 +268,22 @@ def gather_stages(state: dict[str, torch.Tensor], split: PipelineSplit) -> dict[
     for part in parts:
         merged.update(part)
     return merged
+
+
+def pipeline_micro_step(pipeline: "Pipeline", part: Slice, per_rank: int, scale: float, losses_of) -> torch.Tensor:
+    """Forward and backward of this rank's slice `part` through the pipeline stages, one sample per microbatch (at
+    least `per_rank` of them, stand-ins padding a smaller bucket); `losses_of(sample, transformer)` is the loss path's
+    (loss, audio loss, count) per route. Returns the sum of the per-sample losses on the last stage (0 on the others)."""
+    microbatches = one_sample_microbatches(part, max(per_rank, pipeline.split.stages))
+    losses: dict[int, torch.Tensor] = {}
+
+    def run(m: int, transformer: nn.Module) -> torch.Tensor:
+        total = sum(loss * count for loss, _, count in losses_of(microbatches[m], transformer))
+        losses[m] = total.detach().double()
+        return total * scale
+
+    key = (part.bucket, *(tuple(t.shape[1:]) for t in part.tensors.values()))
+    pipeline.run(key, len(microbatches), run)
+    if not pipeline.split.is_last:
+        return torch.zeros((), dtype=torch.float64, device=pipeline.world.device)
+    return sum(losses[m] for m in range(len(microbatches)))

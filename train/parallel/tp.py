@@ -15,7 +15,7 @@ AC -> compile -> FSDP -> fill -> DDP, train/model_build.py). A peft LoRA layer i
 - row-wise base: lora_A is split row-wise (it reads the sharded input; its small rank-r output is
   summed over tp), lora_B stays replicated.
 Adding LoRA after TP is not supported: peft would size the adapter from the full layer. Only LoRA's two
-factors split so: the other adapter kinds (train.adapter: DoRA's magnitude normalises whole rows, LoHa's and
+factors split so: the other adapter kinds (adapter.kind: DoRA's magnitude normalises whole rows, LoHa's and
 LoKr's products mix the factors' rows and columns) are refused with tp > 1.
 
 Gradients: tp ranks compute the same loss. Split parameters (DTensor) get their own shard of the
@@ -60,8 +60,8 @@ def apply_tp(transformer: nn.Module, spec: ModelSpec, tp_mesh: DeviceMesh) -> No
     kind = kind_of(name for name, _ in transformer.named_parameters())
     if kind != "lora":
         raise UserError(
-            f"train.adapter = {kind!r} with parallel.tp = {tp_mesh.size()}: tensor parallel splits only "
-            'LoRA\'s two factors; set train.adapter = "lora", or parallel.tp = 1 (FSDP2 shards any '
+            f"adapter.kind = {kind!r} with parallel.tp = {tp_mesh.size()}: tensor parallel splits only "
+            'LoRA\'s two factors; set adapter.kind = "lora", or parallel.tp = 1 (FSDP2 shards any '
             "adapter: parallel.dp_shard)"
         )
     plan = layout_plan(spec, "tp")

@@ -2,8 +2,8 @@
 
 `data.eval` names raw data (as `data.raw` does) that `vt-precompute run` encodes first, into the window's `eval/`
 prefix (`shared.window.eval_window_uri`): a window of its own, kept, never in the training order. Every
-`train.eval_every` optimizer steps (and at the end) the trainer computes, for each held-out sample and each sigma of
-`train.eval_sigmas`, the loss of the model's prediction at that sigma with noise drawn once per sample from a key
+`held_out.every` optimizer steps (and at the end) the trainer computes, for each held-out sample and each sigma of
+`held_out.sigmas`, the loss of the model's prediction at that sigma with noise drawn once per sample from a key
 of its own, so two evaluations differ only by the weights: it is the curve to compare runs and steps by, where the
 training loss moves with each step's random sigmas and noise.
 
@@ -31,6 +31,7 @@ from vt.shared.window import eval_window_uri, open_reader
 from vt.train.data import Batch, BatchReader
 from vt.train.objectives import sample_noise
 from vt.train.parallel.batching import Slice, take_slice
+from vt.train.parts.base import Part, RunContext
 from vt.train.step import Draws
 
 
@@ -65,15 +66,15 @@ def one_row(part: Slice, row: int) -> Slice:
 class HeldOut:
     """`evaluate(model)` -> the held-out metrics, the same on every rank (every rank must call it)."""
 
-    def __init__(self, config, spec, world, check_record, losses: Callable[..., Iterator], inference=None):
-        """`check_record`: the trainer's shard check (its WindowMatch); `losses(model, part, draws)`: the run's loss
+    def __init__(self, config, sigmas, spec, world, check_record, losses: Callable[..., Iterator], inference=None):
+        """`sigmas`: held_out.sigmas; `check_record`: the trainer's shard check (its WindowMatch); `losses(model, part, draws)`: the run's loss
         path (train/step.py LossPath.losses), (loss, audio loss, count) per route of a one-row slice; `inference()`: a context every call runs in (the
         stages' pass under pipeline parallel), None for none."""
         from vt.train.parallel.order import OrderFromRankZero
 
-        train, window = config.train, config.window
-        self.sigmas = [float(s) for s in train.eval_sigmas]
-        self.seed = train.seed
+        window = config.window
+        self.sigmas = [float(s) for s in sigmas]
+        self.seed = config.train.seed
         self.spec, self.world, self.losses = spec, world, losses
         self.inference = inference or contextlib.nullcontext
         low, high = spec.sigma_range()  # one expert of several: its own part of the noise levels
@@ -135,3 +136,51 @@ class HeldOut:
         out = {"eval_loss": float(means.mean())}
         out.update({f"eval_loss/sigma_{sigma:g}": float(value) for sigma, value in zip(self.sigmas, means)})
         return out
+
+
+class HeldOutPart(Part):
+    """data.eval: the held-out loss every `held_out.every` optimizer steps and at the end, with the weights each other
+    part gives for it (`weights_for("held_out")`: the EMA's average with ema.eval)."""
+
+    section = "held_out"
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return bool(config.data.eval) or bool(config.held_out.every)
+
+    def check(self, spec, world_size: int) -> None:
+        if self.settings.every and not self.config.data.eval:
+            raise UserError(
+                f"held_out.every = {self.settings.every} computes the held-out loss over data.eval, which is not "
+                "set: set data.eval to held-out raw data (a folder, tar or manifest that data.raw does not "
+                "hold), or remove held_out.every"
+            )
+        if any(not 0 < sigma <= 1 for sigma in self.settings.sigmas):
+            raise UserError(f"held_out.sigmas = {self.settings.sigmas}: each must be in (0, 1]")
+
+    def start(self, run: RunContext) -> None:
+        self.run, self.held_out, self.evaluated = run, None, -1
+
+    def evaluate(self, model, step: int) -> dict[str, float]:
+        """The held-out metrics of `model` as it is now (every rank calls it)."""
+        if self.held_out is None:  # the loss path exists once the trainer has its parts started
+            run = self.run
+            self.held_out = HeldOut(
+                self.config,
+                self.settings.sigmas,
+                run.spec,
+                run.world,
+                run.shards_check,
+                run.loss_path.losses,
+                inference=run.staged,
+            )
+        self.evaluated = step
+        with self.run.parts.weights_for("held_out"):
+            return self.held_out.evaluate(model)
+
+    def step_metrics(self, model, step: int) -> dict:
+        every = self.settings.every
+        return self.evaluate(model, step) if every and step % every == 0 else {}
+
+    def final_metrics(self, model, step: int) -> dict:
+        return self.evaluate(model, step) if 0 < step != self.evaluated else {}

@@ -1,4 +1,4 @@
-"""Guidance-augmented targets (`train.guidance_scale`): fine-tuning that keeps a guidance-distilled base's guidance.
+"""Guidance-augmented targets (`guidance.scale`): fine-tuning that keeps a guidance-distilled base's guidance.
 
 A guidance-distilled base (MiniMax H3) answers a caption in one pass with what classifier-free guidance would give:
 plain flow matching teaches it the unguided velocity and so undoes the distillation. With scale w each target
@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from vt.shared.errors import UserError
 from vt.shared.models.flow import Prediction
-from vt.train.caption_dropout import drop_captions
+from vt.train.parts.base import Part, RunContext
+from vt.train.parts.caption_dropout import drop_captions
 
 
 def guided_target(target: Tensor, base: Tensor, scale: float) -> Tensor:
@@ -38,14 +39,14 @@ def guided(out: Prediction, base: Prediction, scale: float) -> Prediction:
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
-    """Every peft adapter layer of `model` (LoRA, DoRA, LoHa, LoKr: `train.adapter`) computes its base layer alone,
+    """Every peft adapter layer of `model` (LoRA, DoRA, LoHa, LoKr: `adapter.kind`) computes its base layer alone,
     then is switched back on. Only peft's `disable_adapters` flag changes: unlike its `enable_adapters`, no
     requires_grad flag is touched (FSDP2 copies those into its unsharded parameters at their first all-gather)."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
     if not layers:
-        raise ValueError("train.guidance_scale needs the frozen base: the transformer has no adapters to switch off")
+        raise ValueError("guidance.scale needs the frozen base: the transformer has no adapters to switch off")
     before = [layer._disable_adapters for layer in layers]
     for layer in layers:
         layer._disable_adapters = True
@@ -79,12 +80,6 @@ class Guidance:
     def __init__(self, spec, scale: float, empty_caption: Callable[[], dict[str, Tensor]]):
         """`empty_caption()`: the window's empty-caption conditions, name -> one sample's tensor (read when first
         needed: the trainer knows the window's fingerprint once a shard is read)."""
-        if spec.text_with_image:
-            raise UserError(
-                f"train.guidance_scale = {scale}: {spec.family}'s text encoder reads each caption together "
-                "with its clip's first frame, so the window's empty caption cannot stand in for a "
-                "sample's text; remove train.guidance_scale"
-            )
         self.spec = spec
         self.scale = float(scale)
         self.empty_caption = empty_caption
@@ -118,8 +113,40 @@ class Guidance:
         return guided(self.spec.forward(model, batch, sigmas, noise, generators=generators), base, self.scale)
 
 
-def guidance_for(config, spec, empty_caption: Callable[[], dict[str, Tensor]]) -> Guidance | None:
-    """The run's Guidance, None with train.guidance_scale unset (the config refuses it beside full fine-tuning and
-    pipeline stages: shared/config.py)."""
-    scale = config.train.guidance_scale
-    return None if scale is None else Guidance(spec, scale, empty_caption)
+class GuidancePart(Part):
+    """guidance.scale: the step's forward guided by the frozen base's (`Guidance.forward`), in the trainer, the
+    held-out loss and the plan's trace alike (its memory is traced: the base's forward and its kept prediction)."""
+
+    section = "guidance"
+
+    @classmethod
+    def wanted(cls, config) -> bool:
+        return config.guidance.scale is not None
+
+    def check(self, spec, world_size: int) -> None:
+        """The base's prediction comes from the trained transformer with its adapters switched off: a full fine-tune
+        has no frozen base, and pipeline stages no whole model to call twice."""
+        scale, train, pp = self.settings.scale, self.config.train, self.config.parallel.pp
+        if train.mode != "lora":
+            raise UserError(
+                f"guidance.scale = {scale} guides each target with the frozen base's prediction, the transformer "
+                'with its adapters switched off; a full fine-tune has no frozen base: set train.mode = "lora" or '
+                "remove guidance.scale"
+            )
+        if pp > 1:
+            raise UserError(
+                f"guidance.scale = {scale} with parallel.pp = {pp}: the base's extra forward is not carried "
+                "through the pipeline stages; set parallel.pp = 1 or remove guidance.scale"
+            )
+        if spec.text_with_image:
+            raise UserError(
+                f"guidance.scale = {scale}: {spec.family}'s text encoder reads each caption together with its "
+                "clip's first frame, so the window's empty caption cannot stand in for a sample's text; remove "
+                "guidance.scale"
+            )
+
+    def forward(self, forward: Callable, run: RunContext) -> Callable:
+        return Guidance(run.spec, self.settings.scale, run.empty_caption).forward
+
+    def trace_key(self) -> tuple:
+        return (self.settings.scale,)

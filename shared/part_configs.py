@@ -1,0 +1,148 @@
+"""The config sections of the training parts (vt.train.parts: one module per option owns its section's meaning,
+checks, hooks and memory model), and of the flow-matching objective and validation, which both stages read.
+
+A section here is its keys, types and ranges only; what a key does is its part's (docs/stage2.md lists them).
+Keys that lived in [train] or [parallel] before are refused there with their new place (shared/config.py, MOVED).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from vt.shared.config_section import Section
+
+# The attention kernels a run may name (vt names; vt.train.attention maps them to diffusers' dispatcher).
+ATTENTION_BACKENDS = (
+    "native",
+    "native_cudnn",
+    "native_flash",
+    "native_efficient",
+    "native_math",
+    "flash",
+    "flex",
+    "xformers",
+)
+VALIDATION_ATTENTION_BACKENDS = ("", *ATTENTION_BACKENDS, "sage")  # sage: forward only, so inference only
+
+
+class AdapterConfig(Section):
+    """train.mode = "lora": the adapters trained on `targets` (vt.shared.adapters, train/parts/adapter.py): LoRA,
+    DoRA (LoRA with a trained magnitude per output), LoHa (Hadamard product) or LoKr (Kronecker product)."""
+
+    kind: Literal["lora", "dora", "loha", "lokr"] = "lora"
+    rank: int = Field(16, ge=1)
+    alpha: float = Field(16.0, gt=0)
+    targets: list[str] = Field(default_factory=list)  # empty: the family's default targets
+
+
+class FlowConfig(Section):
+    """How each sample's sigma is drawn and its loss weighted (train/objectives.py; SD3's schemes as diffusers'
+    training_utils names them)."""
+
+    # logit-normal (`logit_mean`, `logit_std`), uniform, "mode" (`mode_scale`) or "cosmap"; then `shift`
+    sigma_sampling: Literal["logit_normal", "uniform", "mode", "cosmap"] = "logit_normal"
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    mode_scale: float = Field(1.29, ge=0)
+    # The sigmas' shift towards noise (> 1: more). "auto": the family's scheduler's own, at each bucket's size where it
+    # shifts by resolution (`use_dynamic_shifting`: LTX-Video, LTX-2), else its fixed `shift` / `flow_shift`.
+    shift: float | Literal["auto"] = 1.0
+    # Each sample's loss weighted by its sigma: none, "sigma_sqrt" (sigma^-2) or "cosmap" (SD3's weightings).
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+
+
+class ValidationConfig(Section):
+    """Validation videos rendered by the training model (train/validation.py); stage 1 stores the prompts'
+    conditions (and first / last frames, control videos) in the window."""
+
+    prompts: list[str] = Field(default_factory=list)
+    images: list[str] = Field(default_factory=list)  # i2v, flf2v: one first frame per prompt
+    last_images: list[str] = Field(default_factory=list)  # flf2v: one last frame per prompt
+    # Families that train on a control video: one control video per prompt, fitted to the bucket as stage 1
+    # fits a sample's (frames from its start at buckets.fps, scaled to cover, center-cropped).
+    videos: list[str] = Field(default_factory=list)
+    steps: int = Field(4, ge=1)
+    every: int = Field(0, ge=0)  # optimizer steps; 0: only at the end (if prompts are set)
+    # Decode with the VAE tiled (vt.shared.vae_tiling): true, false, or "auto" (tiled when the untiled decode would
+    # not fit in the GPU memory free at validation; untiled on a CPU).
+    vae_tiling: Literal["auto"] | bool = "auto"
+    # Validation's attention kernel ("": the training one); may also be an inference-only one ("sage").
+    attention_backend: Literal[VALIDATION_ATTENTION_BACKENDS] = ""
+
+
+class LRScheduleConfig(Section):
+    """The learning rate over optimizer steps (train/parts/lr_schedule.py): a linear warm-up over `warmup_steps`,
+    then constant."""
+
+    warmup_steps: int = Field(0, ge=0)
+
+
+class TokenBudgetConfig(Section):
+    """A token budget in place of train.batch_size (train/parts/token_budget.py): each bucket's micro-batch holds as
+    many samples as fit this many transformer tokens (at least one), so a small bucket takes a larger batch."""
+
+    tokens_per_batch: int | None = Field(None, ge=1)
+
+
+class CaptionDropoutConfig(Section):
+    """Share of samples trained on the empty caption (classifier-free guidance), drawn per (seed, step, sample)."""
+
+    rate: float = Field(0.0, ge=0, le=1)
+
+
+class GuidanceConfig(Section):
+    """Guidance-distilled bases (MiniMax H3): each target becomes u + w (target - u), u the frozen base's prediction
+    for the empty caption (train/parts/guidance.py); w = 1 is plain flow matching. None: off."""
+
+    scale: float | None = Field(None, gt=0)
+
+
+class HeldOutConfig(Section):
+    """The held-out loss over data.eval every `every` optimizer steps and at the end (0 with data.eval: at the end
+    only), at each of `sigmas` with fixed noise per sample (train/parts/held_out.py)."""
+
+    every: int = Field(0, ge=0)
+    sigmas: list[float] = Field(default_factory=lambda: [0.1, 0.3, 0.5, 0.7, 0.9], min_length=1)
+
+
+class EMAConfig(Section):
+    """An exponential moving average of the trained weights (train/parts/ema.py): its decay per optimizer step
+    (None: off), kept in checkpoints, exported in <run.dir>/ema/; `validation` renders validation with it, `eval`
+    computes the held-out loss with it."""
+
+    decay: float | None = Field(None, gt=0, lt=1)
+    validation: bool = False
+    eval: bool = False
+
+
+class FrozenBaseConfig(Section):
+    """LoRA: how the frozen transformer is stored (train/parts/frozen_base.py). `fp8`: float8 e4m3, upcast layer by
+    layer for compute (half the weight memory of bf16). `quantize`: its linear weights quantized as they are read,
+    dequantized for each matmul: "nf4" (4-bit NormalFloat, 64-weight blocks: 0.56 bytes a weight) or "int8" (a scale
+    per output feature: 1 byte); one process (a sharded layout divides the weights itself)."""
+
+    fp8: bool = False
+    quantize: Literal["none", "nf4", "int8"] = "none"
+
+
+class FP8TrainingConfig(Section):
+    """Full fine-tuning: torchao float8 linear layers ("tensorwise" or "rowwise"; CUDA sm89+ only) on the linear
+    layers torchao's size filter picks (train/parts/fp8_training.py)."""
+
+    recipe: Literal["none", "tensorwise", "rowwise"] = "none"
+
+
+class BlockSwapConfig(Section):
+    """One GPU: only the first `blocks_on_gpu` blocks' frozen weights stay on it, the others wait in pinned host
+    memory and are copied in a block ahead of use (train/parts/block_swap.py). None: every block on the GPU."""
+
+    blocks_on_gpu: int | None = Field(None, ge=0)
+
+
+class ActivationOffloadConfig(Section):
+    """With parallel.activation_checkpointing: the blocks' inputs (and what the layers outside them save) wait in
+    pinned host memory between forward and backward (train/parts/activation_offload.py)."""
+
+    enabled: bool = False
