@@ -269,3 +269,57 @@ def test_no_six_lines_repeat_inside_the_seam():
                 repeats.append(f"{where} repeats {seen[window]}")
             seen.setdefault(window, where)
     assert not repeats, "\n".join(repeats)
+
+
+def private_spec_reads(source: str) -> list[int]:
+    """Lines of `source` reading a private name (`_x`, not `__x__`) of a Model Spec: of a variable or attribute named
+    `spec` or `<something>_spec`, or of a parameter annotated with a spec class (`ModelSpec`, `WanSpec` ...)."""
+    tree = ast.parse(source)
+    typed = {
+        node.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.arg) and node.annotation is not None
+        for name in [ast.unparse(node.annotation)]
+        if re.search(r"Spec\b", name)
+    }
+
+    def is_spec(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.lower().endswith("spec") or (isinstance(node, ast.Name) and node.id in typed)
+
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and is_spec(node.value)
+    )
+
+
+def test_the_private_spec_check_finds_a_planted_read():
+    planted = (
+        "def f(spec, other, model: ModelSpec, w: 'WanSpec'):\n"
+        "    spec.class_of('vae')\n"
+        "    other._x\n"
+        "    spec.__class__\n"
+        "    spec._class_of('vae')\n"
+        "    self.spec._vae_mode\n"
+        "    model._geometry_from_config()\n"
+        "    w._y\n"
+        "    wan_spec._z\n"
+    )
+    assert private_spec_reads(planted) == [5, 6, 7, 8, 9]
+
+
+def test_no_private_name_of_a_spec_is_read_outside_the_seam():
+    """A spec's private names are its own and the seam's (shared/models): the stages, the rest of vt.shared, the
+    scripts and the tests use its public accessors (`class_of`, `vae_mode`, `vae_tiles` ...)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in ("shared", *STAGES, "scripts", "tests")
+        for path in python_files(folder)
+        if not path.is_relative_to(ROOT / "shared" / "models")
+        for line in private_spec_reads(path.read_text())
+    ]
+    assert not found, "private names of a spec read outside shared/models:\n" + "\n".join(found)

@@ -95,11 +95,7 @@ def _axes(config: Config, gpus: int) -> list[list[Change]]:
                 )
             ]
         )
-    if (
-        train.validation_prompts
-        and train.validation_vae_tiling is not True
-        and hasattr(spec._class_of("vae"), "enable_tiling")
-    ):
+    if train.validation_prompts and train.validation_vae_tiling is not True and spec.vae_tiles:
         axes.append([_change("tiling", "train.validation_vae_tiling=true", "train", validation_vae_tiling=True)])
     return [axis for axis in axes if axis]
 

@@ -121,7 +121,7 @@ class CogVideoXSpec(ModelSpec):
         out = super().encode_video(encoders, video)
         if self.config.task == "i2v":
             vae = encoders["vae"]
-            latents = self._vae_mode(vae, video[:, :, :1]).float()
+            latents = self.vae_mode(vae, video[:, :, :1]).float()
             factor = vae.config.scaling_factor
             out["image_latents"] = latents / factor if vae.config.get("invert_scale_latents") else latents * factor
         return out

@@ -70,7 +70,7 @@ class PooledTextAndFirstFrame:
         out = super().encode_video(encoders, video)
         if self.config.task == "i2v":
             vae = encoders["vae"]
-            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+            out["image_latents"] = (self.vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
         return out
 
 

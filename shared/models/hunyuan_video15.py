@@ -124,9 +124,9 @@ class HunyuanVideo15Spec(ModelSpec):
         }
 
     @staticmethod
-    def _vae_mode(vae, video: Tensor) -> Tensor:
+    def vae_mode(vae, video: Tensor) -> Tensor:
         # One sample at a time: the VAE's mid-block attention fails for a batch > 1 (diffusers 0.42.1).
-        return torch.cat([ModelSpec._vae_mode(vae, video[i : i + 1]) for i in range(video.shape[0])])
+        return torch.cat([ModelSpec.vae_mode(vae, video[i : i + 1]) for i in range(video.shape[0])])
 
     @torch.no_grad()
     def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
@@ -134,7 +134,7 @@ class HunyuanVideo15Spec(ModelSpec):
         out = super().encode_video(encoders, video)
         if self.config.task == "i2v":
             vae = encoders["vae"]
-            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+            out["image_latents"] = (self.vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
             out["image_embeds"] = _siglip(encoders, frames_to_pil(video[:, :, 0]))
         return out
 

@@ -67,7 +67,7 @@ class LTXVideoSpec(ModelSpec):
     def _encode(vae, video: Tensor) -> Tensor:
         from diffusers import LTXPipeline
 
-        latents = ModelSpec._vae_mode(vae, video)
+        latents = ModelSpec.vae_mode(vae, video)
         return LTXPipeline._normalize_latents(
             latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
         ).float()

@@ -157,6 +157,11 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def geometry(self) -> VaeGeometry:
         return self._geometry_from_config()
 
+    @property
+    def vae_tiles(self) -> bool:
+        """Whether the family's VAE can encode and decode in tiles (`enable_tiling`), from its class alone."""
+        return hasattr(self.class_of("vae"), "enable_tiling")
+
     def _vae_without_weights(self):
         """The VAE class built from its config on the meta device: for ratios the class computes itself."""
         from accelerate import init_empty_weights
@@ -245,7 +250,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         """
         self._check_video(video)
         vae = encoders["vae"]
-        return {"latents": (self._vae_mode(vae, video) * vae.config.scaling_factor).float()}
+        return {"latents": (self.vae_mode(vae, video) * vae.config.scaling_factor).float()}
 
     def _check_video(self, video: Tensor) -> None:
         if video.ndim != 5 or video.shape[1] != 3:
@@ -253,7 +258,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         self.check_bucket(Bucket(*video.shape[2:]))
 
     @staticmethod
-    def _vae_mode(vae, video: Tensor) -> Tensor:
+    def vae_mode(vae, video: Tensor) -> Tensor:
         """The VAE posterior's mode for `video` (stage 1 is deterministic), in the VAE's dtype."""
         return vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
 

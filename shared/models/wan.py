@@ -160,7 +160,7 @@ class WanSpec(ModelSpec):
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Normalised latents of the posterior mode; i2v, flf2v add `encode_condition_frames`."""
         self._check_video(video)
-        out = {"latents": _normalised(encoders["vae"], self._vae_mode(encoders["vae"], video))}
+        out = {"latents": _normalised(encoders["vae"], self.vae_mode(encoders["vae"], video))}
         if self.condition_frames:
             out.update(self.encode_condition_frames(encoders, video))
         return out
@@ -173,7 +173,7 @@ class WanSpec(ModelSpec):
         frames = [video[:, :, :1], video[:, :, -1:]] if self.config.task == "flf2v" else [video[:, :, :1]]
         zeros = video.new_zeros(*video.shape[:2], video.shape[2] - len(frames), *video.shape[3:])
         condition = torch.cat([frames[0], zeros, *frames[1:]], dim=2)
-        latents = {"condition_latents": _normalised(vae, self._vae_mode(vae, condition).float())}
+        latents = {"condition_latents": _normalised(vae, self.vae_mode(vae, condition).float())}
         if not self.image_tokens:
             return latents
         # The frames as the uint8 images they were decoded from, sample by sample: first, (last,) of sample 0 ...
