@@ -33,6 +33,7 @@ import torch
 from bench_bare import BareLoop, BareSettings
 from bench_common import BIN, Row, median, run_timed, toml_string, write_run_config
 
+from vt.shared.models.frame_conditions import task_of
 from vt.shared.runtime import MMAP_THRESHOLD
 
 
@@ -78,7 +79,7 @@ def bare_settings(trainer) -> BareSettings:
     train, model = trainer.config.train, trainer.config.model
     unsupported = {
         "model.family": model.family != "ltx-video",
-        "model.task": model.task != "t2v",
+        "model.task": task_of(model) != "t2v",
         "train.mode": train.mode != "lora",
         "train.grad_accum": train.grad_accum != 1,
         "train.sigma_sampling": train.sigma_sampling != "logit_normal",

@@ -323,3 +323,20 @@ def test_no_private_name_of_a_spec_is_read_outside_the_seam():
         for line in private_spec_reads(path.read_text())
     ]
     assert not found, "private names of a spec read outside shared/models:\n" + "\n".join(found)
+
+
+TASK_READERS = ("shared/config.py", "shared/models/frame_conditions.py")
+
+
+def test_model_task_is_read_only_by_the_frame_conditions_role():
+    """`model.task` decides which of a clip's frames condition it (i2v, flf2v): the spec's `frame_conditions` role
+    (shared/models/frame_conditions.py) owns that, so families, stages and scripts ask the role, never `.task`."""
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for folder in ("shared", *STAGES, "scripts")
+        for path in python_files(folder)
+        if str(path.relative_to(ROOT)) not in TASK_READERS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "task"
+    ]
+    assert not found, "`.task` read outside the frame-conditions role:\n" + "\n".join(found)
