@@ -117,7 +117,7 @@ def tiled_buckets(spec, encoders: dict, buckets, device: torch.device, setting: 
             spec.empty_component("vae", vae.dtype),
             "encode",
             (1, 3, bucket.frames, bucket.height, bucket.width),
-            run=spec._vae_mode,
+            run=spec.vae_mode,
         )
         tile, why = decide("auto", untiled, free, True)
         log.info(

@@ -33,6 +33,7 @@ import torch
 from bench_bare import BareLoop, BareSettings
 from bench_common import BIN, Row, median, run_timed, toml_string, write_run_config
 
+from vt.shared.models.frame_conditions import task_of
 from vt.shared.runtime import MMAP_THRESHOLD
 
 
@@ -80,7 +81,7 @@ def bare_settings(trainer) -> BareSettings:
     lora = trainer.parts["adapter"].build_options(trainer.spec, trains=True)["lora"]
     unsupported = {
         "model.family": model.family != "ltx-video",
-        "model.task": model.task != "t2v",
+        "model.task": task_of(model) != "t2v",
         "train.mode": train.mode != "lora",
         "train.grad_accum": train.grad_accum != 1,
         "flow.sigma_sampling": flow.sigma_sampling != "logit_normal",

@@ -80,7 +80,7 @@ def model_folder(key: str, folder: Path, dry: bool, device: str) -> Path:
 
         spec = build_spec(ModelConfig(family=family, path=str(folder)), frame_rate=16.0)
         for name in (spec.trained_component, "vae"):
-            cls = spec._class_of(name)
+            cls = spec.class_of(name)
             torch.manual_seed(0)
             with torch.device(device):  # random init on the GPU: seconds, not the CPU's minutes
                 module = cls.from_config(spec.load_config(name)).to(torch.bfloat16)
@@ -136,7 +136,7 @@ def random_text_encoders(spec, device: str) -> dict:
 
     encoders = {}
     for name in spec.text_parts():
-        cls = spec._class_of(name)
+        cls = spec.class_of(name)
         if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
             encoders[name] = spec.load_component(name)
             continue

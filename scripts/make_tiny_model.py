@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("out", type=Path, help="output folder (diffusers layout)")
     args = parser.parse_args(argv)
-    print(make_tiny_model(args.family, args.out, seed=args.seed, task=args.task))
+    print(make_tiny_model(**vars(args)))  # family, out, seed, task
 
 
 if __name__ == "__main__":

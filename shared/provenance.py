@@ -57,12 +57,13 @@ def provenance(config: Config, weights: dict[str, str] | None = None, spec=None)
     """The settings that decide a shard's content. `weights` (component -> digest) defaults to
     `weights_digests(spec)`; `spec` (the config's Model Spec) is built when not given."""
     from vt.shared.models import spec_for
+    from vt.shared.models.frame_conditions import task_of
 
     spec = spec or spec_for(config)
     return {
         "format_version": FORMAT_VERSION,
         "family": config.model.family,
-        "task": config.model.task,
+        "task": task_of(config.model),
         "max_text_tokens": spec.max_text_tokens,  # resolved: the family's default when unset
         "encoder_dtype": config.model.dtype,
         "storage_dtype": config.precompute.storage_dtype,

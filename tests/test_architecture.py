@@ -334,3 +334,74 @@ def test_every_part_has_a_section_a_test_and_a_docs_entry():
         assert f"[{part.section}]" in stage2, f"docs/stage2.md shows no [{part.section}] section"
         used = re.search(rf'"{part.section}"|\b{part.section}=|\b{part.section}\.\w+\s*=|\[{part.section}\]', tests)
         assert used, f"no test sets [{part.section}] ({module})"
+
+
+def private_spec_reads(source: str) -> list[int]:
+    """Lines of `source` reading a private name (`_x`, not `__x__`) of a Model Spec: of a variable or attribute named
+    `spec` or `<something>_spec`, or of a parameter annotated with a spec class (`ModelSpec`, `WanSpec` ...)."""
+    tree = ast.parse(source)
+    typed = {
+        node.arg
+        for node in ast.walk(tree)
+        if isinstance(node, ast.arg) and node.annotation is not None
+        for name in [ast.unparse(node.annotation)]
+        if re.search(r"Spec\b", name)
+    }
+
+    def is_spec(node: ast.expr) -> bool:
+        name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+        return name.lower().endswith("spec") or (isinstance(node, ast.Name) and node.id in typed)
+
+    return sorted(
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and is_spec(node.value)
+    )
+
+
+def test_the_private_spec_check_finds_a_planted_read():
+    planted = (
+        "def f(spec, other, model: ModelSpec, w: 'WanSpec'):\n"
+        "    spec.class_of('vae')\n"
+        "    other._x\n"
+        "    spec.__class__\n"
+        "    spec._class_of('vae')\n"
+        "    self.spec._vae_mode\n"
+        "    model._geometry_from_config()\n"
+        "    w._y\n"
+        "    wan_spec._z\n"
+    )
+    assert private_spec_reads(planted) == [5, 6, 7, 8, 9]
+
+
+def test_no_private_name_of_a_spec_is_read_outside_the_seam():
+    """A spec's private names are its own and the seam's (shared/models): the stages, the rest of vt.shared, the
+    scripts and the tests use its public accessors (`class_of`, `vae_mode`, `vae_tiles` ...)."""
+    found = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for folder in ("shared", *STAGES, "scripts", "tests")
+        for path in python_files(folder)
+        if not path.is_relative_to(ROOT / "shared" / "models")
+        for line in private_spec_reads(path.read_text())
+    ]
+    assert not found, "private names of a spec read outside shared/models:\n" + "\n".join(found)
+
+
+TASK_READERS = ("shared/config.py", "shared/models/frame_conditions.py")
+
+
+def test_model_task_is_read_only_by_the_frame_conditions_role():
+    """`model.task` decides which of a clip's frames condition it (i2v, flf2v): the spec's `frame_conditions` role
+    (shared/models/frame_conditions.py) owns that, so families, stages and scripts ask the role, never `.task`."""
+    found = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for folder in ("shared", *STAGES, "scripts")
+        for path in python_files(folder)
+        if str(path.relative_to(ROOT)) not in TASK_READERS
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Attribute) and node.attr == "task"
+    ]
+    assert not found, "`.task` read outside the frame-conditions role:\n" + "\n".join(found)

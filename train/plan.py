@@ -433,8 +433,7 @@ def _choose_tiling(plan: Plan, spec, budget: int | None, stage1: bool) -> None:
 
 
 def _tileable(spec) -> bool:
-    cls = spec._class_of("vae")
-    return hasattr(cls, "enable_tiling")
+    return spec.vae_tiles
 
 
 def _largest(config: Config):
@@ -487,7 +486,7 @@ def _trace(
     modules = [
         name
         for name in spec.stage1_components
-        if stage1 and isinstance(spec._class_of(name), type) and issubclass(spec._class_of(name), nn.Module)
+        if stage1 and isinstance(spec.class_of(name), type) and issubclass(spec.class_of(name), nn.Module)
     ]
     encoders = {
         name: spec.empty_component(name, encoder_dtype(torch.device(device_type), spec.frozen_dtype))
@@ -672,7 +671,7 @@ def _vae_peak(config: Config, spec, bucket, what: str, dtype: torch.dtype, tiled
         vae = spec.empty_component("vae", dtype)
         if what == "encode":
             shape = (1, 3, bucket.frames, bucket.height, bucket.width)
-            _VAE_PEAKS[key] = pass_peak(vae, what, shape, tiled, run=spec._vae_mode)
+            _VAE_PEAKS[key] = pass_peak(vae, what, shape, tiled, run=spec.vae_mode)
         else:
             shape = (1, *spec.condition_shapes(bucket)["latents"])
             _VAE_PEAKS[key] = pass_peak(vae, what, shape, tiled)

@@ -64,7 +64,7 @@ def _axes(config: Config, gpus: int) -> list[list[Change]]:
             ]
         )
     validation = config.validation
-    if validation.prompts and validation.vae_tiling is not True and hasattr(spec._class_of("vae"), "enable_tiling"):
+    if validation.prompts and validation.vae_tiling is not True and spec.vae_tiles:
         axes.append([change("tiling", "validation.vae_tiling=true", "validation", vae_tiling=True)])
     return [axis for axis in axes if axis]
 

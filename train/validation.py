@@ -72,10 +72,10 @@ class Validator:
         self.prompts = config.validation.prompts
         self.images = [load_image(p) for p in config.validation.images]
         self.last_images = [load_image(p) for p in config.validation.last_images]  # flf2v (config.py checks)
-        task = config.model.task
-        if self.prompts and task in ("i2v", "flf2v") and len(self.images) != len(self.prompts):
+        frames = spec.frame_conditions  # the clip's frames the task conditions on (None: t2v)
+        if self.prompts and frames and len(self.images) != len(self.prompts):
             raise UserError(
-                f"model.task = {task!r} needs one validation.images entry per validation prompt "
+                f"model.task = {frames.name!r} needs one validation.images entry per validation prompt "
                 f"({len(self.prompts)} prompts, {len(self.images)} images)"
             )
         videos = config.validation.videos  # control videos (config.py checks who may set them)

@@ -42,7 +42,7 @@ class CogVideoXSpec(ModelSpec):
 
     def _geometry_from_config(self) -> VaeGeometry:
         vae, transformer = self.load_config("vae"), self._transformer_config
-        i2v = self.config.task == "i2v"
+        i2v = bool(self.frame_conditions)
         if transformer.get("in_channels") != vae["latent_channels"] * (2 if i2v else 1):
             found = (
                 f"the {self.family} transformer at {self.source('transformer')[0]!r} takes "
@@ -119,17 +119,17 @@ class CogVideoXSpec(ModelSpec):
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """i2v adds `image_latents` (B, C, 1, H, W): the first frame encoded alone, scaled as `prepare_latents`."""
         out = super().encode_video(encoders, video)
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             vae = encoders["vae"]
-            latents = self._vae_mode(vae, video[:, :, :1]).float()
+            latents = self.vae_mode(vae, self.frame_conditions.first(video)).float()
             factor = vae.config.scaling_factor
             out["image_latents"] = latents / factor if vae.config.get("invert_scale_latents") else latents * factor
         return out
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         shapes = super().condition_shapes(bucket)
-        if self.config.task == "i2v":  # the first frame encoded alone
-            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+        if self.frame_conditions:  # the first frame encoded alone
+            shapes["image_latents"] = self.frame_conditions.frame_shape(shapes["latents"])
         return shapes
 
     @cached_property
@@ -167,9 +167,8 @@ class CogVideoXSpec(ModelSpec):
         dtype = input_dtype(transformer)
         frames, height, width = x0.shape[2:]
         image = {}
-        if self.config.task == "i2v":  # [noisy, image latents + zeros] on channels; 1.5 I2V: ofs 2.0
-            if "image_latents" not in batch:
-                raise KeyError("task i2v needs batch['image_latents']; precompute the shards with model.task = \"i2v\"")
+        if self.frame_conditions:  # [noisy, image latents + zeros] on channels; 1.5 I2V: ofs 2.0
+            self.frame_conditions.require(batch, "image_latents")
             first = batch["image_latents"].to(x0)
             condition = torch.cat([first, first.new_zeros(*first.shape[:2], frames - 1, height, width)], dim=2)
             noisy = torch.cat([noisy, condition], dim=1)

@@ -125,7 +125,8 @@ class ComponentLoader:
         except (OSError, ValueError) as err:
             raise self.load_error(name, path, err) from err
 
-    def _class_of(self, name: str) -> type:
+    def class_of(self, name: str) -> type:
+        """The class component `name` loads as (AutoTokenizer for a tokenizer); the import is its only cost."""
         classes = self.component_classes()
         if name in classes:
             return classes[name]
@@ -142,7 +143,7 @@ class ComponentLoader:
         onto `device` (no whole copy on the CPU first)."""
         if name == "scheduler":
             return self.load_scheduler()
-        cls = self._class_of(name)
+        cls = self.class_of(name)
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             return self._from_pretrained(cls, name)  # tokenizers, image processors
         if self.single_file(name):
@@ -159,7 +160,7 @@ class ComponentLoader:
         class's `_keep_in_fp32_modules`), buffers computed on the CPU as the constructor makes them."""
         from accelerate import init_empty_weights
 
-        cls = self._class_of(name)
+        cls = self.class_of(name)
         config = self.load_config(name)
         with init_empty_weights(include_buffers=False):
             model = cls._from_config(config) if _is_transformers(cls) else cls.from_config(config)
@@ -201,7 +202,7 @@ class ComponentLoader:
         name = name or self.trained_component
         if self.single_file(name):
             return self._load_single_file(name, device, dtype or torch.float32).eval()
-        model = self._from_pretrained(self._class_of(name), name, torch_dtype=dtype or torch.float32)
+        model = self._from_pretrained(self.class_of(name), name, torch_dtype=dtype or torch.float32)
         return model.to(device)
 
     def _load_single_file(self, name: str, device, dtype: torch.dtype) -> nn.Module:
@@ -229,7 +230,7 @@ class ComponentLoader:
         classes, the class's PretrainedConfig for transformers ones."""
         from diffusers import FlowMatchEulerDiscreteScheduler
 
-        reader = FlowMatchEulerDiscreteScheduler if name == "scheduler" else self._class_of(name)
+        reader = FlowMatchEulerDiscreteScheduler if name == "scheduler" else self.class_of(name)
         path, subfolder = self.source(name)
         kwargs = {"subfolder": subfolder} if subfolder else {}
         try:

@@ -61,16 +61,18 @@ class PooledTextAndFirstFrame:
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         shapes = {**super().condition_shapes(bucket), "pooled_prompt_embeds": (self.text_width("text_encoder_2"),)}
-        if self.config.task == "i2v":
-            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+        if self.frame_conditions:
+            shapes["image_latents"] = self.frame_conditions.frame_shape(shapes["latents"])
         return shapes
 
     @torch.no_grad()
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         out = super().encode_video(encoders, video)
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             vae = encoders["vae"]
-            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+            out["image_latents"] = (
+                self.vae_mode(vae, self.frame_conditions.first(video)) * vae.config.scaling_factor
+            ).float()
         return out
 
 
@@ -134,13 +136,13 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
         """i2v needs an I2V transformer (`image_condition_type`, with its input channels), t2v one without."""
         kind, found = transformer.get("image_condition_type"), transformer.get("in_channels")
         where = self.source("transformer")[0]
-        if self.config.task != "i2v" and kind is not None:
+        if not self.frame_conditions and kind is not None:
             raise UserError(
                 f"the transformer at {where!r} is an image-to-video one (image_condition_type "
                 f'{kind!r}): set model.task = "i2v"'
             )
         expected = {"latent_concat": 2 * channels + 1, "token_replace": channels}
-        if self.config.task == "i2v" and (kind not in expected or found != expected[kind]):
+        if self.frame_conditions and (kind not in expected or found != expected[kind]):
             raise UserError(
                 f'model.task = "i2v" needs a HunyuanVideo image-to-video transformer (image_condition_type '
                 f'"token_replace" with {channels} input channels, hunyuanvideo-community/HunyuanVideo-I2V, or '
@@ -153,7 +155,7 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
         """The pipeline's Llama-3 chat template if the tokenizer has its header tokens, else the bare caption."""
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             return self._i2v_template()
         tokenizer = self.load_component("tokenizer")
         known = LLAVA_CHAT_TOKENS[0] in {**tokenizer.get_vocab(), **getattr(tokenizer, "added_tokens_encoder", {})}
@@ -203,7 +205,7 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
     @torch.no_grad()
     def encode_text(self, encoders, captions: list[str]) -> dict[str, Tensor]:
         """Llama's text, mask and CLIP's pooled text; i2v CLIP's only (Llava's reads the frame: `text_with_image`)."""
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             pooled = self._text_pipeline(encoders)._get_clip_prompt_embeds(
                 list(captions), device=encoders["text_encoder_2"].device
             )
@@ -217,7 +219,7 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
 
     @property
     def text_with_image(self) -> TextWithImage | None:
-        return TextWithImage(self._llava_texts, self._llava_text) if self.config.task == "i2v" else None
+        return TextWithImage(self._llava_texts, self._llava_text) if self.frame_conditions else None
 
     def _llava_texts(self, encoders, captions: list[str], images: Tensor) -> dict[str, Tensor]:
         """Each caption with its first frame (uint8 as decoded), one at a time."""
@@ -240,7 +242,7 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         """i2v: Llava's text, the kept image tokens then the caption."""
         shapes = super().condition_shapes(bucket)
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             image_tokens = -(-self.prompt_template["image_emb_len"] // self.image_embed_interleave)
             length = image_tokens + self.max_text_tokens - 4  # the crop drops the 4 assistant-header tokens
             shapes.update(prompt_embeds=(length, self.text_width()), prompt_attention_mask=(length,))
@@ -261,7 +263,7 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
             if transformer.config.guidance_embeds
             else None
         )  # as the pipeline: (B,) in the transformer's dtype
-        noisy, weight = self._image_condition(transformer, batch, noisy) if self.config.task == "i2v" else (noisy, None)
+        noisy, weight = self._image_condition(transformer, batch, noisy) if self.frame_conditions else (noisy, None)
         prediction = transformer(
             hidden_states=noisy.to(dtype),
             timestep=sigmas * NUM_TRAIN_TIMESTEPS,  # float32, as the pipeline passes it
@@ -275,11 +277,8 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
 
     def _image_condition(self, transformer, batch: dict[str, Tensor], noisy: Tensor) -> tuple[Tensor, Tensor | None]:
         """(transformer input, loss weight) as the I2V pipeline conditions on its image (docs/families.md)."""
-        if "image_latents" not in batch or "prompt_attention_mask" not in batch:
-            raise KeyError(
-                "task i2v needs batch['image_latents'] and the Llava text of each sample; precompute the "
-                'shards with model.task = "i2v"'
-            )
+        what = "batch['image_latents'] and the Llava text of each sample"
+        self.frame_conditions.require(batch, "image_latents", "prompt_attention_mask", what=what)
         image = batch["image_latents"].to(noisy)
         if transformer.config.image_condition_type == "token_replace":
             weight = torch.ones(noisy.shape[0], 1, noisy.shape[2], 1, 1, device=noisy.device)
@@ -291,7 +290,7 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
         return torch.cat([noisy, condition, mask], dim=1), None
 
     def cp_plan(self) -> ContextParallelPlan:
-        if self.config.task == "i2v" and self.load_config("transformer")["image_condition_type"] == "token_replace":
+        if self.frame_conditions and self.load_config("transformer")["image_condition_type"] == "token_replace":
             raise Unplanned(
                 "hunyuan-video i2v (token_replace) has no CP plan: its blocks treat the first frame's "
                 "tokens apart, which context parallel would split; set parallel.cp = 1"

@@ -104,9 +104,9 @@ class HunyuanVideo15Spec(ModelSpec):
             "prompt_embeds_2": (GLYPH_TOKENS, self.text_width("text_encoder_2")),
             "prompt_attention_mask_2": (GLYPH_TOKENS,),
         }
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             vision = self.load_config("image_encoder")  # SigLIP: one token per patch, no class token
-            shapes["image_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+            shapes["image_latents"] = self.frame_conditions.frame_shape(shapes["latents"])
             shapes["image_embeds"] = ((vision.image_size // vision.patch_size) ** 2, vision.hidden_size)
         return shapes
 
@@ -124,17 +124,19 @@ class HunyuanVideo15Spec(ModelSpec):
         }
 
     @staticmethod
-    def _vae_mode(vae, video: Tensor) -> Tensor:
+    def vae_mode(vae, video: Tensor) -> Tensor:
         # One sample at a time: the VAE's mid-block attention fails for a batch > 1 (diffusers 0.42.1).
-        return torch.cat([ModelSpec._vae_mode(vae, video[i : i + 1]) for i in range(video.shape[0])])
+        return torch.cat([ModelSpec.vae_mode(vae, video[i : i + 1]) for i in range(video.shape[0])])
 
     @torch.no_grad()
     def encode_video(self, encoders: dict[str, Any], video: Tensor) -> dict[str, Tensor]:
         """i2v adds the first frame encoded alone (`_get_image_latents`) and its SigLIP tokens (`_get_image_embeds`)."""
         out = super().encode_video(encoders, video)
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             vae = encoders["vae"]
-            out["image_latents"] = (self._vae_mode(vae, video[:, :, :1]) * vae.config.scaling_factor).float()
+            out["image_latents"] = (
+                self.vae_mode(vae, self.frame_conditions.first(video)) * vae.config.scaling_factor
+            ).float()
             out["image_embeds"] = _siglip(encoders, frames_to_pil(video[:, :, 0]))
         return out
 
@@ -167,16 +169,12 @@ class HunyuanVideo15Spec(ModelSpec):
     def _image_condition(self, transformer, batch: dict[str, Tensor], x0: Tensor) -> tuple[Tensor, Tensor]:
         """(condition channels (B, C + 1, F, H, W), image tokens) as the pipeline makes them (t2v: zeros, none)."""
         b, c, f, h, w = x0.shape
-        if self.config.task != "i2v":
+        if not self.frame_conditions:
             return (
                 torch.zeros(b, c + 1, f, h, w, device=x0.device),
                 torch.zeros(b, 0, transformer.config.image_embed_dim, device=x0.device),
             )
-        if "image_latents" not in batch or "image_embeds" not in batch:
-            raise KeyError(
-                "task i2v needs batch['image_latents'] and batch['image_embeds']; precompute the shards "
-                'with model.task = "i2v"'
-            )
+        self.frame_conditions.require(batch, "image_latents", "image_embeds")
         latents = torch.cat([batch["image_latents"].to(x0), torch.zeros_like(x0[:, :, 1:])], dim=2)
         mask = torch.zeros(b, 1, f, h, w, device=x0.device)
         mask[:, :, 0] = 1.0
@@ -215,7 +213,7 @@ class HunyuanVideo15Spec(ModelSpec):
     def pipeline_inputs(self, prompt, bucket, steps, seed, image=None, **kwargs) -> dict[str, Any]:
         """i2v: the pipeline takes no height or width; it sizes the video from the image (`output_size`)."""
         inputs = super().pipeline_inputs(prompt, bucket, steps, seed, image, **kwargs)
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             del inputs["height"], inputs["width"]
         return inputs
 
@@ -236,7 +234,7 @@ class HunyuanVideo15Spec(ModelSpec):
 
     @property
     def image_conditions(self) -> ImageConditions | None:
-        return ImageConditions(self._validation_image_embeds) if self.config.task == "i2v" else None
+        return ImageConditions(self._validation_image_embeds) if self.frame_conditions else None
 
     @torch.no_grad()
     def _validation_image_embeds(self, encoders, image) -> dict[str, Tensor]:

@@ -153,12 +153,12 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         """The pipeline's transformer call for one prompt, once per sample with its own text rows (docs/families.md)."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         weight = None
-        if self.config.task == "i2v":  # the first latent frame: the clean image latents, weight 0 in the loss
-            noisy = torch.cat([image_latents(batch).to(noisy), noisy[:, :, 1:]], dim=2)
+        if self.frame_conditions:  # the first latent frame: the clean image latents, weight 0 in the loss
+            noisy = torch.cat([image_latents(batch, self.frame_conditions).to(noisy), noisy[:, :, 1:]], dim=2)
             weight = noisy.new_ones(noisy.shape[0], 1, noisy.shape[2], 1, 1)
             weight[:, :, 0] = 0.0
         dtype, g, device = input_dtype(transformer), self.geometry, x0.device
-        hidden = channel_last(transformer, noisy, 0 if self.config.task == "i2v" else None).to(dtype)
+        hidden = channel_last(transformer, noisy, 0 if self.frame_conditions else None).to(dtype)
         _, frames, height, width, _ = hidden.shape
         shared = dict(  # as the pipeline: RoPE positions, its resolution rule, its sparse attention
             visual_rope_pos=[torch.arange(n, device=device) for n in (frames, height // g.patch, width // g.patch)],
@@ -205,14 +205,14 @@ class Kandinsky5Spec(PooledTextAndFirstFrame, ModelSpec):
         """i2v: the VAE in the transformer's dtype, in which Kandinsky5I2VPipeline hands it the image."""
         pipeline = super().build_pipeline(transformer, *args, **kwargs)
         vae = getattr(pipeline, "vae", None)
-        if self.config.task == "i2v" and vae is not None and vae.dtype != pipeline.transformer.dtype:
+        if self.frame_conditions and vae is not None and vae.dtype != pipeline.transformer.dtype:
             vae.to(pipeline.transformer.dtype)
         return pipeline
 
     def pipeline_inputs(self, prompt: str, bucket: Bucket, *args, **kwargs) -> dict[str, Any]:
         """Warns (once per bucket) where i2v's first-frame normalisation has no later frames to read (NaN video)."""
         latent_frames = self.latent_shape(bucket)[1]
-        if self.config.task == "i2v" and latent_frames <= I2V_NORMALISED_FRAMES and bucket.name not in _WARNED:
+        if self.frame_conditions and latent_frames <= I2V_NORMALISED_FRAMES and bucket.name not in _WARNED:
             _WARNED.add(bucket.name)
             log.warning(
                 "%s i2v validation at %s: Kandinsky5I2VPipeline normalises the first %d latent frames "

@@ -8,11 +8,11 @@ from torch import Tensor
 
 from vt.shared.caption_table import mask_rows
 from vt.shared.errors import UserError
+from vt.shared.models.frame_conditions import FrameConditions
 
 
-def image_latents(batch: dict[str, Tensor]) -> Tensor:
-    if "image_latents" not in batch:
-        raise KeyError("task i2v needs batch['image_latents']; precompute the shards with model.task = \"i2v\"")
+def image_latents(batch: dict[str, Tensor], conditions: FrameConditions) -> Tensor:
+    conditions.require(batch, "image_latents")
     return batch["image_latents"]
 
 

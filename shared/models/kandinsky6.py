@@ -83,7 +83,7 @@ class Kandinsky6Spec(PooledTextAndFirstFrame, ModelSpec):
                 f"the Kandinsky 6 transformer takes {transformer.get('in_visual_dim')} latent channels, "
                 f"the VAE makes {vae['latent_channels']}: check model.components"
             )
-        if self.config.task == "i2v" and not transformer.get("visual_token_type_num_embeddings"):
+        if self.frame_conditions and not transformer.get("visual_token_type_num_embeddings"):
             raise UserError(
                 f'model.task = "i2v" needs a Kandinsky 6 transformer with image conditioning (token '
                 f"types for the appended image frame); the one at {self.source('transformer')[0]!r} has "
@@ -144,8 +144,8 @@ class Kandinsky6Spec(PooledTextAndFirstFrame, ModelSpec):
         """The pipeline's transformer call, i2v's image a clean tail frame, the text cut to the longest caption."""
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         dtype, device = input_dtype(transformer), x0.device
-        i2v, frames = self.config.task == "i2v", x0.shape[2]
-        video = torch.cat([noisy, image_latents(batch).to(noisy)], dim=2) if i2v else noisy
+        i2v, frames = bool(self.frame_conditions), x0.shape[2]
+        video = torch.cat([noisy, image_latents(batch, self.frame_conditions).to(noisy)], dim=2) if i2v else noisy
         hidden = channel_last(transformer, video, -1 if i2v else None).to(dtype)
         rows = max(caption_lengths(batch["prompt_attention_mask"]))
         kwargs = dict(

@@ -84,7 +84,7 @@ class LTX2Spec(LTXVideoSpec):
         """i2v takes the clip's first latent frame as the pipeline's image latent: that needs a causal encoder (the
         first frame encoded alone) and scaling factor 1 (the pipeline normalises the image without it)."""
         geometry = super()._geometry_from_config()
-        vae = self._vae_without_weights().config if self.config.task == "i2v" else None
+        vae = self._vae_without_weights().config if self.frame_conditions else None
         if vae and (not vae.encoder_causal or vae.scaling_factor != 1.0):
             raise UserError(
                 f'model.task = "i2v" on ltx-2 needs a causal video VAE encoder with scaling_factor 1 '
@@ -152,7 +152,7 @@ class LTX2Spec(LTXVideoSpec):
         dtype = input_dtype(transformer)
         timestep = (sigmas * NUM_TRAIN_TIMESTEPS).to(x0.device)  # float32, as the pipeline passes it
         video_timestep, weight = timestep, None
-        if self.config.task == "i2v":  # the image latent, clean, as the pipeline's prepare_latents puts it there
+        if self.frame_conditions:  # the image latent, clean, as the pipeline's prepare_latents puts it there
             noisy = torch.cat([x0[:, :, :1], noisy[:, :, 1:]], dim=2)
             video_timestep = self.token_timesteps(timestep, grid)
             weight = torch.ones(1, 1, grid[0], 1, 1, device=x0.device)

@@ -53,21 +53,21 @@ class LTXVideoSpec(ModelSpec):
         """i2v adds the first frame's latents, encoded alone as the i2v pipeline encodes its image."""
         self._check_video(video)
         out = {"latents": self._encode(encoders["vae"], video)}
-        if self.config.task == "i2v":
-            out["first_frame_latents"] = self._encode(encoders["vae"], video[:, :, :1])
+        if self.frame_conditions:
+            out["first_frame_latents"] = self._encode(encoders["vae"], self.frame_conditions.first(video))
         return out
 
     def condition_shapes(self, bucket) -> dict[str, tuple[int, ...]]:
         shapes = super().condition_shapes(bucket)
-        if self.config.task == "i2v":
-            shapes["first_frame_latents"] = (shapes["latents"][0], 1, *shapes["latents"][2:])
+        if self.frame_conditions:
+            shapes["first_frame_latents"] = self.frame_conditions.frame_shape(shapes["latents"])
         return shapes
 
     @staticmethod
     def _encode(vae, video: Tensor) -> Tensor:
         from diffusers import LTXPipeline
 
-        latents = ModelSpec._vae_mode(vae, video)
+        latents = ModelSpec.vae_mode(vae, video)
         return LTXPipeline._normalize_latents(
             latents, vae.latents_mean, vae.latents_std, vae.config.scaling_factor
         ).float()
@@ -87,7 +87,7 @@ class LTXVideoSpec(ModelSpec):
         g = self.geometry
         grid = (x0.shape[2], x0.shape[3] // g.patch, x0.shape[4] // g.patch)
         timestep, weight = sigmas, None
-        if self.config.task == "i2v":
+        if self.frame_conditions:
             x0, frame_sigmas, weight = self._condition_first_frame(batch, x0, sigmas, generators)
             noisy = flow_match_noisy(x0, noise, frame_sigmas[:, None, :, None, None])
             timestep = frame_sigmas[:, :, None].expand(-1, -1, grid[1] * grid[2]).flatten(1)  # per token, frame-major
@@ -109,10 +109,7 @@ class LTXVideoSpec(ModelSpec):
 
     def _condition_first_frame(self, batch, x0, sigmas, generators):
         """Frame 0: the conditioning latent, at sigma 0 or up to model.first_frame_noise (never above the sample's)."""
-        if "first_frame_latents" not in batch:
-            raise KeyError(
-                "task i2v needs batch['first_frame_latents']; precompute the shards with model.task = \"i2v\""
-            )
+        self.frame_conditions.require(batch, "first_frame_latents")
         x0 = torch.cat([batch["first_frame_latents"].to(x0), x0[:, :, 1:]], dim=2)
         frame_sigmas = sigmas[:, None].repeat(1, x0.shape[2])
         frame_sigmas[:, 0] = 0

@@ -85,7 +85,7 @@ class MochiSpec(ModelSpec):
         """{"latents": (posterior mode - latents_mean) / latents_std * scaling_factor}, float32."""
         self._check_video(video)
         vae = encoders["vae"]
-        latents = self._vae_mode(vae, video).float()
+        latents = self.vae_mode(vae, video).float()
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1).to(latents)
         std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1).to(latents)
         return {"latents": ((latents - mean) / std * vae.config.scaling_factor).float()}

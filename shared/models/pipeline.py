@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
+from vt.shared.models.frame_conditions import image_arguments
 from vt.shared.models.roles import ImageConditions, TextWithImage
 from vt.shared.video_io import Sound
 
@@ -50,30 +51,6 @@ def _check_control(control, bucket: Bucket) -> np.ndarray:
             f"{frames.dtype} {frames.shape}"
         )
     return frames
-
-
-# Image call arguments of conditioning tasks: (tasks that take it, its name in errors, the frame it is, the
-# config key giving it, its name when refused, the task to set instead, what it is for).
-IMAGE_ARGUMENTS = {
-    "image": (
-        ("i2v", "flf2v"),
-        "an image",
-        "first frame",
-        "validation.images",
-        "image",
-        "i2v",
-        "first-frame conditioning",
-    ),
-    "last_image": (
-        ("flf2v",),
-        "a last_image",
-        "last frame",
-        "validation.last_images",
-        "last image",
-        "flf2v",
-        "first-and-last-frame conditioning",
-    ),
-}
 
 
 def _shown(value) -> str:
@@ -245,20 +222,8 @@ class PipelineMixin:
             generator=torch.Generator("cpu").manual_seed(seed),
             **self.inference_settings(),
         )
-        task = self.config.task
-        for name, value in (("image", image), ("last_image", last_image)):
-            tasks, noun, frame, key, shown, wanted, purpose = IMAGE_ARGUMENTS[name]
-            if task in tasks:
-                if value is None:
-                    raise UserError(
-                        f"{self.family} {task} generation needs {noun} (PIL or (H, W, 3) uint8) for the "
-                        f"{frame}; set {key}, one per validation prompt"
-                    )
-                kwargs[name] = to_pil_image(value)
-            elif value is not None:
-                raise UserError(
-                    f'{self.family} with task {task!r} takes no {shown}; use model.task = "{wanted}" for {purpose}'
-                )
+        images = image_arguments(self.config, self.family, image, last_image)
+        kwargs.update({name: to_pil_image(value) for name, value in images.items()})
         if self.control_video:
             if control is None:
                 raise UserError(

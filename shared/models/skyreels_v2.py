@@ -15,6 +15,7 @@ from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
 from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_match_noisy
+from vt.shared.models.frame_conditions import task_of
 from vt.shared.models.plans import ContextParallelPlan
 from vt.shared.models.roles import PerFrameNoise
 from vt.shared.models.spec import VaeGeometry
@@ -58,7 +59,7 @@ class SkyReelsV2Spec(WanSpec):
         return {} if self.forcing else WanSpec.task_components
 
     def pipeline_class(self) -> type:
-        return load_class((DF_PIPELINES if self.forcing else self.pipelines)[self.config.task])
+        return load_class((DF_PIPELINES if self.forcing else self.pipelines)[task_of(self.config)])
 
     @cached_property
     def causal_block(self) -> int:
@@ -128,7 +129,7 @@ class SkyReelsV2Spec(WanSpec):
         x0 = batch["latents"].float()
         noise = noise.to(x0)
         per_frame = self.frame_sigmas(sigmas.to(x0), x0.shape[2])
-        i2v = self.config.task == "i2v"
+        i2v = bool(self.frame_conditions)
         if i2v:  # the clean image latent at timestep 0, left out of the loss
             per_frame[:, 0] = 0
         noisy = flow_match_noisy(x0, noise, per_frame[:, None, :, None, None])

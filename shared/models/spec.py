@@ -24,6 +24,7 @@ from vt.shared.errors import UserError
 from vt.shared.models.components import ComponentLoader, load_class
 from vt.shared.models.experts import ExpertsMixin
 from vt.shared.models.flow import Prediction
+from vt.shared.models.frame_conditions import FrameConditions, task_of
 from vt.shared.models.lora import LoraMixin
 from vt.shared.models.pipeline import PipelineMixin
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
@@ -72,13 +73,15 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose
         transformer or pipeline depends on it (LTX-Video's rotary scale) train and sample at it."""
-        if config.task not in self.tasks:
+        if task_of(config) not in self.tasks:
             raise UserError(
-                f"model.task = {config.task!r} is not supported for family {self.family!r} yet; "
+                f"model.task = {task_of(config)!r} is not supported for family {self.family!r} yet; "
                 f"supported: {list(self.tasks)}. Set model.task to one of them, or pick a family that has it "
                 "(docs/families.md)"
             )
         self.config = config
+        # The clip's frames the task conditions on (i2v: the first, flf2v: first and last); None for t2v.
+        self.frame_conditions = FrameConditions.of(config)
         unknown = sorted(set(config.components) - set(self.component_names()))
         if unknown:
             raise UserError(
@@ -88,11 +91,12 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         if not frame_rate > 0:
             raise UserError(f"buckets.fps must be > 0, got {frame_rate}")
         self.check_expert()
-        if config.first_frame_noise > 0 and not (self.noisy_first_frame and config.task == "i2v"):
+        first_only = self.frame_conditions and not self.frame_conditions.last
+        if config.first_frame_noise > 0 and not (self.noisy_first_frame and first_only):
             raise UserError(
                 f"model.first_frame_noise = {config.first_frame_noise} does nothing for {self.family!r} "
-                f"task {config.task!r}: "
-                + ("it conditions on a clean first frame" if config.task == "i2v" else "it is an i2v setting")
+                f"task {task_of(config)!r}: "
+                + ("it conditions on a clean first frame" if first_only else "it is an i2v setting")
                 + "; remove it"
             )
         if config.diffusion_forcing and not self.per_frame_noise:
@@ -123,19 +127,19 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     # ----------------------------------------------------------------------------- components
     def component_classes(self) -> dict[str, type]:
         """name -> class of every component this config's task has (`components` and `task_components`)."""
-        declared = {**self.components, **self.task_components.get(self.config.task, {})}
+        declared = {**self.components, **self.task_components.get(task_of(self.config), {})}
         return {name: load_class(path) for name, path in declared.items()}
 
     def pipeline_class(self) -> type:
         """The diffusers pipeline for this config's task (validation, LoRA format)."""
-        return load_class(self.pipelines[self.config.task])
+        return load_class(self.pipelines[task_of(self.config)])
 
     @property
     def stage1_components(self) -> tuple[str, ...]:
         """`stage1_base`, then the image encoders and processors this task adds (`task_components`)."""
         added = [
             name
-            for name in self.task_components.get(self.config.task, {})
+            for name in self.task_components.get(task_of(self.config), {})
             if name not in self.stage1_base and not name.startswith("transformer")
         ]
         if self.config.audio:
@@ -157,6 +161,11 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     def geometry(self) -> VaeGeometry:
         return self._geometry_from_config()
 
+    @property
+    def vae_tiles(self) -> bool:
+        """Whether the family's VAE can encode and decode in tiles (`enable_tiling`), from its class alone."""
+        return hasattr(self.class_of("vae"), "enable_tiling")
+
     def _vae_without_weights(self):
         """The VAE class built from its config on the meta device: for ratios the class computes itself."""
         from accelerate import init_empty_weights
@@ -170,10 +179,10 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
                 f"bucket {bucket.name}: {self.family} cannot take one-frame buckets (still images); "
                 "remove 1xHxW sizes from buckets.sizes"
             )
-        if bucket.frames == 1 and self.config.task in ("i2v", "flf2v"):
-            frames = "first and last frames" if self.config.task == "flf2v" else "first frame"
+        if bucket.frames == 1 and self.frame_conditions:
             raise UserError(
-                f"bucket {bucket.name}: {self.config.task} conditions on the {frames}, so a one-frame "
+                f"bucket {bucket.name}: {self.frame_conditions.name} conditions on the "
+                f"{self.frame_conditions.described}, so a one-frame "
                 "bucket leaves nothing to learn; remove 1xHxW sizes from buckets.sizes or use "
                 'model.task = "t2v"'
             )
@@ -245,7 +254,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         """
         self._check_video(video)
         vae = encoders["vae"]
-        return {"latents": (self._vae_mode(vae, video) * vae.config.scaling_factor).float()}
+        return {"latents": (self.vae_mode(vae, video) * vae.config.scaling_factor).float()}
 
     def _check_video(self, video: Tensor) -> None:
         if video.ndim != 5 or video.shape[1] != 3:
@@ -253,7 +262,7 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
         self.check_bucket(Bucket(*video.shape[2:]))
 
     @staticmethod
-    def _vae_mode(vae, video: Tensor) -> Tensor:
+    def vae_mode(vae, video: Tensor) -> Tensor:
         """The VAE posterior's mode for `video` (stage 1 is deterministic), in the VAE's dtype."""
         return vae.encode(video.to(vae.device, vae.dtype)).latent_dist.mode()
 

@@ -80,12 +80,12 @@ class WanSpec(ModelSpec):
     @property
     def condition_frames(self) -> bool:
         """Whether the transformer takes [mask, encoded condition frames] beside the noisy latents (i2v, flf2v)."""
-        return self.config.task in IMAGE_TASKS
+        return self.frame_conditions
 
     @property
     def image_tokens(self) -> bool:
         """Whether this run feeds CLIP image embeddings (Wan 2.1 i2v, flf2v) beside the encoded frames."""
-        return self.config.task in IMAGE_TASKS and self.clip_image_conditioning
+        return self.frame_conditions and self.clip_image_conditioning
 
     @property
     def default_lora_targets(self) -> list[str]:  # type: ignore[override]
@@ -111,31 +111,31 @@ class WanSpec(ModelSpec):
         """The transformer is the task's: Wan 2.1 I2V, FLF2V, Wan 2.2 I2V or t2v (each refuses the others')."""
         where = self.source("transformer")[0]
         found = {key: transformer.get(key) for key in ("in_channels", "image_dim", "added_kv_proj_dim")}
-        task, positions = self.config.task, transformer.get("pos_embed_seq_len")
+        frames, positions = self.frame_conditions, transformer.get("pos_embed_seq_len")
         conditioned = 2 * g.channels + g.temporal  # latents, condition mask, condition latents
-        if task == "i2v" and not self.clip_image_conditioning:
+        if frames and not frames.last and not self.clip_image_conditioning:
             if found["in_channels"] != conditioned or found["image_dim"]:
                 raise UserError(
                     f'model.task = "i2v" on {self.family} needs a Wan 2.2 image-to-video transformer '
                     f"(in_channels {conditioned}, no image_dim, e.g. Wan-AI/Wan2.2-I2V-A14B-Diffusers); "
                     f"the one at {where!r} has {found}"
                 )
-        elif task in IMAGE_TASKS:
+        elif frames:
             if found["in_channels"] != conditioned or not found["image_dim"] or not found["added_kv_proj_dim"]:
-                example = "FLF2V-14B-720P-diffusers" if task == "flf2v" else "I2V-14B-480P-Diffusers"
+                example = "FLF2V-14B-720P-diffusers" if frames.last else "I2V-14B-480P-Diffusers"
                 raise UserError(
-                    f'model.task = "{task}" needs a Wan 2.1 image-to-video transformer (in_channels '
+                    f'model.task = "{frames.name}" needs a Wan 2.1 image-to-video transformer (in_channels '
                     f"{conditioned}, image_dim and added_kv_proj_dim set, e.g. Wan-AI/Wan2.1-{example}); "
                     f"the one at {where!r} has {found}"
                 )
-            if task == "flf2v" and positions != (wanted := 2 * self.image_embeds_shape()[0]):
+            if frames.last and positions != (wanted := 2 * self.image_embeds_shape()[0]):
                 raise UserError(
                     f'model.task = "flf2v" needs a Wan 2.1 first-and-last-frame transformer '
                     f"(pos_embed_seq_len {wanted}: both images' {wanted // 2} CLIP tokens, e.g. "
                     f"Wan-AI/Wan2.1-FLF2V-14B-720P-diffusers); the one at {where!r} has pos_embed_seq_len "
                     f"{positions}"
                 )
-            if task == "i2v" and positions:
+            if not frames.last and positions:
                 raise UserError(
                     f"the transformer at {where!r} is a first-and-last-frame one (pos_embed_seq_len "
                     f'{positions}): set model.task = "flf2v"'
@@ -160,7 +160,7 @@ class WanSpec(ModelSpec):
     def encode_video(self, encoders, video: Tensor) -> dict[str, Tensor]:
         """Normalised latents of the posterior mode; i2v, flf2v add `encode_condition_frames`."""
         self._check_video(video)
-        out = {"latents": _normalised(encoders["vae"], self._vae_mode(encoders["vae"], video))}
+        out = {"latents": _normalised(encoders["vae"], self.vae_mode(encoders["vae"], video))}
         if self.condition_frames:
             out.update(self.encode_condition_frames(encoders, video))
         return out
@@ -170,10 +170,10 @@ class WanSpec(ModelSpec):
         """WanImageToVideoPipeline's conditions of the first (flf2v: and last) frame: `condition_latents` as
         `prepare_latents`; with image tokens `image_embeds` (B, N, D), flf2v (B, 2, N, D) as [first, last]."""
         vae = encoders["vae"]
-        frames = [video[:, :, :1], video[:, :, -1:]] if self.config.task == "flf2v" else [video[:, :, :1]]
+        frames = self.frame_conditions.frames(video)
         zeros = video.new_zeros(*video.shape[:2], video.shape[2] - len(frames), *video.shape[3:])
         condition = torch.cat([frames[0], zeros, *frames[1:]], dim=2)
-        latents = {"condition_latents": _normalised(vae, self._vae_mode(vae, condition).float())}
+        latents = {"condition_latents": _normalised(vae, self.vae_mode(vae, condition).float())}
         if not self.image_tokens:
             return latents
         # The frames as the uint8 images they were decoded from, sample by sample: first, (last,) of sample 0 ...
@@ -198,7 +198,7 @@ class WanSpec(ModelSpec):
         if self.condition_frames:
             shapes["condition_latents"] = shapes["latents"]
         if self.image_tokens:
-            shapes["image_embeds"] = ((2,) if self.config.task == "flf2v" else ()) + self.image_embeds_shape()
+            shapes["image_embeds"] = ((2,) if self.frame_conditions.last else ()) + self.image_embeds_shape()
         return shapes
 
     @property
@@ -225,7 +225,7 @@ class WanSpec(ModelSpec):
         (the first pixel frame, T copies), flf2v also on the last slot of the last latent frame, else 0."""
         mask = latents.new_zeros(latents.shape[0], self.geometry.temporal, *latents.shape[2:])
         mask[:, :, 0] = 1
-        if self.config.task == "flf2v":
+        if self.frame_conditions.last:
             mask[:, -1, -1] = 1
         return mask
 
@@ -239,14 +239,12 @@ class WanSpec(ModelSpec):
     ) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
         image = {}
-        task = self.config.task
         if self.condition_frames:  # [noisy, mask, condition] and the image tokens, as the pipeline
             needed = ("condition_latents", "image_embeds") if self.image_tokens else ("condition_latents",)
-            if any(name not in batch for name in needed):
-                raise KeyError(f'task {task} needs batch{[*needed]}; precompute the shards with model.task = "{task}"')
+            self.frame_conditions.require(batch, *needed)
             noisy = torch.cat([noisy, self.condition_mask(x0), batch["condition_latents"].to(x0)], dim=1)
             if self.image_tokens:  # flf2v: (B, 2, N, D) -> [first, last] of each sample, (2B, N, D), as the pipeline
-                embeds = batch["image_embeds"].flatten(0, 1) if task == "flf2v" else batch["image_embeds"]
+                embeds = batch["image_embeds"].flatten(0, 1) if self.frame_conditions.last else batch["image_embeds"]
                 image["encoder_hidden_states_image"] = embeds.to(x0.device, input_dtype(transformer))
         return self._predict(transformer, batch, x0, noise, noisy, sigmas * NUM_TRAIN_TIMESTEPS, **image)
 

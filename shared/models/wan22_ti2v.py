@@ -45,7 +45,7 @@ class Wan22TI2VSpec(WanSpec):
         generators: list[torch.Generator] | None = None,
     ) -> Prediction:
         x0, noise, sigmas, noisy = flow_inputs(batch, sigmas, noise)
-        i2v = self.config.task == "i2v"
+        i2v = bool(self.frame_conditions)
         batch_size, _, frames, height, width = x0.shape
         patch = self.geometry.patch
         # The pipeline's timestep per token (B, F * H/p * W/p), frame-major: 0 on a clean first frame's tokens.

@@ -99,7 +99,7 @@ class WanVACESpec(WanSpec):
         inv_std = 1.0 / torch.tensor(vae.config.latents_std, device=vae.device, dtype=torch.float32).view(shape)
 
         def normalised(pixels: Tensor) -> Tensor:
-            return ((self._vae_mode(vae, pixels).float() - mean) * inv_std).to(vae.dtype)
+            return ((self.vae_mode(vae, pixels).float() - mean) * inv_std).to(vae.dtype)
 
         inactive = normalised(torch.zeros_like(video[:1])).expand(video.shape[0], -1, -1, -1, -1)
         return torch.cat([inactive, normalised(video)], dim=1).float()

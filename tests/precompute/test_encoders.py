@@ -62,7 +62,7 @@ def test_auto_tiles_the_buckets_whose_untiled_encode_would_not_fit(tiny_model_fa
     assert tiled_buckets(spec, encoders, [small, large], cpu, True) == {"5x64x64", "5x320x320"}
     from vt.shared.vae_tiling import pass_peak
 
-    needs = pass_peak(spec.empty_component("vae", torch.float32), "encode", (1, 3, 5, 320, 320), run=spec._vae_mode)
+    needs = pass_peak(spec.empty_component("vae", torch.float32), "encode", (1, 3, 5, 320, 320), run=spec.vae_mode)
     monkeypatch.setattr(module, "free_device_memory", lambda device: needs - 1)  # a GPU just too small for it
     assert tiled_buckets(spec, encoders, [small, large], cpu, "auto") == {"5x320x320"}
     video = torch.rand(3, 5, 320, 320, generator=torch.Generator().manual_seed(0)) * 2 - 1

@@ -87,8 +87,28 @@ def _v_target(spec, x0, noise, sigmas):  # DDPM v-prediction at t = floor(1000 s
     return spec.load_scheduler().get_velocity(x0, noise, (sigmas * 1000).floor().long().clamp(max=999))
 
 
-# What each family's tiny preset must show; a new family adds its entry (comfy_key None: the family
-# writes no ComfyUI file; target: the training target, rectified flow unless given).
+ATTN_MODULES = r"(to_q|to_k|to_v|to_out\.0)"
+_LTX = rf"transformer_blocks\.\d+\.((attn1|attn2)\.{ATTN_MODULES}|ff\.net\.(0\.proj|2))"  # LTX-2: the video stream only
+_WAN = rf"blocks\.\d+\.((attn1|attn2)\.{ATTN_MODULES}|attn2\.(add_k_proj|add_v_proj)|ffn\.net\.(0\.proj|2))"
+
+
+def _double(attn: str) -> str:
+    """A double-stream block's attention (both streams) and FFNs."""
+    return (
+        rf"transformer_blocks\.\d+\.({attn}\.({ATTN_MODULES}|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
+        r"|ff(_context)?\.net\.(0\.proj|2))"
+    )
+
+
+# The one tester table: what each registered family's tiny preset must show, one entry per family, which every
+# per-family table of the tests derives from (tests/shared/test_models.py fails on a family without one). Keys:
+# comfy_key (None: the family writes no ComfyUI file); target: the training target, rectified flow unless given;
+# frames_step / frames_rule ("{step}k+1" unless given) / side: the bucket rule of the tiny preset and of the real
+# model alike (tests/shared/test_config.py); comfy_classes: task -> the ComfyUI model class its checkpoints load
+# as (tests/shared/test_comfy_keys.py: Wan FLF2V is WAN21's i2v blocks, read off img_emb.emb_pos; LTX-2 i2v the
+# same LTXAV transformer; Kandinsky 5 model_base.Kandinsky5, Kandinsky 6 one class for t2v and i2v; SkyReels V2 is
+# Wan 2.1's module layout, WAN21; Wan VACE WAN21_Vace; MiniMax H3 tests/comfy_reference.py MINIMAX_H3);
+# wide_lora: attention and FFN of every block, a regular expression matched whole.
 EXPECTED = {
     "ltx-video": dict(
         frames_step=8,
@@ -100,6 +120,8 @@ EXPECTED = {
         text_padding=_has_padding_mask,
         denormalize=_ltx_denormalize,
         comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
+        comfy_classes={"t2v": "LTXV"},
+        wide_lora=_LTX,
     ),
     "wan": dict(
         frames_step=4,
@@ -111,6 +133,8 @@ EXPECTED = {
         text_padding=_zero_past_caption,
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+        comfy_classes={"t2v": "WAN21", "i2v": "WAN21", "flf2v": "WAN21"},
+        wide_lora=_WAN,
     ),
     "wan2.2": dict(
         frames_step=4,
@@ -122,6 +146,8 @@ EXPECTED = {
         text_padding=_zero_past_caption,
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+        comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
+        wide_lora=_WAN,
     ),
     # Wan 2.2 TI2V-5B: the 48-channel VAE folds 2 x 2 pixels first (x16 space), so sides are multiples of 32.
     "wan2.2-ti2v": dict(
@@ -134,6 +160,8 @@ EXPECTED = {
         text_padding=_zero_past_caption,
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+        comfy_classes={"t2v": "WAN22"},
+        wide_lora=_WAN,
     ),
     "cogvideox": dict(
         frames_step=4,
@@ -160,6 +188,8 @@ EXPECTED = {
         denormalize=_hunyuan_denormalize,
         comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
         lora_targets=r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
+        comfy_classes={"t2v": "HunyuanVideo", "i2v": "HunyuanVideo"},
+        wide_lora=_double("attn") + r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
     ),
     # x16 VAE, patch 1; the pipeline encodes 1000 text tokens and takes no length argument (it is an attribute).
     "hunyuan-video-1.5": dict(
@@ -173,6 +203,8 @@ EXPECTED = {
         denormalize=_hunyuan_denormalize,
         comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
         text_length_in_call=False,
+        comfy_classes={"t2v": "HunyuanVideo15", "i2v": "HunyuanVideo15"},
+        wide_lora=_double("attn"),
     ),
     # Video stream only (the audio branch is not trained); the connectors' mask marks every row.
     "ltx-2": dict(
@@ -185,6 +217,8 @@ EXPECTED = {
         text_padding=_ltx2_connector_text,
         denormalize=_ltx2_denormalize,
         comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
+        comfy_classes={"t2v": "LTXAV", "i2v": "LTXAV"},
+        wide_lora=_LTX,
     ),
     # Frames 6k+1 (bucket); nothing in diffusers reads a non-diffusers Mochi LoRA (comfy_in_diffusers):
     # tests/shared/test_mochi.py checks its ComfyUI file through diffusers' single-file converter.
@@ -201,6 +235,8 @@ EXPECTED = {
         comfy_key="diffusion_model.blocks.0.attn.qkv_x.lora_A.weight",
         comfy_in_diffusers=False,
         bucket=Bucket(7, 64, 96),
+        comfy_classes={"t2v": "GenmoMochi"},
+        wide_lora=_double("attn1"),
     ),
     # Text blocks run before the visual ones (video_block: the first block fed the video tokens); the
     # output projection is `out_layer.out_layer`; each caption's rows are masked, zeros after them.
@@ -216,6 +252,9 @@ EXPECTED = {
         comfy_key="diffusion_model.visual_transformer_blocks.0.self_attention.to_query.lora_A.weight",
         video_block=1,
         output_layer="out_layer.out_layer",
+        comfy_classes={"t2v": "Kandinsky5"},
+        wide_lora=r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
+        r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
     ),
     # Kandinsky 5's encoders and VAE with MMAudio's sound stream: a text block per stream, then the fused blocks
     # (the video tokens first reach blocks()[2]); the padded text and its mask, 1024 rows by default. Without
@@ -235,6 +274,10 @@ EXPECTED = {
         video_block=2,
         output_layer="out_layer.out_layer",
         unread_blocks=("audio_text_transformer_blocks.0",),
+        comfy_classes={"t2v": "Kandinsky6"},
+        wide_lora=r"(video_text_transformer_blocks\.\d+\.attn|visual_transformer_blocks\.\d+\.video_dec_block\."
+        r"(self|cross)_attention)\.(to_query|to_key|to_value|out_layer)|(video_text_transformer_blocks\.\d+"
+        r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
     ),
     # Wan 2.1's encoders and layout on SkyReelsV2Transformer3DModel (t2v; diffusion forcing: test_skyreels_v2.py).
     "skyreels-v2": dict(
@@ -247,6 +290,8 @@ EXPECTED = {
         text_padding=_zero_past_caption,
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+        comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
+        wide_lora=_WAN,
     ),
     # Wan 2.1 t2v plus two VACE blocks (blocks: 2 VACE + 2 main) fed each sample's control video (test
     # inputs pass one: `with_control`, `control_frames`); the LoRA sits on the VACE blocks, and diffusers'
@@ -263,6 +308,8 @@ EXPECTED = {
         blocks=4,
         comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight",
         comfy_in_diffusers=False,
+        comfy_classes={"t2v": "WAN21_Vace"},
+        wide_lora=rf"(vace_)?{_WAN}|vace_blocks\.\d+\.(proj_in|proj_out)",
     ),
     # One packed sequence [text | audio | video] per sample (text rows reach the blocks: `other_rows`); frames 17k+5,
     # pixels ImageNet-normalised over [0, 1] (`pixels`); the pipeline predicts x0 - noise (t = 1 - sigma) and
@@ -283,6 +330,9 @@ EXPECTED = {
         bucket=Bucket(5, 64, 96),
         generated_frames=124,
         other_rows=lambda batch: int(batch["prompt_attention_mask"][0].sum()),
+        comfy_classes={"t2v": "MiniMaxH3"},
+        wide_lora=r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
+        r"|ff\.net\.(0\.proj|2))",
     ),
 }
 

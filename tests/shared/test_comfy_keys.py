@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import comfy_reference as ref
 import pytest
 import torch
+from family_cases import ATTN_MODULES, EXPECTED
 from lora_init import randomise_lora
 
 from vt.shared.config import ModelConfig
@@ -28,68 +29,11 @@ from vt.shared.models import build_spec
 # 33-channel latent_concat model loads as model_base.HunyuanVideoI2V, a HunyuanVideo subclass (line 1068)
 # whose LoRA keys come from the same `isinstance(model, HunyuanVideo)` branch.
 CASES = {
-    ("ltx-video", "t2v"): "LTXV",
-    ("wan", "t2v"): "WAN21",
-    ("wan", "i2v"): "WAN21",
-    # FLF2V: model_detection reads flf_pos_embed_token_number off img_emb.emb_pos; the same WAN21 i2v blocks.
-    ("wan", "flf2v"): "WAN21",
-    ("wan2.2", "t2v"): "WAN21",
-    ("wan2.2", "i2v"): "WAN21",
-    ("wan2.2-ti2v", "t2v"): "WAN22",
-    ("hunyuan-video", "t2v"): "HunyuanVideo",
-    ("hunyuan-video", "i2v"): "HunyuanVideo",
-    ("hunyuan-video-1.5", "t2v"): "HunyuanVideo15",
-    ("hunyuan-video-1.5", "i2v"): "HunyuanVideo15",
-    ("ltx-2", "t2v"): "LTXAV",
-    ("ltx-2", "i2v"): "LTXAV",  # the same transformer; ComfyUI conditions on the image in its own nodes
-    ("mochi", "t2v"): "GenmoMochi",
-    ("kandinsky5", "t2v"): "Kandinsky5",  # supported_models.py Kandinsky5 -> model_base.Kandinsky5
-    ("kandinsky6", "t2v"): "Kandinsky6",  # one checkpoint for t2v and i2v (the image is an appended frame)
-    # SkyReels V2's checkpoints are Wan 2.1's module layout (model_detection: image_model "wan2.1", i2v when
-    # the checkpoint has img_emb): WAN21_T2V / WAN21_I2V; DF-1.3B's extra fps_embedding is outside the blocks.
-    ("skyreels-v2", "t2v"): "WAN21",
-    ("skyreels-v2", "i2v"): "WAN21",
-    # Wan 2.1 VACE: supported_models.py WAN21_Vace (a `vace_patch_embedding` in the checkpoint) -> WAN21_Vace.
-    ("wan-vace", "t2v"): "WAN21_Vace",
-    # MiniMax H3: comfy/model_base.py MiniMaxH3 (tests/comfy_reference.py MINIMAX_H3), one class for every workflow.
-    ("minimax-h3", "t2v"): "MiniMaxH3",
+    (family, task): cls for family, case in EXPECTED.items() for task, cls in case.get("comfy_classes", {}).items()
 }
-
-_ATTN = r"(to_q|to_k|to_v|to_out\.0)"
-_LTX = rf"transformer_blocks\.\d+\.((attn1|attn2)\.{_ATTN}|ff\.net\.(0\.proj|2))"  # LTX-2: the video stream only
-_WAN = rf"blocks\.\d+\.((attn1|attn2)\.{_ATTN}|attn2\.(add_k_proj|add_v_proj)|ffn\.net\.(0\.proj|2))"
-
-
-def _double(attn: str) -> str:
-    """A double-stream block's attention (both streams) and FFNs."""
-    return (
-        rf"transformer_blocks\.\d+\.({attn}\.({_ATTN}|add_q_proj|add_k_proj|add_v_proj|to_add_out)"
-        r"|ff(_context)?\.net\.(0\.proj|2))"
-    )
-
-
 # Attention and FFN of every block (regular expressions, matched whole): more of each key table.
-WIDE = {
-    "ltx-video": _LTX,
-    "ltx-2": _LTX,
-    "wan": _WAN,
-    "wan2.2": _WAN,
-    "wan2.2-ti2v": _WAN,
-    "skyreels-v2": _WAN,
-    # The VACE blocks' attention, FFN and their input/output projections, and the main blocks'.
-    "wan-vace": rf"(vace_)?{_WAN}|vace_blocks\.\d+\.(proj_in|proj_out)",
-    "hunyuan-video": _double("attn") + r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
-    "hunyuan-video-1.5": _double("attn"),
-    "mochi": _double("attn1"),
-    "minimax-h3": r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
-    r"|ff\.net\.(0\.proj|2))",
-    "kandinsky5": r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
-    r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
-    # The video stream's text and fused blocks (a video-only run: the audio stream is out of LoRA).
-    "kandinsky6": r"(video_text_transformer_blocks\.\d+\.attn|visual_transformer_blocks\.\d+\.video_dec_block\."
-    r"(self|cross)_attention)\.(to_query|to_key|to_value|out_layer)|(video_text_transformer_blocks\.\d+"
-    r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
-}
+WIDE = {family: case["wide_lora"] for family, case in EXPECTED.items() if "wide_lora" in case}
+_ATTN = ATTN_MODULES
 
 # ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's
 # forward splits them: comfy/ldm/flux/layers.py DoubleStreamBlock (lines 212-223: qkv.view(..., 3, heads,

@@ -2,6 +2,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from family_cases import EXPECTED
 
 from vt.shared.config import Config, ConfigError, TrainConfig, build, load_config, parse_override, to_toml
 
@@ -152,24 +153,11 @@ def test_shipped_configs_are_valid_and_their_buckets_fit_the_family(path):
     config = load_config(path)
     assert build(Config, tomllib.loads(to_toml(config)), "") == config
     assert get_spec_class(config.model.family).family == config.model.family
-    # (frames = k * step + first, sides a multiple of): each family's real VAE compression x patch (MiniMax H3:
-    # 17-frame VAE chunks, 17k+5 frames).
-    step, first, side = {
-        "ltx-video": (8, 1, 32),
-        "wan": (4, 1, 16),
-        "wan2.2": (4, 1, 16),
-        "wan2.2-ti2v": (4, 1, 32),
-        "cogvideox": (4, 1, 16),
-        "hunyuan-video": (4, 1, 16),
-        "hunyuan-video-1.5": (4, 1, 16),
-        "mochi": (6, 1, 16),
-        "ltx-2": (8, 1, 32),
-        "skyreels-v2": (4, 1, 16),
-        "wan-vace": (4, 1, 16),
-        "kandinsky5": (4, 1, 16),
-        "kandinsky6": (4, 1, 16),
-        "minimax-h3": (17, 5, 32),
-    }[config.model.family]
+    # (frames = k * step + first, sides a multiple of): each family's real VAE compression x patch, the tiny
+    # preset's (family_cases.EXPECTED; MiniMax H3: 17-frame VAE chunks, 17k+5 frames).
+    case = EXPECTED[config.model.family]
+    step, side = case["frames_step"], case["side"]
+    first = int(case.get("frames_rule", f"{step}k+1").rsplit("+", 1)[1])
     for bucket in parse_buckets(config.buckets.sizes):
         assert bucket.frames % step == first % step and bucket.height % side == 0 and bucket.width % side == 0
 

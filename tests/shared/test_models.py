@@ -32,6 +32,16 @@ FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
 
 
 # ----------------------------------------------------------------------------- registry and loading
+def test_every_registered_family_has_one_tester_entry():
+    """family_cases.EXPECTED is the one per-family table the tests derive theirs from: a new family adds its entry,
+    and an entry whose family writes a ComfyUI file names the ComfyUI class it loads as (test_comfy_keys.py)."""
+    assert set(EXPECTED) - set(FAMILIES) == set(), "entries of no registered family"
+    assert set(FAMILIES) - set(EXPECTED) == set(), "registered families without a tester entry in family_cases.py"
+    for family, case in EXPECTED.items():
+        assert ("comfy_classes" in case) == (case["comfy_key"] is not None), family
+        assert set(case.get("comfy_classes", {})) <= set(get_spec_class(family).tasks), family
+
+
 def test_registry_names_families_and_rejects_unknown():
     assert {"ltx-video", "wan"} <= set(FAMILIES) and set(FAMILIES) == set(EXPECTED)
     assert all(get_spec_class(family).family == family for family in FAMILIES)
