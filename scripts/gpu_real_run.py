@@ -38,12 +38,13 @@ RUNS = {
     "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
     "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
 }
-# rows on one GPU under a memory cap: (GiB, the parts' settings docs/memory.md names for that card, a name for them)
+# rows on one GPU under a memory cap: (GiB, the parts' settings docs/memory.md names for that card, a name for the run
+# folder beside the cap's where the settings are not the card's usual ones)
 CAPPED = {
     "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": (
         24,
         {"block_swap": {"blocks_on_gpu": 10}, "activation_offload": {"enabled": True}},
-        "swap10-offload",
+        "",
     ),
     "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": (
         24,
@@ -267,7 +268,7 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     row = {"case": label, "group": "run", "gpus": gpus}
     slug = key.replace(".", "_")
     folder = model_folder(key, work / f"{slug}-{'tiny' if dry else 'real'}", dry, device)
-    slug += f"-cap{cap_gib}-{settings}" if cap_gib else ""
+    slug += (f"-cap{cap_gib}" + (f"-{settings}" if settings else "")) if cap_gib else ""
     run_dir, window = work / f"{slug}-run", work / f"{slug}-window"
     shutil.rmtree(run_dir, ignore_errors=True)
     shutil.rmtree(window, ignore_errors=True)

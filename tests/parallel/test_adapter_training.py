@@ -36,7 +36,7 @@ def test_each_adapter_kind_trains_and_exports_its_kind_and_dora_shards_like_one_
     runs = {}
     for kind in ("dora", "loha", "lokr"):
         log = tmp_path / f"{kind}.log"
-        finish(single(run_config(tmp_path, FAMILY, kind, adapter=kind), log=log), log)
+        finish(single(run_config(tmp_path, FAMILY, kind, adapter={"kind": kind}), log=log), log)
         runs[kind] = tmp_path / kind
     for kind, run_dir in runs.items():
         tensors, metadata, files = exported(run_dir)
@@ -62,7 +62,7 @@ def test_each_adapter_kind_trains_and_exports_its_kind_and_dora_shards_like_one_
     ), first
 
     # DoRA's magnitudes start at the base rows' norms on each shard: FSDP2 trains what one process trains.
-    config = run_config(tmp_path, FAMILY, "fsdp", adapter="dora")
+    config = run_config(tmp_path, FAMILY, "fsdp", adapter={"kind": "dora"})
     finish(torchrun(config, 2, "parallel.dp_shard=-1", log=tmp_path / "fsdp.log"), tmp_path / "fsdp.log")
     assert_same_training(tmp_path / "fsdp", runs["dora"])
 

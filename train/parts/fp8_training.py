@@ -26,6 +26,7 @@ class FP8TrainingPart(Part):
             )
 
     def check_machine(self, device: torch.device) -> None:
+        self.check(None, 1)  # the mode first: its refusal holds on any machine
         why = fp8_training_support(device)
         if why is not None:
             raise UserError(f'fp8_training.recipe = {self.settings.recipe!r}: {why}. Set fp8_training.recipe = "none"')
