@@ -226,6 +226,7 @@ class Trainer:
         self.reader.load_state_dict(state["data"])
         self.shards.load_state_dict(state.get("shards", {}))  # a checkpoint of an older vt has none
         self.data_state = state["data"]
+        self.parts.after_resume(self.step)
         log.info("resumed from %s at step %d (%s)", path, self.step, self.world.dims.describe())
         return True
 

@@ -153,6 +153,10 @@ class Parts:
         state = {key: value for part in self.all for key, value in part.resume_state(path).items()}
         return state or None
 
+    def after_resume(self, step: int) -> None:
+        for part in self.all:
+            part.after_resume(step)
+
     def step_metrics(self, model, step: int) -> dict:
         return {key: value for part in self.all for key, value in part.step_metrics(model, step).items()}
 

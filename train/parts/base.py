@@ -12,7 +12,7 @@ the order of `vt.train.parts.PARTS`; neither branches on an option. Every hook i
   forward, `forward_context()` around each forward, `after_backward()`, `after_optimizer_step()`,
   `batch_sizes(sizes, spec, buckets)` for the samples per bucket, `scheduler(optimizer, max_steps)`;
 - the weights outside the step: `weights_for(purpose)` ("validation", "held_out") and `exports()`;
-- checkpoints: `checkpoint_state()` to save, `resume_state(path)` to load into;
+- checkpoints: `checkpoint_state()` to save, `resume_state(path)` to load into, `after_resume(step)`;
 - metrics: `step_metrics(model, step)` after each optimizer step, `final_metrics(model, step)` at the end;
 - memory: `model_memory(memory)` for each transformer the plan builds, `run_memory(plan)` once its trace is in.
 """
@@ -151,6 +151,9 @@ class Part:
 
     def resume_state(self, path) -> dict:
         return {}
+
+    def after_resume(self, step: int) -> None:
+        """The checkpoint of optimizer step `step` is loaded."""
 
     def step_metrics(self, model: torch.nn.Module, step: int) -> dict:
         return {}
