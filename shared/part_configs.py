@@ -74,9 +74,12 @@ class ValidationConfig(Section):
 
 class LRScheduleConfig(Section):
     """The learning rate over optimizer steps (train/parts/lr_schedule.py): a linear warm-up over `warmup_steps`,
-    then constant."""
+    then constant, or decaying to `min_ratio` x train.lr at the run's last step (train.max_steps) linearly or along
+    a cosine."""
 
     warmup_steps: int = Field(0, ge=0)
+    decay: Literal["constant", "linear", "cosine"] = "constant"
+    min_ratio: float = Field(0.0, ge=0, le=1)
 
 
 class TokenBudgetConfig(Section):
