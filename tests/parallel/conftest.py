@@ -25,6 +25,8 @@ FPS = {"minimax-h3-audio": 24.0}
 TEXT_TOKENS = 64
 # LTX-Video trains fully, Wan with LoRA; a low clip threshold makes clipping act on every Wan step,
 # so parity also covers the global gradient norm.
+# HunyuanVideo 1.5's LoRA targets on both streams' attention and FFNs.
+BOTH_STREAMS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.0.proj", "ff_context.net.2"]
 FAMILY_TRAIN = {
     # A full fine-tune with an average of its weights (train/ema.py): every layout's EMA export is compared too.
     "ltx-video": {"mode": "full", "ema": {"decay": 0.5}},
@@ -48,34 +50,12 @@ FAMILY_TRAIN = {
     # LoRA on both streams' attention and FFNs, so tensor parallel splits adapters of every kind it splits.
     "hunyuan-video-1.5": {
         "mode": "lora",
-        "adapter": {
-            "targets": [
-                "to_q",
-                "to_k",
-                "to_v",
-                "to_out.0",
-                "add_q_proj",
-                "to_add_out",
-                "ff.net.0.proj",
-                "ff_context.net.2",
-            ]
-        },
+        "adapter": {"targets": BOTH_STREAMS},
     },
     # HunyuanVideo 1.5 I2V: the same targets, with the first frame's SigLIP tokens in the joint attention.
     "hunyuan-video-1.5-i2v": {
         "mode": "lora",
-        "adapter": {
-            "targets": [
-                "to_q",
-                "to_k",
-                "to_v",
-                "to_out.0",
-                "add_q_proj",
-                "to_add_out",
-                "ff.net.0.proj",
-                "ff_context.net.2",
-            ]
-        },
+        "adapter": {"targets": BOTH_STREAMS},
     },
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},

@@ -26,25 +26,6 @@ WATCHED = tuple(
 READS = ("item", "tolist", "cpu", "__float__", "__bool__")
 
 
-@pytest.fixture(scope="module")
-def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
-    """A precomputed 'keep' window the runs below re-read (precompute once, train many times)."""
-    from vt.precompute.service import Precompute
-
-    root = tmp_path_factory.mktemp("reads")
-    config = write_config(
-        root / "pre.toml",
-        tiny_model_factory("ltx-video"),
-        raw_shards,
-        root / "pre",
-        str(root / "window"),
-        window={"size": "keep"},
-        precompute={"workers": 0},
-    )
-    Precompute(load_config(config)).run()
-    return root / "window"
-
-
 def trainer_for(tmp_path, tiny_model_factory, raw_shards, window, **train):
     from vt.train.trainer import Trainer
 

@@ -24,24 +24,6 @@ def test_the_factor_warms_up_then_decays_to_the_floor():
     assert lr_factor(99, 0, "cosine", 10, 0.2) == pytest.approx(0.2)  # past the end: the floor
 
 
-@pytest.fixture(scope="module")
-def window(tmp_path_factory, tiny_model_factory, raw_shards):
-    from vt.precompute.service import Precompute
-
-    root = tmp_path_factory.mktemp("lr")
-    config = write_config(
-        root / "pre.toml",
-        tiny_model_factory("ltx-video"),
-        raw_shards,
-        root / "pre",
-        str(root / "window"),
-        window={"size": "keep"},
-        precompute={"workers": 0},
-    )
-    Precompute(load_config(config)).run()
-    return root / "window"
-
-
 def run(tmp_path, tiny_model_factory, raw_shards, window, name: str, max_steps: int, **schedule) -> list[float]:
     from vt.train.trainer import Trainer
 
@@ -61,14 +43,14 @@ def run(tmp_path, tiny_model_factory, raw_shards, window, name: str, max_steps: 
     ]
 
 
-def test_a_run_applies_the_curve_and_a_resume_continues_it(tmp_path, tiny_model_factory, raw_shards, window):
+def test_a_run_applies_the_curve_and_a_resume_continues_it(tmp_path, tiny_model_factory, raw_shards, kept_window):
     schedule = {"warmup_steps": 1, "decay": "cosine", "min_ratio": 0.1}
-    whole = run(tmp_path, tiny_model_factory, raw_shards, window, "whole", 5, **schedule)
+    whole = run(tmp_path, tiny_model_factory, raw_shards, kept_window, "whole", 5, **schedule)
     assert whole == pytest.approx([1e-3 * lr_factor(s, 1, "cosine", 5, 0.1) for s in range(5)])
     assert whole[0] == pytest.approx(1e-3) and whole[-1] < whole[1]
     # Two steps, then the same config for five: the resumed run starts from step 2's checkpoint, on the same curve.
-    first = run(tmp_path, tiny_model_factory, raw_shards, window, "first", 2, **schedule)
+    first = run(tmp_path, tiny_model_factory, raw_shards, kept_window, "first", 2, **schedule)
     with pytest.raises(UserError, match="lr_schedule.decay = 'cosine' decays to the run's last step"):
-        run(tmp_path, tiny_model_factory, raw_shards, window, "open", 0, **schedule)
-    resumed = run(tmp_path, tiny_model_factory, raw_shards, window, "resumed", 5, **schedule)
+        run(tmp_path, tiny_model_factory, raw_shards, kept_window, "open", 0, **schedule)
+    resumed = run(tmp_path, tiny_model_factory, raw_shards, kept_window, "resumed", 5, **schedule)
     assert first == pytest.approx(whole[:2]) and resumed == pytest.approx(whole)

@@ -5,27 +5,7 @@ from __future__ import annotations
 import pytest
 from cli_runs import finish, start, write_config
 
-from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
-
-
-@pytest.fixture(scope="module")
-def kept_window(tmp_path_factory, tiny_model_factory, raw_shards):
-    """A precomputed 'keep' window, shared by the runs below (precompute once, train many times)."""
-    from vt.precompute.service import Precompute
-
-    root = tmp_path_factory.mktemp("kept")
-    config = write_config(
-        root / "pre.toml",
-        tiny_model_factory("ltx-video"),
-        raw_shards,
-        root / "pre",
-        str(root / "window"),
-        window={"size": "keep"},
-        precompute={"workers": 0},
-    )
-    Precompute(load_config(config)).run()
-    return root / "window"
 
 
 def losses(run_dir) -> dict[int, float]:
