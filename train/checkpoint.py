@@ -70,7 +70,7 @@ class Checkpointer:
         trainer_state: dict,
         extra: dict[str, dict] | None = None,
     ) -> Path:
-        """`extra`: more state dicts of tensors to keep beside the weights (`ema`: train/ema.py), sharded alike."""
+        """`extra`: more state dicts of tensors to keep beside the weights (`ema`: train/parts/ema.py), sharded alike."""
         path = self.folder / f"step-{step:06d}"
         if _is_main() and path.exists():
             shutil.rmtree(path)  # an incomplete save of this step from a crashed run

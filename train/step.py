@@ -1,5 +1,5 @@
-"""One step's loss path: draws, caption dropout, the forward and the loss, shared by the trainer's step, the held-out
-loss (train/eval_loss.py) and the benchmark (which times `Trainer.train_step`, this path inside it).
+"""One step's loss path: draws, the forward and the loss, shared by the trainer's step, the held-out
+loss (train/parts/held_out.py) and the benchmark (which times `Trainer.train_step`, this path inside it).
 
 - `draws(part, step)`: the sigmas, noise and the spec's own generators for a data-parallel slice, each from its
   sample's key, the step and `train.seed` (parallel/batching.py), so every layout and every resume draws alike; with

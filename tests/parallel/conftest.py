@@ -28,7 +28,7 @@ TEXT_TOKENS = 64
 # HunyuanVideo 1.5's LoRA targets on both streams' attention and FFNs.
 BOTH_STREAMS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "to_add_out", "ff.net.0.proj", "ff_context.net.2"]
 FAMILY_TRAIN = {
-    # A full fine-tune with an average of its weights (train/ema.py): every layout's EMA export is compared too.
+    # A full fine-tune with an average of its weights (train/parts/ema.py): every layout's EMA export is compared too.
     "ltx-video": {"mode": "full", "ema": {"decay": 0.5}},
     "wan": {"mode": "lora", "max_grad_norm": 0.05},
     # Both experts in one run (VARIANTS); uniform sigmas shifted by 5 land on both sides of the 0.875 boundary.

@@ -1,4 +1,4 @@
-"""The held-out loss (train/eval_loss.py): the same number in one process, DDP(2), FSDP2(2) and over two pipeline
+"""The held-out loss (train/parts/held_out.py): the same number in one process, DDP(2), FSDP2(2) and over two pipeline
 stages, and after a kill and a resume, for the same weights.
 
 The real sample clips' raw shards split in two: the last one is `data.eval`, which vt-precompute encodes into the

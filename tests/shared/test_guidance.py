@@ -1,4 +1,4 @@
-"""Guidance-augmented targets (`guidance.scale`, train/guidance.py): the base's prediction is the transformer
+"""Guidance-augmented targets (`guidance.scale`, train/parts/guidance.py): the base's prediction is the transformer
 without its adapters on the empty caption, the adapters are back on afterwards, each target (video and audio) becomes
 u + w (target - u), w = 1 leaves it exactly as it was, and the config refuses what has no frozen base."""
 

@@ -1,4 +1,4 @@
-"""The average of the trained weights (train/ema.py): its arithmetic, and that it is what the model computes with
+"""The average of the trained weights (train/parts/ema.py): its arithmetic, and that it is what the model computes with
 inside `swapped_in` and nothing after. Layout parity and resume at another world size: the ltx-video rows of
 tests/parallel (FAMILY_TRAIN sets ema.decay there; assert_same_training compares <run.dir>/ema/)."""
 
