@@ -67,7 +67,7 @@ def test_each_adapter_kind_trains_and_exports_its_kind_and_dora_shards_like_one_
     assert_same_training(tmp_path / "fsdp", runs["dora"])
 
     # Tensor parallel splits only LoRA's factors: another kind is refused with the setting named.
-    config = run_config(tmp_path, FAMILY, "tp", adapter="loha", max_steps=1)
+    config = run_config(tmp_path, FAMILY, "tp", adapter={"kind": "loha"}, max_steps=1)
     proc = torchrun(config, 2, "parallel.dp_shard=1", "parallel.tp=2", log=tmp_path / "tp.log")
     assert proc.wait(timeout=300) != 0
     assert "adapter.kind = 'loha' with parallel.tp = 2" in (tmp_path / "tp.log").read_text()
