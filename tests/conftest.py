@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+
+from helpers.polling import wait_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

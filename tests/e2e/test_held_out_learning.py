@@ -9,10 +9,11 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from browser import render
-from cli_runs import finish, start, write_config
 
 from vt.train.trackers import read_metrics
+
+from helpers.browser import render
+from helpers.cli_runs import finish, start, write_config
 
 pytestmark = pytest.mark.slow
 

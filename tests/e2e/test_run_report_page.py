@@ -12,8 +12,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browser import render
-from cli_runs import BIN, write_config
+
+from helpers.browser import render
+from helpers.cli_runs import BIN, write_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,11 +14,12 @@ import json
 
 import pytest
 import torch
-from cli_runs import raw_keys
-from dist_runs import assert_same_training, finish, torchrun, trained_weights
-from slice_audit import check_slices, check_uneven_last_step
 
 from vt.train.parallel.dims import ParallelDims
+
+from helpers.cli_runs import raw_keys
+from helpers.dist_runs import assert_same_training, finish, torchrun, trained_weights
+from helpers.slice_audit import check_slices, check_uneven_last_step
 
 LAYOUTS = {
     "ddp-2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),

@@ -1,4 +1,4 @@
-"""vt's ComfyUI LoRA file against ComfyUI's own loading (tests/comfy_reference.py, re-implemented from
+"""vt's ComfyUI LoRA file against ComfyUI's own loading (tests/helpers/comfy_reference.py, re-implemented from
 comfyanonymous/ComfyUI@3cd7b32f; MiniMax H3 from Comfy-Org/ComfyUI, ref.MINIMAX_H3): on each family's tiny preset,
 every key of lora_comfyui.safetensors is one ComfyUI's key map takes (none "lora key not loaded"), each LoRA makes a
 weight of the size of the ComfyUI model's module, a fused module's LoRA stacks the parts in the order ComfyUI's
@@ -12,13 +12,14 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
-import comfy_reference as ref
 import pytest
 import torch
-from lora_init import randomise_lora
 
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
+
+from helpers import comfy_reference as ref
+from helpers.lora_init import randomise_lora
 
 # (family, task) -> the ComfyUI model class (comfy/model_base.py) its checkpoints load as:
 # comfy/supported_models.py WAN21_T2V / WAN21_I2V (Wan 2.1, Wan 2.2 A14B) build model_base.WAN21,
@@ -51,7 +52,8 @@ CASES = {
     ("skyreels-v2", "i2v"): "WAN21",
     # Wan 2.1 VACE: supported_models.py WAN21_Vace (a `vace_patch_embedding` in the checkpoint) -> WAN21_Vace.
     ("wan-vace", "t2v"): "WAN21_Vace",
-    # MiniMax H3: comfy/model_base.py MiniMaxH3 (tests/comfy_reference.py MINIMAX_H3), one class for every workflow.
+    # MiniMax H3: comfy/model_base.py MiniMaxH3 (tests/helpers/comfy_reference.py MINIMAX_H3), one class for every
+    # workflow.
     ("minimax-h3", "t2v"): "MiniMaxH3",
 }
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from cli_runs import finish, start, write_config
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import finish, start, write_config
 
 
 @pytest.fixture(scope="module")

@@ -20,9 +20,9 @@ from base64 import b64decode
 from contextlib import ExitStack
 from pathlib import Path
 
-from polling import wait_for
+from helpers.polling import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FLAGS = [
     "--headless=new",
     "--no-sandbox",
