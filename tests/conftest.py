@@ -58,6 +58,16 @@ def tiny_model_factory(tmp_path_factory):
     return build
 
 
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the session's pages (tests/helpers/browser.py), each page in a tab of its own."""
+    from helpers.browser import Chromium
+
+    chromium = Chromium()
+    yield chromium
+    chromium.close()
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--update-reference-numbers",

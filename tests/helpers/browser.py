@@ -1,9 +1,10 @@
 """A real headless Chromium for tests, driven over the DevTools protocol (websockets), that can never hang.
 
-`render(page, script, screenshot)` opens a local HTML file with every host name unresolvable, records
-every request the page makes, evaluates `script` (an async JavaScript expression) once the page has
-loaded, saves a screenshot and returns (the script's value, the requests). Chromium runs in a new
-process group with stdin closed and is killed in a `finally`; every wait has a deadline.
+`Chromium().render(page, script, screenshot)` opens a local HTML file in a new tab with every host name
+unresolvable, records every request the page makes, evaluates `script` (an async JavaScript expression) once
+the page has loaded, saves a screenshot and returns (the script's value, the requests). One Chromium serves
+a test session (the `browser` fixture of tests/conftest.py); it runs in a new process group with stdin
+closed and is killed when the session ends; every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -107,48 +108,74 @@ def _wait_for_port(profile: Path, proc: subprocess.Popen, timeout: float) -> int
     return int(wait_for(ready, timeout=timeout, what="chromium's DevTools port").split()[0])
 
 
-def render(page: Path, script: str, screenshot: Path, timeout: float = 90.0) -> tuple[object, list[dict]]:
-    """Open `page` (a local file), evaluate `script` after load; returns (its value, requests seen)."""
-    binary = chromium()
-    deadline = time.monotonic() + timeout
-    profile = Path(tempfile.mkdtemp(prefix="vt-chromium-"))
-    log = open(profile.parent / f"{profile.name}.log", "wb")
-    proc = subprocess.Popen(
-        [binary, *FLAGS, f"--user-data-dir={profile}", "about:blank"],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    tools = None
-    try:
-        port = _wait_for_port(profile, proc, max(deadline - time.monotonic(), 1.0))
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as reply:
-            target = next(t for t in json.load(reply) if t["type"] == "page")
-        tools = DevTools(target["webSocketDebuggerUrl"], deadline)
-        tools.call("Network.enable")
-        tools.call("Page.enable")
-        tools.call("Page.navigate", url=page.resolve().as_uri())
-        tools.wait_event("Page.loadEventFired")
-        result = tools.call("Runtime.evaluate", expression=script, awaitPromise=True, returnByValue=True)
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"the page's check failed: {result['exceptionDetails']}")
-        shot = tools.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
-        screenshot.write_bytes(b64decode(shot["data"]))
-        requests = [
-            {"url": e["params"]["request"]["url"]}
-            for e in tools.events
-            if e.get("method") == "Network.requestWillBeSent"
-        ]
-        failed = [e["params"] for e in tools.events if e.get("method") == "Network.loadingFailed"]
-        return result["result"].get("value"), requests + [{"failed": f} for f in failed]
-    finally:
-        if tools is not None:
-            tools.close()
+class Chromium:
+    """One headless Chromium for many pages (the tests' session-scoped `browser` fixture): started once, each
+    `render` in a tab of its own (a new DevTools target, closed after it), so a page sees only its own requests.
+    Start and every page have their deadlines; `close` kills the browser's process group."""
+
+    def __init__(self, timeout: float = 90.0):
+        binary = chromium()
+        deadline = time.monotonic() + timeout
+        self.profile = Path(tempfile.mkdtemp(prefix="vt-chromium-"))
+        self.log = open(self.profile.parent / f"{self.profile.name}.log", "wb")
+        self.proc = subprocess.Popen(
+            [binary, *FLAGS, f"--user-data-dir={self.profile}", "about:blank"],
+            stdin=subprocess.DEVNULL,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            self.port = _wait_for_port(self.profile, self.proc, max(deadline - time.monotonic(), 1.0))
+        except BaseException:
+            self.close()
+            raise
+
+    def _endpoint(self, path: str, deadline: float, method: str = "GET") -> dict:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"chromium exited with {self.proc.returncode}; see {self.log.name}")
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", method=method)
+        with urllib.request.urlopen(request, timeout=max(min(10.0, deadline - time.monotonic()), 0.1)) as reply:
+            return json.load(reply)
+
+    def render(self, page: Path, script: str, screenshot: Path, timeout: float = 90.0) -> tuple[object, list[dict]]:
+        """Open `page` (a local file) in a new tab, evaluate `script` after load; returns (its value, requests
+        seen)."""
+        deadline = time.monotonic() + timeout
+        target = self._endpoint("/json/new?about:blank", deadline, method="PUT")
+        tools = None
+        try:
+            tools = DevTools(target["webSocketDebuggerUrl"], deadline)
+            tools.call("Network.enable")
+            tools.call("Page.enable")
+            tools.call("Page.navigate", url=page.resolve().as_uri())
+            tools.wait_event("Page.loadEventFired")
+            result = tools.call("Runtime.evaluate", expression=script, awaitPromise=True, returnByValue=True)
+            if "exceptionDetails" in result:
+                raise RuntimeError(f"the page's check failed: {result['exceptionDetails']}")
+            shot = tools.call("Page.captureScreenshot", format="png", captureBeyondViewport=True)
+            screenshot.write_bytes(b64decode(shot["data"]))
+            requests = [
+                {"url": e["params"]["request"]["url"]}
+                for e in tools.events
+                if e.get("method") == "Network.requestWillBeSent"
+            ]
+            failed = [e["params"] for e in tools.events if e.get("method") == "Network.loadingFailed"]
+            return result["result"].get("value"), requests + [{"failed": f} for f in failed]
+        finally:
+            if tools is not None:
+                tools.close()
+            try:  # the tab goes; a browser that no longer answers fails the next page, not this one's result
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/json/close/{target['id']}", timeout=10):
+                    pass
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        proc.wait(timeout=30)
-        log.close()
-        shutil.rmtree(profile, ignore_errors=True)
+        self.proc.wait(timeout=30)
+        self.log.close()
+        shutil.rmtree(self.profile, ignore_errors=True)
