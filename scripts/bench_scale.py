@@ -3,7 +3,7 @@
 The demo clips are precomputed once (the real `vt-precompute run`), then re-encoded into a window whose
 every global batch is full and divides by D (scripts/scale_window.py: 16 samples of the demo's most
 common bucket in 4 shards of 4, read at global batch 8: 2 optimizer steps). At each world size D the
-real `vt-train` runs under torchrun (gloo, DDP over D ranks) through tests/parallel/counting_worker.py,
+real `vt-train` runs under torchrun (gloo, DDP over D ranks) through tests/helpers/counting_worker.py,
 which counts every storage request per rank. Rows: the largest rank's bytes read of the shards per step,
 against one process's (ratio ~1/D), and the same less headers and caption tables against 1/D of the
 global batch's bytes (the shards' own numbers). Headers (one per shard a rank touches) and caption tables

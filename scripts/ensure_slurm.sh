@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Prints the folder holding the Slurm and MUNGE daemons (slurmctld, slurmd, munged), installing Debian's
-# `slurm-wlm` and `munge` packages when they are missing (tests/slurm_cluster.py runs a one-node Slurm on
+# `slurm-wlm` and `munge` packages when they are missing (tests/helpers/slurm_cluster.py runs a one-node Slurm on
 # 127.0.0.1 from them). Needs root, or sudo without a password, for apt-get; every step has a time limit,
 # so a test set-up calling this can never hang.
 #   usage: scripts/ensure_slurm.sh

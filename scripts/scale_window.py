@@ -2,7 +2,7 @@
 
 Shared by tests/parallel/test_rank_bytes.py (the acceptance test of issue 17's "bytes per rank <= 1/D")
 and scripts/bench_scale.py (`make bench`'s scaling rows). Both run vt-train's ranks through
-tests/parallel/counting_worker.py, which counts every storage request per rank.
+tests/helpers/counting_worker.py, which counts every storage request per rank.
 
 `regroup` re-encodes the committed samples of a finished window into a new kept window: `samples`
 samples (cycled if there are fewer, each copy under a new key) of one bucket in shards of
@@ -24,7 +24,7 @@ from pathlib import Path
 
 from vt.train.parallel.batching import slice_bounds
 
-COUNTING_WORKER = Path(__file__).resolve().parents[1] / "tests" / "parallel" / "counting_worker.py"
+COUNTING_WORKER = Path(__file__).resolve().parents[1] / "tests" / "helpers" / "counting_worker.py"
 
 
 def regroup(source: Path, dest: Path, samples: int = 16, per_shard: int = 4) -> list:

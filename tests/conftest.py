@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from polling import wait_for
+
+from helpers.polling import wait_for
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -55,6 +56,16 @@ def tiny_model_factory(tmp_path_factory):
         return built[family, task]
 
     return build
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the session's pages (tests/helpers/browser.py), each page in a tab of its own."""
+    from helpers.browser import Chromium
+
+    chromium = Chromium()
+    yield chromium
+    chromium.close()
 
 
 def pytest_addoption(parser):

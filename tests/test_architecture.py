@@ -116,12 +116,33 @@ def test_a_package_by_role_reads_no_private_name_across_its_modules(folder):
 
 
 def test_every_test_module_has_a_basename_of_its_own():
-    """tests/ has no __init__.py files, so pytest imports each test module by its basename: two files of one
-    name in different folders stop the collection of the second (the whole suite fails)."""
+    """tests/ has no __init__.py files outside tests/helpers, so pytest imports each test module by its basename: two
+    files of one name in different folders stop the collection of the second (the whole suite fails)."""
     names: dict[str, list[str]] = {}
     for path in python_files("tests"):
         names.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: paths for name, paths in names.items() if len(paths) > 1 and name != "conftest.py"}
+
+
+# Modules of tests/ outside the helpers package, each with its reason.
+HELPERS_ELSEWHERE = {
+    "tests/shared/family_cases.py": "the families' shared cases; moves to tests/helpers once its open edits landed",
+}
+
+
+def test_every_module_of_tests_but_a_test_or_a_conftest_lives_in_the_helpers_package():
+    """What tests share (helpers, worker scripts started by path) is found in one place, imported as
+    `helpers.<name>`: no test folder holds a module that another folder's tests import by its bare name."""
+    found = [
+        str(path.relative_to(ROOT))
+        for path in python_files("tests")
+        if not path.name.startswith("test_")
+        and path.name != "conftest.py"
+        and path.parent != ROOT / "tests" / "helpers"
+        and str(path.relative_to(ROOT)) not in HELPERS_ELSEWHERE
+    ]
+    assert not found, "modules of tests/ outside tests/helpers:\n" + "\n".join(found)
+    assert all((ROOT / path).is_file() for path in HELPERS_ELSEWHERE), "an allowed module is gone: drop its line"
 
 
 @pytest.mark.parametrize("family", FAMILIES)

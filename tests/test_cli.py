@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from cli_runs import run_bounded, write_config
+
+from helpers.cli_runs import run_bounded, write_config
 
 BIN = Path(sys.executable).parent
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.toml"

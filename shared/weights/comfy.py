@@ -21,7 +21,7 @@ one `img_attn_qkv`), a family lists `Fused` entries: the parts' rank-r LoRAs bec
 stacks each part's own B_part A_part in the fused output; a part without a LoRA gets zero rows.
 `diffusers_state_dict` reads such a file back (tables reversed, fused LoRAs split by `split_fused`).
 tests/shared/test_comfy_keys.py checks every family's file against ComfyUI's own key map and LoRA
-arithmetic (tests/comfy_reference.py, re-implemented from ComfyUI's source).
+arithmetic (tests/helpers/comfy_reference.py, re-implemented from ComfyUI's source).
 """
 
 from __future__ import annotations

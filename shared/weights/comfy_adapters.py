@@ -8,7 +8,7 @@ peft's factors under peft's own part names, which are ComfyUI's (comfy/weight_ad
 where a factor is split into _a/_b, and by 1 for two whole factors, whatever `.alpha` says. So no `.alpha` is
 written and peft's scale alpha / r is multiplied into the first factor (hada_w1_a, lokr_w1 or lokr_w1_a): every
 ComfyUI form then adds (w1_a w1_b) * (w2_a w2_b) or kron(w1, w2) times peft's scale, as peft does.
-tests/shared/test_adapters.py checks the files against ComfyUI's arithmetic (tests/comfy_reference.py).
+tests/shared/test_adapters.py checks the files against ComfyUI's arithmetic (tests/helpers/comfy_reference.py).
 
 Not written (the caller logs it; the diffusers file is the one to load):
 - DoRA: ComfyUI's `dora_scale` (comfy/weight_adapter/base.py `weight_decompose`) rescales each input column of

@@ -9,13 +9,14 @@ import shutil
 import statistics
 
 import pytest
-from cli_runs import finish, raw_keys, start, write_config
 
 from vt.precompute.sources import list_raw_shards
 from vt.shared.shards import decode_shard
 from vt.shared.video_io import read_sound, read_video
 from vt.shared.window import open_reader
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import finish, raw_keys, start, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import statistics
 
 import pytest
-from browser import render
-from cli_runs import finish, start, write_config
 
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import finish, start, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -53,13 +53,13 @@ def learned(tmp_path_factory, tiny_model_factory, clips_dir):
     return root / "run"
 
 
-def test_the_held_out_loss_falls_and_the_page_shows_it_beside_the_training_loss(learned, tmp_path):
+def test_the_held_out_loss_falls_and_the_page_shows_it_beside_the_training_loss(learned, tmp_path, browser):
     evaluations = [m["eval_loss"] for m in read_metrics(learned / "metrics.jsonl") if "eval_loss" in m]
     assert len(evaluations) >= 9, evaluations
     last_third = evaluations[-(len(evaluations) // 3) :]
     assert statistics.median(last_third) < 0.9 * evaluations[0], evaluations
     assert (learned / "eval" / "precompute_report.json").is_file()  # stage 1's report of the held-out data
-    seen, _ = render(learned / "report.html", CHECK, tmp_path / "report.png")
+    seen, _ = browser.render(learned / "report.html", CHECK, tmp_path / "report.png")
     by_title = {plot["title"]: plot for plot in seen}
     assert {"loss", "eval_loss"} <= set(by_title["loss"]["names"]), by_title["loss"]
     per_sigma = by_title["held-out loss per sigma (data.eval, fixed noise)"]

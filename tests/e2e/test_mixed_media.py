@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-from cli_runs import write_config
 
 from vt.precompute.pack import pack_folder
 from vt.precompute.service import Precompute
@@ -23,6 +22,8 @@ from vt.train.data import BatchReader
 from vt.train.parts.caption_dropout import dropped
 from vt.train.trackers import read_metrics
 from vt.train.trainer import Trainer
+
+from helpers.cli_runs import write_config
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,11 @@ import threading
 from collections import Counter
 
 import pytest
-from cli_runs import finish, raw_keys, start, write_config
 
 from vt.shared.storage import Storage
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import finish, raw_keys, start, write_config
 
 pytestmark = pytest.mark.slow
 

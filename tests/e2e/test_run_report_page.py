@@ -12,8 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from browser import render
-from cli_runs import BIN, write_config
+
+from helpers.cli_runs import BIN, write_config
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,12 +94,12 @@ CHECK = """(async () => {
 })()"""
 
 
-def test_report_renders_in_a_real_browser_with_plots_drawn_a_video_playing_and_no_network(demo, tmp_path):
+def test_report_renders_in_a_real_browser_with_plots_drawn_a_video_playing_and_no_network(demo, tmp_path, browser):
     run_dir, _ = demo
     page = run_dir / "report.html"
     assert page.is_file() and "cdn.plot.ly/plotly" not in page.read_text()[:5000]
     screenshot = tmp_path / "report.png"
-    seen, requests = render(page, CHECK, screenshot)
+    seen, requests = browser.render(page, CHECK, screenshot)
     print(f"report screenshot: {screenshot}")
     assert seen["plots"] >= 6 and seen["drawn"] == seen["plots"], seen
     assert {"loss", "learning rate", "samples/s"} <= set(seen["titles"]), seen["titles"]

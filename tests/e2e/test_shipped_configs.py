@@ -24,7 +24,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import finish, raw_keys, start
 
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import load_config
@@ -32,6 +31,9 @@ from vt.shared.models import build_spec, get_spec_class
 from vt.shared.models.lora import lora_weight_name
 from vt.shared.video_io import read_sound
 from vt.train.trackers import read_metrics
+
+from helpers import HELPERS
+from helpers.cli_runs import finish, raw_keys, start
 
 pytestmark = pytest.mark.slow
 
@@ -201,7 +203,7 @@ def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_fact
     laid out over the stages, validation prompts included), its transformer's forward run over the stages as
     validation runs it equals the same model's forward in one piece (1e-4 of its scale), and the stages' full-weight
     export is one process's file for file, byte for byte; or it is refused at start-up naming why."""
-    from forkserver import launch_ranks
+    from helpers.forkserver import launch_ranks
 
     jobs, transformers = [], {}
     for path in CONFIGS:
@@ -214,9 +216,7 @@ def test_shipped_configs_start_under_pipeline_parallel(tmp_path, tiny_model_fact
         jobs.append({"name": path.stem, "config": str(path), "sets": sets, "export": str(folder / "export")})
     (tmp_path / "jobs.json").write_text(json.dumps(jobs))
     log, out = tmp_path / "pp.log", tmp_path / "pp.json"
-    ranks = launch_ranks(
-        str(Path(__file__).parent / "pp_startup_worker.py"), 2, str(tmp_path / "jobs.json"), str(out), log=log
-    )
+    ranks = launch_ranks(str(HELPERS / "pp_startup_worker.py"), 2, str(tmp_path / "jobs.json"), str(out), log=log)
     finish(ranks, log, timeout=600)
     results = json.loads(out.read_text())
     assert set(results) == {p.stem for p in CONFIGS}

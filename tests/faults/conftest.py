@@ -5,7 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from s3_gate import Gate, RecordedMoto
+
+from helpers.s3_gate import Gate, RecordedMoto
 
 
 @pytest.fixture

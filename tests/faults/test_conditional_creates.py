@@ -1,7 +1,7 @@
 """Conditional creates (`If-None-Match: *`) as AWS answers them, and a store that ignores them.
 
 AWS answers a conditional create that races another for the same key with 409 ConditionalRequestConflict
-and documents a retry; moto never does, so the gate (s3_gate.py) answers the first conditional creates of
+and documents a retry; moto never does, so the gate (tests/helpers/s3_gate.py) answers the first conditional creates of
 lease keys so. Both producers taking lanes of one window at once retry and finish, every sample committed
 once. A store that ignores the condition would let two takers win one lane and overwrite commit records:
 the window's first write refuses it, naming the store.
@@ -15,13 +15,14 @@ import sys
 from collections import Counter
 
 import pytest
-from cli_runs import finish, raw_keys, run_bounded, start, write_config
 
 from vt.shared import lease
 from vt.shared.errors import UserError
 from vt.shared.shards import CommitRecord
 from vt.shared.storage import RetryPolicy, Storage
 from vt.shared.window import open_writer
+
+from helpers.cli_runs import finish, raw_keys, run_bounded, start, write_config
 
 FAST = RetryPolicy(attempts=8, base_seconds=0.02, max_seconds=0.2)
 

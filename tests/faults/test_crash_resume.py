@@ -27,12 +27,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import raw_keys, start, write_config
-from polling import wait_for
 
 from vt.shared.shards import CommitRecord
 from vt.shared.storage import RetryPolicy, Storage
 from vt.shared.window import ShardCorruptError, inspect, open_reader
+
+from helpers.cli_runs import raw_keys, start, write_config
+from helpers.polling import wait_for
 
 pytestmark = pytest.mark.slow
 

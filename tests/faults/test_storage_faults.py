@@ -1,6 +1,6 @@
 """Storage under a failing S3 store: transient failures are retried with backoff, answers never are.
 
-The store is a real moto server behind a socket-level gate (s3_gate.py) that refuses connections,
+The store is a real moto server behind a socket-level gate (tests/helpers/s3_gate.py) that refuses connections,
 answers 503 SlowDown, or applies a request and loses its reply, and a server that is killed and
 restarted with its objects while clients keep working.
 """
@@ -17,9 +17,10 @@ import time
 import boto3
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
-from polling import wait_for
 
 from vt.shared.storage import RetryPolicy, Storage, StorageUnavailable, is_transient
+
+from helpers.polling import wait_for
 
 FAST = RetryPolicy(attempts=8, base_seconds=0.02, max_seconds=0.2)
 

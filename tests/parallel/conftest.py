@@ -13,7 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dist_runs import finish, single
+
+from helpers.dist_runs import finish, single
 
 BUCKET = "9x64x64"
 # keys whose VAE takes other frame counts (Mochi: 6k+1, MiniMax H3: 17k+5)
@@ -129,11 +130,11 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
     """kept_window(family or variant key) -> (window folder, model folder), precomputed once per session; a
     family that trains on a control video reads the same samples with one each (`control_shards`), a run that
     trains sound (`model.audio`) with a sound track each (`sound_shards`)."""
-    from cli_runs import write_config
-
     from vt.precompute.service import Precompute
     from vt.shared.config import load_config
     from vt.shared.models import get_spec_class
+
+    from helpers.cli_runs import write_config
 
     built = {}
 
@@ -170,7 +171,7 @@ def kept_window(tmp_path_factory, tiny_model_factory, raw_shards, request):
 def run_config(kept_window, raw_shards):
     """run_config(folder, family, name, **settings) -> config path of a 4-sample-batch, one-epoch run; `settings` are
     train keys, or sections by name (validation={"prompts": [...]}) (cli_runs.sectioned)."""
-    from cli_runs import sectioned, write_config
+    from helpers.cli_runs import sectioned, write_config
 
     def make(folder: Path, family: str, name: str, **settings) -> Path:
         window, model = kept_window(family)

@@ -10,9 +10,10 @@ import json
 
 import pytest
 import torch
-from dist_runs import assert_same_training, finish, single, torchrun
 
 from vt.shared import adapters
+
+from helpers.dist_runs import assert_same_training, finish, single, torchrun
 
 FAMILY = "wan"
 

@@ -91,7 +91,8 @@ def test_noise_and_sigmas_do_not_depend_on_the_slicing():
 
 def test_the_device_mesh_matches_the_coordinates(tmp_path):
     import torch.multiprocessing as mp
-    from mesh_worker import check_mesh  # a light module: each spawned child imports it
+
+    from helpers.mesh_worker import check_mesh  # a light module: each spawned child imports it
 
     world = 4
     context = mp.get_context("spawn")

@@ -11,10 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from dist_runs import finish, kill_and_resume, single, torchrun
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
+
+from helpers.dist_runs import finish, kill_and_resume, single, torchrun
 
 SIGMAS = [0.2, 0.5, 0.8]
 KEYS = ["eval_loss", *(f"eval_loss/sigma_{s:g}" for s in SIGMAS)]
@@ -23,9 +24,9 @@ KEYS = ["eval_loss", *(f"eval_loss/sigma_{s:g}" for s in SIGMAS)]
 @pytest.fixture(scope="module")
 def held_out(tmp_path_factory, tiny_model_factory, raw_shards):
     """(config maker, model): a kept window of the training shards with the held-out shard under its eval/ prefix."""
-    from cli_runs import write_config
-
     from vt.precompute.service import run_stage1
+
+    from helpers.cli_runs import write_config
 
     root = tmp_path_factory.mktemp("held-out")
     tars = sorted(raw_shards.glob("*.tar"))

@@ -4,12 +4,12 @@ sharded module returns one (train/parallel/fsdp.py says which and why); here tha
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-from dist_runs import finish
-from forkserver import launch_ranks
+from helpers import HELPERS
+from helpers.dist_runs import finish
+from helpers.forkserver import launch_ranks
 
-WORKER = Path(__file__).with_name("view_worker.py")
+WORKER = HELPERS / "view_worker.py"
 
 
 def test_fsdp2_sharded_modules_return_no_views_at_two_ranks(tmp_path):

@@ -11,11 +11,12 @@ import subprocess
 
 import pytest
 import torch
-from dist_runs import BIN, assert_same_training, child_env, finish, free_port, single
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
 from vt.train.trainer import Trainer
+
+from helpers.dist_runs import BIN, assert_same_training, child_env, finish, free_port, single
 
 
 def losses(run_dir) -> list[float]:

@@ -3,7 +3,7 @@ model as the single-node runs: the launch the README documents for real clusters
 
 from __future__ import annotations
 
-from dist_runs import assert_same_training, finish, free_port, torchrun
+from helpers.dist_runs import assert_same_training, finish, free_port, torchrun
 
 
 def test_two_nodes_match_the_single_node_run(tmp_path, run_config, reference):

@@ -3,7 +3,7 @@ rank 1 gets rank 0's records without ever listing the window, hears "not yet" fo
 commits, hears rank 0's heartbeats while rank 0 waits for a shard, and stops with rank 0's WindowTimeout
 when the shard never comes.
 
-Run as a script, this file is one rank (tests/forkserver.py starts it with torchrun's environment).
+Run as a script, this file is one rank (tests/helpers/forkserver.py starts it with torchrun's environment).
 """
 
 from __future__ import annotations
@@ -52,10 +52,11 @@ def rank_main(window_uri: str, out: str) -> None:
 
 def test_rank_one_receives_the_order_and_rank_zeros_timeout(tmp_path):
     import torch
-    from forkserver import launch_ranks
 
     from vt.shared.shards import encode_shard
     from vt.shared.window import open_writer
+
+    from helpers.forkserver import launch_ranks
 
     window = open_writer(str(tmp_path / "window"), size="keep")
     window.register_producer(0, 1)

@@ -2,7 +2,7 @@
 lists the window and reads its commit records and registrations; the other ranks read only the data the
 broadcast records name, and the run trains what one process trains.
 
-The ranks run vt-train through counting_worker.py, which counts every storage request per rank (the
+The ranks run vt-train through tests/helpers/counting_worker.py, which counts every storage request per rank (the
 window is reached as counted://, a local folder whose backend counts). The run is the parity suite's
 LTX-Video run (13 samples in batches of 4: 4 optimizer steps, 7 shards of 2), compared with its one-process
 reference like a parity row; docs/scale.md quotes the numbers printed here.
@@ -11,12 +11,12 @@ reference like a parity row; docs/scale.md quotes the numbers printed here.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from dist_runs import assert_same_training, finish, torchrun
 
-HERE = Path(__file__).parent
+from helpers import HELPERS
+from helpers.dist_runs import assert_same_training, finish, torchrun
+
 FAMILY = "ltx-video"
 ORDER_FOLDERS = ("commits", "producers")  # what resolving the order reads (besides listing commits/)
 
@@ -35,7 +35,7 @@ def counted_run(tmp_path, run_config, kept_window, nproc: int, *overrides: str) 
             f"window.uri=counted://{window}",
             *overrides,
             log=log,
-            script=HERE / "counting_worker.py",
+            script=HELPERS / "counting_worker.py",
             env={"VT_STORAGE_COUNTS": str(counts)},
         ),
         log,

@@ -6,6 +6,24 @@ against a batch twice as large, over gloo, for every family in the layouts its a
 Every run here is real torchrun processes on the CPU; the reference is one plain `vt-train` process
 with the same global batch (4). Compared per step: the logged global loss and gradient norm (both
 all-reduced), and after the run the exported trainable weights (gathered from the shards).
+
+Each layout x feature is compared with one process at least once, here or in another file (no row repeats one):
+- DDP: kandinsky6-audio and minimax-h3-audio (several transformer calls before one backward), ltx-2-audio (a full
+  fine-tune of both streams: the reducer waits on every parameter), wan2.2-all through auto-2 (two reducers), Wan's
+  accumulation row; LTX-Video's full fine-tune: test_order_reader.py (2 and 8 ranks) and test_multinode.py.
+  SkyReels V2 DF and LTX-Video i2v run no DDP row: DDP wraps the model whole, their fsdp-2 rows split the same
+  per-sample draws over the same ranks.
+- FSDP2: each family's fsdp-2 row. LTX-Video's full fine-tune with its EMA: its accumulation row (the same 2-rank
+  FSDP2) and test_resume_reshard.py (4 ranks, then 2); Wan (LoRA, clipped): wan-i2v's row (the same blocks),
+  test_memory_speed.py's accelerate launch (2 ranks, CPU offload) and test_resume_reshard.py's LoRA resume, HSDP and
+  the 3-D row here; CogVideoX: cogvideox-i2v's row (the same transformer with 32 input channels).
+- HSDP with activation checkpointing, and FSDP2 x CP x TP: Wan.
+- TP: ltx-video (the one full fine-tune under TP outside pipeline parallel; LTX-Video's plan with LoRA in
+  test_tp_cp.py), cogvideox, hunyuan-video-1.5-i2v, wan-i2v, mochi, kandinsky5-i2v.
+- CP: ltx-video-i2v (LTX-Video's plan in a full fine-tune, the conditioning frame's per-token timesteps split too;
+  with LoRA in test_tp_cp.py), hunyuan-video, hunyuan-video-1.5-i2v, ltx-2-audio, wan-i2v, mochi, skyreels-v2-df,
+  kandinsky5-i2v, minimax-h3-audio.
+- dp_shard = "auto": wan2.2-all. Gradient accumulation: ltx-video (FSDP2) and wan (DDP).
 """
 
 from __future__ import annotations
@@ -14,11 +32,12 @@ import json
 
 import pytest
 import torch
-from cli_runs import raw_keys
-from dist_runs import assert_same_training, finish, torchrun, trained_weights
-from slice_audit import check_slices, check_uneven_last_step
 
 from vt.train.parallel.dims import ParallelDims
+
+from helpers.cli_runs import raw_keys
+from helpers.dist_runs import assert_same_training, finish, torchrun, trained_weights
+from helpers.slice_audit import check_slices, check_uneven_last_step
 
 LAYOUTS = {
     "ddp-2": (2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]),
@@ -46,15 +65,17 @@ AUTO_PICKS = {"auto-2": {"dp_replicate": "2", "dp_shard": "1"}}
 
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
 # family adds its line, FSDP2 at least. DDP wraps the model whole, so its rows add nothing per family
-# beyond the data-parallel split FSDP2's rows check: it runs on LTX-Video, both Wan 2.2 experts (two
-# reducers) and under Wan's gradient accumulation.
+# beyond the data-parallel split FSDP2's rows check: it runs where a family calls its transformer several
+# times before one backward or fully fine-tunes two streams, on both Wan 2.2 experts (two reducers) and under
+# Wan's gradient accumulation (the module docstring says which row covers what).
 FAMILY_LAYOUTS = {
-    # LTX-Video's own TP and CP plans (the HSDP and 3-D rows add nothing family-specific over wan's: the
-    # same plans under a bigger mesh).
-    "ltx-video": ["ddp-2", "fsdp-2", "tp-2", "cp-2"],
-    # Wan: HSDP, and the 3-D row composing its TP and CP plans with FSDP2. Its TP and CP plans alone run on
+    # LTX-Video's TP plan in a full fine-tune (its FSDP2 in the accumulation row, its CP plan on ltx-video-i2v, its
+    # DDP in test_order_reader.py; the HSDP and 3-D rows add nothing family-specific over wan's: the same plans
+    # under a bigger mesh).
+    "ltx-video": ["tp-2"],
+    # Wan: HSDP, and the 3-D row composing its TP and CP plans with FSDP2. Its FSDP2, TP and CP plans alone run on
     # wan-i2v (the same blocks with the image keys/values), DDP in its accumulation row.
-    "wan": ["fsdp-2", "hsdp-2x2", "fsdp-cp-tp-2x2x2"],
+    "wan": ["hsdp-2x2", "fsdp-cp-tp-2x2x2"],
     # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
     # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
     "wan2.2-all": ["auto-2", "fsdp-2"],  # auto-2: DDP picked by dp_shard = "auto" (two reducers)
@@ -62,8 +83,8 @@ FAMILY_LAYOUTS = {
     # data-parallel ranks like the latents; its transformer is Wan's, whose TP/CP plans the wan rows cover.
     "wan2.2-ti2v-i2v": ["fsdp-2"],
     # No CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
-    # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs.
-    "cogvideox": ["fsdp-2", "tp-2"],
+    # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs; its FSDP2 runs on cogvideox-i2v.
+    "cogvideox": ["tp-2"],
     # No TP plan (fused single-block projections); CP splits the video, the joint attention's text stays whole.
     "hunyuan-video": ["fsdp-2", "cp-2"],
     # HunyuanVideo I2V (conftest VARIANTS; token_replace): other block classes (each block modulates the
@@ -89,8 +110,8 @@ FAMILY_LAYOUTS = {
     # video, the joint attention's text (each sample's unpadded tokens) stays whole; both cut the per-head rotary
     # tables to each rank's heads; conftest BUCKETS: 7 frames.
     "mochi": ["fsdp-2", "tp-2", "cp-2"],
-    # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels; the cogvideox rows
-    # cover its plans.
+    # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels, FSDP2 over its blocks for
+    # both tasks; the cogvideox row covers its TP plan.
     "cogvideox-i2v": ["fsdp-2"],
     # Wan with bf16 frozen weights computed in float32 (conftest VARIANTS): sharded storage upcast by the
     # all-gather against one process's per-layer casting.
@@ -98,10 +119,11 @@ FAMILY_LAYOUTS = {
     # SkyReels V2 with diffusion forcing (conftest VARIANTS): per-frame sigmas drawn per sample, so every
     # data-parallel slicing draws what one process draws; its transformer's blocks are Wan's (TP as the wan
     # rows); CP cuts the per-frame modulations with the tokens in every block (its DF CP plan).
-    "skyreels-v2-df": ["ddp-2", "fsdp-2", "cp-2"],
+    "skyreels-v2-df": ["fsdp-2", "cp-2"],
     # LTX-Video i2v with model.first_frame_noise (conftest VARIANTS): the conditioning frame's sigma is the spec's
-    # own draw, from each sample's generator, so every layout draws what one process draws.
-    "ltx-video-i2v": ["ddp-2", "fsdp-2", "cp-2"],
+    # own draw, from each sample's generator, so every layout draws what one process draws; CP also runs
+    # LTX-Video's plan in a full fine-tune here.
+    "ltx-video-i2v": ["fsdp-2", "cp-2"],
     # Kandinsky 5 I2V (conftest VARIANTS): TP on every block, CP on the visual blocks (docs/parallel.md); FSDP2 over
     # its text and visual block lists, the transformer called once per sample of each rank's slice (several
     # forwards before one backward), the image latents and the first frame's zero loss weight split like the latents.

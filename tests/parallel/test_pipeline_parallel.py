@@ -2,18 +2,19 @@
 and PP (2) x TP (2), with the GPipe and the 1F1B schedule, on Wan (LoRA, clipped every step) and LTX-Video
 (full fine-tune), over gloo; and a PP (2) checkpoint resumes in one process.
 
-Every run is real rank processes (tests/parallel/dist_runs.py) compared against the family's one-process
+Every run is real rank processes (tests/helpers/dist_runs.py) compared against the family's one-process
 reference (conftest.py): per-step losses and gradient norms, and the exported trainable weights, to 1e-4.
 """
 
 from __future__ import annotations
 
 import pytest
-from cli_runs import raw_keys
-from dist_runs import assert_same_training, finish, losses, single, torchrun
-from slice_audit import check_slices
 
 from vt.train.parallel.dims import ParallelDims
+
+from helpers.cli_runs import raw_keys
+from helpers.dist_runs import assert_same_training, finish, losses, single, torchrun
+from helpers.slice_audit import check_slices
 
 LAYOUTS = {
     "pp-2": (2, ["parallel.dp_shard=1", "parallel.pp=2"]),

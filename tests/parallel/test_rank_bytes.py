@@ -1,5 +1,5 @@
 """Each data-parallel rank reads 1/D of the data (issue 17): real gloo processes at 2 and 8 ranks, every
-storage request counted per rank by tests/parallel/counting_worker.py's `counted://` backend.
+storage request counted per rank by tests/helpers/counting_worker.py's `counted://` backend.
 
 The window: the kept LTX-Video window's samples re-encoded (scripts/scale_window.py) as 16 samples in 4
 shards of 4, one bucket; at global batch 8 the run is 2 optimizer steps whose batches are full and divide
@@ -15,8 +15,9 @@ and captions; only rank 0, the order's reader, lists the window. docs/scale.md q
 from __future__ import annotations
 
 import pytest
-from dist_runs import finish, torchrun
 from scale_window import COUNTING_WORKER, rank_row, read_counts, regroup, run_bytes
+
+from helpers.dist_runs import finish, torchrun
 
 FAMILY = "ltx-video"
 SAMPLES, PER_SHARD, BATCH = 16, 4, 8

@@ -5,7 +5,7 @@ layout (dp_shard = "auto") resumes with the choice its first start kept in the r
 
 from __future__ import annotations
 
-from dist_runs import assert_same_training, finish, losses, torchrun
+from helpers.dist_runs import assert_same_training, finish, losses, torchrun
 
 
 def kill_then_resume(

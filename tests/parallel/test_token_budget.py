@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from dist_runs import finish, kill_and_resume, single, torchrun
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
+
+from helpers.dist_runs import finish, kill_and_resume, single, torchrun
 
 BUDGET = 192
 SIZES = {"9x64x64": 4, "9x64x128": 2}
@@ -22,9 +23,9 @@ SIZES = {"9x64x64": 4, "9x64x128": 2}
 
 @pytest.fixture(scope="module")
 def two_buckets(tmp_path_factory, tiny_model_factory, raw_shards):
-    from cli_runs import write_config
-
     from vt.precompute.service import run_stage1
+
+    from helpers.cli_runs import write_config
 
     root = tmp_path_factory.mktemp("token-budget")
     model = tiny_model_factory("wan")

@@ -1,8 +1,9 @@
 """Tensor parallel and context parallel (Ulysses) match one process, with LoRA: LTX-Video and Wan in every layout,
 the families with joint, cross-stream or text-block attention (JOINT) in CP and FSDP2 x CP.
 
-Real processes over gloo (this file's ranks forked by tests/forkserver.py, FileStore), the real tiny transformers of the presets, fixed
-random inputs through the spec's own `forward`: the loss and the LoRA gradients of the first step,
+Real processes over gloo (this file's ranks forked by tests/helpers/forkserver.py, FileStore), the real tiny
+transformers of the presets, fixed random inputs through the spec's own `forward`: the loss and the LoRA gradients of
+the first step,
 the losses of 3 AdamW steps and the LoRA weights after them must match a single-process run
 within relative 1e-4. Layouts: TP 2 and CP 2 (world 2); CP 2 x TP 2, FSDP2 (dp_shard 2) x TP 2 and
 FSDP2 x CP 2 (world 4, FSDP2 over dp_shard x cp as the trainer shards). LoRA also sits on the FFN,
@@ -316,7 +317,7 @@ def reference(tiny_model_factory, tmp_path_factory):
 def _spawn(world: int, runs: list[tuple[str, str, str]], tmp_path) -> None:
     """Run `world` ranks of `_worker(rank, world, store, runs, tmp_path)`: this file as a script, one process a rank;
     `runs`: (family, model folder, layout) in order."""
-    from forkserver import launch_ranks
+    from helpers.forkserver import launch_ranks
 
     log = tmp_path / "world.log"
     group = launch_ranks(

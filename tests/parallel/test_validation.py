@@ -9,10 +9,11 @@ import subprocess
 from pathlib import Path
 
 import numpy as np
-from dist_runs import BIN, child_env, finish, single, torchrun
+
+from helpers import HELPERS
+from helpers.dist_runs import BIN, child_env, finish, single, torchrun
 
 PROMPTS = ["a cartoon rabbit in a green meadow", "people riding bikes down a street", "a phone call in an office"]
-HERE = Path(__file__).parent
 
 
 def first_frames(clips_dir: Path, out: Path) -> list[str]:
@@ -68,7 +69,7 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
             "run.dir=" + str(tmp_path / "fsdp"),
             "parallel.dp_shard=-1",
             log=log,
-            script=HERE / "record_models.py",
+            script=HELPERS / "record_models.py",
             env={"VT_BUILT_MODELS": str(built)},
         ),
         log,

@@ -15,7 +15,6 @@ import av
 import numpy as np
 import pytest
 import torch
-from cli_runs import write_config
 from make_sample_shards import cut_clip, with_sound
 
 from vt.precompute.processors import Clip, SampleError, SoundRequest, build_chain, decode_sound
@@ -26,6 +25,8 @@ from vt.shared.config import load_config
 from vt.shared.provenance import fingerprint, provenance
 from vt.shared.shards import decode_shard
 from vt.shared.window import open_reader
+
+from helpers.cli_runs import write_config
 
 STEREO_16K = SoundRequest(16000, 2, "skip")
 SIZES = ["9x32x64", "9x32x32", "9x64x32"]

@@ -22,7 +22,6 @@ import av
 import numpy as np
 import pytest
 import torch
-from cli_runs import write_config
 
 from vt.precompute.processors import Clip, prepare_sample, sample_times
 from vt.precompute.service import Precompute, TooManyFailures
@@ -31,6 +30,8 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import load_config
 from vt.shared.shards import decode_shard
 from vt.shared.window import open_reader
+
+from helpers.cli_runs import write_config
 
 BUCKETS = ["9x64x96", "9x96x64", "9x64x64", "17x64x96"]
 FPS = 8.0

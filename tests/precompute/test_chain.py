@@ -15,7 +15,6 @@ from typing import Literal
 
 import pytest
 import torch
-from cli_runs import raw_keys, write_config
 
 from vt.precompute.processors import Processor, SampleError, build_chain, decode_at, fit_pixels, probe, sample_times
 from vt.precompute.processors.caption import strip_boilerplate
@@ -28,6 +27,8 @@ from vt.shared.chain import BUILTINS, ProcessorOptions, describe_chain, load_use
 from vt.shared.config import ConfigError, load_config
 from vt.shared.storage import Storage
 from vt.shared.window import Writer, open_reader
+
+from helpers.cli_runs import raw_keys, write_config
 
 
 class Mirror(Processor):

@@ -20,7 +20,6 @@ from fractions import Fraction
 import av
 import numpy as np
 import pytest
-from cli_runs import write_config
 
 from vt.precompute.processors import prepare_sample, probe
 from vt.precompute.service import Precompute
@@ -28,6 +27,8 @@ from vt.precompute.sources import VIDEO_EXTS, RawSample, iter_raw_samples
 from vt.shared.buckets import Bucket
 from vt.shared.config import load_config
 from vt.shared.window import open_reader
+
+from helpers.cli_runs import write_config
 
 FPS = 24  # a rate MPEG-1/2 accept
 FRAMES = 36

@@ -17,7 +17,6 @@ from fractions import Fraction
 import av
 import pytest
 import torch
-from cli_runs import raw_keys, write_config
 
 from vt.precompute.processors import SampleError, build_chain
 from vt.precompute.service import Precompute
@@ -26,6 +25,8 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import load_config
 from vt.shared.shards import decode_shard
 from vt.shared.window import open_reader
+
+from helpers.cli_runs import raw_keys, write_config
 
 BUCKETS = [Bucket(9, 64, 96), Bucket(9, 96, 64), Bucket(9, 64, 64)]
 

@@ -15,14 +15,15 @@ import signal
 from collections import Counter
 
 import pytest
-from cli_runs import finish, raw_keys, start, write_config
-from polling import wait_for
 from typer.testing import CliRunner
 
 from vt.precompute.cli import app
 from vt.precompute.sources import list_raw_shards
 from vt.shared.storage import Storage
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import finish, raw_keys, start, write_config
+from helpers.polling import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,6 @@ import textwrap
 
 import av
 import pytest
-from cli_runs import start, write_config
 
 from vt.precompute.processors import Processor, ProcessorBug, SampleError, bad_data_only, build_chain
 from vt.precompute.processors.sample import Sample
@@ -26,6 +25,8 @@ from vt.shared.chain import ProcessorOptions
 from vt.shared.config import load_config
 from vt.shared.shards import decode_shard
 from vt.shared.window import open_reader
+
+from helpers.cli_runs import start, write_config
 
 BUCKETS = [Bucket(9, 64, 96)]
 # A user's module, written next to the run and put on PYTHONPATH: its processor has a bug.

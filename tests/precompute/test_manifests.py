@@ -158,13 +158,13 @@ def test_a_curator_output_folder_is_read_as_its_clip_writer_writes_it(clips_dir,
 def test_clips_cut_from_a_manifest_train_and_bad_records_are_rejects(clips_dir, tmp_path, tiny_model_factory):
     """Stage 1 over a manifest of spans (a missing file and a span past its video's end among them), then a few
     steps of training on the window: every good clip is one sample, with its record in the shard."""
-    from cli_runs import write_config
-
     from vt.precompute.service import Precompute
     from vt.shared.config import load_config
     from vt.shared.shards import decode_shard
     from vt.shared.window import open_reader
     from vt.train.trainer import Trainer
+
+    from helpers.cli_runs import write_config
 
     manifest = tmp_path / "clips.jsonl"
     write_manifest(

@@ -11,10 +11,11 @@ import tarfile
 
 import fsspec
 import pytest
-from cli_runs import BIN
 
 from vt.precompute.pack import pack_folder, parse_size
 from vt.precompute.sources import iter_raw_samples, list_raw_shards, shard_names
+
+from helpers.cli_runs import BIN
 
 
 def samples_of(uri: str) -> dict[str, tuple[bytes, str, bool]]:

@@ -17,12 +17,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import raw_keys, write_config
 
 from vt.precompute.service import Precompute
 from vt.shared.config import load_config
 from vt.shared.window import inspect, open_reader
 from vt.train.data import BatchReader
+
+from helpers.cli_runs import raw_keys, write_config
 
 pytestmark = pytest.mark.slow
 

@@ -24,9 +24,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import raw_keys, run_bounded, write_config
-from forkserver import BASE_ENV
-from polling import wait_for
 
 from vt.precompute.sources import list_raw_shards
 from vt.shared import lease
@@ -34,6 +31,10 @@ from vt.shared.claims import HOST
 from vt.shared.shards import CommitRecord
 from vt.shared.storage import Storage
 from vt.shared.window import ledger
+
+from helpers.cli_runs import raw_keys, run_bounded, write_config
+from helpers.forkserver import BASE_ENV
+from helpers.polling import wait_for
 
 pytestmark = pytest.mark.slow
 

@@ -14,11 +14,12 @@ import threading
 from collections import Counter
 
 import pytest
-from cli_runs import raw_keys, write_config
-from polling import wait_for
 from ray_head import RAY_ENV, session_processes, start_head, stop_head
 
 from vt.shared.window import open_reader
+
+from helpers.cli_runs import raw_keys, write_config
+from helpers.polling import wait_for
 
 pytestmark = [
     pytest.mark.slow,

@@ -15,7 +15,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import finish, raw_keys, start, write_config
 
 from vt.precompute.service import Precompute
 from vt.precompute.sources import iter_raw_samples, shard_names
@@ -23,6 +22,8 @@ from vt.shared.config import load_config
 from vt.shared.storage import Storage
 from vt.shared.window import Writer, open_reader
 from vt.train.data import BatchReader
+
+from helpers.cli_runs import finish, raw_keys, start, write_config
 
 
 def test_shard_names_are_relative_to_the_common_folder_of_all_shards():

@@ -16,8 +16,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import raw_keys, write_config
-from polling import wait_for
 from typer.testing import CliRunner
 
 from vt.precompute.cli import app
@@ -26,6 +24,9 @@ from vt.shared.config import load_config
 from vt.shared.shards import encode_shard
 from vt.shared.storage import Storage
 from vt.shared.window import ProducerConflict, Writer, inspect, open_reader, open_writer
+
+from helpers.cli_runs import raw_keys, write_config
+from helpers.polling import wait_for
 
 
 class Crash(Exception):

@@ -1,6 +1,6 @@
 """Stage 1 as a real Slurm job array (scripts/slurm/precompute_array.sbatch), stopped and resubmitted.
 
-A one-node Slurm 22.05 on 127.0.0.1 (tests/slurm_cluster.py). The real clips' samples in 2-sample raw shards
+A one-node Slurm 22.05 on 127.0.0.1 (tests/helpers/slurm_cluster.py). The real clips' samples in 2-sample raw shards
 (at least 6), a rolling window of 6 latent shards, one epoch. An array of 3 starts: the lane count becomes
 3 (lanes.json). Once a lane has committed, its element is scancelled (SIGTERM: it releases its lane); as no
 trainer reads yet, the window fills, so the rest of the array is cancelled too, as a time limit would. Then an
@@ -20,13 +20,14 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from cli_runs import BIN, finish, raw_keys, start, write_config
-from slurm_cluster import slurm  # noqa: F401 - the fixture
 from typer.testing import CliRunner
 
 from vt.precompute.cli import app
 from vt.shared.claims import look
 from vt.shared.storage import Storage
+
+from helpers.cli_runs import BIN, finish, raw_keys, start, write_config
+from helpers.slurm_cluster import slurm  # noqa: F401 - the fixture
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("clusters")]
 

@@ -16,13 +16,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import raw_keys, write_config
 from torch import nn
 
 from vt.precompute import encoders as stage1_encoders
 from vt.shared.config import load_config
 from vt.shared.storage import Storage
 from vt.shared.window import Writer, open_reader
+
+from helpers.cli_runs import raw_keys, write_config
 
 GROUP = 3  # precompute.text_phase_shards in these runs
 

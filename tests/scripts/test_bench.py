@@ -163,7 +163,8 @@ def test_producers_bench_commits_every_sample_with_one_and_two_producers(
     import re
 
     from bench_producers import main
-    from cli_runs import raw_keys
+
+    from helpers.cli_runs import raw_keys
 
     assert (
         main(

@@ -8,7 +8,8 @@ import json
 import pytest
 from bench_common import ROOT
 from bench_precompute_throughput import bench_throughput, steady_rate, window_outputs
-from cli_runs import raw_keys
+
+from helpers.cli_runs import raw_keys
 
 DEMO = ROOT / "configs" / "demo.toml"
 

@@ -5,21 +5,23 @@ with random (non-zero) adapters at alpha / rank = 2:
   `load_lora_weights`; LoKr: diffusers' `transformer.load_lora_adapter`, its LoKrConfig from the file's metadata;
   LoHa: peft's `set_peft_model_state_dict` after `add_adapter(LoHaConfig(**metadata))`, diffusers having no LoHa
   loader), and every adapted weight, merged, equals the trained model's within 1e-4;
-- the ComfyUI LoHa / LoKr file, through ComfyUI's key map and adapter arithmetic (tests/comfy_reference.py), changes
-  each weight by the trained delta within 1e-4, every key loaded; DoRA writes no ComfyUI file.
+- the ComfyUI LoHa / LoKr file, through ComfyUI's key map and adapter arithmetic
+  (tests/helpers/comfy_reference.py), changes each weight by the trained delta within 1e-4, every key loaded; DoRA
+  writes no ComfyUI file.
 Plus the kinds' names and starts (shared/adapters.py)."""
 
 from __future__ import annotations
 
 import json
 
-import comfy_reference as ref
 import pytest
 import torch
 
 from vt.shared import adapters
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
+
+from helpers import comfy_reference as ref
 
 RANK, ALPHA = 4, 8.0  # scale alpha / rank = 2: a file that dropped it would be off by 2x
 # peft's LoKr keeps w2 whole where the rank is at least half its larger side (8 x 8 on these 64-wide presets) and

@@ -10,12 +10,13 @@ import subprocess
 import sys
 
 import pytest
-from polling import wait_for
 
 from vt.shared import lease
 from vt.shared.claims import HOST, Liveness, free, look, process_gone
 from vt.shared.identity import identity
 from vt.shared.storage import Storage
+
+from helpers.polling import wait_for
 
 
 class Clock:

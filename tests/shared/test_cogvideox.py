@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 from family_cases import BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video, video
-from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
+
+from helpers.lora_init import randomise_lora
 
 
 def variant(tiny_model_factory, folder, seed=0, **changes):

@@ -1,4 +1,4 @@
-"""vt's ComfyUI LoRA file against ComfyUI's own loading (tests/comfy_reference.py, re-implemented from
+"""vt's ComfyUI LoRA file against ComfyUI's own loading (tests/helpers/comfy_reference.py, re-implemented from
 comfyanonymous/ComfyUI@3cd7b32f; MiniMax H3 from Comfy-Org/ComfyUI, ref.MINIMAX_H3): on each family's tiny preset,
 every key of lora_comfyui.safetensors is one ComfyUI's key map takes (none "lora key not loaded"), each LoRA makes a
 weight of the size of the ComfyUI model's module, a fused module's LoRA stacks the parts in the order ComfyUI's
@@ -12,14 +12,15 @@ from __future__ import annotations
 import re
 from types import SimpleNamespace
 
-import comfy_reference as ref
 import pytest
 import torch
 from family_cases import ATTN_MODULES, EXPECTED
-from lora_init import randomise_lora
 
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
+
+from helpers import comfy_reference as ref
+from helpers.lora_init import randomise_lora
 
 # (family, task) -> the ComfyUI model class (comfy/model_base.py) its checkpoints load as:
 # comfy/supported_models.py WAN21_T2V / WAN21_I2V (Wan 2.1, Wan 2.2 A14B) build model_base.WAN21,

@@ -9,12 +9,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 from vt.shared.weights.comfy import comfy_state_dict
+
+from helpers.lora_init import randomise_lora
 
 BUCKET = Bucket(5, 32, 48)
 PROMPT = "a big rabbit walks in the meadow"

@@ -210,8 +210,9 @@ def test_i2v_exports_load_back_and_generate_from_the_image(tiny_model_factory, t
     is t2v's: test_comfy_keys.py), and the image conditions the video it renders."""
     import numpy as np
     from diffusers import LTX2ImageToVideoPipeline
-    from lora_init import randomise_lora
     from peft.utils import get_peft_model_state_dict
+
+    from helpers.lora_init import randomise_lora
 
     folder = tiny_model_factory("ltx-2", task="i2v")
     spec = make_i2v_spec(tiny_model_factory)
@@ -412,7 +413,7 @@ def test_audio_lora_defaults_reach_the_audio_stream_and_train(av_folder):
     for attn in ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn"):
         assert f"transformer_blocks.1.{attn}.to_out.0" in lora, attn
     assert not any(".ff." in n or "audio_ff" in n for n in lora)
-    from lora_init import randomise_lora
+    from helpers.lora_init import randomise_lora
 
     randomise_lora(transformer, seed=1)  # lora_B non-zero, so lora_A gets a gradient too
     out = spec.forward(
@@ -431,9 +432,10 @@ def test_audio_lora_exports_load_back_with_the_audio_modules(av_folder, tmp_path
     """A LoRA on both streams and the cross-attention: the diffusers file and the ComfyUI file (LTXAV's module
     names, scale in lora_B) each give a fresh LTX2Pipeline the in-memory model, video and audio alike."""
     from diffusers import LTX2Pipeline
-    from lora_init import randomise_lora
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
+
+    from helpers.lora_init import randomise_lora
 
     _, folder = av_folder
     spec = av_spec(folder)

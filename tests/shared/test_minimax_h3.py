@@ -190,11 +190,12 @@ def test_comfy_file_with_every_kind_of_target_loads_back_through_diffusers(tiny_
     """The original-name file (ComfyUI's MiniMaxH3Model names: fused qkv_proj, SwiGLU fc1 as [gate; value], the
     refiner, AdaLN and the patch/output projections) read by diffusers' own H3 LoRA conversion gives the in-memory
     model's denoised latents."""
-    from lora_init import randomise_lora
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
 
     from vt.shared.models.minimax_h3_pipeline import MiniMaxH3Pipeline
+
+    from helpers.lora_init import randomise_lora
 
     folder = tiny_model_factory("minimax-h3")
     spec = make_spec(folder, audio=True)

@@ -18,10 +18,11 @@ import re
 import pytest
 import torch
 from family_cases import make_spec
-from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
 from vt.shared.models.mochi import swap_halves
+
+from helpers.lora_init import randomise_lora
 
 REAL_LAYERS = 48  # what diffusers' converter iterates over
 # Every linear the ComfyUI table names, in the first block and the last (which has no text output

@@ -20,13 +20,14 @@ from family_cases import (
     video,
     with_control,
 )
-from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import FAMILIES, build_spec, get_spec_class
 from vt.shared.models.components import ModelLoadError
 from vt.shared.weights.comfy import filename as comfy_filename
+
+from helpers.lora_init import randomise_lora
 
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import write_config
 from safetensors.torch import load_file, save_file
 
 from vt.precompute.service import Precompute
@@ -24,6 +23,8 @@ from vt.shared import provenance as prov
 from vt.shared.config import load_config
 from vt.train.data import StaleShardError
 from vt.train.trainer import Trainer
+
+from helpers.cli_runs import write_config
 
 BUCKETS = ["9x64x96", "9x64x64", "9x64x128"]
 PROMPTS = ["a rabbit in a meadow"]

@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 from family_cases import BUCKET, CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
-from lora_init import randomise_lora
 from test_reference_numbers import BATCH, check_pinned, pinned, run  # noqa: F401
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ConfigError, ModelConfig, load_config
 from vt.shared.models import build_spec
+
+from helpers.lora_init import randomise_lora
 
 IMAGE = np.random.default_rng(2).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
 
@@ -290,12 +291,12 @@ def test_diffusion_forcing_gives_the_pinned_numbers(tiny_model_factory, pinned, 
 def test_the_trainer_draws_the_per_frame_sigmas(tiny_model_factory, raw_shards, tmp_path):
     """A real precompute and training step with model.diffusion_forcing: the trainer hands `forward` one
     sigma per latent frame and sample, the ones the sample's keyed generator draws."""
-    from cli_runs import write_config
-
     from vt.precompute.service import Precompute
     from vt.train.objectives import sample_sigmas
     from vt.train.parallel.batching import sample_generator
     from vt.train.trainer import Trainer
+
+    from helpers.cli_runs import write_config
 
     one_shard = sorted(raw_shards.glob("*.tar"))[0]  # 4 clips: enough for one step of 2
     config = load_config(

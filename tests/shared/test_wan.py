@@ -14,11 +14,12 @@ from family_cases import (
     pipeline_latents,
     uint8_video,
 )
-from lora_init import randomise_lora
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
+
+from helpers.lora_init import randomise_lora
 
 
 # ----------------------------------------------------------------------------- Wan image-to-video

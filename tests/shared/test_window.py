@@ -15,7 +15,6 @@ import threading
 
 import pytest
 import torch
-from polling import wait_for
 
 from vt.shared.shards import decode_shard, encode_shard
 from vt.shared.storage import Storage
@@ -30,6 +29,8 @@ from vt.shared.window import (
     open_reader,
     open_writer,
 )
+
+from helpers.polling import wait_for
 
 FAST = {"poll_seconds": 0.01, "timeout_seconds": 30.0}
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from cli_runs import write_config
 
 from vt.shared.config import load_config
+
+from helpers.cli_runs import write_config
 
 
 @pytest.fixture(scope="module")

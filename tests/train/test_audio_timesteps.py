@@ -132,11 +132,11 @@ def test_minimax_h3_rows_take_the_audio_sigma_given(tiny_model_factory):
 def test_the_trainer_draws_the_audio_sigmas_it_is_asked_for(tmp_path, tiny_model_factory, sound_shards, monkeypatch):
     """A run with independent audio timesteps hands `forward` each sample's own audio sigma (at model.audio_shift),
     a shared run none; the video's sigmas are the same in both."""
-    from cli_runs import write_config
-
     from vt.precompute.service import Precompute
     from vt.shared.config import load_config
     from vt.train.trainer import Trainer
+
+    from helpers.cli_runs import write_config
 
     model = {"family": "ltx-2", "max_text_tokens": 16, "audio": True}
     common = dict(

@@ -4,9 +4,10 @@ full weights with from_pretrained; LTX-Video image-to-video trains and validates
 from __future__ import annotations
 
 import torch
-from cli_runs import write_config
 
 from vt.shared.config import load_config
+
+from helpers.cli_runs import write_config
 
 
 def precompute_and_train(tmp_path, model_path, raw, family: str, **sections):

@@ -1,12 +1,13 @@
-"""The trainer's real start-up and step at real size, on a GPU stand-in that counts bytes (tests/gpu_standin.py),
-against `vt-train plan`: start-up device peak, steady device peak and host peak within 5%.
+"""The trainer's real start-up and step at real size, on a GPU stand-in that counts bytes
+(tests/helpers/gpu_standin.py), against `vt-train plan`: start-up device peak, steady device peak and host peak
+within 5%.
 
 The trainer runs unchanged (train.device is the stand-in) on fake tensors: Wan 2.1 14B's real config, no weights at
 all (the checkpoint is a table of names and shapes), at its usual 81x480x832 bucket; a family with sound (Kandinsky 6
-Lite, video and audio streams) likewise. The traces run in a process of their own (tests/gpu_trace_worker.py: the
-stand-in device is process-wide), started once for the module, while this process plans the same configs with the
-plan's own code (a meta-device build and a fake-tensor trace of the family's forward, on the CPU): the two agree only
-if the plan models what the trainer really allocates where. Before block swap was built in host memory, the swap
+Lite, video and audio streams) likewise. The traces run in a process of their own
+(tests/helpers/gpu_trace_worker.py: the stand-in device is process-wide), started once for the module, while this
+process plans the same configs with the plan's own code (a meta-device build and a fake-tensor trace of the family's
+forward, on the CPU): the two agree only if the plan models what the trainer really allocates where. Before block swap was built in host memory, the swap
 row's start-up device peak here was the whole bf16 model, 27.4 GiB (the plan: 7.4).
 """
 
@@ -17,15 +18,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-import gpu_standin as standin
 import pytest
 import torch
-from polling import wait_for
+
+from helpers import HELPERS
+from helpers import gpu_standin as standin
+from helpers.polling import wait_for
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 SWAP = {"block_swap": {"blocks_on_gpu": 10}}
 OFFLOAD = {"activation_offload": {"enabled": True}}
-WORKER = Path(__file__).resolve().parents[1] / "gpu_trace_worker.py"
+WORKER = HELPERS / "gpu_trace_worker.py"
 
 
 def tree(folder: Path, work: Path, family: str, bucket: str, sections: dict, **model) -> dict:

@@ -4,10 +4,11 @@ w = 3 other losses from the first step on (its targets are u + 3 (target - u), u
 from __future__ import annotations
 
 import pytest
-from cli_runs import write_config
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import write_config
 
 
 def losses(tmp_path, name, folder, raw, window, **sections) -> list[float]:

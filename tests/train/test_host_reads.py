@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import write_config
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import write_config
 
 WATCHED = tuple(
     str(Path("train") / name) for name in ("trainer.py", "run_stats.py", str(Path("parallel") / "grads.py"))

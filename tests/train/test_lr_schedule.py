@@ -7,12 +7,13 @@ from __future__ import annotations
 import math
 
 import pytest
-from cli_runs import write_config
 
 from vt.shared.config import load_config
 from vt.shared.errors import UserError
 from vt.train.parts.lr_schedule import lr_factor
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import write_config
 
 
 def test_the_factor_warms_up_then_decays_to_the_floor():

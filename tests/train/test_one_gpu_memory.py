@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
-from cli_runs import write_config
 from safetensors.torch import load_file
 
 from vt.shared.config import load_config
+
+from helpers.cli_runs import write_config
 
 
 @pytest.fixture(scope="module")

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_runs import sectioned
 
 from vt.shared.config import Config, build
 from vt.shared.memory_trace import fake_mode, peak_bytes
 from vt.shared.models import FAMILIES, spec_for
+
+from helpers.cli_runs import sectioned
 
 BIN = Path(sys.executable).parent
 BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96", "minimax-h3": "5x64x96"}

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from cli_runs import finish, start, write_config
 
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import finish, start, write_config
 
 
 def losses(run_dir) -> dict[int, float]:

@@ -13,10 +13,11 @@ import shutil
 from collections import Counter
 
 import pytest
-from cli_runs import write_config
 
 from vt.shared.config import load_config
 from vt.train.trackers import read_metrics
+
+from helpers.cli_runs import write_config
 
 SETTINGS = dict(
     window={"size": "keep"},

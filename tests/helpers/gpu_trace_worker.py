@@ -1,8 +1,9 @@
-"""The GPU stand-in's traces, in a process of their own: `python tests/gpu_trace_worker.py CASES.json OUT.json`.
+"""The GPU stand-in's traces, in a process of their own:
+`python tests/helpers/gpu_trace_worker.py CASES.json OUT.json`.
 
 The stand-in device is installed process-wide (a renamed PrivateUse1 backend that torch then takes for the machine's
 accelerator), so it never runs inside a test worker that goes on to other tests. Each case is a config tree (and a
-GGUF block type, or none); the output is each case's trace (tests/gpu_standin.py `trace_trainer`), and the NF4
+GGUF block type, or none); the output is each case's trace (tests/helpers/gpu_standin.py `trace_trainer`), and the NF4
 table's copies to the device over three dequantizes.
 """
 
@@ -12,10 +13,11 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers package
 
-import gpu_standin as standin  # noqa: E402
 import torch  # noqa: E402
+
+from helpers import gpu_standin as standin  # noqa: E402
 
 
 def trace(case: dict) -> dict:

@@ -1,4 +1,4 @@
-"""Worker of test_fsdp_views: a script the test starts as torchrun's ranks (tests/forkserver.py).
+"""Worker of test_fsdp_views: a script the test starts as torchrun's ranks (tests/helpers/forkserver.py).
 
 Each rank shards two families' real transformers (tiny sizes) with vt's FSDP2 and trains one step with
 torch's "FSDP2-wrapped module ... returned a view tensor" warning made an error, which fails the rank."""

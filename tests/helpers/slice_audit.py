@@ -8,9 +8,9 @@ from __future__ import annotations
 import json
 from collections import Counter, defaultdict
 
-from dist_runs import sample_log
-
 from vt.train.parallel.dims import MESH_DIMS, ParallelDims
+
+from helpers.dist_runs import sample_log
 
 
 def check_slices(run_dir, dims: ParallelDims) -> Counter:

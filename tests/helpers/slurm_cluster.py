@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from polling import wait_for
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.polling import wait_for
+
+ROOT = Path(__file__).resolve().parents[2]
 CLIENT_TIMEOUT = 15.0  # seconds any one sbatch/squeue/scancel/sinfo call may take
 GRACE = 5.0  # seconds a daemon has to exit after SIGTERM before SIGKILL
 KILL_WAIT = 10  # slurm.conf KillWait: seconds from a job's SIGTERM (scancel, time limit) to its SIGKILL

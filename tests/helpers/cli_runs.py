@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forkserver import Forked, launch
+from helpers.forkserver import Forked, launch
 
 BIN = Path(sys.executable).parent
 
@@ -60,7 +60,7 @@ def sectioned(*settings: dict) -> tuple[dict, dict]:
 
 def start(stage: str, config: Path, *overrides: str, log: Path | None = None, env: dict | None = None) -> Forked:
     """Start `vt-<stage> run CONFIG` as its own process (stdout+stderr to `log`), forked from the warm
-    interpreter of tests/forkserver.py."""
+    interpreter of tests/helpers/forkserver.py."""
     args = ["run", str(config)]
     for text in overrides:
         args += ["--set", text]

@@ -24,7 +24,7 @@ import threading
 import urllib.request
 from pathlib import Path
 
-from polling import wait_for
+from helpers.polling import wait_for
 
 _BUSY_BODY = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
 BUSY_REPLY = (

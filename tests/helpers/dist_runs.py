@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import torch
-from forkserver import BASE_ENV, Forked, launch, launch_ranks
-from forkserver import free_port as free_port  # the tests' one way to pick a port
+
+from helpers.forkserver import BASE_ENV, Forked, launch, launch_ranks
+from helpers.forkserver import free_port as free_port  # the tests' one way to pick a port
 
 BIN = Path(sys.executable).parent
 
@@ -31,7 +32,7 @@ def torchrun(
 ):
     """The ranks of `torchrun ... vt-train run CONFIG --set ...`; `script`: a Python file taking vt-train's
     arguments, in place of vt-train. One node: the ranks are forked from the warm interpreter of
-    tests/forkserver.py with torchrun's environment (a Popen-like group); one of `nnodes` nodes: the real
+    tests/helpers/forkserver.py with torchrun's environment (a Popen-like group); one of `nnodes` nodes: the real
     torchrun with c10d rendezvous (its own processes, as test_multinode wants)."""
     args = ["run", str(config)]
     for text in overrides:
@@ -51,7 +52,7 @@ def torchrun(
 
 
 def single(config: Path, *overrides: str, log: Path, env: dict | None = None) -> Forked:
-    """One plain process (`vt-train run`), no torchrun: the reference layout (forked, tests/forkserver.py)."""
+    """One plain process (`vt-train run`), no torchrun: the reference layout (forked, tests/helpers/forkserver.py)."""
     args = ["run", str(config)]
     for text in overrides:
         args += ["--set", text]
