@@ -2,7 +2,7 @@
 
 Shards arrive one bucket each. The reader appends every shard's samples to its bucket's pending list
 and plans a batch as soon as a bucket holds its batch size (`train.batch_size`, or with `token_budget.tokens_per_batch`
-as many samples as fit the token budget: `bucket_batch_sizes`), so a batch never mixes shapes and never needs
+as many samples as fit the token budget: train/parts/token_budget.py), so a batch never mixes shapes and never needs
 padding. At the end of an epoch each bucket's remainder goes out as a smaller batch:
 every sample is trained on exactly once per epoch.
 
