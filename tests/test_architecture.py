@@ -27,6 +27,22 @@ def family_words() -> set[str]:
     return words
 
 
+def test_every_package_folder_ships_in_the_wheel():
+    """pyproject.toml lists vt's packages by hand (three folders map onto one `vt` namespace): a folder with an
+    __init__.py that is not listed imports in an editable install and is missing from a built wheel."""
+    import tomllib
+
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder: package for package, folder in setuptools["package-dir"].items()}
+    found = {
+        folders[init.parent.relative_to(ROOT).parts[0]]
+        + "".join(f".{part}" for part in init.parent.relative_to(ROOT).parts[1:])
+        for folder in folders
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    assert found == set(setuptools["packages"]), f"packages not listed: {sorted(found - set(setuptools['packages']))}"
+
+
 @pytest.mark.parametrize("stage", STAGES)
 def test_the_stages_name_no_model_family(stage):
     """Adding a family touches its own file, the registry line and its tests, never the stages."""
