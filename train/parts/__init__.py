@@ -25,6 +25,7 @@ from vt.train.parts.guidance import GuidancePart
 from vt.train.parts.held_out import HeldOutPart
 from vt.train.parts.lr_schedule import LRSchedulePart
 from vt.train.parts.token_budget import TokenBudgetPart
+from vt.train.parts.video_metrics import VideoMetricsPart
 
 __all__ = ["PARTS", "Change", "ModelMemory", "Part", "Parts", "RunContext"]
 
@@ -40,6 +41,7 @@ PARTS: tuple[type[Part], ...] = (
     BlockSwapPart,
     ActivationOffloadPart,
     HeldOutPart,
+    VideoMetricsPart,
 )
 
 
