@@ -186,3 +186,52 @@ def test_settings_that_cannot_work_are_refused_before_anything_is_built(tiny_met
     with pytest.raises(UserError, match="metrics.clip = 'nobody/nothing' is not in the Hugging Face cache"):
         check(clip="nobody/nothing")  # the suite runs with HF_HUB_OFFLINE=1
     assert "metrics" not in Parts(Config()).names()  # off while no model or method is named
+
+
+def test_every_metric_through_vt_train_run(tiny_model_factory, tiny_metric_models, clips_dir, tmp_path):
+    """LTX-2 with sound, one step and its validation video, every metric on, `vt-train run` in this process: each
+    metric of the video is in metrics.jsonl under the validation's step, and on the run page."""
+    from make_sample_shards import make_sample_shards
+    from typer.testing import CliRunner
+
+    from vt.precompute.service import Precompute
+    from vt.shared.config import load_config
+    from vt.train.cli import app
+    from vt.train.trackers import read_metrics
+
+    from helpers.cli_runs import write_config
+
+    raw = tmp_path / "raw"  # two 1.5 s pieces with a tone: one batch
+    make_sample_shards([clips_dir / "carphone_pristine.mp4"], raw, max_side=128, sound="tone")
+    config = write_config(
+        tmp_path / "run.toml",
+        tiny_model_factory("ltx-2"),
+        raw,
+        tmp_path / "run",
+        str(tmp_path / "window"),
+        model={"family": "ltx-2", "max_text_tokens": 16, "audio": True},
+        buckets={"sizes": ["9x64x64"], "fps": FPS},
+        window={"size": "keep"},
+        precompute={"workers": 0},
+        train={"max_steps": 1, "checkpoint_every": 0},
+        validation={"prompts": ["a tone over a rabbit"], "steps": 2},
+        metrics={
+            "clip": str(tiny_metric_models["siglip"]),
+            "likeness": str(tiny_metric_models["dinov2"]),
+            "flow": "opencv",
+            "clap": str(tiny_metric_models["clap"]),
+            "av_offset": True,
+            "reference": [str(clips_dir / "bikes.mp4")],
+            "reference_held_out": [str(clips_dir / "carphone_pristine.mp4")],
+        },
+    )
+    Precompute(load_config(config)).run()
+    result = CliRunner().invoke(app, ["run", str(config)])
+    assert result.exit_code == 0, result.output
+
+    logged = {k: v for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 1 for k, v in r.items()}
+    names = ("prompt", "consistency", "likeness", "likeness_held_out", "motion", "motion_ratio", "audio_prompt")
+    assert {f"val/{name}/00" for name in (*names, "av_offset_ms")} <= set(logged), sorted(logged)
+    assert all(-1 <= logged[f"val/{name}/00"] <= 1 for name in ("prompt", "consistency", "likeness", "audio_prompt"))
+    assert logged["val/av_offset_ms/00"] % (1000 / FPS) == 0 and logged["loss"] > 0
+    assert "validation videos: likeness_held_out" in (tmp_path / "run" / "report.html").read_text()
