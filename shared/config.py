@@ -33,6 +33,7 @@ from vt.shared.part_configs import (
     GuidanceConfig,
     HeldOutConfig,
     LRScheduleConfig,
+    MetricsConfig,
     TokenBudgetConfig,
     ValidationConfig,
 )
@@ -283,6 +284,7 @@ class Config(_Section):
     fp8_training: FP8TrainingConfig = Field(default_factory=FP8TrainingConfig)
     block_swap: BlockSwapConfig = Field(default_factory=BlockSwapConfig)
     activation_offload: ActivationOffloadConfig = Field(default_factory=ActivationOffloadConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -149,3 +149,20 @@ class ActivationOffloadConfig(Section):
     pinned host memory between forward and backward (train/parts/activation_offload.py)."""
 
     enabled: bool = False
+
+
+class MetricsConfig(Section):
+    """Metrics of each validation video, computed beside training (train/parts/video_metrics.py): each with a named
+    model of its field (a local folder or a hub id, loaded with transformers' AutoModel / AutoProcessor) or method, off
+    while its key is unset. `reference` / `reference_held_out`: video files or folders of training and held-out clips,
+    read at the validation videos' size and fps (likeness; `reference` also motion)."""
+
+    clip: str | None = None  # prompt adherence: a CLIP or SigLIP checkpoint
+    likeness: str | None = None  # an image encoder (DINOv2, or CLIP): likeness to the references, temporal consistency
+    flow: Literal["opencv", "difference"] | None = None  # motion: Farneback optical flow (opencv), or frame difference
+    clap: str | None = None  # model.audio: a CLAP checkpoint, the sound against the prompt
+    av_offset: bool = False  # model.audio: the sound's lag behind the picture, in ms
+    reference: list[str] = Field(default_factory=list)
+    reference_held_out: list[str] = Field(default_factory=list)
+    frames: int = Field(8, ge=1)  # frames sampled evenly from each video for prompt adherence and likeness
+    device: Literal["cpu", "training"] = "cpu"  # where the metric models run ("training": the run's device)

@@ -59,6 +59,15 @@ def tiny_model_factory(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_metric_models(tmp_path_factory) -> dict[str, Path]:
+    """The tiny metric models ([metrics]; scripts/make_tiny_metric_models.py): name -> folder for clip, siglip, dinov2
+    and clap, built once, loaded by AutoModel / AutoProcessor as hub checkpoints are."""
+    from vt.train.video_metrics.presets import make_tiny_metric_models
+
+    return make_tiny_metric_models(tmp_path_factory.mktemp("metric-models"), seed=0)
+
+
+@pytest.fixture(scope="session")
 def browser():
     """One headless Chromium for the session's pages (tests/helpers/browser.py), each page in a tab of its own."""
     from helpers.browser import Chromium

@@ -65,11 +65,15 @@ def _read_config(run_dir: Path) -> tuple[str, dict]:
 
 
 def _metrics(run_dir: Path) -> list[dict]:
-    """metrics.jsonl by step, the later record of a step winning (a resumed run logs some twice)."""
+    """metrics.jsonl by step: the records of a step merged, the later value of a key winning (a resumed run logs some
+    steps twice; a validation's video metrics come in records of their own, logged later)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    by_step = {record["step"]: record for record in read_metrics(path) if "step" in record}
+    by_step: dict[int, dict] = {}
+    for record in read_metrics(path):
+        if "step" in record:
+            by_step.setdefault(record["step"], {}).update(record)
     return [by_step[step] for step in sorted(by_step)]
 
 

@@ -1,9 +1,9 @@
 """The report's training curves as plotly figures (train/report.py puts them on the page).
 
 One figure per quantity, each from metrics.jsonl alone: every loss-like metric (loss, audio_loss, the held-out
-eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the learning rate, the gradient norm, samples/s,
-transformer tokens/s, the wait for data, and the peak memory of every rank. plotly writes the HTML and
-the JavaScript that draws it; vt writes none.
+eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the learning rate, the
+gradient norm, samples/s, transformer tokens/s, the wait for data, the peak memory of every rank, and each metric of
+the validation videos. plotly writes the HTML and the JavaScript that draws it; vt writes none.
 """
 
 from __future__ import annotations
@@ -141,6 +141,25 @@ def memory_figure(records: list[dict]):
     return fig
 
 
+def video_metric_figures(records: list[dict]) -> list:
+    """One figure per metric of the validation videos (`val/<metric>/<prompt>`, train/video_metrics), a curve per
+    prompt."""
+    import plotly.graph_objects as go
+
+    keys = sorted({key for r in records for key in r if key.startswith("val/") and key.count("/") >= 2})
+    metrics: dict[str, list[str]] = {}
+    for key in keys:
+        metrics.setdefault(key.rsplit("/", 1)[0], []).append(key)
+    figures = []
+    for metric, per_prompt in metrics.items():
+        fig = _figure(f"validation videos: {metric[len('val/') :]}", metric.rsplit("/", 1)[-1])
+        for key in per_prompt:
+            x, y = _thin(*_series(records, key))
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"prompt {key.rsplit('/', 1)[-1]}"))
+        figures.append(fig)
+    return figures
+
+
 def curve_figures(records: list[dict]) -> list:
     """The figures that have data, in page order (an empty list for a run that has logged nothing)."""
     if not records:
@@ -154,5 +173,6 @@ def curve_figures(records: list[dict]) -> list:
         _single(records, "tokens_s", "transformer tokens/s", "tokens/s", from_zero=True),
         _single(records, "data_wait_s", "data wait per log interval", "s", from_zero=True),
         memory_figure(records),
+        *video_metric_figures(records),
     ]
     return [fig for fig in figures if fig is not None]

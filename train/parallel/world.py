@@ -70,6 +70,15 @@ class World:
         dist.broadcast_object_list(box, src=src, device=torch.device("cpu"))
         return box[0]
 
+    def gather_objects(self, value) -> list | None:
+        """Every rank's `value` (any picklable object), in rank order, on rank 0 (None elsewhere); over the CPU
+        backend, as `broadcast_object`."""
+        if self.mesh is None:
+            return [value]
+        out = [None] * self.dims.world_size if self.is_main else None
+        dist.gather_object(value, out, dst=0)
+        return out
+
     def barrier(self) -> None:
         if self.mesh is not None:
             dist.barrier()

@@ -25,6 +25,7 @@ from vt.train.parts.guidance import GuidancePart
 from vt.train.parts.held_out import HeldOutPart
 from vt.train.parts.lr_schedule import LRSchedulePart
 from vt.train.parts.token_budget import TokenBudgetPart
+from vt.train.parts.video_metrics import VideoMetricsPart
 
 __all__ = ["PARTS", "Change", "ModelMemory", "Part", "Parts", "RunContext"]
 
@@ -40,6 +41,7 @@ PARTS: tuple[type[Part], ...] = (
     BlockSwapPart,
     ActivationOffloadPart,
     HeldOutPart,
+    VideoMetricsPart,
 )
 
 
@@ -162,6 +164,12 @@ class Parts:
 
     def final_metrics(self, model, step: int) -> dict:
         return {key: value for part in self.all for key, value in part.final_metrics(model, step).items()}
+
+    def after_validation(self, step: int, videos: list) -> list[tuple[int, dict]]:
+        return [record for part in self.all for record in part.after_validation(step, videos)]
+
+    def after_run(self) -> list[tuple[int, dict]]:
+        return [record for part in self.all for record in part.after_run()]
 
     def trace_key(self) -> tuple:
         return tuple((part.section, part.trace_key()) for part in self.all if part.trace_key())

@@ -14,6 +14,8 @@ the order of `vt.train.parts.PARTS`; neither branches on an option. Every hook i
 - the weights outside the step: `weights_for(purpose)` ("validation", "held_out") and `exports()`;
 - checkpoints: `checkpoint_state()` to save, `resume_state(path)` to load into, `after_resume(step)`;
 - metrics: `step_metrics(model, step)` after each optimizer step, `final_metrics(model, step)` at the end;
+  `after_validation(step, videos)` after each validation (the videos this rank wrote) and `after_run()` after the last,
+  each returning records (step, metrics) for rank 0 to log;
 - memory: `model_memory(memory)` for each transformer the plan builds, `run_memory(plan)` once its trace is in.
 """
 
@@ -160,6 +162,15 @@ class Part:
 
     def final_metrics(self, model: torch.nn.Module, step: int) -> dict:
         return {}
+
+    def after_validation(self, step: int, videos: list) -> list[tuple[int, dict]]:
+        """Validation of optimizer step `step` wrote `videos` on this rank (every rank calls it): records (step,
+        metrics) to log now (rank 0 logs them)."""
+        return []
+
+    def after_run(self) -> list[tuple[int, dict]]:
+        """The run's last validation is done (every rank calls it): the records still to log."""
+        return []
 
     def trace_key(self) -> tuple:
         """What of the part changes the plan's traced step (its activations): the plan caches traces by it."""
