@@ -99,6 +99,19 @@ class Tracker:
         self._last_time = self._clock()
         return True
 
+    def log_records(self, records: list[tuple[int, dict]]) -> None:
+        """Records measured apart from their step's (a validation's video metrics, finished later), each under its
+        own step. wandb takes no step below its current one, so there they carry it as `validation_step`, the x-axis
+        `_open_wandb` defines for them."""
+        for step, values in records:
+            wandb_run, self._wandb_run = self._wandb_run, None
+            try:
+                self.log(step, values, force=True)
+            finally:
+                self._wandb_run = wandb_run
+            if wandb_run is not None and self.enabled:
+                wandb_run.log({"validation_step": int(step), **{k: _scalar(k, v) for k, v in values.items()}})
+
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""
         if self._file is not None:
@@ -192,7 +205,7 @@ def _open_wandb(run_dir: Path, config: dict | None):
     id_file = run_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id + "\n")
-    return wandb.init(
+    run = wandb.init(
         project=os.environ.get("WANDB_PROJECT", "vt"),
         name=run_dir.name,
         id=run_id,
@@ -201,3 +214,6 @@ def _open_wandb(run_dir: Path, config: dict | None):
         dir=os.environ.get("WANDB_DIR", str(run_dir)),
         config=config or {},
     )
+    run.define_metric("validation_step")
+    run.define_metric("val/*", step_metric="validation_step")  # (Tracker.log_records)
+    return run

@@ -397,13 +397,8 @@ class Trainer:
         videos = self.validator.render(self.transformer, self.step, self.parts.weights_for("validation"))
         self.world.barrier()
         self._validated = (self.step, videos)
-        self._log_records(self.parts.after_validation(self.step, videos))  # the videos' metrics, as they finish
+        self.tracker.log_records(self.parts.after_validation(self.step, videos))  # the videos' metrics, as done
         return videos
-
-    def _log_records(self, records: list[tuple[int, dict]]) -> None:
-        """Records the parts measured apart from a step's (a validation's video metrics), under their own steps."""
-        for step, values in records:
-            self.tracker.log(step, values, force=True)
 
     def export(self) -> Path:
         """The LoRA files or full weights (every rank calls this), and each part's other exports (the EMA's average,
@@ -431,7 +426,7 @@ class Trainer:
         self.checkpoint()
         export = self.export()
         videos = self.validate()
-        self._log_records(self.parts.after_run())  # the one wait for work beside training (the videos' metrics)
+        self.tracker.log_records(self.parts.after_run())  # the one wait for work beside training (the videos' metrics)
         summary = {"steps": self.step, "last_loss": last_loss, "export": str(export), "videos": len(videos)}
         write_memory(self.run_dir, self.world, self.device, self.host_baseline_gb, self.startup_peak_gb)
         if self.is_main:

@@ -6,6 +6,7 @@ import json
 import os
 import struct
 import sys
+from unittest.mock import ANY
 
 import pytest
 
@@ -158,6 +159,9 @@ def test_wandb_offline_run_creates_its_folder(tmp_path, monkeypatch, own_wandb_s
     run_dir = tmp_path / "run"
     with Tracker(run_dir, wandb=True, config={"train": {"lr": 1e-4}}) as tracker:
         tracker.log(1, {"loss": 0.5})
+        tracker.log(3, {"loss": 0.4})
+        tracker.log_records([(1, {"val/prompt/00": 0.25})])  # a validation's metrics, done after later steps
+    assert read_metrics(run_dir / "metrics.jsonl")[-1] == {"step": 1, "time": ANY, "val/prompt/00": 0.25}
     run_id = (run_dir / "wandb_run_id").read_text().strip()
     runs = list((tmp_path / "wandb_home" / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(runs) == 1
