@@ -32,9 +32,11 @@ from vt.shared.part_configs import (
     FrozenBaseConfig,
     GuidanceConfig,
     HeldOutConfig,
+    KeepBestConfig,
     LRScheduleConfig,
     TokenBudgetConfig,
     ValidationConfig,
+    ValidationStackConfig,
 )
 
 
@@ -283,6 +285,8 @@ class Config(_Section):
     fp8_training: FP8TrainingConfig = Field(default_factory=FP8TrainingConfig)
     block_swap: BlockSwapConfig = Field(default_factory=BlockSwapConfig)
     activation_offload: ActivationOffloadConfig = Field(default_factory=ActivationOffloadConfig)
+    validation_stack: ValidationStackConfig = Field(default_factory=ValidationStackConfig)
+    keep_best: KeepBestConfig = Field(default_factory=KeepBestConfig)
 
     @property
     def run_dir(self) -> Path:

@@ -1,7 +1,8 @@
 """The report's training curves as plotly figures (train/report.py puts them on the page).
 
 One figure per quantity, each from metrics.jsonl alone: every loss-like metric (loss, audio_loss, the held-out
-eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the learning rate, the gradient norm, samples/s,
+eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the gap between the
+held-out and the training loss (train/loss_gap.py, its widenings marked), the learning rate, the gradient norm, samples/s,
 transformer tokens/s, the wait for data, and the peak memory of every rank. plotly writes the HTML and
 the JavaScript that draws it; vt writes none.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from vt.train.loss_gap import gaps, widenings
 from vt.train.plots import moving_average
 
 __all__ = ["curve_figures", "loss_keys"]
@@ -121,6 +123,32 @@ def held_out_figure(records: list[dict]):
     return fig
 
 
+def gap_figure(records: list[dict]):
+    """The held-out loss minus the mean training loss since the evaluation before, at each held-out evaluation but the
+    first; the evaluations at which it widened (train/loss_gap.py) marked."""
+    import plotly.graph_objects as go
+
+    found = gaps(records)
+    if not found:
+        return None
+    fig = _figure("held-out gap (held-out loss - mean training loss since the evaluation before)", "gap")
+    x, y = _thin([g.step for g in found], [g.gap for g in found])
+    fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name="gap"))
+    widened = {step for step, _ in widenings(records)}
+    if widened:
+        marked = [g for g in found if g.step in widened]
+        fig.add_trace(
+            go.Scatter(
+                x=[g.step for g in marked],
+                y=[g.gap for g in marked],
+                mode="markers",
+                name="widening",
+                marker=dict(color="#d62728", size=11, symbol="triangle-up"),
+            )
+        )
+    return fig
+
+
 def memory_figure(records: list[dict]):
     import plotly.graph_objects as go
 
@@ -148,6 +176,7 @@ def curve_figures(records: list[dict]) -> list:
     figures = [
         loss_figure(records) if loss_keys(records) else None,
         held_out_figure(records),
+        gap_figure(records),
         _single(records, "lr", "learning rate", "lr", from_zero=True),
         _single(records, "grad_norm", "gradient norm (before clipping)", "norm"),
         _single(records, "samples_s", "samples/s", "samples/s", from_zero=True),

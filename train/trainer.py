@@ -196,6 +196,7 @@ class Trainer:
         self.step = 0
         self._checkpointed = -1
         self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
+        self._base_checked = False  # the base's validation videos made or found (validation.base)
 
     def _staged(self):
         """Pipeline stages: each held-out forward as one pass over the stages (parallel/pp_validation.py)."""
@@ -260,6 +261,7 @@ class Trainer:
             unlogged = (metrics, stats)
             if measured or self.step_log.due(self.step):  # the only host reads of a step, on every rank alike
                 last_loss = self.step_log.log(self.step, *unlogged)
+                self.parts.logged(self.step, self.step_log.logged)
                 unlogged, stats = None, StepStats()
                 progress.update(1, loss=last_loss)
             else:
@@ -270,8 +272,10 @@ class Trainer:
         final = self.parts.final_metrics(self.transformer, self.step) if self.step else {}
         if unlogged is not None:  # the last step always reaches the metrics, whatever the interval
             last_loss = self.step_log.log(self.step, {**unlogged[0], **final}, unlogged[1])
+            self.parts.logged(self.step, self.step_log.logged)
         elif final:  # the last step's record again, with the held-out loss
             self.tracker.log(self.step, {**self.step_log.logged, **final}, force=True)
+            self.parts.logged(self.step, {**self.step_log.logged, **final})
         return self.finish(last_loss)
 
     def _one_step(self, micro: list[Batch], stats: StepStats) -> tuple[dict, bool]:
@@ -282,6 +286,10 @@ class Trainer:
         self.startup.mark("first_batch")
         if self.validator.enabled:
             self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
+            if not self._base_checked:  # before this process's first step: a full fine-tune's base is step 0's
+                self._base_checked = True
+                self.validator.render_base(self.transformer, self.step, self.parts.validation_renders())
+                self.startup.mark("validation_base")
         metrics = self.train_step(micro)
         self.data_state = micro[-1].state  # what a checkpoint of this step resumes from
         self.step += 1
@@ -394,7 +402,9 @@ class Trainer:
             return []
         if self._validated[0] == self.step:  # the periodic validation already rendered this step
             return self._validated[1]
-        videos = self.validator.render(self.transformer, self.step, self.parts.weights_for("validation"))
+        videos = self.validator.render(
+            self.transformer, self.step, self.parts.weights_for("validation"), self.parts.validation_renders()
+        )
         self.world.barrier()
         self._validated = (self.step, videos)
         return videos
