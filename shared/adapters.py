@@ -16,6 +16,7 @@ weight's row norms, which only the filled base weight gives (train/model_build.p
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Any
@@ -129,3 +130,30 @@ def row_norms(weight: torch.Tensor) -> torch.Tensor:
     """DoRA's starting magnitude for a base weight (out, in): its rows' L2 norms, in float32 (peft's
     `DoraLinearLayer.update_layer` with lora_B zero)."""
     return torch.linalg.norm(weight.float(), dim=1)
+
+
+@contextlib.contextmanager
+def adapters_off(model: torch.nn.Module):
+    """Every peft adapter layer of `model` (LoRA, DoRA, LoHa, LoKr: `adapter.kind`) computes its base layer alone,
+    then is switched back on: the frozen base, with no second copy (guided targets, validation's base renders).
+    Only peft's `disable_adapters` flag changes: unlike its `enable_adapters`, no requires_grad flag is touched (FSDP2
+    copies those into its unsharded parameters at their first all-gather). Every rank of a sharded model sets it
+    alike, so the base's forwards stay in step."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
+    if not layers:
+        raise ValueError("the frozen base needs adapters: the transformer has no adapters to switch off")
+    before = [layer._disable_adapters for layer in layers]
+    for layer in layers:
+        layer._disable_adapters = True
+        if not layer.disable_adapters:  # a peft that keeps the flag elsewhere
+            raise RuntimeError(
+                f"{type(layer).__name__}.disable_adapters did not follow _disable_adapters: this peft "
+                "version switches adapters off another way"
+            )
+    try:
+        yield
+    finally:
+        for layer, flag in zip(layers, before):
+            layer._disable_adapters = flag

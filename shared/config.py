@@ -32,10 +32,12 @@ from vt.shared.part_configs import (
     FrozenBaseConfig,
     GuidanceConfig,
     HeldOutConfig,
+    KeepBestConfig,
     LRScheduleConfig,
     MetricsConfig,
     TokenBudgetConfig,
     ValidationConfig,
+    ValidationStackConfig,
 )
 
 
@@ -285,6 +287,8 @@ class Config(_Section):
     block_swap: BlockSwapConfig = Field(default_factory=BlockSwapConfig)
     activation_offload: ActivationOffloadConfig = Field(default_factory=ActivationOffloadConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    validation_stack: ValidationStackConfig = Field(default_factory=ValidationStackConfig)
+    keep_best: KeepBestConfig = Field(default_factory=KeepBestConfig)
 
     @property
     def run_dir(self) -> Path:

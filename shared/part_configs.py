@@ -70,6 +70,28 @@ class ValidationConfig(Section):
     vae_tiling: Literal["auto"] | bool = "auto"
     # Validation's attention kernel ("": the training one); may also be an inference-only one ("sage").
     attention_backend: Literal[VALIDATION_ATTENTION_BACKENDS] = ""
+    # Each prompt also rendered by the base (a LoRA's adapters switched off; a full fine-tune's step-0 weights), with
+    # the same seed and noise, once per run: <run.dir>/validation/base/, beside every step's videos on the run page.
+    base: bool = True
+
+
+class ValidationStackConfig(Section):
+    """LoRA files (a turbo or distillation LoRA) stacked on the trained model for one more validation video of each
+    prompt, sampled as people sample with them (train/parts/validation_stack.py): does the trained LoRA break them?"""
+
+    loras: list[str] = Field(default_factory=list)  # vt's exports, or files the family's diffusers loader converts
+    strengths: list[float] = Field(default_factory=list)  # one per file; empty: 1.0 each
+    steps: int | None = Field(None, ge=1)  # the stacked render's sampling steps (None: validation.steps)
+    guidance_scale: float | None = Field(None, ge=0)  # the pipeline's guidance scale (None: its default)
+
+
+class KeepBestConfig(Section):
+    """Exports of the `count` best steps kept (train/parts/keep_best.py): by the held-out loss ("held_out") or by a
+    metric metrics.jsonl logs (`goal`: "min" or "max" is best); the others' exports deleted, never the newest. 0: off."""
+
+    count: int = Field(0, ge=0)
+    by: str = Field("held_out", min_length=1)
+    goal: Literal["min", "max"] = "min"
 
 
 class LRScheduleConfig(Section):

@@ -2,8 +2,9 @@
 
 The trainer rewrites it at its log interval (at most every `log.report_every_seconds`, on a thread of its own)
 and at the end; `vt-train report RUN_DIR` rebuilds it from a finished or running run. It shows the training curves
-(train/report_plots.py), the validation videos per step side by side with their prompts, the
-window's state (as `vt-precompute inspect` reads it), the precompute reports and rejected samples by
+(train/report_plots.py) with the held-out gap's warnings (train/loss_gap.py), the validation videos per step, each
+prompt's beside the base's (validation/base/) and a stacked render's beside the base's stacked one, the steps whose
+exports `[keep_best]` kept (keep_best.json), the window's state (as `vt-precompute inspect` reads it), the precompute reports and rejected samples by
 reason, the resolved config and the `vt-train env` block. The page works opened as a file: plotly.js
 is embedded and the videos are relative links to the run's mp4s, so nothing is fetched from a network.
 """
@@ -21,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from vt.shared.log import get_logger
+from vt.train.loss_gap import widenings
 from vt.train.report_plots import curve_figures, loss_keys
 from vt.train.trackers import read_metrics
 
@@ -39,8 +41,12 @@ figure { margin: 0; max-width: 360px; } video { width: 100%; background: #000; }
 figcaption { font-size: 0.9em; } table { border-collapse: collapse; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 0.2em 0.6em; text-align: right; } th { background: #f4f4f4; }
 td:first-child, th:first-child { text-align: left; } pre { background: #f6f6f6; padding: 0.8em; overflow-x: auto; }
-.muted { color: #777; }
+.muted { color: #777; } .prompt { border: 1px solid #e4e4e4; padding: 0.4em; }
+.pair { display: flex; gap: 0.4em; } .pair figure { max-width: 260px; } .caption { font-size: 0.9em; margin: 0.2em 0; }
+.warning { background: #fff4e5; border-left: 4px solid #f0a020; padding: 0.4em 0.8em; }
+.kept { background: #e6f4ea; padding: 0 0.4em; font-size: 0.8em; }
 """
+VIDEO = re.compile(r"^(\d+)(?:-(\w+))?$")  # 00.mp4: prompt 0's plain video; 00-stacked.mp4: its render "stacked"
 
 
 def _esc(value) -> str:
@@ -62,6 +68,13 @@ def _read_config(run_dir: Path) -> tuple[str, dict]:
         return text, tomllib.loads(text)
     except tomllib.TOMLDecodeError:
         return text, {}
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -95,23 +108,81 @@ def _plots(records: list[dict]) -> str:
     return "<div class='plots'>" + "".join(f"<div class='plot'>{part}</div>" for part in parts) + "</div>"
 
 
-def _videos(run_dir: Path, page_dir: Path, prompts: list[str]) -> str:
+def _figure(video: Path, page_dir: Path, caption: str, kind: str) -> str:
+    src = Path(os.path.relpath(video, page_dir)).as_posix()
+    return (
+        f"<figure class='{kind}'><video src='{_esc(src)}' controls muted loop preload='auto'></video>"
+        f"<figcaption>{_esc(caption)}</figcaption></figure>"
+    )
+
+
+def _by_prompt(folder: Path) -> dict[int, dict[str, Path]]:
+    """prompt index -> render name ("" for the plain video) -> its video in `folder`."""
+    out: dict[int, dict[str, Path]] = defaultdict(dict)
+    for video in sorted(folder.glob("*.mp4")) if folder.is_dir() else []:
+        match = VIDEO.match(video.stem)
+        if match:
+            out[int(match[1])][match[2] or ""] = video
+    return out
+
+
+def _videos(run_dir: Path, page_dir: Path, prompts: list[str], kept: dict) -> str:
+    """Every validation step's videos, each prompt's (and each render's) beside the base's of the same seed."""
     steps = sorted((p for p in (run_dir / "validation").glob("step-*") if p.is_dir()), key=lambda p: p.name)
+    base = _by_prompt(run_dir / "validation" / "base")
     blocks = []
     for step in steps:
+        number = re.sub(r"^step-0*(?=\d)", "", step.name)
         cells = []
-        for video in sorted(step.glob("*.mp4")):
-            index = int(video.stem) if video.stem.isdigit() else None
-            prompt = prompts[index] if index is not None and index < len(prompts) else video.stem
-            src = Path(os.path.relpath(video, page_dir)).as_posix()
+        for index, renders in sorted(_by_prompt(step).items()):
+            prompt = prompts[index] if index < len(prompts) else f"prompt {index}"
+            pairs = []
+            for name, video in sorted(renders.items()):
+                label = f" + {name}" if name else ""
+                figures = [_figure(base[index][name], page_dir, f"base{label}", "base")] if name in base[index] else []
+                figures.append(_figure(video, page_dir, f"step {number}{label}", "trained"))
+                pairs.append(f"<div class='pair' data-render='{_esc(name)}'>{''.join(figures)}</div>")
             cells.append(
-                f"<figure><video src='{_esc(src)}' controls muted loop preload='auto'></video>"
-                f"<figcaption>{_esc(prompt)}</figcaption></figure>"
+                f"<div class='prompt' data-prompt='{index}'>{''.join(pairs)}<p class='caption'>{_esc(prompt)}</p></div>"
             )
         if cells:
-            number = re.sub(r"^step-0*(?=\d)", "", step.name)
-            blocks.append(f"<h3>step {_esc(number)}</h3><div class='step'>{''.join(cells)}</div>")
+            mark = ""
+            if number.isdigit() and int(number) in kept.get("kept", []):
+                mark = f" <span class='kept'>export kept ({_esc(kept.get('by', ''))})</span>"
+            blocks.append(f"<h3>step {_esc(number)}{mark}</h3><div class='step'>{''.join(cells)}</div>")
     return "".join(blocks) or "<p class='muted'>no validation videos yet (validation.every, validation.prompts)</p>"
+
+
+def _kept(run_dir: Path, page_dir: Path, record: dict) -> str:
+    """The steps whose exports [keep_best] kept (keep_best.json), best first."""
+    if not record:
+        return "<p class='muted'>no exports kept by step ([keep_best] count = k keeps the k best steps')</p>"
+    scores = {int(step): value for step, value in record.get("scores", {}).items()}
+    best = record.get("best", [])
+    goal = record.get("goal", "min")
+    order = sorted(
+        record.get("kept", []), key=lambda s: (s not in best, scores.get(s, 0) * (1 if goal == "min" else -1))
+    )
+    rows = []
+    for step in order:
+        folder = run_dir / "exports" / f"step-{step:06d}"
+        link = Path(os.path.relpath(folder, page_dir)).as_posix()
+        why = f"best {best.index(step) + 1} of {record.get('count')}" if step in best else "newest (kept)"
+        rows.append(
+            f"<tr data-step='{step}'><td>{step}</td><td>{scores.get(step, float('nan')):.6g}</td>"
+            f"<td>{_esc(why)}</td><td><a href='{_esc(link)}'>{_esc(link)}</a></td></tr>"
+        )
+    head = f"<tr><th>step</th><th>{_esc(record.get('by'))}</th><th>why</th><th>export</th></tr>"
+    text = (
+        f"<p>the {record.get('count')} best steps by {_esc(record.get('by'))} ({'lowest' if goal == 'min' else 'highest'}"
+        f" best) of {len(scores)} measured: steps {', '.join(map(str, best)) or '-'}; the other steps' exports are "
+        "deleted, never the newest.</p>"
+    )
+    return text + f"<table class='kept-exports'>{head}{''.join(rows)}</table>"
+
+
+def _gap_warnings(records: list[dict]) -> str:
+    return "".join(f"<p class='warning'>step {step}: {_esc(text)}</p>" for step, text in widenings(records))
 
 
 def _window(config: dict) -> str:
@@ -262,9 +333,12 @@ def build_report(run_dir: Path, page_dir: Path | None = None) -> str:
     config_text, config = _read_config(run_dir)
     records = _metrics(run_dir)
     prompts = config.get("validation", {}).get("prompts", [])
+    page_dir = Path(page_dir or run_dir)
+    kept = _read_json(run_dir / "keep_best.json")
     sections = [
-        ("Training", _plots(records)),
-        ("Validation videos", _videos(run_dir, Path(page_dir or run_dir), prompts)),
+        ("Training", _gap_warnings(records) + _plots(records)),
+        ("Validation videos", _videos(run_dir, page_dir, prompts, kept)),
+        ("Kept exports", _kept(run_dir, page_dir, kept)),
         ("Window", _window(config)),
         ("Precompute", _precompute(run_dir)),
         ("Config (resolved)", f"<pre>{_esc(config_text) or 'no config.toml'}</pre>"),

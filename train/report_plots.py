@@ -1,15 +1,18 @@
 """The report's training curves as plotly figures (train/report.py puts them on the page).
 
 One figure per quantity, each from metrics.jsonl alone: every loss-like metric (loss, audio_loss, the held-out
-eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the learning rate, the
-gradient norm, samples/s, transformer tokens/s, the wait for data, the peak memory of every rank, and each metric of
-the validation videos. plotly writes the HTML and the JavaScript that draws it; vt writes none.
+eval_loss, any key ending in `loss`) raw and as a moving average, the held-out loss per sigma, the gap between the
+held-out and the training loss (train/loss_gap.py, its widenings marked), the learning rate, the gradient norm, samples/s,
+transformer tokens/s, the wait for data, the peak memory of every rank, and each metric of the validation videos
+(the trained model's beside the base's and the stacked render's). plotly writes the HTML and the JavaScript that draws
+it; vt writes none.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from vt.train.loss_gap import gaps, widenings
 from vt.train.plots import moving_average
 
 __all__ = ["curve_figures", "loss_keys"]
@@ -121,6 +124,32 @@ def held_out_figure(records: list[dict]):
     return fig
 
 
+def gap_figure(records: list[dict]):
+    """The held-out loss minus the mean training loss since the evaluation before, at each held-out evaluation but the
+    first; the evaluations at which it widened (train/loss_gap.py) marked."""
+    import plotly.graph_objects as go
+
+    found = gaps(records)
+    if not found:
+        return None
+    fig = _figure("held-out gap (held-out loss - mean training loss since the evaluation before)", "gap")
+    x, y = _thin([g.step for g in found], [g.gap for g in found])
+    fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name="gap"))
+    widened = {step for step, _ in widenings(records)}
+    if widened:
+        marked = [g for g in found if g.step in widened]
+        fig.add_trace(
+            go.Scatter(
+                x=[g.step for g in marked],
+                y=[g.gap for g in marked],
+                mode="markers",
+                name="widening",
+                marker=dict(color="#d62728", size=11, symbol="triangle-up"),
+            )
+        )
+    return fig
+
+
 def memory_figure(records: list[dict]):
     import plotly.graph_objects as go
 
@@ -142,20 +171,24 @@ def memory_figure(records: list[dict]):
 
 
 def video_metric_figures(records: list[dict]) -> list:
-    """One figure per metric of the validation videos (`val/<metric>/<prompt>`, train/video_metrics), a curve per
-    prompt."""
+    """One figure per metric of the validation videos (train/video_metrics): a curve per prompt and kind of render
+    (`val/<metric>/<prompt>`: the trained model's; `val/<kind>/<metric>/<prompt>`: the base's, a stacked render's) and
+    the mean over the prompts (`val/<metric>`, `val/<kind>/<metric>`)."""
     import plotly.graph_objects as go
 
-    keys = sorted({key for r in records for key in r if key.startswith("val/") and key.count("/") >= 2})
-    metrics: dict[str, list[str]] = {}
-    for key in keys:
-        metrics.setdefault(key.rsplit("/", 1)[0], []).append(key)
+    curves: dict[str, list[tuple[str, str]]] = {}  # metric -> (key, curve name)
+    for key in sorted({key for r in records for key in r if key.startswith("val/")}):
+        parts = key.split("/")[1:]
+        prompt = parts.pop() if parts[-1].isdigit() else None
+        kind, metric = (parts[0], parts[1]) if len(parts) == 2 else ("", parts[0])
+        name = " ".join(filter(None, [f"prompt {prompt}" if prompt else "mean", kind]))
+        curves.setdefault(metric, []).append((key, name))
     figures = []
-    for metric, per_prompt in metrics.items():
-        fig = _figure(f"validation videos: {metric[len('val/') :]}", metric.rsplit("/", 1)[-1])
-        for key in per_prompt:
+    for metric, keys in curves.items():
+        fig = _figure(f"validation videos: {metric}", metric)
+        for key, name in keys:
             x, y = _thin(*_series(records, key))
-            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"prompt {key.rsplit('/', 1)[-1]}"))
+            fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name))
         figures.append(fig)
     return figures
 
@@ -167,6 +200,7 @@ def curve_figures(records: list[dict]) -> list:
     figures = [
         loss_figure(records) if loss_keys(records) else None,
         held_out_figure(records),
+        gap_figure(records),
         _single(records, "lr", "learning rate", "lr", from_zero=True),
         _single(records, "grad_norm", "gradient norm (before clipping)", "norm"),
         _single(records, "samples_s", "samples/s", "samples/s", from_zero=True),

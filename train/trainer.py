@@ -65,6 +65,7 @@ from vt.train.step import LossPath
 from vt.train.trackers import Tracker
 from vt.train.transformer_setup import TransformerSetup
 from vt.train.validation import Validator, validation_loads
+from vt.train.validation_rounds import ValidationRounds
 from vt.train.window_match import WindowMatch
 
 __all__ = ["Trainer", "autocast_dtype"]
@@ -193,9 +194,9 @@ class Trainer:
             parts_dtype=self.dtypes.pipeline_parts,
             extra_parts=self.setup.untrained_experts,
         )
+        self.validation = ValidationRounds(self.validator, self.parts, self.world, self.tracker)
         self.step = 0
         self._checkpointed = -1
-        self._validated: tuple[int, list[Path]] = (-1, [])  # the last validated step and its videos
 
     def _staged(self):
         """Pipeline stages: each held-out forward as one pass over the stages (parallel/pp_validation.py)."""
@@ -260,6 +261,7 @@ class Trainer:
             unlogged = (metrics, stats)
             if measured or self.step_log.due(self.step):  # the only host reads of a step, on every rank alike
                 last_loss = self.step_log.log(self.step, *unlogged)
+                self.parts.logged(self.step, self.step_log.logged)
                 unlogged, stats = None, StepStats()
                 progress.update(1, loss=last_loss)
             else:
@@ -270,8 +272,10 @@ class Trainer:
         final = self.parts.final_metrics(self.transformer, self.step) if self.step else {}
         if unlogged is not None:  # the last step always reaches the metrics, whatever the interval
             last_loss = self.step_log.log(self.step, {**unlogged[0], **final}, unlogged[1])
+            self.parts.logged(self.step, self.step_log.logged)
         elif final:  # the last step's record again, with the held-out loss
             self.tracker.log(self.step, {**self.step_log.logged, **final}, force=True)
+            self.parts.logged(self.step, {**self.step_log.logged, **final})
         return self.finish(last_loss)
 
     def _one_step(self, micro: list[Batch], stats: StepStats) -> tuple[dict, bool]:
@@ -280,8 +284,8 @@ class Trainer:
         if self.is_main:
             self.window.flush_read()  # backpressure: what the step and the read-ahead read (at most every poll)
         self.startup.mark("first_batch")
-        if self.validator.enabled:
-            self.validator.conditions()  # the window has them once a shard is there: stop now if it lacks them
+        if self.validation.before_step(self.transformer, self.step):
+            self.startup.mark("validation_base")
         metrics = self.train_step(micro)
         self.data_state = micro[-1].state  # what a checkpoint of this step resumes from
         self.step += 1
@@ -390,15 +394,7 @@ class Trainer:
     # -- validation and export, on the training model itself -------------------------------------------
     def validate(self) -> list[Path]:
         """Validation videos of the training model; every rank takes part (see validation.py)."""
-        if not self.validator.enabled:
-            return []
-        if self._validated[0] == self.step:  # the periodic validation already rendered this step
-            return self._validated[1]
-        videos = self.validator.render(self.transformer, self.step, self.parts.weights_for("validation"))
-        self.world.barrier()
-        self._validated = (self.step, videos)
-        self.tracker.log_records(self.parts.after_validation(self.step, videos))  # the videos' metrics, as done
-        return videos
+        return self.validation.validate(self.transformer, self.step)
 
     def export(self) -> Path:
         """The LoRA files or full weights (every rank calls this), and each part's other exports (the EMA's average,
@@ -426,7 +422,7 @@ class Trainer:
         self.checkpoint()
         export = self.export()
         videos = self.validate()
-        self.tracker.log_records(self.parts.after_run())  # the one wait for work beside training (the videos' metrics)
+        self.validation.finish()
         summary = {"steps": self.step, "last_loss": last_loss, "export": str(export), "videos": len(videos)}
         write_memory(self.run_dir, self.world, self.device, self.host_baseline_gb, self.startup_peak_gb)
         if self.is_main:

@@ -14,14 +14,24 @@ No second copy and no text encoder:
   sharded forwards stay in step. The rank at cp = tp = pp = 0 of each group decodes and writes the video.
 - under pipeline parallel the stages of a group render the same prompt together: each transformer call
   runs over the stages and every stage gets the last one's prediction (parallel/pp_validation.py).
+- besides each prompt's plain video (`<prompt>.mp4`), the parts' renders (`Part.validation_renders`: a stacked
+  LoRA's `<prompt>-stacked.mp4`), each inside its own context, every rank entering it alike;
+- the base's renders (`validation.base`), once per run in validation/base/ with the same seeds and so the same
+  noise: a LoRA's with its adapters switched off (peft's flag, every kind; no second copy), a full fine-tune's
+  at step 0. base.json, written last, names what they were rendered with; a later validation, or a resumed
+  run, with the same settings reuses them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import shutil
 from pathlib import Path
 
 import torch
 
+from vt.shared.adapters import adapters_off
 from vt.shared.buckets import Bucket
 from vt.shared.config import Config
 from vt.shared.errors import UserError
@@ -31,8 +41,17 @@ from vt.shared.vae_tiling import can_tile, decide, free_device_memory, pass_peak
 from vt.shared.validation_inputs import decode_conditions, image_input, pair_input, prompt_input
 from vt.shared.video_io import load_image, read_fitted, write_video
 from vt.train.parallel.pp_validation import staged_inference
+from vt.train.parts.base import Render
 
 log = get_logger("vt.train.validation")
+PLAIN = Render("", lambda transformer: contextlib.nullcontext())
+BASE_DIR = "base"  # <run.dir>/validation/base/: the base's renders
+BASE_RECORD = "base.json"  # what they were rendered with, written last
+
+
+def video_name(index: int, render: Render) -> str:
+    """`00.mp4` for prompt 0's plain video, `00-stacked.mp4` for its render named "stacked"."""
+    return f"{index:02d}-{render.name}.mp4" if render.name else f"{index:02d}.mp4"
 
 
 class MissingConditions(FileNotFoundError):
@@ -158,18 +177,81 @@ class Validator:
         rounds = -(-len(self.prompts) // dp)
         return [r * dp + dp_rank if r * dp + dp_rank < len(self.prompts) else None for r in range(rounds)]
 
-    def render(self, transformer, step: int, weights) -> list[Path]:
+    def render(self, transformer, step: int, weights, renders: list[Render] = ()) -> list[Path]:
         """`run` with validation's attention kernel (validation.attention_backend, the training one after) and the
         weights the parts give for validation (`weights`: a context, the EMA's average with ema.validation)."""
+        with self._kernel(transformer), weights:
+            return self.run(transformer, step, renders)
+
+    def _kernel(self, transformer):
         from vt.train.attention import backend_for
 
         kernel = self.config.train.attention_backend
-        with backend_for(transformer, self.config.validation.attention_backend or kernel, restore=kernel), weights:
-            return self.run(transformer, step)
+        return backend_for(transformer, self.config.validation.attention_backend or kernel, restore=kernel)
+
+    # -- the base's renders --------------------------------------------------------------------------
+    @property
+    def base_dir(self) -> Path:
+        return self.config.run_dir / "validation" / BASE_DIR
+
+    def base_key(self, renders: list[Render]) -> dict:
+        """What decides the base's videos: the model, the prompts and their inputs, the sampling, every render."""
+        config = self.config
+        validation, model = config.validation, config.model
+        return {
+            "model": [model.path, dict(sorted(model.components.items())), model.dtype, config.train.mixed_precision],
+            "inputs": [self.prompts, validation.images, validation.last_images, validation.videos],
+            "sampling": [validation.steps, config.train.seed, self.bucket.name, config.buckets.fps],
+            "renders": [[r.name, r.steps, [list(a) for a in r.arguments], r.key] for r in renders],
+        }
+
+    def stored_base(self) -> dict | None:
+        """base.json (None where there is none or it cannot be read)."""
+        try:
+            return json.loads((self.base_dir / BASE_RECORD).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def render_base(self, transformer, step: int, renders: list[Render] = ()) -> list[Path]:
+        """The base's renders of every prompt (and render) into validation/base/, unless base.json says they are
+        there for these settings (every rank calls this; rank 0 reads base.json and tells the others). A LoRA's base
+        is the transformer with its adapters switched off, at any step; a full fine-tune's is its weights at step 0,
+        so a full fine-tune resumed without them has none (logged)."""
+        if not (self.enabled and self.config.validation.base):
+            return []
+        key = json.loads(json.dumps(self.base_key(renders)))  # as base.json reads back
+        stored = self.world.broadcast_object(self.stored_base() if self.world.is_main else None)
+        if stored is not None and stored.get("key") == key:
+            if self.world.is_main:
+                log.info("validation: the base's videos of step %d reused (%s)", stored["step"], self.base_dir)
+            return []
+        lora = self.config.train.mode == "lora"
+        if not lora and step > 0:
+            if self.world.is_main:
+                log.warning(
+                    "validation.base: a full fine-tune's base videos are its step-0 renders, and this run is at "
+                    "step %d without them for these settings (%s): the run page shows no base beside its videos",
+                    step,
+                    self.base_dir,
+                )
+            return []
+        if self.world.is_main:
+            shutil.rmtree(self.base_dir, ignore_errors=True)  # another setting's videos
+        self.world.barrier()
+        with self._kernel(transformer), adapters_off(transformer) if lora else contextlib.nullcontext():
+            paths = self.run(transformer, step, renders, out_dir=self.base_dir)
+        self.world.barrier()  # every writer is done: then the record
+        if self.world.is_main:
+            record = self.base_dir / BASE_RECORD
+            record.parent.mkdir(parents=True, exist_ok=True)
+            record.write_text(json.dumps({"step": step, "key": key}, indent=1))
+            log.info("validation: the base's videos rendered (%s)", self.base_dir)
+        return paths
 
     @torch.no_grad()
-    def run(self, transformer, step: int) -> list[Path]:
-        """Every rank calls this with the training model; returns the videos this rank wrote."""
+    def run(self, transformer, step: int, renders: list[Render] = (), out_dir: Path | None = None) -> list[Path]:
+        """Every rank calls this with the training model; returns the videos this rank wrote (each prompt's plain
+        video, then each of `renders`', into `out_dir`, by default validation/step-<step>/)."""
         if not self.enabled:
             return []
         conditions = self.conditions()
@@ -182,55 +264,57 @@ class Validator:
         parts_to(pipeline, self.world.device)  # (kept in host memory between validations)
         if self._tiled is None:
             self._tiled = self._decode_tiled(pipeline.vae)
-        coordinate = self.world.dims.coordinate(self.world.rank)
-        writes = coordinate["cp"] == 0 and coordinate["tp"] == 0 and coordinate["pp"] == 0
-        decodes = coordinate["pp"] == 0  # the other stages only help denoise
-        out_dir = self.config.run_dir / "validation" / f"step-{step:06d}"
-        train = self.config.train
+        out_dir = out_dir or self.config.run_dir / "validation" / f"step-{step:06d}"
         was_training = transformer.training
         transformer.eval()
         held = hold_no_gathered_weights(transformer)
         paths = []
-        stages = [transformer, *self.extra_parts().values()]  # under parallel.pp > 1: run over the stages
         try:
-            for round_index, index in enumerate(self.assignments()):
-                shown = index if index is not None else round_index * self.world.dims.dp  # a stand-in: any prompt
-                image = self.images[shown] if self.images else None
-                extra = {"last_image": self.last_images[shown]} if self.last_images else {}  # flf2v
-                if self.controls:  # the prompt's control video
-                    extra["control"] = self.controls[shown]
-                with (
-                    torch.autocast(
-                        torch.device(device).type,
-                        dtype=self.autocast or torch.float32,
-                        enabled=self.autocast is not None,
-                    ),
-                    staged_inference(stages, self.world.device),
-                    tiling(pipeline.vae, self._tiled),
-                ):
-                    frames, sound = self.spec.generate_clip(
-                        pipeline,
-                        None,
-                        self.bucket,
-                        self.config.validation.steps,
-                        seed=train.seed + shown,
-                        image=image,
-                        conditions=conditions[shown],
-                        decode=index is not None and decodes,
-                        **extra,
-                    )
-                if index is None:
-                    continue
-                if writes:
-                    paths.append(
-                        write_video(frames, out_dir / f"{index:02d}.mp4", fps=self.config.buckets.fps, sound=sound)
-                    )
+            for render in (PLAIN, *renders):
+                with render.context(transformer):
+                    paths += self._render_prompts(pipeline, transformer, render, conditions, out_dir)
         finally:
             transformer.train(was_training)
             reshard(transformer, held)
             parts_to(pipeline, torch.device("cpu"))  # the device memory goes back to training
         if paths:
             log.info("validation step %d: %d videos in %s", step, len(paths), out_dir)
+        return paths
+
+    def _render_prompts(self, pipeline, transformer, render: Render, conditions, out_dir: Path) -> list[Path]:
+        """One render of every prompt, this rank's in its rounds (stand-ins where it has none left)."""
+        coordinate = self.world.dims.coordinate(self.world.rank)
+        writes = coordinate["cp"] == 0 and coordinate["tp"] == 0 and coordinate["pp"] == 0
+        decodes = coordinate["pp"] == 0  # the other stages only help denoise
+        device = self.world.device
+        stages = [transformer, *self.extra_parts().values()]  # under parallel.pp > 1: run over the stages
+        paths = []
+        for round_index, index in enumerate(self.assignments()):
+            shown = index if index is not None else round_index * self.world.dims.dp  # a stand-in: any prompt
+            image = self.images[shown] if self.images else None
+            extra = {"last_image": self.last_images[shown]} if self.last_images else {}  # flf2v
+            if self.controls:  # the prompt's control video
+                extra["control"] = self.controls[shown]
+            with (
+                torch.autocast(device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None),
+                staged_inference(stages, device),
+                tiling(pipeline.vae, self._tiled),
+            ):
+                frames, sound = self.spec.generate_clip(
+                    pipeline,
+                    None,
+                    self.bucket,
+                    render.steps or self.config.validation.steps,
+                    seed=self.config.train.seed + shown,  # the same noise in every render and in the base's
+                    image=image,
+                    conditions=conditions[shown],
+                    decode=index is not None and decodes,
+                    **extra,
+                    **dict(render.arguments),
+                )
+            if index is not None and writes:
+                path = out_dir / video_name(index, render)
+                paths.append(write_video(frames, path, fps=self.config.buckets.fps, sound=sound))
         return paths
 
     def _decode_tiled(self, vae) -> bool:

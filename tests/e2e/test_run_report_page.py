@@ -81,7 +81,7 @@ CHECK = """(async () => {
   const drawn = plots.filter(p => p.querySelector('svg.main-svg') &&
                                   p.querySelectorAll('.scatterlayer .trace path.js-line').length > 0).length;
   const titles = plots.map(p => (p.querySelector('.gtitle') || {}).textContent || '');
-  const video = document.querySelector('video');
+  const video = document.querySelector('figure.trained video');
   await video.play();
   const start = video.currentTime;
   const until = Date.now() + 20000;
@@ -103,8 +103,9 @@ def test_report_renders_in_a_real_browser_with_plots_drawn_a_video_playing_and_n
     print(f"report screenshot: {screenshot}")
     assert seen["plots"] >= 6 and seen["drawn"] == seen["plots"], seen
     assert {"loss", "learning rate", "samples/s"} <= set(seen["titles"]), seen["titles"]
-    steps = sorted(p.name for p in (run_dir / "validation").iterdir())
-    assert len(steps) >= 2 and seen["videos"] == len(PROMPTS) * len(steps), (steps, seen)  # every prompt, every step
+    steps = sorted(p.name for p in (run_dir / "validation").glob("step-*"))
+    # every prompt at every step, each beside the base's video (validation.base)
+    assert len(steps) >= 2 and seen["videos"] == 2 * len(PROMPTS) * len(steps), (steps, seen)
     assert seen["error"] is None and seen["readyState"] >= 2 and seen["advanced"] > 0.1, seen
     assert seen["src"].startswith("file://") and "/validation/step-" in seen["src"]
     remote = [r for r in requests if "url" in r and not r["url"].startswith(("file://", "data:", "blob:"))]

@@ -12,7 +12,7 @@ once and the trainer must finish with every sample trained once per epoch. For t
 (one per kind of training state: the default, one expert of two, both experts, a full fine-tune, two
 block lists, an audio-video transformer) the trainer is SIGKILLed right after its second checkpoint
 (after a validation) and resumed, checkpointing and validating every 2 steps; the others' state is of those kinds, so
-they train one epoch and checkpoint and validate at its end only. A new config is covered by
+they train one epoch and checkpoint and validate at its end only, without the base's videos. A new config is covered by
 adding the file. `test_shipped_configs_start_under_pipeline_parallel` starts each under parallel.pp = 2.
 """
 
@@ -76,8 +76,9 @@ def overrides(config_path: Path, tmp_path: Path, model: Path, raw: Path) -> list
         *(
             ["train.checkpoint_every=2", "validation.every=2"]
             if config_path.stem in KILLED
-            # one epoch, validated and checkpointed at the end only: the killed configs cover the intervals
-            else ["train.epochs=1", "train.checkpoint_every=1000", "validation.every=1000"]
+            # one epoch, validated and checkpointed at the end only, without the base's videos: the killed configs
+            # cover the intervals and the base's videos, made before the kill and reused by the resume
+            else ["train.epochs=1", "train.checkpoint_every=1000", "validation.every=1000", "validation.base=false"]
         ),
         f"validation.steps={min(validation.steps, 2)}",
         "log.every_steps=1",

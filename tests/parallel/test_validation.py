@@ -1,6 +1,7 @@
 """Validation on the training model itself, with no text encoder: under FSDP2 every rank renders its own
 prompts from conditions stage 1 stored in the window, under pipeline parallel the two stages render every prompt
-together (each denoising step's transformer call runs over both), and the videos are the ones one process renders."""
+together (each denoising step's transformer call runs over both), and the videos are the ones one process renders: the
+trained LoRA's, and the base's (validation.base: the adapters switched off on every rank alike)."""
 
 from __future__ import annotations
 
@@ -83,14 +84,15 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
     log = tmp_path / "single.log"
     finish(single(config, log=log), log)
     for index in range(len(PROMPTS)):
-        alone = read_video(tmp_path / "validate" / "validation" / "step-000001" / f"{index:02d}.mp4").astype(int)
-        assert alone.shape == (9, 64, 64, 3)
-        for layout in ("fsdp", "pp"):
-            video = read_video(tmp_path / layout / "validation" / "step-000001" / f"{index:02d}.mp4").astype(int)
-            assert video.shape == alone.shape
-            difference = np.abs(video - alone).mean()
-            print(f"{layout} prompt {index}: mean |difference| {difference:.4f} of 255")
-            assert difference < 0.5, f"prompt {index}: {layout} validation differs from one process"
+        for folder in ("step-000001", "base"):  # the trained LoRA's videos, and the base's (its adapters off)
+            alone = read_video(tmp_path / "validate" / "validation" / folder / f"{index:02d}.mp4").astype(int)
+            assert alone.shape == (9, 64, 64, 3)
+            for layout in ("fsdp", "pp"):
+                video = read_video(tmp_path / layout / "validation" / folder / f"{index:02d}.mp4").astype(int)
+                assert video.shape == alone.shape
+                difference = np.abs(video - alone).mean()
+                print(f"{layout} {folder} prompt {index}: mean |difference| {difference:.4f} of 255")
+                assert difference < 0.5, f"prompt {index}: {layout} validation ({folder}) differs from one process"
     for layout in ("fsdp", "pp"):  # one writer per data-parallel group: each prompt's video once
         assert sorted(p.name for p in (tmp_path / layout / "validation" / "step-000001").iterdir()) == [
             f"{index:02d}.mp4" for index in range(len(PROMPTS))

@@ -3,6 +3,9 @@ full weights with from_pretrained; LTX-Video image-to-video trains and validates
 
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import torch
 
 from vt.shared.config import load_config
@@ -108,9 +111,11 @@ def test_ltx_image_to_video_trains_and_validates_with_the_i2v_pipeline(
 
 def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tmp_path, tiny_model_factory, raw_shards):
     """model.expert = "all": each sample trains the expert of its sigma (sigmas reach both sides of the
-    boundary), validation runs the pipeline around both trained experts, and each expert's full
-    weights land in model/<pipeline component> for from_pretrained."""
+    boundary), validation runs the pipeline around both trained experts (the base's videos: its step-0 renders), and
+    each expert's full weights land in model/<pipeline component> for from_pretrained."""
     from diffusers import WanTransformer3DModel
+
+    from vt.shared.video_io import read_video
 
     model = tiny_model_factory("wan2.2")
     config, trainer, summary = precompute_and_train(
@@ -125,6 +130,14 @@ def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tm
         validation={"prompts": ["a rabbit"], "steps": 2},
     )
     assert summary["export"] == str(tmp_path / "run" / "model") and summary["videos"] == 1
+    # a full fine-tune's base videos (validation.base) are its step-0 renders, kept beside the trained weights' ones
+    validation = tmp_path / "run" / "validation"
+    assert json.loads((validation / "base" / "base.json").read_text())["step"] == 0
+    base, last = (
+        read_video(path).astype(int)
+        for path in (validation / "base" / "00.mp4", validation / f"step-{summary['steps']:06d}" / "00.mp4")
+    )
+    assert base.shape == last.shape and np.abs(base - last).mean() > 0.5
     pipeline = trainer.validator._pipeline
     assert pipeline.transformer is trainer.transformer["high_noise"]
     assert pipeline.transformer_2 is trainer.transformer["low_noise"]

@@ -15,7 +15,7 @@ import contextlib
 from vt.shared.config import Config
 from vt.train.parts.activation_offload import ActivationOffloadPart
 from vt.train.parts.adapter import AdapterPart
-from vt.train.parts.base import Change, ModelMemory, Part, RunContext
+from vt.train.parts.base import Change, ModelMemory, Part, Render, RunContext
 from vt.train.parts.block_swap import BlockSwapPart
 from vt.train.parts.caption_dropout import CaptionDropoutPart
 from vt.train.parts.ema import EMAPart
@@ -23,11 +23,13 @@ from vt.train.parts.fp8_training import FP8TrainingPart
 from vt.train.parts.frozen_base import FrozenBasePart
 from vt.train.parts.guidance import GuidancePart
 from vt.train.parts.held_out import HeldOutPart
+from vt.train.parts.keep_best import KeepBestPart
 from vt.train.parts.lr_schedule import LRSchedulePart
 from vt.train.parts.token_budget import TokenBudgetPart
+from vt.train.parts.validation_stack import ValidationStackPart
 from vt.train.parts.video_metrics import VideoMetricsPart
 
-__all__ = ["PARTS", "Change", "ModelMemory", "Part", "Parts", "RunContext"]
+__all__ = ["PARTS", "Change", "ModelMemory", "Part", "Parts", "Render", "RunContext"]
 
 PARTS: tuple[type[Part], ...] = (
     AdapterPart,
@@ -42,6 +44,8 @@ PARTS: tuple[type[Part], ...] = (
     ActivationOffloadPart,
     HeldOutPart,
     VideoMetricsPart,
+    ValidationStackPart,
+    KeepBestPart,
 )
 
 
@@ -147,6 +151,9 @@ class Parts:
     def exports(self) -> list:
         return [export for part in self.all for export in part.exports()]
 
+    def validation_renders(self) -> list[Render]:
+        return [render for part in self.all for render in part.validation_renders()]
+
     def checkpoint_state(self) -> dict | None:
         state = {key: value for part in self.all for key, value in part.checkpoint_state().items()}
         return state or None
@@ -170,6 +177,10 @@ class Parts:
 
     def after_run(self) -> list[tuple[int, dict]]:
         return [record for part in self.all for record in part.after_run()]
+
+    def logged(self, step: int, record: dict) -> None:
+        for part in self.all:
+            part.logged(step, record)
 
     def trace_key(self) -> tuple:
         return tuple((part.section, part.trace_key()) for part in self.all if part.trace_key())

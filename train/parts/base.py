@@ -12,10 +12,12 @@ the order of `vt.train.parts.PARTS`; neither branches on an option. Every hook i
   forward, `forward_context()` around each forward, `after_backward()`, `after_optimizer_step()`,
   `batch_sizes(sizes, spec, buckets)` for the samples per bucket, `scheduler(optimizer, max_steps)`;
 - the weights outside the step: `weights_for(purpose)` ("validation", "held_out") and `exports()`;
+- validation: `validation_renders()`, more videos of each prompt (a stacked LoRA's);
 - checkpoints: `checkpoint_state()` to save, `resume_state(path)` to load into, `after_resume(step)`;
 - metrics: `step_metrics(model, step)` after each optimizer step, `final_metrics(model, step)` at the end;
   `after_validation(step, videos)` after each validation (the videos this rank wrote) and `after_run()` after the last,
-  each returning records (step, metrics) for rank 0 to log;
+  each returning records (step, metrics) for rank 0 to log; `logged(step, record)` after each record metrics.jsonl
+  gets (every rank alike);
 - memory: `model_memory(memory)` for each transformer the plan builds, `run_memory(plan)` once its trace is in.
 """
 
@@ -73,6 +75,21 @@ def with_checkpointing(settings: Change) -> Change:
         (("parallel", (("activation_checkpointing", True),)), *settings.section_values),
         settings.gpus,
     )
+
+
+@dataclass(frozen=True)
+class Render:
+    """One more video of each validation prompt (`Part.validation_renders`), `<prompt>-<name>.mp4` beside the plain
+    one at every validation and among the base's renders: rendered inside `context(transformer)` (every rank enters
+    it alike), with `steps` sampling steps (None: validation.steps) and the pipeline call's `arguments` ((name, value),
+    ...: a sampler's guidance scale). `key` names what decides its videos (files, strengths): the base's renders are
+    reused only while every render's key is the same."""
+
+    name: str
+    context: Callable[[torch.nn.Module], contextlib.AbstractContextManager]
+    steps: int | None = None
+    arguments: tuple = ()
+    key: str = ""
 
 
 @dataclass
@@ -148,6 +165,9 @@ class Part:
     def exports(self) -> list[tuple[str, Any]]:
         return []
 
+    def validation_renders(self) -> list[Render]:
+        return []
+
     def checkpoint_state(self) -> dict:
         return {}
 
@@ -171,6 +191,9 @@ class Part:
     def after_run(self) -> list[tuple[int, dict]]:
         """The run's last validation is done (every rank calls it): the records still to log."""
         return []
+
+    def logged(self, step: int, record: dict) -> None:
+        """Step `step`'s record went to metrics.jsonl (every rank calls it with the same record, at the same steps)."""
 
     def trace_key(self) -> tuple:
         """What of the part changes the plan's traced step (its activations): the plan caches traces by it."""

@@ -10,13 +10,13 @@ Costs one extra forward per step, without gradients. docs/stage2.md (`guidance.p
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
+from vt.shared.adapters import adapters_off
 from vt.shared.errors import UserError
 from vt.shared.models.flow import Prediction
 from vt.train.parts.base import Part, RunContext
@@ -35,31 +35,6 @@ def guided(out: Prediction, base: Prediction, scale: float) -> Prediction:
     if audio is not None:
         audio = replace(audio, target=guided_target(audio.target, base.audio.prediction, scale))
     return replace(out, target=guided_target(out.target, base.prediction, scale), audio=audio)
-
-
-@contextlib.contextmanager
-def adapters_off(model: nn.Module):
-    """Every peft adapter layer of `model` (LoRA, DoRA, LoHa, LoKr: `adapter.kind`) computes its base layer alone,
-    then is switched back on. Only peft's `disable_adapters` flag changes: unlike its `enable_adapters`, no
-    requires_grad flag is touched (FSDP2 copies those into its unsharded parameters at their first all-gather)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [module for module in model.modules() if isinstance(module, BaseTunerLayer)]
-    if not layers:
-        raise ValueError("guidance.scale needs the frozen base: the transformer has no adapters to switch off")
-    before = [layer._disable_adapters for layer in layers]
-    for layer in layers:
-        layer._disable_adapters = True
-        if not layer.disable_adapters:  # a peft that keeps the flag elsewhere
-            raise RuntimeError(
-                f"{type(layer).__name__}.disable_adapters did not follow _disable_adapters: this peft "
-                "version switches adapters off another way"
-            )
-    try:
-        yield
-    finally:
-        for layer, flag in zip(layers, before):
-            layer._disable_adapters = flag
 
 
 def copied(generators: list[torch.Generator] | None) -> list[torch.Generator] | None:

@@ -15,7 +15,8 @@ Under pipeline parallel each call runs over the stages (parallel/pp_validation.p
 the first evaluation, and held in host memory: it is meant to be small (tens of clips).
 
 Logged as `eval_loss` (the mean over samples and sigmas) and `eval_loss/sigma_<s>` (per sigma), beside the training
-loss in metrics.jsonl, the trackers and the run page.
+loss in metrics.jsonl, the trackers and the run page. The gap between it and the training loss is plotted on the page,
+and a warning logged (and shown there) when it widens (train/loss_gap.py defines both).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ from collections.abc import Callable, Iterator
 import torch
 
 from vt.shared.errors import UserError
+from vt.shared.log import get_logger
 from vt.shared.runtime import keyed_generator
 from vt.shared.window import eval_window_uri, open_reader
 from vt.train.data import Batch, BatchReader
+from vt.train.loss_gap import WINDOW, gaps, widening
 from vt.train.objectives import sample_noise
 from vt.train.parallel.batching import Slice, take_slice
 from vt.train.parts.base import Part, RunContext
 from vt.train.step import Draws
+
+log = get_logger("vt.train.held_out")
 
 
 def fixed_draws(sample: Slice, sigmas: list[float], seed: int, levels: int, independent_audio: bool) -> Iterator[Draws]:
@@ -160,6 +165,7 @@ class HeldOutPart(Part):
 
     def start(self, run: RunContext) -> None:
         self.run, self.held_out, self.evaluated = run, None, -1
+        self.records: dict[int, dict] = {}  # step -> its logged training and held-out loss (the gap's)
 
     def evaluate(self, model, step: int) -> dict[str, float]:
         """The held-out metrics of `model` as it is now (every rank calls it)."""
@@ -184,3 +190,16 @@ class HeldOutPart(Part):
 
     def final_metrics(self, model, step: int) -> dict:
         return self.evaluate(model, step) if 0 < step != self.evaluated else {}
+
+    def logged(self, step: int, record: dict) -> None:
+        """Warn when the gap between the held-out and the training loss widens (train/loss_gap.py), on rank 0."""
+        self.records[step] = {key: record[key] for key in ("step", "loss", "eval_loss") if key in record}
+        self.records[step]["step"] = step
+        if "eval_loss" not in record or not self.run.world.is_main:
+            return
+        message = widening(gaps([self.records[s] for s in sorted(self.records)]))
+        evaluations = sorted(s for s, r in self.records.items() if "eval_loss" in r)
+        if len(evaluations) > WINDOW + 1:  # what the next judgement reads: the last WINDOW gaps and their spans
+            self.records = {s: r for s, r in self.records.items() if s >= evaluations[-WINDOW - 1]}
+        if message:
+            log.warning("step %d: %s", step, message)

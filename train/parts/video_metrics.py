@@ -28,9 +28,28 @@ NAME = re.compile(r"^(\d+)(?:[-_](\w+))?$")  # a validation video's stem: "03" (
 
 
 def video_of(path: Path) -> tuple[int, str] | None:
-    """(prompt index, kind) of a validation video's file name; None for a name validation does not write."""
+    """(prompt index, kind) of a validation video's file name ("base" in validation/base/: `validation.base`); None
+    for a name validation does not write."""
     match = NAME.match(Path(path).stem)
-    return (int(match[1]), match[2] or "lora") if match else None
+    if not match:
+        return None
+    kind = match[2] or "lora"
+    return int(match[1]), ("base" if kind == "lora" else f"base_{kind}") if Path(path).parent.name == "base" else kind
+
+
+def prompt_means(records: list[tuple[int, dict]], prompts: int, seen: dict) -> list[tuple[int, dict]]:
+    """`records` plus, for each step and metric whose `prompts` per-prompt values are all in (now or in `seen`, which
+    keeps the ones still waiting), their mean under the key without the prompt (`val/likeness`)."""
+    out = list(records)
+    for step, values in records:
+        for key, value in values.items():
+            head, _, prompt = key.rpartition("/")
+            if prompt.isdigit():
+                waiting = seen.setdefault((step, head), {})
+                waiting[prompt] = value
+                if len(waiting) == prompts:
+                    out.append((step, {head: sum(seen.pop((step, head)).values()) / prompts}))
+    return out
 
 
 class VideoMetricsPart(Part):
@@ -84,6 +103,7 @@ class VideoMetricsPart(Part):
         self.world = run.world
         self.device = run.device if self.settings.device == "training" else torch.device("cpu")
         self.metrics = None  # this rank's worker, made at its first video
+        self.waiting: dict = {}  # rank 0: (step, metric) -> the prompts' values in so far (their mean when all are)
 
     def after_validation(self, step: int, videos: list[Path]) -> list[tuple[int, dict]]:
         from vt.train.video_metrics import Scorer, VideoMetrics
@@ -105,4 +125,7 @@ class VideoMetricsPart(Part):
     def _gathered(self, records: list) -> list[tuple[int, dict]]:
         """Every rank's `records` on rank 0, by step (every rank calls it; [] elsewhere)."""
         ranks = self.world.gather_objects(records)
-        return sorted((r for rank in ranks for r in rank), key=lambda r: r[0]) if ranks is not None else []
+        if ranks is None:
+            return []
+        gathered = [r for rank in ranks for r in rank]
+        return sorted(prompt_means(gathered, len(self.config.validation.prompts), self.waiting), key=lambda r: r[0])
