@@ -7,10 +7,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video, video
 
 from vt.shared.buckets import Bucket
 
+from helpers.family_cases import (
+    BUCKET,
+    capture_transformer_inputs,
+    make_spec,
+    pipeline_latents,
+    stage1,
+    uint8_video,
+    video,
+)
 from helpers.lora_init import randomise_lora
 
 

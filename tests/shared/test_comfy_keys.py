@@ -14,12 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from family_cases import ATTN_MODULES, EXPECTED
 
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 
 from helpers import comfy_reference as ref
+from helpers.family_cases import ATTN_MODULES, EXPECTED
 from helpers.lora_init import randomise_lora
 
 # (family, task) -> the ComfyUI model class (comfy/model_base.py) its checkpoints load as:

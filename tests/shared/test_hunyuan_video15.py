@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import CAPTIONS
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 
+from helpers.family_cases import CAPTIONS
 from helpers.lora_init import randomise_lora
 
 FAMILY = "hunyuan-video-1.5"

@@ -17,11 +17,11 @@ import re
 
 import pytest
 import torch
-from family_cases import make_spec
 
 from vt.shared.buckets import Bucket
 from vt.shared.models.mochi import swap_halves
 
+from helpers.family_cases import make_spec
 from helpers.lora_init import randomise_lora
 
 REAL_LAYERS = 48  # what diffusers' converter iterates over

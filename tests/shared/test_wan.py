@@ -5,7 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import (
+
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig
+from vt.shared.models import build_spec
+
+from helpers.family_cases import (
     BUCKET,
     CAPTIONS,
     capture_transformer_inputs,
@@ -14,11 +19,6 @@ from family_cases import (
     pipeline_latents,
     uint8_video,
 )
-
-from vt.shared.buckets import Bucket
-from vt.shared.config import ModelConfig
-from vt.shared.models import build_spec
-
 from helpers.lora_init import randomise_lora
 
 

@@ -7,10 +7,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, capture_transformer_inputs, encode_clip, make_spec, pipeline_latents, uint8_video
 
 from vt.shared.models.lora import lora_weight_name
 
+from helpers.family_cases import (
+    BUCKET,
+    capture_transformer_inputs,
+    encode_clip,
+    make_spec,
+    pipeline_latents,
+    uint8_video,
+)
 from helpers.lora_init import randomise_lora
 
 IMAGE = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
