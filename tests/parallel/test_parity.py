@@ -108,7 +108,7 @@ FAMILY_LAYOUTS = {
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],
     # TP splits the attention only (SwiGLU [hidden, gate] in one projection: the FFNs stay whole); CP splits the
     # video, the joint attention's text (each sample's unpadded tokens) stays whole; both cut the per-head rotary
-    # tables to each rank's heads; conftest BUCKETS: 7 frames.
+    # tables to each rank's heads; its test bucket (family_cases): 7 frames.
     "mochi": ["fsdp-2", "tp-2", "cp-2"],
     # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels, FSDP2 over its blocks for
     # both tasks; the cogvideox row covers its TP plan.
