@@ -15,8 +15,8 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 
-from helpers.family_cases import CAPTIONS
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import CAPTIONS
 
 FAMILY = "hunyuan-video-1.5"
 BUCKET = Bucket(9, 64, 96)

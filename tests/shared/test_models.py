@@ -14,11 +14,10 @@ from vt.shared.models import FAMILIES, build_spec, get_spec_class
 from vt.shared.models.components import ModelLoadError
 from vt.shared.weights.comfy import filename as comfy_filename
 
-from helpers.family_cases import (
+from helpers.family_cases import EXPECTED, _flow_target, bucket_of
+from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import (
     CAPTIONS,
-    EXPECTED,
-    _flow_target,
-    bucket_of,
     control_frames,
     folder_digest,
     make_spec,
@@ -27,7 +26,6 @@ from helpers.family_cases import (
     video,
     with_control,
 )
-from helpers.lora_init import randomise_lora
 
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
 

@@ -10,8 +10,9 @@ from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 
-from helpers.family_cases import (
-    BUCKET,
+from helpers.family_cases import BUCKET
+from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import (
     CAPTIONS,
     capture_transformer_inputs,
     folder_digest,
@@ -19,7 +20,6 @@ from helpers.family_cases import (
     pipeline_latents,
     uint8_video,
 )
-from helpers.lora_init import randomise_lora
 
 
 # ----------------------------------------------------------------------------- Wan image-to-video
