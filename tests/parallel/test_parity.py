@@ -64,7 +64,7 @@ EXPECTED_LOG = {
 AUTO_PICKS = {"auto-2": {"dp_replicate": "2", "dp_shard": "1"}}
 
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
-# family adds its line, FSDP2 at least. DDP wraps the model whole, so its rows add nothing per family
+# family adds its line, FSDP2 at least, in a commit of its own (no other test fails without it). DDP wraps the model whole, so its rows add nothing per family
 # beyond the data-parallel split FSDP2's rows check: it runs where a family calls its transformer several
 # times before one backward or fully fine-tunes two streams, on both Wan 2.2 experts (two reducers) and under
 # Wan's gradient accumulation (the module docstring says which row covers what).
