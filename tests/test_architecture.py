@@ -141,9 +141,7 @@ def test_every_test_module_has_a_basename_of_its_own():
 
 
 # Modules of tests/ outside the helpers package, each with its reason.
-HELPERS_ELSEWHERE = {
-    "tests/shared/family_cases.py": "the families' shared cases; moves to tests/helpers once its open edits landed",
-}
+HELPERS_ELSEWHERE: dict[str, str] = {}
 
 
 def test_every_module_of_tests_but_a_test_or_a_conftest_lives_in_the_helpers_package():

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers.dist_runs import finish, single
+from vt.shared.buckets import Bucket
 
-BUCKET = "9x64x64"
-# keys whose VAE takes other frame counts (Mochi: 6k+1, MiniMax H3: 17k+5)
-BUCKETS = {"mochi": "7x64x64", "minimax-h3": "5x64x64", "minimax-h3-audio": "5x64x64"}
+from helpers.dist_runs import finish, single
+from helpers.family_cases import bucket_of
+
+SIDES = (64, 64)  # the frame count is the family's test bucket's (tests/helpers/family_cases.py: 9, Mochi 7 ...)
 # Keys sampled at another frame rate than the default 8 fps (MiniMax H3 with audio: its fixed 24 fps).
 FPS = {"minimax-h3-audio": 24.0}
 # Text of 64 tokens, not Wan's 512: parity compares float sums in other orders, and 512 mostly zero
@@ -117,7 +118,8 @@ VARIANTS = {
 
 def bucket_section(key: str) -> dict:
     """The config's buckets section for a FAMILY_TRAIN key: its one bucket, at its frame rate."""
-    return {"sizes": [BUCKETS.get(key, BUCKET)], **({"fps": FPS[key]} if key in FPS else {})}
+    bucket = Bucket(bucket_of(model_section(key)["family"]).frames, *SIDES)
+    return {"sizes": [bucket.name], **({"fps": FPS[key]} if key in FPS else {})}
 
 
 def model_section(key: str) -> dict:

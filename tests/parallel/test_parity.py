@@ -64,7 +64,7 @@ EXPECTED_LOG = {
 AUTO_PICKS = {"auto-2": {"dp_replicate": "2", "dp_shard": "1"}}
 
 # The layouts each family is checked in (docs/parallel.md says why a family supports which): a new
-# family adds its line, FSDP2 at least. DDP wraps the model whole, so its rows add nothing per family
+# family adds its line, FSDP2 at least, in a commit of its own (no other test fails without it). DDP wraps the model whole, so its rows add nothing per family
 # beyond the data-parallel split FSDP2's rows check: it runs where a family calls its transformer several
 # times before one backward or fully fine-tunes two streams, on both Wan 2.2 experts (two reducers) and under
 # Wan's gradient accumulation (the module docstring says which row covers what).
@@ -108,7 +108,7 @@ FAMILY_LAYOUTS = {
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],
     # TP splits the attention only (SwiGLU [hidden, gate] in one projection: the FFNs stay whole); CP splits the
     # video, the joint attention's text (each sample's unpadded tokens) stays whole; both cut the per-head rotary
-    # tables to each rank's heads; conftest BUCKETS: 7 frames.
+    # tables to each rank's heads; its test bucket (family_cases): 7 frames.
     "mochi": ["fsdp-2", "tp-2", "cp-2"],
     # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels, FSDP2 over its blocks for
     # both tasks; the cogvideox row covers its TP plan.

@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video, video
 
 from vt.shared.buckets import Bucket
 
+from helpers.family_cases import BUCKET
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import capture_transformer_inputs, make_spec, pipeline_latents, stage1, uint8_video, video
 
 
 def variant(tiny_model_factory, folder, seed=0, **changes):

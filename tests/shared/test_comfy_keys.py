@@ -14,12 +14,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from family_cases import ATTN_MODULES, EXPECTED
 
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 
 from helpers import comfy_reference as ref
+from helpers.family_cases import ATTN_MODULES, EXPECTED
 from helpers.lora_init import randomise_lora
 
 # (family, task) -> the ComfyUI model class (comfy/model_base.py) its checkpoints load as:
@@ -35,108 +35,6 @@ CASES = {
 # Attention and FFN of every block (regular expressions, matched whole): more of each key table.
 WIDE = {family: case["wide_lora"] for family, case in EXPECTED.items() if "wide_lora" in case}
 _ATTN = ATTN_MODULES
-
-# ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's
-# forward splits them: comfy/ldm/flux/layers.py DoubleStreamBlock (lines 212-223: qkv.view(..., 3, heads,
-# -1), q then k then v), SingleStreamBlock (line 331: split [3 x hidden, MLP]); comfy/ldm/genmo/joint_model/
-# asymm_models_joint.py AsymmetricAttention (lines 129, 135: view(..., 3, heads, -1)).
-_HUNYUAN_DOUBLE = {
-    r"double_blocks\.(\d+)\.img_attn\.qkv": (
-        "transformer_blocks.{}.attn.to_q",
-        "transformer_blocks.{}.attn.to_k",
-        "transformer_blocks.{}.attn.to_v",
-    ),
-    r"double_blocks\.(\d+)\.txt_attn\.qkv": (
-        "transformer_blocks.{}.attn.add_q_proj",
-        "transformer_blocks.{}.attn.add_k_proj",
-        "transformer_blocks.{}.attn.add_v_proj",
-    ),
-}
-FUSED = {
-    "HunyuanVideo": {
-        **_HUNYUAN_DOUBLE,
-        r"single_blocks\.(\d+)\.linear1": tuple(
-            f"single_transformer_blocks.{{}}.{p}" for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
-        ),
-    },
-    "HunyuanVideo15": _HUNYUAN_DOUBLE,
-    "GenmoMochi": {
-        r"blocks\.(\d+)\.attn\.qkv_x": tuple(f"transformer_blocks.{{}}.attn1.{p}" for p in ("to_q", "to_k", "to_v")),
-        r"blocks\.(\d+)\.attn\.qkv_y": tuple(
-            f"transformer_blocks.{{}}.attn1.{p}" for p in ("add_q_proj", "add_k_proj", "add_v_proj")
-        ),
-    },
-    # comfy/ldm/minimax/model.py Attention.forward: qkv_proj(x).split(heads * head_dim) -> q, k, v.
-    "MiniMaxH3": {
-        r"blocks\.(\d+)\.attn\.qkv_proj": tuple(f"transformer_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")),
-        r"token_refiner\.blocks\.(\d+)\.attn\.qkv_proj": tuple(
-            f"token_refiner.refiner_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")
-        ),
-    },
-}
-
-# SwiGLU inputs whose halves ComfyUI holds in the other order: ComfyUI module -> the diffusers module. H3's `mlp.fc1`
-# is [gate; value] (comfy/ops.py `_swiglu_eager`: silu(first half) x second half), diffusers' `ff.net.0.proj` is
-# [value; gate] (diffusers.models.activations.SwiGLU: value, gate = chunk(2); value x silu(gate)).
-SWAPPED_HALVES = {
-    "MiniMaxH3": {
-        r"blocks\.(\d+)\.mlp\.fc1": "transformer_blocks.{}.ff.net.0.proj",
-        r"token_refiner\.blocks\.(\d+)\.mlp\.fc1": "token_refiner.refiner_blocks.{}.ff.net.0.proj",
-    },
-}
-
-
-def comfy_weights(family: str, transformer) -> dict[str, ref.Shape]:
-    """The ComfyUI model's block weights at the tiny preset's sizes (diffusers config -> ComfyUI's
-    constructor arguments, as comfy/model_detection.py reads them off a checkpoint)."""
-    c = transformer.config
-    if family == "kandinsky5":  # no head count in its config: widths are model_dim
-        return ref.kandinsky5_weights(c.num_text_blocks, c.num_visual_blocks, c.model_dim, c.time_dim, c.ff_dim)
-    if family == "kandinsky6":  # each stream's widths (the audio ones default to the video's, as in both models)
-        dims = {name: getattr(c, name) for name in ("model_dim", "time_dim", "ff_dim")}
-        dims.update(
-            {f"{name}_a": getattr(c, f"{name}_a") or dims[name] for name in ("model_dim", "time_dim", "ff_dim")}
-        )
-        return ref.kandinsky6_weights(c.num_text_blocks, c.num_visual_blocks, dims, c.cross_gates)
-    inner = c.num_attention_heads * c.attention_head_dim
-    if family == "ltx-video":
-        return ref.ltxv_weights(c.num_layers, inner, c.cross_attention_dim)
-    if family == "ltx-2":
-        audio = c.audio_num_attention_heads * c.audio_attention_head_dim
-        return ref.ltxav_weights(c.num_layers, inner, audio, c.cross_attention_dim, c.audio_cross_attention_dim)
-    if family == "wan-vace":  # vace_layers: the count ComfyUI reads off the checkpoint
-        return ref.wan_vace_weights(c.num_layers, len(c.vace_layers), inner, c.ffn_dim)
-    if family.startswith("wan") or family == "skyreels-v2":
-        return ref.wan_weights(c.num_layers, inner, c.ffn_dim, i2v=c.image_dim is not None)
-    if family.startswith("hunyuan-video"):
-        return ref.hunyuan_video_weights(
-            c.num_layers, getattr(c, "num_single_layers", 0), inner, int(inner * c.mlp_ratio)
-        )
-    if family == "minimax-h3":  # MiniMaxH3Model's constructor arguments from diffusers' names
-        video_patch_dim = c.in_channels * c.patch_size[0] * c.patch_size[1] * c.patch_size[2]
-        return ref.minimax_h3_weights(
-            c.num_layers,
-            c.num_refiner_layers,
-            c.hidden_size,
-            inner,
-            c.ffn_dim,
-            c.time_embed_dim,
-            c.time_embed_hidden_dim,
-            c.freq_dim,
-            video_patch_dim,
-            c.audio_in_channels,
-            c.text_dim,
-        )
-    if family == "mochi":  # the FFN widths as the checkpoint has them (ComfyUI rounds them to 256)
-        block = transformer.transformer_blocks[0]
-        return ref.mochi_weights(
-            c.num_layers,
-            inner,
-            c.pooled_projection_dim,
-            block.ff.net[2].in_features,
-            block.ff_context.net[2].in_features,
-        )
-    raise AssertionError(family)
 
 
 def lora_deltas(transformer) -> dict[str, torch.Tensor]:
@@ -274,7 +172,7 @@ def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
     assert len(files) == 1, f"{family}: no ComfyUI file written"
     lora = load_file(files[0])
 
-    weights = comfy_weights(family, transformer)
+    weights = EXPECTED[family]["comfy_weights"](transformer)
     patches, not_loaded = ref.load_lora(lora, ref.model_lora_keys_unet(weights, model_class))
     assert not not_loaded, f"ComfyUI ({model_class}) logs 'lora key not loaded' for {not_loaded[:6]}"
     comfy = {key[len("diffusion_model.") : -len(".weight")]: patch for key, patch in patches.items()}
@@ -282,30 +180,31 @@ def check_comfy_file(spec, model_class: str, targets, tmp_path) -> set[str]:
 
     ours = lora_deltas(transformer)
     assert len(ours) > (4 if targets is not None else 1)
-    for pattern, parts in FUSED.get(model_class, {}).items():
+    for pattern, parts in EXPECTED[family].get("comfy_stacked", {}).items():
         for module, delta in deltas.items():
             if hit := re.fullmatch(pattern, module):
                 names = [part.format(hit[1]) for part in parts]
                 expected = torch.cat([ours.get(n, torch.zeros(sizes[n])) for n in names])
                 torch.testing.assert_close(delta, expected, msg=f"{module} = {names} stacked")
-    for pattern, part in SWAPPED_HALVES.get(model_class, {}).items():
+    for pattern, part in EXPECTED[family].get("comfy_swapped", {}).items():
         for module, delta in deltas.items():
             if hit := re.fullmatch(pattern, module):
                 first, second = ours[part.format(hit[1])].chunk(2)
                 torch.testing.assert_close(delta, torch.cat([second, first]), msg=f"{module} = {part}, halves swapped")
     # Nothing lost or doubled, at ComfyUI's scale (alpha / rank, or 1 without .alpha): fused parts stack
-    # and Mochi's w1 halves swap, neither of which changes the total.
+    # and SwiGLU halves swap, neither of which changes the total.
     total = sum(d.square().sum() for d in deltas.values())
     torch.testing.assert_close(total, sum(d.square().sum() for d in ours.values()), rtol=1e-5, atol=0)
     return set(comfy)
 
 
-def test_cogvideox_writes_no_comfy_file(spec_of, tmp_path):
-    """ComfyUI has no CogVideoX model (comfy/model_base.py; ComfyUI-CogVideoXWrapper reads the diffusers
-    file), and vt writes none."""
+@pytest.mark.parametrize("family", [family for family, case in EXPECTED.items() if case["comfy_key"] is None])
+def test_a_family_without_a_comfy_model_writes_no_comfy_file(spec_of, tmp_path, family):
+    """A family ComfyUI has no model for (its tester entry's comfy_key is None: CogVideoX, whose
+    ComfyUI-CogVideoXWrapper reads the diffusers file) gets no ComfyUI file."""
     from peft.utils import get_peft_model_state_dict
 
-    spec = spec_of("cogvideox", "t2v")
+    spec = spec_of(family, "t2v")
     transformer = spec.load_transformer()
     spec.add_lora(transformer, rank=2, alpha=3.0, targets=None)
     spec.save_lora(get_peft_model_state_dict(transformer), tmp_path)

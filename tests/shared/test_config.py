@@ -2,9 +2,10 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from family_cases import EXPECTED
 
 from vt.shared.config import Config, ConfigError, TrainConfig, build, load_config, parse_override, to_toml
+
+from helpers.family_cases import EXPECTED
 
 
 def test_defaults_and_overrides_are_typed():

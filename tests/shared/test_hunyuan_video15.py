@@ -10,13 +10,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import CAPTIONS
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
 
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import CAPTIONS
 
 FAMILY = "hunyuan-video-1.5"
 BUCKET = Bucket(9, 64, 96)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_cases import first_call, uint8_video
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
+
+from helpers.spec_inputs import first_call, uint8_video
 
 FAMILY = "kandinsky6"
 BUCKET = Bucket(9, 64, 96)

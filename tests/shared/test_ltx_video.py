@@ -5,10 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, capture_transformer_inputs, make_spec, stage1
 
 from vt.shared.config import ModelConfig
 from vt.shared.models import build_spec
+
+from helpers.family_cases import BUCKET
+from helpers.spec_inputs import capture_transformer_inputs, make_spec, stage1
 
 
 def test_first_frame_noise_is_refused_where_it_would_do_nothing(tiny_model_factory):

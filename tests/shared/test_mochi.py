@@ -17,12 +17,12 @@ import re
 
 import pytest
 import torch
-from family_cases import make_spec
 
 from vt.shared.buckets import Bucket
 from vt.shared.models.mochi import swap_halves
 
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import make_spec
 
 REAL_LAYERS = 48  # what diffusers' converter iterates over
 # Every linear the ComfyUI table names, in the first block and the last (which has no text output

@@ -7,11 +7,17 @@ import re
 import numpy as np
 import pytest
 import torch
-from family_cases import (
+
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig
+from vt.shared.models import FAMILIES, build_spec, get_spec_class
+from vt.shared.models.components import ModelLoadError
+from vt.shared.weights.comfy import filename as comfy_filename
+
+from helpers.family_cases import EXPECTED, _flow_target, bucket_of
+from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import (
     CAPTIONS,
-    EXPECTED,
-    _flow_target,
-    bucket_of,
     control_frames,
     folder_digest,
     make_spec,
@@ -21,25 +27,20 @@ from family_cases import (
     with_control,
 )
 
-from vt.shared.buckets import Bucket
-from vt.shared.config import ModelConfig
-from vt.shared.models import FAMILIES, build_spec, get_spec_class
-from vt.shared.models.components import ModelLoadError
-from vt.shared.weights.comfy import filename as comfy_filename
-
-from helpers.lora_init import randomise_lora
-
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
 
 
 # ----------------------------------------------------------------------------- registry and loading
 def test_every_registered_family_has_one_tester_entry():
     """family_cases.EXPECTED is the one per-family table the tests derive theirs from: a new family adds its entry,
-    and an entry whose family writes a ComfyUI file names the ComfyUI class it loads as (test_comfy_keys.py)."""
+    and an entry whose family writes a ComfyUI file names the ComfyUI class it loads as and that model's weights
+    (test_comfy_keys.py)."""
     assert set(EXPECTED) - set(FAMILIES) == set(), "entries of no registered family"
-    assert set(FAMILIES) - set(EXPECTED) == set(), "registered families without a tester entry in family_cases.py"
+    assert set(FAMILIES) - set(EXPECTED) == set(), (
+        "registered families without a tester entry in tests/helpers/family_cases.py"
+    )
     for family, case in EXPECTED.items():
-        assert ("comfy_classes" in case) == (case["comfy_key"] is not None), family
+        assert ("comfy_classes" in case) == ("comfy_weights" in case) == (case["comfy_key"] is not None), family
         assert set(case.get("comfy_classes", {})) <= set(get_spec_class(family).tasks), family
 
 

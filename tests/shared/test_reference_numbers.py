@@ -110,8 +110,8 @@ def check_pinned(pinned: dict, request, key: str, got: dict[str, list[float]]) -
         pinned[key] = got
         return
     assert key in pinned, (
-        f"no pinned numbers for {key}: run pytest {__file__} --update-reference-numbers "
-        "and commit tests/assets/reference_numbers.json"
+        f"no pinned numbers for {key}: run pytest {__file__} -k {key} --update-reference-numbers "
+        "and commit its entry in tests/assets/reference_numbers.json"
     )
     for name in ("losses", "prediction"):
         torch.testing.assert_close(

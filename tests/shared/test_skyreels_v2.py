@@ -10,14 +10,15 @@ import time
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 from test_reference_numbers import BATCH, check_pinned, pinned, run  # noqa: F401
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ConfigError, ModelConfig, load_config
 from vt.shared.models import build_spec
 
+from helpers.family_cases import BUCKET
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 
 IMAGE = np.random.default_rng(2).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
 

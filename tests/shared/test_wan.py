@@ -5,8 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import (
-    BUCKET,
+
+from vt.shared.buckets import Bucket
+from vt.shared.config import ModelConfig
+from vt.shared.models import build_spec
+
+from helpers.family_cases import BUCKET
+from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import (
     CAPTIONS,
     capture_transformer_inputs,
     folder_digest,
@@ -14,12 +20,6 @@ from family_cases import (
     pipeline_latents,
     uint8_video,
 )
-
-from vt.shared.buckets import Bucket
-from vt.shared.config import ModelConfig
-from vt.shared.models import build_spec
-
-from helpers.lora_init import randomise_lora
 
 
 # ----------------------------------------------------------------------------- Wan image-to-video

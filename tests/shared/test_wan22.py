@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, capture_transformer_inputs, encode_clip, make_spec, pipeline_latents, uint8_video
 
 from vt.shared.models.lora import lora_weight_name
 
+from helpers.family_cases import BUCKET
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import capture_transformer_inputs, encode_clip, make_spec, pipeline_latents, uint8_video
 
 IMAGE = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
 

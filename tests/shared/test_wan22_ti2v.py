@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, capture_transformer_inputs, encode_clip, make_spec, uint8_video
+
+from helpers.family_cases import BUCKET
+from helpers.spec_inputs import capture_transformer_inputs, encode_clip, make_spec, uint8_video
 
 IMAGE = np.random.default_rng(1).integers(0, 256, (BUCKET.height, BUCKET.width, 3), dtype=np.uint8)
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from family_cases import BUCKET, CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 
 from vt.shared.buckets import Bucket
 from vt.shared.config import ConfigError, load_config
 from vt.shared.models.wan_vace import VACE_LORA_MODULES
 
+from helpers.family_cases import BUCKET
 from helpers.lora_init import randomise_lora
+from helpers.spec_inputs import CAPTIONS, capture_transformer_inputs, make_spec, pipeline_latents, uint8_video
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ from vt.shared.memory_trace import fake_mode, peak_bytes
 from vt.shared.models import FAMILIES, spec_for
 
 from helpers.cli_runs import sectioned
+from helpers.family_cases import bucket_of
 
 BIN = Path(sys.executable).parent
-BUCKETS = {"mochi": "7x64x96", "ltx-video": "9x64x96", "ltx-2": "9x64x96", "minimax-h3": "5x64x96"}
 
 
 def config_for(model: Path, family: str, **sections) -> Config:
@@ -28,7 +28,7 @@ def config_for(model: Path, family: str, **sections) -> Config:
         Config,
         {
             "model": {"family": family, "path": str(model), "max_text_tokens": 16},
-            "buckets": {"sizes": [BUCKETS.get(family, "9x64x96")]},
+            "buckets": {"sizes": [bucket_of(family).name]},  # the family's test bucket (its tester entry)
             "train": train,
             **sections,
         },
@@ -42,11 +42,12 @@ def test_every_family_plans_from_its_configs(tiny_model_factory, family):
 
     config = config_for(tiny_model_factory(family), family)
     one, two = make_plan(config, 1, "cpu"), make_plan(config, 2, "cpu")
+    spec = spec_for(config)
 
-    def weight_bytes(mode: str) -> int:
+    def weight_bytes(component: str, mode: str) -> int:
         built = prepare_transformer(
-            spec_for(config),
-            "transformer",
+            spec,
+            component,
             mode=mode,
             lora={"rank": 16, "alpha": 16.0, "targets": []},
             storage_dtype=None,
@@ -56,9 +57,9 @@ def test_every_family_plans_from_its_configs(tiny_model_factory, family):
         )
         return sum(p.numel() * p.element_size() for p in built.parameters())
 
-    expected = weight_bytes("lora")
-    if family == "wan2.2":  # a one-expert run also holds the other expert, frozen, for validation
-        expected += weight_bytes("frozen")
+    expected = weight_bytes(spec.trained_component, "lora")
+    # A one-expert run also holds the other experts (Wan 2.2's), frozen, for validation.
+    expected += sum(weight_bytes(c, "frozen") for c, _ in spec.experts().values() if c != spec.trained_component)
     assert one.rank.weights == pytest.approx(expected, rel=0.01)
     assert two.rank.weights < 0.6 * one.rank.weights and two.rank.buffers > 0  # FSDP2 shards, gathers blocks
     bucket = next(iter(one.activations.values()))

@@ -1,15 +1,13 @@
-"""What the per-family test files share: each family's expected geometry and pipeline conventions
-(EXPECTED), seeded inputs, and small helpers around the spec."""
+"""The one tester table (EXPECTED): what each registered family's tiny preset must show, which every cross-family
+test reads (seeded inputs and helpers around a spec: tests/helpers/spec_inputs.py)."""
 
 from __future__ import annotations
-
-import hashlib
 
 import torch
 
 from vt.shared.buckets import Bucket
-from vt.shared.config import ModelConfig
-from vt.shared.models import build_spec
+
+from helpers import comfy_reference as ref
 
 BUCKET = Bucket(9, 64, 96)
 
@@ -100,6 +98,117 @@ def _double(attn: str) -> str:
     )
 
 
+# What ComfyUI's model holds (tests/helpers/comfy_reference.py) at the sizes of a tiny preset's transformer: its
+# diffusers config read as comfy/model_detection.py reads a checkpoint (test_comfy_keys.py).
+def _inner(c):  # attention width: heads x head width
+    return c.num_attention_heads * c.attention_head_dim
+
+
+def _ltxv_comfy(t):
+    return ref.ltxv_weights(t.config.num_layers, _inner(t.config), t.config.cross_attention_dim)
+
+
+def _ltxav_comfy(t):
+    c = t.config
+    audio = c.audio_num_attention_heads * c.audio_attention_head_dim
+    return ref.ltxav_weights(c.num_layers, _inner(c), audio, c.cross_attention_dim, c.audio_cross_attention_dim)
+
+
+def _wan_comfy(t):
+    c = t.config
+    return ref.wan_weights(c.num_layers, _inner(c), c.ffn_dim, i2v=c.image_dim is not None)
+
+
+def _wan_vace_comfy(t):  # vace_layers: the count ComfyUI reads off the checkpoint
+    c = t.config
+    return ref.wan_vace_weights(c.num_layers, len(c.vace_layers), _inner(c), c.ffn_dim)
+
+
+def _hunyuan_comfy(t):
+    c, inner = t.config, _inner(t.config)
+    return ref.hunyuan_video_weights(c.num_layers, getattr(c, "num_single_layers", 0), inner, int(inner * c.mlp_ratio))
+
+
+def _mochi_comfy(t):  # the FFN widths as the checkpoint has them (ComfyUI rounds them to 256)
+    c, block = t.config, t.transformer_blocks[0]
+    return ref.mochi_weights(
+        c.num_layers,
+        _inner(c),
+        c.pooled_projection_dim,
+        block.ff.net[2].in_features,
+        block.ff_context.net[2].in_features,
+    )
+
+
+def _kandinsky5_comfy(t):  # no head count in its config: widths are model_dim
+    c = t.config
+    return ref.kandinsky5_weights(c.num_text_blocks, c.num_visual_blocks, c.model_dim, c.time_dim, c.ff_dim)
+
+
+def _kandinsky6_comfy(t):  # each stream's widths (the audio ones default to the video's, as in both models)
+    c = t.config
+    dims = {name: getattr(c, name) for name in ("model_dim", "time_dim", "ff_dim")}
+    dims.update({f"{name}_a": getattr(c, f"{name}_a") or dims[name] for name in ("model_dim", "time_dim", "ff_dim")})
+    return ref.kandinsky6_weights(c.num_text_blocks, c.num_visual_blocks, dims, c.cross_gates)
+
+
+def _h3_comfy(t):  # MiniMaxH3Model's constructor arguments from diffusers' names
+    c = t.config
+    video_patch_dim = c.in_channels * c.patch_size[0] * c.patch_size[1] * c.patch_size[2]
+    return ref.minimax_h3_weights(
+        c.num_layers,
+        c.num_refiner_layers,
+        c.hidden_size,
+        _inner(c),
+        c.ffn_dim,
+        c.time_embed_dim,
+        c.time_embed_hidden_dim,
+        c.freq_dim,
+        video_patch_dim,
+        c.audio_in_channels,
+        c.text_dim,
+    )
+
+
+# ComfyUI's fused weights and the diffusers modules stacked in their output rows, in the order ComfyUI's forward
+# splits them: comfy/ldm/flux/layers.py DoubleStreamBlock (lines 212-223: qkv.view(..., 3, heads, -1), q then k
+# then v), SingleStreamBlock (line 331: split [3 x hidden, MLP]); comfy/ldm/genmo/joint_model/asymm_models_joint.py
+# AsymmetricAttention (lines 129, 135: view(..., 3, heads, -1)); comfy/ldm/minimax/model.py Attention.forward:
+# qkv_proj(x).split(heads * head_dim) -> q, k, v.
+_HUNYUAN_DOUBLE = {
+    r"double_blocks\.(\d+)\.img_attn\.qkv": tuple(
+        f"transformer_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")
+    ),
+    r"double_blocks\.(\d+)\.txt_attn\.qkv": tuple(
+        f"transformer_blocks.{{}}.attn.{p}" for p in ("add_q_proj", "add_k_proj", "add_v_proj")
+    ),
+}
+_HUNYUAN_SINGLE = {
+    r"single_blocks\.(\d+)\.linear1": tuple(
+        f"single_transformer_blocks.{{}}.{p}" for p in ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")
+    ),
+}
+_MOCHI_QKV = {
+    r"blocks\.(\d+)\.attn\.qkv_x": tuple(f"transformer_blocks.{{}}.attn1.{p}" for p in ("to_q", "to_k", "to_v")),
+    r"blocks\.(\d+)\.attn\.qkv_y": tuple(
+        f"transformer_blocks.{{}}.attn1.{p}" for p in ("add_q_proj", "add_k_proj", "add_v_proj")
+    ),
+}
+_H3_QKV = {
+    r"blocks\.(\d+)\.attn\.qkv_proj": tuple(f"transformer_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")),
+    r"token_refiner\.blocks\.(\d+)\.attn\.qkv_proj": tuple(
+        f"token_refiner.refiner_blocks.{{}}.attn.{p}" for p in ("to_q", "to_k", "to_v")
+    ),
+}
+# SwiGLU inputs whose halves ComfyUI holds in the other order: H3's `mlp.fc1` is [gate; value] (comfy/ops.py
+# `_swiglu_eager`: silu(first half) x second half), diffusers' `ff.net.0.proj` is [value; gate]
+# (diffusers.models.activations.SwiGLU: value, gate = chunk(2); value x silu(gate)).
+_H3_SWAPPED = {
+    r"blocks\.(\d+)\.mlp\.fc1": "transformer_blocks.{}.ff.net.0.proj",
+    r"token_refiner\.blocks\.(\d+)\.mlp\.fc1": "token_refiner.refiner_blocks.{}.ff.net.0.proj",
+}
+
+
 # The one tester table: what each registered family's tiny preset must show, one entry per family, which every
 # per-family table of the tests derives from (tests/shared/test_models.py fails on a family without one). Keys:
 # comfy_key (None: the family writes no ComfyUI file); target: the training target, rectified flow unless given;
@@ -108,7 +217,10 @@ def _double(attn: str) -> str:
 # as (tests/shared/test_comfy_keys.py: Wan FLF2V is WAN21's i2v blocks, read off img_emb.emb_pos; LTX-2 i2v the
 # same LTXAV transformer; Kandinsky 5 model_base.Kandinsky5, Kandinsky 6 one class for t2v and i2v; SkyReels V2 is
 # Wan 2.1's module layout, WAN21; Wan VACE WAN21_Vace; MiniMax H3 tests/comfy_reference.py MINIMAX_H3);
-# wide_lora: attention and FFN of every block, a regular expression matched whole.
+# wide_lora: attention and FFN of every block, a regular expression matched whole; comfy_weights: transformer ->
+# the ComfyUI model's block weights (module -> (out, in)) at its sizes; comfy_stacked: ComfyUI's fused module (a
+# regular expression, the block number its group) -> the diffusers modules stacked in its rows; comfy_swapped: a
+# ComfyUI module -> the diffusers module whose two halves it holds in the other order.
 EXPECTED = {
     "ltx-video": dict(
         frames_step=8,
@@ -121,6 +233,7 @@ EXPECTED = {
         denormalize=_ltx_denormalize,
         comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
         comfy_classes={"t2v": "LTXV"},
+        comfy_weights=_ltxv_comfy,
         wide_lora=_LTX,
     ),
     "wan": dict(
@@ -134,6 +247,7 @@ EXPECTED = {
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
         comfy_classes={"t2v": "WAN21", "i2v": "WAN21", "flf2v": "WAN21"},
+        comfy_weights=_wan_comfy,
         wide_lora=_WAN,
     ),
     "wan2.2": dict(
@@ -147,6 +261,7 @@ EXPECTED = {
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
         comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
+        comfy_weights=_wan_comfy,
         wide_lora=_WAN,
     ),
     # Wan 2.2 TI2V-5B: the 48-channel VAE folds 2 x 2 pixels first (x16 space), so sides are multiples of 32.
@@ -161,6 +276,7 @@ EXPECTED = {
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
         comfy_classes={"t2v": "WAN22"},
+        comfy_weights=_wan_comfy,
         wide_lora=_WAN,
     ),
     "cogvideox": dict(
@@ -189,6 +305,8 @@ EXPECTED = {
         comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
         lora_targets=r"transformer_blocks\.\d+\.attn\.(to_q|to_k|to_v|to_out\.0)",
         comfy_classes={"t2v": "HunyuanVideo", "i2v": "HunyuanVideo"},
+        comfy_weights=_hunyuan_comfy,
+        comfy_stacked={**_HUNYUAN_DOUBLE, **_HUNYUAN_SINGLE},
         wide_lora=_double("attn") + r"|single_transformer_blocks\.\d+\.(attn\.(to_q|to_k|to_v)|proj_mlp|proj_out)",
     ),
     # x16 VAE, patch 1; the pipeline encodes 1000 text tokens and takes no length argument (it is an attribute).
@@ -204,6 +322,8 @@ EXPECTED = {
         comfy_key="diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
         text_length_in_call=False,
         comfy_classes={"t2v": "HunyuanVideo15", "i2v": "HunyuanVideo15"},
+        comfy_weights=_hunyuan_comfy,
+        comfy_stacked=_HUNYUAN_DOUBLE,
         wide_lora=_double("attn"),
     ),
     # Video stream only (the audio branch is not trained); the connectors' mask marks every row.
@@ -218,6 +338,7 @@ EXPECTED = {
         denormalize=_ltx2_denormalize,
         comfy_key="diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
         comfy_classes={"t2v": "LTXAV", "i2v": "LTXAV"},
+        comfy_weights=_ltxav_comfy,
         wide_lora=_LTX,
     ),
     # Frames 6k+1 (bucket); nothing in diffusers reads a non-diffusers Mochi LoRA (comfy_in_diffusers):
@@ -236,6 +357,8 @@ EXPECTED = {
         comfy_in_diffusers=False,
         bucket=Bucket(7, 64, 96),
         comfy_classes={"t2v": "GenmoMochi"},
+        comfy_weights=_mochi_comfy,
+        comfy_stacked=_MOCHI_QKV,
         wide_lora=_double("attn1"),
     ),
     # Text blocks run before the visual ones (video_block: the first block fed the video tokens); the
@@ -253,6 +376,7 @@ EXPECTED = {
         video_block=1,
         output_layer="out_layer.out_layer",
         comfy_classes={"t2v": "Kandinsky5"},
+        comfy_weights=_kandinsky5_comfy,
         wide_lora=r"(text|visual)_transformer_blocks\.\d+\.((self|cross)_attention\."
         r"(to_query|to_key|to_value|out_layer)|feed_forward\.(in_layer|out_layer))",
     ),
@@ -275,6 +399,7 @@ EXPECTED = {
         output_layer="out_layer.out_layer",
         unread_blocks=("audio_text_transformer_blocks.0",),
         comfy_classes={"t2v": "Kandinsky6"},
+        comfy_weights=_kandinsky6_comfy,
         wide_lora=r"(video_text_transformer_blocks\.\d+\.attn|visual_transformer_blocks\.\d+\.video_dec_block\."
         r"(self|cross)_attention)\.(to_query|to_key|to_value|out_layer)|(video_text_transformer_blocks\.\d+"
         r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
@@ -291,6 +416,7 @@ EXPECTED = {
         denormalize=_wan_denormalize,
         comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
         comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
+        comfy_weights=_wan_comfy,
         wide_lora=_WAN,
     ),
     # Wan 2.1 t2v plus two VACE blocks (blocks: 2 VACE + 2 main) fed each sample's control video (test
@@ -309,6 +435,7 @@ EXPECTED = {
         comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight",
         comfy_in_diffusers=False,
         comfy_classes={"t2v": "WAN21_Vace"},
+        comfy_weights=_wan_vace_comfy,
         wide_lora=rf"(vace_)?{_WAN}|vace_blocks\.\d+\.(proj_in|proj_out)",
     ),
     # One packed sequence [text | audio | video] per sample (text rows reach the blocks: `other_rows`); frames 17k+5,
@@ -331,115 +458,15 @@ EXPECTED = {
         generated_frames=124,
         other_rows=lambda batch: int(batch["prompt_attention_mask"][0].sum()),
         comfy_classes={"t2v": "MiniMaxH3"},
+        comfy_weights=_h3_comfy,
+        comfy_stacked=_H3_QKV,
+        comfy_swapped=_H3_SWAPPED,
         wide_lora=r"(transformer_blocks|token_refiner\.refiner_blocks)\.\d+\.(attn\.(to_q|to_k|to_v|to_out\.0)"
         r"|ff\.net\.(0\.proj|2))",
     ),
 }
 
 
-CAPTIONS = ["a big rabbit walks in the meadow", "people riding bikes on a sunny street"]
-
-
-def make_spec(folder, family, **kw):
-    return build_spec(ModelConfig(family=family, path=str(folder), max_text_tokens=16, **kw), frame_rate=8.0)
-
-
 def bucket_of(family):
     """The test bucket of a family: BUCKET, unless its VAE needs other frame counts (EXPECTED "bucket")."""
     return EXPECTED.get(family, {}).get("bucket", BUCKET)
-
-
-def video(batch=2, seed=0, bucket=BUCKET):
-    return (
-        torch.rand(batch, 3, bucket.frames, bucket.height, bucket.width, generator=torch.Generator().manual_seed(seed))
-        * 2
-        - 1
-    )
-
-
-def with_control(spec, clip):
-    """`encode_video`'s `control=` for a family that trains on a control video (`ModelSpec.control_video`):
-    a clip of another seed, the shape of `clip`; {} for the others."""
-    if not spec.control_video:
-        return {}
-    return {"control": video(clip.shape[0], seed=1, bucket=Bucket(*clip.shape[2:]))}
-
-
-def control_frames(spec, bucket=BUCKET):
-    """A pipeline call's `control=` (uint8 frames (F, H, W, 3)) for a family that trains on a control video;
-    {} for the others."""
-    if not spec.control_video:
-        return {}
-    frames = torch.randint(
-        0,
-        256,
-        (bucket.frames, bucket.height, bucket.width, 3),
-        dtype=torch.uint8,
-        generator=torch.Generator().manual_seed(1),
-    )
-    return {"control": frames.numpy()}
-
-
-def stage1(spec, batch=2):
-    encoders = spec.load_stage1()
-    clip = video(batch, bucket=bucket_of(spec.family))
-    return {
-        **spec.encode_text(encoders, CAPTIONS[:batch]),
-        **spec.encode_video(encoders, clip, **with_control(spec, clip)),
-    }
-
-
-def pipeline_latents(spec, pipeline, image=None):
-    """The denoised latents of a 2-step run: finer than uint8 frames for comparing transformers."""
-    bucket = bucket_of(spec.family)
-    inputs = spec.pipeline_inputs(
-        "a rabbit in a meadow", bucket, steps=2, seed=0, image=image, **control_frames(spec, bucket)
-    )
-    return pipeline(**inputs, output_type="latent").frames.float()
-
-
-def folder_digest(folder):
-    return {
-        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(folder.rglob("*.safetensors"))
-    }
-
-
-def first_call(module) -> dict:
-    """The keyword arguments of `module`'s first forward call (later calls: classifier-free guidance)."""
-    seen: dict = {}
-
-    def record(module, args, kwargs):
-        if not seen:
-            seen.update(kwargs)
-
-    module.register_forward_pre_hook(record, with_kwargs=True)
-    return seen
-
-
-def capture_transformer_inputs(transformer):
-    seen = {}
-
-    def hook(module, args, kwargs):
-        seen.update(kwargs)
-
-    transformer.register_forward_pre_hook(hook, with_kwargs=True)
-    return seen
-
-
-def uint8_video(batch=2, seed=0):
-    """(video in [-1, 1] as stage 1 makes it from decoded pixels, the uint8 pixels (B, F, H, W, 3))."""
-    pixels = torch.randint(
-        0,
-        256,
-        (batch, BUCKET.frames, BUCKET.height, BUCKET.width, 3),
-        dtype=torch.uint8,
-        generator=torch.Generator().manual_seed(seed),
-    )
-    return pixels.permute(0, 4, 1, 2, 3).float() / 127.5 - 1, pixels
-
-
-def encode_clip(spec, clip):
-    """Stage 1 on a given clip (B, 3, F, H, W) with the first B captions."""
-    encoders = spec.load_stage1()
-    return {**spec.encode_text(encoders, CAPTIONS[: len(clip)]), **spec.encode_video(encoders, clip)}
