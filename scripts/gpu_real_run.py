@@ -309,14 +309,16 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
         tokens=tokens,
         step_ms=row["step_s"] * 1e3,
         tokens_s=tokens * gpus / row["step_s"],
-        videos=len(list((run_dir / "validation").rglob("*.mp4"))),
+        videos=len(list((run_dir / "validation").glob("step-*/*.mp4"))),  # the trained model's (base/ apart)
+        base_videos=len(list((run_dir / "validation" / "base").glob("*.mp4"))),
     )
     # each rank trains one sample a step: 3 x its forward FLOPs per step against one GPU's peak
     row["mfu"] = (3 * flops / row["step_s"] / (peak_tflops * 1e12)) if flops and peak_tflops else None
     finite = all(math.isfinite(v) for v in row["losses"])
-    row["note"] = (
-        "" if finite else "loss not finite; "
-    ) + f"plan {row['plan_gib']:.1f} GiB on {gpus} GPU(s), {row['videos']} validation video(s)"
+    row["note"] = ("" if finite else "loss not finite; ") + (
+        f"plan {row['plan_gib']:.1f} GiB on {gpus} GPU(s), {row['videos']} validation video(s) and"
+        f" {row['base_videos']} of the base"
+    )
     if cap_gib and not dry:  # what the first 24 GB card meets: start-up, page-locked host memory, beside the plan
         row["note"] += (
             f"; start-up {row['startup_gib']:.1f} GiB (plan {row['plan_startup_gib']:.1f}), pinned "

@@ -33,10 +33,10 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True)
 def worker_keeps_its_cpu_scheduling():
-    """A test that leaves its pytest worker under a real-time policy fails here, and the worker is set back. In one
-    full run (2026-12-05) a worker turned SCHED_FIFO at priority 99 within its first two minutes (the test that did
-    it not found: no code here sets a policy); every process it started after inherited it, and a spinning one (a
-    wandb service) then held a core and starved the machine (load 100 on 2 cores)."""
+    """A test that leaves its pytest worker under a real-time policy fails here, and the worker is set back. SVT-AV1
+    (an encoder tests/precompute/test_bad_corpus.py makes a clip with) sets the thread that opens it to SCHED_FIFO at
+    priority 99 where it may (as root): in one full run (2026-12-05) every process the worker started after inherited
+    it, and a spinning one (a wandb service) held a core and starved the machine (load 100 on 2 cores)."""
     yield
     policy = os.sched_getscheduler(0)
     if policy != os.SCHED_OTHER:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 from collections import Counter
 from fractions import Fraction
 from pathlib import Path
@@ -50,7 +51,17 @@ def encode_with(
     options: dict | None = None,
     fps: float = FPS,
 ) -> bytes:
-    """(F, H, W, 3) uint8 RGB -> a file made by `codec` in `container_format`, in memory."""
+    """(F, H, W, 3) uint8 RGB -> a file made by `codec` in `container_format`, in memory. The calling thread keeps its
+    scheduling policy: SVT-AV1 (libsvtav1) sets the thread that opens it to SCHED_FIFO at priority 99 where it may
+    (as root), which every process started from it then inherits; a spinning one starved a whole suite run."""
+    policy, priority = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        return _encode(codec, frames, container_format, pix_fmt, options, fps)
+    finally:
+        os.sched_setscheduler(0, policy, priority)
+
+
+def _encode(codec, frames, container_format, pix_fmt, options, fps) -> bytes:
     buf = io.BytesIO()
     rate = Fraction(fps).limit_denominator(1001)
     with av.open(buf, mode="w", format=container_format) as container:

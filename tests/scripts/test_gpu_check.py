@@ -66,7 +66,7 @@ def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
         "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB",
     ]
     for row in rows:
-        assert row["note"].startswith("plan ") and row["videos"] == 1, row  # vt-train exited 0 and validated
+        assert row["note"].startswith("plan ") and row["videos"] == 1 == row["base_videos"], row  # exited 0, validated
         assert len(row["losses"]) == 4 and all(math.isfinite(v) for v in row["losses"])
         assert row["plan_gib"] > 0 and row["tokens"] > 0 and row["step_ms"] > 0
     # the small-card row trains with the settings docs/memory.md names for a 24 GB card, through the capped launcher
