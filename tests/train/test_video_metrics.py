@@ -9,7 +9,9 @@ order, a click train k frames late) are checked for that answer."""
 
 from __future__ import annotations
 
+import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -190,7 +192,8 @@ def test_settings_that_cannot_work_are_refused_before_anything_is_built(tiny_met
 
 def test_every_metric_through_vt_train_run(tiny_model_factory, tiny_metric_models, clips_dir, tmp_path):
     """LTX-2 with sound, one step and its validation video, every metric on, `vt-train run` in this process: each
-    metric of the video is in metrics.jsonl under the validation's step, and on the run page."""
+    metric of the video is in metrics.jsonl under the validation's step, with the prompts' mean and the base's video's
+    under step 0, and on the run page; keep_best ranks by one, with the weights its video was rendered with."""
     from make_sample_shards import make_sample_shards
     from typer.testing import CliRunner
 
@@ -224,6 +227,7 @@ def test_every_metric_through_vt_train_run(tiny_model_factory, tiny_metric_model
             "reference": [str(clips_dir / "bikes.mp4")],
             "reference_held_out": [str(clips_dir / "carphone_pristine.mp4")],
         },
+        keep_best={"count": 1, "by": "val/likeness", "goal": "max"},
     )
     Precompute(load_config(config)).run()
     result = CliRunner().invoke(app, ["run", str(config)])
@@ -234,4 +238,25 @@ def test_every_metric_through_vt_train_run(tiny_model_factory, tiny_metric_model
     assert {f"val/{name}/00" for name in (*names, "av_offset_ms")} <= set(logged), sorted(logged)
     assert all(-1 <= logged[f"val/{name}/00"] <= 1 for name in ("prompt", "consistency", "likeness", "audio_prompt"))
     assert logged["val/av_offset_ms/00"] % (1000 / FPS) == 0 and logged["loss"] > 0
+    assert logged["val/likeness"] == logged["val/likeness/00"]  # the mean over the (one) prompt
+    base = {k: v for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 0 for k, v in r.items()}
+    assert {"val/base/likeness/00", "val/base/prompt/00", "val/base/likeness"} <= set(base), sorted(base)
+    # ranked by a metric that came after the step's export was made at its validation
+    kept = json.loads((tmp_path / "run" / "keep_best.json").read_text())
+    assert kept["kept"] == [1] and kept["scores"] == {"1": logged["val/likeness"]}
+    assert any((tmp_path / "run" / "exports" / "step-000001").rglob("*.safetensors"))
     assert "validation videos: likeness_held_out" in (tmp_path / "run" / "report.html").read_text()
+
+
+def test_a_prompts_mean_is_logged_once_every_prompt_of_its_step_is_in():
+    """Records come as each video is scored, across validations: the mean of a step's metric waits for every prompt."""
+    from vt.train.parts.video_metrics import prompt_means, video_of
+
+    waiting: dict = {}
+    first = prompt_means([(2, {"val/motion/00": 1.0, "val/base/motion/00": 4.0})], 2, waiting)
+    assert first == [(2, {"val/motion/00": 1.0, "val/base/motion/00": 4.0})]  # prompt 01 of step 2 not in yet
+    later = prompt_means([(2, {"val/motion/01": 3.0}), (4, {"val/motion/00": 5.0})], 2, waiting)
+    assert later[-1] == (2, {"val/motion": 2.0}) and list(waiting) == [(2, "val/base/motion"), (4, "val/motion")]
+    assert video_of(Path("validation/base/01.mp4")) == (1, "base")
+    assert video_of(Path("validation/base/01-stacked.mp4")) == (1, "base_stacked")
+    assert video_of(Path("validation/step-000004/01-stacked.mp4")) == (1, "stacked")
