@@ -66,6 +66,18 @@ def validation_loads(spec: ModelSpec, config: Config) -> set[str]:
     return {name for name in set(spec.pipeline_parts()) - set(spec.text_parts()) if not name.startswith("transformer")}
 
 
+def check_sampling_steps(spec: ModelSpec, steps: int, key: str) -> None:
+    """Refuse a number of denoising steps the family's sampler cannot take, at start-up: a scheduler that stretches
+    its sigmas to end at `shift_terminal` (a flow-matching config key) divides by zero at one step, and the video (and its
+    sound) comes out NaN."""
+    terminal = spec.load_config("scheduler").get("shift_terminal") if steps == 1 else None
+    if terminal:
+        raise UserError(
+            f"{key} = 1: {spec.family}'s sampler stretches its noise levels to end at shift_terminal = {terminal}, "
+            f"which one step cannot (its video comes out NaN): set {key} = 2 or more"
+        )
+
+
 class Validator:
     def __init__(
         self,
@@ -104,6 +116,8 @@ class Validator:
                 f"validation.videos, one video file per prompt ({len(self.prompts)} prompts, "
                 f"{len(videos)} videos)"
             )
+        if self.prompts:
+            check_sampling_steps(spec, config.validation.steps, "validation.steps")
         # Fitted to the validation bucket as stage 1 fits a sample's control video, once.
         self.controls = [_read_control(path, bucket, config.buckets.fps) for path in videos] if self.prompts else []
         self._conditions: list[dict[str, torch.Tensor]] | None = None

@@ -40,6 +40,10 @@ class ValidationStackPart(Part):
                 f"validation_stack.strengths = {settings.strengths}: one per file of validation_stack.loras "
                 f"({len(settings.loras)}), or none (1.0 each)"
             )
+        if settings.steps is not None:
+            from vt.train.validation import check_sampling_steps
+
+            check_sampling_steps(spec, settings.steps, "validation_stack.steps")
         if config.parallel.tp > 1:
             raise UserError(
                 f"validation_stack.loras with parallel.tp = {config.parallel.tp}: tensor parallel splits each "
