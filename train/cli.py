@@ -146,6 +146,22 @@ def report(
 
 
 @app.command()
+def compare(
+    run_dirs: list[Path] = typer.Argument(..., help="the run.dir of each run, e.g. runs/a runs/b"),
+    out: Path = typer.Option(None, "--out", help="where to write the page (default ./compare.html)"),
+) -> None:
+    """One page with runs side by side: their loss, held-out loss and video metric curves, and their validation
+    videos at the steps every run validated."""
+    from vt.train.compare import write_compare
+
+    try:
+        path = write_compare(run_dirs, out)
+    except (*USER_ERRORS, OSError) as err:
+        raise fail(str(err)) from err
+    typer.echo(f"compare: {path}")
+
+
+@app.command()
 def env() -> None:
     """Versions, GPUs, attention backends and fp8 recipes of this machine: paste it into a bug report."""
     from vt.train.env import environment, format_environment

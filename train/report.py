@@ -26,7 +26,16 @@ from vt.train.loss_gap import widenings
 from vt.train.report_plots import curve_figures, loss_keys
 from vt.train.trackers import read_metrics
 
-__all__ = ["write_report", "ENV_FILE", "REPORT_FILE"]
+__all__ = [
+    "write_report",
+    "metrics_by_step",
+    "figures_html",
+    "video_figure",
+    "videos_by_prompt",
+    "ENV_FILE",
+    "REPORT_FILE",
+    "STYLE",
+]
 log = get_logger("vt.train.report")
 REPORT_FILE = "report.html"
 ENV_FILE = "env.txt"  # the `vt-train env` block of the machine that trained (written once by the trainer)
@@ -77,7 +86,7 @@ def _read_json(path: Path) -> dict:
         return {}
 
 
-def _metrics(run_dir: Path) -> list[dict]:
+def metrics_by_step(run_dir: Path) -> list[dict]:
     """metrics.jsonl by step: the records of a step merged, the later value of a key winning (a resumed run logs some
     steps twice; a validation's video metrics come in records of their own, logged later)."""
     path = run_dir / "metrics.jsonl"
@@ -91,11 +100,16 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 
 def _plots(records: list[dict]) -> str:
-    import plotly.io as pio
-
     figures = curve_figures(records)
     if not figures:
         return "<p class='muted'>no training steps logged yet</p>"
+    return figures_html(figures)
+
+
+def figures_html(figures: list) -> str:
+    """plotly figures as a grid of plots, plotly.js embedded once (the page fetches nothing)."""
+    import plotly.io as pio
+
     parts = [
         pio.to_html(
             fig,
@@ -108,7 +122,7 @@ def _plots(records: list[dict]) -> str:
     return "<div class='plots'>" + "".join(f"<div class='plot'>{part}</div>" for part in parts) + "</div>"
 
 
-def _figure(video: Path, page_dir: Path, caption: str, kind: str) -> str:
+def video_figure(video: Path, page_dir: Path, caption: str, kind: str) -> str:
     src = Path(os.path.relpath(video, page_dir)).as_posix()
     return (
         f"<figure class='{kind}'><video src='{_esc(src)}' controls muted loop preload='auto'></video>"
@@ -116,7 +130,7 @@ def _figure(video: Path, page_dir: Path, caption: str, kind: str) -> str:
     )
 
 
-def _by_prompt(folder: Path) -> dict[int, dict[str, Path]]:
+def videos_by_prompt(folder: Path) -> dict[int, dict[str, Path]]:
     """prompt index -> render name ("" for the plain video) -> its video in `folder`."""
     out: dict[int, dict[str, Path]] = defaultdict(dict)
     for video in sorted(folder.glob("*.mp4")) if folder.is_dir() else []:
@@ -129,18 +143,20 @@ def _by_prompt(folder: Path) -> dict[int, dict[str, Path]]:
 def _videos(run_dir: Path, page_dir: Path, prompts: list[str], kept: dict) -> str:
     """Every validation step's videos, each prompt's (and each render's) beside the base's of the same seed."""
     steps = sorted((p for p in (run_dir / "validation").glob("step-*") if p.is_dir()), key=lambda p: p.name)
-    base = _by_prompt(run_dir / "validation" / "base")
+    base = videos_by_prompt(run_dir / "validation" / "base")
     blocks = []
     for step in steps:
         number = re.sub(r"^step-0*(?=\d)", "", step.name)
         cells = []
-        for index, renders in sorted(_by_prompt(step).items()):
+        for index, renders in sorted(videos_by_prompt(step).items()):
             prompt = prompts[index] if index < len(prompts) else f"prompt {index}"
             pairs = []
             for name, video in sorted(renders.items()):
                 label = f" + {name}" if name else ""
-                figures = [_figure(base[index][name], page_dir, f"base{label}", "base")] if name in base[index] else []
-                figures.append(_figure(video, page_dir, f"step {number}{label}", "trained"))
+                figures = (
+                    [video_figure(base[index][name], page_dir, f"base{label}", "base")] if name in base[index] else []
+                )
+                figures.append(video_figure(video, page_dir, f"step {number}{label}", "trained"))
                 pairs.append(f"<div class='pair' data-render='{_esc(name)}'>{''.join(figures)}</div>")
             cells.append(
                 f"<div class='prompt' data-prompt='{index}'>{''.join(pairs)}<p class='caption'>{_esc(prompt)}</p></div>"
@@ -331,7 +347,7 @@ def build_report(run_dir: Path, page_dir: Path | None = None) -> str:
     if not run_dir.is_dir():
         raise FileNotFoundError(f"no run folder at {run_dir}: give the run.dir of a run (e.g. runs/demo)")
     config_text, config = _read_config(run_dir)
-    records = _metrics(run_dir)
+    records = metrics_by_step(run_dir)
     prompts = config.get("validation", {}).get("prompts", [])
     page_dir = Path(page_dir or run_dir)
     kept = _read_json(run_dir / "keep_best.json")

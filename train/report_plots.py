@@ -5,7 +5,7 @@ eval_loss, any key ending in `loss`) raw and as a moving average, the held-out l
 held-out and the training loss (train/loss_gap.py, its widenings marked), the learning rate, the gradient norm, samples/s,
 transformer tokens/s, the wait for data, the peak memory of every rank, and each metric of the validation videos
 (the trained model's beside the base's and the stacked render's). plotly writes the HTML and the JavaScript that draws
-it; vt writes none.
+it; vt writes none. `compare_figures`: the same curves with one trace per run (train/compare.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 from vt.train.loss_gap import gaps, widenings
 from vt.train.plots import moving_average
 
-__all__ = ["curve_figures", "loss_keys"]
+__all__ = ["compare_figures", "curve_figures", "loss_keys", "video_metric_curves"]
 HEIGHT = 320  # pixels per figure
 MAX_POINTS = 4000  # per curve: a long run's curves are thinned to this many points (the page stays small)
 
@@ -170,21 +170,27 @@ def memory_figure(records: list[dict]):
     return fig
 
 
-def video_metric_figures(records: list[dict]) -> list:
-    """One figure per metric of the validation videos (train/video_metrics): a curve per prompt and kind of render
-    (`val/<metric>/<prompt>`: the trained model's; `val/<kind>/<metric>/<prompt>`: the base's, a stacked render's) and
-    the mean over the prompts (`val/<metric>`, `val/<kind>/<metric>`)."""
-    import plotly.graph_objects as go
-
-    curves: dict[str, list[tuple[str, str]]] = {}  # metric -> (key, curve name)
+def video_metric_curves(records: list[dict]) -> dict[str, list[tuple[str, str]]]:
+    """metric -> its curves' (key, name) in `records`' `val/...` keys: `val/<metric>/<prompt>` ("prompt 0"),
+    `val/<kind>/<metric>/<prompt>` ("prompt 0 base"), the means `val/<metric>` ("mean"), `val/<kind>/<metric>`."""
+    curves: dict[str, list[tuple[str, str]]] = {}
     for key in sorted({key for r in records for key in r if key.startswith("val/")}):
         parts = key.split("/")[1:]
         prompt = parts.pop() if parts[-1].isdigit() else None
         kind, metric = (parts[0], parts[1]) if len(parts) == 2 else ("", parts[0])
         name = " ".join(filter(None, [f"prompt {prompt}" if prompt else "mean", kind]))
         curves.setdefault(metric, []).append((key, name))
+    return curves
+
+
+def video_metric_figures(records: list[dict]) -> list:
+    """One figure per metric of the validation videos (train/video_metrics): a curve per prompt and kind of render
+    (`val/<metric>/<prompt>`: the trained model's; `val/<kind>/<metric>/<prompt>`: the base's, a stacked render's) and
+    the mean over the prompts (`val/<metric>`, `val/<kind>/<metric>`)."""
+    import plotly.graph_objects as go
+
     figures = []
-    for metric, keys in curves.items():
+    for metric, keys in video_metric_curves(records).items():
         fig = _figure(f"validation videos: {metric}", metric)
         for key, name in keys:
             x, y = _thin(*_series(records, key))
@@ -210,3 +216,42 @@ def curve_figures(records: list[dict]) -> list:
         *video_metric_figures(records),
     ]
     return [fig for fig in figures if fig is not None]
+
+
+def compare_figures(runs: dict[str, list[dict]]) -> list:
+    """`vt-train compare`'s figures: each loss-like metric (loss, eval_loss ...) with one curve per run, then each
+    metric of the validation videos with each run's curves (a run's curves share its colour, a kind of curve its
+    dash). `runs`: run name -> its records by step."""
+    import plotly.colors
+    import plotly.graph_objects as go
+
+    colours = plotly.colors.qualitative.Plotly
+    everything = [record for records in runs.values() for record in records]
+    figures = []
+    for key in loss_keys(everything):
+        fig = _figure(key, key)
+        for index, (run, records) in enumerate(runs.items()):
+            steps, values = _series(records, key)
+            x, y = _thin(steps, values)
+            sparse = key == "eval_loss" or len(values) < 50
+            fig.add_trace(
+                go.Scatter(
+                    x=x,
+                    y=y,
+                    mode="lines+markers" if sparse else "lines",
+                    name=run,
+                    line=dict(color=colours[index % len(colours)]),
+                )
+            )
+        figures.append(fig)
+    dashes = ["solid", "dash", "dot", "dashdot", "longdash", "longdashdot"]
+    for metric, keys in video_metric_curves(everything).items():
+        fig = _figure(f"validation videos: {metric}", metric)
+        for index, (run, records) in enumerate(runs.items()):
+            for number, (key, name) in enumerate(keys):
+                x, y = _thin(*_series(records, key))
+                if y:
+                    line = dict(color=colours[index % len(colours)], dash=dashes[number % len(dashes)])
+                    fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=f"{run}: {name}", line=line))
+        figures.append(fig)
+    return figures

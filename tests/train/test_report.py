@@ -77,9 +77,9 @@ def run_dir(tmp_path):
 
 
 def test_every_loss_like_metric_is_plotted_and_a_constant_lr_axis_starts_at_zero(run_dir):
-    from vt.train.report import _metrics
+    from vt.train.report import metrics_by_step
 
-    records = _metrics(run_dir)
+    records = metrics_by_step(run_dir)
     assert loss_keys(records) == ["loss", "audio_loss"]
     figures = {fig.layout.title.text: fig for fig in curve_figures(records)}
     assert set(figures) == {
