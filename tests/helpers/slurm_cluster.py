@@ -36,7 +36,8 @@ from helpers.polling import wait_for
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_TIMEOUT = 15.0  # seconds any one sbatch/squeue/scancel/sinfo call may take
 GRACE = 5.0  # seconds a daemon has to exit after SIGTERM before SIGKILL
-KILL_WAIT = 10  # slurm.conf KillWait: seconds from a job's SIGTERM (scancel, time limit) to its SIGKILL
+KILL_WAIT = 30  # slurm.conf KillWait (Slurm's default): seconds from a job's SIGTERM (scancel, time limit) to its
+# SIGKILL. At 10 s a producer still releasing its lanes and writing its report on a loaded machine was killed first.
 
 
 def _end(pids: list[int], alive) -> None:

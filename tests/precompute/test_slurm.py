@@ -159,6 +159,7 @@ def test_array_scancelled_and_resubmitted_trains_every_sample_once(
     slurm.wait_gone(first, timeout=60)
     first_reports = reports(run_dir)
     first_logs = element_logs(tmp_path, first)
+    assert f"precompute_report.task{task}.json" in first_reports, ("no report of the cancelled element", first_logs)
     victim_report = first_reports[f"precompute_report.task{task}.json"]
     assert victim_report["committed"] > 0 and "SystemExit" in victim_report["status"], (victim_report, first_logs)
     # SIGTERM released every lane the array held: none is left held by a stopped producer.
