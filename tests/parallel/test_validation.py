@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vt.train.trackers import read_metrics
+
 from helpers import HELPERS
 from helpers.dist_runs import BIN, child_env, finish, single, torchrun
 
@@ -41,6 +43,7 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
         "wan-i2v",
         "validate",
         validation={"prompts": PROMPTS, "images": images, "steps": 2},
+        metrics={"flow": "difference"},  # the videos' metrics, each scored on the rank that wrote it
         max_steps=1,
         checkpoint_every=0,
     )
@@ -97,3 +100,9 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
         assert sorted(p.name for p in (tmp_path / layout / "validation" / "step-000001").iterdir()) == [
             f"{index:02d}.mp4" for index in range(len(PROMPTS))
         ]
+    # Each video's metric reached rank 0's metrics.jsonl, whichever rank wrote it (rank 1 wrote prompt 1's under
+    # FSDP2), the base's under step 0, with the prompts' mean; one process scores the same videos alike.
+    wanted = {f"val/motion/{i:02d}" for i in range(len(PROMPTS))} | {"val/motion"}
+    for layout in ("fsdp", "pp", "validate"):
+        logged = {(r["step"], k): v for r in read_metrics(tmp_path / layout / "metrics.jsonl") for k, v in r.items()}
+        assert {(1, key) for key in wanted} | {(0, key.replace("val/", "val/base/")) for key in wanted} <= set(logged)
