@@ -86,14 +86,7 @@ class Tracker:
         """Write `metrics` for `step` to every sink if due (or forced); returns whether it logged."""
         if not self.enabled or not (force or self.due(step)):
             return False
-        values = {name: _scalar(name, value) for name, value in metrics.items()}
-        record = {"step": int(step), "time": round(time.time(), 3), **values}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
-        if self._tb_writer is not None:
-            for name, value in values.items():
-                self._tb_writer.add_scalar(name, value, global_step=step)
-            self._tb_writer.flush()
+        values = self._write(step, metrics)
         if self._wandb_run is not None:
             self._wandb_run.log(values, step=step)
         self._last_time = self._clock()
@@ -103,14 +96,22 @@ class Tracker:
         """Records measured apart from their step's (a validation's video metrics, finished later), each under its
         own step. wandb takes no step below its current one, so there they carry it as `validation_step`, the x-axis
         `_open_wandb` defines for them."""
-        for step, values in records:
-            wandb_run, self._wandb_run = self._wandb_run, None
-            try:
-                self.log(step, values, force=True)
-            finally:
-                self._wandb_run = wandb_run
-            if wandb_run is not None and self.enabled:
-                wandb_run.log({"validation_step": int(step), **{k: _scalar(k, v) for k, v in values.items()}})
+        for step, metrics in records if self.enabled else ():
+            values = self._write(step, metrics)
+            if self._wandb_run is not None:
+                self._wandb_run.log({"validation_step": int(step), **values})
+
+    def _write(self, step: int, metrics: dict) -> dict[str, float]:
+        """`metrics` for `step` into the JSONL file and TensorBoard (both take any step); returns them as scalars."""
+        values = {name: _scalar(name, value) for name, value in metrics.items()}
+        record = {"step": int(step), "time": round(time.time(), 3), **values}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        if self._tb_writer is not None:
+            for name, value in values.items():
+                self._tb_writer.add_scalar(name, value, global_step=step)
+            self._tb_writer.flush()
+        return values
 
     def close(self) -> None:
         """Flush and close every sink; safe to call twice."""

@@ -33,8 +33,10 @@ def video_of(path: Path) -> tuple[int, str] | None:
     match = NAME.match(Path(path).stem)
     if not match:
         return None
-    kind = match[2] or "lora"
-    return int(match[1]), ("base" if kind == "lora" else f"base_{kind}") if Path(path).parent.name == "base" else kind
+    index, kind = int(match[1]), match[2] or "lora"
+    if Path(path).parent.name != "base":
+        return index, kind
+    return index, "base" if kind == "lora" else f"base_{kind}"
 
 
 def prompt_means(records: list[tuple[int, dict]], prompts: int, seen: dict) -> list[tuple[int, dict]]:
