@@ -9,7 +9,7 @@ to import, while the service is still importing and loading the encoders.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vt.precompute.processors import Chain, ErrorPolicy, PreparedSample, SampleError, SoundRequest
 from vt.precompute.sources import RawSample
@@ -29,6 +29,7 @@ class Outcome:
     reason: str | None
     detail: str
     seconds: float
+    dropped: list[tuple[str, str, str]] = field(default_factory=list)  # (key, reason, detail) of parts rejected alone
 
     @classmethod
     def of(
@@ -38,8 +39,9 @@ class Outcome:
         reason: str | None = None,
         detail: str = "",
         seconds: float = 0.0,
+        dropped: list[tuple[str, str, str]] | None = None,
     ) -> "Outcome":
-        return cls(raw.sample_id, raw.shard, raw.position, samples, reason, detail, seconds)
+        return cls(raw.sample_id, raw.shard, raw.position, samples, reason, detail, seconds, dropped or [])
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,10 @@ def prepare_timed(
     goes back to the service through the pool and stops the run.
     """
     start = time.perf_counter()
+    dropped: list[tuple[str, str, str]] = []
     try:
-        return Outcome.of(raw, chain.prepare(raw, buckets, fps, policy, sound), seconds=time.perf_counter() - start)
+        samples = chain.prepare(raw, buckets, fps, policy, sound, dropped)
+        return Outcome.of(raw, samples, seconds=time.perf_counter() - start, dropped=dropped)
     except SampleError as err:
         return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
 

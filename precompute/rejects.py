@@ -5,13 +5,15 @@
 
 `shard` is the raw tar as listed, `position` the sample's ordinal in it (0, 1, ...), `key` the
 sample's key as latent shards and logs name it (`<shard name>/<key in the tar>`, see sources.py),
-`reason` the counter name of precompute_report.json. With several lanes each has its own file,
+`reason` the counter name of precompute_report.json. A part of a raw sample rejected alone while the chain kept
+its other parts (a scene of a split video, processors/chain.py) has a line of its own, keyed by the part's key
+(`<key>#s<n>`). With several lanes each has its own file,
 `rejects.lane<l>.jsonl`, written by whichever producer holds the lane.
 
 Lines are appended and flushed as samples are rejected, so a killed producer's file holds what it
 rejected so far. A restarted producer keeps the file and its lines, and writes each (epoch, shard,
 position) once: re-reading a raw shard that was only partly done rejects the same samples again,
-and those are not listed twice. A producer that starts with nothing committed in its window starts
+and those are not listed twice (a line is known by epoch, shard, position and key). A producer that starts with nothing committed in its window starts
 the file anew. A line cut by a kill is dropped on restart.
 """
 
@@ -31,7 +33,7 @@ class RejectLog:
 
     def __init__(self, path: Path, keep: bool):
         self.path = path
-        self.listed: set[tuple[int, str, int]] = set()  # (epoch, shard, position) already in the file
+        self.listed: set[tuple[int, str, int, str]] = set()  # (epoch, shard, position, key) already in the file
         path.parent.mkdir(parents=True, exist_ok=True)
         if keep and path.exists():
             self._load()
@@ -47,11 +49,11 @@ class RejectLog:
         for line in whole.decode("utf-8").splitlines():
             if line.strip():
                 entry = json.loads(line)
-                self.listed.add((entry["epoch"], entry["shard"], entry["position"]))
+                self.listed.add((entry["epoch"], entry["shard"], entry["position"], entry["key"]))
 
     def add(self, epoch: int, shard: str, position: int, key: str, reason: str, detail: str) -> bool:
-        """List one rejected sample; False if this (epoch, shard, position) is listed already."""
-        identity = (epoch, shard, position)
+        """List one rejected sample; False if this (epoch, shard, position, key) is listed already."""
+        identity = (epoch, shard, position, key)
         if identity in self.listed:
             return False
         self.listed.add(identity)

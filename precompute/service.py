@@ -171,7 +171,7 @@ class Precompute:
     def _set_up(self, config: Config) -> None:
         pre = config.precompute
         self.buckets = parse_buckets(config.buckets.sizes)
-        self.chain = build_chain(pre.processors)
+        self.chain = build_chain(pre.processors, window=config.window.uri)
         self.spec = spec_for(config)
         for bucket in self.buckets:
             self.spec.check_bucket(bucket)
@@ -416,6 +416,9 @@ class Precompute:
                 self.progress.update()
                 continue
             failures_in_a_row = 0
+            for key, reason, detail in outcome.dropped:  # parts rejected alone (a scene, a window)
+                self.report.reject(reason)
+                run.rejects.add(epoch, outcome.shard, outcome.position, key, reason, detail)
             for sample in outcome.samples:
                 # A clip split into several samples is decoded again after a restart; its parts
                 # already committed are dropped here (the raw sample as a whole was not).

@@ -24,7 +24,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vt.shared.errors import UserError
 
@@ -56,6 +56,9 @@ class ProcessorOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
     VERSION: ClassVar[int] = 1
+    # A core step the processor must run before or after ("" for none): `resolve_chain` checks the order.
+    BEFORE: ClassVar[str] = ""
+    AFTER: ClassVar[str] = ""
 
 
 class SampleFramesOptions(ProcessorOptions):
@@ -91,6 +94,71 @@ class DecodeOptions(ProcessorOptions):
     """Decode the chosen frames scaled to cover the bucket (bilinear antialias), cut the crop."""
 
 
+class SplitScenesOptions(ProcessorOptions):
+    """Cut a video into clips at scene changes (PySceneDetect's ContentDetector over one low-resolution decode),
+    each a sample keyed `<key>#s<n>`; scenes shorter than `min_seconds` are dropped, longer than `max_seconds`
+    cut into equal pieces (0: no maximum)."""
+
+    BEFORE: ClassVar[str] = "sample_frames"
+    threshold: float = Field(27.0, gt=0)  # ContentDetector's: the frame-to-frame change (0-255) that is a cut
+    min_seconds: float = Field(1.0, ge=0)
+    max_seconds: float = Field(0.0, ge=0)  # 0: no maximum; else at least 2 x min_seconds
+    detect_width: int = Field(128, ge=16, le=1024)  # frames are scaled to this width for detection
+
+    @model_validator(mode="after")
+    def _pieces_fit(self) -> "SplitScenesOptions":
+        if self.max_seconds and self.max_seconds < 2 * self.min_seconds:
+            raise ValueError(
+                f"max_seconds ({self.max_seconds:g}) must be 0 or at least 2 x min_seconds ({self.min_seconds:g}), "
+                "so every piece of a long scene is at least min_seconds"
+            )
+        return self
+
+
+class FilterSizeOptions(ProcessorOptions):
+    """Reject a clip shorter than `min_seconds` (`too_short`) or smaller than `min_height` x `min_width`
+    displayed pixels (`too_small`)."""
+
+    min_seconds: float = Field(0.0, ge=0)
+    min_height: int = Field(0, ge=0)
+    min_width: int = Field(0, ge=0)
+
+
+class FilterMotionOptions(ProcessorOptions):
+    """Reject a sample whose mean absolute difference between consecutive decoded frames (0-255) is below
+    `min_motion` (`too_little_motion`) or above `max_motion` (`too_much_motion`; 0: no maximum)."""
+
+    AFTER: ClassVar[str] = "decode"
+    min_motion: float = Field(0.0, ge=0, le=255)
+    max_motion: float = Field(0.0, ge=0, le=255)
+
+
+class FilterBlackOptions(ProcessorOptions):
+    """Reject a sample when more than `max_fraction` of its frames are black (mean luma at most `luma`, 0-255)."""
+
+    AFTER: ClassVar[str] = "decode"
+    luma: float = Field(16.0, ge=0, le=255)
+    max_fraction: float = Field(0.5, ge=0, le=1)
+
+
+class FilterFrozenOptions(ProcessorOptions):
+    """Reject a sample when more than `max_fraction` of its frames repeat the frame before (mean absolute
+    difference at most `tolerance`, 0-255)."""
+
+    AFTER: ClassVar[str] = "decode"
+    tolerance: float = Field(0.5, ge=0, le=255)
+    max_fraction: float = Field(0.5, ge=0, le=1)
+
+
+class DedupOptions(ProcessorOptions):
+    """Reject a clip whose perceptual hash (a DCT hash of `frames` frames spread over it, 64 bits each) is within
+    `max_distance` bits of a clip's that claimed it first in the window's storage (`near_duplicate`): one copy
+    kept across producers, lanes and resumes."""
+
+    frames: int = Field(4, ge=1, le=64)
+    max_distance: int = Field(24, ge=0)  # of frames x 64 bits; unrelated clips differ in about half
+
+
 @dataclass(frozen=True)
 class Builtin:
     """A built-in processor: its options, and the import path of the stage 1 class that runs it
@@ -106,6 +174,12 @@ BUILTINS: dict[str, Builtin] = {
     "crop": Builtin(CropOptions, f"{_STAGE1}.crop:Crop"),
     "caption": Builtin(CaptionOptions, f"{_STAGE1}.caption:Caption"),
     "decode": Builtin(DecodeOptions, f"{_STAGE1}.fit_bucket:Decode"),
+    "split_scenes": Builtin(SplitScenesOptions, f"{_STAGE1}.split_scenes:SplitScenes"),
+    "filter_size": Builtin(FilterSizeOptions, f"{_STAGE1}.filters:FilterSize"),
+    "filter_motion": Builtin(FilterMotionOptions, f"{_STAGE1}.filters:FilterMotion"),
+    "filter_black": Builtin(FilterBlackOptions, f"{_STAGE1}.filters:FilterBlack"),
+    "filter_frozen": Builtin(FilterFrozenOptions, f"{_STAGE1}.filters:FilterFrozen"),
+    "dedup": Builtin(DedupOptions, f"{_STAGE1}.dedup:Dedup"),
 }
 
 
@@ -197,6 +271,13 @@ def resolve_chain(entries: list[dict[str, Any]]) -> list[Step]:
         cls = BUILTINS[core].options
         steps.insert(at, Step(core, cls.VERSION, cls()))
         names.insert(at, core)
+    for index, step in enumerate(steps):
+        before, after = type(step.options).BEFORE, type(step.options).AFTER
+        if (before and index > names.index(before)) or (after and index < names.index(after)):
+            where = f"before {before!r}" if before else f"after {after!r}"
+            raise ValueError(
+                f"processor {step.name!r} must run {where}; list it there (the chain that runs: {' -> '.join(names)})"
+            )
     return steps
 
 

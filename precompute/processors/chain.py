@@ -48,6 +48,7 @@ class Chain:
 
     processors: list
     names: list[str]
+    window: str = ""  # the window's storage URI, handed to every sample (Sample.window)
 
     def _reads_json(self) -> bool:
         return any(isinstance(p, Caption) and p.options.field for p in self.processors)
@@ -59,6 +60,7 @@ class Chain:
         fps: float,
         policy: ErrorPolicy = bad_data_only,
         sound: SoundRequest | None = None,
+        dropped: list[tuple[str, str, str]] | None = None,
     ) -> list[PreparedSample]:
         """The samples the chain makes of one raw sample; SampleError if it cannot be used (as
         `policy` judges a step's exception; bad_data_only raises ProcessorBug for a bug). `sound`: each
@@ -83,15 +85,33 @@ class Chain:
                     meta=raw.meta or {},
                     control=control,
                     sound_request=sound,
+                    window=self.window,
                 )
             ]
             for name, processor in zip(self.names, self.processors):
-                with _step(name, key, policy):
-                    samples = _unique([out for sample in samples for out in processor(sample)])
+                samples = _unique(_run_step(name, processor, samples, policy, dropped))
         if not samples:
             raise SampleError("no_samples", f"the processor chain ({' -> '.join(self.names)}) made no sample of it")
         with _step(self.names[-1], key, policy):  # the last step handed them out
             return [_prepared(sample, raw) for sample in samples]
+
+
+def _run_step(name: str, processor, samples: list[Sample], policy: ErrorPolicy, dropped: list | None) -> list[Sample]:
+    """One step over the samples in flight; a rejected one of several is dropped alone (into `dropped`)."""
+    out, rejected = [], []
+    for sample in samples:
+        try:
+            with _step(name, sample.key, policy):
+                out.extend(processor(sample))
+        except SampleError as err:
+            if len(samples) == 1:
+                raise
+            rejected.append((sample.key, err))
+    if rejected and not out:
+        raise rejected[0][1]
+    if dropped is not None:
+        dropped.extend((key, err.reason, err.detail) for key, err in rejected)
+    return out
 
 
 def _unique(samples: list[Sample]) -> list[Sample]:
@@ -138,7 +158,10 @@ def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
     )
 
 
-def build_chain(entries: list[dict]) -> Chain:
-    """precompute.processors -> the Chain that runs (validated, core steps added; see vt.shared.chain)."""
+def build_chain(entries: list[dict], window: str = "") -> Chain:
+    """precompute.processors -> the Chain that runs (validated, core steps added; see vt.shared.chain). `window`:
+    the window's storage URI, where a processor such as dedup keeps its table."""
     steps = resolve_chain(entries)
-    return Chain([load_user_class(step.implementation)(step.options) for step in steps], [step.name for step in steps])
+    return Chain(
+        [load_user_class(step.implementation)(step.options) for step in steps], [step.name for step in steps], window
+    )

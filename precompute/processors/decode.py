@@ -28,7 +28,8 @@ Decoding is single-threaded per clip: throughput comes from several decode worke
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import av
 import numpy as np
@@ -308,6 +309,66 @@ class Clip:
         except av.FFmpegError as err:
             raise SampleError("corrupt_video", f"decoding failed: {err}") from None
         return out
+
+    def scan(self, size: tuple[int, int]) -> Iterator[tuple[float, np.ndarray]]:
+        """Every frame of the clip once, in order: (seconds from the clip's start, (H, W, 3) uint8 RGB at `size`).
+
+        One forward decode (a scene detector's pass, at a small `size`); `frames_at` afterwards seeks as usual.
+        """
+        if not self._at_start:
+            self._restart(0.0, count=False)
+        frames, self._pending, self._at_start = itertools.chain(self._pending, self._frames), [], False
+        base, fps = float(self._stream.time_base), self.info.fps
+        tol = min(0.5 * base, 0.25 / fps if fps > 0 else 1.0) + 1e-6  # as _pick's
+        try:
+            for frame in frames:
+                pts = _frame_pts(frame)
+                if pts is None:
+                    continue
+                seconds = (pts - self._origin) * base
+                if seconds < -tol:  # before a span's start: the seek lands on the keyframe before it
+                    continue
+                if seconds >= self.info.duration - tol:
+                    return
+                yield max(0.0, seconds), self._to_rgb(frame, *size)
+        except av.FFmpegError as err:
+            raise SampleError("corrupt_video", f"decoding failed: {err}") from None
+
+    def span(self, start: float, end: float) -> "ClipSpan":
+        """The part of the clip from `start` to `end` seconds, as a clip of its own (decoded by seeking)."""
+        return ClipSpan(self, start, end)
+
+
+class ClipSpan:
+    """A time span of an opened `Clip` that reads as a clip of its own: `info` (its duration and frames),
+    `frames_at` (times from the span's start), `data` and `origin_seconds` (for the sound decoder).
+    The parent clip stays open and owned by its opener; several spans share it."""
+
+    def __init__(self, clip: "Clip | ClipSpan", start: float, end: float):
+        if not 0 <= start < end <= clip.info.duration + 1e-6:
+            raise ValueError(f"span {start:g}-{end:g}s is not inside the clip's {clip.info.duration:.3f}s")
+        self._clip, self.start, self.end = clip, start, end
+        whole = clip.info
+        duration = end - start
+        self.info = replace(whole, duration=duration, frames=max(1, round(whole.frames * duration / whole.duration)))
+
+    @property
+    def data(self) -> bytes | MediaRef:
+        return self._clip.data
+
+    @property
+    def origin_seconds(self) -> float:
+        return self._clip.origin_seconds + self.start
+
+    @property
+    def stats(self) -> dict:
+        return self._clip.stats
+
+    def frames_at(self, times: list[float], size: tuple[int, int] | None = None) -> np.ndarray:
+        return self._clip.frames_at([self.start + t for t in times], size)
+
+    def span(self, start: float, end: float) -> "ClipSpan":
+        return ClipSpan(self._clip, self.start + start, self.start + end)
 
 
 def probe(video: bytes) -> VideoInfo:

@@ -19,7 +19,7 @@ from vt.shared.buckets import Bucket
 from vt.shared.chain import ProcessorOptions
 from vt.shared.runtime import keyed_generator
 
-from .decode import Clip, VideoInfo
+from .decode import Clip, ClipSpan, VideoInfo
 from .sound import SoundRequest
 
 
@@ -34,12 +34,13 @@ class Sample:
     and pixel for pixel. A processor after `decode` that changes `pixels` (a flip, a colour change)
     decides what the same change means for `control_pixels`: a flip flips both, a colour change only
     the clip. `sound_request` is set when the family trains audio (model.audio); `decode` then also decodes
-    `sound` (channels, samples) float32, the clip's sound over the frames' time span (sound.py).
+    `sound` (channels, samples) float32, the clip's sound over the frames' time span (sound.py). `clip` may be
+    a span of the opened video (`ClipSpan`, made by split_scenes), which reads as a clip of its own.
     """
 
     key: str
     caption: str
-    clip: Clip
+    clip: Clip | ClipSpan
     fps: float  # buckets.fps
     buckets: list[Bucket]
     meta: dict = field(default_factory=dict)
@@ -47,10 +48,11 @@ class Sample:
     start: float = 0.0  # seconds from the clip's start of the first frame
     box: tuple[int, int] | None = None  # top-left of the crop in the frame scaled to cover the bucket
     pixels: torch.Tensor | None = None
-    control: Clip | None = None
+    control: Clip | ClipSpan | None = None
     control_pixels: torch.Tensor | None = None
     sound_request: SoundRequest | None = None
     sound: torch.Tensor | None = None
+    window: str = ""  # the window's storage URI, for a processor that keeps a table there (dedup); "" without one
 
     @property
     def info(self) -> VideoInfo:

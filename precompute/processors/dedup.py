@@ -1,0 +1,125 @@
+"""The `dedup` processor: one copy of each clip kept, across producers, lanes and resumes, with no central index.
+
+A clip's hash is a perceptual (DCT) hash of `frames` frames spread evenly over it (over the sample's own frames
+once `sample_frames` has chosen them, so the windows of one clip differ): each frame scaled to 32x32 gray, its
+2-D DCT, and one bit per coefficient of the 8x8 lowest frequencies, set where it is above their median (64 bits
+a frame). Two clips are near-duplicates when their hashes differ in at most `max_distance` bits: re-encoding,
+rescaling or a small colour change flip a few bits (the demo's carphone_distorted, a re-compressed
+carphone_pristine, is 16 of 256 bits away); unrelated clips differ in about half.
+
+The table is the window's storage, split into bands (multi-index hashing): the hash is cut into 16 bands, and a
+clip claims `dedup/<band>-<bits>.json` for each, created exclusively (`create_exclusive`: an atomic link on a
+local disk, a conditional PUT on S3) with its key and whole hash, or reads the claim another clip made first. Two
+hashes within 15 bits always share a band (pigeonhole), further apart mostly still do. A clip meets each earlier
+clip that shares one of its bands; of two near-duplicates the keeper is the owner of the first band they share
+that either of them owns, a fact in storage that both (and any resumed or restarted producer, or one that takes
+over the lane) read alike, so exactly one is kept and the choice never changes once made. The other is rejected
+as `near_duplicate`, naming the keeper. A clip near a rejected one is rejected too (its claims stay). The table
+lives as long as the window; it needs storage that every decode process shares (a path or s3://, not memory://).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import torch
+
+from vt.shared.chain import DedupOptions
+from vt.shared.errors import UserError
+from vt.shared.storage import Storage
+
+from .errors import SampleError
+from .filters import _LUMA
+from .sample import Processor, Sample
+
+_SIDE, _LOW = 32, 8  # frames are hashed at 32x32; the 8x8 lowest frequencies make the bits
+_BANDS = 16  # the hash is claimed as this many bands
+_STORES: dict[str, Storage] = {}  # one Storage per window URI in each process (a processor must pickle)
+
+
+def _dct_matrix(n: int) -> torch.Tensor:
+    """The orthonormal DCT-II matrix: row k is frequency k."""
+    k = torch.arange(n, dtype=torch.float64)[:, None]
+    x = torch.arange(n, dtype=torch.float64)[None, :]
+    m = torch.cos(math.pi * (2 * x + 1) * k / (2 * n)) * math.sqrt(2 / n)
+    m[0] /= math.sqrt(2)
+    return m
+
+
+_DCT = _dct_matrix(_SIDE)
+
+
+def frame_hash(rgb: torch.Tensor) -> int:
+    """(H, W, 3) uint8 RGB at 32x32 -> its 64-bit perceptual hash."""
+    gray = torch.einsum("hwc,c->hw", rgb.double(), _LUMA.double())
+    low = (_DCT @ gray @ _DCT.T)[:_LOW, :_LOW].flatten()
+    bits = (low > low.median()).tolist()
+    return sum(1 << i for i, bit in enumerate(bits) if bit)
+
+
+def clip_hash(sample: Sample, frames: int) -> str:
+    """The hex perceptual hash of `frames` frames spread over the sample (its chosen frames, else its clip)."""
+    if sample.bucket is None:
+        start, end = 0.0, sample.info.duration
+    else:
+        start, end = sample.start, sample.start + sample.bucket.frames / sample.fps
+    times = [start + (end - start) * (i + 0.5) / frames for i in range(frames)]
+    decoded = torch.from_numpy(sample.clip.frames_at(times, size=(_SIDE, _SIDE)))
+    return "".join(f"{frame_hash(frame):016x}" for frame in decoded)
+
+
+def _storage(uri: str) -> Storage:
+    if not uri:
+        raise UserError(
+            "the dedup processor keeps its table in the window's storage; run it through `vt-precompute run` "
+            "(a chain built without a window has none)"
+        )
+    if uri not in _STORES:
+        _STORES[uri] = Storage(uri)
+    return _STORES[uri]
+
+
+def bands(digest: str) -> list[str]:
+    """The hex hash cut into _BANDS equal pieces (its length is a multiple of 16 hex digits)."""
+    width = len(digest) // _BANDS
+    return [digest[i * width : (i + 1) * width] for i in range(_BANDS)]
+
+
+def distance(a: str, b: str) -> int:
+    """Bits that differ between two hex hashes of one length."""
+    return (int(a, 16) ^ int(b, 16)).bit_count()
+
+
+def keeper(storage: Storage, digest: str, key: str, max_distance: int) -> str:
+    """The key that keeps the clip of hash `digest` sampled as `key`: `key` itself, or the earlier near-duplicate
+    that owns the first band the two share (see the module docstring)."""
+    mine = bands(digest)
+    record = json.dumps({"key": key, "hash": digest}).encode()
+    owners = []  # each band's claim: ours, or the clip's that made it first
+    for index, bits in enumerate(mine):
+        rel = f"dedup/{index:02d}-{bits}.json"
+        owners.append({"key": key} if storage.create_exclusive(rel, record) else json.loads(storage.read(rel)))
+    met = {o["key"]: o["hash"] for o in owners if o["key"] != key}
+    for other in sorted(met):
+        if distance(digest, met[other]) > max_distance:
+            continue
+        shared = [i for i, (a, b) in enumerate(zip(mine, bands(met[other]))) if a == b]
+        first = next(i for i in shared if owners[i]["key"] in (key, other))
+        if owners[first]["key"] == other:
+            return other
+    return key
+
+
+class Dedup(Processor):
+    Options = DedupOptions
+
+    def __call__(self, sample: Sample):
+        digest = clip_hash(sample, self.options.frames)
+        owner = keeper(_storage(sample.window), digest, sample.key, self.options.max_distance)
+        if owner != sample.key:
+            raise SampleError(
+                "near_duplicate",
+                f"its perceptual hash {digest} is within {self.options.max_distance} bits of {owner!r}'s",
+            )
+        yield sample
