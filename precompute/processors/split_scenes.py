@@ -6,7 +6,8 @@ A cut is the first frame of a new scene, at that frame's presentation time. Scen
 are dropped; a scene longer than `max_seconds` is cut into the fewest equal pieces that fit. Each piece is a
 sample keyed `<key>#s<n>` (n counts the kept pieces from 0) whose clip is that span of the opened video
 (`Clip.span`): `sample_frames` then picks its bucket and frames inside the span, its window modes included
-(`<key>#s0#w1`), and `decode` seeks to them. Listed before `sample_frames`.
+(`<key>#s0#w1`), and `decode` seeks to them. Listed before `sample_frames`. A still image (one-frame
+buckets) passes unchanged.
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ class SplitScenes(Processor):
     def __call__(self, sample: Sample):
         if not isinstance(sample.clip, Clip):
             raise ValueError(f"split_scenes got {sample.key!r} already split; list it once, before sample_frames")
+        if all(bucket.frames == 1 for bucket in sample.buckets):  # a still image: nothing to split
+            yield sample
+            return
         options = self.options
         cuts = detect_cuts(sample.clip, options.threshold, min(options.detect_width, sample.info.width))
         spans = pieces([0.0, *cuts, sample.info.duration], options.min_seconds, options.max_seconds)

@@ -11,6 +11,8 @@ consumer.json                        {"read": {rank: seq}, "watermark": {rank: s
 text/validation-<fingerprint>/<key>.safetensors  a validation input's conditions as the family
                                      pipeline takes them: the trainer loads no text encoder
 text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window
+dedup/<band>-<bits>.json             the dedup processor's hash table: the first clip to claim a band of its
+                                     perceptual hash, created exclusively (precompute/processors/dedup.py)
 """
 
 from __future__ import annotations

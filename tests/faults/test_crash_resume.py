@@ -33,6 +33,7 @@ from vt.shared.storage import RetryPolicy, Storage
 from vt.shared.window import ShardCorruptError, inspect, open_reader
 
 from helpers.cli_runs import raw_keys, start, write_config
+from helpers.curation import EVERY_PROCESSOR, scene_keys
 from helpers.polling import wait_for
 
 pytestmark = pytest.mark.slow
@@ -153,7 +154,7 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
         window,
         # a loaded CI machine (two xdist workers with their ranks) may keep a side waiting minutes
         window={"size": 4, "poll_seconds": 0.05, "timeout_seconds": 300.0},
-        precompute={"workers": 0},
+        precompute={"workers": 0, "processors": EVERY_PROCESSOR},
         train={"epochs": EPOCHS, "checkpoint_every": 2, "batch_size": 2},
         log={"samples": True, "progress": False},
     )
@@ -228,7 +229,7 @@ def crash_and_resume(tmp_path: Path, raw_shards: Path, model: Path, window: str,
 
     assert watcher.error is None, watcher.error
     assert not watcher.problems, watcher.problems
-    expected = raw_keys(raw_shards)
+    expected = scene_keys(raw_keys(raw_shards))
     per_epoch = Counter()
     for record in watcher.records.values():
         per_epoch.update((record.epoch, key) for key in record.keys)

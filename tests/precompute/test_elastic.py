@@ -23,6 +23,7 @@ from vt.shared.storage import Storage
 from vt.train.trackers import read_metrics
 
 from helpers.cli_runs import finish, raw_keys, start, write_config
+from helpers.curation import EVERY_PROCESSOR, scene_keys
 from helpers.polling import wait_for
 
 pytestmark = pytest.mark.slow
@@ -50,7 +51,7 @@ def test_producers_added_and_killed_mid_run_train_as_one_undisturbed(tmp_path, t
             tmp_path / name,
             str(tmp_path / name / "window"),
             window={"size": 6, "poll_seconds": 0.05, "timeout_seconds": 300.0},
-            precompute={"workers": 0, "lanes": 3},
+            precompute={"workers": 0, "lanes": 3, "processors": EVERY_PROCESSOR},
             train={"epochs": EPOCHS, "batch_size": 2, "checkpoint_every": 3},
             log={"samples": True, "progress": False},
         )
@@ -81,7 +82,7 @@ def test_producers_added_and_killed_mid_run_train_as_one_undisturbed(tmp_path, t
                 proc.kill()
                 proc.wait()
 
-    expected = raw_keys(raw_shards)
+    expected = scene_keys(raw_keys(raw_shards))
     counts = trained(tmp_path / "elastic")
     assert set(counts) == {(epoch, key) for epoch in range(EPOCHS) for key in expected}
     assert set(counts.values()) == {1}

@@ -26,6 +26,7 @@ from vt.shared.storage import Storage
 from vt.shared.window import ProducerConflict, Writer, inspect, open_reader, open_writer
 
 from helpers.cli_runs import raw_keys, write_config
+from helpers.curation import EVERY_PROCESSOR, scene_keys
 from helpers.polling import wait_for
 
 
@@ -62,7 +63,7 @@ def raw_with_bad(raw_shards, media, tmp_path_factory) -> Path:
 
 
 def config_for(tmp_path: Path, model: Path, raw: Path, uri: str, **sections):
-    sections = {"precompute": {"workers": 0}, "log": {"progress": False}, **sections}
+    sections = {"precompute": {"workers": 0, "processors": EVERY_PROCESSOR}, "log": {"progress": False}, **sections}
     return load_config(write_config(tmp_path / "run.toml", model, raw, tmp_path / "run", uri, **sections))
 
 
@@ -100,7 +101,7 @@ def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_f
         consume_everything(uri, harvested, seen)
         assert open_reader(uri).storage.list("commits") == []  # nothing left to learn from: all evicted
 
-    expected = raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"}
+    expected = scene_keys(raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"})
     assert harvested == Counter({(epoch, key): 1 for epoch in (0, 1) for key in expected})
     assert [r["status"].split(":")[0] for r in reports] == ["failed", "failed", "done"]
     assert [r["resumed_at"] for r in reports] == [0, 3, 3 + 3]  # the crash before data lost shard 6 only
@@ -119,7 +120,7 @@ def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_pa
         raw_shards,
         uri,
         window={"size": "keep"},
-        precompute={"workers": 0, "claim_seconds": 0.4},
+        precompute={"workers": 0, "claim_seconds": 0.4, "processors": EVERY_PROCESSOR},
     )
     reached, release = threading.Event(), threading.Event()
 
@@ -143,7 +144,7 @@ def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_pa
 
     assert errors == [] and first.report.status == "done" and first.report.shards == 1
     keys = Counter(key for _, record in open_reader(uri).order() for key in record.keys)
-    assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}
+    assert set(keys) == scene_keys(raw_keys(raw_shards)) and set(keys.values()) == {1}
     assert second.generation == 2 and second.resumed_at == 1
     assert inspect(uri)["orphans"] == []  # the fenced writer removed its own bytes
 
@@ -183,7 +184,7 @@ def test_report_progress_bar_and_inspect(tmp_path, tiny_model_factory, raw_with_
     report = json.loads((tmp_path / "run" / "precompute_report.json").read_text())
     assert f"precompute[{report['producer']}]" in bar and "clip/s" in bar and "MB=" in bar and "window=keep" in bar
 
-    expected = raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"}
+    expected = scene_keys(raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"})
     assert report["seen"] == len(expected) + 2 and report["committed"] == len(expected)
     assert report["rejected"] == {"empty_caption": 1, "missing_caption": 1}
     assert set(report["seconds"]) == {"read", "decode", "text_encode", "vae_encode", "write", "wait"}
