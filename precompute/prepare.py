@@ -70,8 +70,8 @@ def prepare_timed(
     try:
         samples = chain.prepare(raw, buckets, fps, policy, sound, dropped)
         return Outcome.of(raw, samples, seconds=time.perf_counter() - start, dropped=dropped)
-    except SampleError as err:
-        return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start)
+    except SampleError as err:  # parts dropped before the last one went are listed too
+        return Outcome.of(raw, None, err.reason, err.detail, time.perf_counter() - start, dropped)
 
 
 class Prepare:

@@ -403,6 +403,9 @@ class Precompute:
             self.startup.mark("first_decoded_sample")
             self.report.seen += 1
             self.report.seconds["decode"] += outcome.seconds
+            for key, reason, detail in outcome.dropped:  # parts rejected alone (a scene, a window)
+                self.report.reject(reason)
+                run.rejects.add(epoch, outcome.shard, outcome.position, key, reason, detail)
             if outcome.samples is None:
                 self.report.reject(outcome.reason)
                 run.rejects.add(epoch, outcome.shard, outcome.position, outcome.key, outcome.reason, outcome.detail)
@@ -416,9 +419,6 @@ class Precompute:
                 self.progress.update()
                 continue
             failures_in_a_row = 0
-            for key, reason, detail in outcome.dropped:  # parts rejected alone (a scene, a window)
-                self.report.reject(reason)
-                run.rejects.add(epoch, outcome.shard, outcome.position, key, reason, detail)
             for sample in outcome.samples:
                 # A clip split into several samples is decoded again after a restart; its parts
                 # already committed are dropped here (the raw sample as a whole was not).

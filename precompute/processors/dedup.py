@@ -120,6 +120,6 @@ class Dedup(Processor):
         if owner != sample.key:
             raise SampleError(
                 "near_duplicate",
-                f"its perceptual hash {digest} is within {self.options.max_distance} bits of {owner!r}'s",
+                f"within {self.options.max_distance} bits of the perceptual hash of {owner!r} (its own: {digest})",
             )
         yield sample

@@ -75,7 +75,8 @@ def encode(path: Path, frames: list[np.ndarray]) -> Path:
 @pytest.fixture(scope="module")
 def curated_folder(clips_dir, tmp_path_factory) -> Path:
     """joined.mp4 (three demo clips end to end), still, black, a piece of bigbuckbunny and of bikes from further
-    in (not the joined video's frames), and a byte copy of the bikes piece under another name; .txt captions.
+    in (not the joined video's frames), a byte copy of the bikes piece under another name, and a bikes shot (after
+    its scene change) followed by black (to-black.mp4: two scenes); .txt captions.
     (No carphone piece: the talking head looks the same all through, so any piece of it, pristine or distorted,
     is a near-duplicate of the joined video's third scene.)"""
     out = tmp_path_factory.mktemp("curated")
@@ -86,6 +87,8 @@ def curated_folder(clips_dir, tmp_path_factory) -> Path:
     still = frames_of(clips_dir / "bikes.mp4", 1)[0]
     encode(out / "still.mp4", [still] * 24)
     encode(out / "black.mp4", [np.zeros_like(still)] * 24)
+    # A shot that fades to black: its black scene is rejected alone, the shot kept.
+    encode(out / "to-black.mp4", frames_of(clips_dir / "bikes.mp4", 20, skip=150) + [np.zeros_like(still)] * 20)
     for video in out.glob("*.mp4"):
         video.with_suffix(".txt").write_text(f"a clip called {video.stem}")
     return out
@@ -169,17 +172,21 @@ def test_a_curated_run_rejects_still_black_and_copy_with_reasons_and_trains(
             buckets={"sizes": ["9x64x96"]},
             window={"size": "keep"},
             precompute={"workers": 0, "processors": CURATION},
-            train={"batch_size": 2, "max_steps": 3},
+            train={"batch_size": 2, "max_steps": 2},
         )
     )
     report = Precompute(config).run()
     rejects = [json.loads(line) for line in (config.run_dir / "rejects.jsonl").read_text().splitlines()]
     reasons = {entry["key"].split("/")[-1]: entry["reason"] for entry in rejects}
     copies = {"bikes", "bikes-again"}
-    assert {k: v for k, v in reasons.items() if k not in copies} == {"still": "frozen_frames", "black": "black_frames"}
+    assert {k: v for k, v in reasons.items() if k not in copies} == {
+        "still": "frozen_frames",
+        "black": "black_frames",
+        "to-black#s1": "black_frames",  # one scene of two dropped alone, under its own key
+    }
     assert [reasons[k] for k in sorted(copies) if k in reasons] == ["near_duplicate"]  # exactly one copy kept
-    kept = len(list(curated_folder.glob("*.mp4"))) - 3 + 2  # the joined video makes 3 samples
+    kept = len(list(curated_folder.glob("*.mp4"))) - 3 + 2  # joined makes 3 samples, to-black 1 (of 2 scenes)
     assert report.committed == kept, reasons
     summary = Trainer(config).run()
-    assert summary["steps"] == 3
+    assert summary["steps"] == 2
     assert all(math.isfinite(m["loss"]) for m in read_metrics(config.run_dir / "metrics.jsonl"))
