@@ -87,6 +87,25 @@ class CaptionOptions(ProcessorOptions):
     suffix: str = ""
 
 
+class CaptionModelOptions(ProcessorOptions):
+    """Caption each clip with a vision-language model (transformers' AutoProcessor + AutoModelForImageTextToText),
+    greedy, on stage 1's device in a phase of its own after the chain (precompute/captioner.py): `fill` the samples
+    without a caption, `replace` every caption, or keep `both` (the given one and the model's, `field` in a sidecar).
+    `prompt` may name the given caption as `{caption}`; `strip_boilerplate`, `prefix` and `suffix` apply to the
+    model's text as the `caption` processor applies them."""
+
+    model: str = Field(min_length=1)  # a folder or hub id transformers loads
+    mode: Literal["fill", "replace", "both"] = "fill"
+    field: str = Field("model_caption", min_length=1)  # both: the sidecar field that holds the model's caption
+    prompt: str = Field("Describe this video in one sentence.", min_length=1)
+    frames: int = Field(4, ge=1, le=64)  # frames shown to the model, evenly spread over the sample's
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+    batch: int = Field(8, ge=1, le=1024)  # samples per generate call (a shard's are captioned together)
+    strip_boilerplate: bool = False
+    prefix: str = ""
+    suffix: str = ""
+
+
 class DecodeOptions(ProcessorOptions):
     """Decode the chosen frames scaled to cover the bucket (bilinear antialias), cut the crop."""
 
@@ -106,6 +125,7 @@ BUILTINS: dict[str, Builtin] = {
     "crop": Builtin(CropOptions, f"{_STAGE1}.crop:Crop"),
     "caption": Builtin(CaptionOptions, f"{_STAGE1}.caption:Caption"),
     "decode": Builtin(DecodeOptions, f"{_STAGE1}.fit_bucket:Decode"),
+    "caption_model": Builtin(CaptionModelOptions, f"{_STAGE1}.caption_model:CaptionModel"),
 }
 
 
@@ -198,6 +218,14 @@ def resolve_chain(entries: list[dict[str, Any]]) -> list[Step]:
         steps.insert(at, Step(core, cls.VERSION, cls()))
         names.insert(at, core)
     return steps
+
+
+def captioner_options(entries: list[dict[str, Any]]) -> CaptionModelOptions | None:
+    """The chain's `caption_model` options (None without one); it may be listed once."""
+    found = [step.options for step in resolve_chain(entries) if step.name == "caption_model"]
+    if len(found) > 1:
+        raise ValueError(f"processor 'caption_model' is listed {len(found)} times; a sample gets one model caption")
+    return found[0] if found else None
 
 
 def describe_chain(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

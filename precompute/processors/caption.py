@@ -31,6 +31,9 @@ class Caption(Processor):
 
     def __call__(self, sample: Sample):
         options = self.options
+        if sample.wants_caption and not sample.caption.strip():  # the model captions it later (caption_model)
+            yield sample
+            return
         text = sample.caption
         if options.field:
             value = sample.meta.get(options.field)
