@@ -6,6 +6,7 @@ writes reviewable sidecars, and an edited sidecar changes that sample's stored t
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from vt.train.trainer import Trainer
 from helpers.cli_runs import finish, start, write_config
 
 NEW_TOKENS = 6
+TEXT_NAMES = ("prompt_embeds", "prompt_attention_mask")  # the tiny LTX-Video's text conditions
 
 
 @pytest.fixture(scope="module")
@@ -127,3 +129,34 @@ def test_provenance_names_the_captioner_and_a_trainer_with_another_refuses_the_w
         Trainer(config).run()
     message = str(caught.value)
     assert "caption_model].model: shard has" in message and str(captioners["other"]) in message
+
+
+def test_caption_writes_sidecars_and_an_edited_one_changes_that_samples_text_alone(
+    tmp_path, one_process, captioners, clip_folder
+):
+    from vt.precompute.caption_review import write_caption_sidecars
+
+    _, model, _, alone = one_process
+    folder = tmp_path / "clips"
+    shutil.copytree(clip_folder, folder)
+    config = load_config(config_for(tmp_path, "review", model, folder, caption_chain(captioners["tiny"])))
+    done = write_caption_sidecars(config)
+    assert len(done.written) == 4 and not done.rejected and not list(tmp_path.glob("review/window*"))
+    sidecars = {Path(url).stem: json.loads(Path(url).read_text()) for url in done.written}
+    by_key = {key.rsplit("/", 1)[-1]: value for key, value in alone.items()}
+    for stem, fields in sidecars.items():  # what a run would train on: the run's own captions
+        assert [fields["caption"]] == by_key[stem]["captions"] and fields["captioner"]
+
+    edited = sorted(sidecars)[0]
+    (folder / f"{edited}.json").write_text(json.dumps({**sidecars[edited], "caption": "a rabbit in a meadow"}))
+    Precompute(config).run()
+    reviewed = {key.rsplit("/", 1)[-1]: value for key, value in stored(str(tmp_path / "review" / "window")).items()}
+    assert reviewed.keys() == by_key.keys()
+    for stem, value in reviewed.items():
+        before = by_key[stem]
+        assert value["captions"] == (["a rabbit in a meadow"] if stem == edited else before["captions"])
+        for name, tensor in value["tensors"].items():
+            if stem != edited or name not in TEXT_NAMES:
+                assert tensor.equal(before["tensors"][name]), (stem, name)
+        if stem == edited:
+            assert not value["tensors"]["prompt_embeds"].equal(before["tensors"]["prompt_embeds"])
