@@ -514,7 +514,9 @@ class Precompute:
         pre = self.config.precompute
         samples = [sample for _, sample in items]
         bucket = samples[0].bucket
-        captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
+        captions = Captions.of(  # every caption of a sample once; several: the trainer draws one per epoch
+            [s.caption for s in samples], self.text_cache.encode, self.spec.text_masks, [s.captions for s in samples]
+        )
         started = time.perf_counter()
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(
@@ -538,7 +540,7 @@ class Precompute:
         captions.conditions = self._stored(captions.conditions)
         keys = [s.key for s in samples]
         meta = {"provenance": self.provenance, "sources": self.sources, "bucket": bucket.name, "epoch": epoch}
-        if self.captioner is not None:  # caption_model: each sample's captions as made, for review and tests
+        if self.captioner is not None or any(s.extra_captions for s in samples):  # each sample's captions as made
             meta["captions"] = {s.key: s.captions for s in samples}
         if any(s.clip for s in samples):  # a manifest's clips: where each came from, and its metadata
             meta["clips"] = {s.key: s.clip for s in samples if s.clip}
