@@ -80,7 +80,7 @@ class CropOptions(ProcessorOptions):
 
 class CaptionOptions(ProcessorOptions):
     """The caption: another .json field, captioner boilerplate removed, a prefix (a trigger word) and a suffix; more
-    captions of the sample from other .json fields (`more_fields`)."""
+    captions of the sample from other .json fields (`variant_fields`)."""
 
     field: str = ""  # "": the caption the source found (.txt, else .json "caption" / "text")
     strip_boilerplate: bool = False  # drop an opening such as "The video shows" (BOILERPLATE)
@@ -88,7 +88,7 @@ class CaptionOptions(ProcessorOptions):
     suffix: str = ""
     # more captions of the sample from other .json fields (a short and a long one ...): each encoded once, the
     # trainer draws one of them and the caption per epoch; a sample without such a field keeps its one caption
-    more_fields: list[str] = Field(default_factory=list)
+    variant_fields: list[str] = Field(default_factory=list)
 
 
 class CaptionModelOptions(ProcessorOptions):

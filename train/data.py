@@ -46,6 +46,7 @@ class Batch:
     tensors: dict[str, torch.Tensor]  # stacked along dim 0, float32: rows first, first + 1, ... of the batch
     first: int = 0  # the batch row of the tensors' row 0
     state: dict | None = None  # the reader's cursor after this batch (a checkpoint taken after training it)
+    captions: dict[str, int] = field(default_factory=dict)  # key -> which of its several captions it has (read rows)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -235,10 +236,16 @@ class BatchReader:
         self._records[position] = record
 
     # -- reading -------------------------------------------------------------------------------------
-    def _pick(self, record: CommitRecord, plan: Plan):
+    def _pick(self, plan: Plan, position: int, chosen: dict[str, int]):
         """Which of a sample's several captions it trains on in the plan's epoch: a keyed draw of (seed, epoch, key),
-        the same in every layout and resume (caption dropout then applies to the batch as to any)."""
-        return lambda row, captions: captions[drawn_caption(self.seed, plan.epoch, record.keys[row], len(captions))]
+        the same in every layout and resume (caption dropout then applies to the batch as to any); noted in `chosen`."""
+        keys = plan.records[position].keys
+
+        def pick(row: int, captions: list[int]) -> int:
+            chosen[keys[row]] = drawn_caption(self.seed, plan.epoch, keys[row], len(captions))
+            return captions[chosen[keys[row]]]
+
+        return pick
 
     def load(self, plan: Plan, pin: bool = False) -> Batch:
         """This rank's rows of `plan` from the window: only those rows' bytes (safe to call from a thread)."""
@@ -246,8 +253,9 @@ class BatchReader:
         by_shard: dict[int, list[int]] = {}
         for position, row in rows:
             by_shard.setdefault(position, []).append(row)
+        chosen: dict[str, int] = {}  # which caption each read sample with several has, for log.samples
         read = {
-            position: self._shards.rows(plan.records[position], shard_rows, self._pick(plan.records[position], plan))
+            position: self._shards.rows(plan.records[position], shard_rows, self._pick(plan, position, chosen))
             for position, shard_rows in by_shard.items()
         }
         picked: dict[int, int] = {position: 0 for position in by_shard}
@@ -259,7 +267,7 @@ class BatchReader:
         if pin:
             tensors = {name: t.pin_memory() for name, t in tensors.items()}
         first = plan.start if plan.stop > plan.start else 0
-        return Batch(plan.bucket, plan.epoch, plan.keys, tensors, first, plan.state)
+        return Batch(plan.bucket, plan.epoch, plan.keys, tensors, first, plan.state, chosen)
 
 
 class _ShardCache:

@@ -42,7 +42,7 @@ class Caption(Processor):
                     "missing_caption", f"the .json has no text field {options.field!r} (fields: {sorted(sample.meta)})"
                 )
             text = value.strip()
-        more = [sample.meta.get(name) for name in options.more_fields]
+        more = [sample.meta.get(name) for name in options.variant_fields]
         more = [value.strip() for value in more if isinstance(value, str) and value.strip()]
         if options.strip_boilerplate:
             text, more = strip_boilerplate(text), [strip_boilerplate(value) for value in more]

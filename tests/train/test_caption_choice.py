@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load
@@ -19,6 +20,7 @@ from vt.shared.window import open_reader
 from vt.train.data import BatchReader
 
 from helpers.cli_runs import write_config
+from helpers.dist_runs import finish, kill_and_resume, losses, single, torchrun
 
 SEED, EPOCHS = 0, 3
 
@@ -43,10 +45,15 @@ def window(tmp_path_factory, tiny_model_factory, media_folder) -> str:
         str(root / "window"),
         buckets={"sizes": ["9x64x96"]},
         window={"size": "keep"},
-        precompute={"workers": 0, "processors": [{"name": "caption", "more_fields": ["short", "long"]}]},
+        precompute={"workers": 0, "processors": [{"name": "caption", "variant_fields": ["short", "long"]}]},
     )
     assert Precompute(load_config(config)).run().committed == 4
     return str(root / "window")
+
+
+def raw_ids(uri: str) -> set[str]:
+    """Every sample key of the window's shards."""
+    return {key for keys, *_ in shards(uri) for key in keys}
 
 
 def shards(uri: str) -> list[tuple[list[str], dict, dict]]:
@@ -99,3 +106,45 @@ def test_each_caption_is_stored_once_and_every_layout_and_resume_draws_the_same(
         assert got.keys() == expected.keys()
         for at, tensor in expected.items():
             assert got[at].equal(tensor.float()), at
+
+
+def trained_choices(run_dir: Path) -> dict[tuple[int, str], int]:
+    """(epoch, key) -> which caption the trainer read, from log.samples: samples.jsonl, and each rank's file when
+    distributed (a rank's own rows)."""
+    files = sorted((run_dir / "samples").glob("rank*.jsonl")) or [run_dir / "samples.jsonl"]
+    out: dict[tuple[int, str], int] = {}
+    for path in files:
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            for key, choice in record.get("captions", {}).items():
+                assert out.setdefault((record["epoch"], key), choice) == choice  # a re-logged step agrees
+    return out
+
+
+def test_the_trainer_draws_the_same_captions_in_one_process_under_fsdp2_and_after_a_kill(
+    tmp_path, window, tiny_model_factory
+):
+    def config(name: str) -> Path:
+        return write_config(
+            tmp_path / f"{name}.toml",
+            tiny_model_factory("ltx-video"),
+            tmp_path,
+            tmp_path / name,
+            window,
+            buckets={"sizes": ["9x64x96"]},
+            window={"size": "keep"},
+            train={"epochs": EPOCHS, "batch_size": 2, "checkpoint_every": 2, "seed": SEED},
+            caption_dropout={"rate": 0.5},  # on top of the choice: drawn per (seed, step, sample)
+            log={"samples": True, "progress": False},
+        )
+
+    ranks = torchrun(config("fsdp"), 2, "parallel.dp_shard=-1", log=tmp_path / "fsdp.log")
+    alone = single(config("one"), log=tmp_path / "one.log")
+    finish(alone, tmp_path / "one.log")
+    finish(ranks, tmp_path / "fsdp.log")
+    kill_and_resume(config("resumed"), "train.after_checkpoint@1", tmp_path)  # killed right after step 2's checkpoint
+
+    expected = {(e, key): drawn_caption(SEED, e, key, 3) for e in range(EPOCHS) for key in raw_ids(window)}
+    for name in ("one", "fsdp", "resumed"):
+        assert trained_choices(tmp_path / name) == expected, name
+    assert losses(tmp_path / "resumed") == pytest.approx(losses(tmp_path / "one"), rel=1e-6, abs=0)
