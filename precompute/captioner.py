@@ -127,12 +127,12 @@ def apply(captioner: Captioner, sample: PreparedSample, text: str) -> PreparedSa
     return replace(sample, caption=caption, wants_caption=False) if caption else None
 
 
-def caption_samples(captioner: Captioner, samples: list[PreparedSample]) -> tuple[list[PreparedSample | None], int]:
-    """Each sample with the model's caption where the chain asked for it (in one phase), None for one left without a
-    caption; and how many were captioned."""
+def caption_samples(captioner: Captioner, samples: list[PreparedSample]) -> list[PreparedSample | None]:
+    """Each sample with the model's caption where the chain asked for it (all in one phase), None for one left
+    without a caption."""
     wanted = [i for i, s in enumerate(samples) if s.wants_caption]
     if not wanted:
-        return list(samples), 0
+        return list(samples)
     with captioner.phase():
         texts = captioner.caption([samples[i] for i in wanted])
     out: list[PreparedSample | None] = list(samples)
@@ -142,4 +142,4 @@ def caption_samples(captioner: Captioner, samples: list[PreparedSample]) -> tupl
             log.warning(
                 "caption_model: %s got an empty caption from %s; dropped", samples[i].key, captioner.options.model
             )
-    return out, len(wanted)
+    return out

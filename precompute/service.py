@@ -472,7 +472,7 @@ class Precompute:
 
         started = time.perf_counter()
         flat = [item for items in shards for item in items]
-        made, _ = caption_samples(self.captioner, [sample for _, sample in flat])
+        made = caption_samples(self.captioner, [sample for _, sample in flat])
         self.report.seconds["caption"] += time.perf_counter() - started
         out, at = [], 0
         for items in shards:
