@@ -454,6 +454,12 @@ class Precompute:
         started = time.perf_counter()
         sample_text: dict[str, list[torch.Tensor]] = {}
         captions = [caption for s in samples for caption in s.captions]  # each sample's every caption
+        if self.spec.text_with_image and len(captions) > len(samples):
+            raise UserError(
+                f"samples with several captions (caption_model's mode \"both\", caption's variant_fields), but the "
+                f"{self.spec.family} text encoder reads each caption with its clip's first frame, "
+                "one caption per sample: give each sample one caption"
+            )
         if self.spec.text_with_image or self.text_cache.new(captions):
             with self._text_phase():
                 self.text_cache.fill(captions)
