@@ -77,6 +77,26 @@ def prompts(
 
 
 @app.command()
+def caption(
+    config: Path = typer.Argument(..., help="TOML run config whose precompute.processors has a caption_model"),
+    set: list[str] = typer.Option([], "--set", help=SET_HELP),
+) -> None:
+    """Caption data.raw's clips with the config's caption_model and write each as a .json sidecar beside its clip,
+    to read and edit before `run` (which then takes the sidecars' captions). Encodes nothing."""
+    cfg = load_or_exit(config, set)
+    from vt.precompute.caption_review import write_caption_sidecars
+
+    try:
+        done = write_caption_sidecars(cfg)
+    except (*USER_ERRORS, OSError) as err:
+        raise fail(str(err)) from err
+    rejected = ", ".join(f"{reason} {count}" for reason, count in sorted(done.rejected.items())) or "none"
+    typer.echo(
+        f"captions: {len(done.written)} sidecars written beside the clips of {cfg.data.raw}; skipped: {rejected}"
+    )
+
+
+@app.command()
 def pack(
     folder: str = typer.Argument(..., help="folder (local or s3://) of clips and images with .txt/.json captions"),
     out: str = typer.Argument(..., help="where the tars go: a folder or s3://bucket/prefix"),

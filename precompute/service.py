@@ -60,12 +60,13 @@ from vt.precompute.validation_conditions import write_validation_conditions
 from vt.precompute.workers import DecodePool
 from vt.shared.buckets import Bucket, parse_buckets
 from vt.shared.caption_table import Captions, encode_caption
+from vt.shared.chain import captioner_options
 from vt.shared.config import Config
 from vt.shared.errors import UserError
 from vt.shared.log import get_logger
 from vt.shared.models import spec_for
-from vt.shared.provenance import component_records, fingerprint, provenance
-from vt.shared.runtime import DTYPES, map_large_allocations, pick_device
+from vt.shared.provenance import captioner_records, component_records, fingerprint, provenance
+from vt.shared.runtime import DTYPES, encoder_dtype, map_large_allocations, pick_device
 from vt.shared.shards import encode_shard
 from vt.shared.startup import StartupTimeline
 from vt.shared.window import ProducerFenced, eval_window_uri, open_writer
@@ -184,7 +185,9 @@ class Precompute:
         self.sound = sound_request(self.spec, config) if config.model.audio else None
         self.device = pick_device(pre.device)
         self.storage_dtype = DTYPES[pre.storage_dtype]
-        components = component_records(self.spec)  # each encoder's digest, and where it came from
+        # each encoder's digest, and where it came from (caption_model's vision-language model's too)
+        components = {**component_records(self.spec), **captioner_records(config)}
+        self.captioner = None  # caption_model's model, loaded with the encoders
         self.provenance = provenance(config, {name: c.pop("digest") for name, c in components.items()}, self.spec)
         self.fingerprint = fingerprint(self.provenance)
         self.sources = components  # beside the provenance in every shard: what a trainer checks unloaded encoders by
@@ -209,6 +212,11 @@ class Precompute:
         pre = self.config.precompute
         if self.encoders is None:
             self.encoders = load_encoders(self.spec, self.device, pre.text_encoder_offload, pre.vae_tiling)
+        options = captioner_options(pre.processors)
+        if options is not None and self.captioner is None:
+            from vt.precompute.captioner import Captioner
+
+            self.captioner = Captioner(options, self.device, encoder_dtype(self.device, self.spec.frozen_dtype))
         self.tiled = tiled_buckets(self.spec, self.encoders, self.buckets, self.device, pre.vae_tiling)
         # "model": a phase's captions a shard's worth per call (the encoder's working memory as with one shard);
         # "blocks" streams the encoder once per call, so a phase's new captions are one call.
@@ -443,12 +451,21 @@ class Precompute:
         """`shards` committed one by one in the order they filled, after one text phase for all of them (none if
         every caption is encoded already): their new captions into the text cache and, where the text encoder reads
         each caption with its clip's first frame, every sample's conditions."""
+        if self.captioner is not None:  # caption_model: the model's captions first, in a phase of their own
+            shards = self._caption(shards)
         samples = [sample for items in shards for _, sample in items]
         started = time.perf_counter()
         sample_text: dict[str, list[torch.Tensor]] = {}
-        if self.spec.text_with_image or self.text_cache.new([s.caption for s in samples]):
+        captions = [caption for s in samples for caption in s.captions]  # each sample's every caption
+        if self.spec.text_with_image and len(captions) > len(samples):
+            raise UserError(
+                f"samples with several captions (caption_model's mode \"both\", caption's variant_fields), but the "
+                f"{self.spec.family} text encoder reads each caption with its clip's first frame, "
+                "one caption per sample: give each sample one caption"
+            )
+        if self.spec.text_with_image or self.text_cache.new(captions):
             with self._text_phase():
-                self.text_cache.fill([s.caption for s in samples])
+                self.text_cache.fill(captions)
                 sample_text = self._encode_text_with_images(samples)
         self.report.seconds["text_encode"] += time.perf_counter() - started
         first = 0
@@ -456,6 +473,24 @@ class Precompute:
             part = {name: rows[first : first + len(items)] for name, rows in sample_text.items()}
             first += len(items)
             yield from self._write_shard(run, items, epoch, tracker, part)
+
+    def _caption(self, shards: list[list[tuple[int, PreparedSample]]]) -> list[list[tuple[int, PreparedSample]]]:
+        """The shards' samples with caption_model's captions (precompute/captioner.py), those left without a caption
+        dropped (counted), and the shards left empty with them."""
+        from vt.precompute.captioner import caption_samples
+
+        started = time.perf_counter()
+        flat = [item for items in shards for item in items]
+        made = caption_samples(self.captioner, [sample for _, sample in flat])
+        self.report.seconds["caption"] += time.perf_counter() - started
+        out, at = [], 0
+        for items in shards:
+            kept = [(index, sample) for (index, _), sample in zip(items, made[at : at + len(items)]) if sample]
+            at += len(items)
+            out += [kept] if kept else []
+        for _ in range(len(flat) - sum(len(items) for items in out)):
+            self.report.reject("empty_model_caption")
+        return out
 
     def _stored(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Floating tensors in the storage dtype, others as they are."""
@@ -488,7 +523,9 @@ class Precompute:
         pre = self.config.precompute
         samples = [sample for _, sample in items]
         bucket = samples[0].bucket
-        captions = Captions.of([s.caption for s in samples], self.text_cache.encode, self.spec.text_masks)
+        captions = Captions.of(  # every caption of a sample once; several: the trainer draws one per epoch
+            [s.caption for s in samples], self.text_cache.encode, self.spec.text_masks, [s.captions for s in samples]
+        )
         started = time.perf_counter()
         controls = [s.control for s in samples] if self.control else None  # aligned with the clips, frame for frame
         latents = encode_videos(
@@ -512,6 +549,8 @@ class Precompute:
         captions.conditions = self._stored(captions.conditions)
         keys = [s.key for s in samples]
         meta = {"provenance": self.provenance, "sources": self.sources, "bucket": bucket.name, "epoch": epoch}
+        if self.captioner is not None or any(s.extra_captions for s in samples):  # each sample's captions as made
+            meta["captions"] = {s.key: s.captions for s in samples}
         if any(s.clip for s in samples):  # a manifest's clips: where each came from, and its metadata
             meta["clips"] = {s.key: s.clip for s in samples if s.clip}
         data = encode_shard(tensors, keys, meta, captions)

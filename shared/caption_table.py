@@ -16,7 +16,9 @@ Everything else (CogVideoX's unmasked T5 rows, whose padding tokens matter) is k
 
 Layout inside the shard's safetensors (FORMAT_VERSION 2 of shared/shards.py), for C captions:
 `text.<name>` (sum of kept rows, ...) the captions' kept rows one after another, `text_rows.<name>`
-(C,) how many rows each caption keeps, `text_index` (B,) which caption each sample has; the full
+(C,) how many rows each caption keeps, `text_index` (B,) which caption each sample has (its first), and where a
+sample has several captions `text_choices` (B, K) each sample's captions (-1 past its last; the trainer draws one per
+epoch: `drawn_caption`); the full
 row count of each name lives in the shard's metadata (`text_lengths`).
 """
 
@@ -28,9 +30,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from vt.shared.runtime import keyed_generator
+
 TEXT_PREFIX = "text."
 ROWS_PREFIX = "text_rows."
 INDEX = "text_index"
+CHOICES = "text_choices"  # (B, K): each sample's captions (table rows, -1 past its last), when one has several
 
 
 @dataclass
@@ -40,13 +45,20 @@ class Captions:
     conditions: dict[str, Tensor]  # name -> (C, L, ...), caption c's tensors at [c]
     index: list[int]  # the caption of each sample, in sample order
     masks: Mapping[str, str] = field(default_factory=dict)  # the family's Model Spec `text_masks`
+    choices: list[list[int]] | None = None  # each sample's captions (rows), when a sample has several
 
     @classmethod
-    def of(cls, captions: list[str], encode, masks: Mapping[str, str] = {}) -> "Captions":
-        """Each distinct caption of `captions` encoded once by `encode(list) -> {name: (C, ...)}`."""
-        distinct = list(dict.fromkeys(captions))
+    def of(
+        cls, captions: list[str], encode, masks: Mapping[str, str] = {}, more: list[list[str]] | None = None
+    ) -> "Captions":
+        """Each distinct caption of `captions` (and of `more`: each sample's other captions) encoded once by
+        `encode(list) -> {name: (C, ...)}`; with several captions of a sample, `choices` lists them."""
+        per_sample = [list(dict.fromkeys([c, *(more[i] if more else [])])) for i, c in enumerate(captions)]
+        distinct = list(dict.fromkeys(c for sample in per_sample for c in sample))
         row = {caption: i for i, caption in enumerate(distinct)}
-        return cls(encode(distinct), [row[c] for c in captions], dict(masks))
+        choices = [[row[c] for c in sample] for sample in per_sample]
+        several = any(len(sample) > 1 for sample in choices)
+        return cls(encode(distinct), [row[c] for c in captions], dict(masks), choices if several else None)
 
 
 def mask_rows(mask: Tensor) -> list[int]:
@@ -78,11 +90,22 @@ def kept_rows(conditions: Mapping[str, Tensor], masks: Mapping[str, str] = {}) -
     return out
 
 
+def drawn_caption(seed: int, epoch: int, key: str, count: int) -> int:
+    """Which of a sample's `count` captions it trains on in data epoch `epoch`: a keyed draw of (seed, epoch, sample
+    key), so every parallel layout and every resume draws the same."""
+    if count <= 1:
+        return 0
+    return int(torch.randint(0, count, (1,), generator=keyed_generator(seed, "caption_choice", epoch, key)))
+
+
 def pack(
-    conditions: Mapping[str, Tensor], index: list[int], masks: Mapping[str, str] = {}
+    conditions: Mapping[str, Tensor],
+    index: list[int],
+    masks: Mapping[str, str] = {},
+    choices: list[list[int]] | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, int]]:
     """(tensors to store, name -> full row count) for C captions' conditions (C, L, ...) and the
-    caption `index` of each sample."""
+    caption `index` of each sample (and, where a sample has several captions, each one's `choices`)."""
     count = {tensor.shape[0] for tensor in conditions.values()}
     if len(count) != 1:
         raise ValueError(f"text conditions disagree on the number of captions: {sorted(count)}")
@@ -91,6 +114,11 @@ def pack(
         raise ValueError(f"caption index {index} must name captions 0..{captions - 1}")
     rows = kept_rows(conditions, masks)
     tensors = {INDEX: torch.tensor(index, dtype=torch.int64)}
+    if choices is not None:
+        if len(choices) != len(index) or any(not row or max(row) >= captions or min(row) < 0 for row in choices):
+            raise ValueError(f"caption choices {choices} must list captions 0..{captions - 1}, one list per sample")
+        width = max(len(row) for row in choices)
+        tensors[CHOICES] = torch.tensor([row + [-1] * (width - len(row)) for row in choices], dtype=torch.int64)
     for name, tensor in conditions.items():
         tensors[TEXT_PREFIX + name] = torch.cat([tensor[c, : int(n)] for c, n in enumerate(rows[name])])
         tensors[ROWS_PREFIX + name] = rows[name]
@@ -99,7 +127,7 @@ def pack(
 
 def is_text(name: str) -> bool:
     """Whether a stored tensor name belongs to the caption table rather than to the samples."""
-    return name == INDEX or name.startswith((TEXT_PREFIX, ROWS_PREFIX))
+    return name in (INDEX, CHOICES) or name.startswith((TEXT_PREFIX, ROWS_PREFIX))
 
 
 def unpack(stored: Mapping[str, Tensor], lengths: Mapping[str, int]) -> dict[str, Tensor]:

@@ -82,11 +82,34 @@ class CropOptions(ProcessorOptions):
 
 
 class CaptionOptions(ProcessorOptions):
-    """The caption: another .json field, captioner boilerplate removed, a prefix (a trigger word) and a suffix."""
+    """The caption: another .json field, captioner boilerplate removed, a prefix (a trigger word) and a suffix; more
+    captions of the sample from other .json fields (`variant_fields`)."""
 
     field: str = ""  # "": the caption the source found (.txt, else .json "caption" / "text")
     strip_boilerplate: bool = False  # drop an opening such as "The video shows" (BOILERPLATE)
     prefix: str = ""  # e.g. "sks style, "
+    suffix: str = ""
+    # more captions of the sample from other .json fields (a short and a long one ...): each encoded once, the
+    # trainer draws one of them and the caption per epoch; a sample without such a field keeps its one caption
+    variant_fields: list[str] = Field(default_factory=list)
+
+
+class CaptionModelOptions(ProcessorOptions):
+    """Caption each clip with a vision-language model (transformers' AutoProcessor + AutoModelForImageTextToText),
+    greedy, on stage 1's device in a phase of its own after the chain (precompute/captioner.py): `fill` the samples
+    without a caption, `replace` every caption, or keep `both` (the given one and the model's, `field` in a sidecar).
+    `prompt` may name the given caption as `{caption}`; `strip_boilerplate`, `prefix` and `suffix` apply to the
+    model's text as the `caption` processor applies them."""
+
+    model: str = Field(min_length=1)  # a folder or hub id transformers loads
+    mode: Literal["fill", "replace", "both"] = "fill"
+    field: str = Field("model_caption", min_length=1)  # both: the sidecar field that holds the model's caption
+    prompt: str = Field("Describe this video in one sentence.", min_length=1)
+    frames: int = Field(4, ge=1, le=64)  # frames shown to the model, evenly spread over the sample's
+    max_new_tokens: int = Field(64, ge=1, le=4096)
+    batch: int = Field(8, ge=1, le=1024)  # samples per generate call (a shard's are captioned together)
+    strip_boilerplate: bool = False
+    prefix: str = ""
     suffix: str = ""
 
 
@@ -180,6 +203,7 @@ BUILTINS: dict[str, Builtin] = {
     "filter_black": Builtin(FilterBlackOptions, f"{_STAGE1}.filters:FilterBlack"),
     "filter_frozen": Builtin(FilterFrozenOptions, f"{_STAGE1}.filters:FilterFrozen"),
     "dedup": Builtin(DedupOptions, f"{_STAGE1}.dedup:Dedup"),
+    "caption_model": Builtin(CaptionModelOptions, f"{_STAGE1}.caption_model:CaptionModel"),
 }
 
 
@@ -279,6 +303,14 @@ def resolve_chain(entries: list[dict[str, Any]]) -> list[Step]:
                 f"processor {step.name!r} must run {where}; list it there (the chain that runs: {' -> '.join(names)})"
             )
     return steps
+
+
+def captioner_options(entries: list[dict[str, Any]]) -> CaptionModelOptions | None:
+    """The chain's `caption_model` options (None without one); it may be listed once."""
+    found = [step.options for step in resolve_chain(entries) if step.name == "caption_model"]
+    if len(found) > 1:
+        raise ValueError(f"processor 'caption_model' is listed {len(found)} times; a sample gets one model caption")
+    return found[0] if found else None
 
 
 def describe_chain(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:

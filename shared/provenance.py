@@ -106,9 +106,28 @@ def component_records(spec) -> dict[str, dict]:
     return {name: component_record(spec, name) for name in spec.stage1_components}
 
 
+CAPTIONER = "captioner"  # the weights name of caption_model's vision-language model (beside the encoders)
+
+
+def captioner_records(config: Config) -> dict[str, dict]:
+    """{"captioner": record} of the chain's caption_model (its `model` folder or hub snapshot), else {}: it joins the
+    encoders' digests and records, so a window captioned by other weights under the same name is refused."""
+    from vt.shared.chain import captioner_options
+
+    options = captioner_options(config.precompute.processors)
+    if options is None:
+        return {}
+    return {CAPTIONER: folder_record(options.model, None, lambda: _snapshot(options.model, None, None))}
+
+
 def component_record(spec, name: str) -> dict:
     path, subfolder = spec.source(name)
-    folder = local_folder(spec, name)
+    return folder_record(path, subfolder, lambda: local_folder(spec, name))
+
+
+def folder_record(path: str, subfolder: str | None, locate) -> dict:
+    """{"digest", "source", "files"[, "revision"]} of the model files at `path`[/`subfolder`] (`locate()` finds them)."""
+    folder = locate()
     record = {"digest": folder_digest(folder), "source": source_name(path, subfolder), "files": folder_files(folder)}
     if not Path(path).exists():  # a hub snapshot: <cache>/models--org--name/snapshots/<revision>[/<subfolder>]
         record["revision"] = (folder.parent if subfolder else folder).name
@@ -121,12 +140,26 @@ def local_folder(spec, name: str) -> Path:
     local = Path(path)
     if local.exists():
         return local / subfolder if subfolder else local
+    return _snapshot(path, subfolder, lambda err: spec.load_error(name, path, err))
+
+
+def _snapshot(path: str, subfolder: str | None, error) -> Path:
+    """A hub id's snapshot folder (downloaded if needed); `error(err)` is raised when it cannot be had."""
+    local = Path(path)
+    if local.exists():
+        return local / subfolder if subfolder else local
     from huggingface_hub import snapshot_download
 
     try:
         folder = Path(snapshot_download(path, allow_patterns=[f"{subfolder}/*"] if subfolder else None))
     except (OSError, ValueError) as err:
-        raise spec.load_error(name, path, err) from err
+        if error is None:
+            from vt.shared.errors import UserError
+
+            raise UserError(
+                f"caption_model: {path!r} is neither a folder nor a hub id that can be had ({err})"
+            ) from err
+        raise error(err) from err
     return folder / subfolder if subfolder else folder
 
 

@@ -47,9 +47,10 @@ DTYPES = {
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
 }
-TEXT_PREFIX, ROWS_PREFIX, INDEX = "text.", "text_rows.", "text_index"  # caption_table.py's names
+TEXT_PREFIX, ROWS_PREFIX, INDEX, CHOICES = "text.", "text_rows.", "text_index", "text_choices"  # caption_table.py's
 
 Range = tuple[int, int]  # [start, stop) in bytes from the start of the file
+Pick = Callable[[int, list[int]], int]  # (row, the sample's captions) -> the caption (table row) it trains on
 
 
 class RowsCorrupt(ValueError):
@@ -141,7 +142,7 @@ class ShardLayout:
         return sorted(n for n in self.tensors if not _is_text(n))
 
     def table_names(self) -> list[str]:
-        return sorted(n for n in self.tensors if n == INDEX or n.startswith(ROWS_PREFIX))
+        return sorted(n for n in self.tensors if n in (INDEX, CHOICES) or n.startswith(ROWS_PREFIX))
 
     # -- byte ranges ----------------------------------------------------------------------------------
     def sample_ranges(self, rows: Sequence[int]) -> dict[str, list[Range]]:
@@ -163,9 +164,12 @@ class ShardLayout:
         return out
 
     # -- reading ---------------------------------------------------------------------------------------
-    def read_rows(self, rows: Sequence[int], fetch: Callable[[list[Range]], list[bytes]]) -> dict[str, "Tensor"]:
+    def read_rows(
+        self, rows: Sequence[int], fetch: Callable[[list[Range]], list[bytes]], pick: Pick | None = None
+    ) -> dict[str, "Tensor"]:
         """name -> (len(rows), ...) tensors of `rows` (in that order), captions padded back as `decode_shard`
-        gives them; `fetch(ranges)` returns the bytes of each range. Every piece is checked against its digest."""
+        gives them; `fetch(ranges)` returns the bytes of each range. Every piece is checked against its digest.
+        A sample with several captions gets `pick(row, its captions)`'s (its first without `pick`)."""
         if not self.has_digests:
             raise ValueError("this shard's header holds no row digests (written before vt read shards by rows)")
         wanted = list(rows)
@@ -196,7 +200,7 @@ class ShardLayout:
         order = [_position(runs, row) for row in wanted]
         stacked = {name: self._rows_tensor(name, by_run[name], runs)[order] for name in sample}
         if lengths:
-            stacked.update(self._captions(wanted, table_bytes, lengths, fetch))
+            stacked.update(self._captions(wanted, table_bytes, lengths, fetch, pick))
         return stacked
 
     def _rows_tensor(self, name: str, chunks: dict[int, bytes], runs: list[tuple[int, int]]) -> "Tensor":
@@ -211,12 +215,17 @@ class ShardLayout:
         return torch.frombuffer(data, dtype=getattr(torch, DTYPES[span.dtype])).reshape(count, *span.shape[1:])
 
     def _captions(
-        self, rows: list[int], table_bytes: dict[str, bytes], lengths: dict[str, int], fetch
+        self, rows: list[int], table_bytes: dict[str, bytes], lengths: dict[str, int], fetch, pick: Pick | None
     ) -> dict[str, "Tensor"]:
         """name -> (len(rows), L, ...): each row's caption text padded back to its full length."""
         import torch
 
         index = torch.frombuffer(bytearray(table_bytes[INDEX]), dtype=torch.int64).tolist()
+        if CHOICES in table_bytes and pick is not None:  # several captions of a sample: the one `pick` draws
+            width = self.tensors[CHOICES].shape[1]
+            flat = torch.frombuffer(bytearray(table_bytes[CHOICES]), dtype=torch.int64).reshape(-1, width).tolist()
+            for row in set(rows):
+                index[row] = pick(row, [c for c in flat[row] if c >= 0])
         kept = {
             name: torch.frombuffer(bytearray(table_bytes[ROWS_PREFIX + name]), dtype=torch.int64).tolist()
             for name in lengths
@@ -261,7 +270,7 @@ class _Pieces:
 
 
 def _is_text(name: str) -> bool:
-    return name == INDEX or name.startswith((TEXT_PREFIX, ROWS_PREFIX))
+    return name in (INDEX, CHOICES) or name.startswith((TEXT_PREFIX, ROWS_PREFIX))
 
 
 def _position(runs: list[tuple[int, int]], row: int) -> int:

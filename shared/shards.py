@@ -53,7 +53,9 @@ def encode_shard(
         raise ValueError("sample keys in one shard must be unique; a key repeats")
     if not tensors:
         raise ValueError("a shard needs at least one tensor")
-    text, lengths = pack(captions.conditions, captions.index, captions.masks) if captions else ({}, {})
+    text, lengths = (
+        pack(captions.conditions, captions.index, captions.masks, captions.choices) if captions else ({}, {})
+    )
     if captions is not None and len(captions.index) != len(keys):
         raise ValueError(f"{len(captions.index)} caption references for {len(keys)} sample keys")
     for name, tensor in tensors.items():

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vt.shared.caption_table import drawn_caption
 from vt.shared.errors import UserError
 from vt.shared.shard_rows import ShardLayout
 from vt.shared.shards import CommitRecord, decode_shard
@@ -45,6 +46,7 @@ class Batch:
     tensors: dict[str, torch.Tensor]  # stacked along dim 0, float32: rows first, first + 1, ... of the batch
     first: int = 0  # the batch row of the tensors' row 0
     state: dict | None = None  # the reader's cursor after this batch (a checkpoint taken after training it)
+    captions: dict[str, int] = field(default_factory=dict)  # key -> which of its several captions it has (read rows)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -122,6 +124,7 @@ class BatchReader:
         order: Callable[..., CommitRecord | None] | None = None,
         dp_rank: int = 0,
         dp_size: int = 1,
+        seed: int = 0,
     ):
         if not callable(batch_size) and batch_size < 1:
             raise UserError("train.batch_size must be at least 1")
@@ -132,6 +135,7 @@ class BatchReader:
         self.on_read = on_read or window.publish_read
         self.order = order or window.record_at
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.seed = seed  # a sample with several captions trains on drawn_caption(seed, epoch, key)'s
         self.block = True  # False: plans() yields None instead of waiting for a shard not committed yet
         self.cursor = Cursor()
         self._records: dict[int, CommitRecord] = {}  # position -> record, while a pending sample refers to it
@@ -232,14 +236,27 @@ class BatchReader:
         self._records[position] = record
 
     # -- reading -------------------------------------------------------------------------------------
+    def _pick(self, plan: Plan, position: int, chosen: dict[str, int]):
+        """Which of a sample's several captions it trains on in the plan's epoch: a keyed draw of (seed, epoch, key),
+        the same in every layout and resume (caption dropout then applies to the batch as to any); noted in `chosen`."""
+        keys = plan.records[position].keys
+
+        def pick(row: int, captions: list[int]) -> int:
+            chosen[keys[row]] = drawn_caption(self.seed, plan.epoch, keys[row], len(captions))
+            return captions[chosen[keys[row]]]
+
+        return pick
+
     def load(self, plan: Plan, pin: bool = False) -> Batch:
         """This rank's rows of `plan` from the window: only those rows' bytes (safe to call from a thread)."""
         rows = plan.rows
         by_shard: dict[int, list[int]] = {}
         for position, row in rows:
             by_shard.setdefault(position, []).append(row)
+        chosen: dict[str, int] = {}  # which caption each read sample with several has, for log.samples
         read = {
-            position: self._shards.rows(plan.records[position], shard_rows) for position, shard_rows in by_shard.items()
+            position: self._shards.rows(plan.records[position], shard_rows, self._pick(plan, position, chosen))
+            for position, shard_rows in by_shard.items()
         }
         picked: dict[int, int] = {position: 0 for position in by_shard}
         per_row = []
@@ -250,7 +267,7 @@ class BatchReader:
         if pin:
             tensors = {name: t.pin_memory() for name, t in tensors.items()}
         first = plan.start if plan.stop > plan.start else 0
-        return Batch(plan.bucket, plan.epoch, plan.keys, tensors, first, plan.state)
+        return Batch(plan.bucket, plan.epoch, plan.keys, tensors, first, plan.state, chosen)
 
 
 class _ShardCache:
@@ -267,13 +284,13 @@ class _ShardCache:
         self._lock = threading.Lock()
         self._recent: OrderedDict[str, ShardLayout | tuple[dict, list]] = OrderedDict()
 
-    def rows(self, record: CommitRecord, rows: list[int]) -> dict[str, torch.Tensor]:
+    def rows(self, record: CommitRecord, rows: list[int], pick=None) -> dict[str, torch.Tensor]:
         known = self._get(record)
         if known is None:
             known = self.window.read_header(record) if record.header_bytes else self._whole(record)
             self._put(record, known)
         if isinstance(known, ShardLayout):
-            return self.window.read_rows(record, known, rows)
+            return self.window.read_rows(record, known, rows, pick)
         tensors, _ = known
         return {name: t[rows] for name, t in tensors.items()}
 

@@ -95,11 +95,13 @@ def write_memory(run_dir: Path, world, device: torch.device, baseline_gb: float,
 
 
 def log_samples(run_dir: Path, world, step: int, micro: list, parts: list) -> None:
-    """log.samples: optimizer step `step`'s global keys (rank 0) and, when distributed, each rank's own slice."""
+    """log.samples: optimizer step `step`'s global keys (rank 0) and, when distributed, each rank's own slice; where
+    samples have several captions, which one each sample of the rows read trained on (`captions`: key -> position)."""
     if world.is_main:
         with open(run_dir / "samples.jsonl", "a") as f:
             for batch in micro:
                 record = {"step": step, "epoch": batch.epoch, "bucket": batch.bucket, "keys": batch.keys}
+                record.update({"captions": batch.captions} if batch.captions else {})  # its read rows' caption choice
                 f.write(json.dumps(record) + "\n")
     if not world.dims.distributed:
         return
@@ -109,6 +111,8 @@ def log_samples(run_dir: Path, world, step: int, micro: list, parts: list) -> No
     with open(folder / f"rank{world.rank}.jsonl", "a") as f:
         for index, part in enumerate(parts):
             record = {"step": step, "micro": index, "epoch": part.epoch, "bucket": part.bucket, "keys": part.keys}
+            chosen = {key: micro[index].captions[key] for key in part.keys if key in micro[index].captions}
+            record.update({"captions": chosen} if chosen else {})  # which of its captions each sample trained on
             f.write(json.dumps({**record, "dp_rank": world.dp_rank, **coordinate}) + "\n")
 
 

@@ -164,6 +164,7 @@ class Trainer:
             order=OrderFromRankZero(self.window, self.world),  # rank 0 lists, the rest receive
             dp_rank=self.world.dp_rank,
             dp_size=self.world.dims.dp,
+            seed=train.seed,  # which of a sample's captions each epoch (several captions per clip)
         )
         self.data_state: dict | None = None  # the reader's cursor after the last batch trained (checkpoints)
         self._empty_caption: dict[str, torch.Tensor] | None = None  # read from the window when first needed

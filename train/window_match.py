@@ -25,8 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Callable
 
+from vt.shared.chain import captioner_options
 from vt.shared.log import get_logger
 from vt.shared.provenance import (
+    CAPTIONER,
     describe_difference,
     fingerprint,
     folder_digest,
@@ -52,6 +54,7 @@ class WindowMatch:
         self.config, self.spec, self.world = config, spec, world
         self.loads = loads  # the stage-1 components this run loads (checked by digest)
         self.settings = provenance(config, weights={}, spec=spec)
+        self.captioner = captioner_options(config.precompute.processors)  # caption_model's, if the chain has one
         self._taken: dict = {}  # {"fingerprint", "provenance", "sources"} of the shards this run takes
 
     @property
@@ -123,7 +126,7 @@ class WindowMatch:
             if {**found, "weights": {}} != self.settings
             else []
         )
-        wanted = set(self.spec.stage1_components)
+        wanted = set(self.spec.stage1_components) | ({CAPTIONER} if self.captioner else set())
         if set(recorded) != wanted:
             return problems + [f"weights: shard has encoders {sorted(recorded)}, config wants {sorted(wanted)}"]
         for name in sorted(wanted):
@@ -147,6 +150,7 @@ class WindowMatch:
         if ours == theirs:
             return []
         key = f"model.components.{name}" if name in self.config.model.components else "model.path"
+        key = "caption_model's model (precompute.processors)" if name == CAPTIONER else key
         changed = sorted(set(ours) ^ set(theirs) | {f for f in set(ours) & set(theirs) if ours[f] != theirs[f]})
         return [
             f"weights.{name}: {here} holds other files than stage 1 read from {source.get('source')!r} "
@@ -156,7 +160,7 @@ class WindowMatch:
     def _on_disk(self, name: str, revision: str | None) -> Path | None:
         """A component's folder where the config names it, if it is on this disk: a local folder, or a hub id's
         snapshot already in the local cache (never downloaded); None if it is not here."""
-        override = self.config.model.components.get(name)
+        override = self.captioner.model if name == CAPTIONER else self.config.model.components.get(name)
         path, subfolder = (override, None) if override else (self.config.model.path, name)
         if Path(path).exists():
             folder = Path(path) / subfolder if subfolder else Path(path)

@@ -31,6 +31,9 @@ class Caption(Processor):
 
     def __call__(self, sample: Sample):
         options = self.options
+        if sample.wants_caption and not sample.caption.strip():  # the model captions it later (caption_model)
+            yield sample
+            return
         text = sample.caption
         if options.field:
             value = sample.meta.get(options.field)
@@ -39,8 +42,12 @@ class Caption(Processor):
                     "missing_caption", f"the .json has no text field {options.field!r} (fields: {sorted(sample.meta)})"
                 )
             text = value.strip()
+        more = [sample.meta.get(name) for name in options.variant_fields]
+        more = [value.strip() for value in more if isinstance(value, str) and value.strip()]
         if options.strip_boilerplate:
-            text = strip_boilerplate(text)
+            text, more = strip_boilerplate(text), [strip_boilerplate(value) for value in more]
         if not text.strip():
             raise SampleError("empty_caption", "nothing is left of the caption")
-        yield replace(sample, caption=f"{options.prefix}{text}{options.suffix}")
+        wrapped = [f"{options.prefix}{value}{options.suffix}" for value in more]  # its own; others' as they are
+        extra = tuple(dict.fromkeys((*sample.extra_captions, *wrapped)))
+        yield replace(sample, caption=f"{options.prefix}{text}{options.suffix}", extra_captions=extra)

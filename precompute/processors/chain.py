@@ -24,6 +24,7 @@ from vt.shared.errors import UserError
 
 from ..sources import RawSample
 from .caption import Caption
+from .caption_model import CaptionModel
 from .decode import Clip
 from .errors import SampleError
 from .fit_bucket import open_control
@@ -53,6 +54,15 @@ class Chain:
     def _reads_json(self) -> bool:
         return any(isinstance(p, Caption) and p.options.field for p in self.processors)
 
+    def _may_lack_caption(self, raw: RawSample) -> bool:
+        """A raw sample without a caption is fine when a step takes it from elsewhere: a caption step from another
+        .json field, or the model (caption_model)."""
+        if raw.error not in ("missing_caption", "empty_caption"):
+            return False
+        if any(isinstance(p, CaptionModel) for p in self.processors):
+            return True
+        return raw.error == "missing_caption" and raw.meta is not None and self._reads_json()
+
     def prepare(
         self,
         raw: RawSample,
@@ -66,7 +76,7 @@ class Chain:
         `policy` judges a step's exception; bad_data_only raises ProcessorBug for a bug). `sound`: each
         sample also carries its sound (model.audio), decoded as the request says."""
         # A .json without "caption" / "text" is fine when a caption step reads another field of it.
-        if raw.error and not (raw.error == "missing_caption" and raw.meta is not None and self._reads_json()):
+        if raw.error and not self._may_lack_caption(raw):
             raise SampleError(raw.error, raw.detail or f"sample {raw.key!r} in {raw.shard}")
         if not buckets:
             raise UserError("no buckets given; set buckets.sizes, e.g. ['9x64x96']")
@@ -144,7 +154,7 @@ def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
                 f"sample {sample.key!r} left the chain with sound {found}, not float32 {expected} (the "
                 "frames' time span at the family's rate); a processor after decode must keep it"
             )
-    if not sample.caption:
+    if not sample.caption and not sample.wants_caption:
         raise SampleError(raw.error or "missing_caption", raw.detail or "the sample has no caption")
     control = sample.control_pixels if raw.control is not None else None
     return PreparedSample(
@@ -155,6 +165,8 @@ def _prepared(sample: Sample, raw: RawSample) -> PreparedSample:
         control_pixels=control,
         sound=sample.sound if request is not None else None,
         clip=raw.clip,
+        wants_caption=sample.wants_caption,
+        extra_captions=sample.extra_captions,
     )
 
 

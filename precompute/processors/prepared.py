@@ -21,6 +21,7 @@ class PreparedSample:
     `sound`: (channels, samples) float32 in [-1, 1], the clip's sound over the frames' time span at the
     family's rate (model.audio; sound.py), None otherwise. `clip`: a manifest's record of the clip (its uri,
     span and metadata), stored with the sample in its shard; None for samples from tars and folders.
+    `wants_caption`: `caption_model` asked for the model's caption (made in the service, before the text phase).
     """
 
     key: str
@@ -30,6 +31,13 @@ class PreparedSample:
     control_pixels: torch.Tensor | None = None
     sound: torch.Tensor | None = None
     clip: dict | None = None
+    wants_caption: bool = False  # caption_model: captioned by the model in the service (captioner.py)
+    extra_captions: tuple[str, ...] = ()  # more captions of it; the trainer draws one of all of them per epoch
+
+    @property
+    def captions(self) -> list[str]:
+        """Every caption of it, the first `caption`, each once."""
+        return list(dict.fromkeys((self.caption, *self.extra_captions)))
 
     @property
     def video(self) -> torch.Tensor:

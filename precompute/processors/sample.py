@@ -36,6 +36,9 @@ class Sample:
     the clip. `sound_request` is set when the family trains audio (model.audio); `decode` then also decodes
     `sound` (channels, samples) float32, the clip's sound over the frames' time span (sound.py). `clip` may be
     a span of the opened video (`ClipSpan`, made by split_scenes), which reads as a clip of its own.
+    `wants_caption` (set by `caption_model`): the service captions it with the model before its text phase, so
+    its `caption` may be empty here. `extra_captions`: more captions of it (the model's beside the given one);
+    stage 1 encodes each once and the trainer draws one of `caption` and these per epoch.
     """
 
     key: str
@@ -53,6 +56,8 @@ class Sample:
     sound_request: SoundRequest | None = None
     sound: torch.Tensor | None = None
     window: str = ""  # the window's storage URI, for a processor that keeps a table there (dedup); "" without one
+    wants_caption: bool = False  # caption_model: the model captions it after the chain (captioner.py)
+    extra_captions: tuple[str, ...] = ()  # other captions of it, each encoded once; the trainer draws one per epoch
 
     @property
     def info(self) -> VideoInfo:

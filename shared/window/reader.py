@@ -252,10 +252,11 @@ class Reader(ledger.LedgerReads):
             )
         return ShardLayout.parse(header)
 
-    def read_rows(self, record: CommitRecord, layout: ShardLayout, rows: list[int]) -> dict:
-        """name -> tensor of `rows` of a shard (shard_rows.py): only their bytes are read, each piece checked."""
+    def read_rows(self, record: CommitRecord, layout: ShardLayout, rows: list[int], pick=None) -> dict:
+        """name -> tensor of `rows` of a shard (shard_rows.py): only their bytes are read, each piece checked; `pick`
+        chooses among a sample's several captions (ShardLayout.read_rows)."""
         try:
-            return layout.read_rows(rows, lambda ranges: self._ranges(record, ranges))
+            return layout.read_rows(rows, lambda ranges: self._ranges(record, ranges), pick)
         except RowsCorrupt as err:
             raise ShardCorruptError(
                 f"{record.data} in {self.storage.uri}: {err}; changed after commit: re-run "

@@ -93,6 +93,7 @@ class HeldOut:
             order=OrderFromRankZero(self.window, world),
             dp_rank=world.dp_rank,
             dp_size=world.dims.dp,
+            seed=config.train.seed,
         )
         self.batches: list[tuple[Batch, int]] | None = None  # (bucket's batch, its first sample's index)
         self.samples = 0
