@@ -137,6 +137,8 @@ def test_each_caption_window_is_a_sample_with_its_caption_and_its_frames_of_the_
         "upload/"
     )  # as Curator's working directory saw it: not a path from here
     assert os.getcwd() != str(curator["upload"].parent)
+    units = list_raw_shards(str(curator["upload"]))  # one per video chunk, written after its clips
+    assert [u.rsplit("/", 2)[1:] for u in units] == [["processed_clip_chunks", f"{v}_0.json"] for v in (FILTERED, KEPT)]
     raws = {r.key: r for r in samples(str(curator["upload"]))}
     good = {key: r for key, r in raws.items() if r.error is None}
     expected = expected_windows(curator)
