@@ -214,8 +214,11 @@ def shard_names(shards: list[str]) -> dict[str, str]:
     Curator output's by nothing (its keys are the spans' uuids).
     """
     listed = [url for url in shards if not (is_manifest(url) or is_curator_unit(url))]
-    named = {url: "" if is_curator_unit(url) else unit_name(url) for url in shards if url not in set(listed)}
-    return {**named, **_tar_names(listed)}
+    return {**{url: _unit_name(url) for url in shards if url not in set(listed)}, **_tar_names(listed)}
+
+
+def _unit_name(url: str) -> str:
+    return "" if is_curator_unit(url) else unit_name(url)
 
 
 def _tar_names(shards: list[str]) -> dict[str, str]:
@@ -390,8 +393,7 @@ def iter_raw_samples(shard_url: str, name: str | None = None, control: str | Non
     else dropped; then one RawSample with error "truncated_tar" ends the shard.
     """
     if is_manifest(shard_url) or is_curator_unit(shard_url):
-        default = "" if is_curator_unit(shard_url) else unit_name(shard_url)
-        yield from _manifest_samples(shard_url, default if name is None else name, control)
+        yield from _manifest_samples(shard_url, _unit_name(shard_url) if name is None else name, control)
         return
     if is_media(shard_url):  # one sample of a folder of clips: its name is its key
         key = shard_names([shard_url])[shard_url] if name is None else name
