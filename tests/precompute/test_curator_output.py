@@ -38,6 +38,7 @@ def caption_of(video: str, clip: int, window: int) -> str:
 def curator(clips_dir, tmp_path_factory) -> dict:
     """Curator's output folders (`upload` with clips, `sources` without) and what its stages decided: each kept
     clip's uuid -> (span, windows' (first, last) frames), and the filtered clips' uuids."""
+    environ = dict(os.environ)  # importing nemo_curator sets a few Ray and RAPIDS variables: none outlive this
     import ffmpeg
     from nemo_curator.stages.video.clipping.clip_extraction_stages import (
         ClipTranscodingStage,
@@ -60,8 +61,7 @@ def curator(clips_dir, tmp_path_factory) -> dict:
     for name in (KEPT, FILTERED):
         shutil.copy(clips_dir / name, sources / name)
     kept, filtered = {}, []
-    path = os.environ["PATH"]
-    os.environ["PATH"] = f"{ffmpeg.FFMPEG_FOLDER}{os.pathsep}{path}"  # Curator runs `ffmpeg` and `ffprobe`
+    os.environ["PATH"] = f"{ffmpeg.FFMPEG_FOLDER}{os.pathsep}{environ['PATH']}"  # Curator runs ffmpeg and ffprobe
     try:
         with contextlib.chdir(base):  # Curator's working directory: its output folder is given relative to it
             for name in (KEPT, FILTERED):
@@ -101,7 +101,8 @@ def curator(clips_dir, tmp_path_factory) -> dict:
                     )
                     run(writer, copy.deepcopy(task))  # the writer empties the task's buffers and captions
     finally:
-        os.environ["PATH"] = path
+        os.environ.clear()
+        os.environ.update(environ)
     assert len(kept) == 2 and all(len(windows) == 2 for _, windows in kept.values()), kept
     assert len(filtered) == 2
     return {
