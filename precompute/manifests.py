@@ -1,19 +1,12 @@
 """Clip manifests as raw input: a list of clips, each a media URI, a caption and an optional time span.
 
-Two layouts are read as `data.raw`:
-- vt's own, a JSON lines (`.jsonl`, `.ndjson`) or parquet (`.parquet`) file, one clip a record:
-  `video` (any fsspec path; a relative one is relative to the manifest's folder), `caption`, and
-  optionally `start` / `end` (seconds on the video's timeline) and `key` (the sample's key; default: the
-  record's line number, six digits). Every other field is the clip's metadata, stored with the sample
-  in its latent shard (`meta["clips"]`). A manifest is split into units of UNIT_CLIPS records, units of
-  work as the raw tars are (`<manifest>#<first>-<end>`), named in sample ids by the manifest's file name.
-- NeMo Curator's clip output as its `ClipWriterStage` writes it: a folder `metas/v0/` (give it, or the
-  output folder above it) of one `<span_uuid>.json` per clip with `source_video`, `duration_span`
-  ([start, end] seconds), `clip_location` (the transcoded clip, uploaded only with `upload_clips`),
-  `windows` (frame ranges with `<model>_caption` / `<model>_enhanced_caption`) and `valid`. Each file
-  is one unit; the sample key is the span's uuid; the media is the transcoded clip where it exists, else
-  the source video's span; the caption is the first window's (an enhanced one first); a clip Curator
-  marked invalid is rejected as `invalid_clip`, one without a caption as `missing_caption`.
+A manifest is a JSON lines (`.jsonl`, `.ndjson`) or parquet (`.parquet`) file, one clip a record: `video`
+(any fsspec path; a relative one is relative to the manifest's folder), `caption`, and optionally `start` /
+`end` (seconds on the video's timeline) and `key` (the sample's key; default: the record's line number, six
+digits). Every other field is the clip's metadata, stored with the sample in its latent shard
+(`meta["clips"]`). A manifest is split into units of UNIT_CLIPS records, units of work as the raw tars are
+(`<manifest>#<first>-<end>`), named in sample ids by the manifest's file name. NeMo Curator's video output
+is read by curator.py.
 
 Clips are decoded through `MediaRef`s (media_ref.py): seeking into the file, never reading it whole.
 """
@@ -30,25 +23,12 @@ from vt.shared.errors import UserError
 
 UNIT_CLIPS = 64
 MANIFEST_SUFFIXES = (".jsonl", ".ndjson", ".parquet")
-CURATOR_METAS = "metas/v0"
 VIDEO_FIELDS = ("video", "media", "path", "uri")
 CAPTION_FIELDS = ("caption", "text")
 
 
 def is_manifest(path: str) -> bool:
     return path.split("#", 1)[0].lower().endswith(MANIFEST_SUFFIXES)
-
-
-def is_curator_meta(path: str) -> bool:
-    return f"/{CURATOR_METAS}/" in path and path.lower().endswith(".json")
-
-
-def curator_metas(fs, path: str) -> str | None:
-    """The `metas/v0` folder of a Curator output at `path` (the output folder or the metas folder), else None."""
-    for folder in (path, f"{path.rstrip('/')}/{CURATOR_METAS}"):
-        if folder.rstrip("/").endswith(CURATOR_METAS) and fs.isdir(folder):
-            return folder.rstrip("/")
-    return None
 
 
 def manifest_units(fs, path: str) -> list[str]:
@@ -78,20 +58,13 @@ def _count(fs, path: str) -> int:
 
 
 def unit_name(unit: str) -> str:
-    """A unit's name in sample ids: the manifest's file name without its suffix (Curator's: none, keys are uuids)."""
-    if is_curator_meta(unit):
-        return ""
+    """A unit's name in sample ids: the manifest's file name without its suffix."""
     name = PurePosixPath(unit.split("#", 1)[0]).name
     return name[: name.rfind(".")] if "." in name else name
 
 
 def iter_manifest_records(unit: str) -> Iterator[tuple[str, dict, str]]:
     """(key, record, folder relative paths start from) of each clip of `unit`."""
-    if is_curator_meta(unit):
-        fs, path = fsspec.core.url_to_fs(unit)
-        record = json.loads(fs.cat_file(path))
-        yield str(record.get("span_uuid") or PurePosixPath(path).stem), record, ""
-        return
     url, _, span = unit.partition("#")
     first, end = (int(v) for v in span.split("-"))
     folder = url.rsplit("/", 1)[0] if "/" in url else "."
@@ -127,8 +100,6 @@ def clip_of(record: dict, folder: str) -> tuple[dict, str | None, str]:
     """What one record gives a sample: ({"uri", "start", "end", "caption", "meta"}, error reason, detail)."""
     if "__error__" in record:
         return {}, "manifest_bad_record", record["__error__"]
-    if "span_uuid" in record:  # Curator's clip metadata
-        return _curator_clip(record)
     uri = next((record.pop(f) for f in VIDEO_FIELDS if isinstance(record.get(f), str)), None)
     caption = next((record.pop(f) for f in CAPTION_FIELDS if isinstance(record.get(f), str)), None)
     start, end = record.pop("start", None), record.pop("end", None)
@@ -137,7 +108,7 @@ def clip_of(record: dict, folder: str) -> tuple[dict, str | None, str]:
         "start": start,
         "end": end,
         "caption": caption,
-        "meta": _plain(record),
+        "meta": plain_meta(record),
     }
     if uri is None:
         return clip, "missing_video", f"no {' / '.join(VIDEO_FIELDS)} field"
@@ -146,31 +117,7 @@ def clip_of(record: dict, folder: str) -> tuple[dict, str | None, str]:
     return clip, None, ""
 
 
-def _curator_clip(record: dict) -> tuple[dict, str | None, str]:
-    span = record.get("duration_span") or [0.0, None]
-    caption = None
-    for window in record.get("windows") or []:
-        enhanced = [v for k, v in window.items() if k.endswith("_enhanced_caption") and isinstance(v, str)]
-        plain = [v for k, v in window.items() if k.endswith("_caption") and isinstance(v, str)]
-        caption = next(iter(enhanced + plain), None)
-        if caption:
-            break
-    meta = _plain({k: v for k, v in record.items() if k not in ("windows",)})
-    location = record.get("clip_location")
-    if location and fsspec.core.url_to_fs(location)[0].exists(location):
-        clip = {"uri": location, "start": None, "end": None, "caption": caption, "meta": meta}
-    else:
-        clip = {"uri": record.get("source_video"), "start": span[0], "end": span[1], "caption": caption, "meta": meta}
-    if not record.get("valid", True):
-        return clip, "invalid_clip", f"Curator marked clip {record.get('span_uuid')} invalid"
-    if not clip["uri"]:
-        return clip, "missing_video", "neither clip_location nor source_video is there"
-    if not _span_ok(clip["start"], clip["end"]):
-        return clip, "bad_span", f"duration_span {span!r}"
-    return clip, None, ""
-
-
-def _plain(meta: dict) -> dict:
+def plain_meta(meta: dict) -> dict:
     """`meta` as JSON holds it (a parquet timestamp becomes its text), to travel in the shard's header."""
     return json.loads(json.dumps(meta, default=str))
 

@@ -30,8 +30,9 @@ Tars are read as a stream (tarfile mode "r|*"), so an S3 shard is never download
 and .tar.gz shards work too.
 
 A clip manifest (JSON lines or parquet, named as a file or a glob) or a NeMo Curator output folder is
-raw input too (manifests.py): its units are runs of records, and its samples carry a `MediaRef` (the
-media URI and the clip's span) instead of bytes, decoded by seeking.
+raw input too (manifests.py, curator.py): its units are runs of records (a Curator output's: its video
+chunks), and its samples carry a `MediaRef` (the media URI and the clip's span) instead of bytes, decoded
+by seeking.
 """
 
 from __future__ import annotations
@@ -46,15 +47,8 @@ from typing import Iterator
 import fsspec
 from braceexpand import braceexpand
 
-from vt.precompute.manifests import (
-    clip_of,
-    curator_metas,
-    is_curator_meta,
-    is_manifest,
-    iter_manifest_records,
-    manifest_units,
-    unit_name,
-)
+from vt.precompute.curator import curator_clips, curator_root, curator_units, is_curator_unit
+from vt.precompute.manifests import clip_of, is_manifest, iter_manifest_records, manifest_units, unit_name
 from vt.precompute.media_files import pick_media, read_media_sample, split_key
 from vt.precompute.media_ref import MediaRef
 from vt.shared.errors import UserError
@@ -170,8 +164,8 @@ def _list_one(uri: str) -> list[str]:
     if any(ch in path for ch in _GLOB_CHARS):
         matched = fs.glob(path)
         found = _units(matched) + [unit for p in sorted(matched) if is_manifest(p) for unit in manifest_units(fs, p)]
-    elif (metas := curator_metas(fs, path)) is not None:  # NeMo Curator's output: one unit per clip's metadata
-        found = sorted(p for p in fs.find(metas) if is_curator_meta(p))
+    elif (root := curator_root(fs, path)) is not None:  # NeMo Curator's output: a unit per video chunk (curator.py)
+        found = curator_units(fs, root)
     elif fs.isdir(path):
         found = _units(fs.find(path))  # a folder's manifests are not read: name one as data.raw
     elif fs.isfile(path) and is_manifest(path):
@@ -216,10 +210,15 @@ def shard_names(shards: list[str]) -> dict[str, str]:
 
     Give it the full list (before split_for_rank) so every rank names every shard alike. Two tars
     that differ only in their suffix (x.tar, x.tgz) keep their suffixes, so names stay unique. A
-    manifest's units are named by the manifest (manifests.unit_name): their keys are unique across them.
+    manifest's units are named by the manifest (manifests.unit_name): their keys are unique across them; a
+    Curator output's by nothing (its keys are the spans' uuids).
     """
-    listed = [url for url in shards if not (is_manifest(url) or is_curator_meta(url))]
-    return {**{url: unit_name(url) for url in shards if url not in set(listed)}, **_tar_names(listed)}
+    listed = [url for url in shards if not (is_manifest(url) or is_curator_unit(url))]
+    return {**{url: _unit_name(url) for url in shards if url not in set(listed)}, **_tar_names(listed)}
+
+
+def _unit_name(url: str) -> str:
+    return "" if is_curator_unit(url) else unit_name(url)
 
 
 def _tar_names(shards: list[str]) -> dict[str, str]:
@@ -393,8 +392,8 @@ def iter_raw_samples(shard_url: str, name: str | None = None, control: str | Non
     read is still yielded if it has a whole video and a caption (only an extra member can be lost),
     else dropped; then one RawSample with error "truncated_tar" ends the shard.
     """
-    if is_manifest(shard_url) or is_curator_meta(shard_url):
-        yield from _manifest_samples(shard_url, unit_name(shard_url) if name is None else name, control)
+    if is_manifest(shard_url) or is_curator_unit(shard_url):
+        yield from _manifest_samples(shard_url, _unit_name(shard_url) if name is None else name, control)
         return
     if is_media(shard_url):  # one sample of a folder of clips: its name is its key
         key = shard_names([shard_url])[shard_url] if name is None else name
@@ -426,12 +425,20 @@ def iter_raw_samples(shard_url: str, name: str | None = None, control: str | Non
             yield samples.damaged(key or "")
 
 
+def _unit_clips(unit: str) -> Iterator[tuple[str, dict, str | None, str]]:
+    """(key, clip, error, detail) of each clip of a manifest unit or a Curator output's unit."""
+    if is_curator_unit(unit):
+        yield from curator_clips(unit)
+        return
+    for key, record, folder in iter_manifest_records(unit):
+        yield key, *clip_of(record, folder)
+
+
 def _manifest_samples(unit: str, name: str, control: str | None) -> Iterator[RawSample]:
     """The clips of one manifest unit as RawSamples: a MediaRef each (a still image's bytes), the caption,
-    the record's other fields as `meta`; a record's problem is its `error` (manifests.clip_of)."""
+    the record's other fields as `meta`; a record's problem is its `error` (manifests.clip_of, curator.py)."""
     seen: set[str] = set()
-    for position, (key, record, folder) in enumerate(iter_manifest_records(unit)):
-        clip, error, detail = clip_of(record, folder)
+    for position, (key, clip, error, detail) in enumerate(_unit_clips(unit)):
         caption = (clip.get("caption") or "").strip() or None
         if error is None and caption is None:
             error, detail = ("empty_caption" if clip.get("caption") is not None else "missing_caption"), ""

@@ -1,10 +1,9 @@
 """Clip manifests as raw input (precompute/manifests.py): clips cut by timestamps from the real clips, decoded
-by seeking; vt's JSON lines and parquet, and NeMo Curator's clip metadata as its ClipWriterStage writes it."""
+by seeking; vt's JSON lines and parquet (NeMo Curator's output: test_curator_output.py)."""
 
 from __future__ import annotations
 
 import json
-import uuid
 
 import numpy as np
 import pytest
@@ -90,69 +89,6 @@ def test_a_parquet_manifest_reads_as_its_json_lines(clips_dir, tmp_path):
     pq.write_table(pa.Table.from_pylist(records), tmp_path / "clips.parquet")
     as_lines = [(r.key, r.video, r.caption) for r in samples(str(tmp_path / "clips.jsonl"))]
     assert [(r.key, r.video, r.caption) for r in samples(str(tmp_path / "clips.parquet"))] == as_lines
-
-
-def curator_output(root, clips_dir) -> dict[str, dict]:
-    """What NeMo Curator's ClipWriterStage writes for four clips (nemo_curator/stages/video/io/clip_writer.py:
-    `_write_clip_metadata` into <output>/metas/v0/<span_uuid>.json): one transcoded clip uploaded, two only as
-    source spans, one Curator found invalid."""
-    metas = root / "metas" / "v0"
-    metas.mkdir(parents=True)
-    (root / "clips").mkdir()
-    cut = root / "clips"
-    written = {}
-    for index, (source, span, caption, valid) in enumerate(
-        [
-            ("bikes.mp4", [1.0, 3.0], "riders on a track", True),
-            ("bigbuckbunny.mp4", [0.5, 2.5], "a rabbit", True),
-            ("carphone_pristine.mp4", [0.0, 2.0], "a caller", True),
-            ("bikes.mp4", [4.0, 6.0], "no buffer", False),
-        ]
-    ):
-        span_uuid = str(uuid.uuid5(uuid.NAMESPACE_URL, f"{source}_{span}"))
-        location = cut / f"{span_uuid}.mp4"
-        if index == 0:  # upload_clips: the transcoded clip is there (here: a copy of a whole clip)
-            location.write_bytes((clips_dir / "carphone_distorted.mp4").read_bytes())
-        data = {
-            "span_uuid": span_uuid,
-            "source_video": str(clips_dir / source),
-            "duration_span": span,
-            "width_source": 1280,
-            "height_source": 720,
-            "framerate_source": 25.0,
-            "clip_location": str(location),
-            "aesthetic_score": 5.5,
-            "windows": [
-                {
-                    "start_frame": 0,
-                    "end_frame": 50,
-                    "qwen_caption": caption,
-                    **({"qwen_enhanced_caption": f"{caption}, enhanced"} if index == 1 else {}),
-                }
-            ],
-            "valid": valid,
-        }
-        (metas / f"{span_uuid}.json").write_text(json.dumps(data))
-        written[span_uuid] = data
-    return written
-
-
-def test_a_curator_output_folder_is_read_as_its_clip_writer_writes_it(clips_dir, tmp_path):
-    written = curator_output(tmp_path / "curated", clips_dir)
-    raws = {r.key: r for r in samples(str(tmp_path / "curated"))}
-    assert set(raws) == set(written) and all(r.name == "" for r in raws.values())
-    for key, data in written.items():
-        raw = raws[key]
-        if not data["valid"]:
-            assert raw.error == "invalid_clip"
-            continue
-        uploaded = (tmp_path / "curated" / "clips" / f"{key}.mp4").is_file()
-        expected = (
-            MediaRef(data["clip_location"]) if uploaded else MediaRef(data["source_video"], *data["duration_span"])
-        )
-        assert raw.error is None and raw.video == expected
-        assert raw.caption == data["windows"][0].get("qwen_enhanced_caption", data["windows"][0]["qwen_caption"])
-        assert raw.clip["meta"]["aesthetic_score"] == 5.5 and raw.clip["meta"]["span_uuid"] == key
 
 
 def test_clips_cut_from_a_manifest_train_and_bad_records_are_rejects(clips_dir, tmp_path, tiny_model_factory):
