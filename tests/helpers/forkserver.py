@@ -19,6 +19,7 @@ themselves, or need a fresh interpreter start plain subprocesses.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -216,6 +217,18 @@ class ForkServer:
             raise RuntimeError(f"the fork server did not start (exit {self.proc.wait()}); see the test's stderr")
         self.reader = threading.Thread(target=self._read, daemon=True, name="forkserver-replies")
         self.reader.start()
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """End the server (its stdin closed, it returns) and reap it, so that its children's CPU time counts in
+        the test process's (`time make test` sees the whole tree); a server that does not end in 10 s is killed."""
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
