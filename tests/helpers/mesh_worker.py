@@ -1,6 +1,11 @@
-"""Worker of test_dims' mesh check, in its own light module: spawned children import only this."""
+"""Worker of test_dims' mesh check: a script the test starts as torchrun's ranks, forked from the warm interpreter
+(tests/helpers/forkserver.py); each rank writes its results to OUT.<rank> as JSON."""
 
 from __future__ import annotations
+
+import json
+import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -15,7 +20,7 @@ LAYOUTS = (
 )
 
 
-def check_mesh(rank: int, world: int, store_path: str, queue) -> None:
+def check_mesh(rank: int, world: int, store_path: str, out: str) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     results = []
     try:
@@ -29,6 +34,12 @@ def check_mesh(rank: int, world: int, store_path: str, queue) -> None:
             value = torch.tensor([float(dims.dp_rank(rank))])
             dist.all_reduce(value, group=meshes["dp"].get_group())
             results.append((kwargs, coords, sizes, fsdp.mesh_dim_names if fsdp else None, value.item()))
-        queue.put((rank, results))
+        with open(f"{out}.{rank}", "w") as f:
+            json.dump(results, f)
     finally:
         dist.destroy_process_group()
+
+
+if __name__ == "__main__":  # WORLD STORE OUT; RANK from torchrun's environment
+    world, store, out = sys.argv[1:]
+    check_mesh(int(os.environ["RANK"]), int(world), store, out)

@@ -35,11 +35,6 @@ FAMILY_TRAIN = {
     "wan": {"mode": "lora", "max_grad_norm": 0.05},
     # Both experts in one run (VARIANTS); uniform sigmas shifted by 5 land on both sides of the 0.875 boundary.
     "wan2.2-all": {"mode": "lora", "flow": {"sigma_sampling": "uniform", "shift": 5.0}},
-    # LoRA on attention and FFN, so tensor parallel splits adapters in both directions.
-    "cogvideox": {
-        "mode": "lora",
-        "adapter": {"targets": ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]},
-    },
     "wan-i2v": {"mode": "lora", "max_grad_norm": 0.05},  # default targets: attention and the image keys/values
     "hunyuan-video": {"mode": "lora"},  # double and single blocks' attention (the default targets)
     # HunyuanVideo I2V (token_replace): Llava's text of each sample read with its first frame (stage 1, per
@@ -54,18 +49,13 @@ FAMILY_TRAIN = {
         "mode": "lora",
         "adapter": {"targets": BOTH_STREAMS},
     },
-    # HunyuanVideo 1.5 I2V: the same targets, with the first frame's SigLIP tokens in the joint attention.
-    "hunyuan-video-1.5-i2v": {
-        "mode": "lora",
-        "adapter": {"targets": BOTH_STREAMS},
-    },
     # Full fine-tune of the video stream, so DDP and FSDP2 also cover its frozen audio stream.
     "ltx-2": {"mode": "full"},
     # LTX-2 with model.audio (VARIANTS): a full fine-tune of both streams (every parameter gets a gradient, so
-    # DDP's reducer waits on all), each sample's audio latents and audio noise split with its latents.
-    "ltx-2-audio": {"mode": "full"},
-    # Wan 2.2 TI2V-5B in i2v: per-token timesteps, the clean first latent frame weighted 0 in the loss.
-    "wan2.2-ti2v-i2v": {"mode": "lora"},
+    # DDP's reducer waits on all), each sample's audio latents and audio noise split with its latents; the audio
+    # stream's own sigma per sample (model.audio_timesteps = "independent", shift 3) and cosmap loss weights (each
+    # stream's loss weighted by its own sigmas): the audio sigmas split over ranks by sample key.
+    "ltx-2-audio": {"mode": "full", "flow": {"loss_weighting": "cosmap"}},
     # bf16 weights on a CPU: the frozen layers stored in bf16 and computed in float32 (per layer in one
     # process, by FSDP2's all-gather when sharded), as a real checkpoint trains there.
     "wan-bf16": {"mode": "lora"},
@@ -87,32 +77,26 @@ FAMILY_TRAIN = {
     # Kandinsky 6 with audio (VARIANTS): LoRA on every attention of both streams and the cross-stream attentions,
     # each sample's audio latents and noise split over ranks like its latents; its text padded under a mask.
     "kandinsky6-audio": {"mode": "lora"},
-    # LTX-2 with the audio stream's own sigma per sample (model.audio_timesteps = "independent", shift 3), cosmap
-    # loss weights (each stream's loss weighted by its own sigmas): the audio sigmas split over ranks by sample key.
-    "ltx-2-audio-independent": {"mode": "lora", "flow": {"loss_weighting": "cosmap"}},
 }
 # Keys above that are not a family: the model section they stand for (a task's own preset).
 VARIANTS = {
     "wan-i2v": {"family": "wan", "task": "i2v", "max_text_tokens": 512},  # i2v takes only 512
     "cogvideox-i2v": {"family": "cogvideox", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
     "wan2.2-all": {"family": "wan2.2", "expert": "all", "max_text_tokens": TEXT_TOKENS},
-    "wan2.2-ti2v-i2v": {"family": "wan2.2-ti2v", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
     "wan-bf16": {"family": "wan", "dtype": "bfloat16", "max_text_tokens": TEXT_TOKENS},
     "hunyuan-video-i2v": {"family": "hunyuan-video", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-    "hunyuan-video-1.5-i2v": {"family": "hunyuan-video-1.5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
     "skyreels-v2-df": {"family": "skyreels-v2", "diffusion_forcing": True, "max_text_tokens": TEXT_TOKENS},
     "ltx-video-i2v": {"family": "ltx-video", "task": "i2v", "first_frame_noise": 0.5, "max_text_tokens": TEXT_TOKENS},
     "kandinsky5-i2v": {"family": "kandinsky5", "task": "i2v", "max_text_tokens": TEXT_TOKENS},
-    "ltx-2-audio": {"family": "ltx-2", "audio": True, "max_text_tokens": TEXT_TOKENS},
-    "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS},
-    "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS},
-    "ltx-2-audio-independent": {
+    "ltx-2-audio": {
         "family": "ltx-2",
         "audio": True,
         "audio_timesteps": "independent",
         "audio_shift": 3.0,
         "max_text_tokens": TEXT_TOKENS,
     },
+    "minimax-h3-audio": {"family": "minimax-h3", "audio": True, "max_text_tokens": TEXT_TOKENS},
+    "kandinsky6-audio": {"family": "kandinsky6", "audio": True, "max_text_tokens": TEXT_TOKENS},
 }
 
 

@@ -90,21 +90,25 @@ def test_noise_and_sigmas_do_not_depend_on_the_slicing():
 
 
 def test_the_device_mesh_matches_the_coordinates(tmp_path):
-    import torch.multiprocessing as mp
+    import json
 
-    from helpers.mesh_worker import check_mesh  # a light module: each spawned child imports it
+    from helpers import HELPERS
+    from helpers.dist_runs import finish
+    from helpers.forkserver import launch_ranks
 
     world = 4
-    context = mp.get_context("spawn")
-    queue = context.SimpleQueue()
-    mp.start_processes(check_mesh, args=(world, str(tmp_path / "store"), queue), nprocs=world, start_method="spawn")
-    results = dict(queue.get() for _ in range(world))
+    log, out = tmp_path / "ranks.log", tmp_path / "mesh"
+    finish(
+        launch_ranks(str(HELPERS / "mesh_worker.py"), world, str(world), str(tmp_path / "store"), str(out), log=log),
+        log,
+    )
+    results = {rank: json.loads(out.with_name(f"mesh.{rank}").read_text()) for rank in range(world)}
     for rank, per_layout in results.items():
         for kwargs, coords, sizes, fsdp_dims, dp_sum in per_layout:
             dims = ParallelDims(**kwargs, world_size=world)
             assert coords == dims.coordinate(rank), (kwargs, rank)
             assert sizes == {"dp": dims.dp, "dp_shard_cp": dims.dp_shard * dims.cp}
-            assert fsdp_dims == (dims.fsdp_mesh_dims() if dims.fsdp_enabled else None)
+            assert (tuple(fsdp_dims) if fsdp_dims else None) == (dims.fsdp_mesh_dims() if dims.fsdp_enabled else None)
             assert dp_sum == sum(range(dims.dp))
 
 

@@ -19,10 +19,15 @@ Each layout x feature is compared with one process at least once, here or in ano
   the 3-D row here; CogVideoX: cogvideox-i2v's row (the same transformer with 32 input channels).
 - HSDP with activation checkpointing, and FSDP2 x CP x TP: Wan.
 - TP: ltx-video (the one full fine-tune under TP outside pipeline parallel; LTX-Video's plan with LoRA in
-  test_tp_cp.py), cogvideox, hunyuan-video-1.5-i2v, wan-i2v, mochi, kandinsky5-i2v.
+  test_tp_cp.py) and wan-i2v (the image keys/values split by heads). Each other family's TP plan at model level in
+  test_tp_cp.py (the real transformer, LoRA on attention and FFN, forked ranks over gloo, 3 AdamW steps against one
+  process): cogvideox, hunyuan-video-1.5 (i2v), mochi, kandinsky5 (i2v). A TP row adds no data path of its own: its
+  ranks train the same samples.
 - CP: ltx-video-i2v (LTX-Video's plan in a full fine-tune, the conditioning frame's per-token timesteps split too;
-  with LoRA in test_tp_cp.py), hunyuan-video, hunyuan-video-1.5-i2v, ltx-2-audio, wan-i2v, mochi, skyreels-v2-df,
-  kandinsky5-i2v, minimax-h3-audio.
+  with LoRA in test_tp_cp.py), wan-i2v (the image tokens join the text, never split) and skyreels-v2-df (per-frame
+  modulations cut with the tokens). Each other family's CP plan at model level in test_tp_cp.py, CP and FSDP2 x CP:
+  hunyuan-video, hunyuan-video-1.5 (i2v), ltx-2 (video only, and with audio), mochi, kandinsky5 (i2v),
+  minimax-h3-audio (uneven chunks).
 - dp_shard = "auto": wan2.2-all. Gradient accumulation: ltx-video (FSDP2) and wan (DDP).
 """
 
@@ -77,39 +82,37 @@ FAMILY_LAYOUTS = {
     # wan-i2v (the same blocks with the image keys/values), DDP in its accumulation row.
     "wan": ["hsdp-2x2", "fsdp-cp-tp-2x2x2"],
     # Both Wan 2.2 experts in one run (conftest VARIANTS), each wrapped by the same plan; an expert is a
-    # Wan 2.1 transformer, so the wan rows cover its TP/CP plans.
+    # Wan 2.1 transformer, so the wan rows cover its TP/CP plans. (TI2V-5B runs no row: its transformer, and so its
+    # FSDP2 units and plans, are Wan's; its per-token timesteps and first-frame zero loss weight are per-sample data
+    # split over data-parallel ranks with the latents, the pattern the ltx-video-i2v rows check.)
     "wan2.2-all": ["auto-2", "fsdp-2"],  # auto-2: DDP picked by dp_shard = "auto" (two reducers)
-    # TI2V-5B as i2v (conftest VARIANTS): its per-token timesteps and first-frame loss weights split over
-    # data-parallel ranks like the latents; its transformer is Wan's, whose TP/CP plans the wan rows cover.
-    "wan2.2-ti2v-i2v": ["fsdp-2"],
-    # No CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
-    # composes with FSDP2 and HSDP as the ltx/wan rows show for theirs; its FSDP2 runs on cogvideox-i2v.
-    "cogvideox": ["tp-2"],
-    # No TP plan (fused single-block projections); CP splits the video, the joint attention's text stays whole.
-    "hunyuan-video": ["fsdp-2", "cp-2"],
+    # CogVideoX (t2v): no CP plan (the joint text + video attention would need its own Ulysses processor); its TP plan
+    # at model level in test_tp_cp.py (LoRA on the attention and the FFN), its FSDP2 on cogvideox-i2v (the same blocks).
+    # HunyuanVideo: no TP plan (fused single-block projections); CP (the video split, the joint attention's text
+    # whole) at model level in test_tp_cp.py, CP and FSDP2 x CP.
+    "hunyuan-video": ["fsdp-2"],
     # HunyuanVideo I2V (conftest VARIANTS; token_replace): other block classes (each block modulates the
     # first frame's tokens at timestep 0), the per-sample Llava text and the first frame's zero loss weight.
     "hunyuan-video-i2v": ["fsdp-2"],
-    # TP splits both streams' heads of its double blocks; CP the video tokens, the joint attention's image,
-    # glyph and text tokens staying whole on each rank. The ltx/wan rows cover the compositions. TP and CP
-    # run on i2v (conftest VARIANTS), whose joint attention also holds the first frame's image tokens: the
-    # same blocks and plans as t2v, whose image tokens are none.
+    # FSDP2 over its double blocks with LoRA on both streams. Its TP plan (both streams' heads of its double blocks)
+    # and CP plan (the video tokens split, the joint attention's image, glyph and text tokens whole on each rank) at
+    # model level in test_tp_cp.py, on i2v (the first frame's image tokens in the joint attention too).
     "hunyuan-video-1.5": ["fsdp-2"],
-    "hunyuan-video-1.5-i2v": ["tp-2", "cp-2"],
     # No TP plan (it would have to split the audio stream and audio-video cross-attention too); CP's plan (the
     # video split, its split rotary tables cut by heads) runs in the ltx-2-audio row, video-only in test_tp_cp.py.
     "ltx-2": ["fsdp-2"],
     # LTX-2 training video and sound (conftest VARIANTS): both streams and the cross-attention train; the audio
-    # latents and their noise split over data-parallel ranks with the samples. CP splits the video and keeps the
-    # audio whole on every rank (LTX2Spec.cp_plan): the full fine-tune covers both cross-stream attentions.
-    "ltx-2-audio": ["ddp-2", "fsdp-2", "cp-2"],
+    # latents, their noise and (model.audio_timesteps = "independent") their own sigmas split over data-parallel
+    # ranks with the samples, each stream's loss weighted by its sigmas (cosmap). Its CP plan (the video split, the
+    # audio whole on every rank, both cross-stream attentions) at model level in test_tp_cp.py, CP and FSDP2 x CP.
+    "ltx-2-audio": ["ddp-2", "fsdp-2"],
     # Wan 2.1 I2V (conftest VARIANTS): TP also splits the image keys/values, CP is t2v's (the image
     # tokens join the text, which is not split); the wan rows cover the combined layouts.
     "wan-i2v": ["fsdp-2", "tp-2", "cp-2"],
-    # TP splits the attention only (SwiGLU [hidden, gate] in one projection: the FFNs stay whole); CP splits the
-    # video, the joint attention's text (each sample's unpadded tokens) stays whole; both cut the per-head rotary
-    # tables to each rank's heads; its test bucket (family_cases): 7 frames.
-    "mochi": ["fsdp-2", "tp-2", "cp-2"],
+    # FSDP2 with SD3's "mode" sigmas and cosmap weights; its TP plan (the attention only: SwiGLU [hidden, gate] in
+    # one projection, the FFNs stay whole) and CP plan (the video split, the joint attention's unpadded text whole,
+    # the per-head rotary tables cut to each rank's heads) at model level in test_tp_cp.py; its bucket: 7 frames.
+    "mochi": ["fsdp-2"],
     # CogVideoX I2V (conftest VARIANTS): the t2v transformer with 32 input channels, FSDP2 over its blocks for
     # both tasks; the cogvideox row covers its TP plan.
     "cogvideox-i2v": ["fsdp-2"],
@@ -124,32 +127,29 @@ FAMILY_LAYOUTS = {
     # own draw, from each sample's generator, so every layout draws what one process draws; CP also runs
     # LTX-Video's plan in a full fine-tune here.
     "ltx-video-i2v": ["fsdp-2", "cp-2"],
-    # Kandinsky 5 I2V (conftest VARIANTS): TP on every block, CP on the visual blocks (docs/parallel.md); FSDP2 over
-    # its text and visual block lists, the transformer called once per sample of each rank's slice (several
-    # forwards before one backward), the image latents and the first frame's zero loss weight split like the latents.
-    "kandinsky5-i2v": ["fsdp-2", "tp-2", "cp-2"],
+    # Kandinsky 5 I2V (conftest VARIANTS): FSDP2 over its text and visual block lists, the transformer called once
+    # per sample of each rank's slice (several forwards before one backward), the image latents and the first
+    # frame's zero loss weight split like the latents. Its TP plan (every block) and CP plan (the visual blocks) at
+    # model level in test_tp_cp.py (i2v), TP, CP and FSDP2 x CP.
+    "kandinsky5-i2v": ["fsdp-2"],
     # Wan VACE: its VACE blocks are a second block list, run before the main blocks and sharded as blocks of
     # their own (the last main block stays gathered for the backward); no TP or CP plan (docs/parallel.md).
     "wan-vace": ["fsdp-2"],
     # MiniMax H3 with audio (conftest VARIANTS): no TP plan (docs/parallel.md); DDP, and FSDP2 over its blocks, the
-    # transformer called once per sample, the audio latents and noise split over ranks with the latents; CP splits
-    # each packed sequence, whose length follows the caption, into chunks one row apart where cp does not divide it.
-    "minimax-h3-audio": ["ddp-2", "fsdp-2", "cp-2"],
+    # transformer called once per sample, the audio latents and noise split over ranks with the latents. Its CP plan
+    # (each packed sequence, whose length follows the caption, in chunks one row apart where cp does not divide it)
+    # at model level in test_tp_cp.py, CP and FSDP2 x CP, its two samples' sequences split unevenly.
+    "minimax-h3-audio": ["ddp-2", "fsdp-2"],
     # Kandinsky 6 with audio (conftest VARIANTS): DDP and FSDP2 over its three block lists (each stream's text blocks,
     # then the fused blocks); no TP or CP plan (docs/parallel.md).
     "kandinsky6-audio": ["ddp-2", "fsdp-2"],
-    # LTX-2 with independent audio timesteps (conftest VARIANTS): each sample's audio sigma drawn on its own key.
-    "ltx-2-audio-independent": ["fsdp-2"],
 }
 # Exported weights compared within more than 1e-4 (losses and gradient norms stay at 1e-4): SkyReels V2 DF's
 # block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out
 # 1.04e-4 from one process's under FSDP2 on some CPUs (its gradient summed over 2 ranks in another order; the
 # same before and after issue 17's data path, and 1e-4 on others).
-# Kandinsky 5 under CP (a row id: that layout only): its attention rounds the rotated queries and keys to bfloat16,
-# so their gradients pass through bfloat16 too, and CP sums a sample's dQ/dK over the tokens in two parts; an
-# fp32 last-bit difference there flips some bfloat16 roundings, and AdamW's first steps carry those elements into
-# the LoRA factors (text block query LoRA B 1.1e-3 apart; losses and gradient norms within 1e-4).
-WEIGHTS_REL = {"skyreels-v2-df": 2e-4, "cp-2-kandinsky5-i2v": 2e-3}
+# A row id ("layout-family") names one layout only.
+WEIGHTS_REL = {"skyreels-v2-df": 2e-4}
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [
     pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))

@@ -6,7 +6,6 @@ trained LoRA's, and the base's (validation.base: the adapters switched off on ev
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,8 @@ import numpy as np
 from vt.train.trackers import read_metrics
 
 from helpers import HELPERS
-from helpers.dist_runs import BIN, child_env, finish, single, torchrun
+from helpers.dist_runs import finish, single, torchrun
+from helpers.forkserver import launch
 
 PROMPTS = ["a cartoon rabbit in a green meadow", "people riding bikes down a street", "a phone call in an office"]
 
@@ -53,16 +53,10 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
     assert single(config, log=log).wait(timeout=300) != 0
     assert "vt-precompute prompts" in log.read_text() and PROMPTS[0] in log.read_text()
 
-    # The command that adds them (it loads the text and image encoders only).
-    added = subprocess.run(
-        [str(BIN / "vt-precompute"), "prompts", str(config)],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert added.returncode == 0, added.stderr[-3000:]
-    assert "7 inputs encoded" in added.stdout  # 3 prompts, the negative prompt "", 3 images
+    # The command that adds them (it loads the text and image encoders only), forked from the warm interpreter.
+    log = tmp_path / "prompts.log"
+    finish(launch("vt-precompute", "prompts", str(config), log=log), log)
+    assert "7 inputs encoded" in log.read_text()  # 3 prompts, the negative prompt "", 3 images
 
     built = tmp_path / "built"
     log = tmp_path / "fsdp.log"
