@@ -60,8 +60,11 @@ def make_bench_transformer(model: Path, out: Path, heads: int, head_dim: int, la
 
 
 def train_overrides(model: Path, transformer: Path, window: Path, run_dir: Path) -> list[str]:
-    """The demo config on the bench transformer and the precomputed (kept) window; no validation."""
+    """The demo config on the bench transformer and the precomputed (kept) window; no validation; the bare loop's
+    sigmas (logit-normal, unshifted) in place of the family's reference recipe (LTX-Video's shift is "auto")."""
     return [
+        'flow.sigma_sampling="logit_normal"',
+        "flow.shift=1.0",
         f"model.path={toml_string(model)}",
         f"model.components.transformer={toml_string(transformer)}",
         f"run.dir={toml_string(run_dir)}",
@@ -77,7 +80,7 @@ def train_overrides(model: Path, transformer: Path, window: Path, run_dir: Path)
 def bare_settings(trainer) -> BareSettings:
     """The bare loop's settings, taken from the trainer so both sides agree by construction."""
     config = trainer.config
-    train, model, flow = config.train, config.model, config.flow
+    train, model, flow = config.train, config.model, trainer.loss_path.flow
     lora = trainer.parts["adapter"].build_options(trainer.spec, trains=True)["lora"]
     unsupported = {
         "model.family": model.family != "ltx-video",

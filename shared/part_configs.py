@@ -39,18 +39,20 @@ class AdapterConfig(Section):
 
 class FlowConfig(Section):
     """How each sample's sigma is drawn and its loss weighted (train/objectives.py; SD3's schemes as diffusers'
-    training_utils names them)."""
+    training_utils names them). `sigma_sampling`, `shift` and `loss_weighting` unset (None): the family's reference
+    training recipe's (ModelSpec.flow_recipe; docs/families.md cites each family's)."""
 
-    # logit-normal (`logit_mean`, `logit_std`), uniform, "mode" (`mode_scale`) or "cosmap"; then `shift`
-    sigma_sampling: Literal["logit_normal", "uniform", "mode", "cosmap"] = "logit_normal"
+    # logit-normal (`logit_mean`, `logit_std`), LTX-2's stretched logit-normal, uniform, "mode" (`mode_scale`) or
+    # "cosmap"; then `shift`
+    sigma_sampling: Literal["logit_normal", "stretched_logit_normal", "uniform", "mode", "cosmap"] | None = None
     logit_mean: float = 0.0
     logit_std: float = Field(1.0, gt=0)
     mode_scale: float = Field(1.29, ge=0)
     # The sigmas' shift towards noise (> 1: more). "auto": the family's scheduler's own, at each bucket's size where it
     # shifts by resolution (`use_dynamic_shifting`: LTX-Video, LTX-2), else its fixed `shift` / `flow_shift`.
-    shift: float | Literal["auto"] = 1.0
+    shift: float | Literal["auto"] | None = None
     # Each sample's loss weighted by its sigma: none, "sigma_sqrt" (sigma^-2) or "cosmap" (SD3's weightings).
-    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = "none"
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] | None = None
 
 
 class ValidationConfig(Section):

@@ -47,7 +47,9 @@ def sample_sigmas(
     mode_scale: float = 1.29,
 ) -> torch.Tensor:
     """`n` sigmas in (0, 1) drawn by `scheme` (SD3's densities: logit-normal, uniform, "mode", "cosmap"), then
-    shifted by `shift`."""
+    shifted by `shift`; "stretched_logit_normal" shifts before it stretches (`stretched_logit_normal`)."""
+    if scheme == "stretched_logit_normal":
+        return stretched_logit_normal(n, shift, generator, logit_mean, logit_std)
     if scheme == "logit_normal":
         normal = torch.randn(n, generator=generator)
         sigmas = torch.sigmoid(normal if (logit_mean, logit_std) == (0.0, 1.0) else logit_mean + logit_std * normal)
@@ -60,8 +62,34 @@ def sample_sigmas(
         u = torch.rand(n, generator=generator)
         sigmas = 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
     else:
-        raise UserError(f"unknown sigma sampling {scheme!r}; use logit_normal, uniform, mode or cosmap")
+        raise UserError(
+            f"unknown sigma sampling {scheme!r}; use logit_normal, stretched_logit_normal, uniform, mode or cosmap"
+        )
     return shift_sigmas(sigmas, shift)
+
+
+# stretched_logit_normal: the normal quantiles its stretch maps to 0 and 1 (0.5% and 99.9%), the floor small sigmas
+# are reflected at, and the share of samples drawn uniformly instead (a reference recipe's: docs/families.md).
+STRETCH_QUANTILES, STRETCH_FLOOR, STRETCH_UNIFORM = (-2.5758, 3.0902), 1e-3, 0.1
+
+
+def stretched_logit_normal(
+    n: int, shift: float, generator: torch.Generator, logit_mean: float = 0.0, logit_std: float = 1.0
+) -> torch.Tensor:
+    """A reference trainer's density (docs/families.md): the logit-normal shifted by `shift` (its mean moved by
+    log(shift)), stretched so its 0.5% and 99.9% quantiles land on 0 and 1, values under the floor reflected above
+    it and the rest clamped to [0, 1]; a tenth of the samples uniform over [floor, 1) instead."""
+    normal = torch.randn(n, generator=generator)
+    fallback = STRETCH_FLOOR + (1 - STRETCH_FLOOR) * torch.rand(n, generator=generator)
+    pick = torch.rand(n, generator=generator)
+
+    def shifted(x: torch.Tensor) -> torch.Tensor:
+        return shift_sigmas(torch.sigmoid(logit_mean + logit_std * x), shift)
+
+    low, high = shifted(torch.tensor(STRETCH_QUANTILES))
+    stretched = (shifted(normal) - low) / (high - low)
+    stretched = torch.where(stretched >= STRETCH_FLOOR, stretched, 2 * STRETCH_FLOOR - stretched).clamp(0, 1)
+    return torch.where(pick > STRETCH_UNIFORM, stretched, fallback)
 
 
 def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
@@ -75,6 +103,14 @@ def loss_weights(sigmas: torch.Tensor, scheme: str) -> torch.Tensor | None:
     if scheme == "cosmap":
         return 2 / (math.pi * (1 - 2 * sigmas + 2 * sigmas**2))
     raise UserError(f"unknown loss weighting {scheme!r}; use none, sigma_sqrt or cosmap")
+
+
+def flow_settings(flow, spec):
+    """[flow] as a run uses it: each of `sigma_sampling`, `shift` and `loss_weighting` the config leaves unset taken
+    from the family's reference recipe (`spec.flow_recipe`, docs/families.md)."""
+    recipe = spec.flow_recipe
+    unset = {key: getattr(recipe, key) for key in ("sigma_sampling", "shift", "loss_weighting")}
+    return flow.model_copy(update={key: value for key, value in unset.items() if getattr(flow, key) is None})
 
 
 def sample_noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

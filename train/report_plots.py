@@ -186,14 +186,21 @@ def video_metric_curves(records: list[dict]) -> dict[str, list[tuple[str, str]]]
 def video_metric_figures(records: list[dict]) -> list:
     """One figure per metric of the validation videos (train/video_metrics): a curve per prompt and kind of render
     (`val/<metric>/<prompt>`: the trained model's; `val/<kind>/<metric>/<prompt>`: the base's, a stacked render's) and
-    the mean over the prompts (`val/<metric>`, `val/<kind>/<metric>`)."""
+    the mean over the prompts (`val/<metric>`, `val/<kind>/<metric>`). The base renders once per run (step 0) and
+    stands beside every step's video, so a base curve with one value is drawn, dotted, at every step of the metric:
+    the LoRA's curve against the base's at each step."""
     import plotly.graph_objects as go
 
     figures = []
     for metric, keys in video_metric_curves(records).items():
         fig = _figure(f"validation videos: {metric}", metric)
+        steps = sorted({step for key, _ in keys for step in _series(records, key)[0]})
         for key, name in keys:
             x, y = _thin(*_series(records, key))
+            if key.split("/")[1].startswith("base") and len(y) == 1 and len(steps) > 1:
+                x, y = steps, y * len(steps)  # the one base render, beside each step's
+                fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, line=dict(dash="dot")))
+                continue
             fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name))
         figures.append(fig)
     return figures

@@ -8,7 +8,8 @@ loss (train/parts/held_out.py) and the benchmark (which times `Trainer.train_ste
   or each expert's rows), lazily, under the run's autocast and its parts' forward contexts (activation offload),
   through the family's forward as the parts wrap it (guided targets: train/parts/guidance.py).
 
-The [flow] section (sigma sampling, shift, loss weighting) is this module's and train/objectives.py's. Caption
+The [flow] section (sigma sampling, shift, loss weighting) is this module's and train/objectives.py's; the keys a
+config leaves unset are the family's reference recipe's (`flow_settings`: ModelSpec.flow_recipe). Caption
 dropout changes a batch before it gets here (train/parts/caption_dropout.py, the parts' `batch` hook).
 
 The held-out loss passes fixed draws of its own instead of `draws` (the same loss path, other sigmas and noise).
@@ -24,7 +25,7 @@ import torch
 
 from vt.shared.errors import UserError
 from vt.train.experts import expert_modules, routes
-from vt.train.objectives import joint_loss, loss_weights, scheduler_shift
+from vt.train.objectives import flow_settings, joint_loss, loss_weights, scheduler_shift
 from vt.train.parallel.batching import Slice, draw_audio_noise, draw_audio_sigmas, draw_inputs, spec_generators
 
 
@@ -47,14 +48,15 @@ class LossPath:
     def __init__(self, config, spec, device: torch.device, amp_dtype: torch.dtype | None, parts, run):
         """`run`: the trainer's RunContext (vt.train.parts), for the parts that wrap the forward."""
         self.config, self.spec, self.device, self.amp_dtype, self.parts = config, spec, device, amp_dtype, parts
-        self.flow, self.run = config.flow, run
+        self.flow, self.run = flow_settings(config.flow, spec), run
 
     @staticmethod
     def check(config, spec) -> None:
         """What the [flow] settings cannot do with the family (the trainer and the plan call it)."""
-        if config.flow.loss_weighting != "none" and config.model.diffusion_forcing:
+        weighting = flow_settings(config.flow, spec).loss_weighting
+        if weighting != "none" and config.model.diffusion_forcing:
             raise UserError(
-                f"flow.loss_weighting = {config.flow.loss_weighting!r} weights each sample by its sigma, but "
+                f"flow.loss_weighting = {weighting!r} weights each sample by its sigma, but "
                 'model.diffusion_forcing draws one sigma per latent frame; set flow.loss_weighting = "none"'
             )
 

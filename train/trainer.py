@@ -144,6 +144,8 @@ class Trainer:
         self.loss_path = self.run_context.loss_path = LossPath(
             config, self.spec, self.device, self.amp_dtype, self.parts, self.run_context
         )
+        flow = self.loss_path.flow  # unset keys: the family's reference recipe (docs/families.md)
+        log.info("flow: %s sigmas, shift %s, loss weighting %s", flow.sigma_sampling, flow.shift, flow.loss_weighting)
 
     def _start_data(self) -> None:
         """The window, the shards this run takes, the batch reader (each rank reads its rows)."""

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
-from vt.shared.models.flow import Prediction, input_dtype
+from vt.shared.models.flow import FlowRecipe, Prediction, input_dtype
 from vt.shared.models.plans import TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 
@@ -26,6 +26,10 @@ class CogVideoXSpec(ModelSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     # No ComfyUI key table, `original_names` (the base class warns, writes the diffusers file): docs/families.md.
     example_hub_id: ClassVar[str] = "THUDM/CogVideoX-5b"
+    # diffusers' examples/cogvideo and zai-org/CogVideo's finetune trainers: uniform integer timesteps (uniform
+    # sigmas here: t = floor(1000 sigma)), no shift; their x0 loss weighted 1 / (1 - alphas_cumprod[t]) is the
+    # unweighted v loss `forward` returns, so no weighting on top (docs/families.md).
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe("uniform", 1.0, "none")
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:T5EncoderModel",
         "vae": "diffusers:AutoencoderKLCogVideoX",

@@ -11,6 +11,17 @@ from torch import Tensor, nn
 NUM_TRAIN_TIMESTEPS = 1000  # flow-matching schedulers: timestep = sigma * 1000
 
 
+@dataclass(frozen=True)
+class FlowRecipe:
+    """A family's defaults for the [flow] keys a config leaves unset: the timestep sampling, shift and loss weighting
+    of its reference training recipe (the model authors' or diffusers' training script, cited in docs/families.md),
+    or vt's own (logit-normal, no shift, unweighted) where none publishes one. Values as [flow] takes them."""
+
+    sigma_sampling: str = "logit_normal"
+    shift: float | str = 1.0  # a number, or "auto": the family scheduler's own at each bucket's token count
+    loss_weighting: str = "none"
+
+
 @dataclass
 class Prediction:
     """What the loss needs: loss = mean(weight * (prediction - target) ** 2)."""

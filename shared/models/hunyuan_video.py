@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from vt.shared.errors import UserError
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, FlowRecipe, Prediction, flow_inputs, input_dtype
 from vt.shared.models.pipeline import frames_to_pil, to_pil_image
 from vt.shared.models.plans import ContextParallelPlan, Unplanned
 from vt.shared.models.roles import TextWithImage
@@ -81,6 +81,9 @@ class HunyuanVideoSpec(PooledTextAndFirstFrame, ModelSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks", "single_transformer_blocks")
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo"
+    # Tencent-Hunyuan/HunyuanVideo-I2V's LoRA training (the authors' only published recipe for this family):
+    # logit-normal ("lognorm") timesteps at flow shift 7, an unweighted velocity loss (docs/families.md).
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe("logit_normal", 7.0, "none")
     original_names: ClassVar[tuple[tuple[str, str], ...]] = comfy.templated(
         (*DOUBLE_BLOCK_NAMES, ("single_transformer_blocks.{}.proj_out", "single_blocks.{}.linear2"))
     )

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from vt.shared.errors import UserError
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, FlowRecipe, Prediction, flow_inputs, input_dtype
 from vt.shared.models.hunyuan_video import JOINT_CP_PLAN, REFINER
 from vt.shared.models.hunyuan_video15_lora import FUSED_QKV, NAMES, load_lora
 from vt.shared.models.lora import lora_weight_name
@@ -32,6 +32,9 @@ class HunyuanVideo15Spec(ModelSpec):
     tasks: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     example_hub_id: ClassVar[str] = "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v"
+    # Tencent-Hunyuan/HunyuanVideo-1.5's train.py: logit-normal ("lognorm") timesteps at its training shift 3 (it
+    # samples validation at 5), an unweighted MSE (docs/families.md).
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe("logit_normal", 3.0, "none")
     original_names: ClassVar[tuple[tuple[str, str], ...]] = comfy.templated(NAMES)
     comfy_fused: ClassVar[tuple[comfy.Fused, ...]] = comfy.fused_templates(FUSED_QKV)
     excluded_modules_named: ClassVar[str] = "the text token refiner"

@@ -14,7 +14,14 @@ from torch import Tensor
 from vt.shared.buckets import Bucket
 from vt.shared.errors import UserError
 from vt.shared.models.components import load_class
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
+from vt.shared.models.flow import (
+    NUM_TRAIN_TIMESTEPS,
+    FlowRecipe,
+    Prediction,
+    flow_inputs,
+    flow_match_noisy,
+    input_dtype,
+)
 from vt.shared.models.ltx2_sound import LTX2Sound
 from vt.shared.models.ltx_video import LTXVideoSpec
 from vt.shared.models.plans import ContextParallelPlan, CrossStreamPlan
@@ -42,6 +49,9 @@ class LTX2Spec(LTXVideoSpec):
     sound_stream: ClassVar[type[SoundStream]] = LTX2Sound
     _vocoder: type | None = None  # the vocoder class the checkpoint names (component_classes)
     example_hub_id: ClassVar[str] = "Lightricks/LTX-2"
+    # Lightricks/LTX-2's ltx-trainer: its "shifted_logit_normal" stretched to [0, 1] with a tenth of the draws
+    # uniform, shifted by token count as LTX-Video's ("auto"); an unweighted loss (docs/families.md).
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe("stretched_logit_normal", "auto", "none")
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:Gemma3ForConditionalGeneration",
         "connectors": "diffusers.pipelines.ltx2:LTX2TextConnectors",

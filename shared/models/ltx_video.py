@@ -9,7 +9,14 @@ import torch
 from torch import Tensor
 
 from vt.shared.errors import UserError
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, flow_match_noisy, input_dtype
+from vt.shared.models.flow import (
+    NUM_TRAIN_TIMESTEPS,
+    FlowRecipe,
+    Prediction,
+    flow_inputs,
+    flow_match_noisy,
+    input_dtype,
+)
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 
@@ -25,6 +32,10 @@ class LTXVideoSpec(ModelSpec):
     comfy_alpha: ClassVar[bool] = False
     noisy_first_frame: ClassVar[bool] = True  # i2v may noise the conditioning frame lightly
     example_hub_id: ClassVar[str] = "Lightricks/LTX-Video"
+    # Lightricks/LTX-Video-Trainer: "shifted_logit_normal" (its default), a logit-normal whose mean grows with the
+    # token count from 0.95 (1,024 tokens) to 2.05 (4,096), which is the logit-normal shifted by the scheduler's own
+    # resolution shift ("auto"); an unweighted loss (docs/families.md).
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe("logit_normal", "auto", "none")
     components: ClassVar[dict[str, str]] = {
         "text_encoder": "transformers:T5EncoderModel",
         "vae": "diffusers:AutoencoderKLLTXVideo",

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from vt.shared.errors import UserError
-from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, Prediction, flow_inputs, input_dtype
+from vt.shared.models.flow import NUM_TRAIN_TIMESTEPS, FlowRecipe, Prediction, flow_inputs, input_dtype
 from vt.shared.models.plans import ContextParallelPlan, TensorParallelPlan
 from vt.shared.models.spec import ModelSpec, VaeGeometry
 from vt.shared.weights import comfy
@@ -28,6 +28,8 @@ class MochiSpec(ModelSpec):
     block_lists: ClassVar[tuple[str, ...]] = ("transformer_blocks",)
     text_masks: ClassVar[dict[str, str]] = {"prompt_embeds": "prompt_attention_mask"}  # attention drops the rest
     example_hub_id: ClassVar[str] = "genmo/mochi-1-preview"
+    # genmoai/mochi's demos/fine_tuner: uniform sigmas, no shift, an unweighted MSE (docs/families.md).
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe("uniform", 1.0, "none")
     # The blocks' video attention; "attn1." keeps peft off the caption pooler's `to_q` (no original name).
     default_lora_targets: ClassVar[list[str]] = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0"]
     # Original (genmo) module names, which ComfyUI loads (`diffusion_model.` + these).

@@ -23,7 +23,7 @@ from vt.shared.config import ModelConfig
 from vt.shared.errors import UserError
 from vt.shared.models.components import ComponentLoader, load_class
 from vt.shared.models.experts import ExpertsMixin
-from vt.shared.models.flow import Prediction
+from vt.shared.models.flow import FlowRecipe, Prediction
 from vt.shared.models.frame_conditions import FrameConditions, task_of
 from vt.shared.models.lora import LoraMixin
 from vt.shared.models.pipeline import PipelineMixin
@@ -69,6 +69,9 @@ class ModelSpec(ComponentLoader, ExpertsMixin, LoraMixin, PipelineMixin, ABC):
     per_frame_noise: ClassVar[PerFrameNoise | None] = None
     control_video: ClassVar[ControlVideo | None] = None
     sound_stream: ClassVar[type[SoundStream] | None] = None
+    # The [flow] defaults (sigma sampling, shift, loss weighting) from the family's reference training recipe
+    # (docs/families.md cites each); vt's own where no reference publishes one.
+    flow_recipe: ClassVar[FlowRecipe] = FlowRecipe()
 
     def __init__(self, config: ModelConfig, frame_rate: float):
         """`frame_rate`: the rate frames are sampled at in stage 1 (buckets.fps); families whose

@@ -5,7 +5,8 @@ normalisation, a timestep scale, a mask, the loss) passes it; these numbers do n
 family's training does. Each case builds the family's tiny preset (seed 0) the way the trainer does
 (`build_transformer`: LoRA on the default targets, adapters keyed by name), feeds a seeded batch in the
 shapes stage 1 stores (`condition_shapes`: random conditions, all-ones masks), and takes three AdamW
-steps with the trainer's own sigma, noise and loss functions.
+steps with the trainer's own sigma, noise and loss functions, at the family's default [flow] settings (its reference
+training recipe: `flow_settings`, ModelSpec.flow_recipe; docs/families.md).
 
 After a deliberate change, rewrite them and review the diff: `pytest tests/shared/test_reference_numbers.py
 --update-reference-numbers` (tests/assets/reference_numbers.json).
@@ -22,8 +23,16 @@ import torch
 from vt.shared.buckets import Bucket
 from vt.shared.config import ModelConfig, ParallelConfig
 from vt.shared.models import FAMILIES, build_spec, get_spec_class
+from vt.shared.part_configs import FlowConfig
 from vt.train.model_build import build_transformer
-from vt.train.objectives import flow_matching_loss, sample_noise, sample_sigmas
+from vt.train.objectives import (
+    flow_matching_loss,
+    flow_settings,
+    loss_weights,
+    sample_noise,
+    sample_sigmas,
+    scheduler_shift,
+)
 from vt.train.parallel import parallelize
 from vt.train.parallel.world import setup_world
 
@@ -72,14 +81,20 @@ def run(spec, draw=None) -> dict[str, list[float]]:
     batch = seeded_batch(spec, smallest_bucket(spec), generator)
     low, high = spec.sigma_range()
 
+    flow = flow_settings(FlowConfig(), spec)  # the family's defaults
+    shift = flow.shift
+    if shift == "auto":
+        shift = scheduler_shift(dict(spec.load_config("scheduler")), spec.tokens_per_sample(batch["latents"].shape[1:]))
+
     def seeded_draw(step, batch):
-        sigmas = low + (high - low) * sample_sigmas(BATCH, "logit_normal", 1.0, generator)
+        sigmas = low + (high - low) * sample_sigmas(BATCH, flow.sigma_sampling, shift, generator)
         return sigmas, sample_noise(batch["latents"], generator)
 
     losses, prediction = [], None
     for step in range(STEPS):
-        out = spec.forward(transformer, batch, *(draw or seeded_draw)(step, batch))
-        loss = flow_matching_loss(out)
+        sigmas, noise = (draw or seeded_draw)(step, batch)
+        out = spec.forward(transformer, batch, sigmas, noise)
+        loss = flow_matching_loss(out, loss_weights(sigmas, flow.loss_weighting))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()

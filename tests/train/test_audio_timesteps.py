@@ -180,5 +180,6 @@ def test_the_trainer_draws_the_audio_sigmas_it_is_asked_for(tmp_path, tiny_model
     (video, none), (same_video, audio) = seen["shared"], seen["independent"]
     assert none is None and torch.equal(video, same_video)
     first = Slice("b", 0, ["a", "b"], {"latents": torch.zeros(2, 1, 1, 1, 1)}, 0, 2)
-    expected = draw_audio_sigmas(first, 0, 0, "logit_normal", 2.0)
+    expected = draw_audio_sigmas(first, 0, 0, trainer.loss_path.flow.sigma_sampling, 2.0)  # LTX-2's default scheme
+    assert trainer.loss_path.flow.sigma_sampling == "stretched_logit_normal"
     torch.testing.assert_close(audio.cpu(), expected)

@@ -1,3 +1,6 @@
+import math
+
+import pytest
 import torch
 
 from vt.shared.models.flow import Prediction
@@ -138,3 +141,67 @@ def test_the_trainer_resolves_auto_shift_per_bucket(tiny_model_factory):
     assert auto.shift(small) == scheduler_shift(scheduler, auto.spec.tokens_per_sample(small))
     assert auto.shift(large) > auto.shift(small)
     assert path(3.0).shift(large) == 3.0
+
+
+def test_ltx_video_trainers_shifted_logit_normal_is_the_logit_normal_at_the_auto_shift(tiny_model_factory):
+    """LTX-Video-Trainer's default density (docs/families.md): sigmoid(N(mu, 1)) with mu linear in the token count
+    through (1024, 0.95) and (4096, 2.05). vt's family default draws logit-normal at the scheduler's `auto` shift:
+    the same sigmas from the same normal draws, at every size."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from vt.shared.config import ModelConfig
+    from vt.shared.models import build_spec
+    from vt.shared.part_configs import FlowConfig
+    from vt.train.objectives import flow_settings, scheduler_shift
+
+    model = tiny_model_factory("ltx-video")
+    flow = flow_settings(FlowConfig(), build_spec(ModelConfig(family="ltx-video", path=str(model)), 24.0))
+    assert (flow.sigma_sampling, flow.shift, flow.loss_weighting) == ("logit_normal", "auto", "none")
+    scheduler = dict(FlowMatchEulerDiscreteScheduler.load_config(str(model), subfolder="scheduler"))
+    for tokens in (8, 1024, 3000, 4096, 9000):
+        mu = 0.95 + (2.05 - 0.95) / (4096 - 1024) * (tokens - 1024)
+        theirs = torch.sigmoid(torch.randn(64, generator=torch.Generator().manual_seed(tokens)) + mu)
+        ours = sample_sigmas(
+            64, "logit_normal", scheduler_shift(scheduler, tokens), torch.Generator().manual_seed(tokens)
+        )
+        assert scheduler_shift(scheduler, tokens) == pytest.approx(math.exp(mu))
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_the_stretched_logit_normal_is_ltx2s_density():
+    """LTX-2's trainer: the shifted logit-normal sigmoid(x + log s) stretched between its values at the normal's 0.5%
+    and 99.9% quantiles, reflected above 1e-3, clamped to [0, 1], and a tenth of the draws uniform over [1e-3, 1)."""
+    shift = 2.5
+    got = sample_sigmas(4000, "stretched_logit_normal", shift, torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    normal, fallback = torch.randn(4000, generator=generator), torch.rand(4000, generator=generator)
+    pick = torch.rand(4000, generator=generator)
+    mu = math.log(shift)
+    low, high = torch.sigmoid(torch.tensor(-2.5758 + mu)), torch.sigmoid(torch.tensor(3.0902 + mu))
+    raw = (torch.sigmoid(normal + mu) - low) / (high - low)
+    raw = torch.where(raw >= 1e-3, raw, 2e-3 - raw).clamp(0, 1)
+    want = torch.where(pick > 0.1, raw, 1e-3 + (1 - 1e-3) * fallback)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert 0 <= float(got.min()) and float(got.max()) <= 1 and 0.08 < float((pick <= 0.1).float().mean()) < 0.12
+
+
+def test_unset_flow_keys_take_the_familys_reference_recipe_and_set_ones_win():
+    """`flow_settings`: each family's declared recipe fills the keys a config leaves unset (and is a value [flow]
+    accepts); a key the config sets is kept."""
+    from vt.shared.models import FAMILIES, get_spec_class
+    from vt.shared.part_configs import FlowConfig
+    from vt.train.objectives import flow_settings
+
+    recipes = {}
+    for family in FAMILIES:
+        spec = get_spec_class(family)
+        resolved = flow_settings(FlowConfig(), spec)
+        FlowConfig(**resolved.model_dump())  # valid [flow] values
+        recipes[family] = (resolved.sigma_sampling, resolved.shift, resolved.loss_weighting)
+        kept = flow_settings(FlowConfig(sigma_sampling="cosmap", shift=2.0, loss_weighting="sigma_sqrt"), spec)
+        assert (kept.sigma_sampling, kept.shift, kept.loss_weighting) == ("cosmap", 2.0, "sigma_sqrt")
+    assert recipes["mochi"] == recipes["cogvideox"] == ("uniform", 1.0, "none")
+    assert recipes["hunyuan-video"] == ("logit_normal", 7.0, "none")
+    assert recipes["hunyuan-video-1.5"] == ("logit_normal", 3.0, "none")
+    assert recipes["ltx-2"] == ("stretched_logit_normal", "auto", "none")
+    assert recipes["wan"] == recipes["minimax-h3"] == ("logit_normal", 1.0, "none")  # no reference recipe
