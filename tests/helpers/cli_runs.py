@@ -74,6 +74,21 @@ def finish(proc: Forked, log: Path | None = None, timeout: float = 300) -> None:
         raise AssertionError(f"{proc.args[0]} exited with {code}:\n{text}")
 
 
+def run_forked(command: str, *args: str, log: Path, timeout: float, env: dict | None = None) -> tuple[int, str]:
+    """(exit code, output) of `command` (vt-train, vt-precompute or a Python file's path) with `args`, forked from
+    the warm interpreter of tests/helpers/forkserver.py (no import bill), stdout and stderr together in `log`; killed
+    once `timeout` passes, failing the test with its output instead of hanging it."""
+    proc = launch(command, *args, env=env, log=log)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        text = log.read_text()[-4000:] if log.exists() else ""
+        raise AssertionError(f"{command} {list(args[:2])} did not end within {timeout}s:\n{text}") from None
+    return code, log.read_text() if log.exists() else ""
+
+
 def run_bounded(args: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """subprocess.run(capture_output, text) in a session of its own, killed with all its children (decode workers
     hold its pipes) once `timeout` passes: a hung CLI fails the test with its output instead of hanging it."""

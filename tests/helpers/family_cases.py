@@ -263,6 +263,7 @@ EXPECTED = {
         comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
         comfy_weights=_wan_comfy,
         wide_lora=_WAN,
+        stage1_as="wan",  # Wan 2.1's encoders, preset parts and stage-1 code: its stage-1 rows are wan's
     ),
     # Wan 2.2 TI2V-5B: the 48-channel VAE folds 2 x 2 pixels first (x16 space), so sides are multiples of 32.
     "wan2.2-ti2v": dict(
@@ -418,6 +419,7 @@ EXPECTED = {
         comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
         comfy_weights=_wan_comfy,
         wide_lora=_WAN,
+        stage1_as="wan",
     ),
     # Wan 2.1 t2v plus two VACE blocks (blocks: 2 VACE + 2 main) fed each sample's control video (test
     # inputs pass one: `with_control`, `control_frames`); the LoRA sits on the VACE blocks, and diffusers'

@@ -28,6 +28,9 @@ from helpers.spec_inputs import (
 )
 
 FAMILY_PARAMS = pytest.mark.parametrize("family", FAMILIES)
+# Stage 1 once per distinct stage 1: a family whose entry names another's (`stage1_as`: the same encoder classes,
+# preset encoders and stage-1 code, test_a_family_with_anothers_stage1_has_its_classes_parts_and_code) runs none.
+STAGE1_PARAMS = pytest.mark.parametrize("family", [f for f in FAMILIES if "stage1_as" not in EXPECTED[f]])
 
 
 # ----------------------------------------------------------------------------- registry and loading
@@ -129,7 +132,42 @@ def test_check_bucket_rejects_what_the_vae_cannot_encode(tiny_model_factory, fam
 
 
 # ----------------------------------------------------------------------------- stage 1
-@FAMILY_PARAMS
+@pytest.mark.parametrize("family", [f for f in FAMILIES if "stage1_as" in EXPECTED[f]])
+def test_a_family_with_anothers_stage1_has_its_classes_parts_and_code(tiny_model_factory, family):
+    """What lets the stage-1 rows below run once for both (`stage1_as`): the tokenizer, text encoder and VAE are the
+    same classes, the tiny presets' are the same configs and tokenizer files, the spec's stage-1 functions are the
+    same code, and the expected shapes and normalisation are the same entries."""
+    other = EXPECTED[family]["stage1_as"]
+    spec, twin = make_spec(tiny_model_factory(family), family), make_spec(tiny_model_factory(other), other)
+    names = ("text_encoder", "vae")
+    assert {n: spec.component_classes()[n] for n in names} == {n: twin.component_classes()[n] for n in names}
+    for name in (*names, "tokenizer"):
+        files = sorted(p.name for p in (tiny_model_factory(family) / name).iterdir() if p.suffix != ".safetensors")
+        assert files and files == sorted(
+            p.name for p in (tiny_model_factory(other) / name).iterdir() if p.suffix != ".safetensors"
+        )
+        for file in files:
+            assert (tiny_model_factory(family) / name / file).read_bytes() == (
+                tiny_model_factory(other) / name / file
+            ).read_bytes(), (family, name, file)
+    stage1 = (
+        "encode_text",
+        "_encode_prompt",
+        "encode_video",
+        "_check_video",
+        "vae_mode",
+        "latent_shape",
+        "load_stage1",
+    )
+    for function in (*stage1, "stage1_components"):
+        assert getattr(type(spec), function) is getattr(type(twin), function), function
+    assert spec.latent_shape(bucket_of(family)) == twin.latent_shape(bucket_of(other))
+    for key in ("latent", "text_dim", "text_padding", "denormalize", "frames_step", "side"):
+        assert EXPECTED[family][key] == EXPECTED[other][key], key
+    assert "stage1_as" not in EXPECTED[other]
+
+
+@STAGE1_PARAMS
 def test_stage1_shapes_match_latent_shape(tiny_model_factory, family):
     spec = make_spec(tiny_model_factory(family), family)
     expected = EXPECTED[family]["latent"]
@@ -140,7 +178,7 @@ def test_stage1_shapes_match_latent_shape(tiny_model_factory, family):
     assert EXPECTED[family]["text_padding"](batch)
 
 
-@FAMILY_PARAMS
+@STAGE1_PARAMS
 def test_latents_are_normalised_as_the_pipeline_denormalises(tiny_model_factory, family):
     spec = make_spec(tiny_model_factory(family), family)
     vae = spec.load_component("vae")

@@ -51,12 +51,12 @@ def image_channels(i2v: bool) -> dict[str, int]:
     return dict(in_channels=36, image_dim=32, added_kv_proj_dim=64) if i2v else dict(in_channels=16)
 
 
-def tiny_wan_vae(z_dim: int = 16, **config):
-    """The Wan VAE at 3 levels of tiny width (x4 time, x8 space unless `config` says otherwise)."""
+def tiny_wan_vae(z_dim: int = 16, base_dim: int = 16, **config):
+    """The Wan VAE at 3 levels of tiny width `base_dim` (x4 time, x8 space unless `config` says otherwise)."""
     from diffusers import AutoencoderKLWan
 
     return AutoencoderKLWan(
-        base_dim=16,
+        base_dim=base_dim,
         z_dim=z_dim,
         dim_mult=[1, 1, 2, 2],
         num_res_blocks=1,
