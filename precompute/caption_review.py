@@ -44,8 +44,10 @@ class CaptionRun:
 
 
 def _up_to_captioner(entries: list[dict]) -> list[dict]:
+    """The chain's steps up to `caption_model`, less `dedup`: its table lives in a run's window, which a review has
+    none of (a copy of a clip is captioned here and rejected by the run that encodes)."""
     at = next(i for i, entry in enumerate(entries) if entry.get("name") == "caption_model")
-    return entries[: at + 1]
+    return [entry for entry in entries[: at + 1] if entry.get("name") != "dedup"]
 
 
 def write_caption_sidecars(config: Config) -> CaptionRun:
