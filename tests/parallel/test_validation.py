@@ -32,7 +32,9 @@ def first_frames(clips_dir: Path, out: Path) -> list[str]:
     return paths
 
 
-def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encoders(tmp_path, run_config, clips_dir):
+def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encoders(
+    tmp_path, run_config, clips_dir, tiny_metric_models
+):
     """Wan 2.1 i2v: a text encoder, an image encoder and a negative prompt (classifier-free guidance),
     three prompts over two ranks (rank 1 renders a stand-in in the second round)."""
     from vt.shared.video_io import read_video
@@ -43,7 +45,14 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
         "wan-i2v",
         "validate",
         validation={"prompts": PROMPTS, "images": images, "steps": 2},
-        metrics={"flow": "difference"},  # the videos' metrics, each scored on the rank that wrote it
+        # every video metric of a family without sound, each scored on the rank that wrote the video (the sound ones,
+        # clap and av_offset, are scored alike: tests/train/test_video_metrics.py runs them in one process)
+        metrics={
+            "clip": str(tiny_metric_models["siglip"]),
+            "likeness": str(tiny_metric_models["dinov2"]),
+            "flow": "difference",
+            "reference": [str(clips_dir / "bikes.mp4")],
+        },
         max_steps=1,
         checkpoint_every=0,
     )
@@ -73,9 +82,13 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
         log,
     )
     for rank in (0, 1):
-        assert json.loads(Path(f"{built}.{rank}").read_text()) == ["WanTransformer3DModel", "AutoencoderKLWan"], (
-            f"rank {rank} built other models than the transformer and the VAE"
-        )
+        # the transformer and the VAE, then the metric models (one SigLIP for prompts, one DINOv2 for likeness): never
+        # the text or image encoders, whose conditions stage 1 stored
+        assert json.loads(Path(f"{built}.{rank}").read_text()) == [
+            "WanTransformer3DModel",
+            "AutoencoderKLWan",
+            *("SiglipModel", "SiglipTextModel", "SiglipVisionModel", "Dinov2Model", "Dinov2Encoder"),
+        ], f"rank {rank} built other models than the transformer, the VAE and the metric models"
     log = tmp_path / "pp.log"
     finish(torchrun(config, 2, "run.dir=" + str(tmp_path / "pp"), "parallel.pp=2", "parallel.dp_shard=1", log=log), log)
     log = tmp_path / "single.log"
@@ -96,7 +109,15 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
         ]
     # Each video's metric reached rank 0's metrics.jsonl, whichever rank wrote it (rank 1 wrote prompt 1's under
     # FSDP2), the base's under step 0, with the prompts' mean; one process scores the same videos alike.
-    wanted = {f"val/motion/{i:02d}" for i in range(len(PROMPTS))} | {"val/motion"}
+    names = ("prompt", "consistency", "likeness", "motion", "motion_ratio")
+    wanted = {f"val/{name}/{i:02d}" for name in names for i in range(len(PROMPTS))} | {f"val/{name}" for name in names}
+    logged = {}
     for layout in ("fsdp", "pp", "validate"):
-        logged = {(r["step"], k): v for r in read_metrics(tmp_path / layout / "metrics.jsonl") for k, v in r.items()}
-        assert {(1, key) for key in wanted} | {(0, key.replace("val/", "val/base/")) for key in wanted} <= set(logged)
+        logged[layout] = {
+            (r["step"], k): v for r in read_metrics(tmp_path / layout / "metrics.jsonl") for k, v in r.items()
+        }
+        expected = {(1, key) for key in wanted} | {(0, key.replace("val/", "val/base/")) for key in wanted}
+        assert expected <= set(logged[layout]), sorted(expected - set(logged[layout]))
+    for layout in ("fsdp", "pp"):  # the same videos (within half a level of 255), so about the same scores
+        for key in ("val/prompt", "val/likeness", "val/consistency"):
+            assert abs(logged[layout][(1, key)] - logged["validate"][(1, key)]) < 0.02, (layout, key)
