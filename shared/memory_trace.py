@@ -110,12 +110,11 @@ class PeakLive(TorchDispatchMode):
 
     def _count(self, out, inputs: set[int]) -> None:
         """Track the storages of `out` that are new (on none of the op's `inputs`), and the peak."""
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                key = storage._cdata
-                if key not in self.storages and key not in inputs:
-                    self._track(storage, key, storage.nbytes())
+        for tensor in _tensors(out):
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key not in self.storages and key not in inputs:
+                self._track(storage, key, storage.nbytes())
         self.peak = max(self.peak, self.live)
 
     def _track(self, storage, key: int, size: int) -> None:
@@ -129,6 +128,24 @@ class PeakLive(TorchDispatchMode):
     def current(self) -> int:
         """Bytes alive now."""
         return self.live
+
+
+def _tensors(value) -> list:
+    """The tensors in an op's arguments or outputs (tensors, and lists and tuples of them: all an aten op takes or
+    returns), in order: what `tree_leaves` finds there, without its per-node registry lookups."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        found = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                found += _tensors(item)
+        return found
+    if isinstance(value, dict):
+        return _tensors(tuple(value.values()))
+    return []
 
 
 SMALL = 1 << 20  # elements: a constant a mask or an index is made of, not an activation
@@ -184,7 +201,7 @@ class StepTrace(PeakLive):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args) + _tensors(tuple(kwargs.values())) if kwargs else _tensors(args)
         inputs = {t.untyped_storage()._cdata for t in tensors}
         out = _run_known(func, args, kwargs, tensors)
         self._count(out, inputs)
