@@ -12,6 +12,10 @@ Masks, indices and small conditions have values that matter (a family's forward 
 mask drops, or take all-zero image embeddings for text-to-video): `KnownValues` runs an op for real when
 every tensor it reads is real and what it makes is small, so code that branches on their contents runs
 as it would, while everything the weights touch, and any large product of real inputs, stays fake.
+
+The plan's step trace needs all three (and `FlopCount`, the step's FLOPs) over the same ops: `StepTrace` does their
+three jobs in one mode, so each of the ~10^5 ops of a 14B step passes one Python dispatch mode above the fake one,
+not three.
 """
 
 from __future__ import annotations
@@ -44,6 +48,26 @@ def fake_parameters(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def _flop_formulas() -> dict:
+    """op packet -> FLOPs of one call: torch.utils.flop_counter's registry, and its attention formulas for the CPU's
+    flash kernel (which the fake trace runs)."""
+    from torch.utils import flop_counter
+
+    formulas = dict(flop_counter.flop_registry)
+    aten = torch.ops.aten
+    formulas[aten._scaled_dot_product_flash_attention_for_cpu] = (
+        lambda query, key, value, *args, out_val=None, **kwargs: flop_counter.sdpa_flop_count(
+            query.shape, key.shape, value.shape
+        )
+    )
+    formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
+        lambda grad_out, query, key, value, *args, out_val=None, **kwargs: flop_counter.sdpa_backward_flop_count(
+            grad_out.shape, query.shape, key.shape, value.shape
+        )
+    )
+    return formulas
+
+
 class FlopCount(TorchDispatchMode):
     """FLOPs of the matmuls, convolutions and attentions run while the mode is on (`total`), by torch's own formulas
     (torch.utils.flop_counter's registry, and its attention formulas for the CPU's flash kernel, which the fake
@@ -52,20 +76,7 @@ class FlopCount(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        from torch.utils import flop_counter
-
-        self.formulas = dict(flop_counter.flop_registry)
-        aten = torch.ops.aten
-        self.formulas[aten._scaled_dot_product_flash_attention_for_cpu] = (
-            lambda query, key, value, *args, out_val=None, **kwargs: flop_counter.sdpa_flop_count(
-                query.shape, key.shape, value.shape
-            )
-        )
-        self.formulas[aten._scaled_dot_product_flash_attention_for_cpu_backward] = (
-            lambda grad_out, query, key, value, *args, out_val=None, **kwargs: flop_counter.sdpa_backward_flop_count(
-                grad_out.shape, query.shape, key.shape, value.shape
-            )
-        )
+        self.formulas = _flop_formulas()
         self.total = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -94,14 +105,17 @@ class PeakLive(TorchDispatchMode):
         # `weight.t()` reads were there before the region and are no activation.
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
-        for tensor in tree_leaves(out):
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                key = storage._cdata
-                if key not in self.storages and key not in inputs:
-                    self._track(storage, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
+        self._count(out, inputs)
         return out
+
+    def _count(self, out, inputs: set[int]) -> None:
+        """Track the storages of `out` that are new (on none of the op's `inputs`), and the peak."""
+        for tensor in _tensors(out):
+            storage = tensor.untyped_storage()
+            key = storage._cdata
+            if key not in self.storages and key not in inputs:
+                self._track(storage, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
 
     def _track(self, storage, key: int, size: int) -> None:
         def freed(_, key=key, size=size):
@@ -116,6 +130,24 @@ class PeakLive(TorchDispatchMode):
         return self.live
 
 
+def _tensors(value) -> list:
+    """The tensors in an op's arguments or outputs (tensors, and lists and tuples of them: all an aten op takes or
+    returns), in order: what `tree_leaves` finds there, without its per-node registry lookups."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        found = []
+        for item in value:
+            if isinstance(item, torch.Tensor):
+                found.append(item)
+            elif isinstance(item, (list, tuple, dict)):
+                found += _tensors(item)
+        return found
+    if isinstance(value, dict):
+        return _tensors(tuple(value.values()))
+    return []
+
+
 SMALL = 1 << 20  # elements: a constant a mask or an index is made of, not an activation
 KNOWN_OUTPUT = 1 << 24  # elements: the most an op on real inputs may make and still run for real
 
@@ -128,26 +160,55 @@ class KnownValues(TorchDispatchMode):
     CONSTANTS = (torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch.utils._python_dispatch import _disable_current_modes
-
         kwargs = kwargs or {}
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        known = (
-            all(not isinstance(t, FakeTensor) for t in tensors) and _small_result(func, args, kwargs)
-            if tensors
-            else func in self.CONSTANTS and math.prod(args[0]) <= SMALL
-        )
-        # (real inputs with a large output, a mask's outer product at 50k tokens, make an activation: fake)
-        if known:
-            with _disable_current_modes():
-                return func(*args, **kwargs)
-        if func is torch.ops.aten.index.Tensor and any(_known_mask(i) for i in args[1]):
-            # `x[mask]` with a known mask: the same as indexing by the mask's positions, whose count is known.
-            with _disable_current_modes():
-                positions = [i.nonzero(as_tuple=True) if _known_mask(i) else (i,) for i in args[1]]
-            return func(args[0], [p for group in positions for p in group], *args[2:], **kwargs)
-        return func(*args, **kwargs)
+        return _run_known(func, args, kwargs, [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)])
+
+
+_CONSTANTS = KnownValues.CONSTANTS
+
+
+def _run_known(func, args, kwargs, tensors: list):
+    """`func` as KnownValues runs it (inside the fake mode): for real on known values, else on fake tensors."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    known = (
+        all(not isinstance(t, FakeTensor) for t in tensors) and _small_result(func, args, kwargs)
+        if tensors
+        else func in _CONSTANTS and math.prod(args[0]) <= SMALL
+    )
+    # (real inputs with a large output, a mask's outer product at 50k tokens, make an activation: fake)
+    if known:
+        with _disable_current_modes():
+            return func(*args, **kwargs)
+    if func is torch.ops.aten.index.Tensor and any(_known_mask(i) for i in args[1]):
+        # `x[mask]` with a known mask: the same as indexing by the mask's positions, whose count is known.
+        with _disable_current_modes():
+            positions = [i.nonzero(as_tuple=True) if _known_mask(i) else (i,) for i in args[1]]
+        return func(args[0], [p for group in positions for p in group], *args[2:], **kwargs)
+    return func(*args, **kwargs)
+
+
+class StepTrace(PeakLive):
+    """`KnownValues`, `PeakLive` and (with `flops`) `FlopCount` as one mode, each op seen once: what the three stacked
+    (KnownValues innermost, FlopCount on top) measure, in a third of the Python dispatch (a Wan 14B step is ~10^5
+    ops). `peak`, `live` and `total` as theirs; enter it inside the fake mode."""
+
+    def __init__(self, flops: bool = True):
+        super().__init__()
+        self.formulas = _flop_formulas() if flops else {}
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        tensors = _tensors(args) + _tensors(tuple(kwargs.values())) if kwargs else _tensors(args)
+        inputs = {t.untyped_storage()._cdata for t in tensors}
+        out = _run_known(func, args, kwargs, tensors)
+        self._count(out, inputs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.total += int(formula(*args, **kwargs, out_val=out))
+        return out
 
 
 def _small_result(func, args, kwargs) -> bool:

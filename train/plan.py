@@ -33,7 +33,7 @@ from torch import nn
 from vt.shared.buckets import parse_buckets
 from vt.shared.config import Config
 from vt.shared.host_memory import aligned
-from vt.shared.memory_trace import FlopCount, KnownValues, fake_mode, fake_parameters, peak_bytes
+from vt.shared.memory_trace import StepTrace, fake_mode, fake_parameters
 from vt.shared.models import spec_for
 from vt.shared.runtime import encoder_dtype
 from vt.train import refusals
@@ -531,7 +531,7 @@ def _trace(
                 measured = plan.activations.setdefault(bucket.name, {})
                 kind = "checkpointing" if checkpointing else "none"
                 if kind in kinds:
-                    with KnownValues(), peak_bytes() as step, FlopCount() as counted:
+                    with StepTrace() as step:
                         with _autocast(amp):
                             out = forward(
                                 model,
@@ -541,10 +541,10 @@ def _trace(
                             )
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     measured[kind] = step.peak
-                    plan.flops[kind] = max(plan.flops.get(kind, 0), counted.total)  # the largest bucket's
+                    plan.flops[kind] = max(plan.flops.get(kind, 0), step.total)  # the largest bucket's
                 if checkpointing and "offload" in kinds:  # activation_offload.enabled: saved inputs in host memory
                     offload = _TraceOffload()
-                    with KnownValues(), peak_bytes() as offloaded, FlopCount() as counted:
+                    with StepTrace() as offloaded:
                         with _autocast(amp), offload():
                             out = forward(
                                 model,
@@ -555,7 +555,7 @@ def _trace(
                         joint_loss(out, config.model.audio_weight)[0].backward()
                     measured["offload"] = offloaded.peak + offload.largest
                     measured["offload_host"], measured["offload_largest"] = offload.host, offload.largest
-                    plan.flops.setdefault("checkpointing", counted.total)  # the same step's (lean plans)
+                    plan.flops.setdefault("checkpointing", offloaded.total)  # the same step's (lean plans)
         if config.validation.prompts:
             plan.validation = {
                 "frozen": _validation_parts(spec, vae_dtype),
@@ -654,7 +654,7 @@ def _denoise_bytes(shapes, model, spec, amp) -> int:
     largest bucket."""
     largest = max(shapes, key=lambda b: b.frames * b.height * b.width)
     batch = _batch(shapes[largest], 2)
-    with KnownValues(), peak_bytes() as step, torch.no_grad(), _autocast(amp):
+    with StepTrace(flops=False) as step, torch.no_grad(), _autocast(amp):
         spec.forward(model, batch, torch.full((2,), 0.5), torch.zeros_like(batch["latents"]))
     return step.peak
 

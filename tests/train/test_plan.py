@@ -3,6 +3,7 @@ their sharding are the trainer's own, and the fake-tensor peak counter measures 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -12,13 +13,11 @@ import pytest
 import torch
 
 from vt.shared.config import Config, build
-from vt.shared.memory_trace import fake_mode, peak_bytes
+from vt.shared.memory_trace import PeakLive, fake_mode, peak_bytes
 from vt.shared.models import FAMILIES, spec_for
 
 from helpers.cli_runs import sectioned
 from helpers.family_cases import bucket_of
-
-BIN = Path(sys.executable).parent
 
 
 def config_for(model: Path, family: str, **sections) -> Config:
@@ -70,17 +69,16 @@ def test_every_family_plans_from_its_configs(tiny_model_factory, family):
 
 
 def test_plan_command_says_what_fits(tiny_model_factory, tmp_path):
+    from typer.testing import CliRunner
+
     from vt.shared.config import to_toml
+    from vt.train.cli import app
 
     path = tmp_path / "run.toml"
     path.write_text(to_toml(config_for(tiny_model_factory("wan"), "wan", mode="full")))
-    out = subprocess.run(
-        [str(BIN / "vt-train"), "plan", str(path), "--gpus", "2", "--gpu-memory", "0.001", "--device", "cpu"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
+    # The command in this process (typer's runner, no interpreter start-up): the --json plan below reuses its traces.
+    out = CliRunner().invoke(app, ["plan", str(path), "--gpus", "2", "--gpu-memory", "0.001", "--device", "cpu"])
+    assert out.exit_code == 0, (out.output[-2000:], out.exception)
     assert "(FSDP2)" in out.stdout and "does NOT fit" in out.stdout and "what fits" in out.stdout
     assert "parallel.dp_shard = auto: shard (FSDP2); planned peak per rank" in out.stdout  # the default, planned
     from vt.shared.config import load_config
@@ -90,15 +88,9 @@ def test_plan_command_says_what_fits(tiny_model_factory, tmp_path):
     assert (roomy.parallel.dp_replicate, roomy.parallel.dp_shard) == (2, 1)
     assert line.startswith("parallel.dp_shard = auto: replicate (DDP); planned peak per rank")
     assert "budget 100.00 GiB" in line
-    plan = json.loads(
-        subprocess.run(
-            [str(BIN / "vt-train"), "plan", str(path), "--json"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        ).stdout
-    )
+    printed = CliRunner().invoke(app, ["plan", str(path), "--json"])
+    assert printed.exit_code == 0, (printed.output[-2000:], printed.exception)
+    plan = json.loads(printed.stdout)
     rank = plan["per_rank_bytes"]
     assert rank["gradients"] * 2 == rank["optimizer"] and rank["validation"] > 0
     # Phases: what stays resident, plus the larger of training (gradients, activations) and validation.
@@ -139,8 +131,6 @@ def _plans_in_a_fresh_process(config, devices: tuple[str, ...]) -> list[dict]:
     in this test process the HunyuanVideo 1.5 I2V activations once came out twice as large after other tests (a
     state this process's earlier tests leave, not found yet), so the plans are measured where no test ran before."""
     import json
-    import subprocess
-    import sys
 
     from vt.shared.config import to_toml
 
@@ -264,3 +254,27 @@ def test_what_is_live_is_what_is_counted(tiny_model_factory):
     assert guided.activations != plain.activations  # the guided step's own trace
     bucket = next(iter(plain.activations))
     assert guided.activations[bucket]["none"] > plain.activations[bucket]["none"]
+
+
+def test_one_step_trace_measures_what_the_three_modes_stacked_measure():
+    """StepTrace (the plan's one mode) against KnownValues, PeakLive and FlopCount stacked as the plan stacked them: the
+    same peak, live bytes and FLOPs over a forward and backward that reads a mask's values and indexes by it."""
+    from vt.shared.memory_trace import FlopCount, KnownValues, StepTrace
+
+    def step(*modes):
+        with fake_mode():
+            model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+            x = torch.zeros(512, 64, requires_grad=True)
+            with contextlib.ExitStack() as stack:
+                entered = [stack.enter_context(mode) for mode in modes]
+                mask = torch.ones(512, dtype=torch.bool)  # a small constant: real, its values known
+                kept = int(mask.sum())
+                y = model(x)[mask]
+                (y.float() ** 2).mean().backward()
+        return entered, kept
+
+    (merged,), kept = step(StepTrace())
+    (_, stacked_peak, flops), stacked_kept = step(KnownValues(), PeakLive(), FlopCount())
+    assert kept == stacked_kept == 512
+    assert (merged.peak, merged.live, merged.total) == (stacked_peak.peak, stacked_peak.live, flops.total)
+    assert merged.peak > 512 * 256 * 4 and merged.total == 3 * 2 * 512 * (64 * 256 + 256 * 64)  # forward + backward
