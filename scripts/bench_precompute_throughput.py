@@ -156,9 +156,9 @@ class _Decoded:
                     except SampleError as err:
                         self.prepared[ident] = err
 
-    def prepare(self, raw, buckets, fps, policy, sound=None):
+    def prepare(self, raw, buckets, fps, policy, sound=None, dropped=None):
         """`Chain.prepare`'s signature: the samples of one raw sample (decoded beforehand: nothing for the
-        error policy to judge here; no sound: the bench trains video)."""
+        error policy to judge here, no part of it dropped; no sound: the bench trains video)."""
         found = self.prepared[_clip_id(raw)]
         if isinstance(found, Exception):
             raise found
