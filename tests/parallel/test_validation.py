@@ -121,3 +121,32 @@ def test_fsdp_validation_renders_every_prompt_from_the_window_without_text_encod
     for layout in ("fsdp", "pp"):  # the same videos (within half a level of 255), so about the same scores
         for key in ("val/prompt", "val/likeness", "val/consistency"):
             assert abs(logged[layout][(1, key)] - logged["validate"][(1, key)]) < 0.02, (layout, key)
+
+
+def test_fsdp_scores_the_sound_metrics_of_every_prompt_as_one_process_does(tmp_path, run_config, tiny_metric_models):
+    """LTX-2 with sound under FSDP2 over 2 ranks: CLAP's audio-text agreement and the audio-video offset of each
+    prompt's video (rank 1 writes prompt 1's) reach rank 0's metrics.jsonl, and score as one process scores them."""
+    config = run_config(
+        tmp_path,
+        "ltx-2-audio",
+        "sound",
+        validation={"prompts": PROMPTS[:2], "steps": 2, "base": False},
+        metrics={"clap": str(tiny_metric_models["clap"]), "av_offset": True},
+        max_steps=1,
+        checkpoint_every=0,
+    )
+    log = tmp_path / "prompts.log"
+    finish(launch("vt-precompute", "prompts", str(config), log=log), log)
+    log = tmp_path / "fsdp.log"
+    finish(torchrun(config, 2, "run.dir=" + str(tmp_path / "fsdp"), "parallel.dp_shard=-1", log=log), log)
+    log = tmp_path / "single.log"
+    finish(single(config, log=log), log)
+    wanted = {f"val/{name}/{i:02d}" for name in ("audio_prompt", "av_offset_ms") for i in range(2)}
+    logged = {}
+    for layout in ("fsdp", "sound"):
+        logged[layout] = {
+            k: v for r in read_metrics(tmp_path / layout / "metrics.jsonl") if r["step"] == 1 for k, v in r.items()
+        }
+        assert wanted <= set(logged[layout]), (layout, sorted(logged[layout]))
+    for key in wanted:
+        assert abs(logged["fsdp"][key] - logged["sound"][key]) < (0.02 if "audio_prompt" in key else 1e-6), key
