@@ -221,6 +221,22 @@ _H3_SWAPPED = {
 # the ComfyUI model's block weights (module -> (out, in)) at its sizes; comfy_stacked: ComfyUI's fused module (a
 # regular expression, the block number its group) -> the diffusers modules stacked in its rows; comfy_swapped: a
 # ComfyUI module -> the diffusers module whose two halves it holds in the other order.
+# What the Wan 2.1 layout's families share (Wan's encoders, VAE, patching and ComfyUI names); each entry names its
+# differences.
+_WAN_CASE = dict(
+    frames_step=4,
+    side=16,
+    latent=(16, 3, 8, 12),
+    text_dim=64,
+    text_tokens=512,
+    patch=2,
+    text_padding=_zero_past_caption,
+    denormalize=_wan_denormalize,
+    comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+    comfy_weights=_wan_comfy,
+    wide_lora=_WAN,
+)
+
 EXPECTED = {
     "ltx-video": dict(
         frames_step=8,
@@ -236,50 +252,14 @@ EXPECTED = {
         comfy_weights=_ltxv_comfy,
         wide_lora=_LTX,
     ),
-    "wan": dict(
-        frames_step=4,
-        side=16,
-        latent=(16, 3, 8, 12),
-        text_dim=64,
-        text_tokens=512,
-        patch=2,
-        text_padding=_zero_past_caption,
-        denormalize=_wan_denormalize,
-        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
-        comfy_classes={"t2v": "WAN21", "i2v": "WAN21", "flf2v": "WAN21"},
-        comfy_weights=_wan_comfy,
-        wide_lora=_WAN,
-    ),
+    "wan": dict(_WAN_CASE, comfy_classes={"t2v": "WAN21", "i2v": "WAN21", "flf2v": "WAN21"}),
     "wan2.2": dict(
-        frames_step=4,
-        side=16,
-        latent=(16, 3, 8, 12),
-        text_dim=64,
-        text_tokens=512,
-        patch=2,
-        text_padding=_zero_past_caption,
-        denormalize=_wan_denormalize,
-        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
+        _WAN_CASE,
         comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
-        comfy_weights=_wan_comfy,
-        wide_lora=_WAN,
         stage1_as="wan",  # Wan 2.1's encoders, preset parts and stage-1 code: its stage-1 rows are wan's
     ),
     # Wan 2.2 TI2V-5B: the 48-channel VAE folds 2 x 2 pixels first (x16 space), so sides are multiples of 32.
-    "wan2.2-ti2v": dict(
-        frames_step=4,
-        side=32,
-        latent=(48, 3, 4, 6),
-        text_dim=64,
-        text_tokens=512,
-        patch=2,
-        text_padding=_zero_past_caption,
-        denormalize=_wan_denormalize,
-        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
-        comfy_classes={"t2v": "WAN22"},
-        comfy_weights=_wan_comfy,
-        wide_lora=_WAN,
-    ),
+    "wan2.2-ti2v": dict(_WAN_CASE, side=32, latent=(48, 3, 4, 6), comfy_classes={"t2v": "WAN22"}),
     "cogvideox": dict(
         frames_step=4,
         side=16,
@@ -406,33 +386,12 @@ EXPECTED = {
         r"|visual_transformer_blocks\.\d+\.video_dec_block)\.feed_forward\.net\.(0\.proj|2)",
     ),
     # Wan 2.1's encoders and layout on SkyReelsV2Transformer3DModel (t2v; diffusion forcing: test_skyreels_v2.py).
-    "skyreels-v2": dict(
-        frames_step=4,
-        side=16,
-        latent=(16, 3, 8, 12),
-        text_dim=64,
-        text_tokens=512,
-        patch=2,
-        text_padding=_zero_past_caption,
-        denormalize=_wan_denormalize,
-        comfy_key="diffusion_model.blocks.0.self_attn.q.lora_A.weight",
-        comfy_classes={"t2v": "WAN21", "i2v": "WAN21"},
-        comfy_weights=_wan_comfy,
-        wide_lora=_WAN,
-        stage1_as="wan",
-    ),
+    "skyreels-v2": dict(_WAN_CASE, comfy_classes={"t2v": "WAN21", "i2v": "WAN21"}, stage1_as="wan"),
     # Wan 2.1 t2v plus two VACE blocks (blocks: 2 VACE + 2 main) fed each sample's control video (test
     # inputs pass one: `with_control`, `control_frames`); the LoRA sits on the VACE blocks, and diffusers'
     # Wan LoRA converter reads no `vace_blocks` (its ComfyUI file: tests/shared/test_comfy_keys.py).
     "wan-vace": dict(
-        frames_step=4,
-        side=16,
-        latent=(16, 3, 8, 12),
-        text_dim=64,
-        text_tokens=512,
-        patch=2,
-        text_padding=_zero_past_caption,
-        denormalize=_wan_denormalize,
+        _WAN_CASE,
         blocks=4,
         comfy_key="diffusion_model.vace_blocks.0.self_attn.q.lora_A.weight",
         comfy_in_diffusers=False,
