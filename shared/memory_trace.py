@@ -82,10 +82,14 @@ class FlopCount(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        formula = self.formulas.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+        self.total += _flops(self.formulas, func, args, kwargs, out)
         return out
+
+
+def _flops(formulas: dict, func, args, kwargs, out) -> int:
+    """`func`'s FLOPs by its formula in `formulas` (0 for an op with none)."""
+    formula = formulas.get(func._overloadpacket)
+    return 0 if formula is None else int(formula(*args, **kwargs, out_val=out))
 
 
 class PeakLive(TorchDispatchMode):
@@ -205,9 +209,7 @@ class StepTrace(PeakLive):
         inputs = {t.untyped_storage()._cdata for t in tensors}
         out = _run_known(func, args, kwargs, tensors)
         self._count(out, inputs)
-        formula = self.formulas.get(func._overloadpacket)
-        if formula is not None:
-            self.total += int(formula(*args, **kwargs, out_val=out))
+        self.total += _flops(self.formulas, func, args, kwargs, out)
         return out
 
 
