@@ -164,3 +164,27 @@ def test_caption_writes_sidecars_and_an_edited_one_changes_that_samples_text_alo
                 assert tensor.equal(before["tensors"][name]), (stem, name)
         if stem == edited:
             assert not value["tensors"]["prompt_embeds"].equal(before["tensors"]["prompt_embeds"])
+
+
+def test_the_captioner_holds_device_memory_only_inside_its_phase(captioners, monkeypatch):
+    """On a GPU the captioner lives in host memory (one arena, encoders.HostCopy) and is copied onto the device for each
+    captioning phase, the copy dropped when the phase ends, before the VAE encodes. MOVE_ON_CPU stands in for the device
+    on a CPU: the same arena and copies, so outside a phase every weight is the arena's view, inside it a copy."""
+    import torch
+
+    from vt.precompute import encoders
+    from vt.precompute.captioner import Captioner
+    from vt.shared.chain import CaptionModelOptions
+
+    monkeypatch.setattr(encoders, "MOVE_ON_CPU", True)
+    captioner = Captioner(CaptionModelOptions(model=str(captioners["tiny"])), torch.device("cpu"), torch.float32)
+
+    def weights() -> set[int]:
+        return {parameter.data_ptr() for parameter in captioner.model.parameters()}
+
+    for phase in (1, 2):
+        with captioner.phase():
+            inside = weights()
+        arena = {view.data_ptr() for view in captioner.host.host}
+        assert captioner.host.moves == phase and not inside & arena  # a copy for the phase, one per phase
+        assert weights() <= arena  # after it, the arena's views: the phase's copy is dropped
