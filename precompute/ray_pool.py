@@ -10,12 +10,15 @@ rejected as `decoder_crashed`, like a clip that kills a local decode worker (a c
 down runs again without spending a try). A clip's deadline counts its own run only: a fresh actor is first waited
 for until it has started (its process imports torch and PyAV, slow on a loaded machine), within
 `max(timeout, START_SECONDS)`. Every `ray.get` has a deadline, so a lost cluster stops the producer with an error
-instead of a hang; what it committed stays committed.
+instead of a hang; what it committed stays committed. So does a cluster that does not answer at the start: the
+address Ray will dial is tried first (`ray.init` retries a refused address for many minutes).
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -28,6 +31,44 @@ log = get_logger("vt.precompute.ray")
 # the user started is reached as it was started (a driver must match its settings).
 LOCAL_CLUSTER_ENVIRONMENT = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 START_SECONDS = 300.0  # the least a fresh actor is given to start, whatever the clip deadline
+REACH_SECONDS = 20.0  # how long the cluster's address is tried before the producer stops (a head may be starting)
+
+
+def check_reachable(address: str, seconds: float = REACH_SECONDS) -> None:
+    """Stop with what to do unless the address Ray's driver will dial for `address` accepts a connection within
+    `seconds` (`ray.init` would retry a refused one for many minutes). Ray dials the node's own address for a loopback
+    one unless RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set when ray was first imported in this process; a head started
+    with it listens on loopback only, which is told at once."""
+    from ray._private import services
+
+    dial = services.canonicalize_bootstrap_address(address)
+    if dial is None:  # "local": this process starts the cluster
+        return
+    deadline = time.monotonic() + seconds
+    while not _accepts(dial):
+        if dial != address and _accepts(address):
+            raise UserError(
+                f"the Ray head at RAY_ADDRESS={address} listens on loopback only (it was started with "
+                f"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), and this producer's driver dials {dial}: set "
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 for the producer too, or start the head without it"
+            )
+        if time.monotonic() >= deadline:
+            raise UserError(
+                f"the Ray cluster at RAY_ADDRESS={address} does not answer at {dial} after {seconds:g} s: start it "
+                "(`ray start --head`) or fix RAY_ADDRESS"
+            )
+        time.sleep(0.5)
+
+
+def _accepts(address: str) -> bool:
+    from ray._private import services
+
+    host, port = services.parse_address(address)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError:
+        return False
+    return True
 
 
 class DecodeActor:
@@ -64,6 +105,8 @@ class RayDecodePool:
         self.restarts = 0  # actors replaced (died or timed out)
         self._started = not ray.is_initialized()
         if self._started:
+            if os.environ.get("RAY_ADDRESS"):
+                check_reachable(os.environ["RAY_ADDRESS"])
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=False)
         if actors == 0:
             actors = max(1, int(ray.cluster_resources().get("CPU", 1)))

@@ -23,6 +23,12 @@ os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+# Ray reads these once, when it is first imported, and a worker may import it early and by the way (nemo_curator
+# does): the test heads listen on loopback only, and a driver that imported ray without them dials the node's own
+# address instead (CI, 2026-12-05: two tests of test_ray_engine.py failed after test_curator_output.py).
+from ray_head import RAY_ENV  # noqa: E402
+
+os.environ.update(RAY_ENV)
 os.environ.setdefault("VT_CACHE_DIR", str(ROOT / ".cache" / "tests"))  # weight digests: not the user's ~/.cache
 
 

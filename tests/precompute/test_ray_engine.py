@@ -92,6 +92,27 @@ def test_a_killed_decode_actor_costs_a_retry_never_a_sample(tmp_path, tiny_model
     assert set(keys) == raw_keys(raw_shards) and set(keys.values()) == {1}  # every sample, exactly once
 
 
+def test_a_producer_whose_driver_cannot_reach_the_head_stops_at_once_saying_why(ray_cluster):
+    """A producer that imported ray without RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 dials the node's own address, where
+    this loopback-only head does not listen: it stops at once, saying which setting differs (before: `ray.init`
+    retried for many minutes; CI's pytest worker, which had imported ray by the way, failed two tests after that)."""
+    from ray._common.network_utils import node_ip_address_from_perspective
+
+    if node_ip_address_from_perspective() in ("127.0.0.1", "::1"):
+        pytest.skip("this machine's only address is loopback: a driver dials the head's own")
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}
+    script = "from vt.precompute.ray_pool import RayDecodePool; RayDecodePool(1)"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**env, "RAY_ADDRESS": ray_cluster[0]},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "listens on loopback only" in done.stderr and "set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0" in done.stderr
+
+
 def test_a_hung_clip_runs_again_on_a_fresh_actor_and_a_killer_clip_is_rejected(ray_cluster, tmp_path, monkeypatch):
     """The pool's own contract, order kept: a clip whose actor passes the deadline runs again on a fresh actor; a
     clip that kills every actor it runs on is rejected (`on_crash`) after `tries` actors; the rest are unharmed."""
