@@ -283,9 +283,11 @@ def run_row(
     peak_tflops: float | None,
     timeout: float,
     filled: dict | None = None,
+    launch=None,
 ) -> dict:
     """One row: build (or reuse) the model and window, run vt-train under torchrun, read what it measured
-    (`filled`: the windows of the rows before, see reuse_or_fill_window)."""
+    (`filled`: the windows of the rows before, see reuse_or_fill_window; `launch(command, log, env)` starts the
+    torchrun command, default _popen)."""
     from vt.shared.buckets import parse_buckets
     from vt.shared.config import load_config
     from vt.train.plan import make_plan
@@ -326,8 +328,13 @@ def run_row(
         "run",
         str(config_path),
     ]
-    with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+    proc = (launch or _popen)(command, log, env)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     row["wall_s"] = time.perf_counter() - started
     if not dry and not any(RUNS[other][0] == key for other in list(RUNS)[list(RUNS).index(label) + 1 :]):
         shutil.rmtree(folder, ignore_errors=True)  # tens of GB of random weights, once no later row uses them
@@ -365,10 +372,18 @@ def _tokens(config, bucket) -> int:
     return spec.tokens_per_sample(spec.latent_shape(bucket))
 
 
-def run_rows(dry: bool, work: Path, peak_tflops: float | None, timeout: float = 1800) -> list[dict]:
+def _popen(command: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """The torchrun command as a fresh process, stdout and stderr to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def run_rows(dry: bool, work: Path, peak_tflops: float | None, timeout: float = 1800, launch=None) -> list[dict]:
+    """Every row of RUNS in order; `launch(command, log, env)` starts each row's torchrun command (default: a
+    fresh process; the suite's dry run forks the ranks of some rows from a warm interpreter instead)."""
     import torch
 
     gpus = 1 if dry else max(1, torch.cuda.device_count())
     work.mkdir(parents=True, exist_ok=True)
     filled: dict = {}
-    return [run_row(label, work, dry, gpus, peak_tflops, timeout, filled) for label in RUNS]
+    return [run_row(label, work, dry, gpus, peak_tflops, timeout, filled, launch) for label in RUNS]
