@@ -134,28 +134,42 @@ def child_env(threads: int) -> dict:
     return env
 
 
+def popen(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
+    """Start `args` as a fresh process in ROOT, stdout and stderr to `log`: how the benches start their children.
+
+    Each bench function that starts children takes a `launch` of this signature (default: this one); the tests
+    pass one that forks them from a warm interpreter (tests/helpers/forkserver.py), since they check that the
+    bench runs and prints its rows, not its numbers. A launch returns an object with Popen's poll, wait, kill
+    and returncode."""
+    with open(log, "wb") as out:
+        return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+
+
 def run_timed(
-    args: list[str], log: Path, threads: int, timeout: float = 300, env: dict[str, str] | None = None
+    args: list[str],
+    log: Path,
+    threads: int,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    launch=popen,
 ) -> tuple[float, float, str]:
-    """Run a child process (`env`: variables on top of `child_env`); returns (wall-clock start, seconds it ran,
-    its output). Fails loudly."""
+    """Run a child process (`env`: variables on top of `child_env`; `launch`: see popen); returns (wall-clock
+    start, seconds it ran, its output). Fails loudly."""
     log.parent.mkdir(parents=True, exist_ok=True)
     started = time.time()
     clock = time.perf_counter()
-    with open(log, "wb") as out:
-        proc = subprocess.run(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env={**child_env(threads), **(env or {})},
-            cwd=ROOT,
-            timeout=timeout,
-        )
+    proc = launch(args, log, {**child_env(threads), **(env or {})})
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     seconds = time.perf_counter() - clock
     text = log.read_text(errors="replace")
-    if proc.returncode != 0:
+    if code != 0:
         raise RuntimeError(
-            f"{' '.join(map(str, args[:3]))} ... exited with {proc.returncode}; its output is in {log}:\n{text[-3000:]}"
+            f"{' '.join(map(str, args[:3]))} ... exited with {code}; its output is in {log}:\n{text[-3000:]}"
         )
     return started, seconds, text
 

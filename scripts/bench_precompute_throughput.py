@@ -41,6 +41,7 @@ from bench_common import (
     asset_arguments,
     format_table,
     median,
+    popen,
     run_timed,
     toml_string,
     write_run_config,  # noqa: E402
@@ -242,9 +243,11 @@ def bench_throughput(
     repeats: int = 8,
     workers: int = 1,
     batch: int = 8,
+    launch=popen,
 ) -> dict:
     """`rounds` x every side in a fresh process over `repeats` copies of the raw tars; rows compare
-    steady-state seconds per sample (start-up excluded, see steady_rate)."""
+    steady-state seconds per sample (start-up excluded, see steady_rate). `launch` starts the processes
+    (bench_common.popen)."""
     corpus = make_corpus(raw, work / "corpus", repeats)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     for round_index in range(rounds):
@@ -263,6 +266,7 @@ def bench_throughput(
                 work / f"{side}-{round_index}.log",
                 threads,
                 timeout=900,
+                launch=launch,
             )
             result = json.loads(text.strip().splitlines()[-1])
             outputs = file_outputs(run_dir / "naive") if side == "naive" else window_outputs(run_dir / "window", batch)

@@ -29,7 +29,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tarfile
 import time
@@ -48,6 +47,7 @@ from bench_common import (
     format_table,
     machine,
     median,
+    popen,
     write_run_config,  # noqa: E402
 )
 from bench_precompute_throughput import steady_rate, throughput_overrides, window_outputs  # noqa: E402
@@ -87,16 +87,14 @@ def committed_keys(window: Path) -> list[str]:
     ]
 
 
-def run_side(config: Path, producers: int, work: Path, name: str, threads: int, timeout: float) -> dict:
-    """`producers` `vt-precompute run` processes launched together on one config; (wall seconds, committed, ...)."""
-    logs = [open(work / f"{name}.p{i}.log", "wb") for i in range(producers)]
+def run_side(config: Path, producers: int, work: Path, name: str, threads: int, timeout: float, launch=popen) -> dict:
+    """`producers` `vt-precompute run` processes launched together on one config (`launch`: bench_common.popen);
+    (wall seconds, committed, ...)."""
     env = child_env(threads)
     started = time.perf_counter()
     procs = [
-        subprocess.Popen(
-            [str(BIN / "vt-precompute"), "run", str(config)], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT
-        )
-        for log in logs
+        launch([str(BIN / "vt-precompute"), "run", str(config)], work / f"{name}.p{i}.log", env)
+        for i in range(producers)
     ]
     exits: dict[int, float] = {}
     try:
@@ -112,8 +110,6 @@ def run_side(config: Path, producers: int, work: Path, name: str, threads: int, 
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        for log in logs:
-            log.close()
     wall = max(exits.values())
     failed = [i for i, proc in enumerate(procs) if proc.returncode != 0]
     if failed:
@@ -136,8 +132,10 @@ def bench_producers(
     batch: int = 8,
     workers: int = 1,
     timeout: float = 600,
+    launch=popen,
 ) -> dict:
-    """`rounds` x both sides (fresh processes, a fresh window each), alternating which goes first; medians."""
+    """`rounds` x both sides (fresh processes, a fresh window each), alternating which goes first; medians.
+    `launch` starts the processes (bench_common.popen)."""
     corpus = make_lane_corpus(raw, work / "corpus", repeats)
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     names = list(SIDES)
@@ -151,7 +149,7 @@ def bench_producers(
                 f"precompute.lanes={LANES}"
             ]
             config = write_run_config(base_config, run_dir.with_suffix(".toml"), overrides)
-            result = run_side(config, producers, work, label, threads, timeout)
+            result = run_side(config, producers, work, label, threads, timeout, launch)
             keys = committed_keys(run_dir / "window")
             reports = [json.loads(p.read_text()) for p in sorted(run_dir.glob("precompute_report*.json"))]
             if len(reports) != producers:
@@ -228,7 +226,8 @@ def bench_producers(
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launch=popen) -> int:
+    """The bench from the command line; `launch` starts its processes (bench_common.popen)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     asset_arguments(parser, ROOT / "runs/bench-producers")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of both sides, alternating which goes first")
@@ -259,7 +258,16 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     started = time.perf_counter()
     result = bench_producers(
-        args.config, args.model, args.raw, args.out, args.rounds, args.threads, args.repeats, args.batch, args.workers
+        args.config,
+        args.model,
+        args.raw,
+        args.out,
+        args.rounds,
+        args.threads,
+        args.repeats,
+        args.batch,
+        args.workers,
+        launch=launch,
     )
     info["load_avg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     print(format_table(result["rows"]))

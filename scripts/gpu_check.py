@@ -332,7 +332,8 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, launch=None) -> int:
+    """The table; `launch` starts the run rows' torchrun commands (gpu_real_run.run_rows; default: fresh processes)."""
     args = parse_args(argv)
     import torch
 
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     if "run" in (args.only or GROUPS):
         from gpu_real_run import run_rows
 
-        rows += run_rows(args.dry, args.work, peak_tflops(args, device))
+        rows += run_rows(args.dry, args.work, peak_tflops(args, device), launch=launch)
     print(
         f"vt gpu check on {name}: torch {torch.__version__}, attention backends {', '.join(backends)}, "
         f"peak {peak_tflops(args, device) or 'unknown'} TFLOP/s bf16, {args.steps} timed step(s) per row, "

@@ -31,12 +31,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
+# the dry run's bucket: the smallest clip every row's family takes (latent 2 x 4 x 4 for Wan), so the dry run
+# shows each row's path, not its speed
+DRY_BUCKET = "5x32x32"
 # row -> (real model of scripts/real_models.json, its bucket, the dry run's bucket)
 RUNS = {
-    "run, Wan 2.1 14B LoRA": ("wan2.1-14b", "81x480x832", "9x64x96"),
-    "run, HunyuanVideo 1.5 480p LoRA": ("hunyuanvideo1.5-480p-t2v", "121x480x848", "9x64x96"),
-    "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
-    "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", "9x64x96"),
+    "run, Wan 2.1 14B LoRA": ("wan2.1-14b", "81x480x832", DRY_BUCKET),
+    "run, HunyuanVideo 1.5 480p LoRA": ("hunyuanvideo1.5-480p-t2v", "121x480x848", DRY_BUCKET),
+    "run, Wan 2.1 14B LoRA, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", DRY_BUCKET),
+    "run, Wan 2.1 14B LoRA, NF4 base, one GPU capped at 24 GiB": ("wan2.1-14b", "81x480x832", DRY_BUCKET),
 }
 # rows on one GPU under a memory cap: (GiB, the parts' settings docs/memory.md names for that card, a name for the run
 # folder beside the cap's where the settings are not the card's usual ones)
@@ -254,8 +257,37 @@ def _gpu_bytes() -> int:
     return torch.cuda.mem_get_info()[1]
 
 
-def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | None, timeout: float) -> dict:
-    """One row: build (or reuse) the model and window, run vt-train under torchrun, read what it measured."""
+def reuse_or_fill_window(config, window_dir: Path, samples: int, device: str, filled: dict) -> None:
+    """The row's window: a copy of the one window filled (fill_window) for its stage-1 fingerprint and size in
+    this run (`filled`: (fingerprint, samples) -> that window, kept untouched beside the rows' copies). The Wan
+    rows differ in their training settings only, so their windows are equal: each family's random text
+    encoders are built once."""
+    from vt.shared.models import spec_for
+    from vt.shared.provenance import component_records, fingerprint, provenance
+
+    spec = spec_for(config)
+    digests = {name: record["digest"] for name, record in component_records(spec).items()}
+    key = (fingerprint(provenance(config, digests, spec)), samples)
+    if key not in filled:
+        filled[key] = window_dir.parent / f"window-{key[0]}-{samples}"
+        shutil.rmtree(filled[key], ignore_errors=True)
+        fill_window(config, filled[key], samples, device)
+    shutil.copytree(filled[key], window_dir)
+
+
+def run_row(
+    label: str,
+    work: Path,
+    dry: bool,
+    gpus: int,
+    peak_tflops: float | None,
+    timeout: float,
+    filled: dict | None = None,
+    launch=None,
+) -> dict:
+    """One row: build (or reuse) the model and window, run vt-train under torchrun, read what it measured
+    (`filled`: the windows of the rows before, see reuse_or_fill_window; `launch(command, log, env)` starts the
+    torchrun command, default _popen)."""
     from vt.shared.buckets import parse_buckets
     from vt.shared.config import load_config
     from vt.train.plan import make_plan
@@ -274,7 +306,7 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
     shutil.rmtree(window, ignore_errors=True)
     config_path = run_config(folder, key, bucket, run_dir, window, gpus, dry, sections)
     config = load_config(config_path)
-    fill_window(config, window, samples=gpus * (STEPS + 1), device=device)
+    reuse_or_fill_window(config, window, gpus * (STEPS + 1), device, filled if filled is not None else {})
     budget = None if dry else int(cap_gib * 2**30) if cap_gib else _gpu_bytes()  # "auto" VAE tiling, as the run
     plan = make_plan(config, gpus, device="cpu" if dry else "cuda", stage1=False, budget=budget)
     row["validation_tiled"] = plan.vae_tiled
@@ -296,8 +328,13 @@ def run_row(label: str, work: Path, dry: bool, gpus: int, peak_tflops: float | N
         "run",
         str(config_path),
     ]
-    with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
+    proc = (launch or _popen)(command, log, env)
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
     row["wall_s"] = time.perf_counter() - started
     if not dry and not any(RUNS[other][0] == key for other in list(RUNS)[list(RUNS).index(label) + 1 :]):
         shutil.rmtree(folder, ignore_errors=True)  # tens of GB of random weights, once no later row uses them
@@ -335,9 +372,18 @@ def _tokens(config, bucket) -> int:
     return spec.tokens_per_sample(spec.latent_shape(bucket))
 
 
-def run_rows(dry: bool, work: Path, peak_tflops: float | None, timeout: float = 1800) -> list[dict]:
+def _popen(command: list[str], log: Path, env: dict) -> subprocess.Popen:
+    """The torchrun command as a fresh process, stdout and stderr to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def run_rows(dry: bool, work: Path, peak_tflops: float | None, timeout: float = 1800, launch=None) -> list[dict]:
+    """Every row of RUNS in order; `launch(command, log, env)` starts each row's torchrun command (default: a
+    fresh process; the suite's dry run forks the ranks of some rows from a warm interpreter instead)."""
     import torch
 
     gpus = 1 if dry else max(1, torch.cuda.device_count())
     work.mkdir(parents=True, exist_ok=True)
-    return [run_row(label, work, dry, gpus, peak_tflops, timeout) for label in RUNS]
+    filled: dict = {}
+    return [run_row(label, work, dry, gpus, peak_tflops, timeout, filled, launch) for label in RUNS]

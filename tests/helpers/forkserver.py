@@ -340,6 +340,14 @@ def launch(command: str, *args: str, env: dict | None = None, log: Path | None =
     return Forked([str(script), *args], pid, owner)
 
 
+def bench_launch(args: list[str], log: Path, env: dict) -> Forked:
+    """The benches' `launch` (scripts/bench_common.popen) for the tests: `args` (a console script's path, or
+    `python FILE ...`) forked from the warm server instead of started fresh; stdout and stderr to `log`."""
+    if args[0] == sys.executable:
+        args = args[1:]
+    return launch(str(args[0]), *map(str, args[1:]), env=env, log=log)
+
+
 class RankGroup:
     """The ranks of one node, started as torchrun starts them; Popen-like, the group's exit code is 0 when
     every rank exits 0, else 1 (torchrun's), after the others are killed."""

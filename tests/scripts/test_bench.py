@@ -165,6 +165,7 @@ def test_producers_bench_commits_every_sample_with_one_and_two_producers(
     from bench_producers import main
 
     from helpers.cli_runs import raw_keys
+    from helpers.forkserver import bench_launch
 
     assert (
         main(
@@ -176,7 +177,8 @@ def test_producers_bench_commits_every_sample_with_one_and_two_producers(
                 str(raw_shards),
                 "--out",
                 str(tmp_path),
-            ]
+            ],
+            launch=bench_launch,  # forked from a warm interpreter: the test checks the plumbing, not the numbers
         )
         == 0
     )

@@ -10,6 +10,7 @@ from bench_common import ROOT
 from bench_precompute_throughput import bench_throughput, steady_rate, window_outputs
 
 from helpers.cli_runs import raw_keys
+from helpers.forkserver import bench_launch
 
 DEMO = ROOT / "configs" / "demo.toml"
 
@@ -25,7 +26,9 @@ def test_steady_rate_counts_from_the_first_output():
 
 def test_three_sides_over_the_same_corpus(tmp_path, tiny_model_factory, raw_shards):
     model = tiny_model_factory("ltx-video")
-    result = bench_throughput(DEMO, model, raw_shards, tmp_path, rounds=1, threads=1, repeats=2, workers=1, batch=4)
+    result = bench_throughput(
+        DEMO, model, raw_shards, tmp_path, rounds=1, threads=1, repeats=2, workers=1, batch=4, launch=bench_launch
+    )
 
     clips = len(raw_keys(raw_shards))
     assert {side: [r["samples"] for r in runs] for side, runs in result["runs"].items()} == {

@@ -10,6 +10,9 @@ import json
 import math
 
 import gpu_check
+from gpu_real_run import _popen
+
+from helpers.forkserver import launch_ranks
 
 
 def test_dry_run_trains_every_row_and_prints_one_table(tmp_path, capsys):
@@ -55,9 +58,31 @@ def test_model_flops_count_six_per_weight_per_token_plus_attention():
     assert blocks < gpu_check.model_flops_per_sample(shape) < blocks * 1.01
 
 
+def torchrun_forked_after_the_first(launched: list):
+    """gpu_real_run's `launch`: the first row's torchrun command runs as gpu_check.sh runs it (a fresh torchrun
+    and its worker), the later rows' ranks fork from the warm interpreter as torchrun would start them
+    (helpers.forkserver.launch_ranks: its environment, the same entry point and arguments), without the two
+    interpreters' imports per row."""
+
+    def launch(command: list[str], log, env):
+        launched.append(command)
+        if len(launched) == 1:
+            return _popen(command, log, env)
+        at = next(i for i, arg in enumerate(command) if arg.startswith("--nproc-per-node="))
+        nproc, trainer = int(command[at].split("=")[1]), command[at + 1 :]
+        if trainer[:2] == ["-m", "vt.train"]:
+            trainer = ["vt-train", *trainer[2:]]
+        return launch_ranks(trainer[0], nproc, *trainer[1:], log=log, env=env)
+
+    return launch
+
+
 def test_dry_run_rows_train_and_validate_through_vt_train_run(tmp_path, capsys):
     out = tmp_path / "rows.json"
-    assert gpu_check.main(["--dry", "--only", "run", "--json", str(out), "--work", str(tmp_path / "work")]) == 0
+    launched: list[list[str]] = []
+    argv = ["--dry", "--only", "run", "--json", str(out), "--work", str(tmp_path / "work")]
+    assert gpu_check.main(argv, launch=torchrun_forked_after_the_first(launched)) == 0
+    assert [command[1:4] for command in launched] == [["-m", "torch.distributed.run", "--standalone"]] * 4
     rows = json.loads(out.read_text())
     assert [r["case"] for r in rows] == [
         "run, Wan 2.1 14B LoRA",
