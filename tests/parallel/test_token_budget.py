@@ -2,8 +2,8 @@
 bucket takes twice the samples of the wide one; every layout trains what one process trains, and a killed run
 resumes into the same steps.
 
-Wan's tiny preset (LoRA) over the real clips in two buckets: 9x64x64 is 48 transformer tokens a sample, 9x64x128
-96, so a budget of 192 tokens makes batches of 4 and 2.
+Wan's tiny preset (LoRA) over the real clips in two buckets: 5x64x64 is 32 transformer tokens a sample (2 latent
+frames of 4 x 4), 5x64x128 64, so a budget of 128 tokens makes batches of 4 and 2.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from vt.train.trackers import read_metrics
 
 from helpers.dist_runs import finish, kill_and_resume, single, torchrun
 
-BUDGET = 192
-SIZES = {"9x64x64": 4, "9x64x128": 2}
+BUDGET = 128
+SIZES = {"5x64x64": 4, "5x64x128": 2}
 
 
 @pytest.fixture(scope="module")

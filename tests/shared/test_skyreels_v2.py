@@ -4,9 +4,6 @@ models; context parallel over the per-frame modulations in real processes."""
 
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -348,66 +345,21 @@ def test_the_parallel_plans_name_skyreels_modules(tiny_model_factory):
 
 
 # ----------------------------------------------------------------------------- context parallel
-def _cp_worker(rank: int, world: int, store: str, folder: str, out_dir: str) -> None:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from vt.train.parallel.cp import apply_cp, average_gradients
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        spec, model, inputs = _cp_case(folder)
-        apply_cp(model, spec, mesh)
-        result = _cp_step(spec, model, inputs, lambda: average_gradients(model, mesh))
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def _cp_case(folder: str):
-    """The DF spec, its LoRA transformer (random factors) and two samples of 3 latent frames (96 tokens):
-    a frame count cp = 2 does not divide, a token count it does."""
-    spec = df_spec(folder)
-    model = spec.load_transformer()
-    spec.add_lora(model, rank=4, alpha=4.0, targets=["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj"])
-    randomise_lora(model, seed=6, scale=0.1)
-    g = torch.Generator().manual_seed(9)
-    latents = torch.randn(2, 16, 3, 8, 8, generator=g)
-    batch = {"latents": latents, "prompt_embeds": torch.randn(2, 8, 64, generator=g)}
-    return spec, model, (batch, torch.rand(2, 3, generator=g), torch.randn(latents.shape, generator=g))
-
-
-def _cp_step(spec, model, inputs, sync=None) -> dict:
-    from vt.train.objectives import flow_matching_loss
-
-    loss = flow_matching_loss(spec.forward(model, *inputs))
-    loss.backward()
-    if sync is not None:
-        sync()
-    return {"loss": loss.item(), "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}}
-
-
-def test_context_parallel_splits_the_per_frame_modulations(tiny_model_factory, tmp_path, monkeypatch):
+def test_context_parallel_splits_the_per_frame_modulations(tiny_model_factory, tmp_path):
     """CP 2 (Ulysses) on diffusion forcing: each block's per-token modulations are cut with its tokens and
     the sequence is gathered after the last block, so loss and LoRA gradients equal one process's, for a
     frame count the cp degree does not divide."""
-    import torch.multiprocessing as mp
+    from helpers import HELPERS
+    from helpers.dist_runs import finish
+    from helpers.forkserver import launch_ranks
+    from helpers.skyreels_cp_worker import cp_case, cp_step
 
     folder = str(tiny_model_factory("skyreels-v2"))
-    spec, model, inputs = _cp_case(folder)
-    expected = _cp_step(spec, model, inputs)
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    context = mp.start_processes(
-        _cp_worker, args=(2, str(tmp_path / "store"), folder, str(tmp_path)), nprocs=2, join=False, start_method="spawn"
-    )
-    deadline = time.monotonic() + 240
-    while not context.join(timeout=1.0):  # raises with the worker's traceback
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            raise AssertionError("the cp world did not finish in 240 s")
+    expected = cp_step(*cp_case(folder))
+    log = tmp_path / "ranks.log"
+    worker = str(HELPERS / "skyreels_cp_worker.py")
+    group = launch_ranks(worker, 2, "2", str(tmp_path / "store"), folder, str(tmp_path), log=log)
+    finish(group, log, timeout=240)
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5)

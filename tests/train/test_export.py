@@ -68,7 +68,7 @@ def test_trained_wan_full_weights_load_with_from_pretrained(tmp_path, tiny_model
         raw_shards,
         "wan",
         train={"mode": "full"},
-        buckets={"sizes": ["9x64x96", "9x64x64", "9x64x128"]},
+        buckets={"sizes": ["5x64x96", "5x64x64", "5x64x128"]},  # 5 frames: stage 1's encodes are most of the cost
     )
     loaded = WanTransformer3DModel.from_pretrained(tmp_path / "run" / "model")
     original = WanTransformer3DModel.from_pretrained(model, subfolder="transformer")
@@ -124,7 +124,7 @@ def test_both_wan22_experts_train_in_one_run_validate_and_export_full_weights(tm
         raw_shards,
         "wan2.2",
         model={"expert": "all", "max_text_tokens": 16},
-        buckets={"sizes": ["9x64x64"]},
+        buckets={"sizes": ["5x64x64"]},
         train={"mode": "full"},
         flow={"sigma_sampling": "uniform", "shift": 5.0},
         validation={"prompts": ["a rabbit"], "steps": 2},
