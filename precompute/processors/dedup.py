@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import math
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -36,6 +38,10 @@ from .sample import Processor, Sample
 _SIDE, _LOW = 32, 8  # frames are hashed at 32x32; the 8x8 lowest frequencies make the bits
 _BANDS = 16  # the hash is claimed as this many bands
 _STORES: dict[str, Storage] = {}  # one Storage per window URI in each process (a processor must pickle)
+# storage -> {(key, hash, max_distance): its keeper} decided through it: a clip's band owners never change once it
+# claimed its bands, so the next epoch's sample of the same frames costs no request (another Storage, as a
+# restarted process has, reads the claims again)
+_DECIDED: weakref.WeakKeyDictionary[Storage, dict[tuple[str, str, int], str]] = weakref.WeakKeyDictionary()
 
 
 def _dct_matrix(n: int) -> torch.Tensor:
@@ -91,15 +97,28 @@ def distance(a: str, b: str) -> int:
     return (int(a, 16) ^ int(b, 16)).bit_count()
 
 
+def _claim(storage: Storage, index: int, bits: str, key: str, record: bytes) -> dict:
+    """Band `index`'s claim: ours if this call created it, else the one the clip that came first made."""
+    rel = f"dedup/{index:02d}-{bits}.json"
+    return {"key": key} if storage.create_exclusive(rel, record) else json.loads(storage.read(rel))
+
+
 def keeper(storage: Storage, digest: str, key: str, max_distance: int) -> str:
     """The key that keeps the clip of hash `digest` sampled as `key`: `key` itself, or the earlier near-duplicate
-    that owns the first band the two share (see the module docstring)."""
+    that owns the first band the two share (see the module docstring). The bands are claimed at once (each
+    claim is independent of the others): one round trip's wait instead of _BANDS on object storage."""
+    decided, memo = _DECIDED.setdefault(storage, {}), (key, digest, max_distance)
+    if memo in decided:
+        return decided[memo]
     mine = bands(digest)
     record = json.dumps({"key": key, "hash": digest}).encode()
-    owners = []  # each band's claim: ours, or the clip's that made it first
-    for index, bits in enumerate(mine):
-        rel = f"dedup/{index:02d}-{bits}.json"
-        owners.append({"key": key} if storage.create_exclusive(rel, record) else json.loads(storage.read(rel)))
+    with ThreadPoolExecutor(len(mine), thread_name_prefix="vt-dedup") as pool:  # per call: safe across forks
+        owners = list(pool.map(lambda item: _claim(storage, *item, key, record), enumerate(mine)))
+    decided[memo] = _decide(owners, mine, digest, key, max_distance)
+    return decided[memo]
+
+
+def _decide(owners: list[dict], mine: list[str], digest: str, key: str, max_distance: int) -> str:
     met = {o["key"]: o["hash"] for o in owners if o["key"] != key}
     for other in sorted(met):
         if distance(digest, met[other]) > max_distance:
