@@ -14,14 +14,20 @@ hashes within 15 bits always share a band (pigeonhole), further apart mostly sti
 clip that shares one of its bands; of two near-duplicates the keeper is the owner of the first band they share
 that either of them owns, a fact in storage that both (and any resumed or restarted producer, or one that takes
 over the lane) read alike, so exactly one is kept and the choice never changes once made. The other is rejected
-as `near_duplicate`, naming the keeper. A clip near a rejected one is rejected too (its claims stay). The table
-lives as long as the window; it needs storage that every decode process shares (a path or s3://, not memory://).
+as `near_duplicate`, naming the keeper. A clip near a rejected one is rejected too (its claims stay). As the
+owners of a clip's bands never change once it has claimed them, neither does its keeper: the choice is recorded in
+`dedup/decided/<id>.json` (and remembered by the process), so the same sample met again (another epoch, a restart,
+the lane's next holder) costs one read, not 16 creates and their reads. The table lives as long as the window; it
+needs storage that every decode process shares (a path or s3://, not memory://).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -36,6 +42,10 @@ from .sample import Processor, Sample
 _SIDE, _LOW = 32, 8  # frames are hashed at 32x32; the 8x8 lowest frequencies make the bits
 _BANDS = 16  # the hash is claimed as this many bands
 _STORES: dict[str, Storage] = {}  # one Storage per window URI in each process (a processor must pickle)
+# storage -> {(key, hash, max_distance): its keeper} decided through it: a clip's band owners never change once it
+# claimed its bands, so the next epoch's sample of the same frames costs no request (another Storage, as a
+# restarted process has, reads the claims again)
+_DECIDED: weakref.WeakKeyDictionary[Storage, dict[tuple[str, str, int], str]] = weakref.WeakKeyDictionary()
 
 
 def _dct_matrix(n: int) -> torch.Tensor:
@@ -91,15 +101,49 @@ def distance(a: str, b: str) -> int:
     return (int(a, 16) ^ int(b, 16)).bit_count()
 
 
+def _claim(storage: Storage, index: int, bits: str, key: str, record: bytes) -> dict:
+    """Band `index`'s claim: ours if this call created it, else the one the clip that came first made."""
+    rel = f"dedup/{index:02d}-{bits}.json"
+    return {"key": key} if storage.create_exclusive(rel, record) else json.loads(storage.read(rel))
+
+
 def keeper(storage: Storage, digest: str, key: str, max_distance: int) -> str:
     """The key that keeps the clip of hash `digest` sampled as `key`: `key` itself, or the earlier near-duplicate
-    that owns the first band the two share (see the module docstring)."""
+    that owns the first band the two share (see the module docstring). The bands are claimed at once (each
+    claim is independent of the others): one round trip's wait instead of _BANDS on object storage."""
+    decided, memo = _DECIDED.setdefault(storage, {}), (key, digest, max_distance)
+    if memo not in decided:
+        decided[memo] = _recorded(storage, key, digest, max_distance)
+    return decided[memo]
+
+
+def decision_path(key: str, digest: str, max_distance: int) -> str:
+    """Where the choice for `key` at hash `digest` is kept once made (a name, whatever the key's characters)."""
+    name = hashlib.sha256(f"{key}\0{digest}\0{max_distance}".encode()).hexdigest()[:32]
+    return f"dedup/decided/{name}.json"
+
+
+def _recorded(storage: Storage, key: str, digest: str, max_distance: int) -> str:
+    """The keeper as recorded by the first process to decide it (a restart, another epoch's producer, a lane's next
+    holder: one read instead of _BANDS creates and reads), else decided from the bands and recorded."""
+    rel = decision_path(key, digest, max_distance)
+    try:
+        seen = json.loads(storage.read(rel))
+    except FileNotFoundError:
+        seen = None
+    if seen is not None and (seen["key"], seen["hash"]) == (key, digest):
+        return seen["keeper"]
     mine = bands(digest)
     record = json.dumps({"key": key, "hash": digest}).encode()
-    owners = []  # each band's claim: ours, or the clip's that made it first
-    for index, bits in enumerate(mine):
-        rel = f"dedup/{index:02d}-{bits}.json"
-        owners.append({"key": key} if storage.create_exclusive(rel, record) else json.loads(storage.read(rel)))
+    with ThreadPoolExecutor(len(mine), thread_name_prefix="vt-dedup") as pool:  # per call: safe across forks
+        owners = list(pool.map(lambda item: _claim(storage, *item, key, record), enumerate(mine)))
+    chosen = _decide(owners, mine, digest, key, max_distance)
+    # every process deciding it reads the same band owners, so any two records of it agree
+    storage.create_exclusive(rel, json.dumps({"key": key, "hash": digest, "keeper": chosen}).encode())
+    return chosen
+
+
+def _decide(owners: list[dict], mine: list[str], digest: str, key: str, max_distance: int) -> str:
     met = {o["key"]: o["hash"] for o in owners if o["key"] != key}
     for other in sorted(met):
         if distance(digest, met[other]) > max_distance:

@@ -13,6 +13,7 @@ text/validation-<fingerprint>/<key>.safetensors  a validation input's conditions
 text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window
 dedup/<band>-<bits>.json             the dedup processor's hash table: the first clip to claim a band of its
                                      perceptual hash, created exclusively (precompute/processors/dedup.py)
+dedup/decided/<id>.json              a clip's keeper once its bands are claimed: {"key", "hash", "keeper"}
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import pytest
 from vt.precompute.processors import Sample
 from vt.precompute.processors.crop import Crop
 from vt.precompute.processors.decode import Clip
-from vt.precompute.processors.dedup import bands, clip_hash, distance, keeper
+from vt.precompute.processors.dedup import bands, clip_hash, decision_path, distance, keeper
 from vt.precompute.processors.fit_bucket import Decode
 from vt.precompute.processors.sample_frames import SampleFrames
 from vt.precompute.processors.split_scenes import SplitScenes, pieces
@@ -149,6 +149,12 @@ def test_near_duplicates_keep_one_whatever_the_interleaving_and_after_a_restart(
     assert keeper(store, other, "p1/bikes", 24) == "p1/bikes"
     resumed = Storage(str(tmp_path / "w1"))  # restarted producers make the same choices
     assert [keeper(resumed, a, "p0/pristine", 24), keeper(resumed, x, "p1/distorted", 24)] == ["p0/pristine"] * 2
+    recorded = json.loads(store.read(decision_path("p1/distorted", x, 24)))  # what they read instead of the bands
+    assert recorded == {"key": "p1/distorted", "hash": x, "keeper": "p0/pristine"}
+    for rel in store.list("dedup/decided"):  # without the records, the bands give the same choices
+        store.delete(rel)
+    again = Storage(str(tmp_path / "w1"))
+    assert [keeper(again, a, "p0/pristine", 24), keeper(again, x, "p1/distorted", 24)] == ["p0/pristine"] * 2
     # Two producers at once: the distorted copy has claimed half its bands when the pristine one looks.
     store = Storage(str(tmp_path / "w2"))
     for index, bits in enumerate(bands(x)[:8]):
