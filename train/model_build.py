@@ -33,6 +33,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -178,7 +179,11 @@ def prepare_transformer(
         pack_frozen(model, packed, compute_dtype)
     model.requires_grad_(False)
     if mode == "lora":
-        spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None, kind=kind)
+        # On a meta-built model the adapters are made on the meta device too (`fill` gives them their start): peft
+        # would otherwise make and initialize each on the host first (~1 GB of Kaiming draws for a 14B's rank 32).
+        on_meta = all(p.is_meta for p in model.parameters())
+        with torch.device("meta") if on_meta else contextlib.nullcontext():
+            spec.add_lora(model, lora["rank"], lora["alpha"], lora["targets"] or None, kind=kind)
     elif mode == "full":
         spec.full_trainable(model)
     for param in model.parameters():  # float32 for whatever trains (master weights under FSDP2's mixed precision)

@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
+from vt.shared.memory_trace import _tensors
+
 NAME = "standin"  # the PrivateUse1 backend renamed (torch counts a renamed one as the accelerator)
 _installed = False
 
@@ -284,6 +286,7 @@ def _outputs(out) -> tuple:
 KNOWN = 1 << 16  # elements: the most a tensor whose values are kept may have (masks, lengths)
 _SCALAR = torch.ops.aten._local_scalar_dense.default
 _NOT_KNOWN = (torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default)
+_FILLS = (torch.ops.aten.zeros.default, torch.ops.aten.ones.default, torch.ops.aten.full.default)
 _ALIASING: dict = {}
 
 
@@ -347,8 +350,10 @@ class DeviceBytes(TorchDispatchMode):
         they and it are small (None otherwise): factories of small constants too."""
         from torch.utils._python_dispatch import _disable_current_modes
 
-        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args) + _tensors(tuple(kwargs.values())) if kwargs else _tensors(args)
         if func in _NOT_KNOWN or sum(t.numel() for t in tensors) > KNOWN:
+            return None
+        if func in _FILLS and math.prod(args[0]) > KNOWN:  # a large constant: made fake, never computed for real
             return None
         if not all(_real(t) or t in self.values for t in tensors):
             return None

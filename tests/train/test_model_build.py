@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vt.shared.config import ModelConfig, ParallelConfig
 from vt.shared.models import FAMILIES, build_spec
@@ -67,6 +68,48 @@ def test_lora_base_stays_in_model_dtype_adapters_train_in_float32_and_start_alik
     assert all(float(trained[n].detach().abs().max()) > 0 for n in lora_a)
     assert all(float(trained[n].detach().abs().max()) == 0 for n in trained if ".lora_B." in n)  # peft's start: B = 0
     assert any(not torch.equal(trained[n], other_seed.get_parameter(n)) for n in lora_a)
+
+
+@pytest.mark.parametrize("kind", ["lora", "dora", "loha"])
+def test_adapters_of_a_meta_built_model_are_made_on_the_meta_device_as_peft_makes_them(tiny_model_factory, kind):
+    """prepare_transformer adds the adapters of a meta-built model on the meta device (peft would make and initialize
+    each on the host first, then move it: ~1 GB of Kaiming draws for a 14B's rank 32, thrown away by `fill`): the same
+    parameters, names, shapes, dtypes and what trains, as peft's own way gives, and nothing of them on the host."""
+    from vt.train.model_build import prepare_transformer
+
+    spec = build_spec(ModelConfig(family="wan", path=str(tiny_model_factory("wan")), dtype="bfloat16"), 8.0)
+    lora = {"rank": 4, "alpha": 4.0, "targets": [], "kind": kind}
+    host_draws = []
+
+    class HostDraws(TorchDispatchMode):  # a random start drawn for a host tensor
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func._overloadpacket in (torch.ops.aten.uniform_, torch.ops.aten.normal_) and not args[0].is_meta:
+                host_draws.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with HostDraws():
+        built = prepare_transformer(
+            spec,
+            spec.trained_component,
+            mode="lora",
+            lora=lora,
+            storage_dtype=None,
+            sharded=False,
+            compute_dtype=torch.float32,
+            frozen_dtype=torch.bfloat16,
+        )
+    assert host_draws == []
+    peft_way = spec.empty_component(spec.trained_component, dtype=torch.bfloat16).requires_grad_(False)
+    spec.add_lora(peft_way, 4, 4.0, None, kind=kind)  # through the host, then moved to the base's device
+    for param in peft_way.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+
+    def layout(model):
+        return {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in model.named_parameters()}
+
+    assert layout(built) == layout(peft_way) and any(n for n, (_, _, trains) in layout(built).items() if trains)
+    assert all(p.is_meta for p in built.parameters())
 
 
 def test_full_fine_tune_trains_float32_master_weights(tiny_model_factory):
