@@ -145,6 +145,16 @@ def popen(args: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
 
+def wait_or_kill(proc, timeout: float) -> int:
+    """`proc`'s exit code; past `timeout` seconds it is killed (and reaped) and TimeoutExpired raised."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+
+
 def run_timed(
     args: list[str],
     log: Path,
@@ -159,12 +169,7 @@ def run_timed(
     started = time.time()
     clock = time.perf_counter()
     proc = launch(args, log, {**child_env(threads), **(env or {})})
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
+    code = wait_or_kill(proc, timeout)
     seconds = time.perf_counter() - clock
     text = log.read_text(errors="replace")
     if code != 0:

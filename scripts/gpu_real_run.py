@@ -23,13 +23,14 @@ import math
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_common import popen, wait_or_kill  # noqa: E402
 
 # the dry run's bucket: the smallest clip every row's family takes (latent 2 x 4 x 4 for Wan), so the dry run
 # shows each row's path, not its speed
@@ -287,7 +288,7 @@ def run_row(
 ) -> dict:
     """One row: build (or reuse) the model and window, run vt-train under torchrun, read what it measured
     (`filled`: the windows of the rows before, see reuse_or_fill_window; `launch(command, log, env)` starts the
-    torchrun command, default _popen)."""
+    torchrun command, default bench_common.popen: a fresh process)."""
     from vt.shared.buckets import parse_buckets
     from vt.shared.config import load_config
     from vt.train.plan import make_plan
@@ -328,13 +329,7 @@ def run_row(
         "run",
         str(config_path),
     ]
-    proc = (launch or _popen)(command, log, env)
-    try:
-        code = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise
+    code = wait_or_kill((launch or popen)(command, log, env), timeout)
     row["wall_s"] = time.perf_counter() - started
     if not dry and not any(RUNS[other][0] == key for other in list(RUNS)[list(RUNS).index(label) + 1 :]):
         shutil.rmtree(folder, ignore_errors=True)  # tens of GB of random weights, once no later row uses them
@@ -370,12 +365,6 @@ def _tokens(config, bucket) -> int:
 
     spec = spec_for(config)
     return spec.tokens_per_sample(spec.latent_shape(bucket))
-
-
-def _popen(command: list[str], log: Path, env: dict) -> subprocess.Popen:
-    """The torchrun command as a fresh process, stdout and stderr to `log`."""
-    with open(log, "w") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
 def run_rows(dry: bool, work: Path, peak_tflops: float | None, timeout: float = 1800, launch=None) -> list[dict]:

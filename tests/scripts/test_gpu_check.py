@@ -10,7 +10,7 @@ import json
 import math
 
 import gpu_check
-from gpu_real_run import _popen
+from bench_common import popen
 
 from helpers.forkserver import launch_ranks
 
@@ -67,7 +67,7 @@ def torchrun_forked_after_the_first(launched: list):
     def launch(command: list[str], log, env):
         launched.append(command)
         if len(launched) == 1:
-            return _popen(command, log, env)
+            return popen(command, log, env)
         at = next(i for i, arg in enumerate(command) if arg.startswith("--nproc-per-node="))
         nproc, trainer = int(command[at].split("=")[1]), command[at + 1 :]
         if trainer[:2] == ["-m", "vt.train"]:
