@@ -19,6 +19,7 @@ from ray_head import RAY_ENV, session_processes, start_head, stop_head
 from vt.shared.window import open_reader
 
 from helpers.cli_runs import raw_keys, write_config
+from helpers.forkserver import launch
 from helpers.polling import wait_for
 
 pytestmark = [
@@ -55,19 +56,11 @@ def test_a_killed_decode_actor_costs_a_retry_never_a_sample(tmp_path, tiny_model
         window={"size": "keep"},
         precompute={"engine": "ray", "ray_actors": 1, "samples_per_shard": 1, "encode_batch": 1, "lanes": 2},
     )
-    env = {**os.environ, **RAY_ENV, "RAY_ADDRESS": address, "HF_HUB_OFFLINE": "1"}
+    # The producers fork from the warm interpreter (no import bill; it never imports ray, so each producer's own
+    # import reads RAY_ENV): the test is about a decode actor's death, and the actors stay Ray's fresh workers.
+    env = {**RAY_ENV, "RAY_ADDRESS": address}
     logs = [tmp_path / f"producer{i}.log" for i in range(2)]
-    producers = []
-    for log in logs:
-        with open(log, "wb") as out:
-            producers.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "vt.precompute", "run", str(config)],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                )
-            )
+    producers = [launch("vt-precompute", "run", str(config), env=env, log=log) for log in logs]
     try:
         actors = wait_for(
             lambda: len(decode_actors(sid)) == 2 and decode_actors(sid),

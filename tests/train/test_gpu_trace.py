@@ -4,7 +4,8 @@ within 5%.
 
 The trainer runs unchanged (train.device is the stand-in) on fake tensors: Wan 2.1 14B's real config, no weights at
 all (the checkpoint is a table of names and shapes), at its usual 81x480x832 bucket; a family with sound (Kandinsky 6
-Lite, video and audio streams) likewise. The traces run in a process of their own
+Lite, video and audio streams) likewise (the NF4 and sound rows with fewer blocks of real size: `cases` says which
+rows run at real depth and why the others hold the plan as they would there). The traces run in a process of their own
 (tests/helpers/gpu_trace_worker.py: the stand-in device is process-wide), started once for the module, while this
 process plans the same configs with the plan's own code (a meta-device build and a fake-tensor trace of the family's
 forward, on the CPU): the two agree only if the plan models what the trainer really allocates where. Before block swap was built in host memory, the swap
@@ -49,13 +50,37 @@ def tree(folder: Path, work: Path, family: str, bucket: str, sections: dict, **m
     }
 
 
+def shallow(model: Path, folder: Path, depth: dict) -> Path:
+    """A copy of config-only `model` whose transformer has fewer blocks (`depth`: its config's keys for them); every
+    other key, so each block's size, the embeddings, the head and the bucket's tokens, as the real one has them."""
+    import shutil
+
+    shutil.copytree(model, folder)
+    path = folder / "transformer" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **depth}, indent=1))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """name -> (config tree, GGUF block type); the worker starts tracing them all at once."""
+    """name -> (config tree, GGUF block type); the worker traces them in this order (the tests'), each test waiting
+    for its own.
+
+    The swap and Q4_K rows run Wan 2.1 14B at its real depth (40 blocks): the swap row's absolute claims (start-up
+    < 8 GiB, 30 blocks' weights in host memory) are about that model; at 4 blocks the Q4_K row's step plan came out
+    0.78 GiB over its trace (15.06 against 14.28 GiB, 5.5%; not yet explained), within 5% at real depth. The NF4 and
+    sound rows compare the plan with the trace on the same config, so they run the real models' blocks (widths,
+    heads, FFN, text tokens, bucket: real size) but fewer of them (Wan: 4 of 40; Kandinsky 6 Lite: 4 of 32 visual
+    blocks, 2 on the GPU): each block adds the same to both sides (its weights, its checkpointed input, its swap
+    arena), and what the plan gets wrong outside the blocks weighs more at this depth, not less. The NF4 row's
+    headline (it fits 24 GiB at real depth, docs/memory.md) is the plan's at real depth, which the rows here hold to
+    the trace: test_what_fits_24_gib_is_searched_in_pairs_cheapest_first."""
     from memory_table import config_only_model
 
     root = tmp_path_factory.mktemp("gpu-trace")
     wan, k6 = config_only_model("wan2.1-14b", root / "wan"), config_only_model("kandinsky6-lite", root / "k6")
+    wan4 = shallow(wan, root / "wan-4", {"num_layers": 4})
+    k6_4 = shallow(k6, root / "k6-4", {"num_visual_blocks": 4})
     return {
         "swap+offload": (
             tree(wan, root / "a", "wan", "81x480x832", {**SWAP, **OFFLOAD}, max_text_tokens=512),
@@ -63,7 +88,7 @@ def cases(tmp_path_factory):
         ),
         "nf4+offload": (
             tree(
-                wan,
+                wan4,
                 root / "b",
                 "wan",
                 "81x480x832",
@@ -75,11 +100,11 @@ def cases(tmp_path_factory):
         "q4_k": (tree(wan, root / "c", "wan", "81x480x832", {}, max_text_tokens=512), 12),
         "sound": (
             tree(
-                k6,
+                k6_4,
                 root / "d",
                 "kandinsky6",
                 "121x480x864",
-                {"block_swap": {"blocks_on_gpu": 8}, **OFFLOAD},
+                {"block_swap": {"blocks_on_gpu": 2}, **OFFLOAD},
                 max_text_tokens=1024,
                 audio=True,
             ),
@@ -205,7 +230,7 @@ def test_block_swap_with_activation_offload_starts_with_the_resident_blocks_only
 def test_nf4_base_with_activation_offload(cases, traces):
     _, plan = plan_of(*cases["nf4+offload"])
     assert_plan_matches(plan, traces("nf4+offload"))
-    assert standin.gib(plan.rank.device_total) < 24  # what docs/memory.md says fits a 24 GB card without block swap
+    # (that it fits a 24 GB card at real depth, as docs/memory.md says: test_what_fits_24_gib_..., the plan's own)
 
 
 def test_gguf_q4_k_base(cases, traces):
@@ -248,7 +273,7 @@ def test_what_fits_24_gib_is_searched_in_pairs_cheapest_first(cases):
     assert plan.rank.device_total > budget  # as it is, it does not fit
     fitting = alternatives(config, 1, "cuda", budget, host_budget=64 * 2**30)
     labels = [label for label, _ in fitting]
-    assert "frozen_base.quantize=nf4 + activation_offload.enabled=true" in labels
+    assert "frozen_base.quantize=nf4 + activation_offload.enabled=true" in labels  # (40 blocks: fits 24 GiB, below)
     assert any("block_swap.blocks_on_gpu=" in label and "activation_offload" in label for label in labels)
     assert all(p.rank.device_total <= budget and p.rank.host_peak <= 64 * 2**30 for _, p in fitting)
     single = [label for label in labels if " + " not in label]

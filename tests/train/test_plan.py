@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -111,7 +109,7 @@ def test_peak_counter_counts_what_ops_allocate_not_views_of_weights():
 
 
 @pytest.mark.parametrize("family, task", [("wan", "t2v"), ("hunyuan-video-1.5", "i2v")])
-def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family, task):
+def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, tmp_path, family, task):
     """The trace's fake tensors live on the CPU whatever the target; a CUDA plan still casts as the run
     casts under bf16 autocast (HunyuanVideo 1.5's bmm of fp32 and bf16 failed when CUDA autocast was off),
     and a forward that branches on a condition's values (HunyuanVideo 1.5 I2V: all-zero image embeddings
@@ -120,33 +118,32 @@ def test_a_gpu_plan_traces_under_the_runs_autocast(tiny_model_factory, family, t
     positional tables autocast keeps in float32 weigh much: Wan's are 13% smaller, HunyuanVideo 1.5's half)."""
     config = config_for(tiny_model_factory(family, task=task), family)
     config = config.model_copy(update={"model": config.model.model_copy(update={"dtype": "bfloat16", "task": task})})
-    gpu, cpu = _plans_in_a_fresh_process(config, ("cuda", "cpu"))
+    gpu, cpu = _plans_in_a_fresh_process(config, ("cuda", "cpu"), tmp_path)
     for bucket, sizes in gpu["activations"].items():
         assert sizes["none"] < 0.95 * cpu["activations"][bucket]["none"], (bucket, sizes, cpu["activations"][bucket])
     assert gpu["validation"] > 0
 
 
-def _plans_in_a_fresh_process(config, devices: tuple[str, ...]) -> list[dict]:
-    """make_plan for each device in one interpreter of its own, as the trainer's start-up runs it (stage 1 left out,
+def _plans_in_a_fresh_process(config, devices: tuple[str, ...], folder: Path) -> list[dict]:
+    """make_plan for each device in one process of its own, as the trainer's start-up runs it (stage 1 left out,
     only the step the config runs traced: train/parallel/layout.py): in this test process the HunyuanVideo 1.5 I2V
     activations once came out twice as large after other tests (a state this process's earlier tests leave, not
-    found yet), so the plans are measured where no test ran before."""
-    import json
-
+    found yet), so the plans are measured where no test ran before: forked from the warm interpreter of
+    tests/helpers/forkserver.py, which imported the libraries and ran nothing (tests/helpers/plan_worker.py)."""
     from vt.shared.config import to_toml
 
-    code = (
-        "import json, sys; from vt.shared.config import Config, build; import tomllib; "
-        "from vt.train.plan import make_plan; "
-        "config = build(Config, tomllib.loads(sys.stdin.read()), ''); "
-        "plans = [make_plan(config, 1, device, stage1=False, lean=True) for device in sys.argv[1:]]; "
-        "print(json.dumps([{'activations': p.activations, 'validation': p.rank.validation} for p in plans]))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code, *devices], input=to_toml(config), capture_output=True, text=True, timeout=600
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    from helpers import HELPERS
+    from helpers.forkserver import launch
+
+    (folder / "plan.toml").write_text(to_toml(config))
+    out, log = folder / "plans.json", folder / "plan_worker.log"
+    worker = launch(str(HELPERS / "plan_worker.py"), str(folder / "plan.toml"), str(out), *devices, log=log)
+    try:
+        code = worker.wait(timeout=600)
+    finally:
+        worker.kill()
+    assert code == 0, log.read_text()[-3000:]
+    return json.loads(out.read_text())
 
 
 def test_known_values_leave_a_large_product_of_small_masks_fake():
