@@ -133,16 +133,19 @@ def _plans_in_a_fresh_process(config, devices: tuple[str, ...], folder: Path) ->
     from vt.shared.config import to_toml
 
     from helpers import HELPERS
-    from helpers.forkserver import launch
+    from helpers.cli_runs import run_forked
 
     (folder / "plan.toml").write_text(to_toml(config))
-    out, log = folder / "plans.json", folder / "plan_worker.log"
-    worker = launch(str(HELPERS / "plan_worker.py"), str(folder / "plan.toml"), str(out), *devices, log=log)
-    try:
-        code = worker.wait(timeout=600)
-    finally:
-        worker.kill()
-    assert code == 0, log.read_text()[-3000:]
+    out = folder / "plans.json"
+    code, output = run_forked(
+        str(HELPERS / "plan_worker.py"),
+        str(folder / "plan.toml"),
+        str(out),
+        *devices,
+        log=folder / "plan.log",
+        timeout=600,
+    )
+    assert code == 0, output[-3000:]
     return json.loads(out.read_text())
 
 
