@@ -125,8 +125,21 @@ class RayDecodePool:
         return len(self.actors)
 
     def warm_up(self) -> None:
-        """Wait until every actor has started (its process imports torch and PyAV)."""
-        self._get([ref for ref in self._starts if ref is not None], max(self.timeout, START_SECONDS))
+        """Wait until every actor has started (its process imports torch and PyAV). One that dies starting (its
+        process killed, its node lost) is replaced, up to `tries` starts an actor; then the producer stops saying
+        why (an initializer that fails every time, say)."""
+        for index in range(len(self.actors)):
+            for started in range(1, self.tries + 1):
+                try:
+                    self._get(self._starts[index], max(self.timeout, START_SECONDS))
+                    break
+                except self.ray.exceptions.RayActorError as err:
+                    if started == self.tries:
+                        raise UserError(
+                            f"decode actor {index} died while starting, {started} times in a row (precompute.ray_tries"
+                            f" = {self.tries}): {str(err).splitlines()[0]}; see the Ray worker logs"
+                        ) from err
+                    self._replace(index, self.actors[index], timed_out=False)
         self._starts = [None] * len(self._starts)
 
     def close(self) -> None:

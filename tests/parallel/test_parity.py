@@ -148,8 +148,10 @@ FAMILY_LAYOUTS = {
 # block-0 cross-attention output LoRA B, zero at init and the smallest trained tensor after 4 steps, comes out
 # 1.04e-4 from one process's under FSDP2 on some CPUs (its gradient summed over 2 ranks in another order; the
 # same before and after issue 17's data path, and 1e-4 on others).
+# HunyuanVideo I2V's first single block's to_k LoRA B likewise comes out 1.89e-4 under FSDP2, every run, on an AMD
+# EPYC with AVX-512 (2026-12-06; within 1e-4 on the CPUs before it).
 # A row id ("layout-family") names one layout only.
-WEIGHTS_REL = {"skyreels-v2-df": 2e-4}
+WEIGHTS_REL = {"skyreels-v2-df": 2e-4, "fsdp-2-hunyuan-video-i2v": 3e-4}
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
 CASES = [
     pytest.param(family, layout, id=f"{layout}-{family}", marks=pytest.mark.xdist_group(f"parity-{family}"))

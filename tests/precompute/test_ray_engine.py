@@ -171,3 +171,49 @@ def test_a_clips_deadline_counts_its_own_run_not_its_actors_start(ray_cluster, t
     finally:
         pool.close()
     assert not decoding.is_alive() and out == [0, 10, 20, 30] and pool.restarts == 0 and pool.crashes == 0
+
+
+def test_an_actor_that_dies_while_starting_is_replaced_and_one_that_always_does_stops_saying_why(
+    ray_cluster, tmp_path, monkeypatch
+):
+    """A decode actor whose process is killed before it has started (the producer still in `warm_up`; in one full
+    run the killed-actor test above killed the other producer's actor there) is replaced like one killed mid-clip:
+    the clips decode on its successor. One that dies at every start stops the producer after `tries`, saying why
+    (before: Ray's ActorDiedError out of `warm_up`, the producer exiting 1 at the first death)."""
+    from vt.precompute.ray_pool import RayDecodePool
+    from vt.shared.errors import UserError
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster[0])
+    for name, value in RAY_ENV.items():
+        monkeypatch.setenv(name, value)
+    marker = str(tmp_path / "died-once")
+
+    def dies_once():  # the first actor's process is killed while it starts; its successor starts
+        import os
+        import signal
+
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    pool = RayDecodePool(1, initializer=dies_once, tries=2, timeout_seconds=60)
+    try:
+        pool.warm_up()
+        out = list(pool.map(lambda item: item * 10, range(3), inflight=2, on_crash=lambda item: ("rejected", item)))
+    finally:
+        pool.close()
+    assert out == [0, 10, 20] and pool.restarts == 1 and pool.crashes == 0
+
+    def always_dies():
+        import os
+        import signal
+
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    pool = RayDecodePool(1, initializer=always_dies, tries=2, timeout_seconds=60)
+    try:
+        with pytest.raises(UserError, match="died while starting, 2 times in a row"):
+            pool.warm_up()
+    finally:
+        pool.close()
+    assert pool.restarts == 1
