@@ -149,7 +149,9 @@ FAMILY_LAYOUTS = {
 # 1.04e-4 from one process's under FSDP2 on some CPUs (its gradient summed over 2 ranks in another order; the
 # same before and after issue 17's data path, and 1e-4 on others).
 # HunyuanVideo I2V's first single block's to_k LoRA B likewise comes out 1.89e-4 under FSDP2, every run, on an AMD
-# EPYC with AVX-512 (2026-12-06; within 1e-4 on the CPUs before it).
+# EPYC with AVX-512 (2026-12-06; within 1e-4 on the CPUs before it), since its family's own [flow] defaults
+# (b9459e5; 3.2e-7 before them on the same CPU): the largest element difference is 1.0e-5 where each element has
+# moved up to 4 steps x lr, Adam's near-sign step on gradients small enough that their summation order shows.
 # A row id ("layout-family") names one layout only.
 WEIGHTS_REL = {"skyreels-v2-df": 2e-4, "fsdp-2-hunyuan-video-i2v": 3e-4}
 # Under pytest-xdist a family's rows share one worker, so its window and reference are built once.
