@@ -248,6 +248,10 @@ class ForkServer:
                 self.proc.wait(timeout=10)
 
     def _read(self) -> None:
+        """The server's messages in the order it sent them. The kernel reuses a pid once its process is reaped (pid_max
+        is 32,768 on many machines; a suite forks tens of thousands of processes): an exit reported before a launch's
+        pid is an earlier process's, never the new one's (the server reaps and reports before it forks again), and is
+        forgotten there."""
         for line in self.proc.stdout:
             message = json.loads(line)
             with self.changed:
@@ -255,6 +259,7 @@ class ForkServer:
                     self.codes[message["exited"]] = message["code"]
                 else:
                     self.pids[message["id"]] = message["pid"]
+                    self.codes.pop(message["pid"], None)
                 self.changed.notify_all()
         with self.changed:
             self.dead = True
@@ -286,7 +291,7 @@ class ForkServer:
             self.changed.wait_for(lambda: pid in self.codes or self.dead, timeout=timeout)
             if pid not in self.codes and self.dead:
                 raise RuntimeError(f"the fork server died; the exit of process {pid} is unknown")
-            return self.codes.get(pid)
+            return self.codes.pop(pid, None)  # (the caller keeps it: Forked.returncode)
 
 
 _server: ForkServer | None = None
