@@ -92,6 +92,17 @@ def element_logs(tmp_path: Path, job: str) -> str:
     )
 
 
+def window_story(window: Storage) -> str:
+    """The window's files (leases, commits, done markers, producer records) and the trainer's read positions."""
+    files = "\n".join(f"{rel} {stamp}" for rel, stamp in sorted(window.stamps("").items()) if "/" in rel)
+    records = {
+        rel: window.read(rel).decode(errors="replace")
+        for rel in sorted(window.list("producers")) + sorted(window.list("workers")) + ["consumer.json"]
+        if window.exists(rel)
+    }
+    return f"--- window files ---\n{files}\n" + "\n".join(f"--- {rel} ---\n{text}" for rel, text in records.items())
+
+
 def test_array_scancelled_and_resubmitted_trains_every_sample_once(
     tmp_path,
     slurm,  # noqa: F811 - the fixture
@@ -175,7 +186,10 @@ def test_array_scancelled_and_resubmitted_trains_every_sample_once(
     trainer = start("train", config, log=tmp_path / "train.log")
     try:
         done = slurm.wait_finished(second, [0, 1], timeout=240)
-        finish(trainer, tmp_path / "train.log", timeout=120)
+        try:
+            finish(trainer, tmp_path / "train.log", timeout=120)
+        except AssertionError as err:  # what the second array did meanwhile says why the trainer waited
+            raise AssertionError(f"{err}\n{done}\n{element_logs(tmp_path, second)}\n{window_story(window)}") from None
     finally:
         if trainer.poll() is None:
             trainer.kill()
