@@ -13,7 +13,8 @@ their content, so the two writers never overwrite each other's bytes.
 
 The producer's progress record (its resume state, written before each commit) is kept per
 generation too, `progress/p<rank>/<generation:08d>.json`, so a replaced producer can never
-overwrite its successor's record. The newest few generations are kept; older ones are pruned.
+overwrite its successor's record. The newest few progress records are kept (a start that commits nothing
+writes none) and the leases of the last few generations; older ones are pruned.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from vt.shared.errors import UserError
 from .identity import identity
 from .storage import Storage
 
-KEEP_GENERATIONS = 3  # progress records of the last few starts, for the rare overlap of two starts
+KEEP_GENERATIONS = 3  # leases of the last few starts; progress records of the last few that wrote one
 
 
 class ProducerFenced(UserError, RuntimeError):
@@ -113,10 +114,15 @@ def release(storage: Storage, rank: int, generation: int) -> None:
 
 
 def _prune(storage: Storage, rank: int, generation: int) -> None:
-    for folder in ("leases", "progress"):
-        for rel in storage.list(f"{folder}/p{rank}"):
-            if generation_of(rel) <= generation - KEEP_GENERATIONS:
-                storage.delete(rel)
+    """Leases of generations KEEP_GENERATIONS older than `generation`, and progress records but the newest
+    KEEP_GENERATIONS there are. Progress is counted by its own records, not by generations: a start that commits
+    nothing (its share of the window full until it stopped) writes none, so a few such starts in a row would
+    otherwise prune the one record a restart resumes from."""
+    for rel in storage.list(f"leases/p{rank}"):
+        if generation_of(rel) <= generation - KEEP_GENERATIONS:
+            storage.delete(rel)
+    for old in _generations(storage, f"progress/p{rank}")[:-KEEP_GENERATIONS]:
+        storage.delete(progress_path(rank, old))
 
 
 def check(storage: Storage, rank: int, generation: int) -> None:

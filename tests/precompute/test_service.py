@@ -20,10 +20,11 @@ from typer.testing import CliRunner
 
 from vt.precompute.cli import app
 from vt.precompute.service import Precompute
+from vt.shared import lease
 from vt.shared.config import load_config
 from vt.shared.shards import encode_shard
 from vt.shared.storage import Storage
-from vt.shared.window import ProducerConflict, Writer, inspect, open_reader, open_writer
+from vt.shared.window import ProducerConflict, WindowTimeout, Writer, inspect, open_reader, open_writer
 
 from helpers.cli_runs import raw_keys, write_config
 from helpers.curation import EVERY_PROCESSOR, scene_keys
@@ -108,6 +109,44 @@ def test_restart_after_eviction_commits_every_sample_once(tmp_path, tiny_model_f
     assert reports[1]["skipped_shards"] == reports[2]["skipped_shards"] == 2  # raw tars not read again
     state = inspect(uri)
     assert state["producers"][0]["done"] and state["orphans"] == [] and state["evicted"] == len(seen)
+
+
+def test_a_lane_restarted_again_and_again_while_its_window_is_full_resumes_every_time(
+    tmp_path, tiny_model_factory, raw_with_bad
+):
+    """Each start while no trainer reads takes the lane as a new generation, finds its share of the window full and
+    stops at window.timeout_seconds, committing nothing, so it writes no progress record. Restarted like that three
+    times (a Slurm array resubmitted while the trainer is down), the lane still resumes where its last commit left
+    it; then the trainer's part runs between starts and every sample is committed once."""
+    uri = str(tmp_path / "window")
+    config = config_for(
+        tmp_path,
+        tiny_model_factory("ltx-video"),
+        raw_with_bad,
+        uri,
+        window={"size": 2, "poll_seconds": 0.01, "timeout_seconds": 0.3},
+    )
+    report_path = tmp_path / "run" / "precompute_report.json"
+    resumed = []
+    for _ in range(4):  # the 4th start's generation is 3 past the last one that wrote a progress record
+        with pytest.raises(WindowTimeout):
+            Precompute(config).run()
+        resumed.append(json.loads(report_path.read_text())["resumed_at"])
+    assert resumed == [0, 2, 2, 2]
+    assert lease.newest_generation(Storage(uri), 0) == 4
+
+    harvested, seen = Counter(), set()
+    for _ in range(20):
+        consume_everything(uri, harvested, seen)
+        try:
+            Precompute(config).run()
+            break
+        except WindowTimeout:
+            continue
+    consume_everything(uri, harvested, seen)
+    expected = scene_keys(raw_keys(raw_with_bad) - {"bad-000000/nocap", "bad-000000/blank"})
+    assert harvested == Counter({(0, key): 1 for key in expected})
+    assert json.loads(report_path.read_text())["status"] == "done"
 
 
 def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_path, tiny_model_factory, raw_shards):
