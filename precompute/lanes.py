@@ -25,6 +25,7 @@ from vt.shared import lease
 from vt.shared.claims import Liveness, free, look
 from vt.shared.identity import HOST, identity, pid_tag
 from vt.shared.storage import Storage
+from vt.shared.window.layout import worker_path
 
 log = logging.getLogger("vt.precompute")
 
@@ -56,10 +57,6 @@ def producer_name() -> str:
     if index is not None:
         return f"rank{index}" if "SLURM_ARRAY_TASK_ID" not in os.environ else f"task{index}"
     return f"{HOST}-{os.getpid()}{pid_tag()}"
-
-
-def worker_path(name: str) -> str:
-    return f"workers/{name}.json"
 
 
 class LaneHolder:

@@ -8,6 +8,7 @@ done/p<rank>                         written with the done flag: one listing tel
 leases/p<rank>/<gen:08d>.json        one per producer start; the newest owns the rank (lease.py)
 progress/p<rank>/<gen:08d>.json      the producer's resume state, written before each commit
 consumer.json                        {"read": {rank: seq}, "watermark": {rank: seq}, + positions}
+workers/<name>.json                  each producer's record: its lanes, status and counts (precompute/lanes.py)
 text/validation-<fingerprint>/<key>.safetensors  a validation input's conditions as the family
                                      pipeline takes them: the trainer loads no text encoder
 text/empty-<fingerprint>.safetensors the empty caption's text conditions, once per window
@@ -25,6 +26,7 @@ from vt.shared.errors import UserError
 
 CONSUMER = "consumer.json"
 LANES = "lanes.json"
+WORKERS = "workers"
 _SEQ = re.compile(r"(\d+)")
 
 
@@ -52,6 +54,10 @@ def data_path(rank: int, seq: int, sha256: str, generation: int = 0) -> str:
     """Named by seq, writer generation and content: two writers never share a name, so neither can
     overwrite or delete the other's bytes."""
     return f"data/p{rank}/{seq:08d}-g{generation}-{sha256[:16]}.safetensors"
+
+
+def worker_path(name: str) -> str:
+    return f"{WORKERS}/{name}.json"
 
 
 def commit_path(rank: int, seq: int) -> str:

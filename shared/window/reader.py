@@ -25,7 +25,7 @@ from ..shard_rows import RowsCorrupt, ShardLayout
 from ..shards import CommitRecord, read_shard_metadata
 from ..storage import Storage
 from . import cleaning, ledger
-from .layout import ShardCorruptError, WindowTimeout, commit_path, empty_caption_path, validation_path
+from .layout import WORKERS, ShardCorruptError, WindowTimeout, commit_path, empty_caption_path, validation_path
 
 PREFETCH = 256  # commit records read ahead of the position asked for (a few KB each)
 PREFETCH_THREADS = 64  # at most this many in flight: rank 0 keeps up with 64 / round trip records a second
@@ -98,7 +98,7 @@ class Reader(ledger.LedgerReads):
                 self.ended = True
                 return False
             what = f"producer {rank} shard {seq} ({commit_path(rank, seq)}) or its done marker"
-            present = self.wait(lambda: self._slot_state(rank, seq), block, what)
+            present = self.wait(lambda: self._slot_state(rank, seq), block, what, partial(self.producers_of, rank))
             self._step()
             if present:
                 self.resolved.append((rank, seq))
@@ -128,8 +128,8 @@ class Reader(ledger.LedgerReads):
             return False
         return True if seq < committed[rank] else None
 
-    def wait(self, probe, block: bool, what: str):
-        """Poll `probe()` until it is not None; WindowTimeout after timeout_seconds."""
+    def wait(self, probe, block: bool, what: str, story=None):
+        """Poll `probe()` until it is not None; WindowTimeout after timeout_seconds (with `story()` told, if given)."""
         deadline = time.monotonic() + self.timeout_seconds
         while True:
             value = probe()
@@ -138,14 +138,30 @@ class Reader(ledger.LedgerReads):
             if not block:
                 raise NotYet(what)
             if time.monotonic() > deadline:
+                told = f". {story()}" if story is not None else ""
                 raise WindowTimeout(
                     f"waited {self.timeout_seconds:.0f}s in {self.storage.uri} for {what}; "
-                    "is vt-precompute running for that rank?"
+                    f"is vt-precompute running for that rank?{told}"
                 )
             self.flush_read(force=True)  # a producer waiting for room waits on it: never both wait on each other
             if self.on_poll is not None:
                 self.on_poll()
             time.sleep(self.poll_seconds)
+
+    def producers_of(self, rank: int) -> str:
+        """What the producers' records (workers/<name>.json) say of each that took lane `rank`: its name and status
+        (running, done, or failed with the error that stopped it), for a wait on that lane that timed out."""
+        told = []
+        for rel in self.storage.list(WORKERS):
+            try:
+                record = json.loads(self.storage.read(rel))
+            except (FileNotFoundError, ValueError):  # gone meanwhile
+                continue
+            if rank in record.get("lanes", []) or rank in record.get("worked", []):
+                told.append(f"{record.get('producer', rel)} {record.get('status', '?')}")
+        if not told:
+            return f"No producer has taken lane {rank} yet"
+        return f"The producers that took lane {rank}, as {WORKERS}/ records them: " + "; ".join(told)
 
     def order(self, start: int = 0) -> Iterator[tuple[int, CommitRecord]]:
         """(position, record) in the fixed order from `start`; ends when every producer is done."""

@@ -149,6 +149,28 @@ def test_a_lane_restarted_again_and_again_while_its_window_is_full_resumes_every
     assert json.loads(report_path.read_text())["status"] == "done"
 
 
+def test_a_trainer_that_waits_in_vain_on_a_lane_names_its_producers_and_why_they_stopped(
+    tmp_path, tiny_model_factory, raw_shards
+):
+    """The reader's window timeout on a shard tells what the window's producer records say of that lane: here its
+    one producer stopped at its third commit, and the trainer's error says so rather than only asking whether
+    vt-precompute runs."""
+    uri = str(tmp_path / "window")
+    config = config_for(tmp_path, tiny_model_factory("ltx-video"), raw_shards, uri, window={"size": "keep"})
+    producer = Precompute(config)
+    producer.window = CrashingWindow(Storage(uri), "keep", 0.01, 30.0, at=3, when="before_data")
+    with pytest.raises(Crash):
+        producer.run()
+    impatient = open_reader(uri, poll_seconds=0.01, timeout_seconds=0.2)
+    order = impatient.order()
+    assert [next(order)[1].seq for _ in range(2)] == [0, 1]
+    with pytest.raises(WindowTimeout) as waited:
+        next(order)
+    told = str(waited.value)
+    assert "producer 0 shard 2" in told, told
+    assert f"{producer.name} failed: Crash: before the data of shard 2" in told, told
+
+
 def test_a_silent_holders_lane_is_taken_over_and_the_old_holder_is_fenced(tmp_path, tiny_model_factory, raw_shards):
     """A producer whose heartbeat stopped mid-commit loses its lane to a second one after claim_seconds of
     silence; the second resumes after the last commit, the first is fenced at its commit and drops the lane."""
