@@ -53,8 +53,7 @@ def window_status(storage: Storage) -> dict:
         counts["complete"] += lane["complete"]
         counts["being_worked" if lane["state"] == "held" else "waiting"] += max(0, left)
     producers, rejected = {}, Counter()
-    for rel in storage.list("workers"):
-        record = json.loads(storage.read(rel))
+    for record in ledger.workers(storage):
         rejected.update(record.get("rejected", {}))
         producers[record["producer"]] = {**record, "seconds_since_update": round(time.time() - record["updated"], 1)}
     return {

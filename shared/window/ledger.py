@@ -10,7 +10,7 @@ import json
 
 from ..shards import CommitRecord
 from ..storage import Storage
-from .layout import CONSUMER, LANES, commit_path, producer_path, rank_of, seq_of, seqs
+from .layout import CONSUMER, LANES, WORKERS, commit_path, producer_path, rank_of, seq_of, seqs
 
 
 def producers(storage: Storage) -> dict[int, dict]:
@@ -19,6 +19,18 @@ def producers(storage: Storage) -> dict[int, dict]:
     for rel in storage.list("producers"):
         info = json.loads(storage.read(rel))
         out[int(info["rank"])] = info
+    return out
+
+
+def workers(storage: Storage) -> list[dict]:
+    """Every producer's record (workers/<name>.json, written by precompute/lanes.py): its lanes, status and counts;
+    one removed while listed is left out."""
+    out = []
+    for rel in storage.list(WORKERS):
+        try:
+            out.append(json.loads(storage.read(rel)))
+        except FileNotFoundError:
+            continue
     return out
 
 

@@ -18,7 +18,7 @@ import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..faults import fault_point
 from ..shard_rows import RowsCorrupt, ShardLayout
@@ -128,7 +128,7 @@ class Reader(ledger.LedgerReads):
             return False
         return True if seq < committed[rank] else None
 
-    def wait(self, probe, block: bool, what: str, story=None):
+    def wait(self, probe, block: bool, what: str, story: Callable[[], str] | None = None):
         """Poll `probe()` until it is not None; WindowTimeout after timeout_seconds (with `story()` told, if given)."""
         deadline = time.monotonic() + self.timeout_seconds
         while True:
@@ -151,14 +151,11 @@ class Reader(ledger.LedgerReads):
     def producers_of(self, rank: int) -> str:
         """What the producers' records (workers/<name>.json) say of each that took lane `rank`: its name and status
         (running, done, or failed with the error that stopped it), for a wait on that lane that timed out."""
-        told = []
-        for rel in self.storage.list(WORKERS):
-            try:
-                record = json.loads(self.storage.read(rel))
-            except (FileNotFoundError, ValueError):  # gone meanwhile
-                continue
-            if rank in record.get("lanes", []) or rank in record.get("worked", []):
-                told.append(f"{record.get('producer', rel)} {record.get('status', '?')}")
+        told = [
+            f"{record['producer']} {record.get('status', '?')}"
+            for record in ledger.workers(self.storage)
+            if rank in record.get("lanes", []) or rank in record.get("worked", [])
+        ]
         if not told:
             return f"No producer has taken lane {rank} yet"
         return f"The producers that took lane {rank}, as {WORKERS}/ records them: " + "; ".join(told)
